@@ -1,0 +1,253 @@
+"""Control intents, acknowledgements and receipts, with a versioned canonical encoding.
+
+Every document encodes to RFC 8785 canonical JSON: ``{"type": ..., "v": ..., <fields>}``.
+Fields a reader does not know are kept in ``extra`` and written back unchanged, so a newer
+writer's additions survive a round trip through an older reader and its signature still holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import rfc8785
+
+from tether._core.errors import Malformed, UserError
+from tether._core.model import ControlKind
+
+VERSION = 1
+
+
+def canonical(value: object) -> bytes:
+    """RFC 8785 bytes of a JSON value; UserError for anything JSON cannot carry."""
+    try:
+        return bytes(rfc8785.dumps(value))  # type: ignore[arg-type]
+    except (rfc8785.CanonicalizationError, RecursionError) as exc:
+        raise UserError(f"value cannot be serialized as canonical JSON: {exc}") from None
+
+
+def digest(value: object) -> str:
+    return hashlib.sha256(canonical(value)).hexdigest()
+
+
+def manifest_digest(delegation_id: str, seq: int, action_ids: Iterable[str]) -> str:
+    """Binds the delegation, the control sequence and the exact set of in-flight actions."""
+    return digest({"delegation": delegation_id, "seq": seq, "actions": sorted(action_ids)})
+
+
+def _str(body: Mapping[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise Malformed(f"field {name!r} must be a string")
+    return value
+
+
+def _int(body: Mapping[str, Any], name: str, minimum: int = 0) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise Malformed(f"field {name!r} must be an integer >= {minimum}")
+    return value
+
+
+def _float(body: Mapping[str, Any], name: str, optional: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise Malformed(f"field {name!r} must be a finite number")
+    return float(value)
+
+
+def _str_list(body: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = body.get(name)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise Malformed(f"field {name!r} must be a list of strings")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Document:
+    """Base of signed documents. Subclasses list their fields in KNOWN."""
+
+    TYPE: ClassVar[str] = ""
+    KNOWN: ClassVar[tuple[str, ...]] = ()
+
+    version: int = field(default=VERSION, kw_only=True)
+    extra: Mapping[str, Any] = field(default_factory=dict, kw_only=True, compare=False)
+
+    def _fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = dict(self.extra)
+        body.update(self._fields())
+        body["type"] = self.TYPE
+        body["v"] = self.version
+        return body
+
+    def encode(self) -> bytes:
+        return canonical(self.to_json())
+
+
+def _split(body: Mapping[str, Any], cls: type[Document]) -> tuple[int, dict[str, Any]]:
+    if body.get("type") != cls.TYPE:
+        raise Malformed(f"expected a {cls.TYPE!r} document, got type {body.get('type')!r}")
+    version = _int(body, "v", minimum=1)
+    extra = {k: v for k, v in body.items() if k not in cls.KNOWN and k not in ("type", "v")}
+    return version, extra
+
+
+@dataclass(frozen=True)
+class ControlIntent(Document):
+    """RECALL or TERMINATE for one delegation at one epoch, sequence-numbered (I4)."""
+
+    TYPE: ClassVar[str] = "control"
+    KNOWN: ClassVar[tuple[str, ...]] = (
+        "kind", "delegation", "epoch", "seq", "grace", "reason", "issued_at",
+    )
+
+    kind: ControlKind
+    delegation_id: str
+    epoch: int
+    seq: int
+    grace: float | None
+    reason: str
+    issued_at: float
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "delegation": self.delegation_id,
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "grace": self.grace,
+            "reason": self.reason,
+            "issued_at": self.issued_at,
+        }
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> ControlIntent:
+        version, extra = _split(body, cls)
+        try:
+            kind = ControlKind(_str(body, "kind"))
+        except ValueError:
+            raise Malformed(f"unknown control kind {body.get('kind')!r}") from None
+        grace = _float(body, "grace", optional=True)
+        if kind is ControlKind.RECALL and (grace is None or grace <= 0):
+            raise Malformed("a RECALL must carry a positive grace")
+        return cls(
+            kind=kind,
+            delegation_id=_str(body, "delegation"),
+            epoch=_int(body, "epoch"),
+            seq=_int(body, "seq", minimum=1),
+            grace=grace,
+            reason=_str(body, "reason"),
+            issued_at=_float(body, "issued_at") or 0.0,
+            version=version,
+            extra=extra,
+        )
+
+
+@dataclass(frozen=True)
+class Acknowledgement(Document):
+    """A child's answer to a control intent: the actions it had in flight when it saw it."""
+
+    TYPE: ClassVar[str] = "ack"
+    KNOWN: ClassVar[tuple[str, ...]] = ("delegation", "seq", "in_flight", "digest", "acked_at")
+
+    delegation_id: str
+    seq: int
+    in_flight: tuple[str, ...]
+    acked_at: float
+
+    @property
+    def digest(self) -> str:
+        return manifest_digest(self.delegation_id, self.seq, self.in_flight)
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "delegation": self.delegation_id,
+            "seq": self.seq,
+            "in_flight": sorted(self.in_flight),
+            "digest": self.digest,
+            "acked_at": self.acked_at,
+        }
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Acknowledgement:
+        version, extra = _split(body, cls)
+        ack = cls(
+            delegation_id=_str(body, "delegation"),
+            seq=_int(body, "seq", minimum=1),
+            in_flight=_str_list(body, "in_flight"),
+            acked_at=_float(body, "acked_at") or 0.0,
+            version=version,
+            extra=extra,
+        )
+        if _str(body, "digest") != ack.digest:
+            raise Malformed("acknowledgement digest does not match its in-flight manifest")
+        return ack
+
+
+@dataclass(frozen=True)
+class NoEffectsReceipt(Document):
+    """A child's signed claim that its subtree started no side-effecting action. It is only
+    ever believed together with the journal's own count (I9)."""
+
+    TYPE: ClassVar[str] = "no_effects"
+    KNOWN: ClassVar[tuple[str, ...]] = ("delegation", "seq", "issued_at")
+
+    delegation_id: str
+    seq: int
+    issued_at: float
+
+    def _fields(self) -> dict[str, Any]:
+        return {"delegation": self.delegation_id, "seq": self.seq, "issued_at": self.issued_at}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> NoEffectsReceipt:
+        version, extra = _split(body, cls)
+        return cls(
+            delegation_id=_str(body, "delegation"),
+            seq=_int(body, "seq", minimum=1),
+            issued_at=_float(body, "issued_at") or 0.0,
+            version=version,
+            extra=extra,
+        )
+
+
+DOCUMENT_TYPES: dict[str, type[ControlIntent] | type[Acknowledgement] | type[NoEffectsReceipt]]
+DOCUMENT_TYPES = {
+    ControlIntent.TYPE: ControlIntent,
+    Acknowledgement.TYPE: Acknowledgement,
+    NoEffectsReceipt.TYPE: NoEffectsReceipt,
+}
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """Decode canonical bytes; anything that is not a canonical JSON object is Malformed."""
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise Malformed("document is not valid UTF-8 JSON") from None
+    if not isinstance(value, dict):
+        raise Malformed("document is not a JSON object")
+    try:
+        again = canonical(value)
+    except UserError:
+        raise Malformed("document holds values outside canonical JSON") from None
+    if again != body:
+        raise Malformed("document is not in canonical form")
+    return value
+
+
+def decode(body: bytes) -> ControlIntent | Acknowledgement | NoEffectsReceipt:
+    value = parse_body(body)
+    cls = DOCUMENT_TYPES.get(str(value.get("type")))
+    if cls is None:
+        raise Malformed(f"unknown document type {value.get('type')!r}")
+    return cls.from_json(value)

@@ -1,0 +1,168 @@
+"""States, effects and the one place their transitions are checked."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from tether._core.errors import AlreadyFinished, InvalidTransition, UserError
+
+
+class Effect(StrEnum):
+    """What calling a tool does to the world. Undeclared means EXTERNAL."""
+
+    READ_ONLY = "READ_ONLY"
+    IDEMPOTENT = "IDEMPOTENT"
+    EXTERNAL = "EXTERNAL"
+    DELEGATE = "DELEGATE"
+
+    @property
+    def journaled(self) -> bool:
+        return self is not Effect.READ_ONLY
+
+    @property
+    def side_effecting(self) -> bool:
+        """True for effects a replay could repeat. DELEGATE counts through the child's rows."""
+        return self in (Effect.IDEMPOTENT, Effect.EXTERNAL)
+
+
+class ActionState(StrEnum):
+    PENDING = "PENDING"  # intent durable, no outcome yet
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"  # the tool said, with certainty, it did not apply (ToolRejected)
+    IN_DOUBT = "IN_DOUBT"  # outcome unknown until probed
+    NOT_APPLIED = "NOT_APPLIED"  # a probe proved it did not apply
+    UNKNOWN = "UNKNOWN"  # a probe could not tell; a person must look
+
+
+ACTION_FINAL = frozenset(
+    {ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED, ActionState.UNKNOWN}
+)
+
+_ACTION_MOVES: dict[ActionState, frozenset[ActionState]] = {
+    ActionState.PENDING: frozenset(
+        {ActionState.COMPLETED, ActionState.FAILED, ActionState.IN_DOUBT}
+    ),
+    ActionState.IN_DOUBT: frozenset(
+        {ActionState.COMPLETED, ActionState.NOT_APPLIED, ActionState.UNKNOWN}
+    ),
+    # UNKNOWN may be settled by a later probe; a late receipt may prove NOT_APPLIED wrong.
+    ActionState.UNKNOWN: frozenset({ActionState.COMPLETED, ActionState.NOT_APPLIED}),
+    ActionState.NOT_APPLIED: frozenset({ActionState.COMPLETED}),
+    ActionState.COMPLETED: frozenset(),
+    ActionState.FAILED: frozenset(),
+}
+
+
+def action_may_move(old: ActionState, new: ActionState) -> bool:
+    return new in _ACTION_MOVES[old]
+
+
+class DelegationState(StrEnum):
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    RECALLING = "RECALLING"
+    RECALLED = "RECALLED"
+    TERMINATING = "TERMINATING"
+    TERMINATED = "TERMINATED"
+    RECONCILED = "RECONCILED"
+    NEEDS_ATTENTION = "NEEDS_ATTENTION"
+
+    @property
+    def terminal(self) -> bool:
+        return self in DELEGATION_TERMINAL
+
+
+DELEGATION_TERMINAL = frozenset(
+    {
+        DelegationState.SUCCEEDED,
+        DelegationState.FAILED,
+        DelegationState.RECALLED,
+        DelegationState.TERMINATED,
+        DelegationState.RECONCILED,
+        DelegationState.NEEDS_ATTENTION,
+    }
+)
+
+_S = DelegationState
+_FINISH = frozenset({_S.RECONCILED, _S.NEEDS_ATTENTION})
+_DELEGATION_MOVES: dict[DelegationState, frozenset[DelegationState]] = {
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.RECALLING, _S.TERMINATING}) | _FINISH,
+    _S.RECALLING: frozenset({_S.RECALLED, _S.TERMINATING}) | _FINISH,
+    _S.TERMINATING: frozenset({_S.TERMINATED}) | _FINISH,
+    # A finished child whose own actions were in doubt is reconciled afterwards.
+    _S.SUCCEEDED: _FINISH,
+    _S.FAILED: _FINISH,
+    _S.RECALLED: _FINISH,
+    _S.TERMINATED: _FINISH,
+    _S.NEEDS_ATTENTION: frozenset({_S.RECONCILED}),
+    _S.RECONCILED: frozenset(),
+}
+
+
+def check_delegation_move(delegation_id: str, old: DelegationState, new: DelegationState) -> None:
+    """The single gate for delegation transitions; raises InvalidTransition."""
+    if new in _DELEGATION_MOVES[old]:
+        return
+    if old.terminal:
+        raise AlreadyFinished(delegation_id, old.value, new.value)
+    raise InvalidTransition(delegation_id, old.value, new.value)
+
+
+class ControlKind(StrEnum):
+    RECALL = "RECALL"
+    TERMINATE = "TERMINATE"
+
+    @property
+    def target(self) -> DelegationState:
+        return _S.RECALLING if self is ControlKind.RECALL else _S.TERMINATING
+
+
+class ProbeOutcome(StrEnum):
+    COMPLETED = "COMPLETED"
+    NOT_APPLIED = "NOT_APPLIED"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def action_state(self) -> ActionState:
+        return ActionState(self.value)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Bounds the supervisor enforces. Grace above ``max_grace`` is refused, not clamped."""
+
+    max_grace: float = 300.0
+    ack_timeout: float = 5.0  # how long to wait for a child's acknowledgement of a recall
+    probe_timeout: float = 10.0
+    lease: float = 30.0  # an owner whose heartbeat is older than this is presumed dead
+
+    def __post_init__(self) -> None:
+        for name in ("max_grace", "ack_timeout", "probe_timeout", "lease"):
+            value = getattr(self, name)
+            if not _positive_finite(value):
+                raise UserError(f"policy {name} must be a positive finite number, got {value!r}")
+
+
+def _positive_finite(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def check_grace(grace: object, policy: Policy) -> float:
+    """Grace must be a finite number in (0, policy.max_grace]. Refusing beats clamping: a
+    caller who asked for ten minutes and silently got five would plan on the wrong bound."""
+    if not _positive_finite(grace):
+        raise UserError(f"grace must be a positive finite number of seconds, got {grace!r}")
+    assert isinstance(grace, int | float)
+    if grace > policy.max_grace:
+        raise UserError(
+            f"grace {grace:g}s is above the policy maximum of {policy.max_grace:g}s"
+        )
+    return float(grace)

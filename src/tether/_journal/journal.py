@@ -1,0 +1,198 @@
+"""The async journal facade. A backend only runs operations in transactions; the rules live in
+``ops`` so that every backend enforces the same ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlparse
+
+from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt
+from tether._core.errors import UserError
+from tether._core.model import ActionState, DelegationState
+from tether._core.report import ActionRecord
+from tether._core.signing import Signed, TrustedKeys
+from tether._core.verdict import JournalFacts
+from tether._journal import ops
+from tether._journal.rows import (
+    BeginResult,
+    ControlRow,
+    DelegationRow,
+    DocumentRow,
+    EventRow,
+    NewAction,
+    NewDelegation,
+    OwnerRow,
+)
+from tether._journal.sqlite import SqliteRunner
+
+T = TypeVar("T")
+DEFAULT_URL = "sqlite:///.tether/journal.db"
+
+
+def sqlite_path(url: str) -> Path:
+    """``sqlite:///relative/path`` or ``sqlite:////absolute/path``, as SQLAlchemy spells them."""
+    parsed = urlparse(url)
+    if parsed.scheme != "sqlite" or parsed.netloc or not parsed.path.startswith("/"):
+        raise UserError(
+            f"journal URL {url!r} is not understood: use sqlite:///relative/path.db or "
+            "sqlite:////absolute/path.db"
+        )
+    path = unquote(parsed.path[1:])
+    if not path:
+        raise UserError(f"journal URL {url!r} names no file")
+    return Path(path)
+
+
+def _bind(fn: Callable[..., T], args: tuple[Any, ...], kw: dict[str, Any]) -> Callable[[Any], T]:
+    """Bind an operation's arguments after the connection the backend passes first."""
+    return lambda db: fn(db, *args, **kw)
+
+
+class Journal:
+    """Durable record of delegations, actions, control intents and events."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
+                 busy_timeout: float | None = None) -> None:
+        self.url = url
+        query = parse_qs(urlparse(url).query)
+        if busy_timeout is None:
+            try:
+                busy_timeout = float(query.get("busy_timeout", ["5"])[0])
+            except ValueError:
+                raise UserError(f"busy_timeout in {url!r} is not a number") from None
+        self.path = sqlite_path(url.split("?", 1)[0])
+        self._runner = SqliteRunner(self.path, create=create, durable=durable,
+                                    busy_timeout=busy_timeout)
+
+    @property
+    def location(self) -> str:
+        return str(self.path.resolve())
+
+    async def open(self) -> Journal:
+        await self._runner.start()
+        return self
+
+    async def close(self) -> None:
+        await self._runner.stop()
+
+    async def __aenter__(self) -> Journal:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _write(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        fut = self._runner.submit(_bind(fn, args, kw), write=True)
+        assert fut is not None
+        return await fut
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        fut = self._runner.submit(_bind(fn, args, {}), write=False)
+        assert fut is not None
+        return await fut
+
+    def _post(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        """Queue a write without waiting for its commit: it rides the next batch."""
+        self._runner.submit(_bind(fn, args, kw), write=True, wait=False)
+
+    async def flush(self) -> None:
+        """Wait until everything queued before now is committed."""
+        await self._write(lambda db: None)
+
+    # -- owners and delegations -------------------------------------------------------------
+    async def register_owner(self, owner: OwnerRow) -> None:
+        await self._write(ops.register_owner, owner)
+
+    def heartbeat(self, owner_id: str, now: float) -> None:
+        self._post(ops.heartbeat, owner_id, now)
+
+    async def owners(self) -> list[OwnerRow]:
+        return await self._read(ops.owners)
+
+    async def create_delegation(self, new: NewDelegation) -> DelegationRow:
+        return await self._write(ops.create_delegation, new)
+
+    async def get(self, delegation_id: str) -> DelegationRow:
+        return await self._read(ops.get_delegation, delegation_id)
+
+    async def delegations(self, live_only: bool = False) -> list[DelegationRow]:
+        return await self._read(ops.list_delegations, live_only)
+
+    async def subtree(self, root_id: str) -> list[DelegationRow]:
+        return await self._read(ops.subtree, root_id)
+
+    async def set_state(self, delegation_id: str, state: DelegationState, now: float,
+                        result: Any = None, error: str | None = None) -> DelegationRow:
+        return await self._write(ops.set_state, delegation_id, state, now, result, error)
+
+    # -- control ------------------------------------------------------------------------------
+    async def accept_control(self, signed: Signed, trusted: TrustedKeys, issuer: str,
+                             now: float) -> tuple[ControlIntent, ControlRow]:
+        """Verify the signature (I5), then CAS, move and fence in one transaction."""
+        intent = trusted.verify(signed, ControlIntent)
+        row = await self._write(ops.accept_control, signed, intent, issuer, now)
+        return intent, row
+
+    async def controls(self, delegation_id: str) -> list[ControlRow]:
+        return await self._read(ops.controls, delegation_id)
+
+    async def controls_after(self, after_id: int) -> list[ControlRow]:
+        return await self._read(ops.controls_after, after_id)
+
+    async def last_control_id(self) -> int:
+        return await self._read(ops.last_control_id)
+
+    async def record_ack(self, signed: Signed, trusted: TrustedKeys, now: float) -> None:
+        ack = trusted.verify(signed, Acknowledgement)
+        await self._write(ops.record_document, ack.delegation_id, ack.seq, ack.TYPE, signed, now)
+
+    async def record_receipt(self, signed: Signed, trusted: TrustedKeys, now: float) -> None:
+        receipt = trusted.verify(signed, NoEffectsReceipt)
+        await self._write(ops.record_document, receipt.delegation_id, receipt.seq, receipt.TYPE,
+                          signed, now)
+
+    async def documents(self, delegation_id: str) -> list[DocumentRow]:
+        return await self._read(ops.documents, delegation_id)
+
+    # -- actions ------------------------------------------------------------------------------
+    async def begin_action(self, new: NewAction) -> BeginResult:
+        return await self._write(ops.begin_action, new)
+
+    def finish_action(self, action_id: str, outcome: ActionState, now: float, result: Any = None,
+                      error: str | None = None) -> None:
+        """A receipt. Not awaited: a receipt lost to a crash is recovered by reconciliation, so
+        the write-ahead intent stays the only commit on an action's critical path."""
+        self._post(ops.finish_action, action_id, outcome, now, result, error)
+
+    async def settle_action(self, action_id: str, outcome: ActionState, now: float,
+                            evidence: dict[str, Any], result: Any = None) -> ActionState:
+        """A probe's verdict, with its evidence."""
+        return await self._write(ops.finish_action, action_id, outcome, now, result,
+                                 None, evidence)
+
+    async def mark_in_doubt(self, root_id: str, now: float) -> list[str]:
+        return await self._write(ops.mark_in_doubt, root_id, now)
+
+    async def actions(self, delegation_ids: list[str]) -> list[ActionRecord]:
+        return await self._read(ops.actions, delegation_ids)
+
+    async def unsettled(self, root_id: str | None = None) -> list[ActionRecord]:
+        return await self._read(ops.unsettled_actions, root_id)
+
+    async def facts(self, root_id: str) -> JournalFacts:
+        return await self._read(ops.facts, root_id)
+
+    def event(self, at: float, what: str, delegation_id: str | None = None,
+              action_id: str | None = None, /, **detail: Any) -> None:
+        self._post(ops.event, at, what, delegation_id, action_id, **detail)
+
+    async def events(self, delegation_ids: list[str]) -> list[EventRow]:
+        return await self._read(ops.events, delegation_ids)
+
+
+async def open_journal(url: str = DEFAULT_URL, *, create: bool = True,
+                       durable: bool = True) -> Journal:
+    return await Journal(url, create=create, durable=durable).open()
+

@@ -1,0 +1,452 @@
+"""Journal operations, each run inside one transaction by a backend.
+
+Every rule the invariants put on the journal (write-ahead I1, fence I2, sequence compare-and-set
+I4, subtree fence I10) is enforced here, inside the transaction that changes the rows, never by
+a check in the caller followed by a write. Each function takes a DB-API connection whose
+``execute`` accepts ``?`` placeholders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from tether._core.documents import ControlIntent
+from tether._core.errors import (
+    IdempotencyConflict,
+    KeyInUse,
+    NotFound,
+    StaleEpoch,
+    StaleSequence,
+    UserError,
+)
+from tether._core.model import (
+    ActionState,
+    DelegationState,
+    Effect,
+    action_may_move,
+    check_delegation_move,
+)
+from tether._core.report import ActionRecord
+from tether._core.signing import Signed
+from tether._core.verdict import JournalFacts
+from tether._journal.rows import (
+    Begin,
+    BeginResult,
+    ControlRow,
+    DelegationRow,
+    DocumentRow,
+    EventRow,
+    NewAction,
+    NewDelegation,
+    OwnerRow,
+    dumps,
+    loads,
+)
+
+
+class Cursor(Protocol):
+    rowcount: int
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Db(Protocol):
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Cursor: ...
+
+
+SUBTREE = """WITH RECURSIVE sub(id) AS (
+    SELECT id FROM delegations WHERE id = ?
+    UNION ALL SELECT d.id FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
+
+_DELEGATION_COLS = (
+    "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
+    "control_seq, created_at, updated_at, result, error"
+)
+_ACTION_COLS = (
+    "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
+    "late, started_at, ended_at"
+)
+
+
+def _delegation(row: Any) -> DelegationRow:
+    return DelegationRow(
+        id=row[0], task_id=row[1], parent_id=row[2], epoch=row[3], attempt=row[4], agent=row[5],
+        surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
+        state=DelegationState(row[9]), fenced=bool(row[10]), control_seq=row[11],
+        created_at=row[12], updated_at=row[13], result=loads(row[14]), error=row[15],
+    )
+
+
+def _action(row: Any) -> ActionRecord:
+    return ActionRecord(
+        id=row[0], delegation_id=row[1], ordinal=row[2], tool=row[3], effect=Effect(row[4]),
+        args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
+        result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
+        started_at=row[12], ended_at=row[13],
+    )
+
+
+def event(db: Db, at: float, what: str, delegation_id: str | None = None,
+          action_id: str | None = None, /, **detail: Any) -> None:
+    db.execute(
+        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?)",
+        (delegation_id, action_id, at, what, dumps(detail)),
+    )
+
+
+# -- owners ---------------------------------------------------------------------------------
+
+def register_owner(db: Db, owner: OwnerRow) -> None:
+    db.execute(
+        "INSERT INTO owners (id, pid, host, started_at, heartbeat_at) VALUES (?, ?, ?, ?, ?)",
+        (owner.id, owner.pid, owner.host, owner.started_at, owner.heartbeat_at),
+    )
+
+
+def heartbeat(db: Db, owner_id: str, now: float) -> None:
+    db.execute("UPDATE owners SET heartbeat_at = ? WHERE id = ?", (now, owner_id))
+
+
+def owners(db: Db) -> list[OwnerRow]:
+    rows = db.execute("SELECT id, pid, host, started_at, heartbeat_at FROM owners").fetchall()
+    return [OwnerRow(*r) for r in rows]
+
+
+# -- delegations ----------------------------------------------------------------------------
+
+def get_delegation(db: Db, delegation_id: str) -> DelegationRow:
+    row = db.execute(
+        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE id = ?", (delegation_id,)
+    ).fetchone()
+    if row is None:
+        raise NotFound(f"no delegation {delegation_id!r} in this journal")
+    return _delegation(row)
+
+
+def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
+    terminal = tuple(s.value for s in DelegationState if s.terminal)
+    where = f"WHERE state NOT IN ({', '.join('?' * len(terminal))})" if live_only else ""
+    rows = db.execute(
+        f"SELECT {_DELEGATION_COLS} FROM delegations {where} ORDER BY created_at, id",
+        terminal if live_only else (),
+    ).fetchall()
+    return [_delegation(r) for r in rows]
+
+
+def subtree(db: Db, root_id: str) -> list[DelegationRow]:
+    """The delegation and all its descendants, parents before children."""
+    get_delegation(db, root_id)
+    rows = db.execute(
+        f"{SUBTREE} SELECT {_DELEGATION_COLS} FROM delegations WHERE id IN (SELECT id FROM sub) "
+        "ORDER BY created_at, id",
+        (root_id,),
+    ).fetchall()
+    return [_delegation(r) for r in rows]
+
+
+def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
+    """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), or a
+    child under a parent that is neither fenced nor stale (I2, I10)."""
+    if new.redelegate_from_epoch is not None:
+        cur = db.execute(
+            "UPDATE tasks SET epoch = epoch + 1 WHERE id = ? AND epoch = ?",
+            (new.task_id, new.redelegate_from_epoch),
+        )
+        if cur.rowcount != 1:
+            row = db.execute("SELECT epoch FROM tasks WHERE id = ?", (new.task_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no task {new.task_id!r} in this journal")
+            raise StaleEpoch(new.task_id, new.redelegate_from_epoch, row[0])
+        epoch = new.redelegate_from_epoch + 1
+    else:
+        known = db.execute("SELECT epoch FROM tasks WHERE id = ?", (new.task_id,)).fetchone()
+        if known is None:
+            db.execute("INSERT INTO tasks (id, epoch) VALUES (?, 0)", (new.task_id,))
+            epoch = 0
+        elif new.parent_id is not None:
+            # A re-delegated parent starts its children again under the same task ids, so their
+            # idempotency keys repeat and completed actions replay instead of running twice.
+            # The parent's own fence and epoch are checked by the insert below.
+            epoch = known[0] + 1
+            db.execute("UPDATE tasks SET epoch = ? WHERE id = ?", (epoch, new.task_id))
+        else:
+            raise UserError(
+                f"task {new.task_id!r} already exists; re-delegate it instead of reusing the id"
+            )
+    values = (
+        new.id, new.task_id, new.parent_id, epoch, new.attempt, new.agent, dumps(list(new.surface)),
+        dumps(new.args), new.owner_id, DelegationState.RUNNING.value, new.now, new.now,
+    )
+    insert = (
+        "INSERT INTO delegations (id, task_id, parent_id, epoch, attempt, agent, surface, args, "
+        "owner_id, state, created_at, updated_at) "
+    )
+    if new.parent_id is None:
+        db.execute(insert + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+    else:
+        # The parent's fence and epoch are checked by the insert itself.
+        cur = db.execute(
+            insert + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
+            "JOIN tasks t ON t.id = p.task_id "
+            "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch",
+            (*values, new.parent_id, new.parent_epoch),
+        )
+        if cur.rowcount != 1:
+            raise FenceRefused(Begin.FENCED)
+    event(db, new.now, "delegated", new.id, task=new.task_id, epoch=epoch,
+          attempt=new.attempt, parent=new.parent_id, agent=new.agent)
+    return get_delegation(db, new.id)
+
+
+class FenceRefused(Exception):
+    """The fence refused a child delegation: the parent is fenced or stale (I2, I10)."""
+
+    def __init__(self, status: Begin) -> None:
+        super().__init__(status.value)
+        self.status = status
+
+
+def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
+              result: Any = None, error: str | None = None) -> DelegationRow:
+    row = get_delegation(db, delegation_id)
+    if row.state is new:
+        return row
+    check_delegation_move(delegation_id, row.state, new)
+    db.execute(
+        "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
+        "error = COALESCE(?, error), fenced = CASE WHEN ? THEN 1 ELSE fenced END WHERE id = ?",
+        (new.value, now, None if result is None else dumps(result), error, new.terminal,
+         delegation_id),
+    )
+    event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
+    return get_delegation(db, delegation_id)
+
+
+# -- control --------------------------------------------------------------------------------
+
+def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
+                   accepted_at: float) -> ControlRow:
+    """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
+    The signature was verified by the caller against the journal's trusted keys."""
+    row = get_delegation(db, intent.delegation_id)
+    if intent.seq != row.control_seq + 1:
+        raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
+    if intent.epoch != row.epoch:
+        raise StaleEpoch(row.task_id, intent.epoch, row.epoch)
+    target = intent.kind.target
+    check_delegation_move(intent.delegation_id, row.state, target)
+    cur = db.execute(
+        "UPDATE delegations SET control_seq = ?, state = ?, fenced = 1, updated_at = ? "
+        "WHERE id = ? AND control_seq = ?",
+        (intent.seq, target.value, accepted_at, intent.delegation_id, row.control_seq),
+    )
+    if cur.rowcount != 1:  # another writer moved first (only possible across processes)
+        raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq + 1)
+    # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
+    db.execute(
+        f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
+        "WHEN state IN ('RUNNING', 'RECALLING') THEN ? ELSE state END "
+        "WHERE id IN (SELECT id FROM sub) AND id <> ?",
+        (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
+    )
+    cur = db.execute(
+        "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
+        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (intent.delegation_id, intent.seq, intent.kind.value, signed.body, signed.key_id,
+         signed.signature, accepted_at, issuer),
+    )
+    event(db, accepted_at, "control", intent.delegation_id, kind=intent.kind.value,
+          seq=intent.seq, grace=intent.grace, reason=intent.reason, issuer=issuer)
+    return controls(db, intent.delegation_id)[-1]
+
+
+def _control(r: Any) -> ControlRow:
+    from tether._core.model import ControlKind
+
+    return ControlRow(
+        id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
+        signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
+    )
+
+
+_CONTROL_COLS = "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"
+
+
+def controls(db: Db, delegation_id: str) -> list[ControlRow]:
+    rows = db.execute(
+        f"SELECT {_CONTROL_COLS} FROM controls WHERE delegation_id = ? ORDER BY seq",
+        (delegation_id,),
+    ).fetchall()
+    return [_control(r) for r in rows]
+
+
+def controls_after(db: Db, after_id: int) -> list[ControlRow]:
+    rows = db.execute(
+        f"SELECT {_CONTROL_COLS} FROM controls WHERE id > ? ORDER BY id", (after_id,)
+    ).fetchall()
+    return [_control(r) for r in rows]
+
+
+def last_control_id(db: Db) -> int:
+    row = db.execute("SELECT COALESCE(MAX(id), 0) FROM controls").fetchone()
+    return int(row[0])
+
+
+def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Signed,
+                    now: float) -> None:
+    db.execute(
+        "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (delegation_id, seq, type_, signed.body, signed.key_id, signed.signature, now),
+    )
+    event(db, now, type_, delegation_id, seq=seq)
+
+
+def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
+    rows = db.execute(
+        "SELECT delegation_id, seq, type, body, key_id, signature, recorded_at FROM documents "
+        "WHERE delegation_id = ? ORDER BY id",
+        (delegation_id,),
+    ).fetchall()
+    return [DocumentRow(r[0], r[1], r[2], Signed(bytes(r[3]), r[4], bytes(r[5])), r[6])
+            for r in rows]
+
+
+# -- actions --------------------------------------------------------------------------------
+
+def begin_action(db: Db, new: NewAction) -> BeginResult:
+    """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7)."""
+    gate = db.execute(
+        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d JOIN tasks t ON t.id = d.task_id "
+        "WHERE d.id = ?",
+        (new.delegation_id,),
+    ).fetchone()
+    if gate is None:
+        raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
+    if gate[0]:
+        return BeginResult(Begin.FENCED, new.id)
+    if gate[1] != new.epoch or gate[2] != new.epoch:
+        return BeginResult(Begin.STALE_EPOCH, new.id)
+    prior = db.execute(
+        "SELECT id, tool, args_hash, state, result FROM actions WHERE idem_key = ? "
+        "ORDER BY started_at",
+        (new.idem_key,),
+    ).fetchall()
+    for pid, ptool, phash, pstate, presult in prior:
+        if phash != new.args_hash or ptool != new.tool:
+            raise IdempotencyConflict(new.idem_key, ptool)
+        if pstate == ActionState.COMPLETED.value:
+            return BeginResult(Begin.REPLAY, pid, loads(presult))
+        if pstate not in (ActionState.FAILED.value, ActionState.NOT_APPLIED.value):
+            raise KeyInUse(new.idem_key, pid, pstate)
+    cur = db.execute(
+        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
+        ", args_hash) "
+        "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
+        "JOIN tasks t ON t.id = d.task_id "
+        "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ?",
+        (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
+         new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
+         new.delegation_id, new.epoch, new.epoch),
+    )
+    if cur.rowcount != 1:
+        return BeginResult(Begin.FENCED, new.id)
+    return BeginResult(Begin.STARTED, new.id)
+
+
+def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, result: Any = None,
+                  error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
+    """Record an outcome. A receipt for an action already declared IN_DOUBT (or settled by a
+    probe) is a late receipt: it is kept, flagged, and a COMPLETED one wins (I3, I8)."""
+    row = db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no action {action_id!r} in this journal")
+    old = ActionState(row[0])
+    if old is outcome or not action_may_move(old, outcome):
+        event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
+        return old
+    late = old is not ActionState.PENDING and evidence is None
+    db.execute(
+        "UPDATE actions SET state = ?, result = COALESCE(?, result), error = COALESCE(?, error), "
+        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, ended_at = ? "
+        "WHERE id = ? AND state = ?",
+        (outcome.value, None if result is None else dumps(result), error,
+         None if evidence is None else dumps(evidence), late, now, action_id, old.value),
+    )
+    event(db, now, "late_receipt" if late else "outcome", None, action_id,
+          old=old.value, new=outcome.value)
+    return outcome
+
+
+def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
+    rows = db.execute(
+        f"{SUBTREE} SELECT id FROM actions WHERE state = 'PENDING' "
+        "AND delegation_id IN (SELECT id FROM sub)",
+        (root_id,),
+    ).fetchall()
+    ids = [r[0] for r in rows]
+    for action_id in ids:
+        db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
+                   (action_id,))
+        event(db, now, "in_doubt", None, action_id)
+    return ids
+
+
+def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
+    ids = list(delegation_ids)
+    if not ids:
+        return []
+    rows = db.execute(
+        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id IN ({', '.join('?' * len(ids))}) "
+        "ORDER BY started_at, ordinal",
+        ids,
+    ).fetchall()
+    return [_action(r) for r in rows]
+
+
+def unsettled_actions(db: Db, root_id: str | None) -> list[ActionRecord]:
+    """IN_DOUBT and UNKNOWN actions (of one subtree, or of the whole journal)."""
+    if root_id is None:
+        rows = db.execute(
+            f"SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
+            "ORDER BY started_at"
+        ).fetchall()
+    else:
+        rows = db.execute(
+            f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
+            "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
+            (root_id,),
+        ).fetchall()
+    return [_action(r) for r in rows]
+
+
+def facts(db: Db, root_id: str) -> JournalFacts:
+    root = get_delegation(db, root_id)
+    rows = db.execute(
+        f"{SUBTREE} SELECT id, state, effect FROM actions "
+        "WHERE delegation_id IN (SELECT id FROM sub)",
+        (root_id,),
+    ).fetchall()
+    pending = frozenset(r[0] for r in rows if r[1] == ActionState.PENDING.value)
+    in_doubt = frozenset(
+        r[0] for r in rows if r[1] in (ActionState.IN_DOUBT.value, ActionState.UNKNOWN.value)
+    )
+    effecting = sum(1 for r in rows if Effect(r[2]).side_effecting)
+    return JournalFacts(root_id, root.control_seq, pending, in_doubt, effecting)
+
+
+def events(db: Db, delegation_ids: Iterable[str]) -> list[EventRow]:
+    ids = list(delegation_ids)
+    if not ids:
+        return []
+    marks = ", ".join("?" * len(ids))
+    rows = db.execute(
+        "SELECT id, delegation_id, action_id, at, kind, detail FROM events "
+        f"WHERE delegation_id IN ({marks}) OR action_id IN "
+        f"(SELECT id FROM actions WHERE delegation_id IN ({marks})) ORDER BY id",
+        (*ids, *ids),
+    ).fetchall()
+    return [EventRow(r[0], r[1], r[2], r[3], r[4], loads(r[5])) for r in rows]

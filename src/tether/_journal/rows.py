@@ -1,0 +1,143 @@
+"""Plain records passed across the journal boundary, and JSON helpers for their columns."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from tether._core.model import ControlKind, DelegationState, Effect
+from tether._core.signing import Signed
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True)
+class NewDelegation:
+    id: str
+    task_id: str
+    parent_id: str | None
+    attempt: int
+    agent: str
+    surface: tuple[str, ...]
+    args: Any
+    owner_id: str
+    now: float
+    # For a re-delegation: the epoch the caller saw. The journal moves the task to epoch + 1
+    # only if it is still there (compare-and-set), so two racing callers cannot both win.
+    redelegate_from_epoch: int | None = None
+    # For a child: the parent's epoch, checked with the parent's fence in the same statement.
+    parent_epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class DelegationRow:
+    id: str
+    task_id: str
+    parent_id: str | None
+    epoch: int
+    attempt: int
+    agent: str
+    surface: tuple[str, ...]
+    args: Any
+    owner_id: str
+    state: DelegationState
+    fenced: bool
+    control_seq: int
+    created_at: float
+    updated_at: float
+    result: Any
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "task": self.task_id,
+            "parent": self.parent_id,
+            "epoch": self.epoch,
+            "attempt": self.attempt,
+            "agent": self.agent,
+            "surface": list(self.surface),
+            "owner": self.owner_id,
+            "state": self.state.value,
+            "fenced": self.fenced,
+            "control_seq": self.control_seq,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "result": self.result,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class NewAction:
+    id: str
+    delegation_id: str
+    epoch: int
+    ordinal: int
+    tool: str
+    effect: Effect
+    args_json: str
+    args_hash: str
+    idem_key: str
+    now: float
+
+
+class Begin(StrEnum):
+    STARTED = "STARTED"  # intent durable: the tool may run
+    REPLAY = "REPLAY"  # the key already COMPLETED with these arguments: return its result
+    FENCED = "FENCED"  # a RECALL or TERMINATE was accepted for the delegation (I2)
+    STALE_EPOCH = "STALE_EPOCH"  # the task was re-delegated (I4)
+
+
+@dataclass(frozen=True)
+class BeginResult:
+    status: Begin
+    action_id: str
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class ControlRow:
+    id: int
+    delegation_id: str
+    seq: int
+    kind: ControlKind
+    signed: Signed
+    accepted_at: float
+    issuer: str
+
+
+@dataclass(frozen=True)
+class DocumentRow:
+    delegation_id: str
+    seq: int
+    type: str
+    signed: Signed
+    recorded_at: float
+
+
+@dataclass(frozen=True)
+class EventRow:
+    id: int
+    delegation_id: str | None
+    action_id: str | None
+    at: float
+    kind: str
+    detail: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OwnerRow:
+    id: str
+    pid: int
+    host: str
+    started_at: float
+    heartbeat_at: float

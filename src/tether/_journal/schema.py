@@ -1,0 +1,91 @@
+"""The journal's tables, and the path from one schema version to the next.
+
+The SQL is kept portable (SQLite and PostgreSQL): TEXT ids, REAL seconds, INTEGER flags,
+recursive CTEs for subtrees and a partial unique index for live idempotency keys.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+APP = "tether"
+
+# MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        """CREATE TABLE tether_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)""",
+        """CREATE TABLE owners (
+            id TEXT PRIMARY KEY, pid INTEGER NOT NULL, host TEXT NOT NULL,
+            started_at REAL NOT NULL, heartbeat_at REAL NOT NULL)""",
+        """CREATE TABLE tasks (id TEXT PRIMARY KEY, epoch INTEGER NOT NULL)""",
+        """CREATE TABLE delegations (
+            id TEXT PRIMARY KEY,
+            task_id TEXT NOT NULL REFERENCES tasks(id),
+            parent_id TEXT REFERENCES delegations(id),
+            epoch INTEGER NOT NULL,
+            attempt INTEGER NOT NULL,
+            agent TEXT NOT NULL,
+            surface TEXT NOT NULL,
+            args TEXT NOT NULL,
+            owner_id TEXT NOT NULL,
+            state TEXT NOT NULL,
+            fenced INTEGER NOT NULL DEFAULT 0,
+            control_seq INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            result TEXT,
+            error TEXT)""",
+        """CREATE INDEX delegations_parent ON delegations(parent_id)""",
+        """CREATE INDEX delegations_task ON delegations(task_id)""",
+        """CREATE INDEX delegations_state ON delegations(state)""",
+        """CREATE TABLE actions (
+            id TEXT PRIMARY KEY,
+            delegation_id TEXT NOT NULL REFERENCES delegations(id),
+            ordinal INTEGER NOT NULL,
+            tool TEXT NOT NULL,
+            effect TEXT NOT NULL,
+            args TEXT NOT NULL,
+            args_hash TEXT NOT NULL,
+            idem_key TEXT NOT NULL,
+            state TEXT NOT NULL,
+            result TEXT,
+            error TEXT,
+            evidence TEXT,
+            late INTEGER NOT NULL DEFAULT 0,
+            started_at REAL NOT NULL,
+            ended_at REAL)""",
+        """CREATE INDEX actions_delegation ON actions(delegation_id, state)""",
+        """CREATE INDEX actions_key ON actions(idem_key)""",
+        # A key may be reused only after an outcome that proves nothing was applied.
+        """CREATE UNIQUE INDEX actions_live_key ON actions(idem_key)
+            WHERE state NOT IN ('FAILED', 'NOT_APPLIED')""",
+        """CREATE TABLE controls (
+            id INTEGER PRIMARY KEY,
+            delegation_id TEXT NOT NULL REFERENCES delegations(id),
+            seq INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            body BLOB NOT NULL,
+            key_id TEXT NOT NULL,
+            signature BLOB NOT NULL,
+            accepted_at REAL NOT NULL,
+            issuer TEXT NOT NULL,
+            UNIQUE (delegation_id, seq))""",
+        """CREATE TABLE documents (
+            id INTEGER PRIMARY KEY,
+            delegation_id TEXT NOT NULL REFERENCES delegations(id),
+            seq INTEGER NOT NULL,
+            type TEXT NOT NULL,
+            body BLOB NOT NULL,
+            key_id TEXT NOT NULL,
+            signature BLOB NOT NULL,
+            recorded_at REAL NOT NULL,
+            UNIQUE (delegation_id, seq, type))""",
+        """CREATE TABLE events (
+            id INTEGER PRIMARY KEY,
+            delegation_id TEXT,
+            action_id TEXT,
+            at REAL NOT NULL,
+            kind TEXT NOT NULL,
+            detail TEXT NOT NULL)""",
+        """CREATE INDEX events_delegation ON events(delegation_id)""",
+    ),
+}

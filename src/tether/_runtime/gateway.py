@@ -1,0 +1,189 @@
+"""The gateway: the one place every tool call of a child passes.
+
+It checks the surface, stops a recalled child, writes the action's intent ahead of the call
+(I1) behind the journal's fence (I2), hands the tool its idempotency key (I7), shields the
+call from the child's cancellation and records the receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tether._core.documents import canonical
+from tether._core.errors import ControlSignal, Fenced, ToolRejected, UserError
+from tether._core.model import ActionState, Effect
+from tether._journal.rows import Begin, DelegationRow, NewAction
+from tether._runtime.tools import Agent, Tool, surface_name
+
+if TYPE_CHECKING:
+    from tether._runtime.handle import Handle
+    from tether._runtime.supervisor import Supervisor
+
+UNSERIALIZABLE = "__tether_unserializable__"
+
+
+def new_id(prefix: str) -> str:
+    import secrets
+
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+@dataclass(eq=False)
+class ChildRuntime:
+    """In-memory state of one running delegation, owned by its supervisor."""
+
+    row: DelegationRow
+    agent: Agent
+    surface: dict[str, Tool | Agent]
+    parent: ChildRuntime | None = None
+    task: asyncio.Task[Any] | None = None
+    inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    children: list[ChildRuntime] = field(default_factory=list)
+    stop: ControlSignal | None = None
+    ordinals: Counter[str] = field(default_factory=Counter)
+    effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
+    draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    def walk(self) -> list[ChildRuntime]:
+        out = [self]
+        for child in self.children:
+            out.extend(child.walk())
+        return out
+
+    def inflight_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for rt in self.walk() for t in rt.inflight.values()]
+
+
+class Context:
+    """What a child sees: ``call`` its tools, ``delegate`` to agents it was granted."""
+
+    def __init__(self, supervisor: Supervisor, runtime: ChildRuntime) -> None:
+        self._sup = supervisor
+        self._rt = runtime
+
+    @property
+    def delegation_id(self) -> str:
+        return self._rt.row.id
+
+    @property
+    def task_id(self) -> str:
+        return self._rt.row.task_id
+
+    @property
+    def epoch(self) -> int:
+        return self._rt.row.epoch
+
+    @property
+    def attempt(self) -> int:
+        return self._rt.row.attempt
+
+    def check(self) -> None:
+        """Raise the recall or terminate signal if one was accepted. Call it between long
+        steps that do not pass the gateway (a model call, say)."""
+        if self._rt.stop is not None:
+            raise self._rt.stop
+
+    def _resolve(self, item: Tool | Agent | str) -> Tool | Agent:
+        name = item if isinstance(item, str) else surface_name(item)
+        if not isinstance(item, str | Tool | Agent):
+            raise UserError(f"{item!r} is not a tether tool; wrap it with @tether.tool")
+        found = self._rt.surface.get(name)
+        if found is None or (not isinstance(item, str) and found is not item):
+            raise UserError(
+                f"tool {name!r} is not in the surface of delegation {self.delegation_id}"
+            )
+        return found
+
+    async def call(self, tool: Tool | str, /, *, idempotency_key: str | None = None,
+                   **kwargs: Any) -> Any:
+        found = self._resolve(tool)
+        if isinstance(found, Agent):
+            raise UserError(f"{found.grant} is an agent: use ctx.delegate to start it")
+        self.check()
+        if not found.effect.journaled:
+            return await found.fn(**kwargs)
+        try:
+            args_json = canonical(kwargs).decode()
+        except UserError as exc:
+            raise UserError(f"arguments to {found.name} cannot be serialized: {exc}") from None
+        if idempotency_key is not None and (not isinstance(idempotency_key, str)
+                                            or not idempotency_key):
+            raise UserError("idempotency_key must be a non-empty string")
+        rt = self._rt
+        ordinal = rt.ordinals[found.name]
+        key = idempotency_key or f"{rt.row.task_id}:{found.name}:{ordinal}"
+        args_hash = hashlib.sha256(args_json.encode()).hexdigest()
+        clock, journal = self._sup.clock, self._sup.journal
+        begun = await journal.begin_action(NewAction(
+            id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=ordinal,
+            tool=found.name, effect=found.effect, args_json=args_json, args_hash=args_hash,
+            idem_key=key, now=clock.wall(),
+        ))
+        if begun.status in (Begin.FENCED, Begin.STALE_EPOCH):
+            # The journal's fence is the authority; our in-memory flag may not know yet.
+            raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
+        rt.ordinals[found.name] += 1
+        if begun.status is Begin.REPLAY:
+            journal.event(clock.wall(), "replay", rt.id, begun.action_id, key=key)
+            if isinstance(begun.result, dict) and UNSERIALIZABLE in begun.result:
+                raise UserError(
+                    f"action {begun.action_id} with key {key!r} completed, but its result "
+                    "could not be recorded, so it cannot be replayed"
+                )
+            return begun.result
+        if found.effect.side_effecting:
+            rt.effects_started += 1
+        task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs))
+        rt.inflight[begun.action_id] = task
+        task.add_done_callback(_forget(rt, begun.action_id))
+        # Shielded: cancelling the child does not cancel an action already on its way.
+        return await asyncio.shield(task)
+
+    async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any]) -> Any:
+        journal, clock = self._sup.journal, self._sup.clock
+        try:
+            result = await tool.fn(**kwargs, idempotency_key=key)
+        except ToolRejected as exc:
+            journal.finish_action(action_id, ActionState.FAILED, clock.wall(), error=str(exc))
+            raise
+        except Exception as exc:  # it may have applied: reconciliation decides
+            journal.finish_action(action_id, ActionState.IN_DOUBT, clock.wall(), error=repr(exc))
+            raise
+        try:
+            canonical(result)
+            stored = result
+        except UserError:
+            stored = {UNSERIALIZABLE: repr(result)[:500]}
+        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(), result=stored)
+        return result
+
+    async def delegate(self, agent: Agent, /, *args: Any, **kwargs: Any) -> Handle:
+        """Start a grandchild. The surface must grant ``agent``; the journal refuses it if this
+        delegation is fenced (I10)."""
+        found = self._resolve(agent)
+        if not isinstance(found, Agent):
+            raise UserError(f"{found.name} is a tool: use ctx.call")
+        self.check()
+        return await self._sup._start_child(self._rt, found, args, kwargs)
+
+
+def _forget(rt: ChildRuntime, action_id: str) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        rt.inflight.pop(action_id, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here; the child sees it through the shield
+
+    return done
+
+
+def effect_of(item: Tool | Agent) -> Effect:
+    return Effect.DELEGATE if isinstance(item, Agent) else item.effect

@@ -1,0 +1,455 @@
+"""The supervisor: delegates, recalls, terminates, enforces grace windows and reconciles."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+from tether._core.documents import (
+    Acknowledgement,
+    ControlIntent,
+    NoEffectsReceipt,
+    canonical,
+)
+from tether._core.errors import (
+    AlreadyFinished,
+    ControlSignal,
+    Recalled,
+    Terminated,
+    UserError,
+)
+from tether._core.model import ControlKind, DelegationState, Policy, check_grace
+from tether._core.report import Report
+from tether._core.signing import Signed
+from tether._core.verdict import RecallInput, Verdict, evaluate_recall
+from tether._journal.journal import DEFAULT_URL, Journal
+from tether._journal.ops import FenceRefused
+from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
+from tether._runtime.clock import Clock, SystemClock, first_of
+from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_id
+from tether._runtime.handle import Handle
+from tether._runtime.keys import KeyRing
+from tether._runtime.reconcile import build_report, probe_all, settle_subtree
+from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
+
+T = TypeVar("T")
+
+
+def _json_or_marker(value: Any) -> Any:
+    try:
+        canonical(value)
+        return value
+    except UserError:
+        return {UNSERIALIZABLE: repr(value)[:500]}
+
+
+def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
+    payload = {"args": list(args), "kwargs": kwargs}
+    try:
+        canonical(payload)
+    except UserError as exc:
+        raise UserError(f"arguments to {what} cannot be serialized: {exc}") from None
+    return payload
+
+
+class Supervisor:
+    """Holds the journal and the keys, and every child this process runs.
+
+    ``async with Supervisor("sqlite:///.tether/journal.db") as sup: ...``
+    """
+
+    def __init__(self, journal: str | Journal = DEFAULT_URL, *, clock: Clock | None = None,
+                 keys: KeyRing | None = None, policy: Policy | None = None,
+                 tools: Iterable[Tool] = (), durable: bool = True,
+                 control_poll: float = 0.05) -> None:
+        self.journal = journal if isinstance(journal, Journal) else Journal(journal,
+                                                                             durable=durable)
+        self.clock: Clock = clock or SystemClock()
+        self.policy = policy or Policy()
+        self._keys = keys
+        self._tools: dict[str, Tool] = {}
+        self._learn(check_surface(tools, "Supervisor(tools=...)").values())
+        self.owner_id = new_id("o")
+        self._runtimes: dict[str, ChildRuntime] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._last_control = 0
+        self._poll = control_poll
+        self._open = False
+
+    @property
+    def keys(self) -> KeyRing:
+        if self._keys is None:
+            raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
+        return self._keys
+
+    def _learn(self, items: Iterable[Tool | Agent]) -> None:
+        for item in items:
+            if isinstance(item, Tool):
+                self._tools.setdefault(item.name, item)
+            else:
+                self._learn(item.tools)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> Supervisor:
+        await self.journal.open()
+        try:
+            if self._keys is None:
+                directory = self.journal.path.parent / "keys"
+                self._keys = await asyncio.to_thread(KeyRing.load_or_init, directory)
+            now = self.clock.wall()
+            await self.journal.register_owner(
+                OwnerRow(self.owner_id, os.getpid(), socket.gethostname(), now, now))
+            self._last_control = await self.journal.last_control_id()
+            self._open = True
+            self._spawn(self._watch())
+            await self.recover()
+        except BaseException:
+            await self.journal.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        # Children still running when the orchestrator leaves are terminated and accounted for.
+        for rt in list(self._runtimes.values()):
+            if rt.parent is None and rt.task is not None and not rt.task.done():
+                with contextlib.suppress(AlreadyFinished):
+                    await self._control(rt.id, ControlKind.TERMINATE, None, "supervisor closed")
+        self._open = False
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self.journal.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _watch(self) -> None:
+        """Learn of control intents written by other processes (``tether recall``) and keep
+        this owner's heartbeat. Real time: this is a poll loop, not a deadline."""
+        beats = 0
+        every = max(1, int(self.policy.lease / 3 / self._poll))
+        while True:
+            await asyncio.sleep(self._poll)
+            for row in await self.journal.controls_after(self._last_control):
+                self._last_control = row.id
+                rt = self._runtimes.get(row.delegation_id)
+                if row.issuer != self.owner_id and rt is not None and rt.draining is None:
+                    self._start_drain(rt, row.signed, row.accepted_at)
+            beats += 1
+            if beats % every == 0:
+                self.journal.heartbeat(self.owner_id, self.clock.wall())
+
+    # -- delegation -----------------------------------------------------------------------------
+    async def delegate(self, agent: Agent | AgentFn, /, *args: Any,
+                       tools: Iterable[Tool | Agent] | None = None, task_id: str | None = None,
+                       **kwargs: Any) -> Handle:
+        """Start ``agent(ctx, *args, **kwargs)`` as a child. Returns once the delegation is
+        durable and the child has started."""
+        if not self._open:
+            raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
+        ag = as_agent(agent, tools)
+        surface = check_surface(ag.tools, f"delegation of {ag.name}")
+        payload = _payload(args, kwargs, ag.name)
+        if task_id is not None and (not isinstance(task_id, str) or not task_id):
+            raise UserError("task_id must be a non-empty string")
+        row = await self.journal.create_delegation(NewDelegation(
+            id=new_id("d"), task_id=task_id or new_id("t"), parent_id=None, attempt=1,
+            agent=ag.name, surface=tuple(surface), args=payload, owner_id=self.owner_id,
+            now=self.clock.wall(),
+        ))
+        return await self._launch(ChildRuntime(row, ag, surface), args, kwargs)
+
+    async def _start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
+                           kwargs: dict[str, Any]) -> Handle:
+        surface = check_surface(agent.tools, f"delegation of {agent.name}")
+        payload = _payload(args, kwargs, agent.name)
+        n = parent.ordinals[agent.grant]
+        try:
+            row = await self.journal.create_delegation(NewDelegation(
+                id=new_id("d"), task_id=f"{parent.row.task_id}/{agent.name}#{n}",
+                parent_id=parent.id, attempt=1, agent=agent.name, surface=tuple(surface),
+                args=payload, owner_id=self.owner_id, now=self.clock.wall(),
+                parent_epoch=parent.row.epoch,
+            ))
+        except FenceRefused:
+            raise parent.stop or Recalled(parent.id, "parent is fenced") from None
+        parent.ordinals[agent.grant] += 1
+        rt = ChildRuntime(row, agent, surface, parent=parent)
+        parent.children.append(rt)
+        if parent.stop is not None:  # fenced while the insert was queued: never run it
+            rt.stop = parent.stop
+        return await self._launch(rt, args, kwargs)
+
+    async def _launch(self, rt: ChildRuntime, args: Sequence[Any],
+                      kwargs: dict[str, Any]) -> Handle:
+        self._learn(rt.surface.values())
+        self._runtimes[rt.id] = rt
+        started = asyncio.Event()
+        rt.task = asyncio.create_task(self._child_main(rt, args, kwargs, started),
+                                      name=f"tether-child-{rt.id}")
+        await started.wait()
+        return Handle(self, rt.row)
+
+    async def _child_main(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
+                          started: asyncio.Event) -> tuple[bool, Any]:
+        started.set()
+        try:
+            if rt.stop is not None:
+                raise rt.stop
+            value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
+        except ControlSignal as signal:
+            return False, signal
+        except asyncio.CancelledError:
+            if rt.stop is None:
+                raise
+            return False, rt.stop  # stopped by a recall or terminate, not by our caller
+        except Exception as exc:
+            await self._finish(rt, DelegationState.FAILED, error=f"{type(exc).__name__}: {exc}")
+            return False, exc
+        await self._finish(rt, DelegationState.SUCCEEDED, result=value)
+        return True, value
+
+    async def _finish(self, rt: ChildRuntime, state: DelegationState, result: Any = None,
+                      error: str | None = None) -> None:
+        """A child ended on its own. If a control intent got there first, the drain decides."""
+        if rt.stop is not None:
+            return
+        try:
+            await self.journal.set_state(rt.id, state, self.clock.wall(),
+                                         result=_json_or_marker(result), error=error)
+        except AlreadyFinished:
+            return
+        except UserError:
+            raise
+        except Exception:  # a recall won the race: RECALLING cannot become SUCCEEDED
+            if rt.stop is None:
+                raise
+            return
+        await self.journal.flush()
+        doubtful = [a for a in await self.journal.unsettled(rt.id) if a.delegation_id == rt.id]
+        if doubtful:  # a tool raised: it may have applied; ask the outside world
+            await probe_all(self.journal, doubtful, self._tools, self.clock,
+                            self.policy.probe_timeout)
+            await settle_subtree(self.journal, rt.id, self.clock, state)
+
+    # -- control --------------------------------------------------------------------------------
+    async def _control(self, delegation_id: str, kind: ControlKind, grace: float | None,
+                       reason: str, seq: int | None = None) -> Report:
+        if kind is ControlKind.RECALL:
+            grace = check_grace(grace, self.policy)
+        if not isinstance(reason, str):
+            raise UserError("reason must be a string")
+        row = await self.journal.get(delegation_id)
+        intent = ControlIntent(
+            kind=kind, delegation_id=row.id, epoch=row.epoch,
+            seq=row.control_seq + 1 if seq is None else seq, grace=grace, reason=reason,
+            issued_at=self.clock.wall(),
+        )
+        signed = self.keys.signer.sign(intent)
+        rt = self._runtimes.get(row.id)
+        if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
+            await self.journal.accept_control(signed, self.keys.trusted, self.owner_id,
+                                              self.clock.wall())
+            self._cut(rt)  # cuts the recall's grace window short
+            return await asyncio.shield(rt.draining)
+        await self.journal.accept_control(signed, self.keys.trusted, self.owner_id,
+                                          self.clock.wall())
+        if rt is None:
+            return await self._settle_elsewhere(row.id, signed)
+        return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
+
+    def _start_drain(self, rt: ChildRuntime, signed: Signed,
+                     accepted_at: float) -> asyncio.Future[Report]:
+        rt.draining = self._spawn(self._drain(rt, signed, accepted_at))
+        return rt.draining
+
+    def _cut(self, rt: ChildRuntime) -> None:
+        """Terminate now: cancel every child task and every in-flight action of the subtree."""
+        for node in rt.walk():
+            node.stop = Terminated(node.id, "terminated")
+            for task in [*node.inflight.values(), node.task]:
+                if task is not None and not task.done():
+                    task.cancel()
+
+    async def _drain(self, rt: ChildRuntime, signed: Signed, accepted_at: float) -> Report:
+        intent = self.keys.trusted.verify(signed, ControlIntent)
+        recall = intent.kind is ControlKind.RECALL
+        for node in rt.walk():
+            node.stop = node.stop or (Recalled if recall else Terminated)(node.id, intent.reason)
+        verdict, reason = Verdict.TERMINATE, "terminate requested"
+        if recall:
+            verdict, reason = await self._grace_window(rt, signed, intent, accepted_at)
+        terminate = verdict.must_terminate or verdict is Verdict.REJECTED or any(
+            isinstance(n.stop, Terminated) for n in rt.walk())
+        if terminate:
+            self._cut(rt)
+        children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
+        for task in children:  # nothing can start any more; stop waiting for model work
+            task.cancel()
+        if children:
+            await first_of(self.clock, self.policy.ack_timeout,
+                           asyncio.gather(*children, return_exceptions=True))
+        now = self.clock.wall()
+        if terminate:
+            await self.journal.mark_in_doubt(rt.id, now)
+        await self.journal.flush()
+        doubtful = await self.journal.unsettled(rt.id)
+        if doubtful:
+            await probe_all(self.journal, doubtful, self._tools, self.clock,
+                            self.policy.probe_timeout)
+        fallback = DelegationState.TERMINATED if terminate else DelegationState.RECALLED
+        await settle_subtree(self.journal, rt.id, self.clock, fallback)
+        self.journal.event(self.clock.wall(), "verdict", rt.id, verdict=verdict.value,
+                           reason=reason)
+        await self.journal.flush()
+        return await build_report(self.journal, rt.id)
+
+    async def _grace_window(self, rt: ChildRuntime, signed: Signed, intent: ControlIntent,
+                            accepted_at: float) -> tuple[Verdict, str]:
+        """Acknowledge with the in-flight manifest, then wait while actions finish, at most
+        until the grace window ends or a terminate cuts it short."""
+        nodes = rt.walk()
+        signer, trusted = self.keys.signer, self.keys.trusted
+        ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(
+            a for n in nodes for a in n.inflight), acked_at=self.clock.wall()))
+        await self.journal.record_ack(ack, trusted, self.clock.wall())
+        receipt = None
+        if sum(n.effects_started for n in nodes) == 0:
+            receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, self.clock.wall()))
+            await self.journal.record_receipt(receipt, trusted, self.clock.wall())
+        while True:
+            await self.journal.flush()
+            facts = await self.journal.facts(rt.id)
+            decision = evaluate_recall(RecallInput(
+                signed, facts, accepted_at, self.clock.now(), self.policy, trusted, ack, receipt))
+            if any(isinstance(n.stop, Terminated) for n in nodes):
+                return Verdict.TERMINATE, "terminated during the grace window"
+            if decision.verdict not in (Verdict.WAIT_IN_FLIGHT, Verdict.AWAIT_ACK):
+                return decision.verdict, decision.reason
+            running = rt.inflight_tasks()
+            if not running:  # pending in the journal, but nothing here runs it: in doubt
+                return Verdict.GRACE_EXPIRED, "in-flight action has no live task"
+            await first_of(self.clock, decision.wait,
+                           asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED))
+
+    async def _settle_elsewhere(self, delegation_id: str, signed: Signed) -> Report:
+        """The delegation is not run by this process: wait for its owner to settle it, and
+        reconcile it ourselves if the owner is gone."""
+        row = await self.journal.get(delegation_id)
+        if not await self._owner_alive(row.owner_id):
+            return await self._recover_one(row, "owner is gone")
+        intent = self.keys.trusted.verify(signed, ControlIntent)
+        budget = (intent.grace or 0.0) + self.policy.ack_timeout + self.policy.probe_timeout
+        deadline = self.clock.now() + budget
+        while self.clock.now() < deadline:
+            row = await self.journal.get(delegation_id)
+            if row.state.terminal:
+                return await build_report(self.journal, delegation_id)
+            await asyncio.sleep(self._poll)
+        return await self._recover_one(row, "owner did not settle the delegation in time")
+
+    # -- recovery -------------------------------------------------------------------------------
+    async def _owner_alive(self, owner_id: str) -> bool:
+        if owner_id == self.owner_id:
+            return True
+        owners = {o.id: o for o in await self.journal.owners()}
+        owner = owners.get(owner_id)
+        if owner is None:
+            return False
+        if self.clock.wall() - owner.heartbeat_at > self.policy.lease:
+            return False
+        if owner.host == socket.gethostname() and owner.pid != os.getpid():
+            try:
+                os.kill(owner.pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+        return True
+
+    async def recover(self, delegation_id: str | None = None) -> list[Report]:
+        """Reconcile live delegations whose owner is dead (crashed process or expired lease),
+        and every action still in doubt. ``tether reconcile`` runs this."""
+        live = await self.journal.delegations(live_only=True)
+        by_id = {r.id: r for r in live}
+        reports = []
+        for row in live:
+            if row.id in self._runtimes or (row.parent_id in by_id):
+                continue
+            if delegation_id is not None and row.id != delegation_id:
+                continue
+            if not await self._owner_alive(row.owner_id):
+                reports.append(await self._recover_one(row, f"owner {row.owner_id} is gone"))
+        doubtful = [a for a in await self.journal.unsettled(delegation_id)
+                    if a.delegation_id not in self._runtimes]
+        if doubtful:
+            await probe_all(self.journal, doubtful, self._tools, self.clock,
+                            self.policy.probe_timeout)
+            roots = {a.delegation_id for a in doubtful}
+            for root in roots:
+                row = await self.journal.get(root)
+                await settle_subtree(self.journal, root, self.clock, row.state)
+                if all(r.delegation_id != root for r in reports):
+                    reports.append(await build_report(self.journal, root))
+        return reports
+
+    async def _recover_one(self, row: DelegationRow, reason: str) -> Report:
+        if row.state in (DelegationState.RUNNING,):
+            intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
+                                   None, f"recovery: {reason}", self.clock.wall())
+            await self.journal.accept_control(self.keys.signer.sign(intent), self.keys.trusted,
+                                              self.owner_id, self.clock.wall())
+        now = self.clock.wall()
+        await self.journal.mark_in_doubt(row.id, now)
+        doubtful = await self.journal.unsettled(row.id)
+        await probe_all(self.journal, doubtful, self._tools, self.clock, self.policy.probe_timeout)
+        await settle_subtree(self.journal, row.id, self.clock, DelegationState.TERMINATED)
+        self.journal.event(self.clock.wall(), "verdict", row.id, verdict="RECOVERED",
+                           reason=reason)
+        await self.journal.flush()
+        return await build_report(self.journal, row.id)
+
+    # -- reports and compensation ---------------------------------------------------------------
+    async def report(self, delegation_id: str) -> Report:
+        await self.journal.flush()
+        return await build_report(self.journal, delegation_id)
+
+    async def compensate(self, report: Report) -> Report | None:
+        """Run each tool's compensation for actions the report shows COMPLETED, never for
+        UNKNOWN ones, as an ordinary journaled delegation with keys derived from the
+        originals (so compensating twice is refused, not repeated)."""
+        plan = []
+        for action in report.all_actions():
+            tool = self._tools.get(action.tool)
+            if action.state.value == "COMPLETED" and tool and tool.compensate:
+                plan.append((Tool(f"{tool.name}.compensate", tool.effect, tool.compensate),
+                             action))
+        if not plan:
+            return None
+        tools = {t.name: t for t, _ in plan}
+
+        async def compensator(ctx: Context) -> int:
+            for t, action in plan:
+                await ctx.call(t, idempotency_key=f"{action.idempotency_key}:compensate",
+                               **action.args)
+            return len(plan)
+
+        handle = await self.delegate(
+            Agent("compensate", compensator, tuple(tools.values())),
+            task_id=f"compensate:{report.task_id}:{report.epoch}",
+        )
+        await handle.wait()
+        return await handle.report()
+
+    def runtime(self, delegation_id: str) -> ChildRuntime | None:
+        return self._runtimes.get(delegation_id)
+
+
+__all__ = ["Supervisor"]

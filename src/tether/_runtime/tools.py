@@ -1,0 +1,148 @@
+"""Tools with declared effects, probes and compensations; agents with tool surfaces."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias, overload
+
+from tether._core.errors import UserError
+from tether._core.model import Effect, ProbeOutcome
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """A probe's answer about one action, with the evidence it is based on."""
+
+    outcome: ProbeOutcome
+    evidence: dict[str, Any] = field(default_factory=dict)
+    result: Any = None  # the action's result, when the outside world can tell it
+
+
+ToolFn: TypeAlias = Callable[..., Awaitable[Any]]
+ProbeFn: TypeAlias = Callable[..., Awaitable[ProbeResult]]
+AgentFn: TypeAlias = Callable[..., Awaitable[Any]]
+
+
+def _takes_key(fn: Callable[..., Any]) -> bool:
+    params = inspect.signature(fn).parameters
+    return "idempotency_key" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Tool:
+    """A callable the gateway mediates. Its probe and compensation take the tool's own keyword
+    arguments plus ``idempotency_key``."""
+
+    name: str
+    effect: Effect
+    fn: ToolFn
+    probe: ProbeFn | None = None
+    compensate: ToolFn | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise UserError("a tool needs a non-empty name")
+        if not isinstance(self.effect, Effect):
+            raise UserError(
+                f"tool {self.name}: effect must be a tether.Effect, got {self.effect!r}"
+            )
+        if self.effect is Effect.DELEGATE:
+            raise UserError(f"tool {self.name}: DELEGATE is declared with tether.agent, not tool")
+        for role, fn in (("tool", self.fn), ("probe", self.probe), ("compensate", self.compensate)):
+            if fn is not None and not inspect.iscoroutinefunction(fn):
+                raise UserError(f"tool {self.name}: the {role} must be an async function")
+        if self.effect.journaled and not _takes_key(self.fn):
+            raise UserError(
+                f"tool {self.name} has effect {self.effect.value} and must accept an "
+                "'idempotency_key' keyword argument (I7)"
+            )
+        for role, fn in (("probe", self.probe), ("compensate", self.compensate)):
+            if fn is not None and not _takes_key(fn):
+                raise UserError(f"tool {self.name}: the {role} must accept 'idempotency_key'")
+
+
+@overload
+def tool(fn: ToolFn, /) -> Tool: ...
+@overload
+def tool(*, effect: Effect = ..., name: str | None = ..., probe: ProbeFn | None = ...,
+         compensate: ToolFn | None = ...) -> Callable[[ToolFn], Tool]: ...
+
+
+def tool(fn: ToolFn | None = None, /, *, effect: Effect = Effect.EXTERNAL,
+         name: str | None = None, probe: ProbeFn | None = None,
+         compensate: ToolFn | None = None) -> Tool | Callable[[ToolFn], Tool]:
+    """Declare a tool. Undeclared effect means EXTERNAL: fail closed."""
+
+    def wrap(f: ToolFn) -> Tool:
+        return Tool(name or f.__name__, effect, f, probe, compensate)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+@dataclass(frozen=True, eq=False)
+class Agent:
+    """An async callable ``fn(ctx, *args, **kwargs)`` with the tools it may use. Naming an Agent
+    in a surface grants DELEGATE to it."""
+
+    name: str
+    fn: Callable[..., Awaitable[Any]]
+    tools: tuple[Tool | Agent, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not inspect.iscoroutinefunction(self.fn):
+            raise UserError(f"agent {self.name}: must be an async function")
+        check_surface(self.tools, f"agent {self.name}")
+
+    @property
+    def grant(self) -> str:
+        return f"agent:{self.name}"
+
+
+@overload
+def agent(fn: AgentFn, /) -> Agent: ...
+@overload
+def agent(*, name: str | None = ...,
+          tools: Iterable[Tool | Agent] = ...) -> Callable[[AgentFn], Agent]: ...
+
+
+def agent(fn: AgentFn | None = None, /, *, name: str | None = None,
+          tools: Iterable[Tool | Agent] = ()) -> Agent | Callable[[AgentFn], Agent]:
+    surface = tuple(tools)
+
+    def wrap(f: AgentFn) -> Agent:
+        return Agent(name or f.__name__, f, surface)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def surface_name(item: Tool | Agent) -> str:
+    return item.grant if isinstance(item, Agent) else item.name
+
+
+def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent]:
+    """Map names to tools; anything that is not a declared Tool or Agent is refused."""
+    found: dict[str, Tool | Agent] = {}
+    for item in items:
+        if not isinstance(item, Tool | Agent):
+            raise UserError(
+                f"{owner}: {item!r} is not a tether tool or agent; wrap it with @tether.tool"
+            )
+        key = surface_name(item)
+        if key in found and found[key] is not item:
+            raise UserError(f"{owner}: two different tools are named {key!r}")
+        found[key] = item
+    return found
+
+
+def as_agent(target: Agent | AgentFn, tools: Iterable[Tool | Agent] | None) -> Agent:
+    if isinstance(target, Agent):
+        return target if tools is None else Agent(target.name, target.fn, tuple(tools))
+    if not callable(target):
+        raise UserError(f"{target!r} is not an agent: pass an async function or a tether.agent")
+    name = getattr(target, "__name__", None) or type(target).__name__
+    return Agent(name, target, tuple(tools or ()))
+

@@ -1,0 +1,143 @@
+"""Test doubles for the outside world: a virtual clock and a simulated payment provider.
+
+Both are shipped so that users can test their own agents the way tether tests itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import heapq
+import itertools
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
+from tether._core.model import ProbeOutcome
+from tether._runtime.tools import ProbeResult
+
+
+class VirtualClock:
+    """Time that moves only when a test says so. ``sleep`` parks until ``advance`` passes its
+    deadline; ``sleeping`` lets a test wait, without a real sleep, until someone is parked."""
+
+    def __init__(self, start: float = 0.0, wall_start: float = 1_800_000_000.0) -> None:
+        self._now = start
+        self._wall0 = wall_start - start
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self._changed = asyncio.Event()
+
+    def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
+        return self._wall0 + self._now
+
+    @property
+    def sleepers(self) -> int:
+        return sum(1 for _, _, f in self._heap if not f.done())
+
+    async def sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (self._now + seconds, next(self._seq), fut))
+        self._changed.set()
+        await fut
+
+    async def sleeping(self, count: int = 1) -> None:
+        """Return once at least ``count`` coroutines are parked on this clock."""
+        while self.sleepers < count:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward, waking every sleeper whose deadline has come, in order."""
+        target = self._now + seconds
+        while self._heap and self._heap[0][0] <= target:
+            deadline, _, fut = heapq.heappop(self._heap)
+            self._now = max(self._now, deadline)
+            if not fut.done():
+                fut.set_result(None)
+        self._now = target
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    key: str
+    order_id: str
+    cents: int
+    kind: str
+    ref: str
+
+
+class PaymentService:
+    """A payment provider with latency and its own ledger, keyed by idempotency key, as the
+    real ones are. ``path`` keeps the ledger in a SQLite file another process can read."""
+
+    def __init__(self, clock: Any = None, *, latency: float = 0.05, reply_delay: float = 0.0,
+                 path: str = ":memory:") -> None:
+        from tether._runtime.clock import SystemClock
+
+        self.clock = clock or SystemClock()
+        self.latency = latency
+        self.reply_delay = reply_delay  # time between applying and the reply reaching us
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS ledger (key TEXT PRIMARY KEY, order_id TEXT, "
+            "cents INTEGER, kind TEXT, ref TEXT)")
+        self._applied = asyncio.Event()
+        self.requests = 0
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _apply(self, key: str, order_id: str, cents: int, kind: str) -> str:
+        row = self._db.execute("SELECT ref FROM ledger WHERE key = ?", (key,)).fetchone()
+        if row is not None:  # a real provider answers a repeated key with the first result
+            return str(row[0])
+        ref = f"{kind[:2]}_{hashlib.sha256(f'{kind}:{key}'.encode()).hexdigest()[:10]}"
+        self._db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?, ?)",
+                         (key, order_id, cents, kind, ref))
+        self._applied.set()
+        return ref
+
+    async def applied(self) -> None:
+        """Wait until the provider has applied a new entry (then re-arm)."""
+        await self._applied.wait()
+        self._applied.clear()
+
+    async def refund(self, order_id: str, cents: int, *, idempotency_key: str) -> str:
+        self.requests += 1
+        await self.clock.sleep(self.latency)
+        ref = self._apply(idempotency_key, order_id, cents, "refund")
+        await self.clock.sleep(self.reply_delay)
+        return ref
+
+    async def reverse(self, order_id: str, cents: int, *, idempotency_key: str) -> str:
+        await self.clock.sleep(self.latency)
+        return self._apply(idempotency_key, order_id, -cents, "reversal")
+
+    async def lookup(self, order_id: str, cents: int, *, idempotency_key: str) -> ProbeResult:
+        """A probe: ask the provider's ledger about one idempotency key."""
+        row = self._db.execute("SELECT ref, cents FROM ledger WHERE key = ?",
+                               (idempotency_key,)).fetchone()
+        if row is None:
+            return ProbeResult(ProbeOutcome.NOT_APPLIED, {"provider": "no entry for key"})
+        return ProbeResult(ProbeOutcome.COMPLETED, {"provider_ref": row[0], "cents": row[1]},
+                           result=row[0])
+
+    def entries(self, order_id: str | None = None) -> list[LedgerEntry]:
+        sql = "SELECT key, order_id, cents, kind, ref FROM ledger"
+        rows = (self._db.execute(sql + " WHERE order_id = ?", (order_id,)) if order_id
+                else self._db.execute(sql)).fetchall()
+        return [LedgerEntry(*r) for r in rows]
+
+    def refunded(self, order_id: str) -> int:
+        """Net cents refunded to the customer for one order (refunds minus reversals)."""
+        return sum(e.cents for e in self.entries(order_id))
+
+    def refund_count(self, order_id: str) -> int:
+        return sum(1 for e in self.entries(order_id) if e.kind == "refund")
