@@ -88,8 +88,11 @@ class PaymentService:
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS ledger (key TEXT PRIMARY KEY, order_id TEXT, "
             "cents INTEGER, kind TEXT, ref TEXT)")
-        self._applied = asyncio.Event()
-        self.requests = 0
+        self._changed = asyncio.Event()
+        self._inflight: set[asyncio.Future[str]] = set()
+        self.requests = 0  # requests that reached the provider
+        self.applications = 0  # ledger entries written
+        self._seen = (0, 0)
 
     def close(self) -> None:
         self._db.close()
@@ -101,20 +104,48 @@ class PaymentService:
         ref = f"{kind[:2]}_{hashlib.sha256(f'{kind}:{key}'.encode()).hexdigest()[:10]}"
         self._db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?, ?)",
                          (key, order_id, cents, kind, ref))
-        self._applied.set()
+        self.applications += 1
+        self._changed.set()
         return ref
+
+    def mark(self) -> None:
+        """Forget what was sent and applied so far: ``sent``/``applied`` wait for new ones."""
+        self._seen = (self.requests, self.applications)
+
+    async def _wait_for(self, index: int) -> None:
+        while (self.requests, self.applications)[index] <= self._seen[index]:
+            self._changed.clear()
+            await self._changed.wait()
+        self.mark()
+
+    async def sent(self) -> None:
+        """Wait until a request sent after the last ``mark`` reached the provider."""
+        await self._wait_for(0)
 
     async def applied(self) -> None:
-        """Wait until the provider has applied a new entry (then re-arm)."""
-        await self._applied.wait()
-        self._applied.clear()
+        """Wait until an entry applied after the last ``mark`` is in the ledger."""
+        await self._wait_for(1)
+
+    async def settle(self) -> None:
+        """Wait until the provider has finished every request it received."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def refund(self, order_id: str, cents: int, *, idempotency_key: str) -> str:
+        """Once sent, a request is processed whatever the caller does: cancelling the caller
+        only loses the reply, as with a real provider."""
         self.requests += 1
-        await self.clock.sleep(self.latency)
-        ref = self._apply(idempotency_key, order_id, cents, "refund")
+        self._changed.set()
+        work = asyncio.ensure_future(self._process(idempotency_key, order_id, cents))
+        self._inflight.add(work)
+        work.add_done_callback(self._inflight.discard)
+        ref = await asyncio.shield(work)
         await self.clock.sleep(self.reply_delay)
         return ref
+
+    async def _process(self, key: str, order_id: str, cents: int) -> str:
+        await self.clock.sleep(self.latency)
+        return self._apply(key, order_id, cents, "refund")
 
     async def reverse(self, order_id: str, cents: int, *, idempotency_key: str) -> str:
         await self.clock.sleep(self.latency)

@@ -65,7 +65,7 @@ class Supervisor:
     def __init__(self, journal: str | Journal = DEFAULT_URL, *, clock: Clock | None = None,
                  keys: KeyRing | None = None, policy: Policy | None = None,
                  tools: Iterable[Tool] = (), durable: bool = True,
-                 control_poll: float = 0.05) -> None:
+                 control_poll: float = 0.05, recover: bool = True) -> None:
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -79,6 +79,7 @@ class Supervisor:
         self._last_control = 0
         self._poll = control_poll
         self._open = False
+        self._recover_on_start = recover
 
     @property
     def keys(self) -> KeyRing:
@@ -106,7 +107,8 @@ class Supervisor:
             self._last_control = await self.journal.last_control_id()
             self._open = True
             self._spawn(self._watch())
-            await self.recover()
+            if self._recover_on_start:
+                await self.recover()
         except BaseException:
             await self.journal.close()
             raise

@@ -1,0 +1,273 @@
+"""The ``tether`` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from tether._core.documents import ControlIntent
+from tether._core.errors import AlreadyFinished, TetherError, UserError
+from tether._core.model import ControlKind, Policy, check_grace
+from tether._journal.journal import DEFAULT_URL, Journal
+from tether._runtime.keys import KeyRing
+from tether._runtime.reconcile import build_report
+from tether._runtime.supervisor import Supervisor
+from tether._runtime.tools import Agent, Tool
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Recall, terminate and reconcile sub-agents with real side effects.")
+keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key and trusted keys.")
+app.add_typer(keys_app, name="keys")
+out = Console()
+err = Console(stderr=True)
+T = TypeVar("T")
+
+JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURNAL",
+                                         help="Journal URL.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
+                                              "beside the journal).")]
+
+
+def cli_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """A user mistake prints one line and exits 2; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except TetherError as exc:
+            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def key_dir(journal: Journal, keys: Path | None) -> Path:
+    return keys if keys is not None else journal.path.parent / "keys"
+
+
+def emit_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@app.command()
+@cli_errors
+def demo(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """Show the three failures of naive recall, and tether preventing each."""
+    from tether._cli.demo import run_demo
+
+    ok = run(run_demo(journal, as_json, out))
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command("ls")
+@cli_errors
+def list_cmd(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
+             live: Annotated[bool, typer.Option("--live", help="Only live ones.")] = False,
+             ) -> None:
+    """List delegations."""
+    from tether._cli.render import delegation_table
+
+    async def go() -> list[Any]:
+        async with Journal(journal, create=False) as j:
+            return await j.delegations(live_only=live)
+
+    rows = run(go())
+    if as_json:
+        emit_json([r.to_json() for r in rows])
+    else:
+        out.print(delegation_table(rows))
+
+
+@app.command()
+@cli_errors
+def show(delegation_id: str, journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
+         keys: KeysOpt = None) -> None:
+    """Show a delegation's tree, actions, control intents (verified) and events."""
+    from tether._cli.render import collect, render_show
+
+    async def go() -> dict[str, Any]:
+        async with Journal(journal, create=False) as j:
+            ring = await asyncio.to_thread(_load_keys_or_none, key_dir(j, keys))
+            return await collect(j, delegation_id, ring.trusted if ring else None)
+
+    data = run(go())
+    if as_json:
+        emit_json(data)
+    else:
+        render_show(out, data)
+
+
+def _load_keys_or_none(directory: Path) -> KeyRing | None:
+    return KeyRing.load(directory) if (directory / "signing.json").exists() else None
+
+
+async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: ControlKind,
+                grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
+    async with Journal(journal_url, create=False) as j:
+        ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
+        row = await j.get(delegation_id)
+        intent = ControlIntent(kind, row.id, row.epoch, row.control_seq + 1, grace, reason,
+                               time.time())
+        await j.accept_control(ring.signer.sign(intent), ring.trusted, f"cli:{os.getpid()}",
+                               time.time())
+        answer: dict[str, Any] = {"delegation": row.id, "seq": intent.seq, "kind": kind.value,
+                                  "accepted": True}
+        if not wait:
+            return answer
+        policy = Policy()
+        budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        while loop.time() < deadline:
+            current = await j.get(row.id)
+            if current.state.terminal:
+                answer["report"] = (await build_report(j, row.id)).to_json()
+                return answer
+            await asyncio.sleep(0.05)
+        answer["waiting"] = (
+            f"the owner of {row.id} has not settled it within {budget:g}s; if its process is "
+            "gone, run 'tether reconcile'"
+        )
+        return answer
+
+
+def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: float | None,
+                 reason: str, wait: bool, keys: Path | None, as_json: bool) -> None:
+    from tether._cli.render import render_report
+
+    if kind is ControlKind.RECALL:
+        check_grace(grace, Policy())
+    try:
+        answer = run(_send(journal, keys, delegation_id, kind, grace, reason, wait))
+    except AlreadyFinished as exc:
+        raise UserError(f"nothing to {kind.value.lower()}: {exc}") from None
+    if as_json:
+        emit_json(answer)
+        return
+    out.print(f"{kind.value} accepted for {answer['delegation']} (sequence {answer['seq']}); "
+              "the journal's fence is closed.")
+    if "report" in answer:
+        render_report(out, answer["report"])
+    elif "waiting" in answer:
+        out.print(f"[yellow]{answer['waiting']}[/yellow]")
+
+
+@app.command()
+@cli_errors
+def recall(delegation_id: str,
+           grace: Annotated[float, typer.Option("--grace", help="Seconds in-flight actions "
+                                                "may still run.")] = 30.0,
+           reason: Annotated[str, typer.Option("--reason")] = "",
+           journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+           wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+           as_json: JsonOpt = False) -> None:
+    """Recall a delegation: signed intent, fence closed at once, grace for in-flight actions."""
+    _control_cmd(ControlKind.RECALL, delegation_id, journal, grace, reason, wait, keys, as_json)
+
+
+@app.command()
+@cli_errors
+def terminate(delegation_id: str, reason: Annotated[str, typer.Option("--reason")] = "",
+              journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+              as_json: JsonOpt = False) -> None:
+    """Terminate a delegation now; its in-flight actions are probed."""
+    _control_cmd(ControlKind.TERMINATE, delegation_id, journal, None, reason, wait, keys,
+                 as_json)
+
+
+def load_tools(specs: list[str]) -> list[Tool]:
+    """``module:attribute`` naming a Tool, an Agent, or an iterable of them."""
+    found: list[Tool] = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise UserError(f"--tools {spec!r}: expected module:attribute")
+        try:
+            obj: Any = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UserError(f"--tools {spec!r}: {exc}") from None
+        items = obj if isinstance(obj, list | tuple) else [obj]
+        for item in items:
+            if isinstance(item, Agent):
+                found.extend(t for t in item.tools if isinstance(t, Tool))
+            elif isinstance(item, Tool):
+                found.append(item)
+            else:
+                raise UserError(f"--tools {spec!r}: {item!r} is not a tether tool or agent")
+    return found
+
+
+@app.command()
+@cli_errors
+def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
+              journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              tools: Annotated[list[str] | None, typer.Option(
+                  "--tools", help="module:attribute of tools whose probes to use.")] = None,
+              as_json: JsonOpt = False) -> None:
+    """Reconcile delegations whose owner died, and every action still in doubt."""
+    from tether._cli.render import render_report
+
+    sys.path.insert(0, os.getcwd())
+    loaded = load_tools(tools or [])
+
+    async def go() -> list[dict[str, Any]]:
+        j = Journal(journal, create=False)
+        ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
+        async with Supervisor(j, keys=ring, tools=loaded, recover=False) as sup:
+            return [r.to_json() for r in await sup.recover(delegation_id)]
+
+    reports = run(go())
+    if as_json:
+        emit_json(reports)
+        return
+    if not reports:
+        out.print("Nothing to reconcile: no orphaned delegation and no action in doubt.")
+    for report in reports:
+        render_report(out, report)
+
+
+@keys_app.command("init")
+@cli_errors
+def keys_init(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None) -> None:
+    """Create a signing key and trust it."""
+    directory = key_dir(Journal(journal), keys)
+    ring = KeyRing.init(directory)
+    out.print(f"signing key {ring.signer.key_id} written to {directory}")
+
+
+@keys_app.command("show")
+@cli_errors
+def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              as_json: JsonOpt = False) -> None:
+    """Show the signing key id and the trusted keys."""
+    directory = key_dir(Journal(journal), keys)
+    ring = KeyRing.load(directory)
+    data = {"directory": str(directory), "signing": ring.signer.key_id,
+            "trusted": ring.trusted.ids()}
+    if as_json:
+        emit_json(data)
+    else:
+        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\ntrusted: "
+                  + ", ".join(ring.trusted.ids()))
+
+
+def main() -> None:
+    app()
