@@ -34,9 +34,9 @@ class VirtualClock:
     def wall(self) -> float:
         return self._wall0 + self._now
 
-    @property
-    def sleepers(self) -> int:
-        return sum(1 for _, _, f in self._heap if not f.done())
+    def sleepers(self, at_least: float = 0.0) -> int:
+        """How many coroutines are parked with at least ``at_least`` seconds left."""
+        return sum(1 for d, _, f in self._heap if not f.done() and d - self._now >= at_least)
 
     async def sleep(self, seconds: float) -> None:
         if seconds <= 0:
@@ -47,9 +47,10 @@ class VirtualClock:
         self._changed.set()
         await fut
 
-    async def sleeping(self, count: int = 1) -> None:
-        """Return once at least ``count`` coroutines are parked on this clock."""
-        while self.sleepers < count:
+    async def sleeping(self, count: int = 1, *, at_least: float = 0.0) -> None:
+        """Return once ``count`` coroutines are parked on this clock with at least
+        ``at_least`` seconds to go (so a test can tell one timer from another)."""
+        while self.sleepers(at_least) < count:
             self._changed.clear()
             await self._changed.wait()
 

@@ -57,9 +57,9 @@ class Db(Protocol):
     def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Cursor: ...
 
 
-SUBTREE = """WITH RECURSIVE sub(id) AS (
-    SELECT id FROM delegations WHERE id = ?
-    UNION ALL SELECT d.id FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
+SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
+    SELECT id, 0 FROM delegations WHERE id = ?
+    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
 
 _DELEGATION_COLS = (
     "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
@@ -139,9 +139,10 @@ def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
 def subtree(db: Db, root_id: str) -> list[DelegationRow]:
     """The delegation and all its descendants, parents before children."""
     get_delegation(db, root_id)
+    cols = ", ".join(f"d.{c.strip()}" for c in _DELEGATION_COLS.split(","))
     rows = db.execute(
-        f"{SUBTREE} SELECT {_DELEGATION_COLS} FROM delegations WHERE id IN (SELECT id FROM sub) "
-        "ORDER BY created_at, id",
+        f"{SUBTREE} SELECT {cols} FROM delegations d JOIN sub ON sub.id = d.id "
+        "ORDER BY sub.depth, d.created_at, d.id",
         (root_id,),
     ).fetchall()
     return [_delegation(r) for r in rows]

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from tether._core.documents import (
@@ -80,12 +80,22 @@ class Supervisor:
         self._poll = control_poll
         self._open = False
         self._recover_on_start = recover
+        self._listeners: list[Callable[[str, str], None]] = []
 
     @property
     def keys(self) -> KeyRing:
         if self._keys is None:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         return self._keys
+
+    def listen(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(event, delegation_id)`` on lifecycle events: ``started``, ``drain``
+        (a recall or terminate began settling the delegation) and ``ended`` (its code ended)."""
+        self._listeners.append(callback)
+
+    def _notify(self, event: str, delegation_id: str) -> None:
+        for callback in self._listeners:
+            callback(event, delegation_id)
 
     def _learn(self, items: Iterable[Tool | Agent]) -> None:
         for item in items:
@@ -202,6 +212,7 @@ class Supervisor:
     async def _child_main(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
                           started: asyncio.Event) -> tuple[bool, Any]:
         started.set()
+        self._notify("started", rt.id)
         try:
             if rt.stop is not None:
                 raise rt.stop
@@ -215,6 +226,8 @@ class Supervisor:
         except Exception as exc:
             await self._finish(rt, DelegationState.FAILED, error=f"{type(exc).__name__}: {exc}")
             return False, exc
+        finally:
+            self._notify("ended", rt.id)
         await self._finish(rt, DelegationState.SUCCEEDED, result=value)
         return True, value
 
@@ -270,13 +283,17 @@ class Supervisor:
     def _start_drain(self, rt: ChildRuntime, signed: Signed,
                      accepted_at: float) -> asyncio.Future[Report]:
         rt.draining = self._spawn(self._drain(rt, signed, accepted_at))
+        self._notify("drain", rt.id)
         return rt.draining
 
-    def _cut(self, rt: ChildRuntime) -> None:
-        """Terminate now: cancel every child task and every in-flight action of the subtree."""
+    def _cut(self, rt: ChildRuntime, *, actions: bool = True) -> None:
+        """Stop the subtree now. A terminate also cancels in-flight actions; when a recall's
+        grace ends they are left to finish on their own, so that a completion arriving after
+        the window is still recorded (a late receipt) rather than lost with its task."""
         for node in rt.walk():
             node.stop = Terminated(node.id, "terminated")
-            for task in [*node.inflight.values(), node.task]:
+            tasks = [*node.inflight.values(), node.task] if actions else [node.task]
+            for task in tasks:
                 if task is not None and not task.done():
                     task.cancel()
 
@@ -288,10 +305,11 @@ class Supervisor:
         verdict, reason = Verdict.TERMINATE, "terminate requested"
         if recall:
             verdict, reason = await self._grace_window(rt, signed, intent, accepted_at)
-        terminate = verdict.must_terminate or verdict is Verdict.REJECTED or any(
+        killed = verdict is Verdict.TERMINATE or any(
             isinstance(n.stop, Terminated) for n in rt.walk())
+        terminate = killed or verdict.must_terminate or verdict is Verdict.REJECTED
         if terminate:
-            self._cut(rt)
+            self._cut(rt, actions=killed)
         children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
         for task in children:  # nothing can start any more; stop waiting for model work
             task.cancel()

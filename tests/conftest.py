@@ -1,0 +1,107 @@
+"""Shared fixtures. Every test runs on a virtual clock unless it needs another process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tether.testing import PaymentService, VirtualClock
+
+
+@pytest.fixture
+def clock() -> VirtualClock:
+    return VirtualClock()
+
+
+@pytest.fixture
+def journal_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'journal.db'}"
+
+
+@pytest.fixture
+def keys() -> tether.KeyRing:
+    return tether.KeyRing.ephemeral()
+
+
+class Shop:
+    """Tools over a simulated payment provider, as a user would write them."""
+
+    def __init__(self, pay: PaymentService) -> None:
+        self.pay = pay
+        self.gate: asyncio.Event | None = None  # when set, get_order waits on it
+
+        @tether.tool(effect=tether.Effect.READ_ONLY)
+        async def get_order(order_id: str) -> dict[str, Any]:
+            if self.gate is not None:
+                await self.gate.wait()
+            return {"order_id": order_id, "total": 1250}
+
+        @tether.tool(effect=tether.Effect.EXTERNAL, probe=pay.lookup, compensate=pay.reverse)
+        async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+            return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+        self.get_order = get_order
+        self.refund = refund
+
+    @property
+    def tools(self) -> list[tether.Tool]:
+        return [self.get_order, self.refund]
+
+    async def refund_agent(self, ctx: tether.Context, order_id: str) -> str:
+        order = await ctx.call(self.get_order, order_id=order_id)
+        ref: str = await ctx.call(self.refund, order_id=order_id, cents=order["total"])
+        return ref
+
+
+@pytest.fixture
+def pay(clock: VirtualClock) -> PaymentService:
+    return PaymentService(clock, latency=1.0)
+
+
+@pytest.fixture
+def shop(pay: PaymentService) -> Shop:
+    return Shop(pay)
+
+
+@pytest.fixture
+async def sup(journal_url: str, clock: VirtualClock, keys: tether.KeyRing,
+              shop: Shop) -> AsyncIterator[tether.Supervisor]:
+    async with tether.Supervisor(journal_url, clock=clock, keys=keys,
+                                 tools=shop.tools) as supervisor:
+        yield supervisor
+
+
+def events_of(sup: tether.Supervisor) -> Callable[[str, str], asyncio.Event]:
+    """``waiter(event, delegation_id)``: an asyncio.Event set when the supervisor emits it."""
+    seen: dict[tuple[str, str], asyncio.Event] = {}
+
+    def listener(event: str, delegation_id: str) -> None:
+        seen.setdefault((event, delegation_id), asyncio.Event()).set()
+
+    sup.listen(listener)
+
+    def waiter(event: str, delegation_id: str) -> asyncio.Event:
+        return seen.setdefault((event, delegation_id), asyncio.Event())
+
+    return waiter
+
+
+class Countdown:
+    """An event that fires after ``n`` ticks: 'all n tools have started'."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+        self.event = asyncio.Event()
+
+    def tick(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()

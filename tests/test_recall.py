@@ -1,0 +1,205 @@
+"""Recall through the supervisor, on a virtual clock (I1, I2, I3, I8, I9)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tether
+from tether.testing import PaymentService, VirtualClock
+
+from .conftest import Countdown, Shop, events_of
+
+A = tether.ActionState
+
+
+async def test_in_flight_payment_finishes_within_grace_and_is_reported(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    child = await sup.delegate(shop.refund_agent, "A-1", tools=shop.tools)
+    await pay.sent()  # the refund is on its way
+    recall = asyncio.create_task(child.recall(grace=5.0, reason="customer withdrew"))
+    await clock.sleeping(2)  # the provider and the grace window both wait on the clock
+    clock.advance(1.0)  # the provider answers within grace
+    report = await recall
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert report.verdict == "RECALLED_CLEAN"
+    assert [a.tool for a in report.completed] == ["refund"]
+    assert report.unknown == () and report.late == ()
+    assert pay.refund_count("A-1") == 1
+
+
+async def test_next_call_after_recall_raises_a_signal_except_exception_cannot_swallow(
+        sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
+    shop.gate = asyncio.Event()
+    swallowed: list[BaseException] = []
+
+    async def stubborn(ctx: tether.Context) -> str:
+        await ctx.call(shop.get_order, order_id="A-2")
+        try:
+            await ctx.call(shop.refund, order_id="A-2", cents=1)
+        except Exception as exc:  # what careless agent code does
+            swallowed.append(exc)
+        return "went on"
+
+    child = await sup.delegate(stubborn, tools=shop.tools)
+    recall = asyncio.create_task(child.recall(grace=5.0))
+    wait = events_of(sup)
+    await wait("drain", child.id).wait()
+    shop.gate.set()  # the read finishes; the next call meets the recall
+    report = await recall
+    assert swallowed == []
+    assert report.actions == ()  # the refund never reached the journal, nor the provider
+    with pytest.raises(tether.DelegationError) as info:
+        await child.result()
+    assert isinstance(info.value.__cause__, tether.Recalled)
+    assert issubclass(tether.Recalled, BaseException)
+    assert not issubclass(tether.Recalled, Exception)
+
+
+async def test_grace_expired_terminates_then_probe_settles_each_action(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    pay.latency = 30.0  # slower than the grace window
+    child = await sup.delegate(shop.refund_agent, "A-3", tools=shop.tools)
+    await pay.sent()
+    recall = asyncio.create_task(child.recall(grace=2.0))
+    await clock.sleeping(2)
+    clock.advance(2.0)  # the window ends with the refund still in flight
+    report = await recall
+    assert report.verdict == "GRACE_EXPIRED"
+    (action,) = report.actions
+    # The provider has not applied it yet, and the probe says so, with evidence.
+    assert action.state is A.NOT_APPLIED
+    assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
+    assert report.outcome is tether.DelegationState.RECONCILED
+
+
+async def test_completion_after_the_window_is_a_late_receipt(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    """I3: the provider answers after the window closed; the journal keeps that receipt and
+    it overrides the probe's earlier NOT_APPLIED."""
+    pay.latency = 10.0
+    child = await sup.delegate(shop.refund_agent, "A-4", tools=shop.tools)
+    await pay.sent()
+    recall = asyncio.create_task(child.recall(grace=2.0))
+    await clock.sleeping(2)
+    clock.advance(2.0)
+    report = await recall
+    assert report.actions[0].state is A.NOT_APPLIED  # true when it was probed
+    clock.advance(8.0)  # the provider applies and answers
+    await pay.applied()
+    later = await child.report()
+    (action,) = later.actions
+    assert action.state is A.COMPLETED and action.late and action.result
+    assert later.late == (action,)
+    events = [e.kind for e in await sup.journal.events([child.id])]
+    assert "late_receipt" in events
+
+
+async def test_read_only_child_is_recalled_with_no_side_effects(
+        sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
+    """I9: skipping reconciliation needs the journal's count AND the verified receipt."""
+    shop.gate = asyncio.Event()
+
+    async def reader(ctx: tether.Context) -> None:
+        await ctx.call(shop.get_order, order_id="A-5")
+
+    child = await sup.delegate(reader, tools=[shop.get_order])
+    report = await child.recall(grace=3.0)
+    assert report.verdict == "NO_SIDE_EFFECTS"
+    assert report.outcome is tether.DelegationState.RECALLED
+    docs = await sup.journal.documents(child.id)
+    assert {d.type for d in docs} == {"ack", "no_effects"}
+
+
+async def test_recall_of_a_finished_child_returns_its_report(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    child = await sup.delegate(shop.refund_agent, "A-6", tools=shop.tools)
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    ref = await child.result()
+    report = await child.recall(grace=1.0)
+    assert report.outcome is tether.DelegationState.SUCCEEDED
+    assert report.completed[0].result == ref
+    assert (await sup.journal.get(child.id)).control_seq == 0  # nothing was written
+
+
+async def test_undeclared_probe_failures_are_unknown_never_guessed(
+        sup: tether.Supervisor, clock: VirtualClock) -> None:
+    """I3/I8: no probe, a raising probe and a hanging probe all end UNKNOWN with a reason."""
+    hang = asyncio.Event()
+    entered = Countdown(3)
+
+    async def bad_probe(**_: object) -> tether.ProbeResult:
+        raise RuntimeError("provider down")
+
+    async def slow_probe(**_: object) -> tether.ProbeResult:
+        await hang.wait()
+        raise AssertionError("unreachable")
+
+    async def forever(**_: object) -> str:
+        entered.tick()
+        await asyncio.Event().wait()
+        return ""
+
+    t1 = tether.tool(effect=tether.Effect.EXTERNAL, name="no_probe")(forever)
+    t2 = tether.tool(effect=tether.Effect.EXTERNAL, name="raising", probe=bad_probe)(forever)
+    t3 = tether.tool(effect=tether.Effect.EXTERNAL, name="hanging", probe=slow_probe)(forever)
+
+    async def agent(ctx: tether.Context) -> None:
+        await asyncio.gather(ctx.call(t1), ctx.call(t2), ctx.call(t3))
+
+    child = await sup.delegate(agent, tools=[t1, t2, t3])
+    await entered.wait()
+    done = asyncio.create_task(child.terminate())
+    await clock.sleeping(1, at_least=sup.policy.probe_timeout)  # the hanging probe's timer
+    clock.advance(sup.policy.probe_timeout)
+    report = await done
+    reasons = {a.tool: (a.state, (a.evidence or {}).get("reason", "")) for a in report.actions}
+    assert reasons["no_probe"][0] is A.UNKNOWN and "has no probe" in reasons["no_probe"][1]
+    assert reasons["raising"][0] is A.UNKNOWN and "provider down" in reasons["raising"][1]
+    assert reasons["hanging"][0] is A.UNKNOWN and "timed out" in reasons["hanging"][1]
+    assert report.outcome is tether.DelegationState.NEEDS_ATTENTION
+    assert report.needs_attention and len(report.unknown) == 3
+
+
+async def test_compensation_runs_for_completed_only_and_only_once(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    child = await sup.delegate(shop.refund_agent, "A-7", tools=shop.tools)
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    await child.result()
+    report = await child.report()
+    comp = asyncio.create_task(sup.compensate(report))
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    done = await comp
+    assert done is not None and done.outcome is tether.DelegationState.SUCCEEDED
+    assert pay.refunded("A-7") == 0  # refund and its reversal
+    with pytest.raises(tether.UserError):  # the same report cannot be compensated twice
+        await sup.compensate(report)
+
+
+async def test_compensation_never_touches_unknown_outcomes(
+        sup: tether.Supervisor, clock: VirtualClock, pay: PaymentService) -> None:
+    reversed_: list[str] = []
+    entered = Countdown(1)
+
+    async def reverse(**kw: object) -> str:
+        reversed_.append(str(kw))
+        return "x"
+
+    async def forever(**_: object) -> str:
+        entered.tick()
+        await asyncio.Event().wait()
+        return ""
+
+    pay_tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", compensate=reverse)(forever)
+
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(pay_tool, amount=5)
+
+    child = await sup.delegate(agent, tools=[pay_tool])
+    await entered.wait()
+    report = await child.terminate()
+    assert report.unknown and await sup.compensate(report) is None and reversed_ == []

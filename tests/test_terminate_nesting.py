@@ -1,0 +1,193 @@
+"""Terminate (I3, I8), subtree fencing and nested reports (I10), re-delegation (I4)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import tether
+from tether.testing import PaymentService, VirtualClock
+
+from .conftest import Countdown, Shop, events_of
+
+A = tether.ActionState
+S = tether.DelegationState
+
+
+async def test_terminate_after_the_provider_applied_but_before_the_reply(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    """The lost-receipt failure: the probe finds the refund and the report says COMPLETED."""
+    pay.reply_delay = 100.0
+    child = await sup.delegate(shop.refund_agent, "B-1", tools=shop.tools)
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    await pay.applied()
+    report = await child.terminate("operator stop")
+    (action,) = report.actions
+    assert action.state is A.COMPLETED and not action.late
+    assert action.evidence is not None and action.evidence["provider_ref"] == action.result
+    assert report.outcome is S.RECONCILED and report.verdict == "TERMINATE"
+    assert pay.refund_count("B-1") == 1
+
+
+async def test_terminate_cuts_a_recall_grace_window_short(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    pay.latency = 50.0
+    child = await sup.delegate(shop.refund_agent, "B-2", tools=shop.tools)
+    await pay.sent()
+    recall = asyncio.create_task(child.recall(grace=60.0))
+    await clock.sleeping(1, at_least=59.0)  # the grace window is running
+    report = await child.terminate("taking too long")
+    assert report is await recall
+    assert report.verdict == "TERMINATE"
+    assert report.actions[0].state is A.NOT_APPLIED  # the provider never got to apply it
+    intents = await sup.journal.controls(child.id)
+    assert [c.kind for c in intents] == [tether.ControlKind.RECALL, tether.ControlKind.TERMINATE]
+
+
+def nested(shop: Shop) -> tuple[tether.Agent, tether.Agent]:
+    @tether.agent(tools=[shop.get_order, shop.refund])
+    async def worker(ctx: tether.Context, order_id: str) -> str:
+        order = await ctx.call(shop.get_order, order_id=order_id)
+        ref: str = await ctx.call(shop.refund, order_id=order_id, cents=order["total"])
+        await ctx.call(shop.get_order, order_id=order_id)
+        return ref
+
+    @tether.agent(tools=[worker])
+    async def lead(ctx: tether.Context, orders: list[str]) -> list[str]:
+        handles = [await ctx.delegate(worker, o) for o in orders]
+        return [await h.result() for h in handles]
+
+    return lead, worker
+
+
+async def test_recall_fences_the_whole_subtree_and_reports_nest(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    lead, _ = nested(shop)
+    shop.gate = asyncio.Event()
+    started = Countdown(3)
+    sup.listen(lambda event, _: started.tick() if event == "started" else None)
+    root = await sup.delegate(lead, ["N-1", "N-2"])
+    await started.wait()  # the lead and both workers run
+    waiter = events_of(sup)
+    recall = asyncio.create_task(root.recall(grace=5.0, reason="plan changed"))
+    await waiter("drain", root.id).wait()
+    # Every descendant was fenced in the same transaction as the root's intent.
+    rows = await sup.journal.subtree(root.id)
+    assert len(rows) == 3 and all(r.fenced for r in rows)
+    shop.gate.set()  # grandchildren's reads finish; their refunds are refused by the fence
+    report = await recall
+    assert report.outcome is S.RECALLED
+    assert [c.agent for c in report.children] == ["worker", "worker"]
+    assert all(c.outcome is S.RECALLED for c in report.children)
+    assert report.all_actions() == ()
+    assert pay.entries() == []
+
+
+async def test_in_flight_grandchild_action_finishes_within_the_root_grace(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    lead, _ = nested(shop)
+    root = await sup.delegate(lead, ["N-3"])
+    await pay.sent()  # the grandchild's refund is on its way
+    recall = asyncio.create_task(root.recall(grace=5.0))
+    await clock.sleeping(1, at_least=4.0)
+    clock.advance(1.0)
+    report = await recall
+    (child,) = report.children
+    assert [a.state for a in child.actions] == [A.COMPLETED]
+    assert report.outcome is S.RECALLED and child.outcome is S.RECALLED
+    assert report.verdict == "RECALLED_CLEAN"
+
+
+async def test_a_fenced_child_cannot_start_a_grandchild(
+        sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
+    _, worker = nested(shop)
+    release = asyncio.Event()
+    outcome: list[BaseException] = []
+
+    @tether.agent(tools=[worker])
+    async def slow_lead(ctx: tether.Context) -> None:
+        await release.wait()
+        try:
+            await ctx.delegate(worker, "N-4")
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+
+    root = await sup.delegate(slow_lead)
+    waiter = events_of(sup)
+    recall = asyncio.create_task(root.recall(grace=5.0))
+    await waiter("drain", root.id).wait()
+    release.set()
+    report = await recall
+    assert report.children == () and len(await sup.journal.subtree(root.id)) == 1
+    assert outcome == [] or isinstance(outcome[0], tether.Recalled | asyncio.CancelledError)
+
+
+async def test_delegating_to_an_agent_not_granted_is_refused(
+        sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
+    _, worker = nested(shop)
+
+    async def rogue(ctx: tether.Context) -> None:
+        await ctx.delegate(worker, "N-5")
+
+    child = await sup.delegate(rogue, tools=[shop.get_order])
+    with pytest.raises(tether.DelegationError, match="not in the surface"):
+        await child.result()
+    assert len(await sup.journal.subtree(child.id)) == 1
+
+
+async def test_redelegation_replays_completed_actions_instead_of_repeating_them(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    child = await sup.delegate(shop.refund_agent, "R-1", tools=shop.tools)
+    await pay.sent()
+    recall = asyncio.create_task(child.recall(grace=5.0))
+    await clock.sleeping(2)
+    clock.advance(1.0)
+    await recall
+    again = await child.redelegate()
+    assert (again.task_id, again.epoch) == (child.task_id, 1) and again.id != child.id
+    ref = await again.result()
+    assert pay.refund_count("R-1") == 1 and pay.requests == 1
+    assert ref == (await child.report()).completed[0].result
+    events = [e.kind for e in await sup.journal.events([again.id])]
+    assert "replay" in events
+
+
+async def test_racing_recall_and_redelegate_exactly_one_wins(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    shop.gate = asyncio.Event()
+    child = await sup.delegate(shop.refund_agent, "R-2", tools=shop.tools)
+    won: list[tether.Handle] = []
+    lost: list[tether.ControlRefused] = []
+
+    async def worker() -> None:
+        try:
+            await child.recall(grace=5.0)
+            won.append(await child.redelegate())
+        except tether.ControlRefused as exc:
+            lost.append(exc)
+
+    await asyncio.gather(worker(), worker())
+    assert len(won) == 1 and len(lost) == 1
+    assert isinstance(lost[0], tether.StaleSequence | tether.InvalidTransition)
+    assert "current sequence is 1" in str(lost[0]) or "RECALLING" in str(lost[0])
+    shop.gate.set()
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    await won[0].result()
+    assert pay.refund_count("R-2") == 1
+
+
+async def test_redelegate_needs_a_recall_first_and_a_stale_epoch_loses(
+        sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
+    shop.gate = asyncio.Event()
+    child = await sup.delegate(shop.refund_agent, "R-3", tools=shop.tools)
+    with pytest.raises(tether.InvalidTransition):
+        await child.redelegate()
+    await child.terminate()
+    await child.redelegate()
+    with pytest.raises(tether.StaleEpoch) as info:
+        await child.redelegate()  # this handle still holds epoch 0
+    assert info.value.current == 1
