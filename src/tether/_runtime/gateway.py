@@ -45,7 +45,8 @@ class ChildRuntime:
     inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
     children: list[ChildRuntime] = field(default_factory=list)
     stop: ControlSignal | None = None
-    ordinals: Counter[str] = field(default_factory=Counter)
+    ordinals: Counter[str] = field(default_factory=Counter)  # per tool: derives default keys
+    calls: int = 0  # journaled calls so far: orders this delegation's actions
     effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
     draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
 
@@ -93,9 +94,9 @@ class Context:
             raise self._rt.stop
 
     def _resolve(self, item: Tool | Agent | str) -> Tool | Agent:
-        name = item if isinstance(item, str) else surface_name(item)
         if not isinstance(item, str | Tool | Agent):
             raise UserError(f"{item!r} is not a tether tool; wrap it with @tether.tool")
+        name = item if isinstance(item, str) else surface_name(item)
         found = self._rt.surface.get(name)
         if found is None or (not isinstance(item, str) and found is not item):
             raise UserError(
@@ -119,19 +120,21 @@ class Context:
                                             or not idempotency_key):
             raise UserError("idempotency_key must be a non-empty string")
         rt = self._rt
-        ordinal = rt.ordinals[found.name]
+        # Reserved before any await, so concurrent calls of one child get distinct keys.
+        ordinal, order = rt.ordinals[found.name], rt.calls
+        rt.ordinals[found.name] += 1
+        rt.calls += 1
         key = idempotency_key or f"{rt.row.task_id}:{found.name}:{ordinal}"
         args_hash = hashlib.sha256(args_json.encode()).hexdigest()
         clock, journal = self._sup.clock, self._sup.journal
         begun = await journal.begin_action(NewAction(
-            id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=ordinal,
+            id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=order,
             tool=found.name, effect=found.effect, args_json=args_json, args_hash=args_hash,
             idem_key=key, now=clock.wall(),
         ))
         if begun.status in (Begin.FENCED, Begin.STALE_EPOCH):
             # The journal's fence is the authority; our in-memory flag may not know yet.
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
-        rt.ordinals[found.name] += 1
         if begun.status is Begin.REPLAY:
             journal.event(clock.wall(), "replay", rt.id, begun.action_id, key=key)
             if isinstance(begun.result, dict) and UNSERIALIZABLE in begun.result:

@@ -22,6 +22,17 @@ class Handle:
         self.epoch = row.epoch
         self.attempt = row.attempt
 
+    @classmethod
+    def detached(cls, supervisor: Supervisor, delegation_id: str) -> Handle:
+        """A handle known only by id; its fields fill in from the journal when used."""
+        handle = cls.__new__(cls)
+        handle._sup = supervisor
+        handle.id = delegation_id
+        handle.task_id = ""
+        handle.epoch = -1
+        handle.attempt = 0
+        return handle
+
     def __repr__(self) -> str:
         return f"<tether.Handle {self.id} task={self.task_id} epoch={self.epoch}>"
 

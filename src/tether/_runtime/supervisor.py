@@ -468,6 +468,13 @@ class Supervisor:
         await handle.wait()
         return await handle.report()
 
+    def handle_for(self, delegation_id: str) -> Handle:
+        """A handle on any delegation in the journal, e.g. one listed by ``tether ls``."""
+        rt = self._runtimes.get(delegation_id)
+        if rt is not None:
+            return Handle(self, rt.row)
+        return Handle.detached(self, delegation_id)
+
     def runtime(self, delegation_id: str) -> ChildRuntime | None:
         return self._runtimes.get(delegation_id)
 

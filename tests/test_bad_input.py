@@ -1,0 +1,232 @@
+"""Bad input gets a clear error and changes nothing (I7 and the issue's list)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import tether
+from tether.testing import PaymentService, VirtualClock
+
+from .conftest import Shop
+
+A = tether.ActionState
+
+
+async def run_child(sup: tether.Supervisor, fn: Any, tools: list[Any]) -> tether.Handle:
+    child = await sup.delegate(fn, tools=tools)
+    await child.wait()
+    return child
+
+
+async def failure_of(child: tether.Handle) -> BaseException:
+    with pytest.raises(tether.DelegationError) as info:
+        await child.result()
+    cause = info.value.__cause__
+    assert cause is not None
+    return cause
+
+
+async def test_tool_outside_the_surface_is_refused_and_not_journaled(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(shop.refund, order_id="X", cents=1)
+
+    child = await run_child(sup, agent, [shop.get_order])
+    err = await failure_of(child)
+    assert isinstance(err, tether.UserError) and "not in the surface" in str(err)
+    assert (await child.report()).actions == () and pay.requests == 0
+
+
+async def test_an_undeclared_function_is_not_a_tool(sup: tether.Supervisor) -> None:
+    async def plain(**_: Any) -> None:
+        return None
+
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(plain)  # type: ignore[arg-type]
+
+    err = await failure_of(await run_child(sup, agent, []))
+    assert isinstance(err, tether.UserError) and "@tether.tool" in str(err)
+    with pytest.raises(tether.UserError, match="not a tether tool"):
+        await sup.delegate(agent, tools=[plain])
+
+
+async def test_an_unknown_tool_name_is_refused(sup: tether.Supervisor, shop: Shop) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call("transfer_all_funds")
+
+    err = await failure_of(await run_child(sup, agent, shop.tools))
+    assert isinstance(err, tether.UserError) and "transfer_all_funds" in str(err)
+
+
+async def test_arguments_that_cannot_be_serialized(sup: tether.Supervisor, shop: Shop,
+                                                   pay: PaymentService) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(shop.refund, order_id=object(), cents=1)
+
+    child = await run_child(sup, agent, shop.tools)
+    err = await failure_of(child)
+    assert isinstance(err, tether.UserError) and "cannot be serialized" in str(err)
+    assert (await child.report()).actions == () and pay.requests == 0
+
+
+async def test_delegation_arguments_that_cannot_be_serialized(sup: tether.Supervisor,
+                                                              shop: Shop) -> None:
+    with pytest.raises(tether.UserError, match="cannot be serialized"):
+        await sup.delegate(shop.refund_agent, {1, 2}, tools=shop.tools)
+    assert await sup.journal.delegations() == []
+
+
+async def test_reused_key_with_other_arguments_is_an_error(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(shop.refund, order_id="K-1", cents=100, idempotency_key="refund-K-1")
+        await ctx.call(shop.refund, order_id="K-1", cents=999, idempotency_key="refund-K-1")
+
+    child = await sup.delegate(agent, tools=shop.tools)
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    err = await failure_of(child)
+    assert isinstance(err, tether.IdempotencyConflict) and err.key == "refund-K-1"
+    report = await child.report()
+    assert [(a.args["cents"], a.state) for a in report.actions] == [(100, A.COMPLETED)]
+    assert pay.refund_count("K-1") == 1
+
+
+async def test_reused_key_with_the_same_arguments_replays(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    async def agent(ctx: tether.Context) -> list[str]:
+        return [await ctx.call(shop.refund, order_id="K-2", cents=5, idempotency_key="k2")
+                for _ in range(3)]
+
+    child = await sup.delegate(agent, tools=shop.tools)
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    refs = await child.result()
+    assert len(set(refs)) == 1 and pay.requests == 1
+    assert len((await child.report()).actions) == 1
+
+
+@pytest.mark.parametrize("key", ["", 7])
+async def test_bad_explicit_key(sup: tether.Supervisor, shop: Shop, key: Any) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(shop.refund, order_id="K-3", cents=5, idempotency_key=key)
+
+    err = await failure_of(await run_child(sup, agent, shop.tools))
+    assert isinstance(err, tether.UserError) and "idempotency_key" in str(err)
+
+
+def test_tool_declarations_are_checked() -> None:
+    def sync_tool(*, idempotency_key: str) -> None:
+        return None
+
+    async def no_key(x: int) -> None:
+        return None
+
+    with pytest.raises(tether.UserError, match="async"):
+        tether.tool(sync_tool)  # type: ignore[arg-type]
+    with pytest.raises(tether.UserError, match="idempotency_key"):
+        tether.tool(no_key)  # EXTERNAL by default, so it must take a key
+    assert tether.tool(effect=tether.Effect.READ_ONLY)(no_key).effect is tether.Effect.READ_ONLY
+    with pytest.raises(tether.UserError, match="DELEGATE"):
+        tether.tool(effect=tether.Effect.DELEGATE)(no_key)
+    with pytest.raises(tether.UserError, match="effect"):
+        tether.tool(effect="EXTERNAL")(no_key)  # type: ignore[arg-type]
+
+
+async def test_control_misuse_changes_nothing(sup: tether.Supervisor, shop: Shop) -> None:
+    shop.gate = asyncio.Event()
+    child = await sup.delegate(shop.refund_agent, "M-1", tools=shop.tools)
+    for grace in (0, -1.0, float("nan"), float("inf"), sup.policy.max_grace + 1):
+        with pytest.raises(tether.UserError, match="grace"):
+            await child.recall(grace=grace)
+    with pytest.raises(tether.StaleSequence) as info:
+        await child.recall(grace=1.0, seq=5)
+    assert info.value.current == 0
+    with pytest.raises(tether.Malformed, match="seq"):
+        await child.terminate(seq=0)
+    row = await sup.journal.get(child.id)
+    assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
+    assert await sup.journal.controls(child.id) == []
+    with pytest.raises(tether.NotFound):
+        await sup.handle_for("d_missing").recall(grace=1.0)
+    shop.gate.set()
+
+
+async def test_a_forged_intent_is_refused_by_the_journal(sup: tether.Supervisor,
+                                                         shop: Shop) -> None:
+    shop.gate = asyncio.Event()
+    child = await sup.delegate(shop.refund_agent, "M-2", tools=shop.tools)
+    stranger = tether.SigningKey.generate()
+    intent = tether.ControlIntent(tether.ControlKind.TERMINATE, child.id, 0, 1, None, "x", 0.0)
+    with pytest.raises(tether.UnknownKey):
+        await sup.journal.accept_control(stranger.sign(intent), sup.keys.trusted, "x", 0.0)
+    good = sup.keys.signer.sign(intent)
+    with pytest.raises(tether.BadSignature):
+        await sup.journal.accept_control(
+            tether.Signed(good.body.replace(b'"x"', b'"y"'), good.key_id, good.signature),
+            sup.keys.trusted, "x", 0.0)
+    assert (await sup.journal.get(child.id)).control_seq == 0
+    shop.gate.set()
+
+
+async def test_task_ids_cannot_be_reused(sup: tether.Supervisor, shop: Shop) -> None:
+    shop.gate = asyncio.Event()
+    await sup.delegate(shop.refund_agent, "M-3", tools=shop.tools, task_id="refund-M-3")
+    with pytest.raises(tether.UserError, match="re-delegate"):
+        await sup.delegate(shop.refund_agent, "M-3", tools=shop.tools, task_id="refund-M-3")
+    assert len(await sup.journal.delegations()) == 1
+    shop.gate.set()
+
+
+async def test_a_closed_supervisor_refuses_work(journal_url: str, shop: Shop) -> None:
+    sup = tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral())
+    with pytest.raises(tether.UserError, match="not open"):
+        await sup.delegate(shop.refund_agent, "M-4", tools=shop.tools)
+
+
+async def test_tool_failure_modes(sup: tether.Supervisor, pay: PaymentService,
+                                  clock: VirtualClock) -> None:
+    """ToolRejected proves nothing applied (FAILED); any other error may have applied, so the
+    action is IN_DOUBT and probed once the child ends."""
+
+    @tether.tool(probe=pay.lookup)
+    async def declined(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        raise tether.ToolRejected("card declined")
+
+    @tether.tool(probe=pay.lookup)
+    async def flaky(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+        raise ConnectionResetError("reply lost")
+
+    async def agent(ctx: tether.Context) -> None:
+        with pytest.raises(tether.ToolRejected):
+            await ctx.call(declined, order_id="F-1", cents=1)
+        await ctx.call(flaky, order_id="F-1", cents=2)
+
+    child = await sup.delegate(agent, tools=[declined, flaky])
+    await clock.sleeping(1)
+    clock.advance(1.0)
+    err = await failure_of(child)
+    assert isinstance(err, ConnectionResetError)
+    report = await child.report()
+    assert [(a.tool, a.state) for a in report.actions] == [("declined", A.FAILED),
+                                                            ("flaky", A.COMPLETED)]
+    assert report.actions[1].evidence is not None
+    assert report.outcome is tether.DelegationState.RECONCILED
+
+
+async def test_concurrent_calls_of_one_tool_get_distinct_keys(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    async def agent(ctx: tether.Context) -> list[str]:
+        return list(await asyncio.gather(
+            *(ctx.call(shop.refund, order_id=f"G-{i}", cents=i) for i in range(4))))
+
+    child = await sup.delegate(agent, tools=shop.tools)
+    await clock.sleeping(4)
+    clock.advance(1.0)
+    assert len(set(await child.result())) == 4
+    keys = [a.idempotency_key for a in (await child.report()).actions]
+    assert len(set(keys)) == 4 and pay.requests == 4
