@@ -50,7 +50,7 @@ async def test_an_undeclared_function_is_not_a_tool(sup: tether.Supervisor) -> N
     err = await failure_of(await run_child(sup, agent, []))
     assert isinstance(err, tether.UserError) and "@tether.tool" in str(err)
     with pytest.raises(tether.UserError, match="not a tether tool"):
-        await sup.delegate(agent, tools=[plain])
+        await sup.delegate(agent, tools=[plain])  # type: ignore[list-item]
 
 
 async def test_an_unknown_tool_name_is_refused(sup: tether.Supervisor, shop: Shop) -> None:
@@ -133,7 +133,7 @@ def test_tool_declarations_are_checked() -> None:
     with pytest.raises(tether.UserError, match="DELEGATE"):
         tether.tool(effect=tether.Effect.DELEGATE)(no_key)
     with pytest.raises(tether.UserError, match="effect"):
-        tether.tool(effect="EXTERNAL")(no_key)  # type: ignore[arg-type]
+        tether.tool(effect="EXTERNAL")(no_key)  # type: ignore[call-overload]
 
 
 async def test_control_misuse_changes_nothing(sup: tether.Supervisor, shop: Shop) -> None:

@@ -128,7 +128,7 @@ async def test_undeclared_probe_failures_are_unknown_never_guessed(
         sup: tether.Supervisor, clock: VirtualClock) -> None:
     """I3/I8: no probe, a raising probe and a hanging probe all end UNKNOWN with a reason."""
     hang = asyncio.Event()
-    entered = Countdown(3)
+    entered = Countdown(4)
 
     async def bad_probe(**_: object) -> tether.ProbeResult:
         raise RuntimeError("provider down")
@@ -146,10 +146,15 @@ async def test_undeclared_probe_failures_are_unknown_never_guessed(
     t2 = tether.tool(effect=tether.Effect.EXTERNAL, name="raising", probe=bad_probe)(forever)
     t3 = tether.tool(effect=tether.Effect.EXTERNAL, name="hanging", probe=slow_probe)(forever)
 
-    async def agent(ctx: tether.Context) -> None:
-        await asyncio.gather(ctx.call(t1), ctx.call(t2), ctx.call(t3))
+    async def narrow_probe(*, idempotency_key: str) -> tether.ProbeResult:
+        raise AssertionError("unreachable: the tool's arguments do not fit")
 
-    child = await sup.delegate(agent, tools=[t1, t2, t3])
+    t4 = tether.tool(effect=tether.Effect.EXTERNAL, name="misfit", probe=narrow_probe)(forever)
+
+    async def agent(ctx: tether.Context) -> None:
+        await asyncio.gather(ctx.call(t1), ctx.call(t2), ctx.call(t3), ctx.call(t4, order=1))
+
+    child = await sup.delegate(agent, tools=[t1, t2, t3, t4])
     await entered.wait()
     done = asyncio.create_task(child.terminate())
     await clock.sleeping(1, at_least=sup.policy.probe_timeout)  # the hanging probe's timer
@@ -159,8 +164,9 @@ async def test_undeclared_probe_failures_are_unknown_never_guessed(
     assert reasons["no_probe"][0] is A.UNKNOWN and "has no probe" in reasons["no_probe"][1]
     assert reasons["raising"][0] is A.UNKNOWN and "provider down" in reasons["raising"][1]
     assert reasons["hanging"][0] is A.UNKNOWN and "timed out" in reasons["hanging"][1]
+    assert reasons["misfit"][0] is A.UNKNOWN and "could not be called" in reasons["misfit"][1]
     assert report.outcome is tether.DelegationState.NEEDS_ATTENTION
-    assert report.needs_attention and len(report.unknown) == 3
+    assert report.needs_attention and len(report.unknown) == 4
 
 
 async def test_compensation_runs_for_completed_only_and_only_once(

@@ -22,7 +22,11 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
                            {"reason": f"no tool named {action.tool!r} is known to reconcile with"})
     if tool.probe is None:
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"tool {tool.name} has no probe"})
-    call = asyncio.ensure_future(tool.probe(**action.args, idempotency_key=action.idempotency_key))
+    try:
+        call = asyncio.ensure_future(
+            tool.probe(**action.args, idempotency_key=action.idempotency_key))
+    except Exception as exc:  # e.g. a probe whose signature does not fit the tool's arguments
+        return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe could not be called: {exc!r}"})
     timer = asyncio.ensure_future(clock.sleep(limit))
     try:
         await asyncio.wait({call, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -33,9 +37,9 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe timed out after {limit:g}s"})
     if call.cancelled():
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": "probe was cancelled"})
-    exc = call.exception()
-    if exc is not None:
-        return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe raised {exc!r}"})
+    failure = call.exception()
+    if failure is not None:
+        return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe raised {failure!r}"})
     answer = call.result()
     if not isinstance(answer, ProbeResult) or not isinstance(answer.outcome, ProbeOutcome):
         return ProbeResult(ProbeOutcome.UNKNOWN,

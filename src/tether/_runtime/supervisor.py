@@ -139,8 +139,18 @@ class Supervisor:
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
         return task
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        """A failure in background work is recorded in the journal, never dropped."""
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if self._open:
+            self.journal.event(self.clock.wall(), "supervisor_error", None, None,
+                               task=task.get_name(), error=repr(exc))
 
     async def _watch(self) -> None:
         """Learn of control intents written by other processes (``tether recall``) and keep

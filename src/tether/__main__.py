@@ -1,0 +1,3 @@
+from tether._cli.app import main
+
+main()

@@ -1,0 +1,192 @@
+"""The CLI: control from another process, listings, and one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import tether
+from tether._cli.app import app
+from tether.testing import PaymentService
+
+from .conftest import events_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def tether_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", *args, cwd=ROOT, env={**os.environ},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_recall_from_another_process(journal_url: str) -> None:
+    """The running supervisor learns of the CLI's signed intent from the journal, lets the
+    in-flight action finish, and the CLI prints the report; the next call is refused."""
+    pay = PaymentService(latency=0.0)
+    outcome: list[BaseException] = []
+
+    async with tether.Supervisor(journal_url) as sup:
+        waiter = events_of(sup)
+
+        @tether.tool(probe=pay.lookup)
+        async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+            await waiter("drain", child_id[0]).wait()  # finishes only once the recall is seen
+            return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+        async def agent(ctx: tether.Context) -> None:
+            await ctx.call(refund, order_id="X-1", cents=5)
+            try:
+                await ctx.call(refund, order_id="X-1", cents=6)
+            except BaseException as exc:
+                outcome.append(exc)
+                raise
+
+        child_id: list[str] = []
+        child = await sup.delegate(agent, tools=[refund])
+        child_id.append(child.id)
+        code, out, err = await tether_cli("recall", child.id, "--grace", "30", "--reason",
+                                          "from the shell", "--journal", journal_url, "--json")
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["seq"] == 1
+        report = answer["report"]
+        assert report["outcome"] == "RECALLED"
+        assert [a["state"] for a in report["actions"]] == ["COMPLETED"]
+        assert isinstance(outcome[0], tether.Recalled)
+        assert pay.refund_count("X-1") == 1
+
+
+async def test_terminate_from_another_process(journal_url: str) -> None:
+    pay = PaymentService(latency=0.0)
+    async with tether.Supervisor(journal_url, tools=[]) as sup:
+        entered = asyncio.Event()
+
+        @tether.tool(probe=pay.lookup)
+        async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
+            entered.set()
+            await asyncio.Event().wait()
+
+        async def agent(ctx: tether.Context) -> None:
+            await ctx.call(hang, order_id="X-2", cents=1)
+
+        child = await sup.delegate(agent, tools=[hang])
+        await entered.wait()
+        code, out, err = await tether_cli("terminate", child.id, "--journal", journal_url,
+                                          "--json")
+        assert code == 0, err
+        report = json.loads(out)["report"]
+        assert report["outcome"] == "RECONCILED"
+        assert report["actions"][0]["state"] == "NOT_APPLIED"
+        assert report["actions"][0]["evidence"]["provider"] == "no entry for key"
+
+
+async def test_listing_and_show_with_verified_intents(journal_url: str, shop: Any) -> None:
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        child = await sup.delegate(shop.refund_agent, "L-1", tools=shop.tools)
+        await child.terminate("done here")
+    code, out, _ = await tether_cli("ls", "--journal", journal_url, "--json")
+    assert code == 0
+    assert [(r["id"], r["state"]) for r in json.loads(out)] == [(child.id, "TERMINATED")]
+    code, out, _ = await tether_cli("show", child.id, "--journal", journal_url, "--json")
+    data = json.loads(out)
+    assert [i["kind"] for i in data["intents"]] == ["TERMINATE"]
+    assert data["intents"][0]["verified"] == "ok"
+    assert data["intents"][0]["body"]["reason"] == "done here"
+    code, out, _ = await tether_cli("show", child.id, "--journal", journal_url)
+    assert code == 0 and "verified" in out and "TERMINATE" in out
+
+
+async def test_show_flags_an_intent_whose_key_is_no_longer_trusted(journal_url: str,
+                                                                   shop: Any,
+                                                                   tmp_path: Path) -> None:
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        child = await sup.delegate(shop.refund_agent, "L-2", tools=shop.tools)
+        await child.terminate()
+    tether.KeyRing.init(tmp_path / "other-keys")
+    _, out, _ = await tether_cli("show", child.id, "--journal", journal_url, "--json",
+                                 "--keys", str(tmp_path / "other-keys"))
+    assert "REFUSED" in json.loads(out)["intents"][0]["verified"]
+
+
+runner = CliRunner()
+
+
+def one_line_error(args: list[str]) -> str:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    return lines[0]
+
+
+def test_user_errors_are_one_line(tmp_path: Path) -> None:
+    journal = f"sqlite:///{tmp_path / 'j.db'}"
+    text = tmp_path / "notes.txt"
+    text.write_text("not a journal")
+    assert "no journal" in one_line_error(["ls", "--journal", journal])
+    assert "not a tether journal" in one_line_error(["ls", "--journal", f"sqlite:///{text}"])
+    assert "not understood" in one_line_error(["ls", "--journal", "mysql://x"])
+    assert "grace" in one_line_error(["recall", "d_x", "--grace", "nan", "--journal", journal])
+    assert "grace" in one_line_error(["recall", "d_x", "--grace", "0", "--journal", journal])
+    assert "module:attribute" in one_line_error(["reconcile", "--tools", "nocolon",
+                                                 "--journal", journal])
+    assert "no signing key" in one_line_error(["keys", "show", "--keys", str(tmp_path / "k")])
+    assert text.read_text() == "not a journal"
+
+
+@pytest.mark.parametrize("args", [["recall", "d_missing"], ["show", "d_missing"],
+                                  ["terminate", "d_missing"]])
+async def test_unknown_delegation_is_one_line(journal_url: str, args: list[str]) -> None:
+    async with tether.Supervisor(journal_url):
+        pass
+    code, out, err = await tether_cli(*args, "--journal", journal_url)
+    assert code == 2
+    assert err.strip().startswith("error:") and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err + out
+
+
+def test_keys_init_refuses_to_overwrite(tmp_path: Path) -> None:
+    first = runner.invoke(app, ["keys", "init", "--keys", str(tmp_path)])
+    assert first.exit_code == 0
+    before = (tmp_path / "signing.json").read_bytes()
+    assert "refusing" in one_line_error(["keys", "init", "--keys", str(tmp_path)])
+    assert (tmp_path / "signing.json").read_bytes() == before
+    shown = runner.invoke(app, ["keys", "show", "--keys", str(tmp_path), "--json"])
+    data = json.loads(shown.output)
+    assert data["signing"] in data["trusted"]
+
+
+def test_usage_errors_exit_nonzero_without_traceback() -> None:
+    result = runner.invoke(app, ["recall"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+async def test_demo_prevents_each_failure_and_reports_counts(tmp_path: Path) -> None:
+    journal = f"sqlite:///{tmp_path / 'demo.db'}"
+    code, out, err = await tether_cli("demo", "--json", "--journal", journal)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] and data["journal"] == str(tmp_path / "demo.db")
+    assert [s["id"] for s in data["scenes"]] == ["a", "b", "c"]
+    for scene in data["scenes"]:
+        assert scene["prevented"], scene
+        assert scene["naive"]["duplicated"] >= 1  # the failure really happens without tether
+        t = scene["tether"]
+        assert (t["intended"], t["applied"], t["duplicated"]) == (1, 1, 0)
+        assert scene["tether"]["unrecorded"] == 0
+    code, out, _ = await tether_cli("ls", "--journal", journal, "--json")
+    assert code == 0 and len(json.loads(out)) >= 4

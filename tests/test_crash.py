@@ -1,0 +1,83 @@
+"""Crash: a supervisor killed with SIGKILL mid-payment; the next one reconciles (I3, I8)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import tether
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def killed_mid_payment(tmp_path: Path) -> tuple[str, str, dict[str, str]]:
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    env = {**os.environ, "TETHER_TEST_LEDGER": str(tmp_path / "ledger.db"),
+           "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.crash_tools", journal, env=env, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = (await proc.stdout.readline()).decode().split()
+    assert line[0] == "applied", line
+    proc.send_signal(signal.SIGKILL)
+    assert await proc.wait() == -signal.SIGKILL
+    return journal, line[1], env
+
+
+async def test_next_supervisor_reconciles_a_dead_owners_delegation(
+        tmp_path: Path) -> None:
+    journal, delegation, env = await killed_mid_payment(tmp_path)
+    os.environ["TETHER_TEST_LEDGER"] = env["TETHER_TEST_LEDGER"]
+    try:
+        sys.modules.pop("tests.crash_tools", None)
+        from tests import crash_tools
+
+        async with tether.Supervisor(journal, tools=crash_tools.tools) as sup:
+            report = await sup.report(delegation)
+    finally:
+        del os.environ["TETHER_TEST_LEDGER"]
+        sys.modules.pop("tests.crash_tools", None)
+    (action,) = report.actions
+    assert action.state is tether.ActionState.COMPLETED
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    assert report.outcome is tether.DelegationState.RECONCILED
+    assert report.verdict == "RECOVERED"
+    controls = await _controls(journal, delegation)
+    assert [c["kind"] for c in controls] == ["TERMINATE"]
+
+
+async def _controls(journal: str, delegation: str) -> list[dict[str, str]]:
+    async with tether.Journal(journal, create=False) as j:
+        return [{"kind": c.kind.value} for c in await j.controls(delegation)]
+
+
+async def test_tether_reconcile_cli_uses_the_named_probes(tmp_path: Path) -> None:
+    journal, delegation, env = await killed_mid_payment(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "reconcile", "--journal", journal,
+        "--tools", "tests.crash_tools:tools", "--json", env=env, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    (report,) = json.loads(out)
+    assert report["delegation"] == delegation
+    assert report["outcome"] == "RECONCILED"
+    assert report["completed"] == [report["actions"][0]["id"]]
+
+
+async def test_reconcile_without_probes_says_unknown_never_guesses(tmp_path: Path) -> None:
+    journal, delegation, env = await killed_mid_payment(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "reconcile", delegation, "--journal", journal, "--json",
+        env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    (report,) = json.loads(out)
+    assert report["outcome"] == "NEEDS_ATTENTION"
+    assert report["actions"][0]["state"] == "UNKNOWN"
+    assert "no tool named 'refund'" in report["actions"][0]["evidence"]["reason"]
