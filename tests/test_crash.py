@@ -81,3 +81,40 @@ async def test_reconcile_without_probes_says_unknown_never_guesses(tmp_path: Pat
     assert report["outcome"] == "NEEDS_ATTENTION"
     assert report["actions"][0]["state"] == "UNKNOWN"
     assert "no tool named 'refund'" in report["actions"][0]["evidence"]["reason"]
+
+
+async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(tmp_path: Path) -> None:
+    """A supervisor that stops heartbeating (a paused VM) loses its delegations: the next one
+    terminates and reconciles them, and the paused one's late actions are refused."""
+    from tether.testing import PaymentService, VirtualClock
+
+    clock = VirtualClock()
+    pay = PaymentService(clock, latency=0.0)
+    journal = f"sqlite:///{tmp_path / 'j.db'}"
+    keys = tether.KeyRing.ephemeral()
+    resume = asyncio.Event()
+    refused: list[BaseException] = []
+
+    @tether.tool(probe=pay.lookup)
+    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+    async def agent(ctx: tether.Context) -> None:
+        await resume.wait()  # paused here while the lease runs out
+        try:
+            await ctx.call(refund, order_id="P-1", cents=3)
+        except BaseException as exc:
+            refused.append(exc)
+            raise
+
+    async with tether.Supervisor(journal, clock=clock, keys=keys) as paused:
+        child = await paused.delegate(agent, tools=[refund])
+        clock.advance(paused.policy.lease + 1)
+        async with tether.Supervisor(journal, clock=clock, keys=keys, tools=[refund]) as fresh:
+            report = await fresh.report(child.id)
+            assert report.verdict == "RECOVERED"
+            assert report.outcome is tether.DelegationState.TERMINATED
+        resume.set()
+        await child.wait()
+    assert isinstance(refused[0], tether.Fenced | tether.Recalled)
+    assert pay.entries() == []
