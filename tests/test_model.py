@@ -20,10 +20,17 @@ A = tether.ActionState
 
 def test_terminal_delegations_only_move_to_reconciliation() -> None:
     for state in S:
-        if state.terminal and state not in (S.RECONCILED, S.NEEDS_ATTENTION):
+        if state.terminal and state not in (S.RECONCILED, S.NEEDS_ATTENTION, S.CANCELLED):
             with pytest.raises(tether.AlreadyFinished):
                 check_delegation_move("d", state, S.RECALLING)
             check_delegation_move("d", state, S.RECONCILED)
+
+
+def test_a_cancelled_attempt_never_moves_again() -> None:
+    # It was torn down before its code ran: nothing of it can need reconciling.
+    for state in S:
+        with pytest.raises(tether.InvalidTransition):
+            check_delegation_move("d", S.CANCELLED, state)
 
 
 def test_recall_twice_is_an_invalid_transition_but_terminate_escalates() -> None:

@@ -35,6 +35,17 @@ from tether._core.model import (
     Policy,
     ProbeOutcome,
 )
+from tether._core.redispatch import (
+    UNRESTRICTED,
+    CeilingReached,
+    Code,
+    CutReason,
+    Partial,
+    RedispatchDecision,
+    RedispatchPolicy,
+    StreamCut,
+    decide_redispatch,
+)
 from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.verdict import (
@@ -50,29 +61,36 @@ from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.supervisor import Supervisor
+from tether._runtime.telemetry import HookEvent, Hooks
 from tether._runtime.tools import Agent, ProbeResult, Tool, agent, tool
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_URL",
+    "UNRESTRICTED",
     "Acknowledgement",
     "ActionRecord",
     "ActionState",
     "Agent",
     "AlreadyFinished",
     "BadSignature",
+    "CeilingReached",
     "Clock",
+    "Code",
     "Context",
     "ControlIntent",
     "ControlKind",
     "ControlRefused",
     "ControlSignal",
+    "CutReason",
     "DelegationError",
     "DelegationState",
     "Effect",
     "Fenced",
     "Handle",
+    "HookEvent",
+    "Hooks",
     "IdempotencyConflict",
     "InvalidTransition",
     "Journal",
@@ -86,18 +104,22 @@ __all__ = [
     "NoEffectsReceipt",
     "NotAJournal",
     "NotFound",
+    "Partial",
     "Policy",
     "ProbeOutcome",
     "ProbeResult",
     "RecallDecision",
     "RecallInput",
     "Recalled",
+    "RedispatchDecision",
+    "RedispatchPolicy",
     "Report",
     "SchemaTooNew",
     "Signed",
     "SigningKey",
     "StaleEpoch",
     "StaleSequence",
+    "StreamCut",
     "Supervisor",
     "SystemClock",
     "Terminated",
@@ -110,6 +132,7 @@ __all__ = [
     "Verdict",
     "__version__",
     "agent",
+    "decide_redispatch",
     "evaluate_recall",
     "tool",
 ]

@@ -69,6 +69,8 @@ class DelegationState(StrEnum):
     TERMINATED = "TERMINATED"
     RECONCILED = "RECONCILED"
     NEEDS_ATTENTION = "NEEDS_ATTENTION"
+    SUCCEEDED_PARTIAL = "SUCCEEDED_PARTIAL"  # a cut stream's salvaged output is the result
+    CANCELLED = "CANCELLED"  # a re-dispatched attempt torn down before its code ran
 
     @property
     def terminal(self) -> bool:
@@ -83,18 +85,23 @@ DELEGATION_TERMINAL = frozenset(
         DelegationState.TERMINATED,
         DelegationState.RECONCILED,
         DelegationState.NEEDS_ATTENTION,
+        DelegationState.SUCCEEDED_PARTIAL,
+        DelegationState.CANCELLED,
     }
 )
 
 _S = DelegationState
 _FINISH = frozenset({_S.RECONCILED, _S.NEEDS_ATTENTION})
 _DELEGATION_MOVES: dict[DelegationState, frozenset[DelegationState]] = {
-    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.RECALLING, _S.TERMINATING}) | _FINISH,
+    _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.RECALLING, _S.TERMINATING,
+                           _S.SUCCEEDED_PARTIAL, _S.CANCELLED}) | _FINISH,
     _S.RECALLING: frozenset({_S.RECALLED, _S.TERMINATING}) | _FINISH,
     _S.TERMINATING: frozenset({_S.TERMINATED}) | _FINISH,
     # A finished child whose own actions were in doubt is reconciled afterwards.
     _S.SUCCEEDED: _FINISH,
+    _S.SUCCEEDED_PARTIAL: _FINISH,
     _S.FAILED: _FINISH,
+    _S.CANCELLED: frozenset(),
     _S.RECALLED: _FINISH,
     _S.TERMINATED: _FINISH,
     _S.NEEDS_ATTENTION: frozenset({_S.RECONCILED}),

@@ -124,8 +124,19 @@ class Journal:
         return await self._read(ops.subtree, root_id)
 
     async def set_state(self, delegation_id: str, state: DelegationState, now: float,
-                        result: Any = None, error: str | None = None) -> DelegationRow:
-        return await self._write(ops.set_state, delegation_id, state, now, result, error)
+                        result: Any = None, error: str | None = None,
+                        failure: str | None = None) -> DelegationRow:
+        return await self._write(ops.set_state, delegation_id, state, now, result, error,
+                                 failure)
+
+    async def bump_cancel(self, task_id: str, now: float, why: str) -> int:
+        return await self._write(ops.bump_cancel, task_id, now, why)
+
+    async def cancel_generation(self, task_id: str) -> int:
+        return await self._read(ops.cancel_generation, task_id)
+
+    async def tools_ran(self, root_id: str) -> int:
+        return await self._read(ops.tools_ran, root_id)
 
     # -- control ------------------------------------------------------------------------------
     async def accept_control(self, signed: Signed, trusted: TrustedKeys, issuer: str,

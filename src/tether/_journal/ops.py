@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     IdempotencyConflict,
+    InvalidTransition,
     KeyInUse,
     NotFound,
     StaleEpoch,
@@ -63,7 +64,7 @@ SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
 
 _DELEGATION_COLS = (
     "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
-    "control_seq, created_at, updated_at, result, error"
+    "control_seq, created_at, updated_at, result, error, failure, model, trace_id, ended_at"
 )
 _ACTION_COLS = (
     "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
@@ -77,6 +78,7 @@ def _delegation(row: Any) -> DelegationRow:
         surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
         state=DelegationState(row[9]), fenced=bool(row[10]), control_seq=row[11],
         created_at=row[12], updated_at=row[13], result=loads(row[14]), error=row[15],
+        failure=row[16], model=row[17], trace_id=row[18], ended_at=row[19],
     )
 
 
@@ -149,8 +151,11 @@ def subtree(db: Db, root_id: str) -> list[DelegationRow]:
 
 
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
-    """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), or a
-    child under a parent that is neither fenced nor stale (I2, I10)."""
+    """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), a
+    re-dispatch of a failed attempt, or a child under a parent that is neither fenced nor stale
+    (I2, I10)."""
+    if new.retry_of is not None:
+        return _create_attempt(db, new)
     if new.redelegate_from_epoch is not None:
         cur = db.execute(
             "UPDATE tasks SET epoch = epoch + 1 WHERE id = ? AND epoch = ?",
@@ -177,20 +182,13 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
             raise UserError(
                 f"task {new.task_id!r} already exists; re-delegate it instead of reusing the id"
             )
-    values = (
-        new.id, new.task_id, new.parent_id, epoch, new.attempt, new.agent, dumps(list(new.surface)),
-        dumps(new.args), new.owner_id, DelegationState.RUNNING.value, new.now, new.now,
-    )
-    insert = (
-        "INSERT INTO delegations (id, task_id, parent_id, epoch, attempt, agent, surface, args, "
-        "owner_id, state, created_at, updated_at) "
-    )
+    values = _values(new, epoch)
     if new.parent_id is None:
-        db.execute(insert + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
-            insert + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
+            _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
             "JOIN tasks t ON t.id = p.task_id "
             "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch",
             (*values, new.parent_id, new.parent_epoch),
@@ -202,6 +200,66 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     return get_delegation(db, new.id)
 
 
+_INSERT = (
+    "INSERT INTO delegations (id, task_id, parent_id, epoch, attempt, agent, surface, args, "
+    "owner_id, state, created_at, updated_at, model, trace_id) "
+)
+
+
+def _values(new: NewDelegation, epoch: int) -> tuple[Any, ...]:
+    return (
+        new.id, new.task_id, new.parent_id, epoch, new.attempt, new.agent,
+        dumps(list(new.surface)), dumps(new.args), new.owner_id, DelegationState.RUNNING.value,
+        new.now, new.now, new.model, new.trace_id,
+    )
+
+
+def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
+    """A fresh child for the next attempt: only if the failed attempt is FAILED, still at the
+    task's current epoch, and nobody forked its successor already (one statement)."""
+    prior = get_delegation(db, str(new.retry_of))
+    cur = db.execute(
+        _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
+        "JOIN tasks t ON t.id = f.task_id "
+        "WHERE f.id = ? AND f.state = 'FAILED' AND f.epoch = t.epoch AND NOT EXISTS "
+        "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
+        "AND n.attempt > f.attempt)",
+        (*_values(new, prior.epoch), new.retry_of),
+    )
+    if cur.rowcount != 1:
+        raise InvalidTransition(prior.id, prior.state.value, "re-dispatched")
+    event(db, new.now, "delegated", new.id, task=new.task_id, epoch=prior.epoch,
+          attempt=new.attempt, parent=new.parent_id, agent=new.agent, retry_of=new.retry_of)
+    return get_delegation(db, new.id)
+
+
+def bump_cancel(db: Db, task_id: str, now: float, why: str) -> int:
+    cur = db.execute("UPDATE tasks SET cancel_gen = cancel_gen + 1 WHERE id = ?", (task_id,))
+    if cur.rowcount != 1:
+        raise NotFound(f"no task {task_id!r} in this journal")
+    event(db, now, "cancel_requested", None, None, task=task_id, why=why)
+    return cancel_generation(db, task_id)
+
+
+def cancel_generation(db: Db, task_id: str) -> int:
+    row = db.execute("SELECT cancel_gen FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no task {task_id!r} in this journal")
+    return int(row[0])
+
+
+def tools_ran(db: Db, root_id: str) -> int:
+    """Every tool call of the subtree, READ_ONLY ones (journaled as events) and delegations
+    included: zero means the journal proves that no tool ran at all."""
+    row = db.execute(
+        f"{SUBTREE} SELECT (SELECT COUNT(*) FROM actions WHERE delegation_id IN "
+        "(SELECT id FROM sub)) + (SELECT COUNT(*) FROM events WHERE kind = 'read' AND "
+        "delegation_id IN (SELECT id FROM sub)) + (SELECT COUNT(*) - 1 FROM sub)",
+        (root_id,),
+    ).fetchone()
+    return int(row[0])
+
+
 class FenceRefused(Exception):
     """The fence refused a child delegation: the parent is fenced or stale (I2, I10)."""
 
@@ -211,16 +269,19 @@ class FenceRefused(Exception):
 
 
 def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
-              result: Any = None, error: str | None = None) -> DelegationRow:
+              result: Any = None, error: str | None = None,
+              failure: str | None = None) -> DelegationRow:
     row = get_delegation(db, delegation_id)
     if row.state is new:
         return row
     check_delegation_move(delegation_id, row.state, new)
     db.execute(
         "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
-        "error = COALESCE(?, error), fenced = CASE WHEN ? THEN 1 ELSE fenced END WHERE id = ?",
-        (new.value, now, None if result is None else dumps(result), error, new.terminal,
-         delegation_id),
+        "error = COALESCE(?, error), failure = COALESCE(?, failure), "
+        "fenced = CASE WHEN ? THEN 1 ELSE fenced END, "
+        "ended_at = CASE WHEN ? THEN COALESCE(ended_at, ?) ELSE ended_at END WHERE id = ?",
+        (new.value, now, None if result is None else dumps(result), error, failure,
+         new.terminal, new.terminal, now, delegation_id),
     )
     event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
     return get_delegation(db, delegation_id)
@@ -246,6 +307,8 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     )
     if cur.rowcount != 1:  # another writer moved first (only possible across processes)
         raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq + 1)
+    # A re-dispatch in preparation must see this request (I6).
+    db.execute("UPDATE tasks SET cancel_gen = cancel_gen + 1 WHERE id = ?", (row.task_id,))
     # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
     db.execute(
         f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "

@@ -35,6 +35,10 @@ class NewDelegation:
     redelegate_from_epoch: int | None = None
     # For a child: the parent's epoch, checked with the parent's fence in the same statement.
     parent_epoch: int | None = None
+    # For a re-dispatch: the failed attempt this one replaces, at the same task and epoch.
+    retry_of: str | None = None
+    model: str | None = None
+    trace_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class DelegationRow:
     updated_at: float
     result: Any
     error: str | None
+    failure: str | None = None
+    model: str | None = None
+    trace_id: str | None = None
+    ended_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +81,10 @@ class DelegationRow:
             "updated_at": self.updated_at,
             "result": self.result,
             "error": self.error,
+            "failure": self.failure,
+            "model": self.model,
+            "trace_id": self.trace_id,
+            "ended_at": self.ended_at,
         }
 
 

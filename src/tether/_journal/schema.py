@@ -16,7 +16,10 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         """CREATE TABLE owners (
             id TEXT PRIMARY KEY, pid INTEGER NOT NULL, host TEXT NOT NULL,
             started_at REAL NOT NULL, heartbeat_at REAL NOT NULL)""",
-        """CREATE TABLE tasks (id TEXT PRIMARY KEY, epoch INTEGER NOT NULL)""",
+        # cancel_gen: bumped by every cancel, recall or terminate of the task, even between
+        # attempts, so a re-dispatch can tell that somebody asked it to stop (I6).
+        """CREATE TABLE tasks (id TEXT PRIMARY KEY, epoch INTEGER NOT NULL,
+            cancel_gen INTEGER NOT NULL DEFAULT 0)""",
         """CREATE TABLE delegations (
             id TEXT PRIMARY KEY,
             task_id TEXT NOT NULL REFERENCES tasks(id),
@@ -33,7 +36,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             created_at REAL NOT NULL,
             updated_at REAL NOT NULL,
             result TEXT,
-            error TEXT)""",
+            error TEXT,
+            failure TEXT,
+            model TEXT,
+            trace_id TEXT,
+            ended_at REAL)""",
         """CREATE INDEX delegations_parent ON delegations(parent_id)""",
         """CREATE INDEX delegations_task ON delegations(task_id)""",
         """CREATE INDEX delegations_state ON delegations(state)""",

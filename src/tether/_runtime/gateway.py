@@ -17,10 +17,15 @@ from typing import TYPE_CHECKING, Any
 from tether._core.documents import canonical
 from tether._core.errors import ControlSignal, Fenced, ToolRejected, UserError
 from tether._core.model import ActionState, Effect
+from tether._core.redispatch import UNRESTRICTED
 from tether._journal.rows import Begin, DelegationRow, NewAction
+from tether._runtime.telemetry import end
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from tether._runtime.attempts import TaskRun
     from tether._runtime.handle import Handle
     from tether._runtime.supervisor import Supervisor
 
@@ -39,7 +44,7 @@ class ChildRuntime:
 
     row: DelegationRow
     agent: Agent
-    surface: dict[str, Tool | Agent]
+    surface: dict[str, Tool | Agent | str]
     parent: ChildRuntime | None = None
     task: asyncio.Task[Any] | None = None
     inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
@@ -49,6 +54,9 @@ class ChildRuntime:
     calls: int = 0  # journaled calls so far: orders this delegation's actions
     effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
     draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
+    run: TaskRun | None = None  # the task this attempt belongs to
+    generation: int = 0  # the task's cancel generation when its first attempt started
+    span: Span | None = None
 
     @property
     def id(self) -> str:
@@ -97,7 +105,13 @@ class Context:
         if not isinstance(item, str | Tool | Agent):
             raise UserError(f"{item!r} is not a tether tool; wrap it with @tether.tool")
         name = item if isinstance(item, str) else surface_name(item)
-        found = self._rt.surface.get(name)
+        surface = self._rt.surface
+        found = surface.get(name)
+        if found is None and UNRESTRICTED in surface and isinstance(item, Tool | Agent):
+            return item  # an unrestricted surface admits any declared tool
+        if isinstance(found, str):
+            raise UserError(f"tool {name!r} is granted but not declared with @tether.tool, "
+                            "so tether cannot mediate it")
         if found is None or (not isinstance(item, str) and found is not item):
             raise UserError(
                 f"tool {name!r} is not in the surface of delegation {self.delegation_id}"
@@ -110,7 +124,11 @@ class Context:
         if isinstance(found, Agent):
             raise UserError(f"{found.grant} is an agent: use ctx.delegate to start it")
         self.check()
+        sup, rt = self._sup, self._rt
         if not found.effect.journaled:
+            # Not journaled as an action, but recorded: the journal can then prove that no
+            # tool at all ran in an attempt (I6).
+            sup.journal.event(sup.clock.wall(), "read", rt.id, None, tool=found.name)
             return await found.fn(**kwargs)
         try:
             args_json = canonical(kwargs).decode()
@@ -119,7 +137,6 @@ class Context:
         if idempotency_key is not None and (not isinstance(idempotency_key, str)
                                             or not idempotency_key):
             raise UserError("idempotency_key must be a non-empty string")
-        rt = self._rt
         # Reserved before any await, so concurrent calls of one child get distinct keys.
         ordinal, order = rt.ordinals[found.name], rt.calls
         rt.ordinals[found.name] += 1
@@ -145,6 +162,7 @@ class Context:
             return begun.result
         if found.effect.side_effecting:
             rt.effects_started += 1
+        sup.telemetry.actions.add(1, {"effect": found.effect.value, "tool": found.name})
         task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs))
         rt.inflight[begun.action_id] = task
         task.add_done_callback(_forget(rt, begun.action_id))
@@ -152,15 +170,24 @@ class Context:
         return await asyncio.shield(task)
 
     async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any]) -> Any:
-        journal, clock = self._sup.journal, self._sup.clock
+        journal, clock, rt = self._sup.journal, self._sup.clock, self._rt
+        span = self._sup.telemetry.action_span(rt.span, tool.name, tool.effect.value,
+                                               rt.row.task_id, rt.row.attempt)
+        span.set_attribute("tether.action", action_id)
         try:
             result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:
             journal.finish_action(action_id, ActionState.FAILED, clock.wall(), error=str(exc))
+            end(span, outcome=ActionState.FAILED.value)
             raise
         except Exception as exc:  # it may have applied: reconciliation decides
             journal.finish_action(action_id, ActionState.IN_DOUBT, clock.wall(), error=repr(exc))
+            end(span, outcome=ActionState.IN_DOUBT.value)
             raise
+        except asyncio.CancelledError:
+            end(span, outcome="CANCELLED")
+            raise
+        end(span, outcome=ActionState.COMPLETED.value)
         try:
             canonical(result)
             stored = result

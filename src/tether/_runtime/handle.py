@@ -1,13 +1,15 @@
-"""The orchestrator's handle on one delegation."""
+"""The orchestrator's handle on one delegated task, across its attempts."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
-from tether._core.errors import AlreadyFinished, DelegationError, InvalidTransition, UserError
-from tether._core.model import ControlKind
+from tether._core.errors import AlreadyFinished, InvalidTransition, UserError
+from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow, NewDelegation
+from tether._runtime.attempts import TaskRun, result_of
 from tether._runtime.gateway import ChildRuntime, new_id
 
 if TYPE_CHECKING:
@@ -15,61 +17,98 @@ if TYPE_CHECKING:
 
 
 class Handle:
-    def __init__(self, supervisor: Supervisor, row: DelegationRow) -> None:
+    """``id``, ``attempt`` and the control methods follow the task's current attempt: a
+    re-dispatched child is a fresh delegation, and the handle moves on to it."""
+
+    def __init__(self, supervisor: Supervisor, row: DelegationRow,
+                 run: TaskRun | None = None) -> None:
         self._sup = supervisor
-        self.id = row.id
-        self.task_id = row.task_id
-        self.epoch = row.epoch
-        self.attempt = row.attempt
+        self._row = row
+        self._run = run
 
     @classmethod
     def detached(cls, supervisor: Supervisor, delegation_id: str) -> Handle:
-        """A handle known only by id; its fields fill in from the journal when used."""
+        """A handle known only by id (say, from ``tether ls``), for control and reports."""
         handle = cls.__new__(cls)
-        handle._sup = supervisor
-        handle.id = delegation_id
-        handle.task_id = ""
-        handle.epoch = -1
-        handle.attempt = 0
+        handle._sup, handle._run = supervisor, None
+        handle._row = DelegationRow(delegation_id, "", None, -1, 0, "", (), None, "",
+                                    DelegationState.RUNNING, False, 0, 0.0, 0.0, None, None)
         return handle
 
+    @property
+    def _current(self) -> DelegationRow:
+        return self._run.current.row if self._run is not None else self._row
+
+    @property
+    def id(self) -> str:
+        return self._current.id
+
+    @property
+    def task_id(self) -> str:
+        return self._current.task_id
+
+    @property
+    def epoch(self) -> int:
+        return self._current.epoch
+
+    @property
+    def attempt(self) -> int:
+        return self._current.attempt
+
+    @property
+    def attempts(self) -> list[str]:
+        """Delegation ids of every attempt forked so far, first to last."""
+        return [rt.id for rt in self._run.attempts] if self._run else [self.id]
+
     def __repr__(self) -> str:
-        return f"<tether.Handle {self.id} task={self.task_id} epoch={self.epoch}>"
+        return f"<tether.Handle {self.id} task={self.task_id} attempt={self.attempt}>"
+
+    async def _stop(self, kind: ControlKind, grace: float | None, reason: str,
+                    seq: int | None) -> Report:
+        try:
+            return await self._sup._control(self.id, kind, grace, reason, seq)
+        except AlreadyFinished:
+            # Between attempts nothing runs, yet the request must stop a re-dispatch.
+            await self._cancel_gap(f"{kind.value.lower()}: {reason}")
+            return await self.report()
+
+    async def _cancel_gap(self, why: str) -> None:
+        if self._run is not None and not self._run.done.done():
+            await self._sup.journal.bump_cancel(self.task_id, self._sup.clock.wall(), why)
+            self._run.cut_short.set()
 
     async def recall(self, grace: float, reason: str = "", *, seq: int | None = None) -> Report:
         """Stop new work; let in-flight actions finish within ``grace`` seconds; then account
         for every action. A delegation that already finished returns its report unchanged."""
-        try:
-            return await self._sup._control(self.id, ControlKind.RECALL, grace, reason, seq)
-        except AlreadyFinished:
-            return await self.report()
+        return await self._stop(ControlKind.RECALL, grace, reason, seq)
 
     async def terminate(self, reason: str = "", *, seq: int | None = None) -> Report:
         """Kill now; in-flight actions become IN_DOUBT and are probed."""
-        try:
-            return await self._sup._control(self.id, ControlKind.TERMINATE, None, reason, seq)
-        except AlreadyFinished:
-            return await self.report()
+        return await self._stop(ControlKind.TERMINATE, None, reason, seq)
+
+    async def cancel(self, reason: str = "") -> Report:
+        """Terminate the current attempt if it runs, and in any case stop any re-dispatch."""
+        await self._cancel_gap(f"cancel: {reason}")
+        return await self._stop(ControlKind.TERMINATE, None, reason, None)
+
+    def _local(self) -> TaskRun:
+        if self._run is None:
+            raise UserError(f"delegation {self.id} does not run in this process")
+        return self._run
 
     async def wait(self) -> None:
-        """Wait until the child's own code has ended (returned, raised or been stopped)."""
-        rt = self._sup.runtime(self.id)
-        if rt is None or rt.task is None:
-            raise UserError(f"delegation {self.id} does not run in this process")
-        await rt.task
-        if rt.draining is not None:
-            await rt.draining
+        """Wait until the task's last attempt has ended and been accounted for."""
+        run = self._local()
+        await asyncio.wait([run.done])
+        if run.current.draining is not None:
+            await asyncio.gather(run.current.draining, return_exceptions=True)
 
     async def result(self) -> Any:
-        """The child's return value; DelegationError if it failed or was stopped."""
-        rt = self._sup.runtime(self.id)
-        if rt is None or rt.task is None:
-            raise UserError(f"delegation {self.id} does not run in this process")
-        ok, value = await rt.task
-        if ok:
-            return value
-        reason = type(value).__name__ if isinstance(value, BaseException) else str(value)
-        raise DelegationError(self.id, self.task_id, self.attempt, f"{reason}: {value}") from value
+        """The last attempt's result, unchanged (a ``Partial`` for a salvaged cut stream);
+        DelegationError if the task failed or was stopped."""
+        run = self._local()
+        ok, value = await asyncio.shield(run.done)
+        return result_of(ok, value, run.current)
 
     async def report(self) -> Report:
         return await self._sup.report(self.id)
@@ -87,7 +126,9 @@ class Handle:
         new = await sup.journal.create_delegation(NewDelegation(
             id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
             agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
-            now=sup.clock.wall(), redelegate_from_epoch=self.epoch,
+            now=sup.clock.wall(), redelegate_from_epoch=self.epoch, model=row.model,
         ))
+        policy = rt.run.policy if rt.run else sup.redispatch
         return await sup._launch(ChildRuntime(new, rt.agent, rt.surface),
-                                 row.args["args"], row.args["kwargs"])
+                                 row.args["args"], row.args["kwargs"], policy)
+

@@ -7,7 +7,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tether._core.documents import (
     Acknowledgement,
@@ -23,18 +23,25 @@ from tether._core.errors import (
     UserError,
 )
 from tether._core.model import ControlKind, DelegationState, Policy, check_grace
+from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._core.verdict import RecallInput, Verdict, evaluate_recall
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
+from tether._runtime.attempts import TaskRun, drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock, first_of
 from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_id
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report, probe_all, settle_subtree
+from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.trace import TracerProvider
 
 T = TypeVar("T")
 
@@ -65,7 +72,10 @@ class Supervisor:
     def __init__(self, journal: str | Journal = DEFAULT_URL, *, clock: Clock | None = None,
                  keys: KeyRing | None = None, policy: Policy | None = None,
                  tools: Iterable[Tool] = (), durable: bool = True,
-                 control_poll: float = 0.05, recover: bool = True) -> None:
+                 control_poll: float = 0.05, recover: bool = True,
+                 redispatch: RedispatchPolicy | None = None, hooks: Hooks | None = None,
+                 tracer_provider: TracerProvider | None = None,
+                 meter_provider: MeterProvider | None = None) -> None:
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -81,6 +91,9 @@ class Supervisor:
         self._open = False
         self._recover_on_start = recover
         self._listeners: list[Callable[[str, str], None]] = []
+        self.redispatch = redispatch or RedispatchPolicy()
+        self.hooks = hooks or Hooks()
+        self.telemetry = Telemetry(tracer_provider, meter_provider)
 
     @property
     def keys(self) -> KeyRing:
@@ -97,11 +110,22 @@ class Supervisor:
         for callback in self._listeners:
             callback(event, delegation_id)
 
-    def _learn(self, items: Iterable[Tool | Agent]) -> None:
+    async def run_hook(self, name: str, event: HookEvent) -> None:
+        """Await a user hook; its failure is journaled and never breaks the accounting."""
+        hook = getattr(self.hooks, name)
+        if hook is None:
+            return
+        try:
+            await hook(event)
+        except Exception as exc:
+            self.journal.event(self.clock.wall(), "hook_error", event.delegation_id, None,
+                               hook=name, error=repr(exc))
+
+    def _learn(self, items: Iterable[Tool | Agent | str]) -> None:
         for item in items:
             if isinstance(item, Tool):
                 self._tools.setdefault(item.name, item)
-            else:
+            elif isinstance(item, Agent):
                 self._learn(item.tools)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -170,10 +194,12 @@ class Supervisor:
 
     # -- delegation -----------------------------------------------------------------------------
     async def delegate(self, agent: Agent | AgentFn, /, *args: Any,
-                       tools: Iterable[Tool | Agent] | None = None, task_id: str | None = None,
-                       **kwargs: Any) -> Handle:
+                       tools: Iterable[Tool | Agent | str] | None = None,
+                       task_id: str | None = None, model: str | None = None,
+                       redispatch: RedispatchPolicy | None = None, **kwargs: Any) -> Handle:
         """Start ``agent(ctx, *args, **kwargs)`` as a child. Returns once the delegation is
-        durable and the child has started."""
+        durable and the child has started. ``redispatch`` overrides the supervisor's policy for
+        a child whose model stream is cut; ``model`` is recorded for ``tether trace analyze``."""
         if not self._open:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         ag = as_agent(agent, tools)
@@ -184,9 +210,10 @@ class Supervisor:
         row = await self.journal.create_delegation(NewDelegation(
             id=new_id("d"), task_id=task_id or new_id("t"), parent_id=None, attempt=1,
             agent=ag.name, surface=tuple(surface), args=payload, owner_id=self.owner_id,
-            now=self.clock.wall(),
+            now=self.clock.wall(), model=model,
         ))
-        return await self._launch(ChildRuntime(row, ag, surface), args, kwargs)
+        return await self._launch(ChildRuntime(row, ag, surface), args, kwargs,
+                                  redispatch or self.redispatch)
 
     async def _start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
                            kwargs: dict[str, Any]) -> Handle:
@@ -207,17 +234,56 @@ class Supervisor:
         parent.children.append(rt)
         if parent.stop is not None:  # fenced while the insert was queued: never run it
             rt.stop = parent.stop
-        return await self._launch(rt, args, kwargs)
+        return await self._launch(rt, args, kwargs, self.redispatch)
 
-    async def _launch(self, rt: ChildRuntime, args: Sequence[Any],
-                      kwargs: dict[str, Any]) -> Handle:
+    async def _launch(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
+                      policy: RedispatchPolicy) -> Handle:
+        run = TaskRun(rt.row.task_id, policy, rt, [rt],
+                      asyncio.get_running_loop().create_future(),
+                      span=self.telemetry.delegation_span(rt.row.task_id, rt.agent.name))
+        rt.run = rt.run or run
+        rt.generation = await self.journal.cancel_generation(rt.row.task_id)
+        await self.start_attempt(rt, args, kwargs, retry=False)
+        self._spawn(drive(self, run, args, kwargs))
+        return Handle(self, rt.row, run)
+
+    async def start_attempt(self, rt: ChildRuntime, args: Sequence[Any],
+                            kwargs: dict[str, Any], *, retry: bool,
+                            after: ChildRuntime | None = None) -> bool:
+        """Fork one attempt: span, start hook (awaited), then, for a re-dispatch, the last
+        cancel check; only then the re-dispatch event and the child's code."""
         self._learn(rt.surface.values())
         self._runtimes[rt.id] = rt
+        links = [s for s in (rt.run.span if rt.run else None, after.span if after else None)
+                 if s is not None]
+        rt.span = self.telemetry.attempt_span(rt.row.task_id, rt.id, rt.row.attempt,
+                                              rt.agent.name, links)
+        event = HookEvent(rt.row.task_id, rt.id, rt.row.attempt, rt.agent.name)
+        await self.run_hook("on_child_start", event)
+        if retry and rt.run is not None:
+            moved = cancelled(rt.generation,
+                              await self.journal.cancel_generation(rt.row.task_id),
+                              Code.CANCELLED_DURING_FORK)
+            if moved is not None:
+                await record(self, rt, moved, "after_fork")
+                await self.journal.set_state(rt.id, DelegationState.CANCELLED, self.clock.wall(),
+                                             error="cancelled before it ran",
+                                             failure="cancelled")
+                await stop_hook(self, rt, moved.code.value)
+                return False
+            rt.run.current = rt
+            rt.run.attempts.append(rt)
+            self.journal.event(self.clock.wall(), "redispatch", rt.id, None,
+                               attempt=rt.row.attempt, retry_of=after.id if after else None)
+            await self.run_hook("on_redispatch", event)
+        trace_id = trace_id_of(rt.span)
+        if trace_id:
+            self.journal.event(self.clock.wall(), "trace", rt.id, None, trace_id=trace_id)
         started = asyncio.Event()
         rt.task = asyncio.create_task(self._child_main(rt, args, kwargs, started),
                                       name=f"tether-child-{rt.id}")
         await started.wait()
-        return Handle(self, rt.row)
+        return True
 
     async def _child_main(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
                           started: asyncio.Event) -> tuple[bool, Any]:
@@ -233,8 +299,17 @@ class Supervisor:
             if rt.stop is None:
                 raise
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
+        except StreamCut as cut:
+            if cut.partial.usable:  # retrying would destroy what was salvaged
+                await self._finish(rt, DelegationState.SUCCEEDED_PARTIAL,
+                                   result=cut.partial.to_json(), failure=ending_of(cut)[1])
+                return True, cut.partial
+            await self._finish(rt, DelegationState.FAILED, error=str(cut),
+                               failure=ending_of(cut)[1])
+            return False, cut
         except Exception as exc:
-            await self._finish(rt, DelegationState.FAILED, error=f"{type(exc).__name__}: {exc}")
+            await self._finish(rt, DelegationState.FAILED, error=f"{type(exc).__name__}: {exc}",
+                               failure=ending_of(exc)[1])
             return False, exc
         finally:
             self._notify("ended", rt.id)
@@ -242,13 +317,14 @@ class Supervisor:
         return True, value
 
     async def _finish(self, rt: ChildRuntime, state: DelegationState, result: Any = None,
-                      error: str | None = None) -> None:
+                      error: str | None = None, failure: str | None = None) -> None:
         """A child ended on its own. If a control intent got there first, the drain decides."""
         if rt.stop is not None:
             return
         try:
             await self.journal.set_state(rt.id, state, self.clock.wall(),
-                                         result=_json_or_marker(result), error=error)
+                                         result=_json_or_marker(result), error=error,
+                                         failure=failure)
         except AlreadyFinished:
             return
         except UserError:

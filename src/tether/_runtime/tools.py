@@ -90,7 +90,7 @@ class Agent:
 
     name: str
     fn: Callable[..., Awaitable[Any]]
-    tools: tuple[Tool | Agent, ...] = ()
+    tools: tuple[Tool | Agent | str, ...] = ()
 
     def __post_init__(self) -> None:
         if not inspect.iscoroutinefunction(self.fn):
@@ -106,11 +106,11 @@ class Agent:
 def agent(fn: AgentFn, /) -> Agent: ...
 @overload
 def agent(*, name: str | None = ...,
-          tools: Iterable[Tool | Agent] = ...) -> Callable[[AgentFn], Agent]: ...
+          tools: Iterable[Tool | Agent | str] = ...) -> Callable[[AgentFn], Agent]: ...
 
 
 def agent(fn: AgentFn | None = None, /, *, name: str | None = None,
-          tools: Iterable[Tool | Agent] = ()) -> Agent | Callable[[AgentFn], Agent]:
+          tools: Iterable[Tool | Agent | str] = ()) -> Agent | Callable[[AgentFn], Agent]:
     surface = tuple(tools)
 
     def wrap(f: AgentFn) -> Agent:
@@ -123,10 +123,17 @@ def surface_name(item: Tool | Agent) -> str:
     return item.grant if isinstance(item, Agent) else item.name
 
 
-def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent]:
-    """Map names to tools; anything that is not a declared Tool or Agent is refused."""
-    found: dict[str, Tool | Agent] = {}
+def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent | str]:
+    """Map names to tools. A plain string grants a tool tether does not mediate (a provider's
+    hosted tool, say) and ``tether.UNRESTRICTED`` grants any tool: both are allowed, and both
+    make a surface unsafe to replay. Anything else that is not a Tool or Agent is refused."""
+    found: dict[str, Tool | Agent | str] = {}
     for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise UserError(f"{owner}: a tool name cannot be empty")
+            found[item] = item
+            continue
         if not isinstance(item, Tool | Agent):
             raise UserError(
                 f"{owner}: {item!r} is not a tether tool or agent; wrap it with @tether.tool"
@@ -138,7 +145,7 @@ def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent
     return found
 
 
-def as_agent(target: Agent | AgentFn, tools: Iterable[Tool | Agent] | None) -> Agent:
+def as_agent(target: Agent | AgentFn, tools: Iterable[Tool | Agent | str] | None) -> Agent:
     if isinstance(target, Agent):
         return target if tools is None else Agent(target.name, target.fn, tuple(tools))
     if not callable(target):
