@@ -37,9 +37,11 @@ from tether._core.model import (
 )
 from tether._core.redispatch import (
     UNRESTRICTED,
+    AttemptFacts,
     CeilingReached,
     Code,
     CutReason,
+    Ending,
     Partial,
     RedispatchDecision,
     RedispatchPolicy,
@@ -74,6 +76,7 @@ __all__ = [
     "ActionState",
     "Agent",
     "AlreadyFinished",
+    "AttemptFacts",
     "BadSignature",
     "CeilingReached",
     "Clock",
@@ -87,6 +90,7 @@ __all__ = [
     "DelegationError",
     "DelegationState",
     "Effect",
+    "Ending",
     "Fenced",
     "Handle",
     "HookEvent",

@@ -56,7 +56,10 @@ class TaskRun:
 
 
 def ending_of(value: object) -> tuple[Ending, str]:
-    """Classify how an attempt ended, with the failure code kept in the journal."""
+    """Classify how an attempt ended, with the failure code kept in the journal. A Partial is
+    what a cut stream salvaged."""
+    if isinstance(value, Partial):
+        return Ending.STREAM_CUT, "stream_cut:partial"
     if isinstance(value, StreamCut):
         return Ending.STREAM_CUT, f"stream_cut:{value.reason.value}"
     if isinstance(value, CeilingReached):
