@@ -181,7 +181,7 @@ async def test_demo_prevents_each_failure_and_reports_counts(tmp_path: Path) -> 
     assert code == 0, err
     data = json.loads(out)
     assert data["ok"] and data["journal"] == str(tmp_path / "demo.db")
-    assert [s["id"] for s in data["scenes"]] == ["a", "b", "c"]
+    assert [s["id"] for s in data["scenes"]] == ["a", "b", "c", "d"]
     for scene in data["scenes"]:
         assert scene["prevented"], scene
         assert scene["naive"]["duplicated"] >= 1  # the failure really happens without tether

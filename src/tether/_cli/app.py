@@ -29,6 +29,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Recall, terminate and reconcile sub-agents with real side effects.")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key and trusted keys.")
 app.add_typer(keys_app, name="keys")
+trace_app = typer.Typer(no_args_is_help=True, help="Timelines and failure forensics.")
+app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
 T = TypeVar("T")
@@ -267,6 +269,44 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     else:
         out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\ntrusted: "
                   + ", ".join(ring.trusted.ids()))
+
+
+@trace_app.command("show")
+@cli_errors
+def trace_show(ident: Annotated[str, typer.Argument(help="Task id or delegation id.")],
+               journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
+    """A task's timeline across its attempts: lifecycle events and decisions."""
+    from tether._cli.trace import render_timeline, timeline
+
+    async def go() -> dict[str, Any]:
+        async with Journal(journal, create=False) as j:
+            return await timeline(j, ident)
+
+    data = run(go())
+    if as_json:
+        emit_json(data)
+    else:
+        render_timeline(out, data)
+
+
+@trace_app.command("analyze")
+@cli_errors
+def trace_analyze(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
+                  failure: Annotated[str, typer.Option(
+                      "--failure", help="Failure code prefix to study.")] = "stream_cut",
+                  ) -> None:
+    """Failures by lifetime, nesting depth, model and surface, against the base rate."""
+    from tether._cli.trace import forensics, render_forensics
+
+    async def go() -> dict[str, Any]:
+        async with Journal(journal, create=False) as j:
+            return await forensics(j, failure)
+
+    data = run(go())
+    if as_json:
+        emit_json(data)
+    else:
+        render_forensics(out, data)
 
 
 def main() -> None:

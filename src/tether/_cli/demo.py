@@ -7,6 +7,7 @@ judged by that ledger, not by what the orchestrator believes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -16,12 +17,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tether._core.errors import ControlRefused, InvalidTransition
+from tether._core.errors import ControlRefused, DelegationError, InvalidTransition
 from tether._core.model import ActionState, Effect
+from tether._core.redispatch import CutReason, RedispatchPolicy, StreamCut
 from tether._core.report import Report
 from tether._runtime.gateway import Context
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.tools import Tool, tool
+from tether._runtime.tools import Tool, agent, tool
 from tether.testing import PaymentService
 
 CENTS = 1250
@@ -218,18 +220,98 @@ async def scene_c(sup: Supervisor, shop: Shop) -> Scene:
     return scene
 
 
+class Desk:
+    """Scene (d)'s tools: read-only research, and one write that must not happen twice."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+        @tool(effect=Effect.READ_ONLY)
+        async def read_file(path: str) -> str:
+            return f"notes from {path}"
+
+        @tool(effect=Effect.READ_ONLY)
+        async def web_fetch(url: str) -> str:
+            return f"page at {url}"
+
+        @tool(effect=Effect.EXTERNAL)
+        async def write_file(path: str, text: str, *, idempotency_key: str) -> None:
+            self.writes.append(path)
+
+        @agent(tools=[read_file])
+        async def git_investigator(ctx: Context, question: str) -> str:
+            return str(await ctx.call(read_file, path=question))
+
+        self.read_file, self.web_fetch, self.write_file = read_file, web_fetch, write_file
+        self.git_investigator = git_investigator
+
+    async def researcher(self, ctx: Context) -> str:
+        await ctx.call(self.read_file, path="design.md")
+        await (await ctx.delegate(self.git_investigator, "history")).result()
+        if ctx.attempt == 1:  # an intermediary reaps the stream: no text came back
+            raise StreamCut(CutReason.STREAM_INCOMPLETE)
+        return "findings"
+
+    async def writer(self, ctx: Context) -> str:
+        await ctx.call(self.read_file, path="draft.md")
+        await ctx.call(self.write_file, path="report.md", text="v1")
+        raise StreamCut(CutReason.STREAM_INCOMPLETE)
+
+
+async def scene_d(sup: Supervisor) -> Scene:
+    """A cut stream with zero output: re-dispatch the read-only child, never the writer."""
+    scene = Scene("d", "stream cut with zero output (blind re-dispatch)", Tally(), Tally())
+    desk = Desk()
+    policy = RedispatchPolicy(retry_safe=frozenset({"read_file", "web_fetch"}),
+                              settle_delay=0.2)
+
+    async def naive_writer() -> None:
+        await desk.write_file.fn(path="report.md", text="v1", idempotency_key=secrets.token_hex(4))
+        raise StreamCut(CutReason.STREAM_INCOMPLETE)
+
+    for _ in range(2):  # naive: a cut child "produced nothing", so run it once more
+        try:
+            await naive_writer()
+        except StreamCut:
+            continue
+    scene.naive.applied = desk.writes.count("report.md")
+    desk.writes.clear()
+
+    research = await sup.delegate(desk.researcher, redispatch=policy, model="demo-model",
+                                  tools=[desk.read_file, desk.web_fetch, desk.git_investigator])
+    found = await research.result()
+    writer = await sup.delegate(desk.writer, redispatch=policy, model="demo-model",
+                                tools=[desk.read_file, desk.write_file])
+    with contextlib.suppress(DelegationError):
+        await writer.result()
+    events = await sup.journal.events(writer.attempts)
+    codes = [e.detail.get("code") for e in events if e.kind == "redispatch_decision"]
+    scene.tether.applied = desk.writes.count("report.md")
+    scene.delegation, scene.outcome = writer.id, f"not re-dispatched: {', '.join(map(str, codes))}"
+    scene.checks += [
+        ("read-only research child re-dispatched once, as a fresh child, and succeeded",
+         found == "findings" and len(research.attempts) == 2
+         and research.attempts[0] != research.attempts[1]),
+        ("writer not re-dispatched; the journal says why (side_effect_started)",
+         len(writer.attempts) == 1 and codes == ["side_effect_started"]),
+        ("the write happened exactly once", scene.tether.applied == 1),
+    ]
+    return scene
+
+
 async def run_demo(journal_url: str, as_json: bool, console: Console) -> bool:
     pay = PaymentService(latency=0.15)
     shop = Shop(pay)
     async with Supervisor(journal_url, tools=shop.tools()) as sup:
-        scenes = [await scene_a(sup, shop), await scene_b(sup, shop), await scene_c(sup, shop)]
+        scenes = [await scene_a(sup, shop), await scene_b(sup, shop), await scene_c(sup, shop),
+                  await scene_d(sup)]
         location = sup.journal.location
     ok = all(s.prevented for s in scenes)
     if as_json:
         sys.stdout.write(json.dumps({"journal": location, "ok": ok,
                                      "scenes": [s.to_json() for s in scenes]}, indent=2) + "\n")
         return ok
-    table = Table(title="tether demo: refunds of 12.50, judged by the provider's ledger")
+    table = Table(title="tether demo: side effects judged by the outside world's own record")
     for col in ("scene", "naive: applied / intended", "tether: applied / intended",
                 "tether outcome", "prevented"):
         table.add_column(col)

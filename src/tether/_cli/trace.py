@@ -1,0 +1,92 @@
+"""``tether trace show`` and ``tether trace analyze``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tether._core.errors import NotFound
+from tether._core.forensics import ChildFacts, analyze
+from tether._journal.journal import Journal
+from tether._journal.rows import DelegationRow
+
+
+async def timeline(journal: Journal, ident: str) -> dict[str, Any]:
+    """Every attempt of a task (by task id, or by the id of any of its delegations), with
+    every journaled event and decision in order."""
+    rows = await journal.delegations()
+    task = next((r.task_id for r in rows if r.id == ident), ident)
+    attempts = sorted((r for r in rows if r.task_id == task), key=lambda r: (r.epoch, r.attempt))
+    if not attempts:
+        raise NotFound(f"no task or delegation {ident!r} in this journal")
+    ids = [r.id for r in attempts]
+    for r in attempts:
+        ids += [d.id for d in await journal.subtree(r.id) if d.id != r.id]
+    start = attempts[0].created_at
+    by_id = {r.id: r for r in rows}
+    events = []
+    for e in await journal.events(ids):
+        owner = by_id.get(e.delegation_id or "")
+        events.append({"t": round(e.at - start, 6), "delegation": e.delegation_id,
+                       "attempt": owner.attempt if owner else None, "kind": e.kind,
+                       "action": e.action_id, "detail": e.detail})
+    return {"task": task,
+            "attempts": [{"delegation": r.id, "attempt": r.attempt, "epoch": r.epoch,
+                          "state": r.state.value, "failure": r.failure, "model": r.model,
+                          "lifetime": None if r.ended_at is None else r.ended_at - r.created_at}
+                         for r in attempts],
+            "events": events}
+
+
+def render_timeline(console: Console, data: dict[str, Any]) -> None:
+    console.print(f"[bold]task {data['task']}[/bold]")
+    for a in data["attempts"]:
+        life = "" if a["lifetime"] is None else f", {a['lifetime']:.3f}s"
+        console.print(f"  attempt {a['attempt']} (epoch {a['epoch']}): {a['delegation']} "
+                      f"{a['state']}{' - ' + a['failure'] if a['failure'] else ''}{life}")
+    table = Table(title="timeline")
+    for col in ("t (s)", "attempt", "delegation", "event", "detail"):
+        table.add_column(col, overflow="fold")
+    for e in data["events"]:
+        detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items() if v not in (None, ""))
+        table.add_row(f"{e['t']:.3f}", str(e["attempt"] or ""), e["delegation"] or "",
+                      e["kind"], detail)
+    console.print(table)
+
+
+def facts_of(rows: list[DelegationRow]) -> list[ChildFacts]:
+    by_id = {r.id: r for r in rows}
+
+    def depth(r: DelegationRow) -> int:
+        n, seen = 0, set()
+        while r.parent_id is not None and r.parent_id in by_id and r.id not in seen:
+            seen.add(r.id)
+            r, n = by_id[r.parent_id], n + 1
+        return n
+
+    return [ChildFacts(lifetime=r.ended_at - r.created_at, depth=depth(r),
+                       model=r.model or "unknown", surface=",".join(sorted(r.surface)) or "-",
+                       failure=r.failure)
+            for r in rows if r.ended_at is not None]
+
+
+async def forensics(journal: Journal, failure: str) -> dict[str, Any]:
+    return analyze(facts_of(await journal.delegations()), failure)
+
+
+def render_forensics(console: Console, data: dict[str, Any]) -> None:
+    console.print(f"{data['failures']} {data['failure']} failures among {data['children']} "
+                  f"children (rate {data['failure_rate']:.2%}); median lifetime "
+                  f"{data['median_lifetime']['failed']}s failed vs "
+                  f"{data['median_lifetime']['all']}s all")
+    for name, rows in data["dimensions"].items():
+        table = Table(title=f"by {name}")
+        for col in ("value", "failed", "all", "failed share", "base share", "enrichment"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["value"], str(r["failed"]), str(r["all"]),
+                          f"{r['failed_share']:.1%}", f"{r['base_share']:.1%}",
+                          "-" if r["enrichment"] is None else f"{r['enrichment']:.2f}x")
+        console.print(table)
