@@ -16,7 +16,7 @@ def code_blocks(lang: str) -> list[str]:
 
 
 async def test_readme_example_runs(tmp_path: Path) -> None:
-    (example,) = code_blocks("python")
+    example = code_blocks("python")[0]  # the full example; later blocks are fragments
     script = tmp_path / "example.py"
     script.write_text(example)
     proc = await asyncio.create_subprocess_exec(
