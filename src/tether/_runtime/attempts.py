@@ -157,6 +157,9 @@ async def drive(sup: Supervisor, run: TaskRun, args: Sequence[Any],
                 ok, value = False, RedispatchCancelled("cancelled while re-dispatching")
                 break
             rt = fresh
+    except asyncio.CancelledError:  # the supervisor is closing
+        run.done.cancel()
+        raise
     except BaseException as exc:
         if not run.done.done():
             run.done.set_exception(exc)
