@@ -62,8 +62,11 @@ class Journal:
                 busy_timeout = float(query.get("busy_timeout", ["5"])[0])
             except ValueError:
                 raise UserError(f"busy_timeout in {url!r} is not a number") from None
+        sync = query.get("synchronous", ["full" if durable else "normal"])[0].upper()
+        if sync not in ("FULL", "NORMAL", "OFF"):
+            raise UserError(f"synchronous in {url!r} must be full, normal or off")
         self.path = sqlite_path(url.split("?", 1)[0])
-        self._runner = SqliteRunner(self.path, create=create, durable=durable,
+        self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
                                     busy_timeout=busy_timeout)
 
     @property
@@ -127,6 +130,13 @@ class Journal:
                         result: Any = None, error: str | None = None,
                         failure: str | None = None) -> DelegationRow:
         return await self._write(ops.set_state, delegation_id, state, now, result, error,
+                                 failure)
+
+    async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,
+                             result: Any = None, error: str | None = None,
+                             failure: str | None = None
+                             ) -> tuple[DelegationRow, list[ActionRecord]]:
+        return await self._write(ops.end_delegation, delegation_id, state, now, result, error,
                                  failure)
 
     async def bump_cancel(self, task_id: str, now: float, why: str) -> int:

@@ -287,6 +287,20 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
     return get_delegation(db, delegation_id)
 
 
+def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
+                   result: Any = None, error: str | None = None,
+                   failure: str | None = None) -> tuple[DelegationRow, list[ActionRecord]]:
+    """A child ended on its own: its final state, and its own actions left in doubt, in one
+    round trip."""
+    row = set_state(db, delegation_id, new, now, result, error, failure)
+    rows = db.execute(
+        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id = ? "
+        "AND state IN ('IN_DOUBT', 'UNKNOWN') ORDER BY started_at, ordinal",
+        (delegation_id,),
+    ).fetchall()
+    return row, [_action(r) for r in rows]
+
+
 # -- control --------------------------------------------------------------------------------
 
 def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
@@ -382,7 +396,35 @@ def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
 # -- actions --------------------------------------------------------------------------------
 
 def begin_action(db: Db, new: NewAction) -> BeginResult:
-    """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7)."""
+    """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
+    The fence is part of the INSERT itself; the gate is read only to explain a refusal."""
+    prior = db.execute(
+        "SELECT id, tool, args_hash, state, result FROM actions WHERE idem_key = ? "
+        "ORDER BY started_at",
+        (new.idem_key,),
+    ).fetchall()
+    replay: BeginResult | None = None
+    problem: Exception | None = None  # raised only if the fence does not refuse first
+    for pid, ptool, phash, pstate, presult in prior:
+        if phash != new.args_hash or ptool != new.tool:
+            problem = IdempotencyConflict(new.idem_key, ptool)
+        elif pstate == ActionState.COMPLETED.value:
+            replay = BeginResult(Begin.REPLAY, pid, loads(presult))
+        elif pstate not in (ActionState.FAILED.value, ActionState.NOT_APPLIED.value):
+            problem = KeyInUse(new.idem_key, pid, pstate)
+    if replay is None and problem is None:
+        cur = db.execute(
+            f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
+            ", args_hash) "
+            "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
+            "JOIN tasks t ON t.id = d.task_id "
+            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ?",
+            (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
+             new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
+             new.delegation_id, new.epoch, new.epoch),
+        )
+        if cur.rowcount == 1:
+            return BeginResult(Begin.STARTED, new.id)
     gate = db.execute(
         "SELECT d.fenced, d.epoch, t.epoch FROM delegations d JOIN tasks t ON t.id = d.task_id "
         "WHERE d.id = ?",
@@ -394,42 +436,29 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
         return BeginResult(Begin.FENCED, new.id)
     if gate[1] != new.epoch or gate[2] != new.epoch:
         return BeginResult(Begin.STALE_EPOCH, new.id)
-    prior = db.execute(
-        "SELECT id, tool, args_hash, state, result FROM actions WHERE idem_key = ? "
-        "ORDER BY started_at",
-        (new.idem_key,),
-    ).fetchall()
-    for pid, ptool, phash, pstate, presult in prior:
-        if phash != new.args_hash or ptool != new.tool:
-            raise IdempotencyConflict(new.idem_key, ptool)
-        if pstate == ActionState.COMPLETED.value:
-            return BeginResult(Begin.REPLAY, pid, loads(presult))
-        if pstate not in (ActionState.FAILED.value, ActionState.NOT_APPLIED.value):
-            raise KeyInUse(new.idem_key, pid, pstate)
-    cur = db.execute(
-        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
-        ", args_hash) "
-        "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
-        "JOIN tasks t ON t.id = d.task_id "
-        "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ?",
-        (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
-         new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
-         new.delegation_id, new.epoch, new.epoch),
-    )
-    if cur.rowcount != 1:
-        return BeginResult(Begin.FENCED, new.id)
-    return BeginResult(Begin.STARTED, new.id)
+    if problem is not None:
+        raise problem
+    assert replay is not None  # the insert can only miss because of the gate
+    return replay
 
 
 def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, result: Any = None,
                   error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
     """Record an outcome. A receipt for an action already declared IN_DOUBT (or settled by a
     probe) is a late receipt: it is kept, flagged, and a COMPLETED one wins (I3, I8)."""
+    if evidence is None:  # the common case: a receipt for a PENDING action, one statement
+        cur = db.execute(
+            "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
+            "WHERE id = ? AND state = 'PENDING'",
+            (outcome.value, None if result is None else dumps(result), error, now, action_id),
+        )
+        if cur.rowcount == 1:
+            return outcome
     row = db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
     if row is None:
         raise NotFound(f"no action {action_id!r} in this journal")
     old = ActionState(row[0])
-    if old is outcome or not action_may_move(old, outcome):
+    if old is outcome or not action_may_move(old, outcome):  # e.g. a second receipt
         event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
         return old
     late = old is not ActionState.PENDING and evidence is None

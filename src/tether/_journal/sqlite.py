@@ -87,7 +87,8 @@ def _migrate(conn: sqlite3.Connection, found: int) -> None:
         raise
 
 
-def connect(path: Path, *, create: bool, durable: bool, busy_timeout: float) -> sqlite3.Connection:
+def connect(path: Path, *, create: bool, synchronous: str,
+            busy_timeout: float) -> sqlite3.Connection:
     """Open and validate a journal file; raises a JournalError and leaves the file untouched
     if it is not a tether journal."""
     if path.exists():
@@ -106,7 +107,8 @@ def connect(path: Path, *, create: bool, durable: bool, busy_timeout: float) -> 
         _check_or_init(conn, path, create)
         conn.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit survives power loss. NORMAL (durable=False) survives a process crash.
-        conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        # OFF is for measuring CPU cost only.
+        conn.execute(f"PRAGMA synchronous={synchronous}")
         conn.execute("PRAGMA foreign_keys=ON")
     except sqlite3.Error as exc:
         conn.close()
@@ -120,11 +122,11 @@ def connect(path: Path, *, create: bool, durable: bool, busy_timeout: float) -> 
 class SqliteRunner:
     """Runs journal operations on one connection in one thread, batching commits."""
 
-    def __init__(self, path: Path, *, create: bool = True, durable: bool = True,
+    def __init__(self, path: Path, *, create: bool = True, synchronous: str = "FULL",
                  busy_timeout: float = 5.0) -> None:
         self.path = path
         self._create = create
-        self._durable = durable
+        self._synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -134,7 +136,7 @@ class SqliteRunner:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._conn = await asyncio.to_thread(
-            connect, self.path, create=self._create, durable=self._durable,
+            connect, self.path, create=self._create, synchronous=self._synchronous,
             busy_timeout=self._busy_timeout,
         )
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
@@ -184,17 +186,24 @@ class SqliteRunner:
             err = _map_error(exc, self.path)
             self._resolve([(op, None, err) for op in batch])
             return
+        alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
         for op in batch:
-            conn.execute("SAVEPOINT op")
+            if not alone:
+                conn.execute("SAVEPOINT op")
             try:
                 value = op.fn(conn)
             except Exception as exc:  # refused or failed: undo this operation only
-                conn.execute("ROLLBACK TO op")
-                conn.execute("RELEASE op")
+                conn.execute("ROLLBACK" if alone else "ROLLBACK TO op")
+                if not alone:
+                    conn.execute("RELEASE op")
                 mapped = _map_error(exc, self.path) if isinstance(exc, sqlite3.Error) else exc
                 done.append((op, None, mapped))
+                if alone:
+                    self._resolve(done)
+                    return
             else:
-                conn.execute("RELEASE op")
+                if not alone:
+                    conn.execute("RELEASE op")
                 done.append((op, value, None))
         try:
             conn.execute("COMMIT")

@@ -120,7 +120,7 @@ async def first_decision(sup: Supervisor, run: TaskRun, rt: ChildRuntime,
 
 
 async def stop_hook(sup: Supervisor, rt: ChildRuntime, reason: str | None) -> None:
-    row = await sup.journal.get(rt.id)
+    row = rt.final if rt.final is not None and rt.stop is None else await sup.journal.get(rt.id)
     end(rt.span, outcome=row.state.value, failure=row.failure)
     if row.failure is not None:
         sup.telemetry.failed.add(1, {"attempt": rt.row.attempt, "reason": row.failure})

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import json
+import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tether._core.documents import canonical
 from tether._core.errors import ControlSignal, Fenced, ToolRejected, UserError
 from tether._core.model import ActionState, Effect
 from tether._core.redispatch import UNRESTRICTED
@@ -32,10 +34,23 @@ if TYPE_CHECKING:
 UNSERIALIZABLE = "__tether_unserializable__"
 
 
-def new_id(prefix: str) -> str:
-    import secrets
+_PROCESS = secrets.token_hex(5)  # random per process; a counter makes ids unique within it
+_COUNTER = itertools.count(1)
 
-    return f"{prefix}_{secrets.token_hex(8)}"
+
+def new_id(prefix: str) -> str:
+    """Unique across processes without a system call per id (ids are on the hot path)."""
+    return f"{prefix}_{_PROCESS}{next(_COUNTER):06x}"
+
+
+def args_json(kwargs: dict[str, Any]) -> str:
+    """Deterministic JSON for a call's arguments, hashed for the Stripe rule. The C encoder
+    with sorted keys suffices here: these bytes are compared, never signed."""
+    try:
+        return json.dumps(kwargs, sort_keys=True, separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UserError(f"value cannot be serialized as JSON: {exc}") from None
 
 
 @dataclass(eq=False)
@@ -57,6 +72,7 @@ class ChildRuntime:
     run: TaskRun | None = None  # the task this attempt belongs to
     generation: int = 0  # the task's cancel generation when its first attempt started
     span: Span | None = None
+    final: DelegationRow | None = None  # the row as the child's own ending left it
 
     @property
     def id(self) -> str:
@@ -131,7 +147,7 @@ class Context:
             sup.journal.event(sup.clock.wall(), "read", rt.id, None, tool=found.name)
             return await found.fn(**kwargs)
         try:
-            args_json = canonical(kwargs).decode()
+            encoded = args_json(kwargs)
         except UserError as exc:
             raise UserError(f"arguments to {found.name} cannot be serialized: {exc}") from None
         if idempotency_key is not None and (not isinstance(idempotency_key, str)
@@ -142,11 +158,11 @@ class Context:
         rt.ordinals[found.name] += 1
         rt.calls += 1
         key = idempotency_key or f"{rt.row.task_id}:{found.name}:{ordinal}"
-        args_hash = hashlib.sha256(args_json.encode()).hexdigest()
+        args_hash = hashlib.sha256(encoded.encode()).hexdigest()
         clock, journal = self._sup.clock, self._sup.journal
         begun = await journal.begin_action(NewAction(
             id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=order,
-            tool=found.name, effect=found.effect, args_json=args_json, args_hash=args_hash,
+            tool=found.name, effect=found.effect, args_json=encoded, args_hash=args_hash,
             idem_key=key, now=clock.wall(),
         ))
         if begun.status in (Begin.FENCED, Begin.STALE_EPOCH):
@@ -189,7 +205,7 @@ class Context:
             raise
         end(span, outcome=ActionState.COMPLETED.value)
         try:
-            canonical(result)
+            args_json({"r": result})
             stored = result
         except UserError:
             stored = {UNSERIALIZABLE: repr(result)[:500]}

@@ -242,7 +242,8 @@ class Supervisor:
                       asyncio.get_running_loop().create_future(),
                       span=self.telemetry.delegation_span(rt.row.task_id, rt.agent.name))
         rt.run = rt.run or run
-        rt.generation = await self.journal.cancel_generation(rt.row.task_id)
+        if rt.row.epoch or rt.row.parent_id is not None:  # a new root task starts at 0
+            rt.generation = await self.journal.cancel_generation(rt.row.task_id)
         await self.start_attempt(rt, args, kwargs, retry=False)
         self._spawn(drive(self, run, args, kwargs))
         return Handle(self, rt.row, run)
@@ -322,9 +323,10 @@ class Supervisor:
         if rt.stop is not None:
             return
         try:
-            await self.journal.set_state(rt.id, state, self.clock.wall(),
-                                         result=_json_or_marker(result), error=error,
-                                         failure=failure)
+            # Queued after this child's receipts, so it commits after them: no flush needed.
+            rt.final, doubtful = await self.journal.end_delegation(
+                rt.id, state, self.clock.wall(), result=_json_or_marker(result), error=error,
+                failure=failure)
         except AlreadyFinished:
             return
         except UserError:
@@ -333,8 +335,6 @@ class Supervisor:
             if rt.stop is None:
                 raise
             return
-        await self.journal.flush()
-        doubtful = [a for a in await self.journal.unsettled(rt.id) if a.delegation_id == rt.id]
         if doubtful:  # a tool raised: it may have applied; ask the outside world
             await probe_all(self.journal, doubtful, self._tools, self.clock,
                             self.policy.probe_timeout)
