@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -75,8 +76,13 @@ class SigningKey:
 class TrustedKeys:
     """The public keys whose intents and acknowledgements a journal accepts."""
 
+    _MEMO = 8192  # verified documents remembered; a recall re-checks the same ones often
+
     def __init__(self, keys: Iterable[Ed25519PublicKey] = ()) -> None:
         self._keys: dict[str, Ed25519PublicKey] = {key_id_of(k): k for k in keys}
+        # Signed -> decoded document. Keys are only ever added, never revoked in place, so a
+        # document that verified once verifies again: remembering it changes no answer.
+        self._verified: OrderedDict[Signed, Document] = OrderedDict()
 
     @classmethod
     def from_b64(cls, encoded: Mapping[str, str]) -> TrustedKeys:
@@ -112,8 +118,13 @@ class TrustedKeys:
 
     def verify(self, signed: Signed, kind: type[D]) -> D:
         """Check the signature, then decode; a document of another type is Malformed."""
-        self.verify_bytes(signed)
-        doc = decode(signed.body)
+        doc = self._verified.get(signed)
+        if doc is None:
+            self.verify_bytes(signed)
+            doc = decode(signed.body)
+            self._verified[signed] = doc
+            if len(self._verified) > self._MEMO:
+                self._verified.popitem(last=False)
         if not isinstance(doc, kind):
             raise Malformed(f"expected a {kind.TYPE!r} document, got {type(doc).TYPE!r}")
         return doc

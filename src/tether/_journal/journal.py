@@ -209,6 +209,9 @@ class Journal:
               action_id: str | None = None, /, **detail: Any) -> None:
         self._post(ops.event, at, what, delegation_id, action_id, **detail)
 
+    async def last_verdict(self, delegation_id: str) -> dict[str, Any] | None:
+        return await self._read(ops.last_verdict, delegation_id)
+
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)
 

@@ -531,6 +531,15 @@ def facts(db: Db, root_id: str) -> JournalFacts:
     return JournalFacts(root_id, root.control_seq, pending, in_doubt, effecting)
 
 
+def last_verdict(db: Db, delegation_id: str) -> dict[str, Any] | None:
+    row = db.execute(
+        "SELECT detail FROM events WHERE delegation_id = ? AND kind = 'verdict' "
+        "ORDER BY id DESC LIMIT 1",
+        (delegation_id,),
+    ).fetchone()
+    return None if row is None else dict(loads(row[0]))
+
+
 def events(db: Db, delegation_ids: Iterable[str]) -> list[EventRow]:
     ids = list(delegation_ids)
     if not ids:

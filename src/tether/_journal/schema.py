@@ -93,6 +93,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             at REAL NOT NULL,
             kind TEXT NOT NULL,
             detail TEXT NOT NULL)""",
-        """CREATE INDEX events_delegation ON events(delegation_id)""",
+        """CREATE INDEX events_delegation ON events(delegation_id, kind)""",
+        """CREATE INDEX events_action ON events(action_id)""",
     ),
 }

@@ -90,11 +90,9 @@ async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
 async def build_report(journal: Journal, root_id: str) -> Report:
     rows = await journal.subtree(root_id)
     acts = await journal.actions([r.id for r in rows])
-    evts = await journal.events([root_id])
-    verdict, reason = None, ""
-    for e in evts:
-        if e.kind == "verdict" and e.delegation_id == root_id:
-            verdict, reason = e.detail.get("verdict"), str(e.detail.get("reason", ""))
+    last = await journal.last_verdict(root_id)
+    verdict = None if last is None else last.get("verdict")
+    reason = "" if last is None else str(last.get("reason", ""))
 
     def build(row: DelegationRow) -> Report:
         return Report(

@@ -1,0 +1,306 @@
+"""tether's benchmarks against the anchors: one durable SQLite commit and DBOS.
+
+Run from the repository root, after the README's setup:
+    .venv/bin/pip install -r bench/requirements.txt     # the DBOS anchor (bench only)
+    .venv/bin/python bench/run.py [--quick] [--check]
+
+Every figure is measured in this run, on this machine, side by side with its baseline; absolute
+times drift 20-30% between runs here, ratios much less. Writes bench/results/latest.json (with a
+``targets`` list a script can read) and bench/results/latest.md. ``--check`` exits 1 when a
+target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import tether
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+@tether.tool(effect=tether.Effect.EXTERNAL)
+async def noop(i: int, *, idempotency_key: str) -> int:
+    return i
+
+
+async def actor(ctx: tether.Context, n: int) -> None:
+    for i in range(n):
+        await ctx.call(noop, i=i)
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def commit_cost(directory: Path, n: int, rows: int = 1) -> float:
+    """Seconds per durable commit of ``rows`` rows (WAL, synchronous=FULL)."""
+    path = directory / f"commit-{rows}-{time.monotonic_ns()}.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+    start = time.perf_counter()
+    for _ in range(n):
+        conn.execute("BEGIN")
+        conn.executemany("INSERT INTO t (v) VALUES (?)", [("x" * 64,)] * rows)
+        conn.execute("COMMIT")
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return elapsed / n
+
+
+def journal_url(directory: Path, name: str, sync: str = "full") -> str:
+    return f"sqlite:///{directory / name}?synchronous={sync}"
+
+
+async def sequential(directory: Path, n: int) -> float:
+    """Seconds per action: one child, back-to-back EXTERNAL actions, durable."""
+    async with tether.Supervisor(journal_url(directory, f"seq-{time.monotonic_ns()}.db"),
+                                 keys=tether.KeyRing.ephemeral()) as sup:
+        warm = await sup.delegate(actor, 10, tools=[noop])
+        await warm.result()
+        handle = await sup.delegate(actor, n, tools=[noop])
+        start = time.perf_counter()
+        await handle.result()
+        return (time.perf_counter() - start) / n
+
+
+async def concurrent(directory: Path, children: int, actions: int,
+                     sync: str = "full") -> tuple[float, float]:
+    """(actions per second, CPU seconds per action) for ``children`` concurrent children."""
+    url = journal_url(directory, f"conc-{time.monotonic_ns()}.db", sync)
+    async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
+        wall, cpu = time.perf_counter(), time.process_time()
+        handles = await asyncio.gather(
+            *(sup.delegate(actor, actions, tools=[noop]) for _ in range(children)))
+        await asyncio.gather(*(h.result() for h in handles))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    total = children * actions
+    return total / wall, cpu / total
+
+
+async def recall_latency(directory: Path, n: int) -> list[float]:
+    """Seconds from recall() to the fence durably closed, for ``n`` children one after the
+    other. The supervisor's 'drain' event fires right after the journal committed the intent
+    and its fence; from then on a new call is refused."""
+    gate = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.READ_ONLY)
+    async def wait() -> None:
+        await gate.wait()
+
+    async def waiter(ctx: tether.Context) -> None:
+        await ctx.call(wait)
+
+    samples: list[float] = []
+    async with tether.Supervisor(journal_url(directory, f"rl-{time.monotonic_ns()}.db"),
+                                 keys=tether.KeyRing.ephemeral()) as sup:
+        fenced: dict[str, float] = {}
+        sup.listen(lambda event, did: fenced.setdefault(did, time.perf_counter())
+                   if event == "drain" else None)
+        handles = await asyncio.gather(*(sup.delegate(waiter, tools=[wait]) for _ in range(n)))
+        for handle in handles:
+            start = time.perf_counter()
+            await handle.recall(grace=5.0)
+            samples.append(fenced[handle.id] - start)
+        gate.set()
+    return samples
+
+
+async def storm(directory: Path, n: int, grace: float) -> tuple[float, float]:
+    """``n`` live children, each with an action in flight, recalled at once. Returns (seconds
+    until every fence was closed, seconds until every report was complete)."""
+    release = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def slow(*, idempotency_key: str) -> None:
+        await release.wait()
+
+    async def busy(ctx: tether.Context) -> None:
+        await ctx.call(slow)
+        await ctx.call(slow)
+
+    async with tether.Supervisor(journal_url(directory, f"storm-{time.monotonic_ns()}.db"),
+                                 keys=tether.KeyRing.ephemeral(),
+                                 policy=tether.Policy(max_grace=grace * 2)) as sup:
+        fenced: list[float] = []
+        sup.listen(lambda event, _: fenced.append(time.perf_counter())
+                   if event == "drain" else None)
+        handles = await asyncio.gather(*(sup.delegate(busy, tools=[slow]) for _ in range(n)))
+        await sup.journal.flush()
+        start = time.perf_counter()
+        recalls = asyncio.gather(*(h.recall(grace=grace) for h in handles))
+        loop = asyncio.get_running_loop()
+        loop.call_later(grace / 2, release.set)  # in-flight actions finish within grace
+        reports = await recalls
+        done = time.perf_counter() - start
+        assert all(r.outcome is tether.DelegationState.RECALLED for r in reports)
+    return max(fenced) - start, done
+
+
+async def idle_memory(n: int) -> float:
+    """Bytes of Python memory per idle child (tracemalloc), with the journal on disk."""
+    hold = asyncio.Event()
+
+    async def idle(ctx: tether.Context) -> None:
+        await hold.wait()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        async with tether.Supervisor(f"sqlite:///{tmp}/idle.db",
+                                     keys=tether.KeyRing.ephemeral()) as sup:
+            await asyncio.gather(*(sup.delegate(idle) for _ in range(100)))  # warm caches
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.take_snapshot()
+            await asyncio.gather(*(sup.delegate(idle) for _ in range(n)))
+            gc.collect()
+            after = tracemalloc.take_snapshot()
+            tracemalloc.stop()
+            grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+            hold.set()
+    return grown / n
+
+
+def dbos_anchor(directory: Path, steps: int, workflows: int, wf_steps: int) -> dict[str, Any]:
+    try:
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / "dbos_bench.py"), str(directory), str(steps),
+             str(workflows), str(wf_steps)],
+            capture_output=True, text=True, check=True, timeout=1800)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"DBOS anchor failed: {getattr(exc, 'stderr', '')[-400:]}"}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def repeat(times: int, fn: Callable[[], Awaitable[float]]) -> list[float]:
+    return [asyncio.run(fn()) for _ in range(times)]
+
+
+def machine() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    return {"python": platform.python_version(), "sqlite": sqlite3.sqlite_version,
+            "platform": platform.platform(), "cpus": os.cpu_count(), "tether": commit,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def target(name: str, value: float | None, goal: float, unit: str, kind: str,
+           note: str = "") -> dict[str, Any]:
+    met = value is not None and (value <= goal if kind == "max" else value >= goal)
+    return {"name": name, "value": value, "target": goal, "unit": unit,
+            "direction": "at most" if kind == "max" else "at least", "met": met, "note": note}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    args = parser.parse_args()
+    q = args.quick
+    reps = 3 if q else 5
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(dir=RESULTS) as tmp:
+        d = Path(tmp)
+        commit = [commit_cost(d, 200 if q else 500) for _ in range(reps)]
+        row100 = [commit_cost(d, 20 if q else 50, rows=100) / 100 for _ in range(reps)]
+        seq = repeat(reps, lambda: sequential(d, 200 if q else 1000))
+        conc = [asyncio.run(concurrent(d, 1000, 20)) for _ in range(1 if q else 3)]
+        cpu = [asyncio.run(concurrent(d, 1000, 20, sync="off"))[1] for _ in range(1 if q else 3)]
+        lat = asyncio.run(recall_latency(d, 100 if q else 500))
+        storm_n = 1000 if q else 10_000
+        storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
+        memory = asyncio.run(idle_memory(2000 if q else 10_000))
+        dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
+    figures["commit_s"] = stats(commit)
+    figures["row_in_100_commit_s"] = stats(row100)
+    figures["tether_action_s"] = stats(seq)
+    figures["tether_concurrent_actions_per_s"] = stats([c[0] for c in conc])
+    figures["tether_cpu_per_action_s"] = stats(cpu)
+    lat.sort()
+    figures["recall_fence_s"] = {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1],
+                                 "max": lat[-1], "n": len(lat)}
+    figures["storm"] = {"children": storm_n, "grace_s": 2.0, "all_fenced_s": storms[0][0],
+                        "all_reports_s": storms[0][1]}
+    figures["idle_child_bytes"] = memory
+    figures["dbos"] = dbos
+    c_med = figures["commit_s"]["median"]
+    per_action = figures["tether_action_s"]["median"]
+    conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
+    dbos_sync = dbos.get("sync_steps_per_s")
+    dbos_conc = dbos.get("concurrent_steps_per_s")
+    no_pg = "not measured: the PostgreSQL backend is not built yet"
+    targets = [
+        target("per action vs one durable commit", per_action / c_med, 1.5, "x", "max"),
+        target("sync actions/s vs DBOS sync steps/s",
+               (1 / per_action) / dbos_sync if dbos_sync else None, 3.0, "x", "min",
+               "" if dbos_sync else "DBOS anchor not run: pip install -r bench/requirements.txt"),
+        target("1,000 children x 20 actions, durable", conc_rate, 30_000, "actions/s", "min"),
+        target("concurrent actions/s vs DBOS concurrent workflows",
+               conc_rate / dbos_conc if dbos_conc else None, 20.0, "x", "min",
+               f"DBOS ran {50 if q else 1000} workflows x 20 steps"),
+        target("CPU per journaled action (synchronous=OFF)",
+               figures["tether_cpu_per_action_s"]["median"] * 1e6, 40.0, "us", "max"),
+        target("recall to fence closed, p99 vs one durable commit",
+               figures["recall_fence_s"]["p99"] / c_med, 3.0, "x", "max"),
+        target(f"storm of {storm_n} children: all fenced", storms[0][0], 1.0, "s", "max"),
+        target(f"storm of {storm_n} children: all reports (grace 2 s + 1 s)", storms[0][1], 3.0,
+               "s", "max"),
+        target("idle child memory", memory / 1024, 20.0, "KiB", "max",
+               f"measured over {2000 if q else 10_000} idle children"),
+        target("PostgreSQL per action vs one autocommit INSERT", None, 1.5, "x", "max", no_pg),
+        target("PostgreSQL recall reaching a worker, p99", None, 20.0, "ms", "max", no_pg),
+    ]
+    result = {"machine": machine(), "quick": q, "figures": figures, "targets": targets}
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (RESULTS / "latest.md").write_text(table)
+    print(table)
+    return 1 if args.check and not all(t["met"] for t in targets) else 0
+
+
+def markdown(result: dict[str, Any]) -> str:
+    f, m = result["figures"], result["machine"]
+    lines = [
+        f"tether {m['tether']} on {m['platform']}, {m['cpus']} CPUs, Python {m['python']}, "
+        f"SQLite {m['sqlite']}, {m['date']}{' (quick)' if result['quick'] else ''}", "",
+        "| target | value | goal | met |", "| --- | --- | --- | --- |",
+    ]
+    for t in result["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.3g} {t['unit']}"
+        lines.append(f"| {t['name']} | {value} | {t['direction']} {t['target']:g} {t['unit']} | "
+                     f"{'yes' if t['met'] else 'no'}{' - ' + t['note'] if t['note'] else ''} |")
+    lines += ["", "| figure | median | min | max |", "| --- | --- | --- | --- |"]
+    for key in ("commit_s", "row_in_100_commit_s", "tether_action_s",
+                "tether_concurrent_actions_per_s", "tether_cpu_per_action_s"):
+        s = f[key]
+        lines.append(f"| {key} | {s['median']:.6g} | {s['min']:.6g} | {s['max']:.6g} |")
+    r = f["recall_fence_s"]
+    lines.append(f"| recall_fence_s (n={r['n']}) | p50 {r['p50']:.6g} | p99 {r['p99']:.6g} | "
+                 f"{r['max']:.6g} |")
+    dbos = f["dbos"]
+    if "error" not in dbos:
+        lines.append(f"| DBOS {dbos['version']} sync steps/s | {dbos['sync_steps_per_s']:.4g} | | |")
+        lines.append(f"| DBOS concurrent steps/s | {dbos['concurrent_steps_per_s']:.4g} | | |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
