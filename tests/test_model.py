@@ -1,10 +1,26 @@
-"""State machines and policy bounds (I3, I4)."""
+"""State machines and policy bounds (I3, I4), and a model-based test of the journal's rules.
+
+The stateful test drives the journal's operations (the same functions every backend runs, each
+in one transaction) with Hypothesis, and after every step compares the journal with a small
+reference model of what I2, I3, I4, I7 and I10 allow.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import sqlite3
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tether
 from tether._core.model import (
@@ -13,6 +29,9 @@ from tether._core.model import (
     check_delegation_move,
     check_grace,
 )
+from tether._journal import ops
+from tether._journal.rows import Begin, NewAction, NewDelegation
+from tether._journal.sqlite import connect
 
 S = tether.DelegationState
 A = tether.ActionState
@@ -72,3 +91,236 @@ def test_bad_policy_is_refused() -> None:
         tether.Policy(max_grace=math.nan)
     with pytest.raises(tether.UserError):
         tether.Policy(lease=0)
+
+
+# -- model-based ---------------------------------------------------------------------------
+
+KEY = tether.SigningKey.generate()
+TRUSTED = tether.TrustedKeys([KEY.public])
+
+
+@dataclass
+class MDelegation:
+    task: str
+    parent: str | None
+    epoch: int
+    fenced: bool = False
+    seq: int = 0
+    state: S = S.RUNNING
+
+
+@dataclass
+class Model:
+    delegations: dict[str, MDelegation] = field(default_factory=dict)
+    epochs: dict[str, int] = field(default_factory=dict)
+    actions: dict[str, tuple[str, str, str, A]] = field(default_factory=dict)  # id -> d, key, h
+
+    def subtree(self, root: str) -> list[str]:
+        out = [root]
+        for did, d in self.delegations.items():
+            if d.parent in out and did not in out:
+                out += self.subtree(did)
+        return out
+
+    def live(self, did: str) -> bool:
+        d = self.delegations[did]
+        return not d.fenced and d.epoch == self.epochs[d.task]
+
+
+class JournalRules(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.db = connect(Path(self.tmp.name) / "j.db", create=True, synchronous="OFF",
+                          busy_timeout=1.0)
+        self.model = Model()
+        self.n = 0
+
+    def teardown(self) -> None:
+        self.db.close()
+        self.tmp.cleanup()
+
+    def tx(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+        """One operation, one transaction, as the backends run them."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            value = fn(self.db)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+        return value
+
+    def fresh(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    # -- rules --------------------------------------------------------------------------
+    @rule()
+    def delegate(self) -> None:
+        did, task = self.fresh("d"), self.fresh("t")
+        self.tx(lambda db: ops.create_delegation(db, NewDelegation(
+            did, task, None, 1, "a", (), {}, "o", 1.0)))
+        self.model.delegations[did] = MDelegation(task, None, 0)
+        self.model.epochs[task] = 0
+
+    @precondition(lambda self: self.model.delegations)
+    @rule(data=st.data())
+    def delegate_child(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.model.delegations)))
+        did, task = self.fresh("d"), self.fresh("t")
+        p = self.model.delegations[parent]
+        new = NewDelegation(did, task, parent, 1, "a", (), {}, "o", 1.0, parent_epoch=p.epoch)
+        if self.model.live(parent) and not p.state.terminal:
+            self.tx(lambda db: ops.create_delegation(db, new))
+            self.model.delegations[did] = MDelegation(task, parent, 0)
+            self.model.epochs[task] = 0
+        else:  # I10: a fenced or stale parent cannot start a child
+            with pytest.raises(ops.FenceRefused):
+                self.tx(lambda db: ops.create_delegation(db, new))
+
+    @precondition(lambda self: self.model.delegations)
+    @rule(data=st.data(), key=st.sampled_from(["k1", "k2", "k3"]), arg=st.integers(0, 1))
+    def begin(self, data: st.DataObject, key: str, arg: int) -> None:
+        did = data.draw(st.sampled_from(sorted(self.model.delegations)))
+        d = self.model.delegations[did]
+        args = f'{{"x":{arg}}}'
+        digest = hashlib.sha256(args.encode()).hexdigest()
+        aid = self.fresh("a")
+        new = NewAction(aid, did, d.epoch, 0, "pay", tether.Effect.EXTERNAL, args, digest, key,
+                        2.0)
+        prior = [(a, v) for a, v in self.model.actions.items() if v[1] == key]
+        try:
+            result = self.tx(lambda db: ops.begin_action(db, new))
+        except tether.IdempotencyConflict:
+            assert self.model.live(did)
+            assert any(v[2] != digest for _, v in prior)
+            return
+        except tether.KeyInUse:
+            assert self.model.live(did)
+            assert any(v[3] not in (A.FAILED, A.NOT_APPLIED, A.COMPLETED) for _, v in prior)
+            return
+        if not self.model.live(did):  # I2: the fence answers first, and nothing is written
+            assert result.status in (Begin.FENCED, Begin.STALE_EPOCH)
+            return
+        assert all(v[2] == digest for _, v in prior)  # I7: never a conflict let through
+        if result.status is Begin.REPLAY:
+            assert any(v[3] is A.COMPLETED for _, v in prior)
+            return
+        assert result.status is Begin.STARTED
+        assert all(v[3] in (A.FAILED, A.NOT_APPLIED) for _, v in prior)
+        self.model.actions[aid] = (did, key, digest, A.PENDING)
+
+    @precondition(lambda self: any(v[3] in (A.PENDING, A.IN_DOUBT, A.UNKNOWN, A.NOT_APPLIED)
+                                   for v in self.model.actions.values()))
+    @rule(data=st.data(), outcome=st.sampled_from([A.COMPLETED, A.FAILED, A.IN_DOUBT,
+                                                    A.NOT_APPLIED, A.UNKNOWN]),
+          probe=st.booleans())
+    def finish(self, data: st.DataObject, outcome: A, probe: bool) -> None:
+        aid = data.draw(st.sampled_from(sorted(self.model.actions)))
+        did, key, digest, old = self.model.actions[aid]
+        evidence = {"probe": outcome.value} if probe else None
+        got = self.tx(lambda db: ops.finish_action(db, aid, outcome, 3.0, None, None, evidence))
+        expected = outcome if (outcome is not old and action_may_move(old, outcome)) else old
+        assert got is expected
+        self.model.actions[aid] = (did, key, digest, expected)
+
+    @precondition(lambda self: self.model.delegations)
+    @rule(data=st.data(), kind=st.sampled_from(list(tether.ControlKind)),
+          offset=st.sampled_from([0, 1, 1, 1, 2]), forged=st.booleans())
+    def control(self, data: st.DataObject, kind: tether.ControlKind, offset: int,
+                forged: bool) -> None:
+        did = data.draw(st.sampled_from(sorted(self.model.delegations)))
+        d = self.model.delegations[did]
+        grace = 1.0 if kind is tether.ControlKind.RECALL else None
+        intent = tether.ControlIntent(kind, did, d.epoch, d.seq + offset, grace, "r", 4.0)
+        signer = tether.SigningKey.generate() if forged else KEY
+        signed = signer.sign(intent) if intent.seq >= 1 else None
+        if signed is None:
+            return
+        if forged:  # I5: refused before any write
+            with pytest.raises(tether.UnknownKey):
+                TRUSTED.verify(signed, tether.ControlIntent)
+            return
+        checked = TRUSTED.verify(signed, tether.ControlIntent)
+        try:
+            self.tx(lambda db: ops.accept_control(db, signed, checked, "me", 4.0))
+        except tether.StaleSequence as exc:
+            current = exc.current
+            assert offset != 1 and current == d.seq
+            return
+        except tether.InvalidTransition:
+            assert offset == 1
+            assert d.state.terminal or kind.target not in (S.RECALLING, S.TERMINATING) \
+                or d.state in (S.RECALLING, S.TERMINATING)
+            return
+        assert offset == 1
+        d.seq += 1
+        d.state = kind.target
+        for sub in self.model.subtree(did):  # I10: the whole subtree, in the same step
+            node = self.model.delegations[sub]
+            node.fenced = True
+            if sub != did and node.state in (S.RUNNING, S.RECALLING):
+                node.state = kind.target
+
+    @precondition(lambda self: any(d.parent is None for d in self.model.delegations.values()))
+    @rule(data=st.data())
+    def redelegate(self, data: st.DataObject) -> None:
+        roots = sorted(k for k, d in self.model.delegations.items() if d.parent is None)
+        did = data.draw(st.sampled_from(roots))
+        d = self.model.delegations[did]
+        new_id = self.fresh("d")
+        new = NewDelegation(new_id, d.task, None, 1, "a", (), {}, "o", 5.0,
+                            redelegate_from_epoch=d.epoch)
+        if d.epoch != self.model.epochs[d.task]:
+            with pytest.raises(tether.StaleEpoch):  # I4: only one caller moves an epoch
+                self.tx(lambda db: ops.create_delegation(db, new))
+            return
+        self.tx(lambda db: ops.create_delegation(db, new))
+        self.model.epochs[d.task] += 1
+        self.model.delegations[new_id] = MDelegation(d.task, None, d.epoch + 1)
+
+    @precondition(lambda self: self.model.delegations)
+    @rule(data=st.data())
+    def abandon(self, data: st.DataObject) -> None:
+        """Grace ended or the owner died: PENDING actions of a subtree become IN_DOUBT."""
+        did = data.draw(st.sampled_from(sorted(self.model.delegations)))
+        marked = set(self.tx(lambda db: ops.mark_in_doubt(db, did, 6.0)))
+        sub = set(self.model.subtree(did))
+        expect = {a for a, v in self.model.actions.items() if v[0] in sub and v[3] is A.PENDING}
+        assert marked == expect  # I3: nothing in flight is dropped
+        for a in marked:
+            d, k, h, _ = self.model.actions[a]
+            self.model.actions[a] = (d, k, h, A.IN_DOUBT)
+
+    # -- invariants ---------------------------------------------------------------------
+    @invariant()
+    def journal_matches_model(self) -> None:
+        for did, d in self.model.delegations.items():
+            row = ops.get_delegation(self.db, did)
+            assert (row.fenced, row.control_seq, row.state, row.epoch) == (
+                d.fenced, d.seq, d.state, d.epoch), did
+        actions = ops.actions(self.db, list(self.model.delegations))
+        assert {a.id: a.state for a in actions} == {k: v[3] for k, v in
+                                                     self.model.actions.items()}
+
+    @invariant()
+    def one_live_action_per_key(self) -> None:  # I7
+        live: dict[str, int] = {}
+        for _, key, _, state in self.model.actions.values():
+            if state not in (A.FAILED, A.NOT_APPLIED):
+                live[key] = live.get(key, 0) + 1
+        assert all(n <= 1 for n in live.values())
+
+    @invariant()
+    def sequences_are_contiguous(self) -> None:  # I4
+        for did in self.model.delegations:
+            seqs = [c.seq for c in ops.controls(self.db, did)]
+            assert seqs == list(range(1, len(seqs) + 1))
+
+
+# CI runs a bounded number; TETHER_MODEL_EXAMPLES=600 explores further.
+EXAMPLES = int(os.environ.get("TETHER_MODEL_EXAMPLES", "60"))
+JournalRules.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30,
+                                          deadline=None)
+test_journal_rules = JournalRules.TestCase

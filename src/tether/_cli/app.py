@@ -271,6 +271,47 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
                   + ", ".join(ring.trusted.ids()))
 
 
+@app.command()
+@cli_errors
+def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
+          seed: Annotated[int, typer.Option("--seed")] = 1,
+          replay: Annotated[int | None, typer.Option(
+              "--replay", help="Run only the trial with this trial seed.")] = None,
+          faults: Annotated[str | None, typer.Option(
+              "--faults", help="Comma-separated fault kinds to draw from.")] = None,
+          as_json: JsonOpt = False) -> None:
+    """Crash, race and fault trials, each judged against the outside world's own ledger."""
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from tether._chaos.harness import CLASSES, run_chaos
+    from tether._chaos.plan import FAULTS
+
+    chosen = FAULTS if faults is None else tuple(f.strip() for f in faults.split(","))
+    unknown = [f for f in chosen if f not in FAULTS]
+    if unknown or not chosen:
+        raise UserError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    total = 1 if replay is not None else trials
+    with Progress(console=err, transient=True, disable=as_json) as bar:
+        task = bar.add_task("chaos trials", total=total)
+        result = run_chaos(trials, seed, chosen, replay,
+                           progress=lambda *_: bar.advance(task))
+    if as_json:
+        emit_json(result)
+    else:
+        table = Table(title=f"tether chaos: {result['trials']} trials, seed {seed}")
+        for col in ("fault", "trials", "violations"):
+            table.add_column(col)
+        for name, row in result["faults"].items():
+            table.add_row(name, str(row["trials"]), str(row["violations"]))
+        out.print(table)
+        out.print("  ".join(f"{k}: {result['counts'][k]}" for k in CLASSES))
+        for v in result["violations"][:20]:
+            out.print(f"[red]{v['class']}[/red] (fault {v['fault']}): {v['detail']} - replay "
+                      f"with: tether chaos --replay {v['trial_seed']}")
+    raise typer.Exit(1 if result["violations"] else 0)
+
+
 @trace_app.command("show")
 @cli_errors
 def trace_show(ident: Annotated[str, typer.Argument(help="Task id or delegation id.")],

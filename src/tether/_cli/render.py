@@ -54,13 +54,13 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
             intents.append({"delegation": d, "seq": c.seq, "kind": c.kind.value,
                             "key_id": c.signed.key_id, "issuer": c.issuer,
                             "accepted_at": c.accepted_at, "verified": _verify(trusted, c.signed),
-                            "body": decode(c.signed.body).to_json()})
+                            "body": _body(c.signed.body)})
         for doc in await journal.documents(d):
             intents.append({"delegation": d, "seq": doc.seq, "kind": doc.type.upper(),
                             "key_id": doc.signed.key_id, "issuer": "child",
                             "accepted_at": doc.recorded_at,
                             "verified": _verify(trusted, doc.signed),
-                            "body": decode(doc.signed.body).to_json()})
+                            "body": _body(doc.signed.body)})
     events = await journal.events(ids)
     return {
         "delegations": [r.to_json() for r in rows],
@@ -69,6 +69,14 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
         "events": [{"at": e.at, "kind": e.kind, "delegation": e.delegation_id,
                     "action": e.action_id, "detail": e.detail} for e in events],
     }
+
+
+def _body(body: bytes) -> dict[str, Any]:
+    """A body that no longer decodes is shown as such; its signature check says REFUSED."""
+    try:
+        return decode(body).to_json()
+    except ControlRefused as exc:
+        return {"undecodable": str(exc)}
 
 
 def _verify(trusted: TrustedKeys | None, signed: Any) -> str:

@@ -8,13 +8,14 @@ a check in the caller followed by a write. Each function takes a DB-API connecti
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     IdempotencyConflict,
     InvalidTransition,
+    JournalCorrupt,
     KeyInUse,
     NotFound,
     StaleEpoch,
@@ -23,6 +24,7 @@ from tether._core.errors import (
 )
 from tether._core.model import (
     ActionState,
+    ControlKind,
     DelegationState,
     Effect,
     action_may_move,
@@ -45,9 +47,12 @@ from tether._journal.rows import (
     loads,
 )
 
+T = TypeVar("T")
+
 
 class Cursor(Protocol):
-    rowcount: int
+    @property
+    def rowcount(self) -> int: ...
 
     def fetchone(self) -> Any: ...
 
@@ -55,7 +60,7 @@ class Cursor(Protocol):
 
 
 class Db(Protocol):
-    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Cursor: ...
+    def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
 
 
 SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
@@ -72,7 +77,22 @@ _ACTION_COLS = (
 )
 
 
-def _delegation(row: Any) -> DelegationRow:
+def _decoded(table: str, parse: Callable[[Any], T]) -> Callable[[Any], T]:
+    """A row that does not decode (a flipped bit, a hand edit) is JournalCorrupt, naming the
+    row, never a crash in the middle of an operation."""
+
+    def decode(row: Any) -> T:
+        try:
+            return parse(row)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise JournalCorrupt(
+                f"row {row[0]!r} of table {table} is corrupted ({type(exc).__name__}: {exc})"
+            ) from None
+
+    return decode
+
+
+def _delegation_row(row: Any) -> DelegationRow:
     return DelegationRow(
         id=row[0], task_id=row[1], parent_id=row[2], epoch=row[3], attempt=row[4], agent=row[5],
         surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
@@ -82,13 +102,17 @@ def _delegation(row: Any) -> DelegationRow:
     )
 
 
-def _action(row: Any) -> ActionRecord:
+def _action_row(row: Any) -> ActionRecord:
     return ActionRecord(
         id=row[0], delegation_id=row[1], ordinal=row[2], tool=row[3], effect=Effect(row[4]),
         args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
         result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
         started_at=row[12], ended_at=row[13],
     )
+
+
+_delegation = _decoded("delegations", _delegation_row)
+_action = _decoded("actions", _action_row)
 
 
 def event(db: Db, at: float, what: str, delegation_id: str | None = None,
@@ -341,15 +365,14 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     return controls(db, intent.delegation_id)[-1]
 
 
-def _control(r: Any) -> ControlRow:
-    from tether._core.model import ControlKind
-
+def _control_row(r: Any) -> ControlRow:
     return ControlRow(
         id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
         signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
     )
 
 
+_control = _decoded("controls", _control_row)
 _CONTROL_COLS = "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"
 
 
@@ -446,7 +469,8 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
                   error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
     """Record an outcome. A receipt for an action already declared IN_DOUBT (or settled by a
     probe) is a late receipt: it is kept, flagged, and a COMPLETED one wins (I3, I8)."""
-    if evidence is None:  # the common case: a receipt for a PENDING action, one statement
+    if evidence is None and action_may_move(ActionState.PENDING, outcome):
+        # The common case, a receipt for a PENDING action: one statement.
         cur = db.execute(
             "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
             "WHERE id = ? AND state = 'PENDING'",

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import os
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from tether._runtime.supervisor import Supervisor
 
 UNSERIALIZABLE = "__tether_unserializable__"
+# Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
+FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
 
 
 _PROCESS = secrets.token_hex(5)  # random per process; a counter makes ids unique within it
@@ -160,6 +163,8 @@ class Context:
         key = idempotency_key or f"{rt.row.task_id}:{found.name}:{ordinal}"
         args_hash = hashlib.sha256(encoded.encode()).hexdigest()
         clock, journal = self._sup.clock, self._sup.journal
+        if "intent_after_dispatch" in FAULTS:  # breaks I1 on purpose
+            result = await found.fn(**kwargs, idempotency_key=key)
         begun = await journal.begin_action(NewAction(
             id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=order,
             tool=found.name, effect=found.effect, args_json=encoded, args_hash=args_hash,
@@ -176,6 +181,10 @@ class Context:
                     "could not be recorded, so it cannot be replayed"
                 )
             return begun.result
+        if "intent_after_dispatch" in FAULTS:
+            journal.finish_action(begun.action_id, ActionState.COMPLETED, clock.wall(),
+                                  result=result)
+            return result
         if found.effect.side_effecting:
             rt.effects_started += 1
         sup.telemetry.actions.add(1, {"effect": found.effect.value, "tool": found.name})

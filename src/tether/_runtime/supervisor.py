@@ -290,10 +290,13 @@ class Supervisor:
                           started: asyncio.Event) -> tuple[bool, Any]:
         started.set()
         self._notify("started", rt.id)
+        ending: tuple[DelegationState, Any, str | None, str | None]
         try:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
+            ending = (DelegationState.SUCCEEDED, value, None, None)
+            outcome: tuple[bool, Any] = (True, value)
         except ControlSignal as signal:
             return False, signal
         except asyncio.CancelledError:
@@ -302,20 +305,28 @@ class Supervisor:
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
             if cut.partial.usable:  # retrying would destroy what was salvaged
-                await self._finish(rt, DelegationState.SUCCEEDED_PARTIAL,
-                                   result=cut.partial.to_json(), failure=ending_of(cut)[1])
-                return True, cut.partial
-            await self._finish(rt, DelegationState.FAILED, error=str(cut),
-                               failure=ending_of(cut)[1])
-            return False, cut
+                ending = (DelegationState.SUCCEEDED_PARTIAL, cut.partial.to_json(), None,
+                          ending_of(cut)[1])
+                outcome = (True, cut.partial)
+            else:
+                ending = (DelegationState.FAILED, None, str(cut), ending_of(cut)[1])
+                outcome = (False, cut)
         except Exception as exc:
-            await self._finish(rt, DelegationState.FAILED, error=f"{type(exc).__name__}: {exc}",
-                               failure=ending_of(exc)[1])
-            return False, exc
+            ending = (DelegationState.FAILED, None, f"{type(exc).__name__}: {exc}",
+                      ending_of(exc)[1])
+            outcome = (False, exc)
         finally:
             self._notify("ended", rt.id)
-        await self._finish(rt, DelegationState.SUCCEEDED, result=value)
-        return True, value
+        try:
+            state, result, error, failure = ending
+            await self._finish(rt, state, result=result, error=error, failure=failure)
+        except asyncio.CancelledError:
+            # A terminate landed while the child's end was being recorded: the terminate was
+            # accepted first, and its drain settles the delegation.
+            if rt.stop is None:
+                raise
+            return False, rt.stop
+        return outcome
 
     async def _finish(self, rt: ChildRuntime, state: DelegationState, result: Any = None,
                       error: str | None = None, failure: str | None = None) -> None:
