@@ -118,3 +118,22 @@ async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(tmp_path: Pa
         await child.wait()
     assert isinstance(refused[0], tether.Fenced | tether.Recalled)
     assert pay.entries() == []
+
+
+async def test_owner_dead_during_a_recall_is_settled_as_recalled(tmp_path: Path) -> None:
+    """Found by `tether chaos`: the owner died after its recall was accepted, before the drain
+    ended. Recovery must finish the recall (RECALLED), not force a forbidden TERMINATED."""
+    from tether._journal.rows import NewDelegation, OwnerRow
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    keys = tether.KeyRing.ephemeral()
+    async with tether.Journal(url) as journal:
+        await journal.register_owner(OwnerRow("o_gone", 0, "elsewhere", 0.0, 0.0))
+        await journal.create_delegation(NewDelegation("d1", "t1", None, 1, "a", (), {},
+                                                      "o_gone", 1.0))
+        intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 2.0)
+        await journal.accept_control(keys.signer.sign(intent), keys.trusted, "o_gone", 2.0)
+    async with tether.Supervisor(url, keys=keys) as sup:
+        report = await sup.report("d1")
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert report.verdict == "RECOVERED"

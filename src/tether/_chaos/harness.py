@@ -136,7 +136,12 @@ def one_trial(plan: Plan, timeout: float = 30.0) -> tuple[str, list[Violation]]:
         outcome = run_orchestrator(directory, plan, timeout)
         if not (directory / "journal.db").exists():  # killed before it opened the journal
             return outcome, []
-        asyncio.run(recover(directory))
+        try:
+            asyncio.run(recover(directory))
+        except tether.TetherError as exc:  # a recovery that fails is a finding, not a crash
+            found = asyncio.run(judge(directory, plan, outcome))
+            return outcome, [*found, Violation(plan.seed, plan.fault, "stuck",
+                                               f"recovery failed: {exc}")]
         return outcome, asyncio.run(judge(directory, plan, outcome))
 
 

@@ -166,6 +166,10 @@ async def drive(sup: Supervisor, run: TaskRun, args: Sequence[Any],
         raise
     finally:
         end(run.span)
+        # Accounted for: the supervisor forgets it (handles keep their own reference), so a
+        # long-lived supervisor's memory does not grow with every delegation it ever ran.
+        for attempt in run.attempts:
+            sup.forget(attempt)
     if not run.done.done():
         run.done.set_result((ok, value))
 

@@ -120,7 +120,7 @@ class Handle:
         row = await sup.journal.get(self.id)
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
-        rt = sup.runtime(self.id)
+        rt = self._run.current if self._run is not None else sup.runtime(self.id)
         if rt is None or row.parent_id is not None:
             raise UserError(f"delegation {self.id} is not a root delegation run by this process")
         new = await sup.journal.create_delegation(NewDelegation(

@@ -69,6 +69,16 @@ def final_state(row: DelegationRow, actions: list[ActionRecord],
     return fallback
 
 
+def natural_end(state: DelegationState, fallback: DelegationState) -> DelegationState:
+    """Where a stopped delegation ends when nothing had to be probed: a recall that was under
+    way ends RECALLED (even if its owner died in the grace window), a terminate TERMINATED."""
+    if state is DelegationState.RECALLING:
+        return DelegationState.RECALLED
+    if state is DelegationState.TERMINATING:
+        return DelegationState.TERMINATED
+    return fallback
+
+
 async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
                          fallback: DelegationState) -> None:
     """Move every non-terminal node (deepest first) to its final state. Finished nodes whose
@@ -82,7 +92,7 @@ async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
                 continue
             new = final_state(row, mine, row.state)
         else:
-            new = final_state(row, mine, fallback)
+            new = final_state(row, mine, natural_end(row.state, fallback))
         if new is not row.state:
             await journal.set_state(row.id, new, clock.wall())
 

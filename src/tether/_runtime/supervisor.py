@@ -572,6 +572,12 @@ class Supervisor:
             return Handle(self, rt.row)
         return Handle.detached(self, delegation_id)
 
+    def forget(self, rt: ChildRuntime) -> None:
+        if rt.draining is None or rt.draining.done():
+            self._runtimes.pop(rt.id, None)
+        else:  # a drain still settles it; forget it when that is done
+            rt.draining.add_done_callback(lambda _: self._runtimes.pop(rt.id, None))
+
     def runtime(self, delegation_id: str) -> ChildRuntime | None:
         return self._runtimes.get(delegation_id)
 
