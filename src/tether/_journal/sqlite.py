@@ -1,22 +1,10 @@
-"""The embedded SQLite backend: one writer thread, group commit, never the event loop.
-
-Operations queue to a dedicated thread. It takes everything queued, runs each operation in its
-own SAVEPOINT inside one transaction, commits once, then resolves every caller's future. An
-intent that waits for its commit therefore shares that commit (and its fsync) with whatever else
-arrived meanwhile; a refused operation rolls back only its own savepoint.
-"""
+"""The embedded SQLite backend: a journal file validated before a byte is written to it."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import queue
 import sqlite3
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from tether._core.errors import (
     JournalCorrupt,
@@ -25,18 +13,10 @@ from tether._core.errors import (
     NotAJournal,
     SchemaTooNew,
 )
-from tether._journal.schema import APP, MIGRATIONS, SCHEMA_VERSION
+from tether._journal.runner import ThreadRunner
+from tether._journal.schema import APP, META_SET, MIGRATIONS, SCHEMA_VERSION, ddl
 
-T = TypeVar("T")
 SQLITE_MAGIC = b"SQLite format 3\x00"
-MAX_BATCH = 1024
-
-
-@dataclass
-class _Op:
-    fn: Callable[[sqlite3.Connection], Any]
-    write: bool
-    future: asyncio.Future[Any] | None
 
 
 def _map_error(exc: sqlite3.Error, path: Path) -> JournalError:
@@ -75,16 +55,22 @@ def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
 def _migrate(conn: sqlite3.Connection, found: int) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for version in range(found + 1, SCHEMA_VERSION + 1):
-            for statement in MIGRATIONS[version]:
-                conn.execute(statement)
-        conn.execute("INSERT OR REPLACE INTO tether_meta VALUES ('app', ?)", (APP,))
-        conn.execute("INSERT OR REPLACE INTO tether_meta VALUES ('schema_version', ?)",
-                     (str(SCHEMA_VERSION),))
+        migrate(conn, found, "sqlite")
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def migrate(conn: Any, found: int, dialect: str) -> None:
+    """Apply each migration after ``found`` in order, inside the caller's transaction."""
+    for version in range(found + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[version]:
+            conn.execute(ddl(statement, dialect))
+    for key, value in (("app", APP), ("schema_version", str(SCHEMA_VERSION))):
+        conn.execute(META_SET[0].replace("?", "%s" if dialect != "sqlite" else "?"), (key,))
+        conn.execute(META_SET[1].replace("?", "%s" if dialect != "sqlite" else "?"),
+                     (key, value))
 
 
 def connect(path: Path, *, create: bool, synchronous: str,
@@ -119,115 +105,23 @@ def connect(path: Path, *, create: bool, synchronous: str,
     return conn
 
 
-class SqliteRunner:
-    """Runs journal operations on one connection in one thread, batching commits."""
+class SqliteRunner(ThreadRunner):
+    """The embedded backend: one connection to one file, written by one thread."""
 
     def __init__(self, path: Path, *, create: bool = True, synchronous: str = "FULL",
                  busy_timeout: float = 5.0) -> None:
+        super().__init__()
         self.path = path
         self._create = create
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
-        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._conn: sqlite3.Connection | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._conn = await asyncio.to_thread(
-            connect, self.path, create=self._create, synchronous=self._synchronous,
-            busy_timeout=self._busy_timeout,
-        )
-        self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
-        self._thread.start()
+    def connect(self) -> sqlite3.Connection:
+        return connect(self.path, create=self._create, synchronous=self._synchronous,
+                       busy_timeout=self._busy_timeout)
 
-    async def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._queue.put(None)
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+    def begin(self, conn: sqlite3.Connection, write: bool) -> None:
+        conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
 
-    def submit(self, fn: Callable[[sqlite3.Connection], T], *, write: bool,
-               wait: bool = True) -> asyncio.Future[T] | None:
-        if self._thread is None or self._loop is None:
-            raise JournalError("journal is not open")
-        future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
-        self._queue.put(_Op(fn, write, future))
-        return future
-
-    def _work(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        stopping = False
-        while not stopping:
-            first = self._queue.get()
-            if first is None:
-                break
-            batch = [first]
-            while len(batch) < MAX_BATCH:
-                try:
-                    op = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if op is None:
-                    stopping = True
-                    break
-                batch.append(op)
-            self._run_batch(conn, batch)
-        conn.close()
-
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        done: list[tuple[_Op, Any, BaseException | None]] = []
-        try:
-            conn.execute("BEGIN IMMEDIATE" if any(op.write for op in batch) else "BEGIN")
-        except sqlite3.Error as exc:
-            err = _map_error(exc, self.path)
-            self._resolve([(op, None, err) for op in batch])
-            return
-        alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
-        for op in batch:
-            if not alone:
-                conn.execute("SAVEPOINT op")
-            try:
-                value = op.fn(conn)
-            except Exception as exc:  # refused or failed: undo this operation only
-                conn.execute("ROLLBACK" if alone else "ROLLBACK TO op")
-                if not alone:
-                    conn.execute("RELEASE op")
-                mapped = _map_error(exc, self.path) if isinstance(exc, sqlite3.Error) else exc
-                done.append((op, None, mapped))
-                if alone:
-                    self._resolve(done)
-                    return
-            else:
-                if not alone:
-                    conn.execute("RELEASE op")
-                done.append((op, value, None))
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            err = _map_error(exc, self.path)
-            done = [(op, None, err) for op, _, _ in done]
-        self._resolve(done)
-
-    def _resolve(self, done: list[tuple[_Op, Any, BaseException | None]]) -> None:
-        waiting = [d for d in done if d[0].future is not None]
-        if not waiting or self._loop is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
-            self._loop.call_soon_threadsafe(_settle, waiting)
-
-
-def _settle(done: list[tuple[_Op, Any, BaseException | None]]) -> None:
-    for op, value, error in done:
-        fut = op.future
-        if fut is None or fut.done():
-            continue
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
+    def map_error(self, exc: Exception) -> Exception:
+        return _map_error(exc, self.path) if isinstance(exc, sqlite3.Error) else exc
