@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import functools
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
 import tether
 from tether.testing import PaymentService, VirtualClock
@@ -18,8 +23,39 @@ def clock() -> VirtualClock:
     return VirtualClock()
 
 
+PG_URL = os.environ.get("TETHER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@functools.cache
+def pg_unavailable() -> str | None:
+    try:
+        psycopg.connect(PG_URL, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        return f"PostgreSQL at {PG_URL} is not reachable ({str(exc).strip()[:120]})"
+    return None
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Every journal test runs on both backends; each PostgreSQL test gets its own schema,
+    dropped afterwards. Without a server, a developer's run skips those (loudly); CI fails."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'journal.db'}"
+        return
+    reason = pg_unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    yield f"{PG_URL}?schema={schema}&keys={tmp_path / 'keys'}"
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
 @pytest.fixture
-def journal_url(tmp_path: Path) -> str:
+def sqlite_url(tmp_path: Path) -> str:
+    """For the tests that open the SQLite file itself."""
     return f"sqlite:///{tmp_path / 'journal.db'}"
 
 

@@ -20,16 +20,16 @@ from tether._cli.app import app
 from .test_cli import tether_cli
 
 
-async def journal_with_a_terminated_child(journal_url: str, shop: Any) -> str:
+async def journal_with_a_terminated_child(sqlite_url: str, shop: Any) -> str:
     shop.gate = asyncio.Event()
-    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+    async with tether.Supervisor(sqlite_url, tools=shop.tools) as sup:
         child = await sup.delegate(shop.refund_agent, "Z-1", tools=shop.tools)
         await child.terminate("done")
         return child.id
 
 
-def tamper(journal_url: str, sql: str, *params: object) -> None:
-    conn = sqlite3.connect(journal_url.removeprefix("sqlite:///"))
+def tamper(sqlite_url: str, sql: str, *params: object) -> None:
+    conn = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
     conn.execute(sql, params)
     conn.commit()
     conn.close()
@@ -40,28 +40,28 @@ def tamper(journal_url: str, sql: str, *params: object) -> None:
     ("UPDATE delegations SET surface = '{not json'", ["ls"]),
     ("UPDATE controls SET kind = 'PAUSE'", ["show", "{id}"]),
 ])
-async def test_a_corrupted_row_is_a_clear_error(journal_url: str, shop: Any, sql: str,
+async def test_a_corrupted_row_is_a_clear_error(sqlite_url: str, shop: Any, sql: str,
                                                 command: list[str]) -> None:
-    delegation = await journal_with_a_terminated_child(journal_url, shop)
-    tamper(journal_url, sql)
+    delegation = await journal_with_a_terminated_child(sqlite_url, shop)
+    tamper(sqlite_url, sql)
     code, out, err = await tether_cli(*[c.format(id=delegation) for c in command],
-                                      "--journal", journal_url)
+                                      "--journal", sqlite_url)
     assert code == 2
     assert err.startswith("error:") and "is corrupted" in err and "Traceback" not in err + out
 
 
 @pytest.mark.parametrize("column", ["signature", "body"])
-async def test_a_flipped_bit_in_a_signed_intent_is_refused(journal_url: str, shop: Any,
+async def test_a_flipped_bit_in_a_signed_intent_is_refused(sqlite_url: str, shop: Any,
                                                            column: str) -> None:
-    delegation = await journal_with_a_terminated_child(journal_url, shop)
-    conn = sqlite3.connect(journal_url.removeprefix("sqlite:///"))
+    delegation = await journal_with_a_terminated_child(sqlite_url, shop)
+    conn = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
     (value,) = conn.execute(f"SELECT {column} FROM controls").fetchone()
     flipped = bytearray(value)
     flipped[len(flipped) // 2] ^= 0x04
     conn.execute(f"UPDATE controls SET {column} = ?", (bytes(flipped),))
     conn.commit()
     conn.close()
-    code, out, err = await tether_cli("show", delegation, "--journal", journal_url, "--json")
+    code, out, err = await tether_cli("show", delegation, "--journal", sqlite_url, "--json")
     assert code == 0, err
     (intent,) = [i for i in json.loads(out)["intents"] if i["kind"] == "TERMINATE"]
     assert intent["verified"].startswith("REFUSED")

@@ -48,13 +48,13 @@ def control(seq: int = 1, did: str = "d1", kind: tether.ControlKind = tether.Con
     return KEY.sign(tether.ControlIntent(kind, did, epoch, seq, grace, "r", 3.0))
 
 
-async def test_intent_is_durable_before_started_is_returned(journal: Journal) -> None:
+async def test_intent_is_durable_before_started_is_returned(journal: Journal,
+                                                           journal_url: str) -> None:
     """I1: STARTED means the row is committed; another connection sees it PENDING."""
     await journal.create_delegation(new_delegation())
     assert (await journal.begin_action(new_action())).status is Begin.STARTED
-    other = sqlite3.connect(journal.path)
-    assert other.execute("SELECT state FROM actions WHERE id = 'a1'").fetchone() == ("PENDING",)
-    other.close()
+    async with Journal(journal_url, create=False) as other:
+        assert [a.state for a in await other.actions(["d1"])] == [tether.ActionState.PENDING]
 
 
 async def test_fence_refuses_new_actions_after_recall(journal: Journal) -> None:
@@ -270,7 +270,8 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
     await seeded(path)
     steps = dict(schema.MIGRATIONS)
     steps[2] = ("ALTER TABLE delegations ADD COLUMN note TEXT",)
-    monkeypatch.setattr(sqlite_backend, "MIGRATIONS", steps)
+    monkeypatch.setattr(schema, "MIGRATIONS", steps)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     monkeypatch.setattr(sqlite_backend, "SCHEMA_VERSION", 2)
     async with Journal(f"sqlite:///{path}") as j:
         assert (await j.get("d1")).task_id == "t1"
@@ -281,7 +282,7 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
     conn.close()
 
 
-@pytest.mark.parametrize("url", ["postgres://x", "sqlite://host/x.db", "sqlite:///", "journal.db",
+@pytest.mark.parametrize("url", ["mysql://x", "postgresql://h/db?schema=no-pe", "sqlite://host/x.db", "sqlite:///", "journal.db",
                                  "sqlite:///j.db?synchronous=sometimes"])
 def test_bad_url_is_a_user_error(url: str) -> None:
     with pytest.raises(tether.UserError):

@@ -61,7 +61,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def key_dir(journal: Journal, keys: Path | None) -> Path:
-    return keys if keys is not None else journal.path.parent / "keys"
+    return keys if keys is not None else journal.keys_dir
 
 
 def emit_json(value: Any) -> None:

@@ -25,6 +25,7 @@ from tether._journal.rows import (
     NewDelegation,
     OwnerRow,
 )
+from tether._journal.runner import ThreadRunner
 from tether._journal.sqlite import SqliteRunner
 
 T = TypeVar("T")
@@ -36,8 +37,8 @@ def sqlite_path(url: str) -> Path:
     parsed = urlparse(url)
     if parsed.scheme != "sqlite" or parsed.netloc or not parsed.path.startswith("/"):
         raise UserError(
-            f"journal URL {url!r} is not understood: use sqlite:///relative/path.db or "
-            "sqlite:////absolute/path.db"
+            f"journal URL {url!r} is not understood: use sqlite:///relative/path.db, "
+            "sqlite:////absolute/path.db or postgresql://user@host/db?schema=name"
         )
     path = unquote(parsed.path[1:])
     if not path:
@@ -57,6 +58,16 @@ class Journal:
                  busy_timeout: float | None = None) -> None:
         self.url = url
         query = parse_qs(urlparse(url).query)
+        keys = query.get("keys", [None])[0]
+        if url.startswith(("postgresql://", "postgres://")):
+            from tether._journal.postgres import PostgresRunner
+
+            runner = PostgresRunner(url, create=create)
+            self._runner: ThreadRunner = runner
+            self.path = Path(".tether") / "postgresql"
+            self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
+            self._shown = runner.shown
+            return
         if busy_timeout is None:
             try:
                 busy_timeout = float(query.get("busy_timeout", ["5"])[0])
@@ -66,12 +77,14 @@ class Journal:
         if sync not in ("FULL", "NORMAL", "OFF"):
             raise UserError(f"synchronous in {url!r} must be full, normal or off")
         self.path = sqlite_path(url.split("?", 1)[0])
+        self.keys_dir = Path(keys) if keys else self.path.parent / "keys"
+        self._shown = ""
         self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
                                     busy_timeout=busy_timeout)
 
     @property
     def location(self) -> str:
-        return str(self.path.resolve())
+        return self._shown or str(self.path.resolve())
 
     async def open(self) -> Journal:
         await self._runner.start()

@@ -3,7 +3,8 @@
 Every rule the invariants put on the journal (write-ahead I1, fence I2, sequence compare-and-set
 I4, subtree fence I10) is enforced here, inside the transaction that changes the rows, never by
 a check in the caller followed by a write. Each function takes a DB-API connection whose
-``execute`` accepts ``?`` placeholders.
+``execute`` accepts ``?`` placeholders. ``/*LOCK a, b*/`` marks where PostgreSQL takes share
+locks on the rows a fence check reads (a comment to SQLite, whose writer is single).
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
         cur = db.execute(
             _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
             "JOIN tasks t ON t.id = p.task_id "
-            "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch",
+            "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch "
+            "/*LOCK p, t*/",
             (*values, new.parent_id, new.parent_epoch),
         )
         if cur.rowcount != 1:
@@ -247,7 +249,7 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
         "JOIN tasks t ON t.id = f.task_id "
         "WHERE f.id = ? AND f.state = 'FAILED' AND f.epoch = t.epoch AND NOT EXISTS "
         "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
-        "AND n.attempt > f.attempt)",
+        "AND n.attempt > f.attempt) /*LOCK f, t*/",
         (*_values(new, prior.epoch), new.retry_of),
     )
     if cur.rowcount != 1:
@@ -441,7 +443,7 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
             ", args_hash) "
             "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
             "JOIN tasks t ON t.id = d.task_id "
-            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ?",
+            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ? /*LOCK d, t*/",
             (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
              new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
              new.delegation_id, new.epoch, new.epoch),

@@ -6,6 +6,8 @@ recursive CTEs for subtrees and a partial unique index for live idempotency keys
 
 from __future__ import annotations
 
+from typing import Any
+
 SCHEMA_VERSION = 1
 APP = "tether"
 
@@ -110,3 +112,14 @@ def ddl(statement: str, dialect: str) -> str:
 
 META_SET = ("DELETE FROM tether_meta WHERE key = ?",
             "INSERT INTO tether_meta (key, value) VALUES (?, ?)")
+
+
+def migrate(conn: Any, found: int, dialect: str) -> None:
+    """Apply each migration after ``found`` in order, inside the caller's transaction."""
+    for version in range(found + 1, SCHEMA_VERSION + 1):
+        for statement in MIGRATIONS[version]:
+            conn.execute(ddl(statement, dialect))
+    for key, value in (("app", APP), ("schema_version", str(SCHEMA_VERSION))):
+        mark = "?" if dialect == "sqlite" else "%s"
+        conn.execute(META_SET[0].replace("?", mark), (key,))
+        conn.execute(META_SET[1].replace("?", mark), (key, value))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 from tether._core.errors import (
     JournalCorrupt,
@@ -14,7 +13,7 @@ from tether._core.errors import (
     SchemaTooNew,
 )
 from tether._journal.runner import ThreadRunner
-from tether._journal.schema import APP, META_SET, MIGRATIONS, SCHEMA_VERSION, ddl
+from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
@@ -60,17 +59,6 @@ def _migrate(conn: sqlite3.Connection, found: int) -> None:
     except BaseException:
         conn.execute("ROLLBACK")
         raise
-
-
-def migrate(conn: Any, found: int, dialect: str) -> None:
-    """Apply each migration after ``found`` in order, inside the caller's transaction."""
-    for version in range(found + 1, SCHEMA_VERSION + 1):
-        for statement in MIGRATIONS[version]:
-            conn.execute(ddl(statement, dialect))
-    for key, value in (("app", APP), ("schema_version", str(SCHEMA_VERSION))):
-        conn.execute(META_SET[0].replace("?", "%s" if dialect != "sqlite" else "?"), (key,))
-        conn.execute(META_SET[1].replace("?", "%s" if dialect != "sqlite" else "?"),
-                     (key, value))
 
 
 def connect(path: Path, *, create: bool, synchronous: str,

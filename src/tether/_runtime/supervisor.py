@@ -133,8 +133,8 @@ class Supervisor:
         await self.journal.open()
         try:
             if self._keys is None:
-                directory = self.journal.path.parent / "keys"
-                self._keys = await asyncio.to_thread(KeyRing.load_or_init, directory)
+                self._keys = await asyncio.to_thread(KeyRing.load_or_init,
+                                                     self.journal.keys_dir)
             now = self.clock.wall()
             await self.journal.register_owner(
                 OwnerRow(self.owner_id, os.getpid(), socket.gethostname(), now, now))
