@@ -42,6 +42,16 @@ def journal_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'journal.db'}"
         return
+    yield from pg_schema(tmp_path)
+
+
+@pytest.fixture
+def pg_url(tmp_path: Path) -> Iterator[str]:
+    """A journal URL on PostgreSQL alone, in a schema of its own."""
+    yield from pg_schema(tmp_path)
+
+
+def pg_schema(tmp_path: Path) -> Iterator[str]:
     reason = pg_unavailable()
     if reason is not None:
         if os.environ.get("CI"):

@@ -282,7 +282,8 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
     conn.close()
 
 
-@pytest.mark.parametrize("url", ["mysql://x", "postgresql://h/db?schema=no-pe", "sqlite://host/x.db", "sqlite:///", "journal.db",
+@pytest.mark.parametrize("url", ["mysql://x", "postgresql://h/db?schema=no-pe",
+                                 "sqlite://host/x.db", "sqlite:///", "journal.db",
                                  "sqlite:///j.db?synchronous=sometimes"])
 def test_bad_url_is_a_user_error(url: str) -> None:
     with pytest.raises(tether.UserError):
