@@ -63,3 +63,10 @@ async def test_unknown_fault_kind_is_one_line() -> None:
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert err.decode().strip().startswith("error: unknown fault kind(s) meteor")
+
+
+async def test_trials_on_postgresql_find_no_violation(pg_url: str) -> None:
+    base = pg_url.split("?")[0]  # each trial makes and drops a schema of its own there
+    code, result, err = await chaos("--trials", "12", "--seed", "11", "--journal", base)
+    assert code == 0, (err, result)
+    assert result["backend"] == "postgresql" and result["violations"] == []

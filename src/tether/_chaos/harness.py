@@ -39,11 +39,33 @@ class Violation:
                 "detail": self.detail}
 
 
-def run_orchestrator(directory: Path, plan: Plan, timeout: float) -> str:
+def trial_url(directory: Path, base: str | None, plan: Plan) -> str:
+    """The trial's own journal: a SQLite file in its folder, or a fresh PostgreSQL schema."""
+    if base is None:
+        return f"sqlite:///{directory / 'journal.db'}"
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}schema=chaos_{plan.seed}_{os.getpid()}&keys={directory / 'keys'}"
+
+
+def drop(url: str) -> None:
+    if url.startswith("postgresql"):
+        import psycopg
+        from psycopg import sql
+
+        from tether._journal.postgres import split_url
+
+        conninfo, schema, _ = split_url(url)
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                sql.Identifier(schema)))
+
+
+def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float) -> str:
     """'exited', 'killed' or 'hung' (then killed by us)."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "tether._chaos.orchestrator", str(directory), plan.to_json()],
+            [sys.executable, "-m", "tether._chaos.orchestrator", str(directory), plan.to_json(),
+             url],
             capture_output=True, text=True, timeout=timeout, env={**os.environ})
     except subprocess.TimeoutExpired:
         return "hung"
@@ -54,7 +76,7 @@ def run_orchestrator(directory: Path, plan: Plan, timeout: float) -> str:
     return "exited"
 
 
-async def recover(directory: Path) -> None:
+async def recover(directory: Path, url: str) -> None:
     """A fresh supervisor on the journal, with probes that work, reconciles whatever the
     orchestrator left (its process is gone: the owner is dead)."""
     ledger = Ledger(directory / "ledger.db")
@@ -68,14 +90,13 @@ async def recover(directory: Path) -> None:
     async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
         raise AssertionError("recovery never runs a tool")
 
-    url = f"sqlite:///{directory / 'journal.db'}"
     keys = tether.KeyRing.load(directory / "keys")
     async with tether.Supervisor(url, keys=keys, tools=[refund]) as sup:
         await sup.recover()
     ledger.close()
 
 
-async def judge(directory: Path, plan: Plan, outcome: str) -> list[Violation]:
+async def judge(directory: Path, url: str, plan: Plan, outcome: str) -> list[Violation]:
     ledger = Ledger(directory / "ledger.db")
     applied = ledger.keys()
     ledger.close()
@@ -86,7 +107,7 @@ async def judge(directory: Path, plan: Plan, outcome: str) -> list[Violation]:
 
     if outcome == "hung":
         flag("stuck", "the orchestrator did not finish")
-    async with tether.Journal(f"sqlite:///{directory / 'journal.db'}", create=False) as j:
+    async with tether.Journal(url, create=False) as j:
         rows = await j.delegations()
         actions = await j.actions([r.id for r in rows])
         fences: dict[str, float] = {}
@@ -130,30 +151,35 @@ async def judge(directory: Path, plan: Plan, outcome: str) -> list[Violation]:
     return found
 
 
-def one_trial(plan: Plan, timeout: float = 30.0) -> tuple[str, list[Violation]]:
+def one_trial(plan: Plan, base: str | None = None,
+              timeout: float = 30.0) -> tuple[str, list[Violation]]:
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         directory = Path(tmp)
-        outcome = run_orchestrator(directory, plan, timeout)
-        if not (directory / "journal.db").exists():  # killed before it opened the journal
-            return outcome, []
+        url = trial_url(directory, base, plan)
         try:
-            asyncio.run(recover(directory))
-        except tether.TetherError as exc:  # a recovery that fails is a finding, not a crash
-            found = asyncio.run(judge(directory, plan, outcome))
-            return outcome, [*found, Violation(plan.seed, plan.fault, "stuck",
-                                               f"recovery failed: {exc}")]
-        return outcome, asyncio.run(judge(directory, plan, outcome))
+            outcome = run_orchestrator(directory, plan, url, timeout)
+            if not (directory / "keys" / "signing.json").exists():
+                return outcome, []  # killed before it opened the journal: nothing happened
+            try:
+                asyncio.run(recover(directory, url))
+            except tether.TetherError as exc:  # a recovery that fails is a finding
+                found = asyncio.run(judge(directory, url, plan, outcome))
+                return outcome, [*found, Violation(plan.seed, plan.fault, "stuck",
+                                                   f"recovery failed: {exc}")]
+            return outcome, asyncio.run(judge(directory, url, plan, outcome))
+        finally:
+            drop(url)
 
 
 def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
-              replay: int | None = None,
+              replay: int | None = None, journal: str | None = None,
               progress: Callable[[int, Plan, str], None] | None = None) -> dict[str, Any]:
     chosen = [make_plan(replay)] if replay is not None else plans(seed, trials, faults)
     per_fault: dict[str, Counter[str]] = {f: Counter() for f in FAULTS}
     violations: list[Violation] = []
     outcomes: Counter[str] = Counter()
     for i, plan in enumerate(chosen):
-        outcome, found = one_trial(plan)
+        outcome, found = one_trial(plan, journal)
         outcomes[outcome] += 1
         per_fault[plan.fault]["trials"] += 1
         per_fault[plan.fault]["violations"] += len(found)
@@ -163,6 +189,7 @@ def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     counts = Counter(v.kind for v in violations)
     return {
         "trials": len(chosen), "seed": seed, "replay": replay,
+        "backend": "sqlite" if journal is None else "postgresql",
         "faults": {f: {"trials": c["trials"], "violations": c["violations"]}
                    for f, c in per_fault.items() if c["trials"]},
         "outcomes": dict(outcomes),

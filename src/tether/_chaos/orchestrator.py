@@ -1,7 +1,7 @@
 """One chaos trial's orchestrator: a real process, killed with SIGKILL at the plan's point.
 
-Run as ``python -m tether._chaos.orchestrator DIR PLAN_JSON``. Its children refund orders at a
-simulated provider that writes the shared ledger; the harness reconciles after it ends.
+Run as ``python -m tether._chaos.orchestrator DIR PLAN_JSON JOURNAL_URL``. Its children refund
+orders at a simulated provider that writes the shared ledger; the harness reconciles after.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def tools(trial: Trial) -> tuple[tether.Tool, tether.Tool]:
     return refund, lookup
 
 
-async def run(directory: Path, plan: Plan) -> None:
+async def run(directory: Path, plan: Plan, url: str) -> None:
     trial = Trial(directory, plan)
     refund, lookup = tools(trial)
     cut = plan.fault == "stream_cut"
@@ -92,7 +92,6 @@ async def run(directory: Path, plan: Plan) -> None:
 
     policy = tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0)
     redispatch = tether.RedispatchPolicy(retry_safe=frozenset({"lookup"}), settle_delay=0.01)
-    url = f"sqlite:///{directory / 'journal.db'}"
     async with tether.Supervisor(url, policy=policy, redispatch=redispatch,
                                  tools=[refund]) as sup:
         if plan.fault == "kill_random":
@@ -138,4 +137,4 @@ async def control(plan: Plan, handles: list[tether.Handle]) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(run(Path(sys.argv[1]), Plan.from_json(sys.argv[2])))
+    asyncio.run(run(Path(sys.argv[1]), Plan.from_json(sys.argv[2]), sys.argv[3]))

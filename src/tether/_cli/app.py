@@ -279,6 +279,9 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
               "--replay", help="Run only the trial with this trial seed.")] = None,
           faults: Annotated[str | None, typer.Option(
               "--faults", help="Comma-separated fault kinds to draw from.")] = None,
+          journal: Annotated[str | None, typer.Option(
+              "--journal", help="postgresql://... to run each trial in its own schema there "
+              "(default: a SQLite file per trial).")] = None,
           as_json: JsonOpt = False) -> None:
     """Crash, race and fault trials, each judged against the outside world's own ledger."""
     from rich.progress import Progress
@@ -291,10 +294,12 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
     unknown = [f for f in chosen if f not in FAULTS]
     if unknown or not chosen:
         raise UserError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    if journal is not None and not journal.startswith(("postgresql://", "postgres://")):
+        raise UserError("--journal for chaos takes a postgresql:// URL; SQLite is the default")
     total = 1 if replay is not None else trials
     with Progress(console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("chaos trials", total=total)
-        result = run_chaos(trials, seed, chosen, replay,
+        result = run_chaos(trials, seed, chosen, replay, journal,
                            progress=lambda *_: bar.advance(task))
     if as_json:
         emit_json(result)
