@@ -65,6 +65,45 @@ def commit_cost(directory: Path, n: int, rows: int = 1) -> float:
     return elapsed / n
 
 
+PG = os.environ.get("TETHER_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def pg_commit_cost(n: int) -> float | None:
+    """Seconds per durable single-row autocommit INSERT on PostgreSQL (None: no server)."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    try:
+        conn = psycopg.connect(PG, autocommit=True, connect_timeout=3)
+    except psycopg.Error:
+        return None
+    with conn:
+        conn.execute("CREATE TEMP TABLE bench_commit (id BIGSERIAL PRIMARY KEY, v TEXT)")
+        start = time.perf_counter()
+        for _ in range(n):
+            conn.execute("INSERT INTO bench_commit (v) VALUES (%s)", ("x" * 64,))
+        return (time.perf_counter() - start) / n
+
+
+async def pg_sequential(n: int) -> float:
+    schema = f"bench_{os.getpid()}_{time.monotonic_ns()}"
+    url = f"{PG}?schema={schema}&keys={tempfile.mkdtemp()}"
+    try:
+        async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
+            warm = await sup.delegate(actor, 10, tools=[noop])
+            await warm.result()
+            handle = await sup.delegate(actor, n, tools=[noop])
+            start = time.perf_counter()
+            await handle.result()
+            return (time.perf_counter() - start) / n
+    finally:
+        import psycopg
+
+        with psycopg.connect(PG, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 def journal_url(directory: Path, name: str, sync: str = "full") -> str:
     return f"sqlite:///{directory / name}?synchronous={sync}"
 
@@ -123,6 +162,44 @@ async def recall_latency(directory: Path, n: int) -> list[float]:
             start = time.perf_counter()
             await handle.recall(grace=5.0)
             samples.append(fenced[handle.id] - start)
+        gate.set()
+    return samples
+
+
+async def cross_process(directory: Path, n: int) -> list[float]:
+    """Seconds from a `tether recall` in another process committing its intent (its journaled
+    acceptance time) to the owning supervisor starting to drain: the poll's latency."""
+    gate = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.READ_ONLY)
+    async def wait() -> None:
+        await gate.wait()
+
+    async def waiter(ctx: tether.Context) -> None:
+        await ctx.call(wait)
+
+    url = f"sqlite:///{directory / f'xp-{time.monotonic_ns()}.db'}"
+    samples: list[float] = []
+    async with tether.Supervisor(url) as sup:
+        drained: dict[str, float] = {}
+        seen = asyncio.Event()
+
+        def on_event(event: str, delegation_id: str) -> None:
+            if event == "drain":
+                drained[delegation_id] = time.time()
+                seen.set()
+
+        sup.listen(on_event)
+        for _ in range(n):
+            handle = await sup.delegate(waiter, tools=[wait])
+            seen.clear()
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tether", "recall", handle.id, "--grace", "5",
+                "--no-wait", "--journal", url, stdout=subprocess.DEVNULL)
+            await proc.wait()
+            await seen.wait()
+            (control,) = await sup.journal.controls(handle.id)
+            samples.append(drained[handle.id] - control.accepted_at)
         gate.set()
     return samples
 
@@ -226,9 +303,16 @@ def main() -> int:
             seq.append(asyncio.run(sequential(d, 200 if q else 1000)))
             pair_ratio.append(seq[-1] / commit[-1])
         row100 = [commit_cost(d, 20 if q else 50, rows=100) / 100 for _ in range(reps)]
+        pg_pairs: list[float] = []
+        if pg_commit_cost(5) is not None:
+            for _ in range(reps):
+                base = pg_commit_cost(200 if q else 500)
+                assert base is not None
+                pg_pairs.append(asyncio.run(pg_sequential(200 if q else 1000)) / base)
         conc = [asyncio.run(concurrent(d, 1000, 20)) for _ in range(1 if q else 3)]
         cpu = [asyncio.run(concurrent(d, 1000, 20, sync="off"))[1] for _ in range(1 if q else 3)]
         lat = asyncio.run(recall_latency(d, 100 if q else 500))
+        xproc = sorted(asyncio.run(cross_process(d, 10 if q else 40)))
         storm_n = 1000 if q else 10_000
         storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
@@ -236,12 +320,16 @@ def main() -> int:
     figures["commit_s"] = stats(commit)
     figures["row_in_100_commit_s"] = stats(row100)
     figures["tether_action_s"] = stats(seq)
+    if pg_pairs:
+        figures["pg_action_per_insert_ratio"] = stats(pg_pairs)
     figures["action_per_commit_ratio"] = stats(pair_ratio)
     figures["tether_concurrent_actions_per_s"] = stats([c[0] for c in conc])
     figures["tether_cpu_per_action_s"] = stats(cpu)
     lat.sort()
     figures["recall_fence_s"] = {"p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1],
                                  "max": lat[-1], "n": len(lat)}
+    figures["cross_process_recall_s"] = {"p50": xproc[len(xproc) // 2], "max": xproc[-1],
+                                         "n": len(xproc)}
     figures["storm"] = {"children": storm_n, "grace_s": 2.0, "all_fenced_s": storms[0][0],
                         "all_reports_s": storms[0][1]}
     figures["idle_child_bytes"] = memory
@@ -251,7 +339,7 @@ def main() -> int:
     conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
     dbos_sync = dbos.get("sync_steps_per_s")
     dbos_conc = dbos.get("concurrent_steps_per_s")
-    no_pg = "not measured: the PostgreSQL backend is not built yet"
+    no_pg = "not measured: workers in other processes are not built yet"
     targets = [
         target("per action vs one durable commit",
                figures["action_per_commit_ratio"]["median"], 1.5, "x", "max",
@@ -267,12 +355,17 @@ def main() -> int:
                figures["tether_cpu_per_action_s"]["median"] * 1e6, 40.0, "us", "max"),
         target("recall to fence closed, p99 vs one durable commit",
                figures["recall_fence_s"]["p99"] / c_med, 3.0, "x", "max"),
+        target("recall from another process acted on (max)",
+               figures["cross_process_recall_s"]["max"] * 1000, 100.0, "ms", "max",
+               f"`tether recall` in a second process, {len(xproc)} samples"),
         target(f"storm of {storm_n} children: all fenced", storms[0][0], 1.0, "s", "max"),
         target(f"storm of {storm_n} children: all reports (grace 2 s + 1 s)", storms[0][1], 3.0,
                "s", "max"),
         target("idle child memory", memory / 1024, 20.0, "KiB", "max",
                f"measured over {2000 if q else 10_000} idle children"),
-        target("PostgreSQL per action vs one autocommit INSERT", None, 1.5, "x", "max", no_pg),
+        target("PostgreSQL per action vs one autocommit INSERT",
+               figures["pg_action_per_insert_ratio"]["median"] if pg_pairs else None, 1.5, "x",
+               "max", "median of interleaved pairs" if pg_pairs else f"no server at {PG}"),
         target("PostgreSQL recall reaching a worker, p99", None, 20.0, "ms", "max", no_pg),
     ]
     result = {"machine": machine(), "quick": q, "figures": figures, "targets": targets}
@@ -296,7 +389,10 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{'yes' if t['met'] else 'no'}{' - ' + t['note'] if t['note'] else ''} |")
     lines += ["", "| figure | median | min | max |", "| --- | --- | --- | --- |"]
     for key in ("commit_s", "row_in_100_commit_s", "tether_action_s", "action_per_commit_ratio",
-                "tether_concurrent_actions_per_s", "tether_cpu_per_action_s"):
+                "pg_action_per_insert_ratio", "tether_concurrent_actions_per_s",
+                "tether_cpu_per_action_s"):
+        if key not in f:
+            continue
         s = f[key]
         lines.append(f"| {key} | {s['median']:.6g} | {s['min']:.6g} | {s['max']:.6g} |")
     r = f["recall_fence_s"]
