@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +135,8 @@ async def concurrent(directory: Path, children: int, actions: int,
     return total / wall, cpu / total
 
 
-async def recall_latency(directory: Path, n: int) -> list[float]:
-    """Seconds from recall() to the fence durably closed, for ``n`` children one after the
-    other. The supervisor's 'drain' event fires right after the journal committed the intent
-    and its fence; from then on a new call is refused."""
+def blocked() -> tuple[asyncio.Event, tether.Tool, Callable[[tether.Context], Awaitable[None]]]:
+    """A child that waits in a read until the gate opens: live, and with nothing in flight."""
     gate = asyncio.Event()
 
     @tether.tool(effect=tether.Effect.READ_ONLY)
@@ -146,6 +145,15 @@ async def recall_latency(directory: Path, n: int) -> list[float]:
 
     async def waiter(ctx: tether.Context) -> None:
         await ctx.call(wait)
+
+    return gate, wait, waiter
+
+
+async def recall_latency(directory: Path, n: int) -> list[float]:
+    """Seconds from recall() to the fence durably closed, for ``n`` children one after the
+    other. The supervisor's 'drain' event fires right after the journal committed the intent
+    and its fence; from then on a new call is refused."""
+    gate, wait, waiter = blocked()
 
     samples: list[float] = []
     async with tether.Supervisor(journal_url(directory, f"rl-{time.monotonic_ns()}.db"),
@@ -169,14 +177,7 @@ async def recall_latency(directory: Path, n: int) -> list[float]:
 async def cross_process(directory: Path, n: int) -> list[float]:
     """Seconds from a `tether recall` in another process committing its intent (its journaled
     acceptance time) to the owning supervisor starting to drain: the poll's latency."""
-    gate = asyncio.Event()
-
-    @tether.tool(effect=tether.Effect.READ_ONLY)
-    async def wait() -> None:
-        await gate.wait()
-
-    async def waiter(ctx: tether.Context) -> None:
-        await ctx.call(wait)
+    gate, wait, waiter = blocked()
 
     url = f"sqlite:///{directory / f'xp-{time.monotonic_ns()}.db'}"
     samples: list[float] = []

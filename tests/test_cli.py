@@ -190,3 +190,12 @@ async def test_demo_prevents_each_failure_and_reports_counts(tmp_path: Path) -> 
         assert scene["tether"]["unrecorded"] == 0
     code, out, _ = await tether_cli("ls", "--journal", journal, "--json")
     assert code == 0 and len(json.loads(out)) >= 4
+
+
+async def test_demo_on_postgresql(pg_url: str) -> None:
+    """The README's PostgreSQL command: the same demo, the same checks, on the server."""
+    code, out, err = await tether_cli("demo", "--json", "--journal", pg_url)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["ok"] and all(s["prevented"] for s in data["scenes"])
+    assert data["journal"].startswith("postgresql://") and "@" not in data["journal"]

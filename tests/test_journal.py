@@ -288,3 +288,11 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
 def test_bad_url_is_a_user_error(url: str) -> None:
     with pytest.raises(tether.UserError):
         Journal(url)
+
+
+@pytest.mark.parametrize(("durable", "query", "level"), [
+    (True, "", 2), (False, "", 1), (True, "?synchronous=off", 0)])
+async def test_durability_setting(tmp_path: Path, durable: bool, query: str, level: int) -> None:
+    """FULL survives power loss; durable=False (NORMAL) survives a process crash."""
+    async with Journal(f"sqlite:///{tmp_path / 'j.db'}{query}", durable=durable) as j:
+        assert await j._read(lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == level

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tether._core.errors import ControlSignal, Fenced, ToolRejected, UserError
-from tether._core.model import ActionState, Effect
+from tether._core.model import ActionState
 from tether._core.redispatch import UNRESTRICTED
 from tether._journal.rows import Begin, DelegationRow, NewAction
 from tether._runtime.telemetry import end
@@ -239,6 +239,3 @@ def _forget(rt: ChildRuntime, action_id: str) -> Callable[[asyncio.Task[Any]], N
 
     return done
 
-
-def effect_of(item: Tool | Agent) -> Effect:
-    return Effect.DELEGATE if isinstance(item, Agent) else item.effect
