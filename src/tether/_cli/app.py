@@ -19,7 +19,9 @@ from rich.console import Console
 from tether._core.documents import ControlIntent
 from tether._core.errors import AlreadyFinished, TetherError, UserError
 from tether._core.model import ControlKind, Policy, check_grace
+from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
+from tether._journal.rows import DelegationRow
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
 from tether._runtime.supervisor import Supervisor
@@ -124,13 +126,16 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
                 grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
     async with Journal(journal_url, create=False) as j:
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
-        row = await j.get(delegation_id)
-        intent = ControlIntent(kind, row.id, row.epoch, row.control_seq + 1, grace, reason,
-                               time.time())
-        await j.accept_control(ring.signer.sign(intent), ring.trusted, f"cli:{os.getpid()}",
-                               time.time())
-        answer: dict[str, Any] = {"delegation": row.id, "seq": intent.seq, "kind": kind.value,
-                                  "accepted": True}
+        now = time.time()
+
+        def make(row: DelegationRow) -> Signed:
+            return ring.signer.sign(ControlIntent(kind, row.id, row.epoch, row.control_seq + 1,
+                                                  grace, reason, now))
+
+        intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
+                                            f"cli:{os.getpid()}", now)
+        answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
+                                  "kind": kind.value, "accepted": True}
         if not wait:
             return answer
         policy = Policy()
@@ -138,14 +143,14 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         while loop.time() < deadline:
-            current = await j.get(row.id)
+            current = await j.get(delegation_id)
             if current.state.terminal:
-                answer["report"] = (await build_report(j, row.id)).to_json()
+                answer["report"] = (await build_report(j, delegation_id)).to_json()
                 return answer
             await asyncio.sleep(0.05)
         answer["waiting"] = (
-            f"the owner of {row.id} has not settled it within {budget:g}s; if its process is "
-            "gone, run 'tether reconcile'"
+            f"the owner of {delegation_id} has not settled it within {budget:g}s; if its "
+            "process is gone, run 'tether reconcile'"
         )
         return answer
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt
-from tether._core.errors import UserError
+from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
+from tether._core.errors import Malformed, UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, TrustedKeys
@@ -168,6 +168,23 @@ class Journal:
         intent = trusted.verify(signed, ControlIntent)
         row = await self._write(ops.accept_control, signed, intent, issuer, now)
         return intent, row
+
+    async def sign_and_accept(self, delegation_id: str,
+                              make: Callable[[DelegationRow], Signed], trusted: TrustedKeys,
+                              issuer: str, now: float) -> tuple[ControlIntent, Signed]:
+        """Read the delegation, sign the intent ``make`` builds from it (its epoch and next
+        sequence number), verify and accept it: one transaction, one round trip."""
+
+        def op(db: Any) -> tuple[ControlIntent, Signed]:
+            signed = make(ops.get_delegation(db, delegation_id))
+            trusted.verify_bytes(signed)
+            intent = decode(signed.body)
+            if not isinstance(intent, ControlIntent):
+                raise Malformed("not a control intent")
+            ops.accept_control(db, signed, intent, issuer, now)
+            return intent, signed
+
+        return await self._write(op)
 
     async def controls(self, delegation_id: str) -> list[ControlRow]:
         return await self._read(ops.controls, delegation_id)

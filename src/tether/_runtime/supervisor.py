@@ -358,23 +358,22 @@ class Supervisor:
             grace = check_grace(grace, self.policy)
         if not isinstance(reason, str):
             raise UserError("reason must be a string")
-        row = await self.journal.get(delegation_id)
-        intent = ControlIntent(
-            kind=kind, delegation_id=row.id, epoch=row.epoch,
-            seq=row.control_seq + 1 if seq is None else seq, grace=grace, reason=reason,
-            issued_at=self.clock.wall(),
-        )
-        signed = self.keys.signer.sign(intent)
-        rt = self._runtimes.get(row.id)
+        issued = self.clock.wall()
+
+        def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
+            return self.keys.signer.sign(ControlIntent(
+                kind=kind, delegation_id=row.id, epoch=row.epoch,
+                seq=row.control_seq + 1 if seq is None else seq, grace=grace, reason=reason,
+                issued_at=issued))
+
+        _, signed = await self.journal.sign_and_accept(delegation_id, make, self.keys.trusted,
+                                                       self.owner_id, issued)
+        rt = self._runtimes.get(delegation_id)
         if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
-            await self.journal.accept_control(signed, self.keys.trusted, self.owner_id,
-                                              self.clock.wall())
             self._cut(rt)  # cuts the recall's grace window short
             return await asyncio.shield(rt.draining)
-        await self.journal.accept_control(signed, self.keys.trusted, self.owner_id,
-                                          self.clock.wall())
         if rt is None:
-            return await self._settle_elsewhere(row.id, signed)
+            return await self._settle_elsewhere(delegation_id, signed)
         return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
 
     def _start_drain(self, rt: ChildRuntime, signed: Signed,
