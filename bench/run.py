@@ -91,13 +91,7 @@ async def pg_sequential(n: int) -> float:
     schema = f"bench_{os.getpid()}_{time.monotonic_ns()}"
     url = f"{PG}?schema={schema}&keys={tempfile.mkdtemp()}"
     try:
-        async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
-            warm = await sup.delegate(actor, 10, tools=[noop])
-            await warm.result()
-            handle = await sup.delegate(actor, n, tools=[noop])
-            start = time.perf_counter()
-            await handle.result()
-            return (time.perf_counter() - start) / n
+        return await per_action(url, n)
     finally:
         import psycopg
 
@@ -110,9 +104,12 @@ def journal_url(directory: Path, name: str, sync: str = "full") -> str:
 
 
 async def sequential(directory: Path, n: int) -> float:
+    return await per_action(journal_url(directory, f"seq-{time.monotonic_ns()}.db"), n)
+
+
+async def per_action(url: str, n: int) -> float:
     """Seconds per action: one child, back-to-back EXTERNAL actions, durable."""
-    async with tether.Supervisor(journal_url(directory, f"seq-{time.monotonic_ns()}.db"),
-                                 keys=tether.KeyRing.ephemeral()) as sup:
+    async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
         warm = await sup.delegate(actor, 10, tools=[noop])
         await warm.result()
         handle = await sup.delegate(actor, n, tools=[noop])
