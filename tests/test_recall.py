@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,69 @@ async def test_compensation_never_touches_unknown_outcomes(
     await entered.wait()
     report = await child.terminate()
     assert report.unknown and await sup.compensate(report) is None and reversed_ == []
+
+
+async def foreign_recall(journal_url: str, keys: tether.KeyRing, delegation_id: str,
+                         grace: float, now: float) -> None:
+    """What `tether recall` does from another process: its own journal connection."""
+
+    def make(row: Any) -> tether.Signed:
+        return keys.signer.sign(tether.ControlIntent(
+            tether.ControlKind.RECALL, row.id, row.epoch, row.control_seq + 1, grace, "cli", now))
+
+    async with tether.Journal(journal_url, create=False) as other:
+        await other.sign_and_accept(delegation_id, make, keys.trusted, "cli:other", now)
+
+
+async def test_a_recall_from_another_process_ends_its_grace_window(
+        journal_url: str, clock: VirtualClock, keys: tether.KeyRing, pay: PaymentService) -> None:
+    """The intent's acceptance time is wall-clock; the window runs on the supervisor's clock.
+    Taken as is, the elapsed time read zero and a hanging action held the recall forever."""
+    entered = Countdown(1)
+
+    @tether.tool(probe=pay.lookup)
+    async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
+        entered.tick()
+        await asyncio.Event().wait()
+
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(hang, order_id="F-1", cents=1)
+
+    policy = tether.Policy(probe_timeout=1.0, ack_timeout=1.0)  # only the grace is 5 s
+    async with tether.Supervisor(journal_url, clock=clock, keys=keys, policy=policy) as sup:
+        waiter = events_of(sup)
+        child = await sup.delegate(agent, tools=[hang])
+        await entered.wait()
+        await foreign_recall(journal_url, keys, child.id, 5.0, clock.wall())
+        await waiter("drain", child.id).wait()
+        await clock.sleeping(1, at_least=4.9)  # the grace window
+        clock.advance(5.0)
+        rt = sup.runtime(child.id)
+        assert rt is not None and rt.draining is not None
+        again = asyncio.ensure_future(clock.sleeping(1, at_least=4.9))
+        await asyncio.wait([rt.draining, again], return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
+        assert rt.draining.done(), "the grace window started again instead of ending"
+        report = rt.draining.result()
+    assert report.verdict == "GRACE_EXPIRED"
+    assert [a.state for a in report.actions] == [A.NOT_APPLIED]
+
+
+async def test_a_child_ending_after_a_foreign_intent_is_still_drained(
+        journal_url: str, clock: VirtualClock, keys: tether.KeyRing) -> None:
+    """Another process's recall commits, then the child ends before the poll sees the intent:
+    the journal says RECALLING, so this supervisor must settle it, not leave it there."""
+    release = asyncio.Event()
+
+    async def agent(ctx: tether.Context) -> str:
+        await release.wait()
+        return "done"
+
+    async with tether.Supervisor(journal_url, clock=clock, keys=keys,
+                                 control_poll=3600.0) as sup:  # the poll never runs here
+        child = await sup.delegate(agent)
+        await foreign_recall(journal_url, keys, child.id, 5.0, clock.wall())
+        release.set()
+        await child.wait()
+        row = await sup.journal.get(child.id)
+    assert row.state is tether.DelegationState.RECALLED

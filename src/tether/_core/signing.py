@@ -80,8 +80,8 @@ class TrustedKeys:
 
     def __init__(self, keys: Iterable[Ed25519PublicKey] = ()) -> None:
         self._keys: dict[str, Ed25519PublicKey] = {key_id_of(k): k for k in keys}
-        # Signed -> decoded document. Keys are only ever added, never revoked in place, so a
-        # document that verified once verifies again: remembering it changes no answer.
+        # Signed -> decoded document. The key set is fixed at construction, so a document that
+        # verified once verifies again: remembering it changes no answer.
         self._verified: OrderedDict[Signed, Document] = OrderedDict()
 
     @classmethod
@@ -97,9 +97,6 @@ class TrustedKeys:
                 raise Malformed(f"trusted key id {kid} does not match its public key")
             keys.append(key)
         return cls(keys)
-
-    def add(self, key: Ed25519PublicKey) -> None:
-        self._keys[key_id_of(key)] = key
 
     def __contains__(self, key_id: object) -> bool:
         return key_id in self._keys

@@ -245,8 +245,3 @@ class Journal:
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)
 
-
-async def open_journal(url: str = DEFAULT_URL, *, create: bool = True,
-                       durable: bool = True) -> Journal:
-    return await Journal(url, create=create, durable=durable).open()
-

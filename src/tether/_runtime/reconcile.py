@@ -58,8 +58,7 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
     await asyncio.gather(*(one(a) for a in actions))
 
 
-def final_state(row: DelegationRow, actions: list[ActionRecord],
-                fallback: DelegationState) -> DelegationState:
+def final_state(actions: list[ActionRecord], fallback: DelegationState) -> DelegationState:
     """A node's state once nothing of it is in flight: any UNKNOWN needs a person; anything
     that had to be probed is RECONCILED; otherwise ``fallback`` (RECALLED, TERMINATED, ...)."""
     if any(a.state in (ActionState.UNKNOWN, ActionState.IN_DOUBT) for a in actions):
@@ -90,9 +89,9 @@ async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
         if row.state.terminal:
             if row.state in (DelegationState.RECONCILED,):
                 continue
-            new = final_state(row, mine, row.state)
+            new = final_state(mine, row.state)
         else:
-            new = final_state(row, mine, natural_end(row.state, fallback))
+            new = final_state(mine, natural_end(row.state, fallback))
         if new is not row.state:
             await journal.set_state(row.id, new, clock.wall())
 

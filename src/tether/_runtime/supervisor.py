@@ -18,6 +18,7 @@ from tether._core.documents import (
 from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
+    InvalidTransition,
     Recalled,
     Terminated,
     UserError,
@@ -29,7 +30,7 @@ from tether._core.signing import Signed
 from tether._core.verdict import RecallInput, Verdict, evaluate_recall
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
-from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
+from tether._journal.rows import ControlRow, DelegationRow, NewDelegation, OwnerRow
 from tether._runtime.attempts import TaskRun, drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock, first_of
 from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_id
@@ -186,8 +187,8 @@ class Supervisor:
             for row in await self.journal.controls_after(self._last_control):
                 self._last_control = row.id
                 rt = self._runtimes.get(row.delegation_id)
-                if row.issuer != self.owner_id and rt is not None and rt.draining is None:
-                    self._start_drain(rt, row.signed, row.accepted_at)
+                if row.issuer != self.owner_id and rt is not None:
+                    self._adopt(rt, row)
             beats += 1
             if beats % every == 0:
                 self.journal.heartbeat(self.owner_id, self.clock.wall())
@@ -340,11 +341,13 @@ class Supervisor:
                 failure=failure)
         except AlreadyFinished:
             return
-        except UserError:
-            raise
-        except Exception:  # a recall won the race: RECALLING cannot become SUCCEEDED
-            if rt.stop is None:
-                raise
+        except InvalidTransition:
+            # A control intent was accepted first (RECALLING cannot become SUCCEEDED). If it
+            # came from another process and the poll has not seen it yet, drain it now: the
+            # journal says it must be settled, and nobody else here will.
+            controls = await self.journal.controls(rt.id)
+            if controls:
+                self._adopt(rt, controls[-1])
             return
         if doubtful:  # a tool raised: it may have applied; ask the outside world
             await probe_all(self.journal, doubtful, self._tools, self.clock,
@@ -375,6 +378,13 @@ class Supervisor:
         if rt is None:
             return await self._settle_elsewhere(delegation_id, signed)
         return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
+
+    def _adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
+        """Drain for an intent another process wrote. Its acceptance time is wall-clock; the
+        grace window runs on ``clock.now()``, so it is converted, not taken as is."""
+        if rt.draining is None:
+            elapsed = max(0.0, self.clock.wall() - row.accepted_at)
+            self._start_drain(rt, row.signed, self.clock.now() - elapsed)
 
     def _start_drain(self, rt: ChildRuntime, signed: Signed,
                      accepted_at: float) -> asyncio.Future[Report]:
@@ -463,8 +473,9 @@ class Supervisor:
             return await self._recover_one(row, "owner is gone")
         intent = self.keys.trusted.verify(signed, ControlIntent)
         budget = (intent.grace or 0.0) + self.policy.ack_timeout + self.policy.probe_timeout
-        deadline = self.clock.now() + budget
-        while self.clock.now() < deadline:
+        loop = asyncio.get_running_loop()  # another process's progress: real time, not clock
+        deadline = loop.time() + budget
+        while loop.time() < deadline:
             row = await self.journal.get(delegation_id)
             if row.state.terminal:
                 return await build_report(self.journal, delegation_id)
