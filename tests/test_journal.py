@@ -269,15 +269,16 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
     path = tmp_path / "j.db"
     await seeded(path)
     steps = dict(schema.MIGRATIONS)
-    steps[2] = ("ALTER TABLE delegations ADD COLUMN note TEXT",)
+    nxt = schema.SCHEMA_VERSION + 1
+    steps[nxt] = ("ALTER TABLE delegations ADD COLUMN note TEXT",)
     monkeypatch.setattr(schema, "MIGRATIONS", steps)
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(sqlite_backend, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", nxt)
+    monkeypatch.setattr(sqlite_backend, "SCHEMA_VERSION", nxt)
     async with Journal(f"sqlite:///{path}") as j:
         assert (await j.get("d1")).task_id == "t1"
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT value FROM tether_meta WHERE key='schema_version'").fetchone() \
-        == ("2",)
+        == (str(nxt),)
     assert "note" in [r[1] for r in conn.execute("PRAGMA table_info(delegations)")]
     conn.close()
 

@@ -129,7 +129,7 @@ def fence_waits_for_insert(actor: psycopg.Connection[tuple[object, ...]],
 
     args = '{"x":1}'
     actor.execute("BEGIN")
-    begun = ops.begin_action(PgDb(actor), NewAction(
+    begun = ops.begin_action(PgDb(actor, "tether_test"), NewAction(
         "a1", "d1", 0, 0, "pay", tether.Effect.EXTERNAL, args,
         hashlib.sha256(args.encode()).hexdigest(), "k1", 2.0))
     assert begun.status is Begin.STARTED  # not committed yet
@@ -138,7 +138,7 @@ def fence_waits_for_insert(actor: psycopg.Connection[tuple[object, ...]],
     seen: list[int] = []
 
     def fence() -> None:
-        db = PgDb(fencer)
+        db = PgDb(fencer, "tether_test")
         fencer.execute("BEGIN")
         ops.accept_control(db, key.sign(intent), intent, "fencer", 3.0)
         fencer.execute("COMMIT")

@@ -134,6 +134,16 @@ class SchemaTooNew(JournalError):
         self.supported = supported
 
 
+class LeaseLost(JournalError):
+    """A worker's lease ran out before it could renew it (a long pause, a lost network): others
+    may already have presumed it dead and reconciled its work, so it stops at once."""
+
+    def __init__(self, owner_id: str) -> None:
+        super().__init__(f"worker {owner_id} lost its lease; its delegations are reconciled "
+                         "by others and its late actions are refused by the journal")
+        self.owner_id = owner_id
+
+
 class DelegationError(TetherError):
     """A delegated child failed; the fields say which and why."""
 

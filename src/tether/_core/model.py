@@ -173,3 +173,10 @@ def check_grace(grace: object, policy: Policy) -> float:
             f"grace {grace:g}s is above the policy maximum of {policy.max_grace:g}s"
         )
     return float(grace)
+
+
+def check_positive(value: object, name: str) -> float:
+    if not _positive_finite(value):
+        raise UserError(f"{name} must be a positive finite number of seconds, got {value!r}")
+    assert isinstance(value, int | float)
+    return float(value)

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
@@ -14,7 +15,7 @@ from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.verdict import JournalFacts
-from tether._journal import ops
+from tether._journal import ops, queue
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -24,9 +25,13 @@ from tether._journal.rows import (
     NewAction,
     NewDelegation,
     OwnerRow,
+    QueueEntry,
 )
 from tether._journal.runner import ThreadRunner
 from tether._journal.sqlite import SqliteRunner
+
+if TYPE_CHECKING:
+    from tether._journal.postgres import PostgresRunner
 
 T = TypeVar("T")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
@@ -64,6 +69,7 @@ class Journal:
 
             runner = PostgresRunner(url, create=create)
             self._runner: ThreadRunner = runner
+            self._pg: PostgresRunner | None = runner
             self.path = Path(".tether") / "postgresql"
             self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
             self._shown = runner.shown
@@ -79,6 +85,7 @@ class Journal:
         self.path = sqlite_path(url.split("?", 1)[0])
         self.keys_dir = Path(keys) if keys else self.path.parent / "keys"
         self._shown = ""
+        self._pg = None
         self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
                                     busy_timeout=busy_timeout)
 
@@ -112,6 +119,22 @@ class Journal:
     def _post(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         """Queue a write without waiting for its commit: it rides the next batch."""
         self._runner.submit(_bind(fn, args, kw), write=True, wait=False)
+
+    async def peek(self, fn: Callable[..., T], *args: Any) -> T:
+        """A read of other processes' committed work. On PostgreSQL it runs on a pooled
+        connection beside the writer, so polling never waits behind this process's batches."""
+        if self._pg is None:
+            return await self._read(fn, *args)
+        return await asyncio.to_thread(self._pg.read_pooled, _bind(fn, args, {}))
+
+    def on_notify(self, callback: Callable[[str], None]) -> bool:
+        """Have ``callback(owner_id)`` called (from any thread) when a control intent for one
+        of that owner's delegations commits. False where the backend cannot push (SQLite):
+        the caller then relies on polling alone."""
+        if self._pg is None:
+            return False
+        self._pg.listen(callback)
+        return True
 
     async def flush(self) -> None:
         """Wait until everything queued before now is committed."""
@@ -186,6 +209,14 @@ class Journal:
 
         return await self._write(op)
 
+    async def controls_to_adopt(self, owner_id: str, after_id: int) -> list[ControlRow]:
+        """Intents an owner must drain. SQLite commits in id order, so "after the last id seen"
+        is exact and cheap; PostgreSQL assigns ids before commit, so there the owner's own
+        delegations under recall or terminate are read instead."""
+        if self._pg is None:
+            return await self._read(ops.controls_after, after_id)
+        return await self._read(queue.controls_for_owner, owner_id)
+
     async def controls(self, delegation_id: str) -> list[ControlRow]:
         return await self._read(ops.controls, delegation_id)
 
@@ -245,3 +276,23 @@ class Journal:
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)
 
+
+    # -- workers ------------------------------------------------------------------------------
+    async def renew_lease(self, owner_id: str, now: float, lease: float) -> bool:
+        return await self._write(queue.renew_lease, owner_id, now, lease)
+
+    async def claim(self, owner_id: str, agents: tuple[str, ...], now: float,
+                    limit: int) -> list[DelegationRow]:
+        return await self._write(queue.claim, owner_id, agents, now, limit)
+
+    async def unclaim(self, delegation_id: str, now: float) -> bool:
+        return await self._write(queue.unclaim, delegation_id, now)
+
+    async def queue_done(self, delegation_id: str, now: float) -> None:
+        await self._write(queue.queue_done, delegation_id, now)
+
+    async def queue_entry(self, delegation_id: str) -> QueueEntry | None:
+        return await self.peek(queue.queue_entry, delegation_id)
+
+    async def latest_attempt(self, delegation_id: str) -> DelegationRow:
+        return await self.peek(queue.latest_attempt, delegation_id)

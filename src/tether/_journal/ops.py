@@ -64,6 +64,11 @@ class Db(Protocol):
     def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
 
 
+# A worker whose lease ran out is fenced by the journal itself: a paused process that wakes up
+# after others presumed it dead cannot act, whether or not anybody reconciled it yet.
+LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "
+          "AND o.lease_until <= ?)")
+
 SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
     SELECT id, 0 FROM delegations WHERE id = ?
     UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
@@ -128,8 +133,10 @@ def event(db: Db, at: float, what: str, delegation_id: str | None = None,
 
 def register_owner(db: Db, owner: OwnerRow) -> None:
     db.execute(
-        "INSERT INTO owners (id, pid, host, started_at, heartbeat_at) VALUES (?, ?, ?, ?, ?)",
-        (owner.id, owner.pid, owner.host, owner.started_at, owner.heartbeat_at),
+        "INSERT INTO owners (id, pid, host, started_at, heartbeat_at, lease_until) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        (owner.id, owner.pid, owner.host, owner.started_at, owner.heartbeat_at,
+         owner.lease_until),
     )
 
 
@@ -138,7 +145,8 @@ def heartbeat(db: Db, owner_id: str, now: float) -> None:
 
 
 def owners(db: Db) -> list[OwnerRow]:
-    rows = db.execute("SELECT id, pid, host, started_at, heartbeat_at FROM owners").fetchall()
+    rows = db.execute(
+        "SELECT id, pid, host, started_at, heartbeat_at, lease_until FROM owners").fetchall()
     return [OwnerRow(*r) for r in rows]
 
 
@@ -215,14 +223,20 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
         cur = db.execute(
             _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
             "JOIN tasks t ON t.id = p.task_id "
-            "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch "
-            "/*LOCK p, t*/",
-            (*values, new.parent_id, new.parent_epoch),
+            "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch AND "
+            f"{LEASED.format('p')} /*LOCK p, t*/",
+            (*values, new.parent_id, new.parent_epoch, new.now),
         )
         if cur.rowcount != 1:
             raise FenceRefused(Begin.FENCED)
+    if new.queued:
+        db.execute("INSERT INTO queue (delegation_id, task_id, agent, enqueued_at) "
+                   "VALUES (?, ?, ?, ?)", (new.id, new.task_id, new.agent, new.now))
+        notify = getattr(db, "notify", None)
+        if notify is not None:  # wakes idle workers
+            notify("queued")
     event(db, new.now, "delegated", new.id, task=new.task_id, epoch=epoch,
-          attempt=new.attempt, parent=new.parent_id, agent=new.agent)
+          attempt=new.attempt, parent=new.parent_id, agent=new.agent, queued=new.queued)
     return get_delegation(db, new.id)
 
 
@@ -249,8 +263,8 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
         "JOIN tasks t ON t.id = f.task_id "
         "WHERE f.id = ? AND f.state = 'FAILED' AND f.epoch = t.epoch AND NOT EXISTS "
         "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
-        "AND n.attempt > f.attempt) /*LOCK f, t*/",
-        (*_values(new, prior.epoch), new.retry_of),
+        f"AND n.attempt > f.attempt) AND {LEASED.format('f')} /*LOCK f, t*/",
+        (*_values(new, prior.epoch), new.retry_of, new.now),
     )
     if cur.rowcount != 1:
         raise InvalidTransition(prior.id, prior.state.value, "re-dispatched")
@@ -364,6 +378,11 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     )
     event(db, accepted_at, "control", intent.delegation_id, kind=intent.kind.value,
           seq=intent.seq, grace=intent.grace, reason=intent.reason, issuer=issuer)
+    # Wakes the owner at once where the backend can (LISTEN/NOTIFY, delivered on commit);
+    # owners also poll, so a lost notification only delays the drain.
+    notify = getattr(db, "notify", None)
+    if notify is not None:
+        notify(row.owner_id)
     return controls(db, intent.delegation_id)[-1]
 
 
@@ -443,15 +462,17 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
             ", args_hash) "
             "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
             "JOIN tasks t ON t.id = d.task_id "
-            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ? /*LOCK d, t*/",
+            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ? AND "
+            f"{LEASED.format('d')} /*LOCK d, t*/",
             (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
              new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
-             new.delegation_id, new.epoch, new.epoch),
+             new.delegation_id, new.epoch, new.epoch, new.now),
         )
         if cur.rowcount == 1:
             return BeginResult(Begin.STARTED, new.id)
     gate = db.execute(
-        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d JOIN tasks t ON t.id = d.task_id "
+        "SELECT d.fenced, d.epoch, t.epoch, o.lease_until FROM delegations d "
+        "JOIN tasks t ON t.id = d.task_id LEFT JOIN owners o ON o.id = d.owner_id "
         "WHERE d.id = ?",
         (new.delegation_id,),
     ).fetchone()
@@ -459,6 +480,10 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
         raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
     if gate[0]:
         return BeginResult(Begin.FENCED, new.id)
+    if gate[3] is not None and gate[3] <= new.now:
+        event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
+              key=new.idem_key)
+        return BeginResult(Begin.LEASE_EXPIRED, new.id)
     if gate[1] != new.epoch or gate[2] != new.epoch:
         return BeginResult(Begin.STALE_EPOCH, new.id)
     if problem is not None:

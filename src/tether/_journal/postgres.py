@@ -10,33 +10,47 @@ serialization failure between processes rolls the whole batch back and runs it a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
 from psycopg import errors, sql
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
 from tether._journal.runner import Retry, ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
+T = TypeVar("T")
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
+SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
+LISTEN_TICK = 0.25  # how often the listener thread checks that it should stop
 
 
 @functools.lru_cache(maxsize=1024)
 def translate(statement: str) -> str:
-    """'?' placeholders to psycopg's; lock markers to FOR SHARE clauses."""
-    return LOCK.sub(r"FOR SHARE OF \1", statement.replace("%", "%%").replace("?", "%s"))
+    """'?' placeholders to psycopg's; lock markers to FOR SHARE, claim markers to
+    FOR UPDATE ... SKIP LOCKED (workers never wait on each other's claims)."""
+    statement = statement.replace("%", "%%").replace("?", "%s")
+    return SKIP.sub(r"FOR UPDATE OF \1 SKIP LOCKED", LOCK.sub(r"FOR SHARE OF \1", statement))
 
 
 class PgDb:
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], channel: str) -> None:
         self._conn = conn
+        self._channel = channel
 
     def execute(self, statement: str, params: Any = ()) -> psycopg.Cursor[Any]:
         return self._conn.execute(translate(statement), params)
+
+    def notify(self, payload: str) -> None:
+        """Delivered to listeners when the transaction commits, never if it rolls back."""
+        self._conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))
 
 
 def split_url(url: str) -> tuple[str, str, str]:
@@ -58,6 +72,10 @@ class PostgresRunner(ThreadRunner):
         super().__init__()
         self.conninfo, self.schema, self.shown = split_url(url)
         self._create = create
+        self.channel = f"tether_{self.schema}"
+        self._pool: ConnectionPool[Any] | None = None
+        self._pool_lock = threading.Lock()
+        self._listening = threading.Event()
 
     def connect(self) -> psycopg.Connection[Any]:
         try:
@@ -105,7 +123,56 @@ class PostgresRunner(ThreadRunner):
         conn.execute("BEGIN")
 
     def db(self, conn: psycopg.Connection[Any]) -> PgDb:
-        return PgDb(conn)
+        return PgDb(conn, self.channel)
+
+    def close(self, conn: Any) -> None:
+        conn.close()
+        self._listening.clear()
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    # -- reads beside the writer ----------------------------------------------------------
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+
+    def read_pooled(self, fn: Callable[[Any], T]) -> T:
+        """Run a read on a pooled connection (in a worker thread), so that polling for another
+        process's progress never queues behind this process's write batches. It sees only
+        committed rows: use it for other processes' work, not to read one's own posted writes."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self.conninfo, min_size=1, max_size=4, open=True, name="tether",
+                    kwargs={"autocommit": True, "connect_timeout": 5},
+                    configure=self._configure)
+            pool = self._pool
+        try:
+            with pool.connection(timeout=10) as conn:
+                return fn(PgDb(conn, self.channel))
+        except PoolTimeout as exc:
+            raise JournalError(f"no connection to the journal at {self.shown}: {exc}") from None
+        except psycopg.Error as exc:
+            raise self.map_error(exc) from None
+
+    # -- notifications ----------------------------------------------------------------------
+    def listen(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(payload)`` from a thread for each NOTIFY on this journal's channel.
+        Best effort: if the connection drops, owners still learn of intents by polling."""
+        if self._listening.is_set():
+            return
+        self._listening.set()
+        threading.Thread(target=self._listen, args=(callback,), name="tether-listen",
+                         daemon=True).start()
+
+    def _listen(self, callback: Callable[[str], None]) -> None:
+        with contextlib.suppress(psycopg.Error), psycopg.connect(
+                self.conninfo, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            while self._listening.is_set():
+                for note in conn.notifies(timeout=LISTEN_TICK):
+                    callback(note.payload)
 
     def map_error(self, exc: Exception) -> Exception:
         if isinstance(exc, errors.DeadlockDetected | errors.SerializationFailure):

@@ -39,6 +39,8 @@ class NewDelegation:
     retry_of: str | None = None
     model: str | None = None
     trace_id: str | None = None
+    # Queued for a worker process (``tether worker``) instead of run by its creator.
+    queued: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ class Begin(StrEnum):
     REPLAY = "REPLAY"  # the key already COMPLETED with these arguments: return its result
     FENCED = "FENCED"  # a RECALL or TERMINATE was accepted for the delegation (I2)
     STALE_EPOCH = "STALE_EPOCH"  # the task was re-delegated (I4)
+    LEASE_EXPIRED = "LEASE_EXPIRED"  # the owning worker's lease ran out: it may be presumed dead
 
 
 @dataclass(frozen=True)
@@ -153,3 +156,17 @@ class OwnerRow:
     host: str
     started_at: float
     heartbeat_at: float
+    lease_until: float | None = None  # a worker's lease; None for an owner without one
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """A delegation queued for workers: who claimed it, and when its task was done."""
+
+    delegation_id: str
+    task_id: str
+    agent: str
+    enqueued_at: float
+    claimed_by: str | None
+    claimed_at: float | None
+    done_at: float | None

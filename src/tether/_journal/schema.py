@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -97,6 +97,21 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             detail TEXT NOT NULL)""",
         """CREATE INDEX events_delegation ON events(delegation_id, kind)""",
         """CREATE INDEX events_action ON events(action_id)""",
+    ),
+    # Workers: delegations queued for another process, and leases on the owners that claim
+    # them. An owner whose lease_until has passed is fenced by the journal (NULL: no lease).
+    2: (
+        """ALTER TABLE owners ADD COLUMN lease_until REAL""",
+        """CREATE TABLE queue (
+            delegation_id TEXT PRIMARY KEY REFERENCES delegations(id),
+            task_id TEXT NOT NULL,
+            agent TEXT NOT NULL,
+            enqueued_at REAL NOT NULL,
+            claimed_by TEXT,
+            claimed_at REAL,
+            done_at REAL)""",
+        """CREATE INDEX queue_waiting ON queue(agent, enqueued_at) WHERE claimed_by IS NULL""",
+        """CREATE INDEX delegations_owner ON delegations(owner_id, state)""",
     ),
 }
 

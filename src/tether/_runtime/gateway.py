@@ -170,7 +170,7 @@ class Context:
             tool=found.name, effect=found.effect, args_json=encoded, args_hash=args_hash,
             idem_key=key, now=clock.wall(),
         ))
-        if begun.status in (Begin.FENCED, Begin.STALE_EPOCH):
+        if begun.status in (Begin.FENCED, Begin.STALE_EPOCH, Begin.LEASE_EXPIRED):
             # The journal's fence is the authority; our in-memory flag may not know yet.
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
         if begun.status is Begin.REPLAY:

@@ -11,6 +11,7 @@ from tether._core.report import Report
 from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.attempts import TaskRun, result_of
 from tether._runtime.gateway import ChildRuntime, new_id
+from tether._runtime.remote import queued_result, wait_queued
 
 if TYPE_CHECKING:
     from tether._runtime.supervisor import Supervisor
@@ -21,16 +22,19 @@ class Handle:
     re-dispatched child is a fresh delegation, and the handle moves on to it."""
 
     def __init__(self, supervisor: Supervisor, row: DelegationRow,
-                 run: TaskRun | None = None) -> None:
+                 run: TaskRun | None = None, *, queued: bool = False) -> None:
         self._sup = supervisor
         self._row = row
         self._run = run
+        self._queued = queued  # run by whichever worker claims it, not by this process
+        self._first_id = row.id  # a queued task's queue key; its attempts may move on
 
     @classmethod
     def detached(cls, supervisor: Supervisor, delegation_id: str) -> Handle:
         """A handle known only by id (say, from ``tether ls``), for control and reports."""
         handle = cls.__new__(cls)
-        handle._sup, handle._run = supervisor, None
+        handle._sup, handle._run, handle._queued = supervisor, None, False
+        handle._first_id = delegation_id
         handle._row = DelegationRow(delegation_id, "", None, -1, 0, "", (), None, "",
                                     DelegationState.RUNNING, False, 0, 0.0, 0.0, None, None)
         return handle
@@ -65,8 +69,12 @@ class Handle:
 
     async def _stop(self, kind: ControlKind, grace: float | None, reason: str,
                     seq: int | None) -> Report:
+        target = self.id
+        if self._queued:  # its worker may have re-dispatched it: stop the current attempt
+            self._row = await self._sup.journal.latest_attempt(self._row.id)
+            target = self._row.id
         try:
-            return await self._sup._control(self.id, kind, grace, reason, seq)
+            return await self._sup._control(target, kind, grace, reason, seq)
         except AlreadyFinished:
             # Between attempts nothing runs, yet the request must stop a re-dispatch.
             await self._cancel_gap(f"{kind.value.lower()}: {reason}")
@@ -98,6 +106,9 @@ class Handle:
 
     async def wait(self) -> None:
         """Wait until the task's last attempt has ended and been accounted for."""
+        if self._queued:
+            self._row = await wait_queued(self._sup, self._first_id)
+            return
         run = self._local()
         await asyncio.wait([run.done])
         if run.current.draining is not None:
@@ -105,7 +116,10 @@ class Handle:
 
     async def result(self) -> Any:
         """The last attempt's result, unchanged (a ``Partial`` for a salvaged cut stream);
-        DelegationError if the task failed or was stopped."""
+        DelegationError if the task failed or was stopped. A queued task's result is the JSON
+        its worker recorded."""
+        if self._queued:
+            return queued_result(await wait_queued(self._sup, self._first_id))
         run = self._local()
         ok, value = await asyncio.shield(run.done)
         return result_of(ok, value, run.current)
@@ -120,6 +134,13 @@ class Handle:
         row = await sup.journal.get(self.id)
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
+        if self._queued or await sup.journal.queue_entry(self._first_id) is not None:
+            new = await sup.journal.create_delegation(NewDelegation(
+                id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
+                agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
+                now=sup.clock.wall(), redelegate_from_epoch=row.epoch, model=row.model,
+                queued=True))
+            return Handle(sup, new, queued=True)
         rt = self._run.current if self._run is not None else sup.runtime(self.id)
         if rt is None or row.parent_id is not None:
             raise UserError(f"delegation {self.id} is not a root delegation run by this process")

@@ -37,6 +37,7 @@ from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_i
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report, probe_all, settle_subtree
+from tether._runtime.remote import owner_alive, settle_elsewhere
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
 
@@ -92,6 +93,9 @@ class Supervisor:
         self._open = False
         self._recover_on_start = recover
         self._listeners: list[Callable[[str, str], None]] = []
+        self._wakeup: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._abandoned = False
         self.redispatch = redispatch or RedispatchPolicy()
         self.hooks = hooks or Hooks()
         self.telemetry = Telemetry(tracer_provider, meter_provider)
@@ -101,6 +105,28 @@ class Supervisor:
         if self._keys is None:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         return self._keys
+
+    @property
+    def control_poll(self) -> float:
+        return self._poll
+
+    def _notified(self, payload: str) -> None:
+        """From the journal's listener thread: another process did something that may concern
+        this one (an intent for one of its delegations, a queued task done)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed under us
+                self._loop.call_soon_threadsafe(self._ring)
+
+    def _ring(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def wake(self, at_most: float) -> None:
+        """Wait for a notification from the journal (PostgreSQL), at most ``at_most`` seconds
+        of real time: the polling fallback when notifications are lost or unsupported."""
+        if self._wakeup is None or self._wakeup.done():
+            self._wakeup = asyncio.get_running_loop().create_future()
+        await asyncio.wait([self._wakeup], timeout=at_most)
 
     def listen(self, callback: Callable[[str, str], None]) -> None:
         """Call ``callback(event, delegation_id)`` on lifecycle events: ``started``, ``drain``
@@ -140,6 +166,8 @@ class Supervisor:
             await self.journal.register_owner(
                 OwnerRow(self.owner_id, os.getpid(), socket.gethostname(), now, now))
             self._last_control = await self.journal.last_control_id()
+            self._loop = asyncio.get_running_loop()
+            self.journal.on_notify(self._notified)
             self._open = True
             self._spawn(self._watch())
             if self._recover_on_start:
@@ -151,7 +179,7 @@ class Supervisor:
 
     async def __aexit__(self, *exc: object) -> None:
         # Children still running when the orchestrator leaves are terminated and accounted for.
-        for rt in list(self._runtimes.values()):
+        for rt in list(self._runtimes.values()) if not self._abandoned else []:
             if rt.parent is None and rt.task is not None and not rt.task.done():
                 with contextlib.suppress(AlreadyFinished):
                     await self._control(rt.id, ControlKind.TERMINATE, None, "supervisor closed")
@@ -160,6 +188,14 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.journal.close()
+
+    def abandon(self) -> None:
+        """Stop every child here at once, writing nothing: this process lost its lease, so its
+        delegations are now settled by whoever reconciles them (a worker after a long pause)."""
+        self._abandoned = True
+        for rt in list(self._runtimes.values()):
+            if rt.parent is None:
+                self._cut(rt)
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(coro)
@@ -183,9 +219,9 @@ class Supervisor:
         beats = 0
         every = max(1, int(self.policy.lease / 3 / self._poll))
         while True:
-            await asyncio.sleep(self._poll)
-            for row in await self.journal.controls_after(self._last_control):
-                self._last_control = row.id
+            await self.wake(self._poll)
+            for row in await self.journal.controls_to_adopt(self.owner_id, self._last_control):
+                self._last_control = max(self._last_control, row.id)
                 rt = self._runtimes.get(row.delegation_id)
                 if row.issuer != self.owner_id and rt is not None:
                     self._adopt(rt, row)
@@ -197,10 +233,12 @@ class Supervisor:
     async def delegate(self, agent: Agent | AgentFn, /, *args: Any,
                        tools: Iterable[Tool | Agent | str] | None = None,
                        task_id: str | None = None, model: str | None = None,
-                       redispatch: RedispatchPolicy | None = None, **kwargs: Any) -> Handle:
+                       redispatch: RedispatchPolicy | None = None, remote: bool = False,
+                       **kwargs: Any) -> Handle:
         """Start ``agent(ctx, *args, **kwargs)`` as a child. Returns once the delegation is
         durable and the child has started. ``redispatch`` overrides the supervisor's policy for
-        a child whose model stream is cut; ``model`` is recorded for ``tether trace analyze``."""
+        a child whose model stream is cut; ``model`` is recorded for ``tether trace analyze``.
+        ``remote=True`` queues it for a ``tether worker`` instead (returns once queued)."""
         if not self._open:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         ag = as_agent(agent, tools)
@@ -208,11 +246,16 @@ class Supervisor:
         payload = _payload(args, kwargs, ag.name)
         if task_id is not None and (not isinstance(task_id, str) or not task_id):
             raise UserError("task_id must be a non-empty string")
+        if remote and redispatch is not None:
+            raise UserError("a queued delegation follows its worker's re-dispatch policy")
         row = await self.journal.create_delegation(NewDelegation(
             id=new_id("d"), task_id=task_id or new_id("t"), parent_id=None, attempt=1,
             agent=ag.name, surface=tuple(surface), args=payload, owner_id=self.owner_id,
-            now=self.clock.wall(), model=model,
+            now=self.clock.wall(), model=model, queued=remote,
         ))
+        if remote:
+            self._learn(surface.values())  # its probes serve reconciliation from here
+            return Handle(self, row, queued=True)
         return await self._launch(ChildRuntime(row, ag, surface), args, kwargs,
                                   redispatch or self.redispatch)
 
@@ -376,7 +419,7 @@ class Supervisor:
             self._cut(rt)  # cuts the recall's grace window short
             return await asyncio.shield(rt.draining)
         if rt is None:
-            return await self._settle_elsewhere(delegation_id, signed)
+            return await settle_elsewhere(self, delegation_id, signed)
         return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
 
     def _adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
@@ -465,42 +508,7 @@ class Supervisor:
             await first_of(self.clock, decision.wait,
                            asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED))
 
-    async def _settle_elsewhere(self, delegation_id: str, signed: Signed) -> Report:
-        """The delegation is not run by this process: wait for its owner to settle it, and
-        reconcile it ourselves if the owner is gone."""
-        row = await self.journal.get(delegation_id)
-        if not await self._owner_alive(row.owner_id):
-            return await self._recover_one(row, "owner is gone")
-        intent = self.keys.trusted.verify(signed, ControlIntent)
-        budget = (intent.grace or 0.0) + self.policy.ack_timeout + self.policy.probe_timeout
-        loop = asyncio.get_running_loop()  # another process's progress: real time, not clock
-        deadline = loop.time() + budget
-        while loop.time() < deadline:
-            row = await self.journal.get(delegation_id)
-            if row.state.terminal:
-                return await build_report(self.journal, delegation_id)
-            await asyncio.sleep(self._poll)
-        return await self._recover_one(row, "owner did not settle the delegation in time")
-
     # -- recovery -------------------------------------------------------------------------------
-    async def _owner_alive(self, owner_id: str) -> bool:
-        if owner_id == self.owner_id:
-            return True
-        owners = {o.id: o for o in await self.journal.owners()}
-        owner = owners.get(owner_id)
-        if owner is None:
-            return False
-        if self.clock.wall() - owner.heartbeat_at > self.policy.lease:
-            return False
-        if owner.host == socket.gethostname() and owner.pid != os.getpid():
-            try:
-                os.kill(owner.pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-        return True
-
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
         """Reconcile live delegations whose owner is dead (crashed process or expired lease),
         and every action still in doubt. ``tether reconcile`` runs this."""
@@ -512,7 +520,7 @@ class Supervisor:
                 continue
             if delegation_id is not None and row.id != delegation_id:
                 continue
-            if not await self._owner_alive(row.owner_id):
+            if not await owner_alive(self, row.owner_id):
                 reports.append(await self._recover_one(row, f"owner {row.owner_id} is gone"))
         doubtful = [a for a in await self.journal.unsettled(delegation_id)
                     if a.delegation_id not in self._runtimes]

@@ -1,0 +1,119 @@
+"""Journal operations for work that runs in worker processes: the queue, leases and claims.
+
+A delegation made with ``remote=True`` is inserted with a queue row in the same transaction.
+A worker claims it (``SKIP LOCKED`` on PostgreSQL, so workers never wait on each other's
+claims) only while its own lease holds and the delegation is not fenced; a recall that lands
+first leaves the row unclaimed, and its issuer takes it off the queue and settles it.
+"""
+
+from __future__ import annotations
+
+from tether._core.model import DelegationState
+from tether._journal.ops import (
+    _CONTROL_COLS,
+    _DELEGATION_COLS,
+    Db,
+    _control,
+    _delegation,
+    event,
+    get_delegation,
+)
+from tether._journal.rows import ControlRow, DelegationRow, QueueEntry
+
+
+def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:
+    """Extend a worker's lease, only if it has not run out: a lease that expired stays
+    expired, since others may already have presumed the worker dead and reconciled its work."""
+    cur = db.execute(
+        "UPDATE owners SET lease_until = ?, heartbeat_at = ? "
+        "WHERE id = ? AND (lease_until IS NULL OR lease_until > ?)",
+        (now + lease, now, owner_id, now),
+    )
+    if cur.rowcount != 1:
+        event(db, now, "lease_lost", None, None, owner=owner_id)
+    return cur.rowcount == 1
+
+
+def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
+          limit: int) -> list[DelegationRow]:
+    """Take up to ``limit`` queued delegations of these agents, oldest first."""
+    if not agents or limit <= 0:
+        return []
+    marks = ", ".join("?" * len(agents))
+    rows = db.execute(
+        "SELECT q.delegation_id FROM queue q JOIN delegations d ON d.id = q.delegation_id "
+        f"WHERE q.claimed_by IS NULL AND d.fenced = 0 AND q.agent IN ({marks}) "
+        "AND EXISTS (SELECT 1 FROM owners o WHERE o.id = ? AND o.lease_until > ?) "
+        "ORDER BY q.enqueued_at, q.delegation_id LIMIT ? /*SKIP q*/",
+        (*agents, owner_id, now, limit),
+    ).fetchall()
+    claimed = []
+    for (delegation_id,) in rows:
+        # Re-checked by the update itself: a recall that committed meanwhile wins.
+        cur = db.execute(
+            "UPDATE delegations SET owner_id = ?, updated_at = ? WHERE id = ? AND fenced = 0",
+            (owner_id, now, delegation_id),
+        )
+        if cur.rowcount != 1:
+            continue
+        db.execute("UPDATE queue SET claimed_by = ?, claimed_at = ? WHERE delegation_id = ?",
+                   (owner_id, now, delegation_id))
+        event(db, now, "claimed", delegation_id, None, worker=owner_id)
+        claimed.append(get_delegation(db, delegation_id))
+    return claimed
+
+
+def unclaim(db: Db, delegation_id: str, now: float) -> bool:
+    """Take a fenced delegation off the queue if no worker claimed it: the caller settles it.
+    False when a worker holds it (that worker drains it) or it was never queued."""
+    cur = db.execute(
+        "DELETE FROM queue WHERE delegation_id = ? AND claimed_by IS NULL AND EXISTS "
+        "(SELECT 1 FROM delegations d WHERE d.id = queue.delegation_id AND d.fenced = 1)",
+        (delegation_id,),
+    )
+    if cur.rowcount == 1:
+        event(db, now, "dequeued", delegation_id, None)
+    return cur.rowcount == 1
+
+
+def queue_entry(db: Db, delegation_id: str) -> QueueEntry | None:
+    row = db.execute(
+        "SELECT delegation_id, task_id, agent, enqueued_at, claimed_by, claimed_at, done_at "
+        "FROM queue WHERE delegation_id = ?",
+        (delegation_id,),
+    ).fetchone()
+    return None if row is None else QueueEntry(*row)
+
+
+def queue_done(db: Db, delegation_id: str, now: float) -> None:
+    """The task behind this queue row has ended and been accounted for."""
+    db.execute("UPDATE queue SET done_at = COALESCE(done_at, ?) WHERE delegation_id = ?",
+               (now, delegation_id))
+    notify = getattr(db, "notify", None)
+    if notify is not None:  # wakes an orchestrator waiting on the task
+        notify("done")
+
+
+def latest_attempt(db: Db, delegation_id: str) -> DelegationRow:
+    """The newest attempt of the task at this delegation's epoch (a re-dispatch forks one)."""
+    first = get_delegation(db, delegation_id)
+    row = db.execute(
+        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE task_id = ? AND epoch = ? "
+        "AND (parent_id = ? OR (parent_id IS NULL AND ? IS NULL)) "
+        "ORDER BY attempt DESC, created_at DESC LIMIT 1",
+        (first.task_id, first.epoch, first.parent_id, first.parent_id),
+    ).fetchone()
+    return first if row is None else _delegation(row)
+
+
+def controls_for_owner(db: Db, owner_id: str) -> list[ControlRow]:
+    """The latest intent of each of this owner's delegations that is being recalled or
+    terminated. Unlike "every intent after id N", this cannot miss an intent whose id was
+    assigned before, but committed after, one already seen (PostgreSQL assigns ids at insert)."""
+    cols = ", ".join(f"c.{c.strip()}" for c in _CONTROL_COLS.split(","))
+    rows = db.execute(
+        f"SELECT {cols} FROM delegations d JOIN controls c ON c.delegation_id = d.id "
+        "AND c.seq = d.control_seq WHERE d.owner_id = ? AND d.state IN (?, ?) ORDER BY c.id",
+        (owner_id, DelegationState.RECALLING.value, DelegationState.TERMINATING.value),
+    ).fetchall()
+    return [_control(r) for r in rows]

@@ -1,0 +1,183 @@
+"""A worker process: claims queued delegations and runs them under its own supervisor.
+
+``tether worker --journal URL --agents module:attribute`` runs one. It holds a lease in the
+journal, renewed every third of the lease; while the lease holds it claims delegations of the
+agents it knows and runs each exactly as a local child (the same gateway, grace windows,
+drains and re-dispatch). Control intents reach it through the journal (LISTEN/NOTIFY on
+PostgreSQL, polling everywhere). If it cannot renew its lease in time it stops at once: the
+journal already refuses its actions, and whoever reconciles its delegations owns them now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tether._core.errors import LeaseLost, UserError
+from tether._core.model import DelegationState, Policy, check_positive
+from tether._core.redispatch import RedispatchPolicy
+from tether._journal.journal import Journal
+from tether._journal.rows import DelegationRow
+from tether._runtime.clock import Clock
+from tether._runtime.gateway import ChildRuntime
+from tether._runtime.keys import KeyRing
+from tether._runtime.supervisor import Supervisor
+from tether._runtime.telemetry import Hooks
+from tether._runtime.tools import Agent, check_surface
+
+
+def agents_by_name(found: object, where: str) -> dict[str, Agent]:
+    """An Agent, an iterable of them, or a mapping of them, by name."""
+    items: Iterable[object]
+    if isinstance(found, Agent):
+        items = [found]
+    elif isinstance(found, Mapping):
+        items = list(found.values())
+    elif isinstance(found, Iterable) and not isinstance(found, str | bytes):
+        items = list(found)
+    else:
+        raise UserError(f"{where} is not an agent or a collection of agents")
+    agents: dict[str, Agent] = {}
+    for item in items:
+        if not isinstance(item, Agent):
+            raise UserError(f"{where}: {item!r} is not a tether agent (use @tether.agent)")
+        if agents.setdefault(item.name, item) is not item:
+            raise UserError(f"{where}: two different agents are named {item.name!r}")
+    if not agents:
+        raise UserError(f"{where} holds no agent")
+    return agents
+
+
+def load_agents(spec: str) -> dict[str, Agent]:
+    """``package.module:attribute``, imported the way the orchestrator imports it: the worker
+    and the orchestrator must run the same agent and tool definitions (probes included)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UserError(f"--agents {spec!r} must be module:attribute, e.g. myapp.agents:ALL")
+    if "" not in sys.path:  # like `python -m`: the working directory is importable
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"cannot import {module_name!r} for --agents: {exc}") from None
+    found: Any = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise UserError(f"{module_name!r} has no attribute {attribute!r}")
+        found = getattr(found, part)
+    return agents_by_name(found, spec)
+
+
+class Worker:
+    """``async with Worker(url, agents) as w: await w.run()``; ``w.stop()`` ends it gently."""
+
+    def __init__(self, journal: str | Journal, agents: object, *, concurrency: int = 16,
+                 lease: float = 10.0, poll: float = 0.1, clock: Clock | None = None,
+                 policy: Policy | None = None, keys: KeyRing | None = None,
+                 redispatch: RedispatchPolicy | None = None,
+                 hooks: Hooks | None = None) -> None:
+        self.agents = agents_by_name(agents, "Worker(agents=...)")
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+            raise UserError("concurrency must be a positive integer")
+        self.lease = check_positive(lease, "lease")
+        self.poll = check_positive(poll, "poll")
+        self.concurrency = concurrency
+        self.supervisor = Supervisor(journal, clock=clock, policy=policy, keys=keys,
+                                     recover=False, redispatch=redispatch, hooks=hooks,
+                                     control_poll=min(poll, self.lease / 6))
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._stopping = asyncio.Event()
+
+    @property
+    def owner_id(self) -> str:
+        return self.supervisor.owner_id
+
+    async def __aenter__(self) -> Worker:
+        sup = self.supervisor
+        await sup.__aenter__()
+        try:
+            if not await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease):
+                raise LeaseLost(sup.owner_id)
+        except BaseException:
+            await sup.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        await self.supervisor.__aexit__(*exc)
+
+    def stop(self) -> None:
+        """Stop claiming; ``run`` returns once the delegations it holds have ended."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Claim and run delegations until ``stop()``; raises LeaseLost if the lease ran out."""
+        sup = self.supervisor
+        beat = asyncio.create_task(self._keep_lease(), name="tether-lease")
+        try:
+            while not self._stopping.is_set() and not beat.done():
+                free = self.concurrency - len(self._running)
+                if free > 0:
+                    rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
+                                                   sup.clock.wall(), free)
+                    for row in rows:
+                        self._start(row)
+                    if rows:
+                        continue  # there may be more waiting
+                await sup.wake(self.poll)
+            if beat.done():
+                beat.result()  # LeaseLost
+            while self._running and not beat.done():
+                await asyncio.wait([beat, *self._running.values()],
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if beat.done():
+                beat.result()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, LeaseLost):
+                await beat
+
+    def _start(self, row: DelegationRow) -> None:
+        task = asyncio.create_task(self._run_one(row), name=f"tether-worker-{row.id}")
+        self._running[row.id] = task
+        task.add_done_callback(lambda _: self._running.pop(row.id, None))
+
+    async def _keep_lease(self) -> None:
+        sup = self.supervisor
+        loop = asyncio.get_running_loop()
+        while True:
+            # Real time: a lease is about this process being alive, not about any clock.
+            await asyncio.sleep(self.lease / 3)
+            started = loop.time()
+            ok = await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease)
+            if not ok or loop.time() - started > self.lease:
+                sup.abandon()
+                raise LeaseLost(sup.owner_id)
+
+    async def _run_one(self, row: DelegationRow) -> None:
+        sup = self.supervisor
+        agent = self.agents[row.agent]
+        surface = check_surface(agent.tools, f"delegation of {agent.name}")
+        if tuple(surface) != row.surface:
+            # Different definitions on the two sides: running it could act outside the
+            # surface the orchestrator granted. Refuse, with the reason on record.
+            await sup.journal.set_state(
+                row.id, DelegationState.FAILED, sup.clock.wall(), failure="error:surface",
+                error=f"worker's {agent.name} grants {sorted(surface)}, "
+                      f"the delegation grants {sorted(row.surface)}")
+        else:
+            args, kwargs = row.args["args"], row.args["kwargs"]
+            handle = await sup._launch(ChildRuntime(row, agent, surface), args, kwargs,
+                                       sup.redispatch)
+            await handle.wait()
+        await sup.journal.queue_done(row.id, sup.clock.wall())
+
+
+__all__ = ["Worker", "load_agents"]
