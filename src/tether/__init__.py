@@ -14,6 +14,7 @@ from tether._core.errors import (
     JournalError,
     JournalLocked,
     KeyInUse,
+    LeaseLost,
     Malformed,
     NotAJournal,
     NotFound,
@@ -65,6 +66,7 @@ from tether._runtime.keys import KeyRing
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.telemetry import HookEvent, Hooks
 from tether._runtime.tools import Agent, ProbeResult, Tool, agent, tool
+from tether._runtime.worker import Worker
 
 __version__ = "0.1.0"
 
@@ -104,6 +106,7 @@ __all__ = [
     "JournalLocked",
     "KeyInUse",
     "KeyRing",
+    "LeaseLost",
     "Malformed",
     "NoEffectsReceipt",
     "NotAJournal",
@@ -134,6 +137,7 @@ __all__ = [
     "UnknownKey",
     "UserError",
     "Verdict",
+    "Worker",
     "__version__",
     "agent",
     "decide_redispatch",

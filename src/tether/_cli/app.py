@@ -278,6 +278,44 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
 
 @app.command()
 @cli_errors
+def worker(
+    agents: Annotated[str, typer.Option("--agents", help="module:attribute naming an agent, "
+                                        "a list of agents or a dict of them.")],
+    journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1,
+                                             help="Delegations run at once.")] = 16,
+    lease: Annotated[float, typer.Option("--lease", help="Seconds; renewed every third.")]
+    = 10.0,
+) -> None:
+    """Run queued delegations (``delegate(..., remote=True)``) in this process until SIGTERM or
+    Ctrl-C. Exits 3 if the lease runs out (a long pause): its work is reconciled elsewhere."""
+    import signal
+
+    from tether._core.errors import LeaseLost
+    from tether._runtime.worker import Worker, load_agents
+
+    found = load_agents(agents)
+
+    async def go() -> None:
+        j = Journal(journal)
+        ring = KeyRing.load_or_init(key_dir(j, keys))
+        async with Worker(j, found, concurrency=concurrency, lease=lease, keys=ring) as w:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, w.stop)
+            print(f"worker {w.owner_id} ready: {', '.join(sorted(found))} on {j.location}",
+                  flush=True)
+            await w.run()
+
+    try:
+        run(go())
+    except LeaseLost as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(3) from None
+
+
+@app.command()
+@cli_errors
 def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
           seed: Annotated[int, typer.Option("--seed")] = 1,
           replay: Annotated[int | None, typer.Option(

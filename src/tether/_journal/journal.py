@@ -285,8 +285,8 @@ class Journal:
                     limit: int) -> list[DelegationRow]:
         return await self._write(queue.claim, owner_id, agents, now, limit)
 
-    async def unclaim(self, delegation_id: str, now: float) -> bool:
-        return await self._write(queue.unclaim, delegation_id, now)
+    async def unclaim(self, delegation_id: str, owner_id: str, now: float) -> bool:
+        return await self._write(queue.unclaim, delegation_id, owner_id, now)
 
     async def queue_done(self, delegation_id: str, now: float) -> None:
         await self._write(queue.queue_done, delegation_id, now)

@@ -63,16 +63,18 @@ def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
     return claimed
 
 
-def unclaim(db: Db, delegation_id: str, now: float) -> bool:
-    """Take a fenced delegation off the queue if no worker claimed it: the caller settles it.
-    False when a worker holds it (that worker drains it) or it was never queued."""
+def unclaim(db: Db, delegation_id: str, owner_id: str, now: float) -> bool:
+    """Take a fenced delegation off the queue if no worker claimed it: the caller (``owner_id``)
+    settles it, and the row stays as the record that it was queued. False when a worker holds
+    it (that worker drains it) or it was never queued."""
     cur = db.execute(
-        "DELETE FROM queue WHERE delegation_id = ? AND claimed_by IS NULL AND EXISTS "
+        "UPDATE queue SET claimed_by = ?, claimed_at = ?, done_at = ? "
+        "WHERE delegation_id = ? AND claimed_by IS NULL AND EXISTS "
         "(SELECT 1 FROM delegations d WHERE d.id = queue.delegation_id AND d.fenced = 1)",
-        (delegation_id,),
+        (owner_id, now, now, delegation_id),
     )
     if cur.rowcount == 1:
-        event(db, now, "dequeued", delegation_id, None)
+        event(db, now, "dequeued", delegation_id, None, by=owner_id)
     return cur.rowcount == 1
 
 
@@ -97,11 +99,11 @@ def queue_done(db: Db, delegation_id: str, now: float) -> None:
 def latest_attempt(db: Db, delegation_id: str) -> DelegationRow:
     """The newest attempt of the task at this delegation's epoch (a re-dispatch forks one)."""
     first = get_delegation(db, delegation_id)
+    parent = "parent_id IS NULL" if first.parent_id is None else "parent_id = ?"
     row = db.execute(
         f"SELECT {_DELEGATION_COLS} FROM delegations WHERE task_id = ? AND epoch = ? "
-        "AND (parent_id = ? OR (parent_id IS NULL AND ? IS NULL)) "
-        "ORDER BY attempt DESC, created_at DESC LIMIT 1",
-        (first.task_id, first.epoch, first.parent_id, first.parent_id),
+        f"AND {parent} ORDER BY attempt DESC, created_at DESC LIMIT 1",
+        (first.task_id, first.epoch, *([first.parent_id] if first.parent_id else [])),
     ).fetchone()
     return first if row is None else _delegation(row)
 

@@ -53,7 +53,7 @@ async def settle_elsewhere(sup: Supervisor, delegation_id: str, signed: Signed) 
     settle it here (nothing ran). Claimed: wait for its owner to settle it, and reconcile it
     ourselves if the owner is gone or does not settle it in time."""
     intent = sup.keys.trusted.verify(signed, ControlIntent)
-    if await sup.journal.unclaim(delegation_id, sup.clock.wall()):
+    if await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
         fallback = intent.kind.target
         final = DelegationState.RECALLED if fallback is DelegationState.RECALLING \
             else DelegationState.TERMINATED
@@ -86,7 +86,7 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
     while True:
         entry = await sup.journal.queue_entry(queued_id)
         latest = await sup.journal.latest_attempt(queued_id)
-        if entry is None or entry.done_at is not None:  # settled here, or by its worker
+        if entry is None or entry.done_at is not None:  # settled by its worker, or unclaimed
             if latest.state.terminal:
                 return latest
         elif entry.claimed_by is not None and not await owner_alive(sup, entry.claimed_by):

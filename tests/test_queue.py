@@ -1,0 +1,124 @@
+"""The queue and worker leases in the journal, on both backends: claims never overlap, a
+recall beats a claim, and an owner whose lease ran out is fenced by the journal (I2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether._journal import schema
+from tether._journal.journal import Journal
+from tether._journal.ops import FenceRefused
+from tether._journal.rows import Begin, NewAction, NewDelegation, OwnerRow
+
+KEY = tether.SigningKey.from_raw(bytes(range(32)))
+TRUSTED = tether.TrustedKeys([KEY.public])
+
+
+@pytest.fixture
+async def journal(journal_url: str) -> AsyncIterator[Journal]:
+    async with Journal(journal_url) as j:
+        for owner in ("orchestrator", "w1", "w2"):
+            await j.register_owner(OwnerRow(owner, 1, "host", 0.0, 0.0))
+        yield j
+
+
+def queued(did: str, agent: str = "agent", now: float = 1.0) -> NewDelegation:
+    return NewDelegation(id=did, task_id=f"t-{did}", parent_id=None, attempt=1, agent=agent,
+                         surface=("pay",), args={"args": [], "kwargs": {}},
+                         owner_id="orchestrator", now=now, queued=True)
+
+
+def action(aid: str, did: str, now: float) -> NewAction:
+    args = '{"x":1}'
+    return NewAction(id=aid, delegation_id=did, epoch=0, ordinal=0, tool="pay",
+                     effect=tether.Effect.EXTERNAL, args_json=args,
+                     args_hash=hashlib.sha256(args.encode()).hexdigest(), idem_key=aid, now=now)
+
+
+async def recall(j: Journal, did: str, now: float) -> None:
+    intent = tether.ControlIntent(tether.ControlKind.RECALL, did, 0, 1, 5.0, "r", now)
+    await j.accept_control(KEY.sign(intent), TRUSTED, "orchestrator", now)
+
+
+async def test_claims_are_disjoint_oldest_first_and_only_for_known_agents(
+        journal: Journal) -> None:
+    for n in range(5):
+        await journal.create_delegation(queued(f"d{n}", now=float(n)))
+    await journal.create_delegation(queued("other", agent="unknown"))
+    for worker in ("w1", "w2"):
+        assert await journal.renew_lease(worker, 10.0, 30.0)
+    first = await journal.claim("w1", ("agent",), 10.0, 3)
+    second = await journal.claim("w2", ("agent",), 10.0, 10)
+    assert [r.id for r in first] == ["d0", "d1", "d2"]
+    assert [r.id for r in second] == ["d3", "d4"]  # never "other", never one of w1's
+    assert {r.owner_id for r in first} == {"w1"} and {r.owner_id for r in second} == {"w2"}
+    assert await journal.claim("w2", ("agent",), 10.0, 10) == []
+    entry = await journal.queue_entry("d0")
+    assert entry is not None and entry.claimed_by == "w1" and entry.done_at is None
+
+
+async def test_a_recall_before_any_claim_leaves_it_to_its_issuer(journal: Journal) -> None:
+    await journal.create_delegation(queued("d1"))
+    assert await journal.renew_lease("w1", 10.0, 30.0)
+    await recall(journal, "d1", 11.0)
+    assert await journal.claim("w1", ("agent",), 12.0, 5) == []  # fenced: not claimable
+    assert await journal.unclaim("d1", "orchestrator", 12.0)
+    assert not await journal.unclaim("d1", "orchestrator", 12.0)  # only once
+    entry = await journal.queue_entry("d1")
+    assert entry is not None and entry.claimed_by == "orchestrator" and entry.done_at == 12.0
+
+
+async def test_a_claimed_delegation_is_not_taken_back(journal: Journal) -> None:
+    await journal.create_delegation(queued("d1"))
+    assert await journal.renew_lease("w1", 10.0, 30.0)
+    assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
+    await recall(journal, "d1", 11.0)
+    assert not await journal.unclaim("d1", "orchestrator", 12.0)  # the worker drains it
+    (control,) = await journal.controls_to_adopt("w1", 0)
+    assert control.delegation_id == "d1" and control.kind is tether.ControlKind.RECALL
+
+
+async def test_an_expired_lease_fences_the_owner_in_the_journal(journal: Journal) -> None:
+    """No recall, no reconciliation: a worker paused past its lease cannot act on waking."""
+    await journal.create_delegation(queued("d1"))
+    assert await journal.renew_lease("w1", 10.0, 5.0)  # lease until 15
+    assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
+    assert (await journal.begin_action(action("a1", "d1", 14.0))).status is Begin.STARTED
+    late = await journal.begin_action(action("a2", "d1", 15.5))
+    assert late.status is Begin.LEASE_EXPIRED
+    with pytest.raises(FenceRefused):  # nor can it start a child
+        await journal.create_delegation(dataclasses.replace(
+            queued("c1"), task_id="t-c1", parent_id="d1", parent_epoch=0, queued=False,
+            owner_id="w1", now=15.5))
+    assert not await journal.renew_lease("w1", 15.5, 5.0)  # an expired lease stays expired
+    assert await journal.claim("w1", ("agent",), 15.5, 5) == []
+    assert [a.id for a in await journal.actions(["d1"])] == ["a1"]
+    owners = {o.id: o for o in await journal.owners()}
+    assert owners["w1"].lease_until == 15.0 and owners["orchestrator"].lease_until is None
+
+
+async def test_a_version_1_journal_is_migrated_with_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path)
+    for statement in schema.MIGRATIONS[1]:
+        conn.execute(statement)
+    conn.executemany("INSERT INTO tether_meta VALUES (?, ?)",
+                     [("app", "tether"), ("schema_version", "1")])
+    conn.execute("INSERT INTO owners VALUES ('o', 1, 'h', 0, 0)")
+    conn.commit()
+    conn.close()
+    async with Journal(f"sqlite:///{path}") as j:
+        assert [o.id for o in await j.owners()] == ["o"]
+        await j.create_delegation(queued("d1"))
+        assert (await j.queue_entry("d1")) is not None
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM tether_meta WHERE key = 'schema_version'"
+                        ).fetchone() == (str(schema.SCHEMA_VERSION),)
+    conn.close()

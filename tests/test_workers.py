@@ -1,0 +1,249 @@
+"""Workers in other processes on PostgreSQL: recall, terminate, SIGKILL, a paused worker and
+racing orchestrators, each with real `tether worker` processes on loopback (I2, I3, I4, I8)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tests import remote_agents
+from tests.remote_agents import listen_gate, open_gate
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = "1"  # seconds: short, so that a dead worker is noticed quickly
+
+
+@dataclass
+class Cluster:
+    url: str
+    env: dict[str, str]
+    procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+
+    async def worker(self, *extra: str) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tether", "worker", "--journal", self.url,
+            "--agents", "tests.remote_agents:AGENTS", "--lease", LEASE, *extra,
+            env=self.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = (await proc.stdout.readline()).decode()
+        assert line.startswith("worker "), line + (await proc.stderr.read()).decode() \
+            if proc.stderr else line
+        return proc
+
+
+@pytest.fixture
+async def cluster(pg_url: str, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Cluster]:
+    gates = tmp_path / "gates"
+    remote_agents.make_gates(gates, "started", "release", "next", "go1", "go2")
+    monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "ledger.db"))
+    monkeypatch.setenv("TETHER_TEST_GATES", str(gates))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    remote_agents.ledger.cache_clear()
+    c = Cluster(pg_url, env)
+    yield c
+    for proc in c.procs:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    remote_agents.ledger.cache_clear()
+
+
+def supervisor(url: str) -> tether.Supervisor:
+    return tether.Supervisor(url, tools=remote_agents.TOOLS, recover=False)
+
+
+def spy_accepts(sup: tether.Supervisor, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once a control intent from this orchestrator is durable in the journal."""
+    accepted = asyncio.Event()
+    original: Callable[..., Any] = sup.journal.sign_and_accept
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        result = await original(*args, **kwargs)
+        accepted.set()
+        return result
+
+    monkeypatch.setattr(sup.journal, "sign_and_accept", spy)
+    return accepted
+
+
+async def test_a_queued_delegation_runs_on_a_worker(cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        proc = await cluster.worker()
+        handle = await sup.delegate(remote_agents.refunder, "A-1", remote=True)
+        refs = await handle.result()
+        report = await handle.report()
+        row = await sup.journal.get(handle.id)
+    assert len(refs) == 1 and remote_agents.ledger().refund_count("A-1") == 1
+    assert report.outcome is tether.DelegationState.SUCCEEDED
+    assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED]
+    assert row.owner_id != sup.owner_id  # the worker claimed it
+    proc.send_signal(signal.SIGTERM)
+    assert await proc.wait() == 0
+
+
+async def test_recall_across_processes_lets_the_in_flight_action_finish(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with supervisor(cluster.url) as sup:
+        await cluster.worker()
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "hold-1", then="R-2", remote=True)
+        assert await started == "hold-1"  # in flight on the worker, intent durable
+        accepted = spy_accepts(sup, monkeypatch)
+        recall = asyncio.ensure_future(handle.recall(grace=60, reason="plan changed"))
+        await accepted.wait()
+        open_gate("release")  # the in-flight refund finishes inside the grace window
+        report = await recall
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert [(a.tool, a.state) for a in report.actions] == [
+        ("refund", tether.ActionState.COMPLETED)]  # the second refund never started
+    assert remote_agents.ledger().refund_count("hold-1") == 1
+    assert remote_agents.ledger().refund_count("R-2") == 0
+
+
+async def test_terminate_across_processes_reconciles_the_in_flight_action(
+        cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        await cluster.worker()
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "hold-2", remote=True)
+        await started
+        report = await handle.terminate(reason="stop now")
+    assert report.outcome is tether.DelegationState.RECONCILED  # terminated, then probed
+    assert report.verdict == "TERMINATE"
+    (action,) = report.actions
+    # Cancelled before the provider saw it: the worker's probe says so, with evidence.
+    assert action.state is tether.ActionState.NOT_APPLIED
+    assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
+    assert remote_agents.ledger().refund_count("hold-2") == 0
+
+
+async def test_a_worker_killed_mid_action_is_reconciled_after_its_lease(
+        cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        proc = await cluster.worker()
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "reply-3", remote=True)
+        assert await started == "applied reply-3"  # applied; the reply never comes
+        proc.send_signal(signal.SIGKILL)
+        assert await proc.wait() == -signal.SIGKILL
+        await handle.wait()  # returns once the lease ran out and the work was reconciled
+        report = await handle.report()
+    (action,) = report.actions
+    assert action.state is tether.ActionState.COMPLETED  # the probe found it applied
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    assert report.verdict == "RECOVERED"
+    assert remote_agents.ledger().refund_count("reply-3") == 1
+
+
+async def test_a_paused_worker_is_fenced_after_its_lease_expired(cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        proc = await cluster.worker()
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "P-1", then="after-gate-P-2",
+                                    remote=True)
+        assert await started == "first done P-1"
+        proc.send_signal(signal.SIGSTOP)  # a VM paused between two payments
+        await handle.wait()  # the orchestrator presumed it dead and reconciled it
+        open_gate("next")  # the second payment is now due...
+        proc.send_signal(signal.SIGCONT)  # ...when the worker wakes up
+        assert await proc.wait() == 3  # it found its lease gone and stopped
+        report = await handle.report()
+        kinds = await sup.journal._read(lambda db: {r[0] for r in db.execute(
+            "SELECT kind FROM events WHERE kind LIKE 'lease%'").fetchall()})
+    # Whichever came first on waking, the renewal or the next payment, the journal refused it.
+    assert [a.args["order_id"] for a in report.actions] == ["P-1"]
+    assert remote_agents.ledger().refund_count("after-gate-P-2") == 0
+    assert report.verdict == "RECOVERED"
+    assert "lease_lost" in kinds
+
+
+async def test_two_orchestrators_race_to_redelegate_and_exactly_one_wins(
+        cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        handle = await sup.delegate(remote_agents.refunder, "X-1", remote=True)
+        report = await handle.recall(grace=5, reason="re-plan")  # no worker claimed it yet
+        assert report.outcome is tether.DelegationState.RECALLED and report.actions == ()
+        assert report.verdict == "NEVER_STARTED"
+        racers = []
+        for gate in ("go1", "go2"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.remote_agents", cluster.url, handle.id, gate,
+                env=cluster.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+            cluster.procs.append(proc)
+            assert proc.stdout is not None
+            assert (await proc.stdout.readline()).decode().strip() == "ready"
+            racers.append(proc)
+        open_gate("go1")
+        open_gate("go2")
+        outs = sorted([(await p.communicate())[0].decode().split()[0] for p in racers])
+        assert outs == ["lost", "won"]
+        rows = [r for r in await sup.journal.delegations() if r.task_id == handle.task_id]
+    assert sorted(r.epoch for r in rows) == [0, 1]
+
+
+async def test_two_workers_share_a_queue_and_run_each_task_exactly_once(
+        cluster: Cluster) -> None:
+    """Claims skip rows another worker holds (SKIP LOCKED): no task runs twice (I7)."""
+    async with supervisor(cluster.url) as sup:
+        workers = [await cluster.worker("--concurrency", "4") for _ in range(2)]
+        handles = [await sup.delegate(remote_agents.refunder, f"M-{n}", remote=True)
+                   for n in range(24)]
+        results = [await h.result() for h in handles]
+        owners = {(await sup.journal.get(h.id)).owner_id for h in handles}
+    assert all(len(r) == 1 for r in results)
+    assert [remote_agents.ledger().refund_count(f"M-{n}") for n in range(24)] == [1] * 24
+    assert sup.owner_id not in owners and 1 <= len(owners) <= 2
+    for proc in workers:
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nocolon", "module:attribute"),
+    ("tests.no_such_module:AGENTS", "cannot import"),
+    ("tests.remote_agents:MISSING", "no attribute"),
+    ("tests.remote_agents:TOOLS", "not a tether agent"),
+    ("tests.remote_agents:ledger", "not an agent"),
+])
+async def test_a_bad_agents_spec_is_one_line(tmp_path: Path, spec: str, message: str) -> None:
+    journal = tmp_path / "j.db"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "worker", "--journal", f"sqlite:///{journal}",
+        "--agents", spec, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    text = err.decode().strip()
+    assert proc.returncode == 2 and text.startswith("error:") and message in text
+    assert len(text.splitlines()) == 1 and "Traceback" not in text + out.decode()
+    assert not journal.exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("kwargs", [{"concurrency": 0}, {"lease": 0}, {"lease": float("nan")},
+                                    {"poll": -1.0}])
+def test_bad_worker_settings_are_user_errors(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(tether.UserError):
+        tether.Worker(f"sqlite:///{tmp_path / 'j.db'}", remote_agents.AGENTS, **kwargs)
+    assert not (tmp_path / "j.db").exists()
+
+
+async def test_a_worker_without_the_agent_leaves_the_task_queued(cluster: Cluster) -> None:
+    """A worker claims only agents it can run; the task waits for one that can."""
+    async with supervisor(cluster.url) as sup:
+        other = tether.Agent("someone_else", remote_agents.refunder.fn,
+                             remote_agents.refunder.tools)
+        handle = await sup.delegate(other, "Q-1", remote=True)
+        await cluster.worker()
+        report = await handle.recall(grace=5)  # still queued: settled here
+    assert report.verdict == "NEVER_STARTED"
