@@ -3,6 +3,7 @@ recall beats a claim, and an owner whose lease ran out is fenced by the journal 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import sqlite3
@@ -122,3 +123,30 @@ async def test_a_version_1_journal_is_migrated_with_its_data(tmp_path: Path) -> 
     assert conn.execute("SELECT value FROM tether_meta WHERE key = 'schema_version'"
                         ).fetchone() == (str(schema.SCHEMA_VERSION),)
     conn.close()
+
+
+async def test_a_worker_whose_agent_differs_refuses_to_run_it(journal_url: str) -> None:
+    """The orchestrator granted one surface; a worker with another definition of the agent
+    fails the delegation with the reason instead of acting outside what was granted."""
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def pay(*, idempotency_key: str) -> None: ...
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def wire(*, idempotency_key: str) -> None: ...
+
+    async def body(ctx: tether.Context) -> None: ...
+
+    granted = tether.Agent("payer", body, (pay,))
+    widened = tether.Agent("payer", body, (pay, wire))
+    async with tether.Supervisor(journal_url, recover=False) as sup:
+        handle = await sup.delegate(granted, remote=True)
+        async with tether.Worker(journal_url, [widened], poll=0.01) as worker:
+            running = asyncio.ensure_future(worker.run())
+            with pytest.raises(tether.DelegationError, match="grants"):
+                await handle.result()
+            worker.stop()
+            await running
+        row = await sup.journal.get(handle.id)
+    assert row.state is tether.DelegationState.FAILED and row.failure == "error:surface"
+    assert row.owner_id == worker.owner_id

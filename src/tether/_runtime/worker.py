@@ -147,7 +147,15 @@ class Worker:
     def _start(self, row: DelegationRow) -> None:
         task = asyncio.create_task(self._run_one(row), name=f"tether-worker-{row.id}")
         self._running[row.id] = task
-        task.add_done_callback(lambda _: self._running.pop(row.id, None))
+        task.add_done_callback(lambda _: self._done(row.id, task))
+
+    def _done(self, delegation_id: str, task: asyncio.Task[None]) -> None:
+        self._running.pop(delegation_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            # Recorded, never dropped; the delegation itself is settled by the lease rules.
+            sup = self.supervisor
+            sup.journal.event(sup.clock.wall(), "worker_error", delegation_id, None,
+                              error=repr(task.exception()))
 
     async def _keep_lease(self) -> None:
         sup = self.supervisor
