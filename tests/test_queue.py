@@ -150,3 +150,24 @@ async def test_a_worker_whose_agent_differs_refuses_to_run_it(journal_url: str) 
         row = await sup.journal.get(handle.id)
     assert row.state is tether.DelegationState.FAILED and row.failure == "error:surface"
     assert row.owner_id == worker.owner_id
+
+
+async def test_a_queued_task_outlives_the_process_that_queued_it(journal_url: str) -> None:
+    """Until a worker claims it, a queued task belongs to the queue: another supervisor's
+    recovery does not terminate it because the orchestrator that queued it has gone."""
+
+    async def body(ctx: tether.Context) -> str:
+        return "done"
+
+    agent = tether.Agent("later", body, ())
+    async with tether.Supervisor(journal_url, recover=False) as first:
+        handle = await first.delegate(agent, remote=True)
+    async with tether.Supervisor(journal_url) as second:  # recovers on start
+        assert await second.recover() == []
+        assert (await second.journal.get(handle.id)).state is tether.DelegationState.RUNNING
+        async with tether.Worker(journal_url, [agent], poll=0.01) as worker:
+            running = asyncio.ensure_future(worker.run())
+            result = await second.handle_for(handle.id).result()
+            worker.stop()
+            await running
+    assert result == "done"

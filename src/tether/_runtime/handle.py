@@ -70,7 +70,7 @@ class Handle:
     async def _stop(self, kind: ControlKind, grace: float | None, reason: str,
                     seq: int | None) -> Report:
         target = self.id
-        if self._queued:  # its worker may have re-dispatched it: stop the current attempt
+        if await self._is_queued():  # a worker may have re-dispatched it: stop the newest
             self._row = await self._sup.journal.latest_attempt(self._row.id)
             target = self._row.id
         try:
@@ -99,6 +99,12 @@ class Handle:
         await self._cancel_gap(f"cancel: {reason}")
         return await self._stop(ControlKind.TERMINATE, None, reason, None)
 
+    async def _is_queued(self) -> bool:
+        """A handle from ``handle_for`` learns from the journal whether its task was queued."""
+        if not self._queued and self._run is None:
+            self._queued = await self._sup.journal.queue_entry(self._first_id) is not None
+        return self._queued
+
     def _local(self) -> TaskRun:
         if self._run is None:
             raise UserError(f"delegation {self.id} does not run in this process")
@@ -106,7 +112,7 @@ class Handle:
 
     async def wait(self) -> None:
         """Wait until the task's last attempt has ended and been accounted for."""
-        if self._queued:
+        if await self._is_queued():
             self._row = await wait_queued(self._sup, self._first_id)
             return
         run = self._local()
@@ -118,7 +124,7 @@ class Handle:
         """The last attempt's result, unchanged (a ``Partial`` for a salvaged cut stream);
         DelegationError if the task failed or was stopped. A queued task's result is the JSON
         its worker recorded."""
-        if self._queued:
+        if await self._is_queued():
             return queued_result(await wait_queued(self._sup, self._first_id))
         run = self._local()
         ok, value = await asyncio.shield(run.done)
@@ -134,7 +140,7 @@ class Handle:
         row = await sup.journal.get(self.id)
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
-        if self._queued or await sup.journal.queue_entry(self._first_id) is not None:
+        if await self._is_queued():
             new = await sup.journal.create_delegation(NewDelegation(
                 id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
                 agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,

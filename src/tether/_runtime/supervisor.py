@@ -521,6 +521,9 @@ class Supervisor:
             if delegation_id is not None and row.id != delegation_id:
                 continue
             if not await owner_alive(self, row.owner_id):
+                entry = await self.journal.queue_entry(row.id)
+                if entry is not None and entry.claimed_by is None:
+                    continue  # queued: it waits for a worker, whoever queued it
                 reports.append(await self._recover_one(row, f"owner {row.owner_id} is gone"))
         doubtful = [a for a in await self.journal.unsettled(delegation_id)
                     if a.delegation_id not in self._runtimes]
