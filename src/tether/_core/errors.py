@@ -138,10 +138,11 @@ class LeaseLost(JournalError):
     """A worker's lease ran out before it could renew it (a long pause, a lost network): others
     may already have presumed it dead and reconciled its work, so it stops at once."""
 
-    def __init__(self, owner_id: str) -> None:
-        super().__init__(f"worker {owner_id} lost its lease; its delegations are reconciled "
+    def __init__(self, owner_id: str, why: str = "its lease ran out") -> None:
+        super().__init__(f"worker {owner_id} stopped: {why}; its delegations are reconciled "
                          "by others and its late actions are refused by the journal")
         self.owner_id = owner_id
+        self.why = why
 
 
 class DelegationError(TetherError):

@@ -29,7 +29,8 @@ from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 T = TypeVar("T")
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
-LISTEN_TICK = 0.25  # how often the listener thread checks that it should stop
+LISTEN_TICK = 0.25
+IDLE_IN_TRANSACTION_MS = 2000  # how often the listener thread checks that it should stop
 
 
 @functools.lru_cache(maxsize=1024)
@@ -85,6 +86,11 @@ class PostgresRunner(ThreadRunner):
             raise JournalError(f"cannot connect to the journal at {self.shown}: {first}") from None
         try:
             self._check_or_init(conn)
+            # A process paused inside a transaction (a stopped VM) would hold its row locks,
+            # and every other process's fence or reconciliation would wait on them for as long
+            # as it sleeps. tether's transactions never wait between statements, so the server
+            # may end any that does; its owner then finds its connection gone.
+            conn.execute(f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}")
         except BaseException:
             conn.close()
             raise

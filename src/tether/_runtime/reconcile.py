@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
 from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
-from tether._runtime.tools import ProbeResult, Tool
+from tether._runtime.tools import Agent, ProbeResult, Tool
+
+if TYPE_CHECKING:
+    from tether._runtime.gateway import Context
+    from tether._runtime.supervisor import Supervisor
 
 
 async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
@@ -115,3 +120,28 @@ async def build_report(journal: Journal, root_id: str) -> Report:
         )
 
     return build(rows[0])
+
+
+async def compensate(sup: Supervisor, report: Report, tools: Mapping[str, Tool]) -> Report | None:
+    """The compensating delegation for a report's COMPLETED actions (``Supervisor.compensate``)."""
+    plan = []
+    for action in report.all_actions():
+        tool = tools.get(action.tool)
+        if action.state is ActionState.COMPLETED and tool and tool.compensate:
+            plan.append((Tool(f"{tool.name}.compensate", tool.effect, tool.compensate), action))
+    if not plan:
+        return None
+    granted = {t.name: t for t, _ in plan}
+
+    async def compensator(ctx: Context) -> int:
+        for t, action in plan:
+            await ctx.call(t, idempotency_key=f"{action.idempotency_key}:compensate",
+                           **action.args)
+        return len(plan)
+
+    handle = await sup.delegate(
+        Agent("compensate", compensator, tuple(granted.values())),
+        task_id=f"compensate:{report.task_id}:{report.epoch}",
+    )
+    await handle.wait()
+    return await handle.report()

@@ -86,14 +86,17 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
     while True:
         entry = await sup.journal.queue_entry(queued_id)
         latest = await sup.journal.latest_attempt(queued_id)
-        if entry is None or entry.done_at is not None:  # settled by its worker, or unclaimed
-            if latest.state.terminal:
-                return latest
-        elif entry.claimed_by is not None and not await owner_alive(sup, entry.claimed_by):
-            if not latest.state.terminal:
-                await sup._recover_one(latest, f"worker {entry.claimed_by} lost its lease")
-            await sup.journal.queue_done(queued_id, sup.clock.wall())
-            return await sup.journal.get(latest.id)
+        claimant = entry.claimed_by if entry is not None else None
+        dead = claimant is not None and not await owner_alive(sup, claimant)
+        if dead and not latest.state.terminal:
+            await sup._recover_one(latest, f"worker {claimant} lost its lease")
+            latest = await sup.journal.get(latest.id)
+        # Done: its worker (or the issuer of an early recall) marked it so, or nobody is left
+        # to re-dispatch it.
+        if latest.state.terminal and (entry is None or entry.done_at is not None or dead):
+            if dead:
+                await sup.journal.queue_done(queued_id, sup.clock.wall())
+            return latest
         await sup.wake(sup.control_poll)
 
 

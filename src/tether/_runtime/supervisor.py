@@ -36,7 +36,7 @@ from tether._runtime.clock import Clock, SystemClock, first_of
 from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_id
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
-from tether._runtime.reconcile import build_report, probe_all, settle_subtree
+from tether._runtime.reconcile import build_report, compensate, probe_all, settle_subtree
 from tether._runtime.remote import owner_alive, settle_elsewhere
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
@@ -188,6 +188,10 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.journal.close()
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
 
     def abandon(self) -> None:
         """Stop every child here at once, writing nothing: this process lost its lease, so its
@@ -563,28 +567,7 @@ class Supervisor:
         """Run each tool's compensation for actions the report shows COMPLETED, never for
         UNKNOWN ones, as an ordinary journaled delegation with keys derived from the
         originals (so compensating twice is refused, not repeated)."""
-        plan = []
-        for action in report.all_actions():
-            tool = self._tools.get(action.tool)
-            if action.state.value == "COMPLETED" and tool and tool.compensate:
-                plan.append((Tool(f"{tool.name}.compensate", tool.effect, tool.compensate),
-                             action))
-        if not plan:
-            return None
-        tools = {t.name: t for t, _ in plan}
-
-        async def compensator(ctx: Context) -> int:
-            for t, action in plan:
-                await ctx.call(t, idempotency_key=f"{action.idempotency_key}:compensate",
-                               **action.args)
-            return len(plan)
-
-        handle = await self.delegate(
-            Agent("compensate", compensator, tuple(tools.values())),
-            task_id=f"compensate:{report.task_id}:{report.epoch}",
-        )
-        await handle.wait()
-        return await handle.report()
+        return await compensate(self, report, self._tools)
 
     def handle_for(self, delegation_id: str) -> Handle:
         """A handle on any delegation in the journal, e.g. one listed by ``tether ls``."""

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tether._core.errors import LeaseLost, UserError
+from tether._core.errors import JournalError, LeaseLost, UserError
 from tether._core.model import DelegationState, Policy, check_positive
 from tether._core.redispatch import RedispatchPolicy
 from tether._journal.journal import Journal
@@ -119,30 +119,37 @@ class Worker:
 
     async def run(self) -> None:
         """Claim and run delegations until ``stop()``; raises LeaseLost if the lease ran out."""
-        sup = self.supervisor
         beat = asyncio.create_task(self._keep_lease(), name="tether-lease")
         try:
-            while not self._stopping.is_set() and not beat.done():
-                free = self.concurrency - len(self._running)
-                if free > 0:
-                    rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
-                                                   sup.clock.wall(), free)
-                    for row in rows:
-                        self._start(row)
-                    if rows:
-                        continue  # there may be more waiting
-                await sup.wake(self.poll)
-            if beat.done():
-                beat.result()  # LeaseLost
-            while self._running and not beat.done():
-                await asyncio.wait([beat, *self._running.values()],
-                                   return_when=asyncio.FIRST_COMPLETED)
-            if beat.done():
-                beat.result()
+            await self._serve(beat)
+        except JournalError as exc:
+            if isinstance(exc, LeaseLost):
+                raise
+            # Without the journal the worker cannot tell whether its lease holds: stop.
+            self.supervisor.abandon()
+            raise LeaseLost(self.owner_id, f"lost the journal ({exc})") from None
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError, LeaseLost):
                 await beat
+
+    async def _serve(self, beat: asyncio.Task[None]) -> None:
+        sup = self.supervisor
+        while not self._stopping.is_set() and not beat.done():
+            free = self.concurrency - len(self._running)
+            if free > 0:
+                rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
+                                               sup.clock.wall(), free)
+                for row in rows:
+                    self._start(row)
+                if rows:
+                    continue  # there may be more waiting
+            await sup.wake(self.poll)
+        while self._running and not beat.done():  # stopping: let running ones finish
+            await asyncio.wait([beat, *self._running.values()],
+                               return_when=asyncio.FIRST_COMPLETED)
+        if beat.done():
+            beat.result()  # raises LeaseLost
 
     def _start(self, row: DelegationRow) -> None:
         task = asyncio.create_task(self._run_one(row), name=f"tether-worker-{row.id}")
@@ -164,7 +171,11 @@ class Worker:
             # Real time: a lease is about this process being alive, not about any clock.
             await asyncio.sleep(self.lease / 3)
             started = loop.time()
-            ok = await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease)
+            try:
+                ok = await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease)
+            except JournalError as exc:  # cannot tell whether the lease holds: stop
+                sup.abandon()
+                raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
             if not ok or loop.time() - started > self.lease:
                 sup.abandon()
                 raise LeaseLost(sup.owner_id)
@@ -185,7 +196,8 @@ class Worker:
             handle = await sup._launch(ChildRuntime(row, agent, surface), args, kwargs,
                                        sup.redispatch)
             await handle.wait()
-        await sup.journal.queue_done(row.id, sup.clock.wall())
+        if not sup.abandoned:  # after a lost lease, whoever reconciles it says when it is done
+            await sup.journal.queue_done(row.id, sup.clock.wall())
 
 
 __all__ = ["Worker", "load_agents"]
