@@ -1,0 +1,155 @@
+"""The MCP gateway: every ``tools/call`` of an MCP client session passes tether's gateway.
+
+An MCP server describes its tools with annotations (readOnlyHint, idempotentHint, ...). They
+are hints from the server about itself, so tether takes a tool's effect from the operator's
+policy first, from the annotations only for a server the operator trusts, and otherwise treats
+the tool as EXTERNAL: journaled, fenced and probed like a payment (fail closed).
+
+Each call carries its idempotency key in the request's ``_meta`` (``io.tether/idempotency-key``)
+for servers that can deduplicate. When a child is terminated, its in-flight call is cancelled
+and the MCP client sends ``notifications/cancelled`` for it (the SDK's default for an abandoned
+request since mcp 2.3); the action is then in doubt and probed like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcp import ClientSession
+from mcp import types as mcp_types
+
+from tether._core.errors import UserError
+from tether._core.model import Effect
+from tether._runtime.tools import ProbeFn, Tool
+
+KEY_META = "io.tether/idempotency-key"
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+class McpToolError(Exception):
+    """The MCP tool answered with ``isError``: it ran and reported a failure. Whether it
+    changed anything first is unknown, so the action is in doubt (probed), never FAILED."""
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """The operator's word on one MCP server: its name in tether (tools are named
+    ``server.tool``), whether its annotations are believed, and per-tool effects and probes
+    that override anything the server says."""
+
+    name: str
+    trusted: bool = False
+    effects: Mapping[str, Effect] = field(default_factory=dict)
+    probes: Mapping[str, ProbeFn] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise UserError(f"MCP server name {self.name!r} must be 1-64 letters, digits, "
+                            "'_', '-' or '.'")
+        if not isinstance(self.trusted, bool):
+            raise UserError(f"MCP server {self.name}: trusted must be true or false")
+        for tool, effect in self.effects.items():
+            if not isinstance(effect, Effect):
+                raise UserError(f"MCP server {self.name}: effect of {tool!r} must be one of "
+                                f"{', '.join(e.value for e in Effect if e is not Effect.DELEGATE)}")
+            if effect is Effect.DELEGATE:
+                raise UserError(f"MCP server {self.name}: {tool!r} cannot be DELEGATE")
+
+
+def effect_of(tool: mcp_types.Tool, policy: ServerPolicy) -> tuple[Effect, str]:
+    """A tool's effect and where it came from: ``policy``, ``annotations`` or ``untrusted``."""
+    if tool.name in policy.effects:
+        return policy.effects[tool.name], "policy"
+    if not policy.trusted:
+        return Effect.EXTERNAL, "untrusted"
+    hints = tool.annotations
+    if hints is not None and hints.read_only_hint:
+        return Effect.READ_ONLY, "annotations"
+    if hints is not None and hints.idempotent_hint:
+        return Effect.IDEMPOTENT, "annotations"
+    return Effect.EXTERNAL, "annotations"
+
+
+async def list_all(session: ClientSession) -> list[mcp_types.Tool]:
+    tools: list[mcp_types.Tool] = []
+    cursor: str | None = None
+    while True:
+        params = mcp_types.PaginatedRequestParams(cursor=cursor) if cursor else None
+        page = await session.list_tools(params=params)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            return tools
+
+
+def result_of(name: str, res: mcp_types.CallToolResult) -> Any:
+    """A call's result as JSON: the structured content when there is one, else its text."""
+    texts = [c.text for c in res.content if isinstance(c, mcp_types.TextContent)]
+    if res.is_error:
+        raise McpToolError(f"{name}: {' '.join(texts) or 'the tool reported an error'}")
+    if res.structured_content is not None:
+        return res.structured_content
+    if len(texts) == len(res.content):
+        return "\n".join(texts)
+    return [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in res.content]
+
+
+def _caller(session: ClientSession, name: str) -> Any:
+    async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
+        meta: dict[str, Any] = {KEY_META: idempotency_key} if idempotency_key else {}
+        res = await session.call_tool(name, arguments, meta=meta or None)  # type: ignore[arg-type]
+        return result_of(name, res)
+
+    call.__name__ = name
+    return call
+
+
+async def mcp_tools(session: ClientSession, policy: ServerPolicy | str) -> list[Tool]:
+    """The session's tools as tether tools, each effect decided as the module says. A policy
+    that names a tool the server does not offer is refused: it is probably a typo, and a typo
+    in a policy would silently leave a payment tool at the server's word."""
+    if isinstance(policy, str):
+        policy = ServerPolicy(policy)
+    offered = await list_all(session)
+    names = {t.name for t in offered}
+    unknown = sorted((set(policy.effects) | set(policy.probes)) - names)
+    if unknown:
+        raise UserError(f"MCP server {policy.name}: the policy names tools it does not offer: "
+                        f"{', '.join(unknown)} (it offers {', '.join(sorted(names))})")
+    tools = []
+    for spec in offered:
+        effect, _ = effect_of(spec, policy)
+        tools.append(Tool(f"{policy.name}.{spec.name}", effect, _caller(session, spec.name),
+                          probe=policy.probes.get(spec.name)))
+    return tools
+
+
+def load_policies(path: Path) -> dict[str, ServerPolicy]:
+    """``{"git": {"trusted": true, "effects": {"git_commit": "EXTERNAL"}}, ...}`` from a JSON
+    file (probes are code: pass them to ``ServerPolicy`` in Python)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"cannot read the MCP policy {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UserError(f"MCP policy {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"MCP policy {path} must map server names to settings")
+    policies = {}
+    for name, settings in data.items():
+        if not isinstance(settings, dict) or set(settings) - {"trusted", "effects"}:
+            raise UserError(f"MCP policy {path}: {name!r} takes only 'trusted' and 'effects'")
+        raw = settings.get("effects", {})
+        if not isinstance(raw, dict):
+            raise UserError(f"MCP policy {path}: effects of {name!r} must be an object")
+        try:
+            effects = {tool: Effect(str(value).upper()) for tool, value in raw.items()}
+        except ValueError as exc:
+            raise UserError(f"MCP policy {path}: {exc}") from None
+        policies[name] = ServerPolicy(name, settings.get("trusted", False), effects)
+    return policies

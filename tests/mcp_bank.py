@@ -1,0 +1,57 @@
+"""An MCP server built with the SDK's own server API, run over stdio by the tests.
+
+``pay`` applies a payment to a ledger (a SQLite file in TETHER_TEST_LEDGER, the provider's own
+record) keyed by the idempotency key tether sends in ``_meta``. Accounts named ``hold-*`` wait
+for the test (named pipes in TETHER_TEST_GATES) before applying, and say so when cancelled.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import ToolAnnotations
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.remote_agents import listen_gate, open_gate
+
+KEY_META = "io.tether/idempotency-key"
+server = MCPServer("bank")
+
+
+def ledger() -> sqlite3.Connection:
+    db = sqlite3.connect(os.environ["TETHER_TEST_LEDGER"], isolation_level=None)
+    db.execute("CREATE TABLE IF NOT EXISTS paid (key TEXT PRIMARY KEY, account TEXT, cents INT)")
+    return db
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def balance(account: str) -> int:
+    db = ledger()
+    row = db.execute("SELECT COALESCE(SUM(cents), 0) FROM paid WHERE account = ?",
+                     (account,)).fetchone()
+    return int(row[0])
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
+                                         idempotent_hint=True))
+async def pay(account: str, cents: int, ctx: Context) -> str:
+    meta = ctx.request_context.meta or {}
+    key = str(meta.get(KEY_META) or f"no-key:{account}")
+    if account.startswith("hold-"):
+        release = await listen_gate("release")
+        open_gate("started", account)
+        try:
+            await release
+        except BaseException:
+            open_gate("cancelled", account)
+            raise
+    db = ledger()
+    db.execute("INSERT OR IGNORE INTO paid VALUES (?, ?, ?)", (key, account, cents))
+    return f"paid {cents} to {account}"
+
+
+if __name__ == "__main__":
+    server.run()
