@@ -151,3 +151,15 @@ class Countdown:
 
     async def wait(self) -> None:
         await self.event.wait()
+
+
+@pytest.fixture
+def bank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test MCP bank's ledger, and the named pipes that steer its ``hold-*`` payments."""
+    from tests import remote_agents
+
+    gates = tmp_path / "gates"
+    remote_agents.make_gates(gates, "started", "release", "cancelled")
+    monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "bank.db"))
+    monkeypatch.setenv("TETHER_TEST_GATES", str(gates))
+    return tmp_path / "bank.db"

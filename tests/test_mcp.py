@@ -5,21 +5,15 @@ come from the operator's policy, then trusted annotations, else EXTERNAL (I1, I2
 from __future__ import annotations
 
 import asyncio
-import os
-import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp import ClientSession
-from mcp.client.stdio import StdioServerParameters, stdio_client
 
 import tether
-from tests import remote_agents
+from tests.mcp_helpers import bank, connect, paid, probe_for
 from tests.remote_agents import listen_gate, open_gate
 from tether.mcp import ServerPolicy, mcp_tools
 
@@ -27,50 +21,6 @@ from .conftest import events_of
 
 ROOT = Path(__file__).resolve().parent.parent
 E = tether.Effect
-
-
-@asynccontextmanager
-async def connect(command: str, *args: str, cwd: Path = ROOT) -> AsyncIterator[ClientSession]:
-    # The SDK passes a server only a safe subset of the environment: name what it needs.
-    env = {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
-    params = StdioServerParameters(command=command, args=list(args), cwd=cwd,
-                                   env={**env, "PYTHONPATH": str(ROOT)})
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-        yield session
-
-
-@pytest.fixture
-def bank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    gates = tmp_path / "gates"
-    remote_agents.make_gates(gates, "started", "release", "cancelled")
-    monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "bank.db"))
-    monkeypatch.setenv("TETHER_TEST_GATES", str(gates))
-    return tmp_path / "bank.db"
-
-
-def bank() -> Any:
-    return connect(sys.executable, "-m", "tests.mcp_bank")
-
-
-def paid(ledger: Path, account: str) -> list[tuple[str, int]]:
-    db = sqlite3.connect(ledger)
-    try:
-        return db.execute("SELECT key, cents FROM paid WHERE account = ?", (account,)).fetchall()
-    except sqlite3.OperationalError:  # no payment yet: the server creates the table lazily
-        return []
-    finally:
-        db.close()
-
-
-def probe_for(ledger: Path) -> Any:
-    async def probe(account: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
-        rows = [r for r in paid(ledger, account) if r[0] == idempotency_key]
-        if rows:
-            return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {"ledger": rows[0][0]})
-        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"ledger": "no entry"})
-
-    return probe
 
 
 async def test_an_untrusted_servers_tools_are_external(bank_env: Path) -> None:

@@ -99,11 +99,13 @@ def result_of(name: str, res: mcp_types.CallToolResult) -> Any:
     return [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in res.content]
 
 
-def _caller(session: ClientSession, name: str) -> Any:
+def _caller(session: ClientSession, name: str, raw: bool) -> Any:
     async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
         meta: dict[str, Any] = {KEY_META: idempotency_key} if idempotency_key else {}
         res = await session.call_tool(name, arguments, meta=meta or None)  # type: ignore[arg-type]
-        return result_of(name, res)
+        value = result_of(name, res)  # raises for an error result, in either mode
+        # The proxy hands the upstream's whole result back to its client, unchanged.
+        return res.model_dump(mode="json", by_alias=True, exclude_none=True) if raw else value
 
     call.__name__ = name
     return call
@@ -113,6 +115,12 @@ async def mcp_tools(session: ClientSession, policy: ServerPolicy | str) -> list[
     """The session's tools as tether tools, each effect decided as the module says. A policy
     that names a tool the server does not offer is refused: it is probably a typo, and a typo
     in a policy would silently leave a payment tool at the server's word."""
+    return [tool for tool, _ in await wrap_tools(session, policy)]
+
+
+async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
+                     raw: bool = False) -> list[tuple[Tool, mcp_types.Tool]]:
+    """Each tether tool with the server's own description of it."""
     if isinstance(policy, str):
         policy = ServerPolicy(policy)
     offered = await list_all(session)
@@ -124,8 +132,9 @@ async def mcp_tools(session: ClientSession, policy: ServerPolicy | str) -> list[
     tools = []
     for spec in offered:
         effect, _ = effect_of(spec, policy)
-        tools.append(Tool(f"{policy.name}.{spec.name}", effect, _caller(session, spec.name),
-                          probe=policy.probes.get(spec.name)))
+        tools.append((Tool(f"{policy.name}.{spec.name}", effect,
+                           _caller(session, spec.name, raw),
+                           probe=policy.probes.get(spec.name)), spec))
     return tools
 
 
