@@ -1,0 +1,156 @@
+"""An OpenAI Agents SDK Agent run as a tether child, with the SDK's own ScriptedModel (the
+model interface, no network): recall, terminate with reconciliation, and cut streams that are
+re-dispatched or kept per the rules (I1, I2, I3, I6, I8)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx2
+import pytest
+from agents import Agent as SdkAgent
+from agents import function_tool
+from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+import tether
+from tether.agents import as_tether_agent, idempotency_key
+from tether.testing import PaymentService
+
+from .conftest import events_of
+
+S = tether.DelegationState
+
+
+class Refunds:
+    """A provider with its own ledger, and an SDK function tool that refunds through it."""
+
+    def __init__(self) -> None:
+        self.pay = PaymentService(latency=0.0)
+        self.gate: asyncio.Event | None = None  # when set, a refund waits for it first
+        self.started = asyncio.Event()
+
+        @function_tool
+        async def refund(order_id: str, cents: int) -> str:
+            """Refund an order."""
+            self.started.set()
+            if self.gate is not None:
+                await self.gate.wait()
+            key = idempotency_key()
+            assert key is not None  # tether hands the tool its key
+            return await self.pay.refund(order_id, cents, idempotency_key=key)
+
+        self.tool = refund
+
+    def agent(self, *steps: Any) -> tether.Agent:
+        sdk = SdkAgent(name="refunder", instructions="Refund what the user asks.",
+                       tools=[self.tool], model=ScriptedModel(steps))
+        return as_tether_agent(sdk, probes={"refund": self.pay.lookup})
+
+
+def refund_call(order: str, call_id: str) -> Any:
+    return [function_call("refund", {"order_id": order, "cents": 500}, call_id=call_id)]
+
+
+@pytest.fixture
+def refunds() -> Refunds:
+    return Refunds()
+
+
+async def test_an_sdk_agent_runs_its_tools_through_the_gateway(
+        refunds: Refunds, journal_url: str) -> None:
+    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("refunded A")])
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund order A")
+        assert await handle.result() == "refunded A"
+        report = await handle.report()
+    (action,) = report.actions
+    assert (action.tool, action.effect, action.state) == (
+        "refund", tether.Effect.EXTERNAL, tether.ActionState.COMPLETED)  # undeclared: EXTERNAL
+    assert refunds.pay.refund_count("A") == 1
+
+
+async def test_recall_lets_the_in_flight_tool_finish_and_stops_the_next(
+        refunds: Refunds, journal_url: str) -> None:
+    refunds.gate = asyncio.Event()
+    agent = refunds.agent(refund_call("A", "c1"), refund_call("B", "c2"),
+                          [assistant_message("done")])
+    async with tether.Supervisor(journal_url) as sup:
+        waiter = events_of(sup)
+        handle = await sup.delegate(agent, "refund A then B")
+        await refunds.started.wait()
+        recall = asyncio.ensure_future(handle.recall(grace=30, reason="re-plan"))
+        await waiter("drain", handle.id).wait()
+        refunds.gate.set()  # A finishes inside the grace window
+        report = await recall
+    assert report.outcome is S.RECALLED
+    assert [(a.args["order_id"], a.state) for a in report.actions] == [
+        ("A", tether.ActionState.COMPLETED)]
+    assert refunds.pay.refund_count("A") == 1 and refunds.pay.refund_count("B") == 0
+
+
+async def test_terminate_cancels_the_tool_and_reconciles_it(refunds: Refunds,
+                                                            journal_url: str) -> None:
+    refunds.gate = asyncio.Event()  # never set: the refund hangs before the provider
+    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("done")])
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        await refunds.started.wait()
+        report = await handle.terminate(reason="stop")
+    (action,) = report.actions
+    assert action.state is tether.ActionState.NOT_APPLIED  # the provider's own answer
+    assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
+    assert report.verdict == "TERMINATE"
+
+
+async def test_a_stream_cut_before_any_tool_is_re_dispatched(refunds: Refunds,
+                                                              journal_url: str) -> None:
+    agent = refunds.agent(ModelStep.raise_error(httpx2.ConnectError("connection refused")),
+                          refund_call("A", "c1"), [assistant_message("refunded A")])
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        assert await handle.result() == "refunded A"
+        attempts = handle.attempts
+        events = await sup.journal.events(attempts)
+    assert len(attempts) == 2
+    decisions = [e.detail["code"] for e in events if e.kind == "redispatch_decision"]
+    assert decisions[0] == tether.Code.REDISPATCH_NO_TOOL_RAN.value
+    assert refunds.pay.refund_count("A") == 1
+
+
+async def test_a_stream_cut_after_a_refund_is_never_re_dispatched(refunds: Refunds,
+                                                                   journal_url: str) -> None:
+    """The refund went through before the cut: re-running the agent could refund twice, so
+    what was salvaged is returned instead (the journal records why)."""
+    agent = refunds.agent(refund_call("A", "c1"),
+                          ModelStep.raise_error(httpx2.RemoteProtocolError("peer closed")))
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        partial = await handle.result()
+        attempts = handle.attempts
+        report = await handle.report()
+        events = await sup.journal.events(attempts)
+    assert len(attempts) == 1 and isinstance(partial, tether.Partial)
+    assert report.outcome is S.SUCCEEDED_PARTIAL
+    decisions = [e.detail["code"] for e in events if e.kind == "redispatch_decision"]
+    assert decisions == [tether.Code.PARTIAL_SALVAGED.value]
+    assert refunds.pay.refund_count("A") == 1
+
+
+async def test_an_ordinary_model_error_is_not_a_cut(refunds: Refunds, journal_url: str) -> None:
+    agent = refunds.agent(ModelStep.raise_error(ValueError("bad request")))
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        with pytest.raises(tether.DelegationError, match="bad request"):
+            await handle.result()
+        assert len(handle.attempts) == 1
+
+
+def test_declarations_for_tools_the_agent_lacks_are_refused(refunds: Refunds) -> None:
+    sdk = SdkAgent(name="refunder", tools=[refunds.tool], model=ScriptedModel([]))
+    with pytest.raises(tether.UserError, match="no function tool named wire"):
+        as_tether_agent(sdk, effects={"wire": tether.Effect.EXTERNAL})
+    with pytest.raises(tether.UserError, match="DELEGATE"):
+        as_tether_agent(sdk, effects={"refund": tether.Effect.DELEGATE})
+    with pytest.raises(tether.UserError, match="max_turns"):
+        as_tether_agent(sdk, max_turns=0)
