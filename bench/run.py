@@ -210,7 +210,7 @@ async def pg_worker_recall(n: int) -> list[float]:
     import psycopg
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from worker_agents import thinker
+    from bench_agents import thinker
 
     schema = f"bench_{os.getpid()}"
     keys = tempfile.mkdtemp(dir=RESULTS)
@@ -220,7 +220,7 @@ async def pg_worker_recall(n: int) -> list[float]:
         async with tether.Supervisor(url, recover=False) as sup:
             worker = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tether", "worker", "--journal", url, "--agents",
-                "worker_agents:AGENTS", cwd=Path(__file__).parent, stdout=subprocess.PIPE)
+                "bench_agents:AGENTS", cwd=Path(__file__).parent, stdout=subprocess.PIPE)
             assert worker.stdout is not None
             await worker.stdout.readline()  # ready
             for _ in range(n):

@@ -1,0 +1,60 @@
+"""An OpenAI Agents SDK agent as a tether child, offline: the SDK's ScriptedModel stands in
+for the model. The first model call is cut in transit before any tool ran, so tether
+re-dispatches a fresh attempt; the refund then goes through the gateway with its key.
+
+    python examples/openai_agents_refund.py   (needs pip install 'tether[openai-agents]')
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+import httpx2
+from agents import Agent, function_tool, set_tracing_disabled
+from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+
+import tether
+from tether.agents import as_tether_agent, idempotency_key
+from tether.testing import PaymentService
+
+set_tracing_disabled(True)  # offline: no trace export
+pay = PaymentService(latency=0.0)
+
+
+@function_tool
+async def refund(order_id: str, cents: int) -> str:
+    """Refund an order at the payment provider."""
+    key = idempotency_key()  # the provider deduplicates on it
+    assert key is not None
+    return await pay.refund(order_id, cents, idempotency_key=key)
+
+
+model = ScriptedModel([
+    ModelStep.raise_error(httpx2.ConnectError("connection reset by peer")),  # the cut
+    [function_call("refund", {"order_id": "A-1001", "cents": 1250}, call_id="call-1")],
+    [assistant_message("Refunded 12.50 on A-1001.")],
+])
+refunder = as_tether_agent(
+    Agent(name="refunder", instructions="Refund what the user asks for.", tools=[refund],
+          model=model),
+    effects={"refund": tether.Effect.EXTERNAL}, probes={"refund": pay.lookup})
+
+
+async def main() -> None:
+    async with tether.Supervisor("sqlite:///journal.db") as sup:
+        handle = await sup.delegate(refunder, "Please refund order A-1001.")
+        print("result:", await handle.result())
+        print("attempts:", len(handle.attempts))
+        for attempt in handle.attempts:
+            report = await sup.report(attempt)
+            print(f"  {attempt}: {report.outcome.value}, "
+                  f"{[(a.tool, a.state.value) for a in report.actions]}")
+    print("provider ledger:", [(e.order_id, e.cents) for e in pay.entries()])
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        asyncio.run(main())
