@@ -10,7 +10,7 @@ from typing import Any
 import httpx2
 import pytest
 from agents import Agent as SdkAgent
-from agents import function_tool
+from agents import function_tool, set_tracing_disabled
 from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
 
 import tether
@@ -20,6 +20,7 @@ from tether.testing import PaymentService
 from .conftest import events_of
 
 S = tether.DelegationState
+set_tracing_disabled(True)  # offline: the SDK would try to export traces
 
 
 class Refunds:
@@ -108,7 +109,8 @@ async def test_a_stream_cut_before_any_tool_is_re_dispatched(refunds: Refunds,
     agent = refunds.agent(ModelStep.raise_error(httpx2.ConnectError("connection refused")),
                           refund_call("A", "c1"), [assistant_message("refunded A")])
     async with tether.Supervisor(journal_url) as sup:
-        handle = await sup.delegate(agent, "refund A")
+        handle = await sup.delegate(agent, "refund A",
+                                    redispatch=tether.RedispatchPolicy(settle_delay=0.001))
         assert await handle.result() == "refunded A"
         attempts = handle.attempts
         events = await sup.journal.events(attempts)
@@ -154,3 +156,17 @@ def test_declarations_for_tools_the_agent_lacks_are_refused(refunds: Refunds) ->
         as_tether_agent(sdk, effects={"refund": tether.Effect.DELEGATE})
     with pytest.raises(tether.UserError, match="max_turns"):
         as_tether_agent(sdk, max_turns=0)
+
+
+async def test_a_cut_stream_is_refused_when_the_policy_allows_no_retry(
+        refunds: Refunds, journal_url: str) -> None:
+    agent = refunds.agent(ModelStep.raise_error(httpx2.ConnectTimeout("no answer")))
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A",
+                                    redispatch=tether.RedispatchPolicy(budget=0))
+        with pytest.raises(tether.DelegationError, match="connect_timeout"):
+            await handle.result()
+        events = await sup.journal.events(handle.attempts)
+    assert len(handle.attempts) == 1
+    assert [e.detail["code"] for e in events if e.kind == "redispatch_decision"] == [
+        tether.Code.RETRY_DISABLED.value]
