@@ -30,6 +30,7 @@ class Refunds:
         self.pay = PaymentService(latency=0.0)
         self.gate: asyncio.Event | None = None  # when set, a refund waits for it first
         self.started = asyncio.Event()
+        self.fail: BaseException | None = None  # raised after the provider applied it
 
         @function_tool
         async def refund(order_id: str, cents: int) -> str:
@@ -39,14 +40,22 @@ class Refunds:
                 await self.gate.wait()
             key = idempotency_key()
             assert key is not None  # tether hands the tool its key
-            return await self.pay.refund(order_id, cents, idempotency_key=key)
+            if isinstance(self.fail, tether.ToolRejected):
+                raise self.fail  # the provider refused it: certainly not applied
+            ref = await self.pay.refund(order_id, cents, idempotency_key=key)
+            if self.fail is not None:
+                raise self.fail
+            return ref
 
         self.tool = refund
 
     def agent(self, *steps: Any) -> tether.Agent:
+        model = ScriptedModel(steps)
         sdk = SdkAgent(name="refunder", instructions="Refund what the user asks.",
-                       tools=[self.tool], model=ScriptedModel(steps))
-        return as_tether_agent(sdk, probes={"refund": self.pay.lookup})
+                       tools=[self.tool], model=model)
+        agent = as_tether_agent(sdk, probes={"refund": self.pay.lookup})
+        MODELS[agent] = model
+        return agent
 
 
 def refund_call(order: str, call_id: str) -> Any:
@@ -170,3 +179,38 @@ async def test_a_cut_stream_is_refused_when_the_policy_allows_no_retry(
     assert len(handle.attempts) == 1
     assert [e.detail["code"] for e in events if e.kind == "redispatch_decision"] == [
         tether.Code.RETRY_DISABLED.value]
+
+
+async def test_a_tool_that_raised_is_in_doubt_and_probed_not_reported_done(
+        refunds: Refunds, journal_url: str) -> None:
+    """The SDK turns a tool's exception into a message for the model; tether still records
+    that the refund's outcome was unknown, and the provider's ledger settles it."""
+    refunds.fail = RuntimeError("reply lost")
+    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("could not confirm")])
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        assert await handle.result() == "could not confirm"
+        report = await handle.report()
+    (action,) = report.actions
+    assert action.state is tether.ActionState.COMPLETED  # applied, despite the exception
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    assert model_saw_error(agent)
+
+
+async def test_a_rejected_tool_call_is_failed(refunds: Refunds, journal_url: str) -> None:
+    refunds.fail = tether.ToolRejected("card declined")
+    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("declined")])
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        await handle.result()
+        report = await handle.report()
+    (action,) = report.actions
+    assert action.state is tether.ActionState.FAILED and refunds.pay.refund_count("A") == 0
+
+
+def model_saw_error(agent: tether.Agent) -> bool:
+    """The model's second call carried the SDK's error message as the tool's output."""
+    return any("error" in str(item).lower() for item in MODELS[agent].calls[1].input)
+
+
+MODELS: dict[tether.Agent, ScriptedModel] = {}

@@ -20,6 +20,10 @@ import httpx2
 import openai
 from agents import Agent as SdkAgent
 from agents import FunctionTool, MaxTurnsExceeded, Runner
+from agents.tool import (
+    maybe_invoke_function_tool_failure_error_function,
+    set_function_tool_failure_error_function,
+)
 from agents.tool_context import ToolContext
 
 from tether._core.errors import UserError
@@ -50,13 +54,19 @@ def cut_reason(exc: BaseException) -> CutReason | None:
 
 
 def _gateway_tool(sdk: FunctionTool, effect: Effect, probe: ProbeFn | None) -> Tool:
+    # A copy whose exceptions are not turned into a message for the model, so that they reach
+    # the gateway: a tool that raised may have applied (IN_DOUBT, probed), unless it raised
+    # tether.ToolRejected (FAILED). The model still gets the SDK's message (see _through).
+    raising = dataclasses.replace(sdk)  # the SDK rebinds the copy's invoker to the copy
+    set_function_tool_failure_error_function(raising, None)
+
     async def run(idempotency_key: str | None = None, **arguments: Any) -> Any:
         context = _TOOL_CONTEXT.get()
         if context is None:
             raise UserError(f"{sdk.name} runs only inside its Agents SDK run")
         token = _KEY.set(idempotency_key)
         try:
-            return await sdk.on_invoke_tool(context, json.dumps(arguments))
+            return await raising.on_invoke_tool(context, json.dumps(arguments))
         finally:
             _KEY.reset(token)
 
@@ -75,6 +85,12 @@ def _through(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
         token = _TOOL_CONTEXT.set(context)  # copied into the action's task
         try:
             return await ctx.call(tool, **arguments)
+        except Exception as exc:  # recorded by the gateway; the model hears of it as usual
+            message = await maybe_invoke_function_tool_failure_error_function(
+                function_tool=sdk, context=context, error=exc)
+            if message is None:
+                raise
+            return message
         finally:
             _TOOL_CONTEXT.reset(token)
 
