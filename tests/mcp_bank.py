@@ -12,6 +12,7 @@ import sqlite3
 import sys
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +51,8 @@ async def pay(account: str, cents: int, ctx: Context) -> str:
             raise
     db = ledger()
     db.execute("INSERT OR IGNORE INTO paid VALUES (?, ?, ?)", (key, account, cents))
+    if account.startswith("flaky-"):  # applied, then the tool fails: an isError result
+        raise ToolError("ledger replica timed out")
     return f"paid {cents} to {account}"
 
 

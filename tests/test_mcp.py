@@ -102,6 +102,25 @@ async def test_terminate_sends_notifications_cancelled_and_reconciles(
     assert paid(bank_env, "hold-2") == []
 
 
+async def test_an_error_result_is_in_doubt_and_probed(bank_env: Path, journal_url: str) -> None:
+    """An isError result says the tool failed, not that nothing happened: here it had paid."""
+    async with bank() as session, tether.Supervisor(journal_url) as sup:
+        tools = {t.name: t for t in await mcp_tools(
+            session, ServerPolicy("bank", probes={"pay": probe_for(bank_env)}))}
+
+        async def agent(ctx: tether.Context) -> None:
+            await ctx.call(tools["bank.pay"], account="flaky-1", cents=400)
+
+        handle = await sup.delegate(agent, tools=list(tools.values()))
+        with pytest.raises(tether.DelegationError, match="replica timed out"):
+            await handle.result()
+        report = await handle.report()
+    (action,) = report.actions
+    assert action.state is tether.ActionState.COMPLETED  # the probe found the payment
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    assert paid(bank_env, "flaky-1") == [(action.idempotency_key, 400)]
+
+
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
                           text=True).stdout
