@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,25 @@ async def test_a_worker_killed_mid_action_is_reconciled_after_its_lease(
     assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
     assert report.verdict == "RECOVERED"
     assert remote_agents.ledger().refund_count("reply-3") == 1
+
+
+async def test_a_stopped_worker_terminates_what_it_still_holds_and_gives_up_its_lease(
+        cluster: Cluster) -> None:
+    async with supervisor(cluster.url) as sup:
+        proc = await cluster.worker("--lease", "60", "--stop-timeout", "0.2")
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "hold-5", remote=True)
+        await started
+        proc.send_signal(signal.SIGTERM)  # the refund never finishes on its own
+        assert await proc.wait() == 0
+        await handle.wait()  # at once: no waiting for a 60 s lease to run out
+        report = await handle.report()
+        owners = {o.id: o for o in await sup.journal.owners()}
+        row = await sup.journal.get(handle.id)
+    (action,) = report.actions
+    assert report.verdict == "TERMINATE" and action.state is tether.ActionState.NOT_APPLIED
+    lease = owners[row.owner_id].lease_until
+    assert lease is not None and lease <= time.time()
 
 
 async def test_a_paused_worker_is_fenced_after_its_lease_expired(cluster: Cluster) -> None:

@@ -286,6 +286,9 @@ def worker(
                                              help="Delegations run at once.")] = 16,
     lease: Annotated[float, typer.Option("--lease", help="Seconds; renewed every third.")]
     = 10.0,
+    stop_timeout: Annotated[float, typer.Option(
+        "--stop-timeout", help="On SIGTERM, seconds to let running delegations finish before "
+        "terminating them.")] = 30.0,
 ) -> None:
     """Run queued delegations (``delegate(..., remote=True)``) in this process until SIGTERM or
     Ctrl-C. Exits 3 if the lease runs out (a long pause): its work is reconciled elsewhere."""
@@ -299,7 +302,8 @@ def worker(
     async def go() -> None:
         j = Journal(journal)
         ring = KeyRing.load_or_init(key_dir(j, keys))
-        async with Worker(j, found, concurrency=concurrency, lease=lease, keys=ring) as w:
+        async with Worker(j, found, concurrency=concurrency, lease=lease, keys=ring,
+                          stop_timeout=stop_timeout) as w:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, w.stop)

@@ -17,8 +17,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tether._core.errors import JournalError, LeaseLost, UserError
-from tether._core.model import DelegationState, Policy, check_positive
+from tether._core.errors import AlreadyFinished, JournalError, LeaseLost, UserError
+from tether._core.model import ControlKind, DelegationState, Policy, check_positive
 from tether._core.redispatch import RedispatchPolicy
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
@@ -76,7 +76,8 @@ class Worker:
     """``async with Worker(url, agents) as w: await w.run()``; ``w.stop()`` ends it gently."""
 
     def __init__(self, journal: str | Journal, agents: object, *, concurrency: int = 16,
-                 lease: float = 10.0, poll: float = 0.1, clock: Clock | None = None,
+                 lease: float = 10.0, poll: float = 0.1, stop_timeout: float = 30.0,
+                 clock: Clock | None = None,
                  policy: Policy | None = None, keys: KeyRing | None = None,
                  redispatch: RedispatchPolicy | None = None,
                  hooks: Hooks | None = None) -> None:
@@ -85,6 +86,7 @@ class Worker:
             raise UserError("concurrency must be a positive integer")
         self.lease = check_positive(lease, "lease")
         self.poll = check_positive(poll, "poll")
+        self.stop_timeout = check_positive(stop_timeout, "stop_timeout")
         self.concurrency = concurrency
         self.supervisor = Supervisor(journal, clock=clock, policy=policy, keys=keys,
                                      recover=False, redispatch=redispatch, hooks=hooks,
@@ -108,13 +110,25 @@ class Worker:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        sup = self.supervisor
+        held = list(self._running)
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
-        await self.supervisor.__aexit__(*exc)
+        if not sup.abandoned:
+            # Still ours: terminate what is left (journaled, probed), say so in the queue, and
+            # give up the lease, so that nobody waits for it to run out.
+            for delegation_id in held:
+                with contextlib.suppress(AlreadyFinished):
+                    await sup._control(delegation_id, ControlKind.TERMINATE, None,
+                                       "worker stopping")
+                await sup.journal.queue_done(delegation_id, sup.clock.wall())
+            await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), 0.0)
+        await sup.__aexit__(*exc)
 
     def stop(self) -> None:
-        """Stop claiming; ``run`` returns once the delegations it holds have ended."""
+        """Stop claiming; ``run`` returns once the delegations it holds have ended, or after
+        ``stop_timeout`` seconds, when leaving the worker terminates the rest."""
         self._stopping.set()
 
     async def run(self) -> None:
@@ -145,8 +159,12 @@ class Worker:
                 if rows:
                     continue  # there may be more waiting
             await sup.wake(self.poll)
-        while self._running and not beat.done():  # stopping: let running ones finish
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stop_timeout  # real time, like the lease
+        while self._running and not beat.done() and loop.time() < deadline:
+            # Stopping: let running ones finish, for a while.
             await asyncio.wait([beat, *self._running.values()],
+                               timeout=deadline - loop.time(),
                                return_when=asyncio.FIRST_COMPLETED)
         if beat.done():
             beat.result()  # raises LeaseLost
