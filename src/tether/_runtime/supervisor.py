@@ -112,8 +112,8 @@ class Supervisor:
 
     def _notified(self, payload: str) -> None:
         """From the journal's listener thread: another process did something that may concern
-        this one (an intent for one of its delegations, a queued task done)."""
-        if self._loop is not None:
+        this one (an intent for one of its delegations, a task queued or done)."""
+        if payload in (self.owner_id, "queued", "done") and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed under us
                 self._loop.call_soon_threadsafe(self._ring)
 
