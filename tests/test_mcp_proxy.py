@@ -98,6 +98,7 @@ async def test_an_operator_terminates_a_proxy_session_and_the_upstream_is_cancel
     (["--upstream", "bad name=x"], "MCP server name"),
     (["--upstream", "x=/no/such/server"], "cannot start upstream x"),
     (["--upstream", "a=x", "--upstream", "a=y"], "share a name"),
+    (["--upstream", "a=x 'unclosed"], "No closing quotation"),
 ])
 async def test_proxy_mistakes_are_one_line(tmp_path: Path, args: list[str],
                                            message: str) -> None:
@@ -113,3 +114,18 @@ async def test_a_policy_for_an_unknown_server_is_refused(tmp_path: Path) -> None
     code, _, err = await cli("mcp-proxy", "--journal", f"sqlite:///{tmp_path / 'j.db'}",
                              "--upstream", "bank=x", "--policy", str(policy))
     assert code == 2 and "no --upstream: other" in err
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{not json", "is not JSON"),
+    ('["bank"]', "must map server names"),
+    ('{"bank": {"effects": {"pay": "SOMETIMES"}}}', "'SOMETIMES' is not a valid Effect"),
+    ('{"bank": {"trusted": true, "probes": {}}}', "takes only 'trusted' and 'effects'"),
+])
+async def test_a_bad_policy_file_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(text)
+    code, _, err = await cli("mcp-proxy", "--journal", f"sqlite:///{tmp_path / 'j.db'}",
+                             "--upstream", "bank=x", "--policy", str(policy))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "j.db").exists()

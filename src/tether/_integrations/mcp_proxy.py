@@ -33,7 +33,10 @@ from tether._runtime.tools import Agent, Tool
 def parse_upstream(spec: str) -> tuple[str, list[str]]:
     """``name=command arg ...`` (shell quoting) into the name and the command line."""
     name, sep, command = spec.partition("=")
-    argv = shlex.split(command) if sep else []
+    try:
+        argv = shlex.split(command) if sep else []
+    except ValueError as exc:  # an unbalanced quote, say
+        raise UserError(f"--upstream {spec!r}: {exc}") from None
     if not sep or not name or not argv:
         raise UserError(f"--upstream {spec!r} must be NAME=COMMAND, e.g. "
                         "git='mcp-server-git --repository .'")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether._core.documents import ControlIntent
 from tether._core.errors import DelegationError
-from tether._core.model import DelegationState
+from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._journal import ops
@@ -54,8 +54,7 @@ async def settle_elsewhere(sup: Supervisor, delegation_id: str, signed: Signed) 
     ourselves if the owner is gone or does not settle it in time."""
     intent = sup.keys.trusted.verify(signed, ControlIntent)
     if await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
-        fallback = intent.kind.target
-        final = DelegationState.RECALLED if fallback is DelegationState.RECALLING \
+        final = DelegationState.RECALLED if intent.kind is ControlKind.RECALL \
             else DelegationState.TERMINATED
         await settle_subtree(sup.journal, delegation_id, sup.clock, final)
         sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
