@@ -171,3 +171,20 @@ async def test_a_queued_task_outlives_the_process_that_queued_it(journal_url: st
             worker.stop()
             await running
     assert result == "done"
+
+
+async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: Journal,
+                                                                      journal_url: str) -> None:
+    """What `tether reconcile` runs: a delegation claimed by a worker whose lease ended (at
+    t=15, long ago for the wall clock) is terminated and its pending action put in doubt."""
+    await journal.create_delegation(queued("d1"))
+    assert await journal.renew_lease("w1", 10.0, 5.0)
+    assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
+    assert (await journal.begin_action(action("a1", "d1", 14.0))).status is Begin.STARTED
+    await journal.close()
+    async with tether.Supervisor(journal_url, recover=False) as sup:
+        (report,) = await sup.recover()
+        entry = await sup.journal.queue_entry("d1")
+    assert report.delegation_id == "d1" and report.verdict == "RECOVERED"
+    assert [a.state for a in report.actions] == [tether.ActionState.UNKNOWN]  # no probe: unknown
+    assert entry is not None and entry.claimed_by == "w1"

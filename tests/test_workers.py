@@ -278,6 +278,10 @@ async def test_a_worker_without_the_agent_leaves_the_task_queued(cluster: Cluste
         other = tether.Agent("someone_else", remote_agents.refunder.fn,
                              remote_agents.refunder.tools)
         handle = await sup.delegate(other, "Q-1", remote=True)
+        known = await sup.delegate(remote_agents.refunder, "Q-2", remote=True)
         await cluster.worker()
+        # Claims go oldest first, so once the newer task ran, the worker has passed the older
+        # one over rather than not looked yet.
+        await known.result()
         report = await handle.recall(grace=5)  # still queued: settled here
     assert report.verdict == "NEVER_STARTED"

@@ -61,18 +61,16 @@ class ServerPolicy:
                 raise UserError(f"MCP server {self.name}: {tool!r} cannot be DELEGATE")
 
 
-def effect_of(tool: mcp_types.Tool, policy: ServerPolicy) -> tuple[Effect, str]:
-    """A tool's effect and where it came from: ``policy``, ``annotations`` or ``untrusted``."""
+def effect_of(tool: mcp_types.Tool, policy: ServerPolicy) -> Effect:
+    """The operator's word, else a trusted server's annotations, else EXTERNAL."""
     if tool.name in policy.effects:
-        return policy.effects[tool.name], "policy"
-    if not policy.trusted:
-        return Effect.EXTERNAL, "untrusted"
-    hints = tool.annotations
+        return policy.effects[tool.name]
+    hints = tool.annotations if policy.trusted else None
     if hints is not None and hints.read_only_hint:
-        return Effect.READ_ONLY, "annotations"
+        return Effect.READ_ONLY
     if hints is not None and hints.idempotent_hint:
-        return Effect.IDEMPOTENT, "annotations"
-    return Effect.EXTERNAL, "annotations"
+        return Effect.IDEMPOTENT
+    return Effect.EXTERNAL
 
 
 async def list_all(session: ClientSession) -> list[mcp_types.Tool]:
@@ -131,8 +129,7 @@ async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
                         f"{', '.join(unknown)} (it offers {', '.join(sorted(names))})")
     tools = []
     for spec in offered:
-        effect, _ = effect_of(spec, policy)
-        tools.append((Tool(f"{policy.name}.{spec.name}", effect,
+        tools.append((Tool(f"{policy.name}.{spec.name}", effect_of(spec, policy),
                            _caller(session, spec.name, raw),
                            probe=policy.probes.get(spec.name)), spec))
     return tools

@@ -18,7 +18,7 @@ from tether._journal.ops import (
     event,
     get_delegation,
 )
-from tether._journal.rows import ControlRow, DelegationRow, QueueEntry
+from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry
 
 
 def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:
@@ -32,6 +32,13 @@ def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:
     if cur.rowcount != 1:
         event(db, now, "lease_lost", None, None, owner=owner_id)
     return cur.rowcount == 1
+
+
+def owner(db: Db, owner_id: str) -> OwnerRow | None:
+    """One owner, for the liveness check made on every poll (the table only grows)."""
+    row = db.execute("SELECT id, pid, host, started_at, heartbeat_at, lease_until FROM owners "
+                     "WHERE id = ?", (owner_id,)).fetchone()
+    return None if row is None else OwnerRow(*row)
 
 
 def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,

@@ -16,7 +16,7 @@ from tether._core.errors import DelegationError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
-from tether._journal import ops
+from tether._journal import ops, queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.reconcile import build_report, settle_subtree
 
@@ -29,8 +29,7 @@ async def owner_alive(sup: Supervisor, owner_id: str) -> bool:
     (and, on this host, while its process exists)."""
     if owner_id == sup.owner_id:
         return True
-    owners = {o.id: o for o in await sup.journal.peek(ops.owners)}
-    owner = owners.get(owner_id)
+    owner = await sup.journal.peek(queue.owner, owner_id)
     if owner is None:
         return False
     now = sup.clock.wall()
