@@ -25,6 +25,7 @@ from mcp.server.stdio import stdio_server
 
 from tether._core.errors import ControlSignal, UserError
 from tether._integrations.mcp_gateway import McpToolError, ServerPolicy, wrap_tools
+from tether._journal.journal import Journal
 from tether._runtime.gateway import Context
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, Tool
@@ -64,6 +65,7 @@ class Proxy:
         self.policies = {n: policies.get(n, ServerPolicy(n)) for n in upstreams}
         self.exposed: dict[str, tuple[Tool, mcp_types.Tool]] = {}
         self.ctx: Context | None = None
+        self.journal: Journal | None = None
         self.closed = asyncio.Event()  # the client ended its session
 
     async def connect(self, stack: AsyncExitStack) -> None:
@@ -90,6 +92,14 @@ class Proxy:
 
     async def call_tool(self, _: Any,
                         params: mcp_types.CallToolRequestParams) -> mcp_types.CallToolResult:
+        answer = await self._call(params)
+        # The client acts on what it is told, so the journal holds the call's outcome before
+        # the client hears it: what a client saw paid is never left for a probe to find.
+        assert self.journal is not None
+        await self.journal.flush()
+        return answer
+
+    async def _call(self, params: mcp_types.CallToolRequestParams) -> mcp_types.CallToolResult:
         found = self.exposed.get(params.name)
         if found is None:
             return error_result(f"unknown tool {params.name!r}")
@@ -119,6 +129,7 @@ async def serve(journal: str, upstreams: Mapping[str, list[str]],
     async with AsyncExitStack() as stack:
         await proxy.connect(stack)
         sup = await stack.enter_async_context(Supervisor(journal))
+        proxy.journal = sup.journal
         tools = tuple(tool for tool, _ in proxy.exposed.values())
         handle = await sup.delegate(Agent("mcp-proxy", proxy.session_agent, tools))
         # stdout is the MCP channel: tell the operator on stderr how to reach this session.
