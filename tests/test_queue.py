@@ -16,6 +16,7 @@ import tether
 from tether._journal import schema
 from tether._journal.journal import Journal
 from tether._journal.ops import FenceRefused
+from tether._journal.queue import owner as queue_owner
 from tether._journal.rows import Begin, NewAction, NewDelegation, OwnerRow
 
 KEY = tether.SigningKey.from_raw(bytes(range(32)))
@@ -188,3 +189,62 @@ async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: J
     assert report.delegation_id == "d1" and report.verdict == "RECOVERED"
     assert [a.state for a in report.actions] == [tether.ActionState.UNKNOWN]  # no probe: unknown
     assert entry is not None and entry.claimed_by == "w1"
+
+
+def unreadable(did: str, owner_id: str) -> NewDelegation:
+    # Arguments not in the shape tether writes (a row from another tool or version).
+    return NewDelegation(id=did, task_id=f"t-{did}", parent_id=None, attempt=1, agent="fine",
+                         surface=(), args={"argv": []}, owner_id=owner_id, now=1.0,
+                         queued=True)
+
+
+async def fine(ctx: tether.Context) -> str:
+    return "ok"
+
+
+async def test_a_fault_in_a_workers_handling_settles_the_delegation(journal_url: str) -> None:
+    """A claimed delegation the worker fails to handle is settled at once, with the fault on
+    record, rather than left to an orchestrator that would wait for as long as the worker
+    lives; the worker goes on serving (I3)."""
+    agent = tether.Agent("fine", fine, ())
+    async with tether.Supervisor(journal_url, recover=False) as sup:
+        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        async with tether.Worker(journal_url, [agent], poll=0.01) as worker:
+            running = asyncio.ensure_future(worker.run())
+            with pytest.raises(tether.DelegationError, match="TERMINATED"):
+                await sup.handle_for("d-bad").result()
+            after = await (await sup.delegate(agent, remote=True)).result()
+            worker.stop()
+            await running
+        row = await sup.journal.get("d-bad")
+        entry = await sup.journal.queue_entry("d-bad")
+        events = await sup.journal.events(["d-bad"])
+    assert row.state is tether.DelegationState.TERMINATED and after == "ok"
+    assert entry is not None and entry.done_at is not None
+    faults = [e.detail["error"] for e in events if e.kind == "worker_error"]
+    assert faults == ["worker fault: KeyError('args')"]
+    (verdict,) = [e.detail for e in events if e.kind == "verdict"]
+    assert verdict == {"verdict": "RECOVERED", "reason": faults[0]}
+
+
+async def test_a_worker_that_cannot_settle_a_fault_stops_and_keeps_its_lease(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If settling the fault fails too, the worker cannot vouch for what it holds: it stops
+    with LeaseLost without giving up its lease, so the delegation is reconciled like a dead
+    worker's once the lease runs out (I3, I7)."""
+    agent = tether.Agent("fine", fine, ())
+    async with tether.Supervisor(journal_url, recover=False) as sup:
+        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        async with tether.Worker(journal_url, [agent], poll=0.01, lease=600.0) as worker:
+
+            async def cannot_settle(delegation_id: str, exc: Exception) -> None:
+                raise RuntimeError("journal bookkeeping broke")
+
+            monkeypatch.setattr(worker, "_settle_after_fault", cannot_settle)
+            with pytest.raises(tether.LeaseLost, match="worker fault"):
+                await worker.run()
+        owner = await sup.journal.peek(queue_owner, worker.owner_id)
+        row = await sup.journal.get("d-bad")
+    assert owner is not None and owner.lease_until is not None
+    assert owner.lease_until > sup.clock.wall() + 60  # not given up: it runs out on its own
+    assert row.state is tether.DelegationState.RUNNING and row.owner_id == worker.owner_id

@@ -93,6 +93,7 @@ class Worker:
                                      control_poll=min(poll, self.lease / 6))
         self._running: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
+        self._fault: BaseException | None = None
 
     @property
     def owner_id(self) -> str:
@@ -159,15 +160,27 @@ class Worker:
                 if rows:
                     continue  # there may be more waiting
             await sup.wake(self.poll)
+        self._raise_fault()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.stop_timeout  # real time, like the lease
-        while self._running and not beat.done() and loop.time() < deadline:
+        while (self._running and not beat.done() and loop.time() < deadline
+               and self._fault is None):
             # Stopping: let running ones finish, for a while.
             await asyncio.wait([beat, *self._running.values()],
                                timeout=deadline - loop.time(),
                                return_when=asyncio.FIRST_COMPLETED)
         if beat.done():
             beat.result()  # raises LeaseLost
+        self._raise_fault()
+
+    def _raise_fault(self) -> None:
+        fault = self._fault
+        if fault is None:
+            return
+        if isinstance(fault, JournalError):
+            raise fault  # run() turns it into LeaseLost
+        self.supervisor.abandon()
+        raise LeaseLost(self.owner_id, f"worker fault ({fault!r})") from fault
 
     def _start(self, row: DelegationRow) -> None:
         task = asyncio.create_task(self._run_one(row), name=f"tether-worker-{row.id}")
@@ -176,11 +189,11 @@ class Worker:
 
     def _done(self, delegation_id: str, task: asyncio.Task[None]) -> None:
         self._running.pop(delegation_id, None)
-        if not task.cancelled() and task.exception() is not None:
-            # Recorded, never dropped; the delegation itself is settled by the lease rules.
-            sup = self.supervisor
-            sup.journal.event(sup.clock.wall(), "worker_error", delegation_id, None,
-                              error=repr(task.exception()))
+        if not task.cancelled() and task.exception() is not None and self._fault is None:
+            # The journal failed under it, or settling a fault failed: the worker can no
+            # longer vouch for what it holds, so it stops and its lease decides (run raises).
+            self._fault = task.exception()
+            self._stopping.set()
 
     async def _keep_lease(self) -> None:
         sup = self.supervisor
@@ -200,6 +213,21 @@ class Worker:
 
     async def _run_one(self, row: DelegationRow) -> None:
         sup = self.supervisor
+        try:
+            await self._execute(row)
+        except (JournalError, asyncio.CancelledError):
+            raise  # the worker as a whole stops: its lease then decides who settles this
+        except Exception as exc:
+            # A fault in the worker's own handling (an agent's failure ends its delegation
+            # FAILED and never gets here). Nobody would run or settle the delegation, and an
+            # orchestrator waiting on it would wait for as long as this worker lives: settle
+            # it now, like a terminate (journaled, in-flight actions probed).
+            await self._settle_after_fault(row.id, exc)
+        if not sup.abandoned:  # after a lost lease, whoever reconciles it says when it is done
+            await sup.journal.queue_done(row.id, sup.clock.wall())
+
+    async def _execute(self, row: DelegationRow) -> None:
+        sup = self.supervisor
         agent = self.agents[row.agent]
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
         if tuple(surface) != row.surface:
@@ -209,13 +237,24 @@ class Worker:
                 row.id, DelegationState.FAILED, sup.clock.wall(), failure="error:surface",
                 error=f"worker's {agent.name} grants {sorted(surface)}, "
                       f"the delegation grants {sorted(row.surface)}")
-        else:
-            args, kwargs = row.args["args"], row.args["kwargs"]
-            handle = await sup._launch(ChildRuntime(row, agent, surface), args, kwargs,
-                                       sup.redispatch)
-            await handle.wait()
-        if not sup.abandoned:  # after a lost lease, whoever reconciles it says when it is done
-            await sup.journal.queue_done(row.id, sup.clock.wall())
+            return
+        args, kwargs = row.args["args"], row.args["kwargs"]
+        handle = await sup._launch(ChildRuntime(row, agent, surface), args, kwargs,
+                                   sup.redispatch)
+        await handle.wait()
 
+    async def _settle_after_fault(self, delegation_id: str, exc: Exception) -> None:
+        sup = self.supervisor
+        why = f"worker fault: {exc!r}"[:300]
+        sup.journal.event(sup.clock.wall(), "worker_error", delegation_id, None, error=why)
+        row = await sup.journal.get(delegation_id)
+        if row.state.terminal:
+            return
+        rt = sup._runtimes.get(delegation_id)
+        if rt is not None and rt.task is not None and not rt.task.done():
+            with contextlib.suppress(AlreadyFinished):
+                await sup._control(delegation_id, ControlKind.TERMINATE, None, why)
+        else:
+            await sup._recover_one(row, why)
 
 __all__ = ["Worker", "load_agents"]
