@@ -26,6 +26,7 @@ from tether._journal.rows import (
     NewDelegation,
     OwnerRow,
     QueueEntry,
+    QueueProgress,
 )
 from tether._journal.runner import ThreadRunner
 from tether._journal.sqlite import SqliteRunner
@@ -296,3 +297,6 @@ class Journal:
 
     async def latest_attempt(self, delegation_id: str) -> DelegationRow:
         return await self.peek(queue.latest_attempt, delegation_id)
+
+    async def queue_progress(self, delegation_id: str) -> QueueProgress:
+        return await self.peek(queue.progress, delegation_id)

@@ -18,7 +18,7 @@ from tether._journal.ops import (
     event,
     get_delegation,
 )
-from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry
+from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
 
 
 def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:
@@ -113,6 +113,13 @@ def latest_attempt(db: Db, delegation_id: str) -> DelegationRow:
         (first.task_id, first.epoch, *([first.parent_id] if first.parent_id else [])),
     ).fetchone()
     return first if row is None else _delegation(row)
+
+
+def progress(db: Db, delegation_id: str) -> QueueProgress:
+    """The queue row, the task's newest attempt and the claimant's lease: one read per poll."""
+    entry = queue_entry(db, delegation_id)
+    claimant = None if entry is None or entry.claimed_by is None else owner(db, entry.claimed_by)
+    return QueueProgress(entry, latest_attempt(db, delegation_id), claimant)
 
 
 def controls_for_owner(db: Db, owner_id: str) -> list[ControlRow]:

@@ -170,3 +170,12 @@ class QueueEntry:
     claimed_by: str | None
     claimed_at: float | None
     done_at: float | None
+
+
+@dataclass(frozen=True)
+class QueueProgress:
+    """What an orchestrator waiting on a queued task reads on each poll, in one go."""
+
+    entry: QueueEntry | None
+    latest: DelegationRow  # the newest attempt of the task
+    claimant: OwnerRow | None  # the worker that claimed it, if any and still registered

@@ -17,7 +17,7 @@ from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._journal import ops, queue
-from tether._journal.rows import DelegationRow
+from tether._journal.rows import DelegationRow, OwnerRow
 from tether._runtime.reconcile import build_report, settle_subtree
 
 if TYPE_CHECKING:
@@ -29,9 +29,14 @@ async def owner_alive(sup: Supervisor, owner_id: str) -> bool:
     (and, on this host, while its process exists)."""
     if owner_id == sup.owner_id:
         return True
-    owner = await sup.journal.peek(queue.owner, owner_id)
+    return judge_alive(sup, await sup.journal.peek(queue.owner, owner_id))
+
+
+def judge_alive(sup: Supervisor, owner: OwnerRow | None) -> bool:
     if owner is None:
         return False
+    if owner.id == sup.owner_id:
+        return True
     now = sup.clock.wall()
     if owner.lease_until is not None:
         return owner.lease_until > now
@@ -82,10 +87,10 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
     across its re-dispatched attempts) and return its last attempt. A worker that dies first
     is presumed dead when its lease runs out, and its work is reconciled here."""
     while True:
-        entry = await sup.journal.queue_entry(queued_id)
-        latest = await sup.journal.latest_attempt(queued_id)
+        progress = await sup.journal.queue_progress(queued_id)
+        entry, latest = progress.entry, progress.latest
         claimant = entry.claimed_by if entry is not None else None
-        dead = claimant is not None and not await owner_alive(sup, claimant)
+        dead = claimant is not None and not judge_alive(sup, progress.claimant)
         if dead and not latest.state.terminal:
             await sup._recover_one(latest, f"worker {claimant} lost its lease")
             latest = await sup.journal.get(latest.id)
