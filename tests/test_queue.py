@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import hashlib
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from tether._journal.journal import Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.queue import owner as queue_owner
 from tether._journal.rows import Begin, NewAction, NewDelegation, OwnerRow
+from tether._runtime.clock import SystemClock
+from tether._runtime.remote import owner_alive
 
 KEY = tether.SigningKey.from_raw(bytes(range(32)))
 TRUSTED = tether.TrustedKeys([KEY.public])
@@ -248,3 +251,51 @@ async def test_a_worker_that_cannot_settle_a_fault_stops_and_keeps_its_lease(
     assert owner is not None and owner.lease_until is not None
     assert owner.lease_until > sup.clock.wall() + 60  # not given up: it runs out on its own
     assert row.state is tether.DelegationState.RUNNING and row.owner_id == worker.owner_id
+
+
+class SkewedClock(SystemClock):
+    """This host's clock, off by ``offset`` seconds: a host NTP has not reached."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def wall(self) -> float:
+        return time.time() + self.offset
+
+
+async def test_a_worker_whose_clock_is_off_the_servers_does_not_start(pg_url: str) -> None:
+    """Leases are written on the worker's clock and judged on the server's: a worker an hour
+    off refuses to start (and claims nothing) rather than hold a lease others misjudge (I7)."""
+    agent = tether.Agent("fine", fine, ())
+    async with tether.Supervisor(pg_url, recover=False) as sup:
+        handle = await sup.delegate(agent, remote=True)
+        with pytest.raises(tether.LeaseLost, match=r"clock is \+3600\.\d s off"):
+            async with tether.Worker(pg_url, [agent], clock=SkewedClock(3600.0)):
+                pass
+        entry = await sup.journal.queue_entry(handle.id)
+    assert entry is not None and entry.claimed_by is None
+
+
+async def test_an_orchestrator_ahead_of_the_server_does_not_presume_a_live_worker_dead(
+        pg_url: str) -> None:
+    """An orchestrator whose clock runs an hour ahead judges leases on the server's clock: it
+    leaves a worker with a lease alone and reconciles only one whose lease really ran out."""
+    async with Journal(pg_url) as j:
+        for owner in ("w-live", "w-gone"):
+            await j.register_owner(OwnerRow(owner, 1, "elsewhere", 0.0, 0.0))
+        now = time.time()
+        assert await j.renew_lease("w-live", now, 60.0)
+        assert await j.renew_lease("w-gone", now - 100.0, 10.0)
+    async with tether.Supervisor(pg_url, recover=False, clock=SkewedClock(3600.0)) as sup:
+        assert await owner_alive(sup, "w-live")
+        assert not await owner_alive(sup, "w-gone")
+
+
+async def test_a_worker_whose_clock_drifts_off_stops_at_its_next_renewal(pg_url: str) -> None:
+    agent = tether.Agent("fine", fine, ())
+    clock = SkewedClock(0.0)
+    async with tether.Worker(pg_url, [agent], clock=clock, lease=3.0) as worker:
+        clock.offset = -3600.0  # from now on: checked at the next renewal, a second away
+        with pytest.raises(tether.LeaseLost, match=r"clock is -3600\.\d s off"):
+            await worker.run()
+    assert worker.supervisor.abandoned

@@ -300,3 +300,10 @@ class Journal:
 
     async def queue_progress(self, delegation_id: str) -> QueueProgress:
         return await self.peek(queue.progress, delegation_id)
+
+    async def liveness(self, owner_id: str) -> tuple[OwnerRow | None, float | None]:
+        return await self.peek(queue.liveness, owner_id)
+
+    async def server_time(self) -> float | None:
+        """The database server's clock (PostgreSQL), or None (SQLite: one host, one clock)."""
+        return await self.peek(queue.server_time)

@@ -49,6 +49,12 @@ class PgDb:
     def execute(self, statement: str, params: Any = ()) -> psycopg.Cursor[Any]:
         return self._conn.execute(translate(statement), params)
 
+    def server_time(self) -> float:
+        """The database server's clock: one clock that every host's process can read."""
+        row = self._conn.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8").fetchone()
+        assert row is not None
+        return float(row[0])
+
     def notify(self, payload: str) -> None:
         """Delivered to listeners when the transaction commits, never if it rolls back."""
         self._conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))

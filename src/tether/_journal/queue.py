@@ -41,6 +41,18 @@ def owner(db: Db, owner_id: str) -> OwnerRow | None:
     return None if row is None else OwnerRow(*row)
 
 
+def server_time(db: Db) -> float | None:
+    """The database server's clock on PostgreSQL, shared by every host; None on SQLite, whose
+    processes share the host's clock."""
+    read = getattr(db, "server_time", None)
+    return None if read is None else float(read())
+
+
+def liveness(db: Db, owner_id: str) -> tuple[OwnerRow | None, float | None]:
+    """An owner's row and the server's clock, read together to judge whether it is alive."""
+    return owner(db, owner_id), server_time(db)
+
+
 def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
           limit: int) -> list[DelegationRow]:
     """Take up to ``limit`` queued delegations of these agents, oldest first."""
@@ -119,7 +131,7 @@ def progress(db: Db, delegation_id: str) -> QueueProgress:
     """The queue row, the task's newest attempt and the claimant's lease: one read per poll."""
     entry = queue_entry(db, delegation_id)
     claimant = None if entry is None or entry.claimed_by is None else owner(db, entry.claimed_by)
-    return QueueProgress(entry, latest_attempt(db, delegation_id), claimant)
+    return QueueProgress(entry, latest_attempt(db, delegation_id), claimant, server_time(db))
 
 
 def controls_for_owner(db: Db, owner_id: str) -> list[ControlRow]:

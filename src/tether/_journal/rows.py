@@ -179,3 +179,4 @@ class QueueProgress:
     entry: QueueEntry | None
     latest: DelegationRow  # the newest attempt of the task
     claimant: OwnerRow | None  # the worker that claimed it, if any and still registered
+    server_now: float | None  # the database server's clock, where it has one (PostgreSQL)

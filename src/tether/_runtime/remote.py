@@ -16,7 +16,7 @@ from tether._core.errors import DelegationError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
-from tether._journal import ops, queue
+from tether._journal import ops
 from tether._journal.rows import DelegationRow, OwnerRow
 from tether._runtime.reconcile import build_report, settle_subtree
 
@@ -29,17 +29,20 @@ async def owner_alive(sup: Supervisor, owner_id: str) -> bool:
     (and, on this host, while its process exists)."""
     if owner_id == sup.owner_id:
         return True
-    return judge_alive(sup, await sup.journal.peek(queue.owner, owner_id))
+    return judge_alive(sup, *await sup.journal.liveness(owner_id))
 
 
-def judge_alive(sup: Supervisor, owner: OwnerRow | None) -> bool:
+def judge_alive(sup: Supervisor, owner: OwnerRow | None, server_now: float | None) -> bool:
     if owner is None:
         return False
     if owner.id == sup.owner_id:
         return True
     now = sup.clock.wall()
     if owner.lease_until is not None:
-        return owner.lease_until > now
+        # A lease is judged on the database server's clock where there is one, so that an
+        # orchestrator whose clock runs ahead does not reconcile a worker still at work
+        # (workers keep their clocks near the server's: Worker checks).
+        return owner.lease_until > (now if server_now is None else server_now)
     if now - owner.heartbeat_at > sup.policy.lease:
         return False
     if owner.host == socket.gethostname() and owner.pid != os.getpid():
@@ -90,7 +93,7 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
         progress = await sup.journal.queue_progress(queued_id)
         entry, latest = progress.entry, progress.latest
         claimant = entry.claimed_by if entry is not None else None
-        dead = claimant is not None and not judge_alive(sup, progress.claimant)
+        dead = claimant is not None and not judge_alive(sup, progress.claimant, progress.server_now)
         if dead and not latest.state.terminal:
             await sup._recover_one(latest, f"worker {claimant} lost its lease")
             latest = await sup.journal.get(latest.id)

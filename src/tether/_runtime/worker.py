@@ -103,6 +103,7 @@ class Worker:
         sup = self.supervisor
         await sup.__aenter__()
         try:
+            await self._check_clock()
             if not await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease):
                 raise LeaseLost(sup.owner_id)
         except BaseException:
@@ -210,6 +211,25 @@ class Worker:
             if not ok or loop.time() - started > self.lease:
                 sup.abandon()
                 raise LeaseLost(sup.owner_id)
+            await self._check_clock()
+
+    async def _check_clock(self) -> None:
+        """Leases are written on this host's clock and judged on the database server's: a
+        worker whose clock is off by a quarter of its lease or more stops rather than risk
+        acting after others presumed it dead (or being presumed dead while it works)."""
+        sup = self.supervisor
+        try:
+            server = await sup.journal.server_time()
+        except JournalError as exc:
+            sup.abandon()
+            raise LeaseLost(sup.owner_id, f"cannot read the journal's clock ({exc})") from None
+        if server is None:
+            return  # SQLite: every process shares this host's clock
+        off = sup.clock.wall() - server
+        if abs(off) >= self.lease / 4:
+            sup.abandon()
+            raise LeaseLost(sup.owner_id, f"its clock is {off:+.1f} s off the journal server's, "
+                            f"a quarter of its {self.lease:g} s lease or more (sync it with NTP)")
 
     async def _run_one(self, row: DelegationRow) -> None:
         sup = self.supervisor
