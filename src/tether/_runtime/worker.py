@@ -277,4 +277,5 @@ class Worker:
         else:
             await sup._recover_one(row, why)
 
+
 __all__ = ["Worker", "load_agents"]
