@@ -32,7 +32,7 @@ async def main(url: str, role: str, delegation: str, n: int) -> None:
                 args = f'{{"p":{me},"i":{started}}}'
                 result = await j.begin_action(NewAction(
                     f"a{me}-{started}", delegation, 0, started, "pay", tether.Effect.EXTERNAL,
-                    args, hashlib.sha256(args.encode()).hexdigest(), f"k{me}-{started}", 1.0))
+                    args, hashlib.sha256(args.encode()).hexdigest(), f"k{me}-{started}", 1.0, 31.0))
                 if result.status is not Begin.STARTED:
                     break
                 started += 1

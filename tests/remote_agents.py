@@ -68,7 +68,9 @@ async def _probe(order_id: str, cents: int, *, idempotency_key: str) -> tether.P
     return await ledger().lookup(order_id, cents, idempotency_key=idempotency_key)
 
 
-@tether.tool(effect=tether.Effect.EXTERNAL, probe=_probe)
+# The tests release a held refund well within 3 s of its intent, so the provider keeps the
+# tool's promise: nothing applies after the dispatch deadline.
+@tether.tool(effect=tether.Effect.EXTERNAL, probe=_probe, dispatch_deadline=3.0)
 async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
     """Orders named ``hold-*`` wait for the test before the provider sees them; ``reply-*``
     are applied at once and their reply then waits for the test (or never comes)."""

@@ -16,7 +16,7 @@ import tether
 from tether._cli.app import app
 from tether.testing import PaymentService
 
-from .conftest import events_of
+from .conftest import events_of, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,8 @@ async def test_terminate_from_another_process(journal_url: str) -> None:
     async with tether.Supervisor(journal_url, tools=[]) as sup:
         entered = asyncio.Event()
 
-        @tether.tool(probe=pay.lookup)
+        # Its provider can no longer apply a call 2 s after its intent.
+        @tether.tool(probe=pay.lookup, dispatch_deadline=2.0)
         async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
             entered.set()
             await asyncio.Event().wait()
@@ -86,9 +87,15 @@ async def test_terminate_from_another_process(journal_url: str) -> None:
                                           "--json")
         assert code == 0, err
         report = json.loads(out)["report"]
+        (action,) = report["actions"]
+        if report["outcome"] == "TERMINATING":  # drained within the deadline: not final yet
+            assert action["state"] == "IN_DOUBT"
+            assert "not applied yet" in action["evidence"]["not_final"]
+            report = (await settled(sup, child.id)).to_json()  # the owner probes again
+            (action,) = report["actions"]
         assert report["outcome"] == "RECONCILED"
-        assert report["actions"][0]["state"] == "NOT_APPLIED"
-        assert report["actions"][0]["evidence"]["provider"] == "no entry for key"
+        assert action["state"] == "NOT_APPLIED"
+        assert action["evidence"]["provider"] == "no entry for key"
 
 
 async def test_listing_and_show_with_verified_intents(journal_url: str, shop: Any) -> None:

@@ -39,7 +39,8 @@ def new_action(aid: str = "a1", did: str = "d1", key: str = "k1", args: str = '{
                epoch: int = 0) -> NewAction:
     return NewAction(id=aid, delegation_id=did, epoch=epoch, ordinal=0, tool="pay",
                      effect=tether.Effect.EXTERNAL, args_json=args,
-                     args_hash=hashlib.sha256(args.encode()).hexdigest(), idem_key=key, now=2.0)
+                     args_hash=hashlib.sha256(args.encode()).hexdigest(), idem_key=key, now=2.0,
+                     deadline_at=32.0)
 
 
 def control(seq: int = 1, did: str = "d1", kind: tether.ControlKind = tether.ControlKind.RECALL,
@@ -152,14 +153,15 @@ async def test_subtree_is_fenced_in_the_same_transaction(journal: Journal) -> No
 
 
 async def test_idempotency_key_rules(journal: Journal) -> None:
-    """I7: the same key with other arguments is an error; a live key is in use; a completed
-    one replays; a key whose action provably did not apply may be used again."""
+    """I7: the same key with other arguments is an error; a live key makes the caller wait for
+    its outcome; an UNKNOWN one is in use until a person decides; a completed one replays; a
+    key whose action provably did not apply may be used again."""
     await journal.create_delegation(new_delegation())
     assert (await journal.begin_action(new_action("a1"))).status is Begin.STARTED
     with pytest.raises(tether.IdempotencyConflict):
         await journal.begin_action(new_action("a2", args='{"x":2}'))
-    with pytest.raises(tether.KeyInUse):
-        await journal.begin_action(new_action("a3"))
+    waiting = await journal.begin_action(new_action("a3"))
+    assert (waiting.status, waiting.action_id) == (Begin.WAIT, "a1")
     journal.finish_action("a1", tether.ActionState.COMPLETED, 3.0, result="r1")
     replay = await journal.begin_action(new_action("a4"))
     assert (replay.status, replay.action_id, replay.result) == (Begin.REPLAY, "a1", "r1")
@@ -167,6 +169,10 @@ async def test_idempotency_key_rules(journal: Journal) -> None:
     await journal.begin_action(new_action("b1", key="k2"))
     journal.finish_action("b1", tether.ActionState.FAILED, 3.0, error="declined")
     assert (await journal.begin_action(new_action("b2", key="k2"))).status is Begin.STARTED
+    await journal.mark_in_doubt("d1", 4.0)
+    await journal.settle_action("b2", tether.ActionState.UNKNOWN, 4.0, {"probe": "UNKNOWN"})
+    with pytest.raises(tether.KeyInUse):
+        await journal.begin_action(new_action("b3", key="k2"))
 
 
 async def test_late_receipt_is_kept_and_wins(journal: Journal) -> None:

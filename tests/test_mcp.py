@@ -17,7 +17,7 @@ from tests.mcp_helpers import bank, connect, paid, probe_for
 from tests.remote_agents import listen_gate, open_gate
 from tether.mcp import ServerPolicy, mcp_tools
 
-from .conftest import events_of
+from .conftest import events_of, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 E = tether.Effect
@@ -81,8 +81,10 @@ async def test_recall_lets_an_in_flight_mcp_call_finish_and_refuses_the_next(
 async def test_terminate_sends_notifications_cancelled_and_reconciles(
         bank_env: Path, journal_url: str) -> None:
     async with bank() as session, tether.Supervisor(journal_url) as sup:
+        # The operator declares that the bank cannot apply a payment 1 s after its intent.
         tools = {t.name: t for t in await mcp_tools(
-            session, ServerPolicy("bank", probes={"pay": probe_for(bank_env)}))}
+            session, ServerPolicy("bank", probes={"pay": probe_for(bank_env)},
+                                  deadlines={"pay": 1.0}))}
 
         async def agent(ctx: tether.Context) -> None:
             await ctx.call(tools["bank.pay"], account="hold-2", cents=900)
@@ -96,6 +98,9 @@ async def test_terminate_sends_notifications_cancelled_and_reconciles(
         # session itself stays open and usable.
         assert await cancelled == "hold-2"
         assert await tools["bank.balance"].fn(account="hold-2") == {"result": 0}
+        if not report.outcome.terminal:  # probed within the deadline: "not applied yet"
+            assert report.actions[0].state is tether.ActionState.IN_DOUBT
+            report = await settled(sup, handle.id)
     (action,) = report.actions
     assert action.state is tether.ActionState.NOT_APPLIED
     assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"

@@ -114,6 +114,7 @@ class Model:
     delegations: dict[str, MDelegation] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)
     actions: dict[str, tuple[str, str, str, A]] = field(default_factory=dict)  # id -> d, key, h
+    probed: set[str] = field(default_factory=set)  # actions carrying a probe's evidence
 
     def subtree(self, root: str) -> list[str]:
         out = [root]
@@ -188,7 +189,7 @@ class JournalRules(RuleBasedStateMachine):
         digest = hashlib.sha256(args.encode()).hexdigest()
         aid = self.fresh("a")
         new = NewAction(aid, did, d.epoch, 0, "pay", tether.Effect.EXTERNAL, args, digest, key,
-                        2.0)
+                        2.0, 32.0)
         prior = [(a, v) for a, v in self.model.actions.items() if v[1] == key]
         try:
             result = self.tx(lambda db: ops.begin_action(db, new))
@@ -196,9 +197,9 @@ class JournalRules(RuleBasedStateMachine):
             assert self.model.live(did)
             assert any(v[2] != digest for _, v in prior)
             return
-        except tether.KeyInUse:
+        except tether.KeyInUse:  # an outcome nobody knows: a person decides
             assert self.model.live(did)
-            assert any(v[3] not in (A.FAILED, A.NOT_APPLIED, A.COMPLETED) for _, v in prior)
+            assert any(v[3] is A.UNKNOWN for _, v in prior)
             return
         if not self.model.live(did):  # I2: the fence answers first, and nothing is written
             assert result.status in (Begin.FENCED, Begin.STALE_EPOCH)
@@ -206,6 +207,10 @@ class JournalRules(RuleBasedStateMachine):
         assert all(v[2] == digest for _, v in prior)  # I7: never a conflict let through
         if result.status is Begin.REPLAY:
             assert any(v[3] is A.COMPLETED for _, v in prior)
+            return
+        if result.status is Begin.WAIT:  # a call that may still apply holds the key
+            assert any(v[3] in (A.PENDING, A.IN_DOUBT) and a == result.action_id
+                       for a, v in prior)
             return
         assert result.status is Begin.STARTED
         assert all(v[3] in (A.FAILED, A.NOT_APPLIED) for _, v in prior)
@@ -221,9 +226,36 @@ class JournalRules(RuleBasedStateMachine):
         did, key, digest, old = self.model.actions[aid]
         evidence = {"probe": outcome.value} if probe else None
         got = self.tx(lambda db: ops.finish_action(db, aid, outcome, 3.0, None, None, evidence))
-        expected = outcome if (outcome is not old and action_may_move(old, outcome)) else old
+        moved = outcome is not old and action_may_move(old, outcome)
+        expected = outcome if moved else old
+        # A probe's "not yet" keeps an in-doubt action in doubt, with its evidence.
+        recorded = moved or (probe and old is A.IN_DOUBT and outcome is A.IN_DOUBT)
         assert got is expected
         self.model.actions[aid] = (did, key, digest, expected)
+        if recorded and probe:
+            self.model.probed.add(aid)
+        if recorded and (probe or old is not A.PENDING):  # a new fact re-opens the accounting
+            self.resettle(did)
+
+    def resettle(self, did: str) -> None:
+        """The outcome model's settling rule, stated independently of the code under test."""
+        d = self.model.delegations[did]
+        mine = [(a, v[3]) for a, v in self.model.actions.items() if v[0] == did]
+        if d.state in (S.RUNNING, S.RECONCILED, S.CANCELLED):
+            return
+        if any(st in (A.PENDING, A.IN_DOUBT) for _, st in mine):
+            return
+        if any(st is A.UNKNOWN for _, st in mine):
+            new = S.NEEDS_ATTENTION
+        elif any(a in self.model.probed for a, _ in mine) or d.state is S.NEEDS_ATTENTION:
+            new = S.RECONCILED
+        elif d.state.terminal:
+            return
+        else:
+            new = {S.RECALLING: S.RECALLED, S.TERMINATING: S.TERMINATED}.get(d.state, d.state)
+        if new is not d.state:
+            d.state = new
+            d.fenced = d.fenced or new.terminal
 
     @precondition(lambda self: self.model.delegations)
     @rule(data=st.data(), kind=st.sampled_from(list(tether.ControlKind)),
@@ -305,12 +337,12 @@ class JournalRules(RuleBasedStateMachine):
                                                      self.model.actions.items()}
 
     @invariant()
-    def one_live_action_per_key(self) -> None:  # I7
+    def one_live_action_per_key(self) -> None:  # I7, read from the journal itself
         live: dict[str, int] = {}
-        for _, key, _, state in self.model.actions.values():
-            if state not in (A.FAILED, A.NOT_APPLIED):
-                live[key] = live.get(key, 0) + 1
-        assert all(n <= 1 for n in live.values())
+        for action in ops.actions(self.db, list(self.model.delegations)):
+            if action.state not in (A.FAILED, A.NOT_APPLIED):
+                live[action.idempotency_key] = live.get(action.idempotency_key, 0) + 1
+        assert all(n <= 1 for n in live.values()), live
 
     @invariant()
     def sequences_are_contiguous(self) -> None:  # I4

@@ -17,7 +17,7 @@ import tether
 from tether.agents import as_tether_agent, idempotency_key
 from tether.testing import PaymentService
 
-from .conftest import events_of
+from .conftest import events_of, settled
 
 S = tether.DelegationState
 set_tracing_disabled(True)  # offline: the SDK would try to export traces
@@ -49,11 +49,12 @@ class Refunds:
 
         self.tool = refund
 
-    def agent(self, *steps: Any) -> tether.Agent:
+    def agent(self, *steps: Any, deadline: float = 30.0) -> tether.Agent:
         model = ScriptedModel(steps)
         sdk = SdkAgent(name="refunder", instructions="Refund what the user asks.",
                        tools=[self.tool], model=model)
-        agent = as_tether_agent(sdk, probes={"refund": self.pay.lookup})
+        agent = as_tether_agent(sdk, probes={"refund": self.pay.lookup},
+                                deadlines={"refund": deadline})
         MODELS[agent] = model
         return agent
 
@@ -102,15 +103,20 @@ async def test_recall_lets_the_in_flight_tool_finish_and_stops_the_next(
 async def test_terminate_cancels_the_tool_and_reconciles_it(refunds: Refunds,
                                                             journal_url: str) -> None:
     refunds.gate = asyncio.Event()  # never set: the refund hangs before the provider
-    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("done")])
+    # Its provider can no longer apply a refund 1 s after its intent.
+    agent = refunds.agent(refund_call("A", "c1"), [assistant_message("done")], deadline=1.0)
     async with tether.Supervisor(journal_url) as sup:
         handle = await sup.delegate(agent, "refund A")
         await refunds.started.wait()
         report = await handle.terminate(reason="stop")
+        assert report.verdict == "TERMINATE"
+        if not report.outcome.terminal:  # probed within the deadline: "not applied yet"
+            assert report.actions[0].state is tether.ActionState.IN_DOUBT
+            report = await settled(sup, handle.id)  # probed again at the deadline
     (action,) = report.actions
     assert action.state is tether.ActionState.NOT_APPLIED  # the provider's own answer
     assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
-    assert report.verdict == "TERMINATE"
+    assert report.outcome is tether.DelegationState.RECONCILED
 
 
 async def test_a_stream_cut_before_any_tool_is_re_dispatched(refunds: Refunds,

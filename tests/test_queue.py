@@ -44,7 +44,8 @@ def action(aid: str, did: str, now: float) -> NewAction:
     args = '{"x":1}'
     return NewAction(id=aid, delegation_id=did, epoch=0, ordinal=0, tool="pay",
                      effect=tether.Effect.EXTERNAL, args_json=args,
-                     args_hash=hashlib.sha256(args.encode()).hexdigest(), idem_key=aid, now=now)
+                     args_hash=hashlib.sha256(args.encode()).hexdigest(), idem_key=aid, now=now,
+                     deadline_at=now + 30.0)
 
 
 async def recall(j: Journal, did: str, now: float) -> None:

@@ -69,10 +69,41 @@ async def test_grace_expired_terminates_then_probe_settles_each_action(
     report = await recall
     assert report.verdict == "GRACE_EXPIRED"
     (action,) = report.actions
-    # The provider has not applied it yet, and the probe says so, with evidence.
-    assert action.state is A.NOT_APPLIED
+    # The provider has not applied it yet, and the probe says so, with evidence; but the call
+    # may still apply, so the answer is not final: in doubt, still in flight.
+    assert action.state is A.IN_DOUBT
     assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
-    assert report.outcome is tether.DelegationState.RECONCILED
+    assert "not applied yet" in action.evidence["not_final"]
+    assert report.outcome is tether.DelegationState.RECALLING
+    clock.advance(28.0)  # the provider applies it; the call's receipt settles the accounting
+    await pay.applied()
+    await sup.journal.flush()
+    later = await child.report()
+    assert later.actions[0].state is A.COMPLETED and later.actions[0].late
+    assert later.outcome is tether.DelegationState.RECONCILED
+
+
+async def test_not_applied_is_final_once_the_dispatch_deadline_passed(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    """The outcome model: past the tool's dispatch deadline nothing can apply, so the next
+    probe's "not applied" is final, and the owner makes that probe by itself."""
+    pay.latency = 3600.0  # the provider never gets to it within the deadline
+    child = await sup.delegate(shop.refund_agent, "A-3b", tools=shop.tools)
+    await pay.sent()
+    recall = asyncio.create_task(child.recall(grace=2.0))
+    await clock.sleeping(2)
+    clock.advance(2.0)
+    assert (await recall).actions[0].state is A.IN_DOUBT
+    await clock.sleeping(1, at_least=27.0)  # the re-probe waits for the deadline
+    clock.advance(28.0)
+    for _ in range(50):
+        later = await child.report()
+        if later.outcome.terminal:
+            break
+        await asyncio.sleep(0.01)
+    (action,) = later.actions
+    assert action.state is A.NOT_APPLIED and "not_final" not in (action.evidence or {})
+    assert later.outcome is tether.DelegationState.RECONCILED
 
 
 async def test_completion_after_the_window_is_a_late_receipt(
@@ -86,7 +117,7 @@ async def test_completion_after_the_window_is_a_late_receipt(
     await clock.sleeping(2)
     clock.advance(2.0)
     report = await recall
-    assert report.actions[0].state is A.NOT_APPLIED  # true when it was probed
+    assert report.actions[0].state is A.IN_DOUBT  # "not applied yet" when it was probed
     clock.advance(8.0)  # the provider applies and answers
     await pay.applied()
     later = await child.report()
@@ -230,7 +261,8 @@ async def test_a_recall_from_another_process_ends_its_grace_window(
     Taken as is, the elapsed time read zero and a hanging action held the recall forever."""
     entered = Countdown(1)
 
-    @tether.tool(probe=pay.lookup)
+    # Past its 4 s dispatch deadline the hanging call can no longer apply.
+    @tether.tool(probe=pay.lookup, dispatch_deadline=4.0)
     async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
         entered.tick()
         await asyncio.Event().wait()
@@ -254,6 +286,7 @@ async def test_a_recall_from_another_process_ends_its_grace_window(
         again.cancel()
         assert rt.draining.done(), "the grace window started again instead of ending"
         report = rt.draining.result()
+        clock.autojump(0.01)  # the hanging call holds the exit for its bounded while
     assert report.verdict == "GRACE_EXPIRED"
     assert [a.state for a in report.actions] == [A.NOT_APPLIED]
 

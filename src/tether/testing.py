@@ -27,6 +27,8 @@ class VirtualClock:
         self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
         self._changed = asyncio.Event()
+        self._jump_after: float | None = None
+        self._jump_pending = False
 
     def now(self) -> float:
         return self._now
@@ -45,7 +47,29 @@ class VirtualClock:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (self._now + seconds, next(self._seq), fut))
         self._changed.set()
+        self._schedule_jump()
         await fut
+
+    def autojump(self, threshold: float | None = 0.01) -> None:
+        """Trio's autojump: from now on, whenever sleepers have been parked for ``threshold``
+        real seconds with no ``advance``, jump to the earliest deadline. ``None`` turns it off.
+        Useful where a test no longer choreographs timers (a supervisor closing, say)."""
+        self._jump_after = threshold
+        self._schedule_jump()
+
+    def _schedule_jump(self) -> None:
+        if self._jump_after is None or self._jump_pending or not self._heap:
+            return
+        self._jump_pending = True
+        asyncio.get_running_loop().call_later(self._jump_after, self._jump)
+
+    def _jump(self) -> None:
+        self._jump_pending = False
+        while self._heap and self._heap[0][2].done():
+            heapq.heappop(self._heap)
+        if self._heap and self._jump_after is not None:
+            self.advance(max(0.0, self._heap[0][0] - self._now))
+        self._schedule_jump()
 
     async def sleeping(self, count: int = 1, *, at_least: float = 0.0) -> None:
         """Return once ``count`` coroutines are parked on this clock with at least

@@ -2,27 +2,37 @@
 
 Violation classes, each checked against the outside world's own record:
 lost (applied, yet no COMPLETED journal record), duplicate (a key applied more than once),
-ghost (an intent accepted after its delegation's fence closed, or an effect with no intent),
-unreconciled (an action left PENDING or IN_DOUBT), dishonest (NOT_APPLIED or FAILED for an
-effect that was applied) and stuck (a delegation that never reached a terminal state).
+ghost (an intent accepted after its delegation's fence closed, or after a stop of its task
+returned to the process that asked for it, or an effect with no intent), unreconciled (an
+action left PENDING or IN_DOUBT), dishonest (NOT_APPLIED or FAILED for an effect that was
+applied) and stuck (a delegation that never reached a terminal state, an orchestrator or a
+helper process that hung, a recovery that failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import tether
-from tether._chaos.ledger import Ledger
-from tether._chaos.plan import FAULTS, Plan, make_plan, plans
+from tether._chaos import trace as tracing
+from tether._chaos.ledger import Ledger, Network
+from tether._chaos.plan import FAULTS, LATE_APPLY_MAX, Plan, make_plan, plans
+from tether._chaos.world import TOOL_DEADLINE, Trial, build
+from tether._core.report import ActionRecord
+from tether._journal.rows import ControlRow, DelegationRow, EventRow
 
 CLASSES = ("lost", "duplicate", "ghost", "unreconciled", "dishonest", "stuck")
 
@@ -37,6 +47,36 @@ class Violation:
     def to_json(self) -> dict[str, Any]:
         return {"trial_seed": self.trial_seed, "fault": self.fault, "class": self.kind,
                 "detail": self.detail}
+
+
+@dataclass
+class TrialResult:
+    plan: Plan
+    outcome: str  # exited, killed, crashed or hung
+    violations: list[Violation]
+    trace: list[tracing.Event] = field(default_factory=list)
+    error: str = ""  # the orchestrator's last words, when it crashed
+
+    def record(self, full: bool) -> dict[str, Any]:
+        """What replays this trial: its plan and its observed schedule (the whole trace for
+        a failing one)."""
+        out: dict[str, Any] = {
+            "trial_seed": self.plan.seed, "fault": self.plan.fault,
+            "variant": self.plan.variant, "outcome": self.outcome,
+            "violations": len(self.violations), "plan": json_plan(self.plan),
+            "schedule": tracing.schedule(self.trace),
+        }
+        if self.error:
+            out["error"] = self.error
+        if full:
+            out["found"] = [v.to_json() for v in self.violations]
+            out["trace"] = self.trace
+        return out
+
+
+def json_plan(plan: Plan) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(plan.to_json())
+    return data
 
 
 def trial_url(directory: Path, base: str | None, plan: Plan) -> str:
@@ -60,46 +100,131 @@ def drop(url: str) -> None:
                 sql.Identifier(schema)))
 
 
-def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float) -> str:
-    """'exited', 'killed' or 'hung' (then killed by us)."""
+def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     try:
-        proc = subprocess.run(
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
+                     ledger: Ledger) -> tuple[str, str]:
+    """('exited' | 'killed' | 'crashed' | 'hung', last words). The orchestrator leads a process
+    group of its own: whatever it started and left behind is ended with it, by that group id."""
+    log = directory / "orchestrator.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
             [sys.executable, "-m", "tether._chaos.orchestrator", str(directory), plan.to_json(),
-             url],
-            capture_output=True, text=True, timeout=timeout, env={**os.environ})
-    except subprocess.TimeoutExpired:
-        return "hung"
-    if proc.returncode == -9:
-        return "killed"
-    if proc.returncode != 0:
-        raise RuntimeError(f"orchestrator failed (seed {plan.seed}): {proc.stderr[-800:]}")
-    return "exited"
+             url], stdout=out, stderr=subprocess.STDOUT, env={**os.environ},
+            start_new_session=True)
+    code: int | None = None
+    try:
+        deadline = time.monotonic() + timeout
+        if plan.fault == "pause_orchestrator":
+            pause_orchestrator(proc, plan, directory, url, ledger, deadline)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        # First end them all: a process stopped inside a write to the ledger holds its lock.
+        _signal_group(proc.pid, signal.SIGCONT)
+        leftover = _signal_group(proc.pid, signal.SIGKILL) and code is not None
+        proc.wait()
+        if code is None:
+            ledger.note("harness", "hung", "orchestrator", after=timeout)
+        elif leftover:
+            ledger.note("harness", "leftover", "", pgid=proc.pid)
+    if code is None:
+        return "hung", ""
+    if code == -signal.SIGKILL:
+        return "killed", ""
+    if code != 0:
+        lines = log.read_text(errors="replace").strip().splitlines()
+        return "crashed", lines[-1][:300] if lines else f"exit code {code}"
+    return "exited", ""
 
 
-async def recover(directory: Path, url: str) -> None:
+def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Path, url: str,
+                       ledger: Ledger, deadline: float) -> None:
+    """SIGSTOP the orchestrator once its children are delegated, for longer than its lease;
+    meanwhile another process reconciles it as soon as its owner may be presumed dead."""
+    while ledger.first_note("delegated") is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    start = ledger.first_note("delegated")
+    assert start is not None
+    time.sleep(max(0.0, start + plan.pause_after - time.time()))
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGSTOP)
+    stopped = time.time()
+    # Noted once it runs again: stopped inside a write to the ledger, it holds its lock.
+    notes: list[tuple[float, str, str, dict[str, Any]]] = [
+        (stopped, "signal", "orchestrator", {"sig": "SIGSTOP", "pid": proc.pid})]
+    try:
+        end = stopped + plan.pause_for
+        time.sleep(max(0.0, stopped + 0.6 * plan.lease - time.time()))
+        while time.time() < end - 0.05:
+            try:
+                settled = asyncio.run(recover(directory, url, plan, "reconciler"))
+            except Exception as exc:  # noted; the final recovery is the one judged
+                notes.append((time.time(), "reconcile_failed", "", {"error": repr(exc)[:300]}))
+                settled = 0
+            if settled:
+                break
+            time.sleep(0.1)
+        time.sleep(max(0.0, end - time.time()))
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        notes.append((time.time(), "signal", "orchestrator",
+                      {"sig": "SIGCONT", "pid": proc.pid}))
+        for at, what, key, detail in notes:
+            ledger.note("harness", what, key, at=at, **detail)
+
+
+def recovery_policy(plan: Plan) -> tether.Policy:
+    return tether.Policy(lease=plan.lease) if plan.lease > 0 else tether.Policy()
+
+
+async def recover(directory: Path, url: str, plan: Plan, who: str = "recovery") -> int:
     """A fresh supervisor on the journal, with probes that work, reconciles whatever the
-    orchestrator left (its process is gone: the owner is dead)."""
-    ledger = Ledger(directory / "ledger.db")
-
-    async def probe(order_id: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
-        n = ledger.count(idempotency_key)
-        outcome = tether.ProbeOutcome.COMPLETED if n else tether.ProbeOutcome.NOT_APPLIED
-        return tether.ProbeResult(outcome, {"applications": n})
-
-    @tether.tool(effect=tether.Effect.EXTERNAL, probe=probe)
-    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
-        raise AssertionError("recovery never runs a tool")
-
+    orchestrator left (its process is gone, or presumed dead: its lease or heartbeat ran out).
+    Returns how many delegations it reported on."""
+    trial = Trial(directory, plan, who, buffered=who == "reconciler")
+    refund, _, _ = build(trial)
     keys = tether.KeyRing.load(directory / "keys")
-    async with tether.Supervisor(url, keys=keys, tools=[refund]) as sup:
-        await sup.recover()
-    ledger.close()
+    try:
+        async with tether.Supervisor(url, keys=keys, tools=[refund], recover=False,
+                                     policy=recovery_policy(plan)) as sup:
+            return len(await sup.recover()) + len(await sup.recover())
+    finally:
+        trial.close()
 
 
-async def judge(directory: Path, url: str, plan: Plan, outcome: str) -> list[Violation]:
-    ledger = Ledger(directory / "ledger.db")
+@dataclass
+class Snapshot:
+    rows: list[DelegationRow]
+    actions: list[ActionRecord]
+    controls: list[ControlRow]
+    events: list[EventRow]
+
+
+async def snapshot(url: str) -> Snapshot:
+    async with tether.Journal(url, create=False) as j:
+        rows = await j.delegations()
+        ids = [r.id for r in rows]
+        actions = await j.actions(ids)
+        controls = [c for r in rows for c in await j.controls(r.id)]
+        events = await j.events(ids)
+    return Snapshot(rows, actions, controls, events)
+
+
+def judge(snap: Snapshot, ledger: Ledger, plan: Plan, outcome: str) -> list[Violation]:
     applied = ledger.keys()
-    ledger.close()
+    first_applied: dict[str, float] = {}
+    for key, at, _ in ledger.applications():
+        first_applied.setdefault(key, at)
     found: list[Violation] = []
 
     def flag(kind: str, detail: str) -> None:
@@ -107,15 +232,23 @@ async def judge(directory: Path, url: str, plan: Plan, outcome: str) -> list[Vio
 
     if outcome == "hung":
         flag("stuck", "the orchestrator did not finish")
-    async with tether.Journal(url, create=False) as j:
-        rows = await j.delegations()
-        actions = await j.actions([r.id for r in rows])
-        fences: dict[str, float] = {}
-        for r in rows:
-            controls = await j.controls(r.id)
-            if controls:
-                fences[r.id] = min(c.accepted_at for c in controls)
+    notes = ledger.notes()
+    for _, _, what, key, detail in notes:
+        if what == "helper_hung":
+            flag("stuck", f"helper {key} (pid {detail.get('pid')}) did not finish in "
+                          f"{detail.get('after')}s")
+    rows, actions = snap.rows, snap.actions
+    fences: dict[str, float] = {}
+    for c in snap.controls:
+        fences[c.delegation_id] = min(fences.get(c.delegation_id, c.accepted_at), c.accepted_at)
     by_id = {r.id: r for r in rows}
+    # A stop issued from another process (the CLI, a second supervisor) and answered: nothing
+    # of that task may start afterwards, whichever attempt runs it.
+    task_stops: dict[str, float] = {}
+    for at, _, what, key, detail in notes:
+        if what == "control_returned" and detail.get("code", 0) in (0, 2) \
+                and "error" not in detail:
+            task_stops[key] = min(task_stops.get(key, at), at)
 
     def fence_of(delegation_id: str) -> float | None:
         times = []
@@ -131,11 +264,11 @@ async def judge(directory: Path, url: str, plan: Plan, outcome: str) -> list[Vio
             flag("stuck", f"{r.id} is {r.state.value}")
     completed_keys = {a.idempotency_key for a in actions
                       if a.state is tether.ActionState.COMPLETED}
-    journaled_keys = {a.idempotency_key for a in actions}
+    journaled = {a.idempotency_key: a for a in actions}
     for key, n in applied.items():
         if n > 1:
             flag("duplicate", f"key {key} applied {n} times")
-        if key not in journaled_keys:
+        if key not in journaled:
             flag("ghost", f"key {key} applied with no intent in the journal")
         if key not in completed_keys:
             flag("lost", f"key {key} applied, no COMPLETED record")
@@ -144,55 +277,128 @@ async def judge(directory: Path, url: str, plan: Plan, outcome: str) -> list[Vio
             flag("unreconciled", f"{a.id} ({a.idempotency_key}) left {a.state.value}")
         if a.state in (tether.ActionState.NOT_APPLIED, tether.ActionState.FAILED) \
                 and a.idempotency_key in applied:
-            flag("dishonest", f"{a.id} says {a.state.value}, the ledger says applied")
+            when = first_applied[a.idempotency_key] - a.started_at
+            probed = (a.evidence or {}).get("probed_at")
+            order = "" if probed is None else (
+                f", probed {float(probed) - a.started_at:.3f}s after it")
+            flag("dishonest", f"{a.id} ({a.idempotency_key}) says {a.state.value}, the ledger "
+                              f"says applied {when:.3f}s after the intent{order}")
         fence = fence_of(a.delegation_id)
         if fence is not None and a.started_at > fence:
             flag("ghost", f"{a.id} intent at {a.started_at} after the fence at {fence}")
+        row = by_id.get(a.delegation_id)
+        stop = task_stops.get(row.task_id) if row is not None else None
+        if stop is not None and a.started_at > stop:
+            flag("ghost", f"{a.id} ({a.idempotency_key}, attempt {row.attempt if row else '?'})"
+                          f" intent {a.started_at - stop:.3f}s after a stop of task "
+                          f"{row.task_id if row else '?'} returned")
     return found
 
 
-def one_trial(plan: Plan, base: str | None = None,
-              timeout: float = 30.0) -> tuple[str, list[Violation]]:
+def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0) -> TrialResult:
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         directory = Path(tmp)
         url = trial_url(directory, base, plan)
+        ledger = Ledger(directory / "ledger.db")
+        start = time.time()
+        network = Network(directory / "ledger.db", twice=plan.bug == "double_apply",
+                          overdue=plan.bug == "overdue_apply")
+        network.start()
         try:
-            outcome = run_orchestrator(directory, plan, url, timeout)
-            if not (directory / "keys" / "signing.json").exists():
-                return outcome, []  # killed before it opened the journal: nothing happened
-            try:
-                asyncio.run(recover(directory, url))
-            except tether.TetherError as exc:  # a recovery that fails is a finding
-                found = asyncio.run(judge(directory, url, plan, outcome))
-                return outcome, [*found, Violation(plan.seed, plan.fault, "stuck",
-                                                   f"recovery failed: {exc}")]
-            return outcome, asyncio.run(judge(directory, url, plan, outcome))
+            return _trial(plan, directory, url, ledger, network, start, timeout)
         finally:
+            network.close()
+            ledger.close()
             drop(url)
+
+
+def _trial(plan: Plan, directory: Path, url: str, ledger: Ledger, network: Network,
+           start: float, timeout: float) -> TrialResult:
+    outcome, error = run_orchestrator(directory, plan, url, timeout, ledger)
+    if not (directory / "keys" / "signing.json").exists():
+        # Killed before it opened the journal: nothing happened.
+        return TrialResult(plan, outcome, [], tracing.collect(ledger, None, start), error)
+    if plan.lease > 0 and ledger.first_note("leftover") is not None:
+        time.sleep(plan.lease + 0.2)  # a worker ended with SIGKILL holds its lease until then
+    extra: list[Violation] = []
+    try:
+        asyncio.run(recover(directory, url, plan))
+    except tether.TetherError as exc:  # a recovery that fails is a finding
+        extra.append(Violation(plan.seed, plan.fault, "stuck", f"recovery failed: {exc}"))
+    if not network.drain(ledger, LATE_APPLY_MAX * 2 + 1.0):
+        extra.append(Violation(plan.seed, plan.fault, "stuck",
+                               f"requests still in the network: {network.error!r}"))
+    snap = asyncio.run(snapshot(url))
+    if TOOL_DEADLINE and not extra and any(
+            a.state in (tether.ActionState.PENDING, tether.ActionState.IN_DOUBT)
+            for a in snap.actions):
+        # "Not applied yet" until the tool's dispatch deadline: reconcile again past it.
+        last = max(a.started_at for a in snap.actions)
+        time.sleep(max(0.0, last + LATE_APPLY_MAX + 0.1 - time.time()))
+        ledger.note("harness", "reconcile_again", "", reason="past the dispatch deadline")
+        with contextlib.suppress(tether.TetherError):
+            asyncio.run(recover(directory, url, plan))
+        snap = asyncio.run(snapshot(url))
+    found = judge(snap, ledger, plan, outcome) + extra
+    trace = tracing.collect(ledger, snap, start)
+    return TrialResult(plan, outcome, found, trace, error)
 
 
 def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
               replay: int | None = None, journal: str | None = None,
-              progress: Callable[[int, Plan, str], None] | None = None) -> dict[str, Any]:
-    chosen = [make_plan(replay)] if replay is not None else plans(seed, trials, faults)
-    per_fault: dict[str, Counter[str]] = {f: Counter() for f in FAULTS}
+              progress: Callable[[int, Plan, str], None] | None = None, *,
+              per_fault: int | None = None, traces: Path | None = None, inject: str = "",
+              timeout: float = 30.0) -> dict[str, Any]:
+    """Run the trials (or replay one) and summarise them. A failing trial's record (plan and
+    observed schedule) is written to ``traces``; ``replay`` reads it back from there."""
+    recorded: dict[str, Any] | None = None
+    if replay is not None:
+        recorded = tracing.load(traces, replay) if traces is not None else None
+        base = Plan.from_json(json.dumps(recorded["plan"])) if recorded else make_plan(replay)
+        chosen = [replace(base, bug=inject)]
+    else:
+        chosen = [replace(p, bug=inject) for p in plans(seed, trials, faults, per_fault)]
+    per_fault_counts: dict[str, Counter[str]] = {f: Counter() for f in FAULTS}
     violations: list[Violation] = []
     outcomes: Counter[str] = Counter()
+    details: list[dict[str, Any]] = []
+    written: list[str] = []
+    results: list[TrialResult] = []
     for i, plan in enumerate(chosen):
-        outcome, found = one_trial(plan, journal)
-        outcomes[outcome] += 1
-        per_fault[plan.fault]["trials"] += 1
-        per_fault[plan.fault]["violations"] += len(found)
-        violations += found
+        result = one_trial(plan, journal, timeout)
+        results.append(result)
+        outcomes[result.outcome] += 1
+        counts = per_fault_counts[plan.fault]
+        counts["trials"] += 1
+        counts["violations"] += len(result.violations)
+        for v in result.violations:
+            counts[f"class:{v.kind}"] += 1
+        violations += result.violations
+        failing = bool(result.violations)
+        details.append(result.record(full=failing or replay is not None))
+        if failing and traces is not None and replay is None:
+            record = result.record(full=True)
+            record["backend"] = "sqlite" if journal is None else "postgresql"
+            written.append(str(tracing.save(traces, record)))
         if progress is not None:
-            progress(i, plan, outcome)
-    counts = Counter(v.kind for v in violations)
-    return {
+            progress(i, plan, result.outcome)
+    counts_all = Counter(v.kind for v in violations)
+    out: dict[str, Any] = {
         "trials": len(chosen), "seed": seed, "replay": replay,
         "backend": "sqlite" if journal is None else "postgresql",
-        "faults": {f: {"trials": c["trials"], "violations": c["violations"]}
-                   for f, c in per_fault.items() if c["trials"]},
+        "faults": {f: {"trials": c["trials"], "violations": c["violations"],
+                       "classes": {k: c[f"class:{k}"] for k in CLASSES if c[f"class:{k}"]}}
+                   for f, c in per_fault_counts.items() if c["trials"]},
         "outcomes": dict(outcomes),
         "violations": [v.to_json() for v in violations],
-        "counts": {k: counts.get(k, 0) for k in CLASSES},
+        "counts": {k: counts_all.get(k, 0) for k in CLASSES},
+        "inject": inject or None,
+        "trials_detail": details,
+        "records": written,
     }
+    if replay is not None:
+        out["replay_of"] = recorded
+        out["replay_plan"] = "recorded" if recorded else "from the seed"
+        out["divergence"] = (tracing.divergence(recorded.get("trace", []), results[0].trace)
+                             if recorded else None)
+    return out

@@ -2,99 +2,171 @@
 
 Run as ``python -m tether._chaos.orchestrator DIR PLAN_JSON JOURNAL_URL``. Its children refund
 orders at a simulated provider that writes the shared ledger; the harness reconciles after.
+For the cross-process faults it starts helper processes of its own (``tether worker``, the
+``tether recall`` CLI, a second supervisor) and pauses its workers with SIGSTOP; every signal,
+control and helper exit is noted in the trial's trace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
-import random
 import signal
 import sys
 import threading
-from collections import Counter
+from collections.abc import Awaitable
 from pathlib import Path
 
 import tether
-from tether._chaos.ledger import Ledger
 from tether._chaos.plan import Plan
+from tether._chaos.world import Trial, build, policy
 
-KILL_POINTS = {
-    "kill_before_dispatch": "before_dispatch",
-    "kill_during_dispatch": "during_dispatch",
-    "kill_after_effect": "after_effect",
-    "kill_in_reconcile": "probe",
-}
+WORKER_AGENTS = "tether._chaos.agents:AGENTS"
 
 
-class Trial:
-    def __init__(self, directory: Path, plan: Plan) -> None:
-        self.plan = plan
-        self.ledger = Ledger(directory / "ledger.db")
-        self.seen: Counter[str] = Counter()
-        self.rng = random.Random(plan.seed)
+class Helpers:
+    """The helper processes this orchestrator started, each ended by its own pid."""
 
-    def point(self, name: str) -> None:
-        """SIGKILL this process at the plan's point, on its n-th occurrence."""
-        self.seen[name] += 1
-        if KILL_POINTS.get(self.plan.fault) == name and self.seen[name] == self.plan.kill_nth:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def __init__(self, trial: Trial, url: str) -> None:
+        self.trial = trial
+        self.url = url
+        self.running: dict[int, tuple[str, asyncio.subprocess.Process]] = {}
+        self.paused: set[int] = set()
+        self.stopping: set[int] = set()
+        self._n = 0
 
-    async def provider_refund(self, order_id: str, cents: int, key: str) -> str:
-        await asyncio.sleep(self.plan.latency)  # the request in transit
-        self.point("during_dispatch")
-        ref = self.ledger.apply(key, order_id, cents)
-        self.point("after_effect")
-        await asyncio.sleep(self.plan.reply)  # the reply in transit
-        return ref
+    async def spawn(self, role: str, *argv: str,
+                    ready: str | None = None) -> asyncio.subprocess.Process:
+        self._n += 1
+        log = (self.trial.directory / f"{role}-{self._n}.log").open("wb")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, *argv, env=self.trial.env(), stdout=asyncio.subprocess.PIPE,
+                stderr=log)
+        finally:
+            log.close()
+        self.running[proc.pid] = (role, proc)
+        self.trial.note("spawn", role, pid=proc.pid)
+        if ready is not None:
+            assert proc.stdout is not None
+            line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+            if not line.startswith(ready):
+                raise RuntimeError(f"{role} did not start: {line!r}")
+        return proc
 
-    async def probe(self, order_id: str, cents: int, *,
-                    idempotency_key: str) -> tether.ProbeResult:
-        self.point("probe")
-        if self.plan.probe_mode == "raise":
-            raise RuntimeError("provider lookup unavailable")
-        if self.plan.probe_mode == "hang":
-            await asyncio.sleep(3600)
-        n = self.ledger.count(idempotency_key)
-        outcome = tether.ProbeOutcome.COMPLETED if n else tether.ProbeOutcome.NOT_APPLIED
-        return tether.ProbeResult(outcome, {"applications": n})
+    async def worker(self) -> asyncio.subprocess.Process:
+        return await self.spawn("worker", "-m", "tether", "worker", "--journal", self.url,
+                                "--agents", WORKER_AGENTS, "--lease", f"{self.trial.plan.lease}",
+                                "--stop-timeout", "1", ready="worker ")
+
+    def signal(self, proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+        role = self.running.get(proc.pid, ("helper", proc))[0]
+        if proc.returncode is not None:
+            return
+        os.kill(proc.pid, sig)
+        if sig is signal.SIGSTOP:
+            self.paused.add(proc.pid)
+        elif sig is signal.SIGCONT:
+            self.paused.discard(proc.pid)
+        self.trial.note("signal", role, sig=sig.name, pid=proc.pid)
+
+    def resume(self, pid: int) -> None:
+        """SIGCONT, from any thread."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+            self.paused.discard(pid)
+            self.trial.note("signal", self.running.get(pid, ("helper", None))[0],
+                            sig="SIGCONT", pid=pid)
+
+    async def wait(self, proc: asyncio.subprocess.Process, within: float) -> tuple[
+            int | None, str]:
+        """Its exit code and output, or None (noted as hung, then killed) after ``within``
+        seconds."""
+        role = self.running.get(proc.pid, ("helper", proc))[0]
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), within)
+        except TimeoutError:
+            self.trial.note("helper_hung", role, pid=proc.pid, after=within)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            await proc.wait()
+            self.running.pop(proc.pid, None)
+            return None, ""
+        self.running.pop(proc.pid, None)
+        self.trial.note("exit", role, pid=proc.pid, code=proc.returncode)
+        return proc.returncode, out.decode(errors="replace")
+
+    async def stop(self, proc: asyncio.subprocess.Process) -> None:
+        """SIGTERM (a worker gives up its lease), then wait a while for it."""
+        if proc.returncode is None and proc.pid in self.running:
+            self.stopping.add(proc.pid)
+            if proc.pid in self.paused:
+                self.signal(proc, signal.SIGCONT)
+            self.signal(proc, signal.SIGTERM)
+        if proc.pid in self.running:
+            await self.wait(proc, 6.0)
+
+    async def finish(self) -> None:
+        for _, proc in list(self.running.values()):
+            await self.stop(proc)
 
 
-def tools(trial: Trial) -> tuple[tether.Tool, tether.Tool]:
-    @tether.tool(effect=tether.Effect.EXTERNAL, probe=trial.probe)
-    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
-        trial.point("before_dispatch")
-        return await trial.provider_refund(order_id, cents, idempotency_key)
+class Workers:
+    """The trial's `tether worker`: replaced when it exits on its own (a paused one finds its
+    lease gone and exits 3), as an operator would, until the orchestrator is done."""
 
-    @tether.tool(effect=tether.Effect.READ_ONLY)
-    async def lookup(order_id: str) -> str:
-        await asyncio.sleep(0)
-        return order_id
+    def __init__(self, helpers: Helpers) -> None:
+        self.helpers = helpers
+        self.current: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task[None] | None = None
 
-    return refund, lookup
+    async def start(self) -> asyncio.subprocess.Process:
+        self.current = await self.helpers.worker()
+        self._watch = asyncio.create_task(self._keep())
+        return self.current
+
+    async def _keep(self) -> None:
+        while True:
+            proc = self.current
+            assert proc is not None
+            code = await proc.wait()
+            if proc.pid in self.helpers.stopping:
+                return
+            self.helpers.running.pop(proc.pid, None)
+            self.helpers.trial.note("exit", "worker", pid=proc.pid, code=code)
+            self.current = await self.helpers.worker()
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.current is not None:
+            await self.helpers.stop(self.current)
 
 
 async def run(directory: Path, plan: Plan, url: str) -> None:
-    trial = Trial(directory, plan)
-    refund, lookup = tools(trial)
-    cut = plan.fault == "stream_cut"
+    trial = Trial(directory, plan, "orchestrator")
+    helpers = Helpers(trial, url)
+    try:
+        await orchestrate(trial, url, helpers)
+    finally:
+        await helpers.finish()
 
-    async def agent(ctx: tether.Context, order: str, n: int, cut_at: int) -> str:
-        await ctx.call(lookup, order_id=order)
-        for j in range(n):
-            if cut and j == cut_at and ctx.attempt == 1:
-                raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
-            await ctx.call(refund, order_id=order, cents=j + 1)
-        if cut and cut_at >= n and ctx.attempt == 1:
-            raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
-        return order
 
-    policy = tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0)
-    redispatch = tether.RedispatchPolicy(retry_safe=frozenset({"lookup"}), settle_delay=0.01)
-    async with tether.Supervisor(url, policy=policy, redispatch=redispatch,
+async def orchestrate(trial: Trial, url: str, helpers: Helpers) -> None:
+    plan = trial.plan
+    refund, _, child = build(trial)
+    redispatch = tether.RedispatchPolicy(retry_safe=frozenset({"lookup"}),
+                                         settle_delay=plan.settle)
+    workers = Workers(helpers)
+    left_early = False
+    async with tether.Supervisor(url, policy=policy(plan), redispatch=redispatch,
                                  tools=[refund]) as sup:
-        if plan.fault == "kill_random":
+        if plan.fault == "kill_random" or (plan.fault == "late_apply" and plan.variant == "kill"):
             timer = threading.Timer(plan.kill_after, os.kill, (os.getpid(), signal.SIGKILL))
             timer.daemon = True
             timer.start()
@@ -106,25 +178,101 @@ async def run(directory: Path, plan: Plan, url: str) -> None:
                     loop.call_later(plan.grace / 2, os.kill, os.getpid(), signal.SIGKILL)
 
             sup.listen(kill_in_window)
-        handles = [await sup.delegate(agent, f"o{plan.seed}-{i}", plan.refunds,
-                                      trial.rng.randint(0, plan.refunds),
-                                      tools=[refund, lookup]) for i in range(plan.children)]
-        await control(plan, handles)
-        for handle in handles:
-            with contextlib.suppress(tether.TetherError):
-                await handle.result()
-        await sup.journal.flush()
+        ended: dict[str, asyncio.Event] = {}
+
+        def on_event(event: str, delegation_id: str) -> None:
+            if event == "ended":
+                ended.setdefault(delegation_id, asyncio.Event()).set()
+
+        sup.listen(on_event)
+        if plan.remote:
+            await workers.start()
+        handles = []
+        for i in range(plan.children):
+            cut_at = trial.rng.randint(0, plan.refunds)
+            if plan.fault == "cancel_in_delay" or (plan.fault == "exit_in_flight" and i == 0):
+                cut_at = -1  # cut before any tool ran: re-dispatched after the settle delay
+            handles.append(await sup.delegate(child, f"o{plan.seed}-{i}", plan.refunds, cut_at,
+                                              task_id=f"t{plan.seed}-{i}", remote=plan.remote))
+        trial.note("delegated", "", delegations=[h.id for h in handles])
+        if plan.fault == "exit_in_flight":
+            await asyncio.sleep(plan.control_after)
+            trial.note("leaving", "", running=[h.id for h in handles])
+            left_early = True
+        else:
+            await control(trial, helpers, workers, handles, ended)
+            await sup.journal.flush()
+            trial.note("closing", "")
+    trial.note("left", "")
+    if left_early and plan.remote:
+        await wait_all_terminal(url, 10.0)
+    await workers.stop()
 
 
-async def control(plan: Plan, handles: list[tether.Handle]) -> None:
-    await asyncio.sleep(plan.control_after)
+async def results(handles: list[tether.Handle]) -> None:
+    for handle in handles:
+        with contextlib.suppress(tether.TetherError):
+            await handle.result()
+
+
+async def control(trial: Trial, helpers: Helpers, workers: Workers,
+                  handles: list[tether.Handle], ended: dict[str, asyncio.Event]) -> None:
+    plan = trial.plan
     first = handles[0]
+    if plan.fault == "pause_worker":
+        await asyncio.sleep(plan.pause_after)
+        worker = workers.current
+        assert worker is not None
+        helpers.signal(worker, signal.SIGSTOP)
+        # From a thread, not the event loop: the loop may be waiting for a ledger lock that the
+        # stopped worker holds.
+        timer = threading.Timer(plan.pause_for, helpers.resume, (worker.pid,))
+        timer.start()
+        await results(handles)
+        await asyncio.to_thread(timer.join)
+        return
+    if plan.fault == "pause_orchestrator":  # the harness pauses this process
+        if plan.variant == "remote":
+            await asyncio.sleep(plan.control_after)
+            trial.note("control_sent", first.task_id, how="recall", grace=plan.grace)
+            with contextlib.suppress(tether.TetherError):
+                await first.recall(grace=plan.grace, reason="chaos")
+            trial.note("control_returned", first.task_id, how="recall")
+        await results(handles)
+        return
+    if plan.fault == "cancel_in_delay":
+        attempt = first.id
+        await asyncio.wait_for(ended.setdefault(attempt, asyncio.Event()).wait(), 10)
+        await asyncio.sleep(plan.control_after)  # inside the settle delay
+        if plan.variant == "cli_terminate":
+            await cli(trial, helpers, first.task_id, "terminate", attempt, results(handles))
+        else:
+            how = "cancel" if plan.variant == "sup_cancel" else "terminate"
+            proc = await helpers.spawn(
+                "canceller", "-m", "tether._chaos.canceller", str(trial.directory),
+                plan.to_json(), helpers.url, attempt, first.task_id, how)
+            await asyncio.gather(results(handles), helpers.wait(proc, 15.0))
+        return
+    if plan.fault == "cli_recall":
+        await asyncio.sleep(plan.control_after)
+        await cli(trial, helpers, first.task_id, "recall", first.id, results(handles),
+                  "--grace", f"{plan.grace}")
+        return
+    if plan.fault == "late_apply":
+        await asyncio.sleep(plan.control_after)
+        if plan.variant == "terminate":
+            await first.terminate("chaos")
+        elif plan.variant == "recall":
+            await first.recall(grace=plan.grace, reason="chaos")
+        await results(handles)
+        return
+    await asyncio.sleep(plan.control_after)
     if plan.fault in ("recall", "slow_tool", "kill_in_grace"):
         await first.recall(grace=plan.grace, reason="chaos")
     elif plan.fault in ("terminate", "kill_in_reconcile", "probe_fail"):
         await first.terminate("chaos")
     elif plan.fault == "race":
-        async def worker() -> None:
+        async def racer() -> None:
             try:
                 await first.recall(grace=plan.grace, reason="race")
                 fresh = await first.redelegate()
@@ -133,7 +281,41 @@ async def control(plan: Plan, handles: list[tether.Handle]) -> None:
             with contextlib.suppress(tether.TetherError):
                 await fresh.result()
 
-        await asyncio.gather(worker(), worker())
+        await asyncio.gather(racer(), racer())
+    await results(handles)
+
+
+async def cli(trial: Trial, helpers: Helpers, task_id: str, command: str, delegation_id: str,
+              meanwhile: Awaitable[None], *extra: str) -> None:
+    """``tether recall|terminate ID`` in a process of its own, while ``meanwhile`` runs."""
+    trial.note("control_sent", task_id, how=f"cli {command}", delegation=delegation_id)
+    proc = await helpers.spawn(f"cli-{command}", "-m", "tether", command, delegation_id,
+                               "--journal", helpers.url, "--json", *extra)
+
+    async def answer() -> None:
+        code, out = await helpers.wait(proc, 20.0)
+        if code is None:
+            return
+        detail: dict[str, object] = {"code": code}
+        with contextlib.suppress(ValueError):
+            data = json.loads(out)
+            detail["outcome"] = (data.get("report") or {}).get("outcome")
+            detail["waiting"] = "waiting" in data
+        trial.note("control_returned", task_id, how=f"cli {command}", **detail)
+
+    await asyncio.gather(meanwhile, answer())
+
+
+async def wait_all_terminal(url: str, within: float) -> None:
+    """After leaving the supervisor: the workers still run what was queued; wait for it."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    async with tether.Journal(url, create=False) as j:
+        while loop.time() < deadline:
+            rows = await j.delegations()
+            if all(r.state.terminal for r in rows):
+                return
+            await asyncio.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import asdict, dataclass
+from typing import Any
 
-FAULTS = (
+ORIGINAL_FAULTS = (
     "kill_random",  # SIGKILL at a random moment while children act
     "kill_before_dispatch",  # intent durable, request not yet sent
     "kill_during_dispatch",  # request at the provider, not yet applied
@@ -20,6 +22,33 @@ FAULTS = (
     "probe_fail",  # probes that raise or hang
     "slow_tool",  # tools slower than the grace window
 )
+# Timings across processes: helpers (`tether worker`, the CLI, a second supervisor) are real
+# processes the orchestrator starts; the harness pauses the orchestrator itself.
+NEW_FAULTS = (
+    "pause_worker",  # SIGSTOP a `tether worker` mid-call for longer than its lease, then SIGCONT
+    "pause_orchestrator",  # SIGSTOP the orchestrator past its lease; another process reconciles
+    "late_apply",  # the provider applies a request a while after it was sent (in the network)
+    "exit_in_flight",  # the orchestrator leaves `async with Supervisor` with calls in flight
+    "cancel_in_delay",  # a cut child's re-dispatch delay; terminated from another process
+    "cli_recall",  # `tether recall ID --grace G` of a busy child, from another process
+)
+FAULTS = ORIGINAL_FAULTS + NEW_FAULTS
+
+# The provider applies a request at most this many seconds after the tool sent it, or never
+# (it drops what is older): the chaos refund tool declares it as its dispatch deadline. Plans
+# keep the provider's late-apply delay below it.
+LATE_APPLY_MAX = 1.0
+# Requests expire this much before LATE_APPLY_MAX after the tool's first line, which runs
+# just after the intent: the slack keeps "applied within LATE_APPLY_MAX of the intent" true.
+DEADLINE_SLACK = 0.05
+
+# Deliberate bugs of the simulated world, switched on with `tether chaos --inject`, to prove
+# that the harness catches what they break. They live here, never in the runtime.
+BUGS = (
+    "double_apply",  # the network delivers every request twice (a provider without keys)
+    "blind_probe",  # the provider's lookup misses requests that arrived through the network
+    "overdue_apply",  # the provider applies requests past the deadline the tool declares
+)
 
 
 @dataclass(frozen=True)
@@ -30,33 +59,52 @@ class Plan:
     refunds: int  # per child
     latency: float  # provider latency, seconds
     reply: float  # from applied to the reply reaching the caller
-    control_after: float  # when the orchestrator recalls or terminates
+    control_after: float  # when the orchestrator recalls, terminates, exits or cancels
     grace: float
-    kill_after: float  # kill_random: when
+    kill_after: float  # kill_random (and late_apply/kill): when
     kill_nth: int  # kill_*: at which occurrence of the point
     probe_mode: str  # "ok", "raise" or "hang"
+    # Added with the cross-process faults; the defaults are the original faults' behaviour.
+    late: float = 0.0  # > 0: requests travel through the network and apply this much later
+    remote: bool = False  # children run on a `tether worker` (delegate(..., remote=True))
+    lease: float = 0.0  # > 0: the worker's lease and the supervisors' Policy.lease
+    pause_after: float = 0.0  # when the SIGSTOP comes, after the children were delegated
+    pause_for: float = 0.0  # how long until the SIGCONT
+    settle: float = 0.01  # the re-dispatch settle delay
+    variant: str = ""  # the fault's sub-mode (which process, which control)
+    bug: str = ""  # a deliberate bug of the simulated world (see BUGS), "" for none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls(**json.loads(text))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def trial_seed(run_seed: int, index: int) -> int:
     return random.Random(f"{run_seed}:{index}").randrange(2**31)
 
 
-def plans(run_seed: int, trials: int, faults: tuple[str, ...] = FAULTS) -> list[Plan]:
-    """The run's trials: seeds in order, keeping those whose fault is among ``faults``."""
+def plans(run_seed: int, trials: int, faults: tuple[str, ...] = FAULTS,
+          per_fault: int | None = None) -> list[Plan]:
+    """The run's trials: seeds in order, keeping those whose fault is among ``faults``; with
+    ``per_fault``, the first ``per_fault`` seeds of each fault (in the order of ``faults``)."""
     chosen: list[Plan] = []
+    wanted = {f: per_fault for f in faults} if per_fault is not None else None
     index = 0
-    while len(chosen) < trials:
+    while (len(chosen) < trials) if wanted is None else any(wanted.values()):
         plan = make_plan(trial_seed(run_seed, index))
         index += 1
-        if plan.fault in faults:
+        if wanted is None:
+            if plan.fault in faults:
+                chosen.append(plan)
+        elif wanted.get(plan.fault):
+            wanted[plan.fault] = (wanted[plan.fault] or 0) - 1
             chosen.append(plan)
+    if wanted is not None:
+        chosen.sort(key=lambda p: faults.index(p.fault))
     return chosen
 
 
@@ -65,7 +113,7 @@ def make_plan(seed: int) -> Plan:
     rng = random.Random(seed)
     fault = rng.choice(FAULTS)
     slow = fault == "slow_tool"
-    return Plan(
+    plan = Plan(
         seed=seed, fault=fault, children=rng.randint(1, 3), refunds=rng.randint(1, 3),
         latency=0.15 if slow else rng.choice([0.0, 0.005, 0.02]),
         reply=rng.choice([0.0, 0.01, 0.05]),
@@ -74,3 +122,51 @@ def make_plan(seed: int) -> Plan:
         kill_after=rng.uniform(0.0, 0.12), kill_nth=rng.randint(1, 3),
         probe_mode=rng.choice(["raise", "hang"]) if fault == "probe_fail" else "ok",
     )
+    if fault in NEW_FAULTS:  # a stream of its own, so the fields above stay as they were
+        plan = dataclasses.replace(plan, **_cross_process(fault, random.Random(f"{seed}:{fault}")))
+    return plan
+
+
+def _late(rng: random.Random, always: bool = False) -> float:
+    if not always and rng.random() < 0.5:
+        return 0.0
+    return round(rng.uniform(0.1, 0.8 * LATE_APPLY_MAX), 4)
+
+
+def _cross_process(fault: str, rng: random.Random) -> dict[str, Any]:
+    lease = rng.choice([1.0, 1.5])
+    p: dict[str, Any] = {"lease": lease, "children": rng.randint(1, 2),
+                         "reply": rng.choice([0.0, 0.02])}
+    if fault == "pause_worker":
+        p.update(remote=True, variant="worker", latency=rng.uniform(0.05, 0.3), late=_late(rng),
+                 pause_after=rng.uniform(0.0, 0.4), pause_for=lease * rng.uniform(1.5, 2.5))
+    elif fault == "pause_orchestrator":
+        variant = rng.choice(["local", "remote"])
+        control = rng.uniform(0.05, 0.2)
+        p.update(variant=variant, remote=variant == "remote", late=_late(rng),
+                 latency=rng.uniform(0.05, 0.3) if variant == "local" else rng.uniform(0.2, 0.5),
+                 control_after=control, grace=rng.choice([0.5, 1.0]),
+                 pause_after=(control + rng.uniform(0.02, 0.1)) if variant == "remote"
+                 else rng.uniform(0.0, 0.3),
+                 pause_for=lease * rng.uniform(1.5, 2.5))
+    elif fault == "late_apply":
+        p.update(variant=rng.choice(["terminate", "recall", "kill"]), late=_late(rng, True),
+                 latency=rng.choice([0.0, 0.01]), control_after=rng.uniform(0.0, 0.15),
+                 grace=rng.choice([0.05, 0.2]), kill_after=rng.uniform(0.05, 0.4))
+    elif fault == "exit_in_flight":
+        variant = rng.choice(["local", "remote", "cut"])
+        p.update(variant=variant, remote=variant == "remote", late=_late(rng),
+                 latency=rng.uniform(0.05, 0.3), control_after=rng.uniform(0.0, 0.3),
+                 settle=rng.uniform(0.2, 0.6) if variant == "cut" else 0.01)
+    elif fault == "cancel_in_delay":
+        p.update(variant=rng.choice(["cli_terminate", "sup_terminate", "sup_cancel"]),
+                 latency=rng.choice([0.0, 0.01]), settle=rng.uniform(1.0, 1.5),
+                 control_after=rng.uniform(0.0, 0.4))
+    elif fault == "cli_recall":
+        variant = rng.choice(["local", "remote"])
+        p.update(variant=variant, remote=variant == "remote", latency=rng.uniform(0.1, 0.5),
+                 grace=rng.choice([0.1, 0.3, 1.0]), control_after=rng.uniform(0.05, 0.3),
+                 late=_late(rng))
+    else:  # pragma: no cover - every new fault has a branch
+        raise AssertionError(fault)
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()}

@@ -132,8 +132,21 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
             return ring.signer.sign(ControlIntent(kind, row.id, row.epoch, row.control_seq + 1,
                                                   grace, reason, now))
 
-        intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
-                                            f"cli:{os.getpid()}", now)
+        try:
+            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
+                                                f"cli:{os.getpid()}", now)
+        except AlreadyFinished:
+            # Between attempts nothing runs, yet the request must stop a re-dispatch, which
+            # re-checks the task's cancel generation before forking; one that forked already
+            # is stopped in its own right.
+            row = await j.get(delegation_id)
+            await j.bump_cancel(row.task_id, now, f"{kind.value.lower()}: {reason}")
+            latest = await j.latest_attempt(delegation_id)
+            if latest.id == delegation_id or latest.state.terminal:
+                raise
+            delegation_id = latest.id
+            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
+                                                f"cli:{os.getpid()}", now)
         answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
                                   "kind": kind.value, "accepted": True}
         if not wait:
@@ -144,7 +157,9 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
         deadline = loop.time() + budget
         while loop.time() < deadline:
             current = await j.get(delegation_id)
-            if current.state.terminal:
+            # Settled, or drained by its owner with calls left in doubt (still in flight):
+            # the report says which.
+            if current.state.terminal or await j.drained(delegation_id):
                 answer["report"] = (await build_report(j, delegation_id)).to_json()
                 return answer
             await asyncio.sleep(0.05)
@@ -164,7 +179,8 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     try:
         answer = run(_send(journal, keys, delegation_id, kind, grace, reason, wait))
     except AlreadyFinished as exc:
-        raise UserError(f"nothing to {kind.value.lower()}: {exc}") from None
+        raise UserError(f"nothing to {kind.value.lower()}: {exc} (a re-dispatch of its task, "
+                        "if one was pending, is cancelled)") from None
     if as_json:
         emit_json(answer)
         return
@@ -346,44 +362,95 @@ def mcp_proxy(
 def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
           seed: Annotated[int, typer.Option("--seed")] = 1,
           replay: Annotated[int | None, typer.Option(
-              "--replay", help="Run only the trial with this trial seed.")] = None,
+              "--replay", help="Run only the trial with this trial seed (its recorded plan, "
+              "if --traces holds it) and print its recorded trace beside the new one.")] = None,
           faults: Annotated[str | None, typer.Option(
               "--faults", help="Comma-separated fault kinds to draw from.")] = None,
+          per_fault: Annotated[int | None, typer.Option(
+              "--per-fault", min=1, help="Run this many trials of each chosen fault instead "
+              "of --trials drawn among them.")] = None,
           journal: Annotated[str | None, typer.Option(
               "--journal", help="postgresql://... to run each trial in its own schema there "
               "(default: a SQLite file per trial).")] = None,
+          traces: Annotated[Path, typer.Option(
+              "--traces", help="Where failing trials' records (plan and observed schedule) "
+              "are written, and where --replay reads them.")] = Path(".tether/chaos"),
+          inject: Annotated[str | None, typer.Option(
+              "--inject", help="A deliberate bug of the simulated provider, to check that "
+              "chaos catches it: double_apply, blind_probe or overdue_apply.")] = None,
+          trial_timeout: Annotated[float, typer.Option(
+              "--trial-timeout", min=1.0, help="Seconds before a trial counts as hung.")] = 30.0,
           as_json: JsonOpt = False) -> None:
-    """Crash, race and fault trials, each judged against the outside world's own ledger."""
+    """Crash, race, pause and fault trials, each judged against the outside world's ledger."""
     from rich.progress import Progress
     from rich.table import Table
 
     from tether._chaos.harness import CLASSES, run_chaos
-    from tether._chaos.plan import FAULTS
+    from tether._chaos.plan import BUGS, FAULTS
+    from tether._chaos.trace import line
 
     chosen = FAULTS if faults is None else tuple(f.strip() for f in faults.split(","))
     unknown = [f for f in chosen if f not in FAULTS]
     if unknown or not chosen:
         raise UserError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    if inject is not None and inject not in BUGS:
+        raise UserError(f"unknown --inject {inject!r}; known: {', '.join(BUGS)}")
     if journal is not None and not journal.startswith(("postgresql://", "postgres://")):
         raise UserError("--journal for chaos takes a postgresql:// URL; SQLite is the default")
-    total = 1 if replay is not None else trials
+    total = 1 if replay is not None else (
+        trials if per_fault is None else per_fault * len(set(chosen)))
     with Progress(console=err, transient=True, disable=as_json) as bar:
         task = bar.add_task("chaos trials", total=total)
         result = run_chaos(trials, seed, chosen, replay, journal,
-                           progress=lambda *_: bar.advance(task))
+                           progress=lambda *_: bar.advance(task), per_fault=per_fault,
+                           traces=traces, inject=inject or "", timeout=trial_timeout)
     if as_json:
         emit_json(result)
-    else:
-        table = Table(title=f"tether chaos: {result['trials']} trials, seed {seed}")
-        for col in ("fault", "trials", "violations"):
-            table.add_column(col)
-        for name, row in result["faults"].items():
-            table.add_row(name, str(row["trials"]), str(row["violations"]))
-        out.print(table)
-        out.print("  ".join(f"{k}: {result['counts'][k]}" for k in CLASSES))
-        for v in result["violations"][:20]:
-            out.print(f"[red]{v['class']}[/red] (fault {v['fault']}): {v['detail']} - replay "
-                      f"with: tether chaos --replay {v['trial_seed']}")
+        raise typer.Exit(1 if result["violations"] else 0)
+    title = (f"tether chaos: replay of trial {replay}" if replay is not None
+             else f"tether chaos: {result['trials']} trials, seed {seed}")
+    table = Table(title=title)
+    for col in ("fault", "trials", "violations", "by class"):
+        table.add_column(col)
+    for name, row in result["faults"].items():
+        table.add_row(name, str(row["trials"]), str(row["violations"]),
+                      " ".join(f"{k} {n}" for k, n in row["classes"].items()))
+    out.print(table)
+    out.print("  ".join(f"{k}: {result['counts'][k]}" for k in CLASSES) + "  outcomes: "
+              + ", ".join(f"{k} {n}" for k, n in sorted(result["outcomes"].items())))
+    backend = "" if journal is None else f" --journal {journal}"
+    injected = "" if inject is None else f" --inject {inject}"
+    for v in result["violations"][:20]:
+        out.print(f"[red]{v['class']}[/red] (fault {v['fault']}): {v['detail']} - replay "
+                  f"with: tether chaos --replay {v['trial_seed']}{backend}{injected}",
+                  highlight=False)
+    for path in result["records"][:5]:
+        out.print(f"recorded: {path}", highlight=False)
+    if replay is not None:
+        recorded = result["replay_of"]
+        new = result["trials_detail"][0]["trace"]
+        old = recorded.get("trace", []) if recorded else []
+        side = Table(title=f"recorded run (left, {len(old)} events) and this run "
+                           f"(right, {len(new)} events)", show_lines=False)
+        side.add_column("recorded", overflow="fold")
+        side.add_column("replayed", overflow="fold")
+        for i in range(max(len(old), len(new))):
+            side.add_row(line(old[i]) if i < len(old) else "",
+                         line(new[i]) if i < len(new) else "")
+        out.print(side)
+        if recorded is not None and (recorded["plan"].get("bug") or None) != inject:
+            out.print(f"note: recorded with --inject {recorded['plan'].get('bug') or 'nothing'}"
+                      f", replayed with --inject {inject or 'nothing'}", highlight=False)
+        if recorded is None:
+            out.print(f"no record of trial {replay} in {traces}: the plan came from the seed "
+                      "alone and there is nothing to compare with", highlight=False)
+        elif result["divergence"] is None:
+            out.print("the two runs saw the same events in the same order", highlight=False)
+        else:
+            d = result["divergence"]
+            out.print(f"the runs part at event {d['index']}: recorded "
+                      f"{line(d['recorded'])!r}, replayed {line(d['replayed'])!r}",
+                      highlight=False)
     raise typer.Exit(1 if result["violations"] else 0)
 
 

@@ -27,6 +27,7 @@ class ActionRecord:
     late: bool = False  # the outcome arrived after the action had been declared IN_DOUBT
     started_at: float = 0.0
     ended_at: float | None = None
+    deadline_at: float | None = None  # after this wall time the call can no longer apply
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,6 +45,7 @@ class ActionRecord:
             "late": self.late,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
+            "deadline_at": self.deadline_at,
         }
 
 

@@ -25,6 +25,7 @@ from mcp import types as mcp_types
 
 from tether._core.errors import UserError
 from tether._core.model import Effect
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._runtime.tools import ProbeFn, Tool
 
 KEY_META = "io.tether/idempotency-key"
@@ -40,12 +41,14 @@ class McpToolError(Exception):
 class ServerPolicy:
     """The operator's word on one MCP server: its name in tether (tools are named
     ``server.tool``), whether its annotations are believed, and per-tool effects and probes
-    that override anything the server says."""
+    that override anything the server says, and dispatch deadlines (seconds after a call's
+    intent past which the server can no longer apply it; tether's default otherwise)."""
 
     name: str
     trusted: bool = False
     effects: Mapping[str, Effect] = field(default_factory=dict)
     probes: Mapping[str, ProbeFn] = field(default_factory=dict)
+    deadlines: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -123,7 +126,7 @@ async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
         policy = ServerPolicy(policy)
     offered = await list_all(session)
     names = {t.name for t in offered}
-    unknown = sorted((set(policy.effects) | set(policy.probes)) - names)
+    unknown = sorted((set(policy.effects) | set(policy.probes) | set(policy.deadlines)) - names)
     if unknown:
         raise UserError(f"MCP server {policy.name}: the policy names tools it does not offer: "
                         f"{', '.join(unknown)} (it offers {', '.join(sorted(names))})")
@@ -131,7 +134,9 @@ async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
     for spec in offered:
         tools.append((Tool(f"{policy.name}.{spec.name}", effect_of(spec, policy),
                            _caller(session, spec.name, raw),
-                           probe=policy.probes.get(spec.name)), spec))
+                           probe=policy.probes.get(spec.name),
+                           dispatch_deadline=policy.deadlines.get(
+                               spec.name, DEFAULT_DISPATCH_DEADLINE)), spec))
     return tools
 
 

@@ -28,6 +28,7 @@ from agents.tool_context import ToolContext
 
 from tether._core.errors import UserError
 from tether._core.model import Effect
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.redispatch import CeilingReached, CutReason, Partial, StreamCut
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, ProbeFn, Tool
@@ -53,7 +54,8 @@ def cut_reason(exc: BaseException) -> CutReason | None:
     return None
 
 
-def _gateway_tool(sdk: FunctionTool, effect: Effect, probe: ProbeFn | None) -> Tool:
+def _gateway_tool(sdk: FunctionTool, effect: Effect, probe: ProbeFn | None,
+                  deadline: float) -> Tool:
     # A copy whose exceptions are not turned into a message for the model, so that they reach
     # the gateway: a tool that raised may have applied (IN_DOUBT, probed), unless it raised
     # tether.ToolRejected (FAILED). The model still gets the SDK's message (see _through).
@@ -71,7 +73,7 @@ def _gateway_tool(sdk: FunctionTool, effect: Effect, probe: ProbeFn | None) -> T
             _KEY.reset(token)
 
     run.__name__ = sdk.name
-    return Tool(sdk.name, effect, run, probe=probe)
+    return Tool(sdk.name, effect, run, probe=probe, dispatch_deadline=deadline)
 
 
 def _through(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
@@ -99,13 +101,16 @@ def _through(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
 
 def as_tether_agent(sdk_agent: SdkAgent[Any], *, effects: Mapping[str, Effect] | None = None,
                     probes: Mapping[str, ProbeFn] | None = None, max_turns: int = 10,
-                    name: str | None = None) -> Agent:
+                    name: str | None = None,
+                    deadlines: Mapping[str, float] | None = None) -> Agent:
     """A tether agent that runs ``sdk_agent`` on its input, streaming, through the gateway.
     ``effects`` and ``probes`` are keyed by function tool name; a name the agent does not have
-    is refused (a typo would leave a payment tool at the default)."""
+    is refused (a typo would leave a payment tool at the default). ``deadlines``: per tool,
+    seconds after a call's intent past which it can no longer apply (tether's default)."""
     effects, probes = dict(effects or {}), dict(probes or {})
+    deadlines = dict(deadlines or {})
     functions = {t.name: t for t in sdk_agent.tools if isinstance(t, FunctionTool)}
-    unknown = sorted((set(effects) | set(probes)) - set(functions))
+    unknown = sorted((set(effects) | set(probes) | set(deadlines)) - set(functions))
     if unknown:
         raise UserError(f"agent {sdk_agent.name} has no function tool named "
                         f"{', '.join(unknown)}")
@@ -114,7 +119,8 @@ def as_tether_agent(sdk_agent: SdkAgent[Any], *, effects: Mapping[str, Effect] |
             raise UserError(f"effect of {tool_name!r} must be a tether.Effect other than DELEGATE")
     if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
         raise UserError("max_turns must be a positive integer")
-    gateway = {n: _gateway_tool(t, effects.get(n, Effect.EXTERNAL), probes.get(n))
+    gateway = {n: _gateway_tool(t, effects.get(n, Effect.EXTERNAL), probes.get(n),
+                                deadlines.get(n, DEFAULT_DISPATCH_DEADLINE))
                for n, t in functions.items()}
     # Anything else is granted by name: tether cannot mediate it, and says so in the surface.
     others = [getattr(t, "name", type(t).__name__) for t in sdk_agent.tools

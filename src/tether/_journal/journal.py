@@ -255,8 +255,15 @@ class Journal:
         return await self._write(ops.finish_action, action_id, outcome, now, result,
                                  None, evidence)
 
+    async def settle_pending(self, action_id: str, now: float, why: str) -> bool:
+        return await self._write(ops.action_in_doubt, action_id, now, why)
+
     async def mark_in_doubt(self, root_id: str, now: float) -> list[str]:
         return await self._write(ops.mark_in_doubt, root_id, now)
+
+    async def action(self, action_id: str) -> ActionRecord:
+        """One action as committed (read beside the writer: other processes' progress)."""
+        return await self.peek(ops.get_action, action_id)
 
     async def actions(self, delegation_ids: list[str]) -> list[ActionRecord]:
         return await self._read(ops.actions, delegation_ids)
@@ -270,6 +277,9 @@ class Journal:
     def event(self, at: float, what: str, delegation_id: str | None = None,
               action_id: str | None = None, /, **detail: Any) -> None:
         self._post(ops.event, at, what, delegation_id, action_id, **detail)
+
+    async def drained(self, delegation_id: str) -> bool:
+        return await self.peek(ops.drained, delegation_id)
 
     async def last_verdict(self, delegation_id: str) -> dict[str, Any] | None:
         return await self._read(ops.last_verdict, delegation_id)

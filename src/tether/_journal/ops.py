@@ -28,8 +28,19 @@ from tether._core.model import (
     ControlKind,
     DelegationState,
     Effect,
-    action_may_move,
     check_delegation_move,
+)
+from tether._core.outcome import (
+    DEFAULT_DISPATCH_DEADLINE,
+    ActionFacts,
+    Gate,
+    KeyVerdict,
+    PriorCall,
+    Receipt,
+    decide_key,
+    judge_gate,
+    judge_receipt,
+    settle,
 )
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed
@@ -79,7 +90,7 @@ _DELEGATION_COLS = (
 )
 _ACTION_COLS = (
     "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
-    "late, started_at, ended_at"
+    "late, started_at, ended_at, deadline_at"
 )
 
 
@@ -114,6 +125,7 @@ def _action_row(row: Any) -> ActionRecord:
         args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
         result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
         started_at=row[12], ended_at=row[13],
+        deadline_at=row[12] + DEFAULT_DISPATCH_DEADLINE if row[14] is None else row[14],
     )
 
 
@@ -441,62 +453,60 @@ def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
 
 def begin_action(db: Db, new: NewAction) -> BeginResult:
     """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
-    The fence is part of the INSERT itself; the gate is read only to explain a refusal."""
-    prior = db.execute(
+    The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
+    intent accepted for the delegation cannot commit between the check and the insert."""
+    gate_row = db.execute(
+        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d "
+        "JOIN tasks t ON t.id = d.task_id WHERE d.id = ? /*LOCK d, t*/",
+        (new.delegation_id,),
+    ).fetchone()
+    if gate_row is None:
+        raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
+    lease = db.execute(
+        "SELECT o.lease_until FROM delegations d JOIN owners o ON o.id = d.owner_id "
+        "WHERE d.id = ?", (new.delegation_id,)).fetchone()
+    gate = judge_gate(fenced=bool(gate_row[0]), epoch=gate_row[1], task_epoch=gate_row[2],
+                      caller_epoch=new.epoch, lease_until=None if lease is None else lease[0],
+                      now=new.now)
+    if gate is not Gate.OPEN:
+        if gate is Gate.LEASE_EXPIRED:
+            event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
+                  key=new.idem_key)
+        return BeginResult(Begin(gate.value), new.id)
+    prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4])) for r in db.execute(
         "SELECT id, tool, args_hash, state, result FROM actions WHERE idem_key = ? "
         "ORDER BY started_at",
         (new.idem_key,),
-    ).fetchall()
-    replay: BeginResult | None = None
-    problem: Exception | None = None  # raised only if the fence does not refuse first
-    for pid, ptool, phash, pstate, presult in prior:
-        if phash != new.args_hash or ptool != new.tool:
-            problem = IdempotencyConflict(new.idem_key, ptool)
-        elif pstate == ActionState.COMPLETED.value:
-            replay = BeginResult(Begin.REPLAY, pid, loads(presult))
-        elif pstate not in (ActionState.FAILED.value, ActionState.NOT_APPLIED.value):
-            problem = KeyInUse(new.idem_key, pid, pstate)
-    if replay is None and problem is None:
-        cur = db.execute(
-            f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
-            ", args_hash) "
-            "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ? FROM delegations d "
-            "JOIN tasks t ON t.id = d.task_id "
-            "WHERE d.id = ? AND d.fenced = 0 AND d.epoch = ? AND t.epoch = ? AND "
-            f"{LEASED.format('d')} /*LOCK d, t*/",
-            (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
-             new.idem_key, ActionState.PENDING.value, new.now, new.args_hash,
-             new.delegation_id, new.epoch, new.epoch, new.now),
-        )
-        if cur.rowcount == 1:
-            return BeginResult(Begin.STARTED, new.id)
-    gate = db.execute(
-        "SELECT d.fenced, d.epoch, t.epoch, o.lease_until FROM delegations d "
-        "JOIN tasks t ON t.id = d.task_id LEFT JOIN owners o ON o.id = d.owner_id "
-        "WHERE d.id = ?",
-        (new.delegation_id,),
-    ).fetchone()
-    if gate is None:
-        raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
-    if gate[0]:
-        return BeginResult(Begin.FENCED, new.id)
-    if gate[3] is not None and gate[3] <= new.now:
-        event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
-              key=new.idem_key)
-        return BeginResult(Begin.LEASE_EXPIRED, new.id)
-    if gate[1] != new.epoch or gate[2] != new.epoch:
-        return BeginResult(Begin.STALE_EPOCH, new.id)
-    if problem is not None:
-        raise problem
-    assert replay is not None  # the insert can only miss because of the gate
-    return replay
+    ).fetchall()]
+    decision = decide_key(new.tool, new.args_hash, prior)
+    found = decision.prior
+    if decision.verdict is KeyVerdict.CONFLICT:
+        assert found is not None
+        raise IdempotencyConflict(new.idem_key, found.tool)
+    if decision.verdict is KeyVerdict.REPLAY:
+        assert found is not None
+        return BeginResult(Begin.REPLAY, found.action_id, found.result)
+    if decision.verdict is KeyVerdict.WAIT:
+        assert found is not None
+        return BeginResult(Begin.WAIT, found.action_id)
+    if decision.verdict is KeyVerdict.UNKNOWN:
+        assert found is not None
+        raise KeyInUse(new.idem_key, found.action_id, found.state.value)
+    db.execute(
+        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
+        ", args_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+        (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
+         new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
+    )
+    return BeginResult(Begin.STARTED, new.id)
 
 
 def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, result: Any = None,
                   error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
-    """Record an outcome. A receipt for an action already declared IN_DOUBT (or settled by a
-    probe) is a late receipt: it is kept, flagged, and a COMPLETED one wins (I3, I8)."""
-    if evidence is None and action_may_move(ActionState.PENDING, outcome):
+    """Record an outcome: an executor's receipt, or a probe's answer (with ``evidence``). A
+    fence refuses new intents, never receipts: a receipt for an action already declared in
+    doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
+    if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
         # The common case, a receipt for a PENDING action: one statement.
         cur = db.execute(
             "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
@@ -505,24 +515,46 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         )
         if cur.rowcount == 1:
             return outcome
-    row = db.execute("SELECT state FROM actions WHERE id = ?", (action_id,)).fetchone()
+    row = db.execute("SELECT state, delegation_id FROM actions WHERE id = ?",
+                     (action_id,)).fetchone()
     if row is None:
         raise NotFound(f"no action {action_id!r} in this journal")
     old = ActionState(row[0])
-    if old is outcome or not action_may_move(old, outcome):  # e.g. a second receipt
+    verdict = judge_receipt(old, outcome, from_probe=evidence is not None)
+    if verdict is Receipt.IGNORE:
         event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
         return old
-    late = old is not ActionState.PENDING and evidence is None
+    late = verdict is Receipt.LATE
     db.execute(
         "UPDATE actions SET state = ?, result = COALESCE(?, result), error = COALESCE(?, error), "
-        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, ended_at = ? "
-        "WHERE id = ? AND state = ?",
+        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, "
+        "ended_at = COALESCE(ended_at, ?) WHERE id = ? AND state = ?",
         (outcome.value, None if result is None else dumps(result), error,
          None if evidence is None else dumps(evidence), late, now, action_id, old.value),
     )
     event(db, now, "late_receipt" if late else "outcome", None, action_id,
           old=old.value, new=outcome.value)
+    if late or evidence is not None:
+        resettle(db, row[1], now, "late receipt" if late else "probe")
     return outcome
+
+
+def resettle(db: Db, delegation_id: str, now: float, why: str) -> DelegationRow:
+    """Re-open a stopped delegation's accounting after a new fact about one of its actions:
+    it moves to its settled state once nothing of it may still apply. A running delegation
+    settles when it ends."""
+    row = get_delegation(db, delegation_id)
+    if row.state is DelegationState.RUNNING:
+        return row
+    mine = db.execute("SELECT state, evidence FROM actions WHERE delegation_id = ?",
+                      (delegation_id,)).fetchall()
+    new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
+                 row.state)
+    if new is row.state:
+        return row
+    event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
+          why=why)
+    return set_state(db, delegation_id, new, now)
 
 
 def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
@@ -537,6 +569,22 @@ def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
                    (action_id,))
         event(db, now, "in_doubt", None, action_id)
     return ids
+
+
+def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
+    """One PENDING action declared in doubt (its executor is going away with it running)."""
+    cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
+                     (action_id,))
+    if cur.rowcount == 1:
+        event(db, now, "in_doubt", None, action_id, why=why)
+    return cur.rowcount == 1
+
+
+def get_action(db: Db, action_id: str) -> ActionRecord:
+    row = db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE id = ?", (action_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no action {action_id!r} in this journal")
+    return _action(row)
 
 
 def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
@@ -580,6 +628,17 @@ def facts(db: Db, root_id: str) -> JournalFacts:
     )
     effecting = sum(1 for r in rows if Effect(r[2]).side_effecting)
     return JournalFacts(root_id, root.control_seq, pending, in_doubt, effecting)
+
+
+def drained(db: Db, delegation_id: str) -> bool:
+    """Whether a drain ended (a verdict) after the delegation's latest accepted intent."""
+    row = db.execute(
+        "SELECT MAX(CASE WHEN kind = 'control' THEN id END), "
+        "MAX(CASE WHEN kind = 'verdict' THEN id END) FROM events "
+        "WHERE delegation_id = ? AND kind IN ('control', 'verdict')",
+        (delegation_id,),
+    ).fetchone()
+    return row is not None and row[0] is not None and row[1] is not None and row[1] > row[0]
 
 
 def last_verdict(db: Db, delegation_id: str) -> dict[str, Any] | None:

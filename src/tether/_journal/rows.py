@@ -102,6 +102,7 @@ class NewAction:
     args_hash: str
     idem_key: str
     now: float
+    deadline_at: float  # after this wall time the call can no longer apply (outcome model)
 
 
 class Begin(StrEnum):
@@ -110,6 +111,7 @@ class Begin(StrEnum):
     FENCED = "FENCED"  # a RECALL or TERMINATE was accepted for the delegation (I2)
     STALE_EPOCH = "STALE_EPOCH"  # the task was re-delegated (I4)
     LEASE_EXPIRED = "LEASE_EXPIRED"  # the owning worker's lease ran out: it may be presumed dead
+    WAIT = "WAIT"  # an earlier call with this key may still apply: wait for its outcome
 
 
 @dataclass(frozen=True)

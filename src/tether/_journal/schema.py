@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -112,6 +112,12 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             done_at REAL)""",
         """CREATE INDEX queue_waiting ON queue(agent, enqueued_at) WHERE claimed_by IS NULL""",
         """CREATE INDEX delegations_owner ON delegations(owner_id, state)""",
+    ),
+    # The outcome model: each intent carries the time after which its call can no longer
+    # apply (the tool's dispatch deadline), so that any process can tell when a probe's
+    # "not applied" is final. NULL (older rows): started_at plus the default deadline.
+    3: (
+        """ALTER TABLE actions ADD COLUMN deadline_at REAL""",
     ),
 }
 

@@ -165,11 +165,18 @@ class Context:
         clock, journal = self._sup.clock, self._sup.journal
         if "intent_after_dispatch" in FAULTS:  # breaks I1 on purpose
             result = await found.fn(**kwargs, idempotency_key=key)
-        begun = await journal.begin_action(NewAction(
-            id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=order,
-            tool=found.name, effect=found.effect, args_json=encoded, args_hash=args_hash,
-            idem_key=key, now=clock.wall(),
-        ))
+        while True:
+            now = clock.wall()
+            begun = await journal.begin_action(NewAction(
+                id=new_id("a"), delegation_id=rt.id, epoch=rt.row.epoch, ordinal=order,
+                tool=found.name, effect=found.effect, args_json=encoded, args_hash=args_hash,
+                idem_key=key, now=now, deadline_at=now + found.dispatch_deadline,
+            ))
+            if begun.status is not Begin.WAIT:
+                break
+            # An earlier call with this key (a recalled or crashed attempt's) may still apply:
+            # wait for its outcome, then replay it or run again if it finally did not apply.
+            await self._sup.await_call(begun.action_id, key)
         if begun.status in (Begin.FENCED, Begin.STALE_EPOCH, Begin.LEASE_EXPIRED):
             # The journal's fence is the authority; our in-memory flag may not know yet.
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
@@ -188,17 +195,27 @@ class Context:
         if found.effect.side_effecting:
             rt.effects_started += 1
         sup.telemetry.actions.add(1, {"effect": found.effect.value, "tool": found.name})
-        task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs))
+        task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs,
+                                             now + found.dispatch_deadline))
         rt.inflight[begun.action_id] = task
+        self._sup.track_call(begun.action_id, task)
         task.add_done_callback(_forget(rt, begun.action_id))
         # Shielded: cancelling the child does not cancel an action already on its way.
         return await asyncio.shield(task)
 
-    async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any]) -> Any:
+    async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any],
+                   deadline_at: float) -> Any:
         journal, clock, rt = self._sup.journal, self._sup.clock, self._rt
         span = self._sup.telemetry.action_span(rt.span, tool.name, tool.effect.value,
                                                rt.row.task_id, rt.row.attempt)
         span.set_attribute("tether.action", action_id)
+        if clock.wall() >= deadline_at:
+            # Paused between the intent and the send: past its deadline the call would break
+            # the tool's promise that nothing applies later, so it is never sent.
+            journal.finish_action(action_id, ActionState.FAILED, clock.wall(),
+                                  error="dispatch deadline passed before the call was sent")
+            end(span, outcome=ActionState.FAILED.value)
+            raise ToolRejected(f"{tool.name}: dispatch deadline passed before the call was sent")
         try:
             result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:

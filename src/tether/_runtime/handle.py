@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from tether._core.errors import AlreadyFinished, InvalidTransition, UserError
@@ -76,13 +77,25 @@ class Handle:
         try:
             return await self._sup._control(target, kind, grace, reason, seq)
         except AlreadyFinished:
-            # Between attempts nothing runs, yet the request must stop a re-dispatch.
-            await self._cancel_gap(f"{kind.value.lower()}: {reason}")
+            # Between attempts nothing runs, yet the request must stop a re-dispatch, whoever
+            # drives it (this process or another): the journal's cancel generation tells it.
+            await self._cancel_gap(f"{kind.value.lower()}: {reason}", target)
+            # A re-dispatch driven elsewhere may have forked before the request landed (a
+            # local one re-checks the generation after its fork).
+            latest = await self._sup.journal.latest_attempt(target)
+            if (self._run is None and latest.id != target and not latest.state.terminal
+                    and seq is None):
+                # A re-dispatch forked before the request landed: stop the new attempt too.
+                with contextlib.suppress(AlreadyFinished):
+                    return await self._sup._control(latest.id, kind, grace, reason, None)
             return await self.report()
 
-    async def _cancel_gap(self, why: str) -> None:
-        if self._run is not None and not self._run.done.done():
-            await self._sup.journal.bump_cancel(self.task_id, self._sup.clock.wall(), why)
+    async def _cancel_gap(self, why: str, target: str | None = None) -> None:
+        if self._run is not None and self._run.done.done():
+            return
+        row = await self._sup.journal.get(target or self.id)
+        await self._sup.journal.bump_cancel(row.task_id, self._sup.clock.wall(), why)
+        if self._run is not None:
             self._run.cut_short.set()
 
     async def recall(self, grace: float, reason: str = "", *, seq: int | None = None) -> Report:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
+from tether._core.outcome import ActionFacts, judge_probe, settle
 from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
@@ -54,49 +55,34 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
 
 async def probe_all(journal: Journal, actions: list[ActionRecord],
                     tools: Mapping[str, Tool], clock: Clock, limit: float) -> None:
+    """Probe each action and record the answer. A "not applied" before the call's dispatch
+    deadline keeps it IN_DOUBT with the probe's evidence: it may still land."""
+
     async def one(action: ActionRecord) -> None:
         answer = await probe_one(action, tools.get(action.tool), clock, limit)
-        evidence = {**answer.evidence, "probe": answer.outcome.value, "probed_at": clock.wall()}
-        await journal.settle_action(action.id, answer.outcome.action_state, clock.wall(),
-                                    evidence, answer.result)
+        now = clock.wall()
+        deadline = action.deadline_at if action.deadline_at is not None else now
+        state = judge_probe(answer.outcome, voided=answer.voided, deadline_at=deadline,
+                            now=now)
+        evidence = {**answer.evidence, "probe": answer.outcome.value, "probed_at": now}
+        if state is ActionState.IN_DOUBT:
+            evidence["not_final"] = (f"not applied yet: the call may still apply until its "
+                                     f"dispatch deadline ({deadline - now:.3g} s from now)")
+        await journal.settle_action(action.id, state, now, evidence, answer.result)
 
     await asyncio.gather(*(one(a) for a in actions))
 
 
-def final_state(actions: list[ActionRecord], fallback: DelegationState) -> DelegationState:
-    """A node's state once nothing of it is in flight: any UNKNOWN needs a person; anything
-    that had to be probed is RECONCILED; otherwise ``fallback`` (RECALLED, TERMINATED, ...)."""
-    if any(a.state in (ActionState.UNKNOWN, ActionState.IN_DOUBT) for a in actions):
-        return DelegationState.NEEDS_ATTENTION
-    if any(a.evidence for a in actions):
-        return DelegationState.RECONCILED
-    return fallback
-
-
-def natural_end(state: DelegationState, fallback: DelegationState) -> DelegationState:
-    """Where a stopped delegation ends when nothing had to be probed: a recall that was under
-    way ends RECALLED (even if its owner died in the grace window), a terminate TERMINATED."""
-    if state is DelegationState.RECALLING:
-        return DelegationState.RECALLED
-    if state is DelegationState.TERMINATING:
-        return DelegationState.TERMINATED
-    return fallback
-
-
 async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
                          fallback: DelegationState) -> None:
-    """Move every non-terminal node (deepest first) to its final state. Finished nodes whose
-    actions were reconciled afterwards move to RECONCILED or NEEDS_ATTENTION."""
+    """Move every node (deepest first) to its settled state (``_core.outcome.settle``). A node
+    with a call that may still apply keeps its state until that call is settled."""
     rows = await journal.subtree(root_id)
     acts = await journal.actions([r.id for r in rows])
     for row in reversed(rows):
-        mine = [a for a in acts if a.delegation_id == row.id]
-        if row.state.terminal:
-            if row.state in (DelegationState.RECONCILED,):
-                continue
-            new = final_state(mine, row.state)
-        else:
-            new = final_state(mine, natural_end(row.state, fallback))
+        mine = [ActionFacts(a.state, bool(a.evidence)) for a in acts
+                if a.delegation_id == row.id]
+        new = settle(row.state, mine, fallback)
         if new is not row.state:
             await journal.set_state(row.id, new, clock.wall())
 

@@ -89,12 +89,14 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
     """Wait until the task queued as ``queued_id`` has ended (in whichever worker claimed it,
     across its re-dispatched attempts) and return its last attempt. A worker that dies first
     is presumed dead when its lease runs out, and its work is reconciled here."""
+    recovered: set[str] = set()  # once each: calls left in doubt are re-probed at their deadline
     while True:
         progress = await sup.journal.queue_progress(queued_id)
         entry, latest = progress.entry, progress.latest
         claimant = entry.claimed_by if entry is not None else None
         dead = claimant is not None and not judge_alive(sup, progress.claimant, progress.server_now)
-        if dead and not latest.state.terminal:
+        if dead and not latest.state.terminal and latest.id not in recovered:
+            recovered.add(latest.id)
             await sup._recover_one(latest, f"worker {claimant} lost its lease")
             latest = await sup.journal.get(latest.id)
         # Done: its worker (or the issuer of an early recall) marked it so, or nobody is left

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tether._core import drain
 from tether._core.documents import (
     Acknowledgement,
     ControlIntent,
@@ -19,11 +20,13 @@ from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
     InvalidTransition,
+    KeyInUse,
     Recalled,
     Terminated,
     UserError,
 )
-from tether._core.model import ControlKind, DelegationState, Policy, check_grace
+from tether._core.model import ActionState, ControlKind, DelegationState, Policy, check_grace
+from tether._core.outcome import UNSETTLED
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import Report
 from tether._core.signing import Signed
@@ -87,7 +90,12 @@ class Supervisor:
         self._learn(check_surface(tools, "Supervisor(tools=...)").values())
         self.owner_id = new_id("o")
         self._runtimes: dict[str, ChildRuntime] = {}
+        # Every tool call of this process still running, by action id, whether or not its
+        # delegation is still tracked: a call left running after a recall's grace window must
+        # still record its receipt.
+        self._calls: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._rechecks: set[str] = set()  # roots with a re-probe scheduled
         self._last_control = 0
         self._poll = control_poll
         self._open = False
@@ -96,6 +104,9 @@ class Supervisor:
         self._wakeup: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abandoned = False
+        # A worker's lease as last renewed (None: no lease). Past it this process is presumed
+        # dead by others and settles nothing itself: its calls only record their receipts.
+        self.lease_until: float | None = None
         self.redispatch = redispatch or RedispatchPolicy()
         self.hooks = hooks or Hooks()
         self.telemetry = Telemetry(tracer_provider, meter_provider)
@@ -109,6 +120,11 @@ class Supervisor:
     @property
     def control_poll(self) -> float:
         return self._poll
+
+    def presumed_dead(self) -> bool:
+        """Whether others may take this process for dead: its lease ran out (or it gave up)."""
+        return self._abandoned or (self.lease_until is not None
+                                   and self.clock.wall() >= self.lease_until)
 
     def _notified(self, payload: str) -> None:
         """From the journal's listener thread: another process did something that may concern
@@ -155,6 +171,36 @@ class Supervisor:
             elif isinstance(item, Agent):
                 self._learn(item.tools)
 
+    def track_call(self, action_id: str, task: asyncio.Task[Any]) -> None:
+        self._calls[action_id] = task
+        task.add_done_callback(lambda _: self._calls.pop(action_id, None))
+
+    async def await_call(self, action_id: str, key: str) -> None:
+        """Wait until an earlier action with idempotency key ``key`` has an outcome that lets
+        a new call with the key decide (replay, run again, or fail): at most until the earlier
+        call's dispatch deadline, after which a probe's answer is final."""
+        task = self._calls.get(action_id)
+        if task is not None:  # this process runs it: its receipt is posted before it ends
+            await asyncio.wait([task])
+            await self.journal.flush()
+            return
+        while True:
+            action = await self.journal.action(action_id)
+            if action.state not in UNSETTLED:
+                return
+            deadline = action.deadline_at if action.deadline_at is not None else 0.0
+            now = self.clock.wall()
+            if now >= deadline:
+                if action.state is ActionState.IN_DOUBT:
+                    await probe_all(self.journal, [action], self._tools, self.clock,
+                                    self.policy.probe_timeout)
+                    action = await self.journal.action(action_id)
+                if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
+                    raise KeyInUse(key, action_id, action.state.value)
+                return
+            await first_of(self.clock, min(deadline - now, self.policy.lease),
+                           self.wake(self._poll))
+
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Supervisor:
         await self.journal.open()
@@ -183,11 +229,27 @@ class Supervisor:
             if rt.parent is None and rt.task is not None and not rt.task.done():
                 with contextlib.suppress(AlreadyFinished):
                     await self._control(rt.id, ControlKind.TERMINATE, None, "supervisor closed")
+        await self._let_calls_finish()
         self._open = False
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.journal.close()
+
+    async def _let_calls_finish(self) -> None:
+        """Calls still running (left to finish after a recall's grace window, or by a lost
+        lease) get a bounded while to record their receipts; whatever is still running then is
+        declared in doubt, so that the next supervisor on the journal probes it."""
+        running = [t for t in self._calls.values() if not t.done()]
+        if running:
+            await first_of(self.clock, self.policy.ack_timeout + self.policy.probe_timeout,
+                           asyncio.gather(*running, return_exceptions=True))
+        left = [a for a, t in self._calls.items() if not t.done()]
+        with contextlib.suppress(Exception):  # a lost journal: recovery still finds them
+            for action_id in left:
+                await self.journal.settle_pending(action_id, self.clock.wall(),
+                                                  "its supervisor closed while it ran")
+            await self.journal.flush()
 
     @property
     def abandoned(self) -> bool:
@@ -199,7 +261,9 @@ class Supervisor:
         self._abandoned = True
         for rt in list(self._runtimes.values()):
             if rt.parent is None:
-                self._cut(rt)
+                # Calls already sent keep running and record their receipts (a fence refuses
+                # new intents, never receipts); only the children's own code stops.
+                self._cut(rt, actions=False)
 
     def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         task = asyncio.create_task(coro)
@@ -224,6 +288,8 @@ class Supervisor:
         every = max(1, int(self.policy.lease / 3 / self._poll))
         while True:
             await self.wake(self._poll)
+            if self.presumed_dead():
+                continue  # whoever reconciles our delegations settles them, not us
             for row in await self.journal.controls_to_adopt(self.owner_id, self._last_control):
                 self._last_control = max(self._last_control, row.id)
                 rt = self._runtimes.get(row.delegation_id)
@@ -315,9 +381,12 @@ class Supervisor:
                               Code.CANCELLED_DURING_FORK)
             if moved is not None:
                 await record(self, rt, moved, "after_fork")
-                await self.journal.set_state(rt.id, DelegationState.CANCELLED, self.clock.wall(),
-                                             error="cancelled before it ran",
-                                             failure="cancelled")
+                with contextlib.suppress(AlreadyFinished, InvalidTransition):
+                    # (a cancel from another process may have terminated it first)
+                    await self.journal.set_state(rt.id, DelegationState.CANCELLED,
+                                                 self.clock.wall(),
+                                                 error="cancelled before it ran",
+                                                 failure="cancelled")
                 await stop_hook(self, rt, moved.code.value)
                 return False
             rt.run.current = rt
@@ -346,6 +415,10 @@ class Supervisor:
             ending = (DelegationState.SUCCEEDED, value, None, None)
             outcome: tuple[bool, Any] = (True, value)
         except ControlSignal as signal:
+            if rt.stop is None and rt.draining is None and not self.presumed_dead():
+                # The journal fenced it before this process heard of the intent (a recall
+                # from another shell): drain it now, or nobody would settle it.
+                await self._adopt_latest(rt)
             return False, signal
         except asyncio.CancelledError:
             if rt.stop is None:
@@ -392,9 +465,7 @@ class Supervisor:
             # A control intent was accepted first (RECALLING cannot become SUCCEEDED). If it
             # came from another process and the poll has not seen it yet, drain it now: the
             # journal says it must be settled, and nobody else here will.
-            controls = await self.journal.controls(rt.id)
-            if controls:
-                self._adopt(rt, controls[-1])
+            await self._adopt_latest(rt)
             return
         if doubtful:  # a tool raised: it may have applied; ask the outside world
             await probe_all(self.journal, doubtful, self._tools, self.clock,
@@ -409,12 +480,16 @@ class Supervisor:
         if not isinstance(reason, str):
             raise UserError("reason must be a string")
         issued = self.clock.wall()
+        if seq is None:
+            # The next sequence as this caller sees it, so that of two racing callers the
+            # loser is told the current sequence (I4) rather than that the state moved.
+            seq = (await self.journal.get(delegation_id)).control_seq + 1
+        offered = seq
 
         def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
             return self.keys.signer.sign(ControlIntent(
-                kind=kind, delegation_id=row.id, epoch=row.epoch,
-                seq=row.control_seq + 1 if seq is None else seq, grace=grace, reason=reason,
-                issued_at=issued))
+                kind=kind, delegation_id=row.id, epoch=row.epoch, seq=offered, grace=grace,
+                reason=reason, issued_at=issued))
 
         _, signed = await self.journal.sign_and_accept(delegation_id, make, self.keys.trusted,
                                                        self.owner_id, issued)
@@ -425,6 +500,11 @@ class Supervisor:
         if rt is None:
             return await settle_elsewhere(self, delegation_id, signed)
         return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
+
+    async def _adopt_latest(self, rt: ChildRuntime) -> None:
+        controls = await self.journal.controls(rt.id)
+        if controls:
+            self._adopt(rt, controls[-1])
 
     def _adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
         """Drain for an intent another process wrote. Its acceptance time is wall-clock; the
@@ -451,38 +531,58 @@ class Supervisor:
                     task.cancel()
 
     async def _drain(self, rt: ChildRuntime, signed: Signed, accepted_at: float) -> Report:
+        """Drive the drain protocol (``_core.drain``): every decision is made there."""
         intent = self.keys.trusted.verify(signed, ControlIntent)
-        recall = intent.kind is ControlKind.RECALL
+        stop, cut_now = drain.start(intent.kind)
         for node in rt.walk():
-            node.stop = node.stop or (Recalled if recall else Terminated)(node.id, intent.reason)
+            node.stop = node.stop or (Recalled if stop is drain.Stop.RECALLED
+                                      else Terminated)(node.id, intent.reason)
         verdict, reason = Verdict.TERMINATE, "terminate requested"
-        if recall:
+        if not cut_now:
             verdict, reason = await self._grace_window(rt, signed, intent, accepted_at)
-        killed = verdict is Verdict.TERMINATE or any(
-            isinstance(n.stop, Terminated) for n in rt.walk())
-        terminate = killed or verdict.must_terminate or verdict is Verdict.REJECTED
-        if terminate:
-            self._cut(rt, actions=killed)
+        plan = drain.ending(verdict, killed=cut_now or any(
+            isinstance(n.stop, Terminated) for n in rt.walk()))
+        if plan.terminate:
+            self._cut(rt, actions=plan.cut_calls)
         children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
         for task in children:  # nothing can start any more; stop waiting for model work
             task.cancel()
         if children:
             await first_of(self.clock, self.policy.ack_timeout,
                            asyncio.gather(*children, return_exceptions=True))
-        now = self.clock.wall()
-        if terminate:
-            await self.journal.mark_in_doubt(rt.id, now)
-        await self.journal.flush()
-        doubtful = await self.journal.unsettled(rt.id)
-        if doubtful:
-            await probe_all(self.journal, doubtful, self._tools, self.clock,
-                            self.policy.probe_timeout)
-        fallback = DelegationState.TERMINATED if terminate else DelegationState.RECALLED
-        await settle_subtree(self.journal, rt.id, self.clock, fallback)
+        if plan.mark_in_doubt:
+            await self.journal.mark_in_doubt(rt.id, self.clock.wall())
+        await self._account(rt.id, plan.fallback)
         self.journal.event(self.clock.wall(), "verdict", rt.id, verdict=verdict.value,
                            reason=reason)
         await self.journal.flush()
         return await build_report(self.journal, rt.id)
+
+    async def _account(self, root_id: str, fallback: DelegationState) -> None:
+        """Probe what is in doubt, settle the subtree, and keep checking in the background
+        what may still apply (``drain.recheck_at``) until it is final."""
+        await self.journal.flush()
+        doubtful = await self.journal.unsettled(root_id)
+        if doubtful:
+            await probe_all(self.journal, doubtful, self._tools, self.clock,
+                            self.policy.probe_timeout)
+        await settle_subtree(self.journal, root_id, self.clock, fallback)
+        await self._recheck_later(root_id, fallback)
+
+    async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:
+        open_calls = [a for a in await self.journal.unsettled(root_id)
+                      if a.state is ActionState.IN_DOUBT]
+        at = drain.recheck_at((a.deadline_at or 0.0 for a in open_calls), self.clock.wall())
+        if at is not None and self._open and root_id not in self._rechecks:
+            self._rechecks.add(root_id)
+            self._spawn(self._recheck(root_id, fallback, at))
+
+    async def _recheck(self, root_id: str, fallback: DelegationState, at: float) -> None:
+        try:
+            await self.clock.sleep(at - self.clock.wall())
+        finally:
+            self._rechecks.discard(root_id)
+        await self._account(root_id, fallback)
 
     async def _grace_window(self, rt: ChildRuntime, signed: Signed, intent: ControlIntent,
                             accepted_at: float) -> tuple[Verdict, str]:
@@ -498,19 +598,19 @@ class Supervisor:
             receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, self.clock.wall()))
             await self.journal.record_receipt(receipt, trusted, self.clock.wall())
         while True:
+            # Counted before the journal is read: a call that ends after this count posted its
+            # receipt before ending, so the flush below commits it before the read.
+            running = rt.inflight_tasks()
             await self.journal.flush()
             facts = await self.journal.facts(rt.id)
             decision = evaluate_recall(RecallInput(
                 signed, facts, accepted_at, self.clock.now(), self.policy, trusted, ack, receipt))
-            if any(isinstance(n.stop, Terminated) for n in nodes):
-                return Verdict.TERMINATE, "terminated during the grace window"
-            if decision.verdict not in (Verdict.WAIT_IN_FLIGHT, Verdict.AWAIT_ACK):
-                return decision.verdict, decision.reason
-            running = rt.inflight_tasks()
-            if not running:  # pending in the journal, but nothing here runs it: in doubt
-                return Verdict.GRACE_EXPIRED, "in-flight action has no live task"
-            await first_of(self.clock, decision.wait,
-                           asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED))
+            step = drain.grace_step(decision, live=len(running), terminated=any(
+                isinstance(n.stop, Terminated) for n in nodes))
+            if step.wait is None:
+                return step.verdict, step.reason
+            waits = [asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)] if running else []
+            await first_of(self.clock, step.wait, *waits)
 
     # -- recovery -------------------------------------------------------------------------------
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
@@ -530,7 +630,7 @@ class Supervisor:
                     continue  # queued: it waits for a worker, whoever queued it
                 reports.append(await self._recover_one(row, f"owner {row.owner_id} is gone"))
         doubtful = [a for a in await self.journal.unsettled(delegation_id)
-                    if a.delegation_id not in self._runtimes]
+                    if a.delegation_id not in self._runtimes and a.id not in self._calls]
         if doubtful:
             await probe_all(self.journal, doubtful, self._tools, self.clock,
                             self.policy.probe_timeout)
@@ -538,21 +638,26 @@ class Supervisor:
             for root in roots:
                 row = await self.journal.get(root)
                 await settle_subtree(self.journal, root, self.clock, row.state)
+                await self._recheck_later(root, row.state)
                 if all(r.delegation_id != root for r in reports):
                     reports.append(await build_report(self.journal, root))
         return reports
 
     async def _recover_one(self, row: DelegationRow, reason: str) -> Report:
+        if not row.state.terminal and await self.journal.drained(row.id):
+            # Its owner drained it before going away, leaving calls in doubt: finish the
+            # accounting, without a second verdict that would hide the first.
+            await self.journal.mark_in_doubt(row.id, self.clock.wall())
+            await self._account(row.id, DelegationState.TERMINATED)
+            await self.journal.flush()
+            return await build_report(self.journal, row.id)
         if row.state in (DelegationState.RUNNING,):
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
                                    None, f"recovery: {reason}", self.clock.wall())
             await self.journal.accept_control(self.keys.signer.sign(intent), self.keys.trusted,
                                               self.owner_id, self.clock.wall())
-        now = self.clock.wall()
-        await self.journal.mark_in_doubt(row.id, now)
-        doubtful = await self.journal.unsettled(row.id)
-        await probe_all(self.journal, doubtful, self._tools, self.clock, self.policy.probe_timeout)
-        await settle_subtree(self.journal, row.id, self.clock, DelegationState.TERMINATED)
+        await self.journal.mark_in_doubt(row.id, self.clock.wall())
+        await self._account(row.id, DelegationState.TERMINATED)
         self.journal.event(self.clock.wall(), "verdict", row.id, verdict="RECOVERED",
                            reason=reason)
         await self.journal.flush()

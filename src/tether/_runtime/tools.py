@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias, overload
 
 from tether._core.errors import UserError
-from tether._core.model import Effect, ProbeOutcome
+from tether._core.model import Effect, ProbeOutcome, check_positive
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class ProbeResult:
     outcome: ProbeOutcome
     evidence: dict[str, Any] = field(default_factory=dict)
     result: Any = None  # the action's result, when the outside world can tell it
+    # NOT_APPLIED only: the probe made sure the key can never apply (cancelled or voided it at
+    # the provider), so the answer is final before the tool's dispatch deadline.
+    voided: bool = False
 
 
 ToolFn: TypeAlias = Callable[..., Awaitable[Any]]
@@ -42,10 +46,15 @@ class Tool:
     fn: ToolFn
     probe: ProbeFn | None = None
     compensate: ToolFn | None = None
+    # Seconds after its intent within which a call may still apply at the provider (a request
+    # in the network, a provider's queue): the tool's promise that nothing applies later.
+    # Until then a probe's "not applied" is "not applied yet".
+    dispatch_deadline: float = DEFAULT_DISPATCH_DEADLINE
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise UserError("a tool needs a non-empty name")
+        check_positive(self.dispatch_deadline, f"tool {self.name}: dispatch_deadline")
         if not isinstance(self.effect, Effect):
             raise UserError(
                 f"tool {self.name}: effect must be a tether.Effect, got {self.effect!r}"
@@ -69,16 +78,19 @@ class Tool:
 def tool(fn: ToolFn, /) -> Tool: ...
 @overload
 def tool(*, effect: Effect = ..., name: str | None = ..., probe: ProbeFn | None = ...,
-         compensate: ToolFn | None = ...) -> Callable[[ToolFn], Tool]: ...
+         compensate: ToolFn | None = ...,
+         dispatch_deadline: float = ...) -> Callable[[ToolFn], Tool]: ...
 
 
 def tool(fn: ToolFn | None = None, /, *, effect: Effect = Effect.EXTERNAL,
          name: str | None = None, probe: ProbeFn | None = None,
-         compensate: ToolFn | None = None) -> Tool | Callable[[ToolFn], Tool]:
-    """Declare a tool. Undeclared effect means EXTERNAL: fail closed."""
+         compensate: ToolFn | None = None,
+         dispatch_deadline: float = DEFAULT_DISPATCH_DEADLINE) -> Tool | Callable[[ToolFn], Tool]:
+    """Declare a tool. Undeclared effect means EXTERNAL: fail closed. ``dispatch_deadline``:
+    seconds after the intent past which the provider can no longer apply a call."""
 
     def wrap(f: ToolFn) -> Tool:
-        return Tool(name or f.__name__, effect, f, probe, compensate)
+        return Tool(name or f.__name__, effect, f, probe, compensate, dispatch_deadline)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -104,8 +104,10 @@ class Worker:
         await sup.__aenter__()
         try:
             await self._check_clock()
-            if not await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease):
+            now = sup.clock.wall()
+            if not await sup.journal.renew_lease(sup.owner_id, now, self.lease):
                 raise LeaseLost(sup.owner_id)
+            sup.lease_until = now + self.lease
         except BaseException:
             await sup.__aexit__(None, None, None)
             raise
@@ -202,15 +204,16 @@ class Worker:
         while True:
             # Real time: a lease is about this process being alive, not about any clock.
             await asyncio.sleep(self.lease / 3)
-            started = loop.time()
+            started, now = loop.time(), sup.clock.wall()
             try:
-                ok = await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), self.lease)
+                ok = await sup.journal.renew_lease(sup.owner_id, now, self.lease)
             except JournalError as exc:  # cannot tell whether the lease holds: stop
                 sup.abandon()
                 raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
             if not ok or loop.time() - started > self.lease:
                 sup.abandon()
                 raise LeaseLost(sup.owner_id)
+            sup.lease_until = now + self.lease
             await self._check_clock()
 
     async def _check_clock(self) -> None:

@@ -1,0 +1,226 @@
+"""The outcome model: when an action's outcome is final, and what the journal does with a new
+fact about it. Pure: the journal's operations, the runtime and the simulator all decide here.
+
+Final means final. A probe's "not applied" is final only when the call can no longer apply:
+the probe voided the key at the provider, or the tool's dispatch deadline, journaled with the
+intent, has passed. Until then the action stays IN_DOUBT, "not applied yet", and is probed
+again at the deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from tether._core.model import ActionState, DelegationState, ProbeOutcome, action_may_move
+
+# Seconds after an intent within which a dispatched call may still apply at the provider
+# (a request in the network, a provider's queue). A tool declares its own; this is the default.
+DEFAULT_DISPATCH_DEADLINE = 30.0
+
+_A = ActionState
+_S = DelegationState
+# Outcomes that prove nothing was applied: the only ones that free an idempotency key.
+KEY_FREE = frozenset({_A.FAILED, _A.NOT_APPLIED})
+# Outcomes that still owe reconciliation.
+UNSETTLED = frozenset({_A.PENDING, _A.IN_DOUBT})
+
+
+def may_still_apply(*, deadline_at: float, now: float) -> bool:
+    """Can this call still apply? Until its dispatch deadline it can, whatever is known of its
+    executor: a task that raised, was cancelled or whose process died may have left its
+    request in the network. The tool's deadline is its promise that nothing applies later."""
+    return now < deadline_at
+
+
+def judge_probe(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
+                now: float) -> ActionState:
+    """The state a probe's answer moves an in-doubt action to."""
+    if answer is ProbeOutcome.COMPLETED:
+        return _A.COMPLETED
+    if answer is ProbeOutcome.UNKNOWN:
+        return _A.UNKNOWN
+    if voided or not may_still_apply(deadline_at=deadline_at, now=now):
+        return _A.NOT_APPLIED
+    return _A.IN_DOUBT  # not applied *yet*: probed again after the deadline
+
+
+class Receipt(StrEnum):
+    """What the journal does with a new outcome for an action."""
+
+    RECORD = "RECORD"  # the outcome of a call still PENDING, or a probe's answer
+    LATE = "LATE"  # an executor's receipt for an action already declared in doubt: kept, flagged
+    IGNORE = "IGNORE"  # the same outcome again, or one that cannot follow (logged as an event)
+
+
+def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool) -> Receipt:
+    """A fence refuses new intents, never receipts: an executor's outcome is recorded whenever
+    it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN; nothing overrides
+    COMPLETED or FAILED."""
+    if old is new and not (from_probe and old is _A.IN_DOUBT):
+        return Receipt.IGNORE
+    if old is _A.IN_DOUBT and new is _A.IN_DOUBT:
+        return Receipt.RECORD  # a probe's "not yet": evidence recorded, still in doubt
+    if not action_may_move(old, new):
+        return Receipt.IGNORE
+    if old is _A.PENDING or from_probe:
+        return Receipt.RECORD
+    return Receipt.LATE
+
+
+# -- idempotency keys (I7) -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PriorCall:
+    """An earlier action with the same idempotency key."""
+
+    action_id: str
+    tool: str
+    args_hash: str
+    state: ActionState
+    result: Any = None
+
+
+class KeyVerdict(StrEnum):
+    RUN = "RUN"  # no live use of the key: the intent may be written
+    REPLAY = "REPLAY"  # the key COMPLETED with these arguments: return its result
+    WAIT = "WAIT"  # the earlier call may still apply: wait for its outcome, then decide again
+    UNKNOWN = "UNKNOWN"  # the earlier call's outcome is unknown: a person must decide
+    CONFLICT = "CONFLICT"  # the key was used with other arguments (the Stripe rule)
+
+
+@dataclass(frozen=True)
+class KeyDecision:
+    verdict: KeyVerdict
+    prior: PriorCall | None = None
+
+
+def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall]) -> KeyDecision:
+    """A probe never frees a key that may still be live: only FAILED and a final NOT_APPLIED do.
+    A re-delegated child reaching a key still in flight or in doubt waits for it."""
+    waiting: PriorCall | None = None
+    for call in prior:
+        if call.args_hash != args_hash or call.tool != tool:
+            return KeyDecision(KeyVerdict.CONFLICT, call)
+    for call in prior:
+        if call.state is _A.COMPLETED:
+            return KeyDecision(KeyVerdict.REPLAY, call)
+        if call.state is _A.UNKNOWN:
+            return KeyDecision(KeyVerdict.UNKNOWN, call)
+        if call.state in UNSETTLED:
+            waiting = call
+    if waiting is not None:
+        return KeyDecision(KeyVerdict.WAIT, waiting)
+    return KeyDecision(KeyVerdict.RUN)
+
+
+# -- the fence (I2, I4) ------------------------------------------------------------------------
+
+class Gate(StrEnum):
+    OPEN = "OPEN"
+    FENCED = "FENCED"  # a RECALL or TERMINATE was accepted for the delegation
+    STALE_EPOCH = "STALE_EPOCH"  # the task was re-delegated
+    LEASE_EXPIRED = "LEASE_EXPIRED"  # the owning worker's lease ran out
+
+
+def judge_gate(*, fenced: bool, epoch: int, task_epoch: int, caller_epoch: int,
+               lease_until: float | None, now: float) -> Gate:
+    """Whether a new intent (action, child, attempt) may pass. Receipts never come here."""
+    if fenced:
+        return Gate.FENCED
+    if lease_until is not None and lease_until <= now:
+        return Gate.LEASE_EXPIRED
+    if epoch != caller_epoch or task_epoch != caller_epoch:
+        return Gate.STALE_EPOCH
+    return Gate.OPEN
+
+
+# -- liveness ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OwnerFacts:
+    """What the journal (and this host) know of the process that owns a delegation."""
+
+    heartbeat_at: float
+    lease_until: float | None  # a worker's lease; None for an owner without one
+    same_host: bool
+    pid_alive: bool | None  # on this host: does its process exist (None: not asked)
+
+
+def owner_alive(owner: OwnerFacts | None, *, now: float, server_now: float | None,
+                heartbeat_lease: float) -> bool:
+    """A worker is alive while its lease holds (judged on the database server's clock where
+    there is one); another owner while its heartbeat is recent and, on this host, while its
+    process exists. Presumed dead is not gone: its calls may still land (``may_still_apply``)."""
+    if owner is None:
+        return False
+    if owner.lease_until is not None:
+        return owner.lease_until > (now if server_now is None else server_now)
+    if now - owner.heartbeat_at > heartbeat_lease:
+        return False
+    return not (owner.same_host and owner.pid_alive is False)
+
+
+# -- settling a delegation --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ActionFacts:
+    state: ActionState
+    probed: bool  # it carries a probe's (or a person's) evidence
+
+
+def natural_end(state: DelegationState, fallback: DelegationState) -> DelegationState:
+    """Where a stopped delegation ends when nothing had to be probed: a recall that was under
+    way ends RECALLED (even if its owner died in the grace window), a terminate TERMINATED."""
+    if state is _S.RECALLING:
+        return _S.RECALLED
+    if state is _S.TERMINATING:
+        return _S.TERMINATED
+    return fallback
+
+
+def settle(state: DelegationState, actions: Iterable[ActionFacts],
+           fallback: DelegationState) -> DelegationState:
+    """A node's state once its accounting is done, or ``state`` unchanged while it is not.
+
+    A node with an action that may still apply (PENDING or IN_DOUBT) is not settled: it keeps
+    its state (a stopping one stays RECALLING or TERMINATING), so that whoever checks again can
+    settle it. Any UNKNOWN needs a person; anything probed is RECONCILED; otherwise the natural
+    end. Applied to a settled node, it re-opens the accounting: NEEDS_ATTENTION whose last
+    UNKNOWN was settled moves to RECONCILED."""
+    facts = list(actions)
+    if state is _S.RECONCILED or state is _S.CANCELLED:
+        return state
+    if any(a.state in UNSETTLED for a in facts):
+        return state
+    if any(a.state is _A.UNKNOWN for a in facts):
+        return _S.NEEDS_ATTENTION
+    if any(a.probed for a in facts) or state is _S.NEEDS_ATTENTION:
+        return _S.RECONCILED
+    if state.terminal:
+        return state
+    return natural_end(state, fallback)
+
+
+__all__ = [
+    "DEFAULT_DISPATCH_DEADLINE",
+    "KEY_FREE",
+    "UNSETTLED",
+    "ActionFacts",
+    "Gate",
+    "KeyDecision",
+    "KeyVerdict",
+    "OwnerFacts",
+    "PriorCall",
+    "Receipt",
+    "decide_key",
+    "judge_gate",
+    "judge_probe",
+    "judge_receipt",
+    "may_still_apply",
+    "natural_end",
+    "owner_alive",
+    "settle",
+]
