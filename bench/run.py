@@ -307,6 +307,15 @@ def dbos_anchor(directory: Path, steps: int, workflows: int, wf_steps: int) -> d
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def sim_throughput(trials: int) -> float:
+    """Trials per minute of `tether sim` (every fault, one process)."""
+    from tether._sim.trial import run_sim
+
+    start = time.perf_counter()
+    run_sim(trials, 20_261)
+    return trials / (time.perf_counter() - start) * 60
+
+
 def machine() -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
@@ -357,6 +366,7 @@ def main() -> int:
         storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
+        sims = [sim_throughput(1000 if q else 5000) for _ in range(1 if q else 3)]
     figures["commit_s"] = stats(commit)
     figures["row_in_100_commit_s"] = stats(row100)
     figures["tether_action_s"] = stats(seq)
@@ -379,6 +389,7 @@ def main() -> int:
                         "all_reports_s": storms[0][1]}
     figures["idle_child_bytes"] = memory
     figures["dbos"] = dbos
+    figures["sim_trials_per_minute"] = stats(sims)
     c_med = figures["commit_s"]["median"]
     per_action = figures["tether_action_s"]["median"]
     conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
@@ -414,6 +425,9 @@ def main() -> int:
                figures["pg_worker_recall_s"]["p99"] * 1000 if pg_recall else None, 20.0, "ms",
                "max", f"`tether worker` process, {len(pg_recall)} recalls" if pg_recall
                else f"no server at {PG}"),
+        target("sim_throughput: `tether sim` trials per minute",
+               figures["sim_trials_per_minute"]["median"], 10_000, "trials/min", "min",
+               "every fault, one process"),
     ]
     result = {"machine": machine(), "quick": q, "figures": figures, "targets": targets}
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2))
@@ -437,7 +451,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| figure | median | min | max |", "| --- | --- | --- | --- |"]
     for key in ("commit_s", "row_in_100_commit_s", "tether_action_s", "action_per_commit_ratio",
                 "pg_action_per_insert_ratio", "tether_concurrent_actions_per_s",
-                "tether_cpu_per_action_s"):
+                "tether_cpu_per_action_s", "sim_trials_per_minute"):
         if key not in f:
             continue
         s = f[key]

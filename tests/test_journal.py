@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import sqlite3
 from collections.abc import AsyncIterator
@@ -171,8 +172,10 @@ async def test_idempotency_key_rules(journal: Journal) -> None:
     assert (await journal.begin_action(new_action("b2", key="k2"))).status is Begin.STARTED
     await journal.mark_in_doubt("d1", 4.0)
     await journal.settle_action("b2", tether.ActionState.UNKNOWN, 4.0, {"probe": "UNKNOWN"})
-    with pytest.raises(tether.KeyInUse):
-        await journal.begin_action(new_action("b3", key="k2"))
+    # Until its deadline an UNKNOWN call may still land (its receipt would replay): wait.
+    assert (await journal.begin_action(new_action("b3", key="k2"))).status is Begin.WAIT
+    with pytest.raises(tether.KeyInUse):  # past it, a person must decide
+        await journal.begin_action(dataclasses.replace(new_action("b4", key="k2"), now=40.0))
 
 
 async def test_late_receipt_is_kept_and_wins(journal: Journal) -> None:

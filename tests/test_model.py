@@ -197,10 +197,8 @@ class JournalRules(RuleBasedStateMachine):
             assert self.model.live(did)
             assert any(v[2] != digest for _, v in prior)
             return
-        except tether.KeyInUse:  # an outcome nobody knows: a person decides
-            assert self.model.live(did)
-            assert any(v[3] is A.UNKNOWN for _, v in prior)
-            return
+        except tether.KeyInUse:  # an outcome nobody knows, past its deadline: a person decides
+            raise AssertionError("every call here is within its deadline") from None
         if not self.model.live(did):  # I2: the fence answers first, and nothing is written
             assert result.status in (Begin.FENCED, Begin.STALE_EPOCH)
             return
@@ -209,7 +207,7 @@ class JournalRules(RuleBasedStateMachine):
             assert any(v[3] is A.COMPLETED for _, v in prior)
             return
         if result.status is Begin.WAIT:  # a call that may still apply holds the key
-            assert any(v[3] in (A.PENDING, A.IN_DOUBT) and a == result.action_id
+            assert any(v[3] in (A.PENDING, A.IN_DOUBT, A.UNKNOWN) and a == result.action_id
                        for a, v in prior)
             return
         assert result.status is Begin.STARTED

@@ -373,7 +373,7 @@ def test_the_retry_safe_set_is_literal_and_never_admits_a_shell() -> None:
 def test_research_registry_entry_is_eligible_by_the_pure_decision() -> None:
     """Anti-drift: the research surface as the supervisor describes it, not a hand-made set."""
     from tether._runtime.attempts import surface_facts
-    from tether._runtime.gateway import ChildRuntime
+    from tether._runtime.state import ChildRuntime
     from tether._runtime.tools import check_surface
 
     rt = ChildRuntime.__new__(ChildRuntime)

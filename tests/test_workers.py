@@ -17,6 +17,7 @@ import pytest
 
 import tether
 from tests import remote_agents
+from tests.conftest import settled
 from tests.remote_agents import listen_gate, open_gate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +123,10 @@ async def test_a_grace_window_expiring_on_a_worker_is_reconciled(cluster: Cluste
         handle = await sup.delegate(remote_agents.refunder, "hold-4", remote=True)
         await started
         report = await handle.recall(grace=0.2, reason="too slow")  # never released
-    assert report.verdict == "GRACE_EXPIRED"
+        assert report.verdict == "GRACE_EXPIRED"
+        if not report.outcome.terminal:  # drained before the call's deadline: in doubt
+            assert report.actions[0].state is tether.ActionState.IN_DOUBT
+            report = await settled(sup, handle.id)  # the worker probes again at the deadline
     (action,) = report.actions
     assert action.state is tether.ActionState.NOT_APPLIED  # the provider has no entry
     assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
@@ -136,6 +140,9 @@ async def test_terminate_across_processes_reconciles_the_in_flight_action(
         handle = await sup.delegate(remote_agents.refunder, "hold-2", remote=True)
         await started
         report = await handle.terminate(reason="stop now")
+        if not report.outcome.terminal:  # drained before the call's deadline: in doubt
+            assert report.actions[0].state is tether.ActionState.IN_DOUBT
+            report = await settled(sup, handle.id)  # the worker probes again at the deadline
     assert report.outcome is tether.DelegationState.RECONCILED  # terminated, then probed
     assert report.verdict == "TERMINATE"
     (action,) = report.actions

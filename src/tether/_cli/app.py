@@ -126,11 +126,18 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
                 grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
     async with Journal(journal_url, create=False) as j:
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
+        # A recall offers the next sequence as read now, so that the loser of two racing
+        # recalls is told the current sequence (I4); a terminate takes the next one whatever
+        # came before it (it cuts a recall's grace window short).
+        offered = None
+        if kind is ControlKind.RECALL:
+            offered = (await j.get(delegation_id)).control_seq + 1
         now = time.time()
 
         def make(row: DelegationRow) -> Signed:
-            return ring.signer.sign(ControlIntent(kind, row.id, row.epoch, row.control_seq + 1,
-                                                  grace, reason, now))
+            seq = row.control_seq + 1 if offered is None else offered
+            return ring.signer.sign(ControlIntent(kind, row.id, row.epoch, seq, grace, reason,
+                                                  now))
 
         try:
             intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
@@ -490,6 +497,15 @@ def trace_analyze(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
         emit_json(data)
     else:
         render_forensics(out, data)
+
+
+def _register_sim() -> None:
+    from tether._cli.sim import sim
+
+    app.command("sim")(cli_errors(sim))
+
+
+_register_sim()
 
 
 def main() -> None:

@@ -105,7 +105,9 @@ _DELEGATION_MOVES: dict[DelegationState, frozenset[DelegationState]] = {
     _S.RECALLED: _FINISH,
     _S.TERMINATED: _FINISH,
     _S.NEEDS_ATTENTION: frozenset({_S.RECONCILED}),
-    _S.RECONCILED: frozenset(),
+    # Only a fact that contradicts a final outcome (a receipt for a key already freed) can
+    # re-open a reconciled delegation: a person must look.
+    _S.RECONCILED: frozenset({_S.NEEDS_ATTENTION}),
 }
 
 

@@ -55,10 +55,14 @@ class Receipt(StrEnum):
     IGNORE = "IGNORE"  # the same outcome again, or one that cannot follow (logged as an event)
 
 
-def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool) -> Receipt:
+def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool,
+                  fills_result: bool = False) -> Receipt:
     """A fence refuses new intents, never receipts: an executor's outcome is recorded whenever
     it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN; nothing overrides
-    COMPLETED or FAILED."""
+    COMPLETED or FAILED. ``fills_result``: the executor's COMPLETED receipt carries the result
+    a probe that found the call applied could not tell; it is kept (late)."""
+    if old is _A.COMPLETED and new is _A.COMPLETED and fills_result and not from_probe:
+        return Receipt.LATE
     if old is new and not (from_probe and old is _A.IN_DOUBT):
         return Receipt.IGNORE
     if old is _A.IN_DOUBT and new is _A.IN_DOUBT:
@@ -81,6 +85,15 @@ class PriorCall:
     args_hash: str
     state: ActionState
     result: Any = None
+    deadline_at: float | None = None  # None: an older journal's row (its tool's deadline)
+
+
+def holds_key(call: PriorCall, now: float) -> bool:
+    """An UNKNOWN earlier call still holds its key for others to wait on until its deadline:
+    its own receipt may still come (then it replays), or the next probe may be final."""
+    return call.state in UNSETTLED or (
+        call.state is _A.UNKNOWN and call.deadline_at is not None
+        and may_still_apply(deadline_at=call.deadline_at, now=now))
 
 
 class KeyVerdict(StrEnum):
@@ -97,9 +110,11 @@ class KeyDecision:
     prior: PriorCall | None = None
 
 
-def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall]) -> KeyDecision:
+def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall],
+               now: float) -> KeyDecision:
     """A probe never frees a key that may still be live: only FAILED and a final NOT_APPLIED do.
-    A re-delegated child reaching a key still in flight or in doubt waits for it."""
+    A re-delegated child reaching a key still in flight or in doubt waits for it; an UNKNOWN
+    one is a person's to decide once its deadline has passed."""
     waiting: PriorCall | None = None
     for call in prior:
         if call.args_hash != args_hash or call.tool != tool:
@@ -107,10 +122,10 @@ def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall]) -> KeyDeci
     for call in prior:
         if call.state is _A.COMPLETED:
             return KeyDecision(KeyVerdict.REPLAY, call)
-        if call.state is _A.UNKNOWN:
-            return KeyDecision(KeyVerdict.UNKNOWN, call)
-        if call.state in UNSETTLED:
+        if holds_key(call, now):
             waiting = call
+        elif call.state is _A.UNKNOWN:
+            return KeyDecision(KeyVerdict.UNKNOWN, call)
     if waiting is not None:
         return KeyDecision(KeyVerdict.WAIT, waiting)
     return KeyDecision(KeyVerdict.RUN)
@@ -182,16 +197,18 @@ def natural_end(state: DelegationState, fallback: DelegationState) -> Delegation
 
 
 def settle(state: DelegationState, actions: Iterable[ActionFacts],
-           fallback: DelegationState) -> DelegationState:
+           fallback: DelegationState, *, children_settled: bool = True) -> DelegationState:
     """A node's state once its accounting is done, or ``state`` unchanged while it is not.
 
     A node with an action that may still apply (PENDING or IN_DOUBT) is not settled: it keeps
     its state (a stopping one stays RECALLING or TERMINATING), so that whoever checks again can
     settle it. Any UNKNOWN needs a person; anything probed is RECONCILED; otherwise the natural
     end. Applied to a settled node, it re-opens the accounting: NEEDS_ATTENTION whose last
-    UNKNOWN was settled moves to RECONCILED."""
+    UNKNOWN was settled moves to RECONCILED. A node whose children are not all settled keeps its
+    state (a parent is not settled before its subtree), and a RUNNING node settles when its
+    code ends, never from outside."""
     facts = list(actions)
-    if state is _S.RECONCILED or state is _S.CANCELLED:
+    if state in (_S.RECONCILED, _S.CANCELLED, _S.RUNNING) or not children_settled:
         return state
     if any(a.state in UNSETTLED for a in facts):
         return state
@@ -216,6 +233,7 @@ __all__ = [
     "PriorCall",
     "Receipt",
     "decide_key",
+    "holds_key",
     "judge_gate",
     "judge_probe",
     "judge_receipt",

@@ -1,145 +1,66 @@
 """Journal operations, each run inside one transaction by a backend.
 
 Every rule the invariants put on the journal (write-ahead I1, fence I2, sequence compare-and-set
-I4, subtree fence I10) is enforced here, inside the transaction that changes the rows, never by
-a check in the caller followed by a write. Each function takes a DB-API connection whose
-``execute`` accepts ``?`` placeholders. ``/*LOCK a, b*/`` marks where PostgreSQL takes share
-locks on the rows a fence check reads (a comment to SQLite, whose writer is single).
+I4, subtree fence I10) is enforced here (the action operations in ``actions``), inside the
+transaction that changes the rows, never by a check in the caller followed by a write. Each
+function takes a DB-API connection whose ``execute`` accepts ``?`` placeholders. ``/*LOCK a, b*/``
+marks where PostgreSQL takes share locks on the rows a fence check reads (a comment to SQLite,
+whose writer is single).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
-    IdempotencyConflict,
     InvalidTransition,
-    JournalCorrupt,
-    KeyInUse,
     NotFound,
     StaleEpoch,
     StaleSequence,
     UserError,
 )
-from tether._core.model import (
-    ActionState,
-    ControlKind,
-    DelegationState,
-    Effect,
-    check_delegation_move,
-)
-from tether._core.outcome import (
-    DEFAULT_DISPATCH_DEADLINE,
-    ActionFacts,
-    Gate,
-    KeyVerdict,
-    PriorCall,
-    Receipt,
-    decide_key,
-    judge_gate,
-    judge_receipt,
-    settle,
-)
+from tether._core.model import DelegationState, check_delegation_move
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed
-from tether._core.verdict import JournalFacts
+
+# The action operations live in actions.py and the shared row helpers in tables.py; ops still
+# names every operation (``X as X`` marks a re-export).
+from tether._journal.actions import action_in_doubt as action_in_doubt
+from tether._journal.actions import actions as actions
+from tether._journal.actions import begin_action as begin_action
+from tether._journal.actions import facts as facts
+from tether._journal.actions import finish_action as finish_action
+from tether._journal.actions import get_action as get_action
+from tether._journal.actions import mark_in_doubt as mark_in_doubt
+from tether._journal.actions import resettle as resettle
+from tether._journal.actions import unsettled_actions as unsettled_actions
 from tether._journal.rows import (
     Begin,
-    BeginResult,
     ControlRow,
     DelegationRow,
     DocumentRow,
     EventRow,
-    NewAction,
     NewDelegation,
     OwnerRow,
     dumps,
     loads,
 )
-
-T = TypeVar("T")
-
-
-class Cursor(Protocol):
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-
-class Db(Protocol):
-    def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
-
-
-# A worker whose lease ran out is fenced by the journal itself: a paused process that wakes up
-# after others presumed it dead cannot act, whether or not anybody reconciled it yet.
-LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "
-          "AND o.lease_until <= ?)")
-
-SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
-    SELECT id, 0 FROM delegations WHERE id = ?
-    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
-
-_DELEGATION_COLS = (
-    "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
-    "control_seq, created_at, updated_at, result, error, failure, model, trace_id, ended_at"
+from tether._journal.tables import (
+    _ACTION_COLS,
+    _CONTROL_COLS,
+    _DELEGATION_COLS,
+    LEASED,
+    SUBTREE,
+    Db,
+    _action,
+    _control,
+    _delegation,
 )
-_ACTION_COLS = (
-    "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
-    "late, started_at, ended_at, deadline_at"
-)
-
-
-def _decoded(table: str, parse: Callable[[Any], T]) -> Callable[[Any], T]:
-    """A row that does not decode (a flipped bit, a hand edit) is JournalCorrupt, naming the
-    row, never a crash in the middle of an operation."""
-
-    def decode(row: Any) -> T:
-        try:
-            return parse(row)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise JournalCorrupt(
-                f"row {row[0]!r} of table {table} is corrupted ({type(exc).__name__}: {exc})"
-            ) from None
-
-    return decode
-
-
-def _delegation_row(row: Any) -> DelegationRow:
-    return DelegationRow(
-        id=row[0], task_id=row[1], parent_id=row[2], epoch=row[3], attempt=row[4], agent=row[5],
-        surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
-        state=DelegationState(row[9]), fenced=bool(row[10]), control_seq=row[11],
-        created_at=row[12], updated_at=row[13], result=loads(row[14]), error=row[15],
-        failure=row[16], model=row[17], trace_id=row[18], ended_at=row[19],
-    )
-
-
-def _action_row(row: Any) -> ActionRecord:
-    return ActionRecord(
-        id=row[0], delegation_id=row[1], ordinal=row[2], tool=row[3], effect=Effect(row[4]),
-        args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
-        result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
-        started_at=row[12], ended_at=row[13],
-        deadline_at=row[12] + DEFAULT_DISPATCH_DEADLINE if row[14] is None else row[14],
-    )
-
-
-_delegation = _decoded("delegations", _delegation_row)
-_action = _decoded("actions", _action_row)
-
-
-def event(db: Db, at: float, what: str, delegation_id: str | None = None,
-          action_id: str | None = None, /, **detail: Any) -> None:
-    db.execute(
-        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?)",
-        (delegation_id, action_id, at, what, dumps(detail)),
-    )
-
+from tether._journal.tables import event as event
+from tether._journal.tables import get_delegation as get_delegation
+from tether._journal.tables import set_state as set_state
 
 # -- owners ---------------------------------------------------------------------------------
 
@@ -163,15 +84,6 @@ def owners(db: Db) -> list[OwnerRow]:
 
 
 # -- delegations ----------------------------------------------------------------------------
-
-def get_delegation(db: Db, delegation_id: str) -> DelegationRow:
-    row = db.execute(
-        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE id = ?", (delegation_id,)
-    ).fetchone()
-    if row is None:
-        raise NotFound(f"no delegation {delegation_id!r} in this journal")
-    return _delegation(row)
-
 
 def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
     terminal = tuple(s.value for s in DelegationState if s.terminal)
@@ -270,6 +182,13 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
     """A fresh child for the next attempt: only if the failed attempt is FAILED, still at the
     task's current epoch, and nobody forked its successor already (one statement)."""
     prior = get_delegation(db, str(new.retry_of))
+    if prior.parent_id is not None:
+        # Under a parent fenced meanwhile (its recall or terminate), no new attempt may start
+        # (I10). Read under a share lock: a fence being accepted commits first or waits.
+        parent = db.execute("SELECT p.fenced FROM delegations p WHERE p.id = ? /*LOCK p*/",
+                            (prior.parent_id,)).fetchone()
+        if parent is None or parent[0]:
+            raise FenceRefused(Begin.FENCED)
     cur = db.execute(
         _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
         "JOIN tasks t ON t.id = f.task_id "
@@ -320,24 +239,6 @@ class FenceRefused(Exception):
         self.status = status
 
 
-def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
-              result: Any = None, error: str | None = None,
-              failure: str | None = None) -> DelegationRow:
-    row = get_delegation(db, delegation_id)
-    if row.state is new:
-        return row
-    check_delegation_move(delegation_id, row.state, new)
-    db.execute(
-        "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
-        "error = COALESCE(?, error), failure = COALESCE(?, failure), "
-        "fenced = CASE WHEN ? THEN 1 ELSE fenced END, "
-        "ended_at = CASE WHEN ? THEN COALESCE(ended_at, ?) ELSE ended_at END WHERE id = ?",
-        (new.value, now, None if result is None else dumps(result), error, failure,
-         new.terminal, new.terminal, now, delegation_id),
-    )
-    event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
-    return get_delegation(db, delegation_id)
-
 
 def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
                    result: Any = None, error: str | None = None,
@@ -373,8 +274,12 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     )
     if cur.rowcount != 1:  # another writer moved first (only possible across processes)
         raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq + 1)
-    # A re-dispatch in preparation must see this request (I6).
-    db.execute("UPDATE tasks SET cancel_gen = cancel_gen + 1 WHERE id = ?", (row.task_id,))
+    # A re-dispatch in preparation must see this request (I6), in the whole subtree: a child
+    # waiting out its settle delay under a recalled parent must not fork again.
+    db.execute(
+        f"{SUBTREE} UPDATE tasks SET cancel_gen = cancel_gen + 1 "
+        "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
+        (intent.delegation_id,))
     # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
     db.execute(
         f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
@@ -397,16 +302,6 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         notify(row.owner_id)
     return controls(db, intent.delegation_id)[-1]
 
-
-def _control_row(r: Any) -> ControlRow:
-    return ControlRow(
-        id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
-        signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
-    )
-
-
-_control = _decoded("controls", _control_row)
-_CONTROL_COLS = "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"
 
 
 def controls(db: Db, delegation_id: str) -> list[ControlRow]:
@@ -449,186 +344,6 @@ def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
             for r in rows]
 
 
-# -- actions --------------------------------------------------------------------------------
-
-def begin_action(db: Db, new: NewAction) -> BeginResult:
-    """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
-    The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
-    intent accepted for the delegation cannot commit between the check and the insert."""
-    gate_row = db.execute(
-        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d "
-        "JOIN tasks t ON t.id = d.task_id WHERE d.id = ? /*LOCK d, t*/",
-        (new.delegation_id,),
-    ).fetchone()
-    if gate_row is None:
-        raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
-    lease = db.execute(
-        "SELECT o.lease_until FROM delegations d JOIN owners o ON o.id = d.owner_id "
-        "WHERE d.id = ?", (new.delegation_id,)).fetchone()
-    gate = judge_gate(fenced=bool(gate_row[0]), epoch=gate_row[1], task_epoch=gate_row[2],
-                      caller_epoch=new.epoch, lease_until=None if lease is None else lease[0],
-                      now=new.now)
-    if gate is not Gate.OPEN:
-        if gate is Gate.LEASE_EXPIRED:
-            event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
-                  key=new.idem_key)
-        return BeginResult(Begin(gate.value), new.id)
-    prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4])) for r in db.execute(
-        "SELECT id, tool, args_hash, state, result FROM actions WHERE idem_key = ? "
-        "ORDER BY started_at",
-        (new.idem_key,),
-    ).fetchall()]
-    decision = decide_key(new.tool, new.args_hash, prior)
-    found = decision.prior
-    if decision.verdict is KeyVerdict.CONFLICT:
-        assert found is not None
-        raise IdempotencyConflict(new.idem_key, found.tool)
-    if decision.verdict is KeyVerdict.REPLAY:
-        assert found is not None
-        return BeginResult(Begin.REPLAY, found.action_id, found.result)
-    if decision.verdict is KeyVerdict.WAIT:
-        assert found is not None
-        return BeginResult(Begin.WAIT, found.action_id)
-    if decision.verdict is KeyVerdict.UNKNOWN:
-        assert found is not None
-        raise KeyInUse(new.idem_key, found.action_id, found.state.value)
-    db.execute(
-        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
-        ", args_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)",
-        (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
-         new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
-    )
-    return BeginResult(Begin.STARTED, new.id)
-
-
-def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, result: Any = None,
-                  error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
-    """Record an outcome: an executor's receipt, or a probe's answer (with ``evidence``). A
-    fence refuses new intents, never receipts: a receipt for an action already declared in
-    doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
-    if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
-        # The common case, a receipt for a PENDING action: one statement.
-        cur = db.execute(
-            "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
-            "WHERE id = ? AND state = 'PENDING'",
-            (outcome.value, None if result is None else dumps(result), error, now, action_id),
-        )
-        if cur.rowcount == 1:
-            return outcome
-    row = db.execute("SELECT state, delegation_id FROM actions WHERE id = ?",
-                     (action_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no action {action_id!r} in this journal")
-    old = ActionState(row[0])
-    verdict = judge_receipt(old, outcome, from_probe=evidence is not None)
-    if verdict is Receipt.IGNORE:
-        event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
-        return old
-    late = verdict is Receipt.LATE
-    db.execute(
-        "UPDATE actions SET state = ?, result = COALESCE(?, result), error = COALESCE(?, error), "
-        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, "
-        "ended_at = COALESCE(ended_at, ?) WHERE id = ? AND state = ?",
-        (outcome.value, None if result is None else dumps(result), error,
-         None if evidence is None else dumps(evidence), late, now, action_id, old.value),
-    )
-    event(db, now, "late_receipt" if late else "outcome", None, action_id,
-          old=old.value, new=outcome.value)
-    if late or evidence is not None:
-        resettle(db, row[1], now, "late receipt" if late else "probe")
-    return outcome
-
-
-def resettle(db: Db, delegation_id: str, now: float, why: str) -> DelegationRow:
-    """Re-open a stopped delegation's accounting after a new fact about one of its actions:
-    it moves to its settled state once nothing of it may still apply. A running delegation
-    settles when it ends."""
-    row = get_delegation(db, delegation_id)
-    if row.state is DelegationState.RUNNING:
-        return row
-    mine = db.execute("SELECT state, evidence FROM actions WHERE delegation_id = ?",
-                      (delegation_id,)).fetchall()
-    new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
-                 row.state)
-    if new is row.state:
-        return row
-    event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
-          why=why)
-    return set_state(db, delegation_id, new, now)
-
-
-def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
-    rows = db.execute(
-        f"{SUBTREE} SELECT id FROM actions WHERE state = 'PENDING' "
-        "AND delegation_id IN (SELECT id FROM sub)",
-        (root_id,),
-    ).fetchall()
-    ids = [r[0] for r in rows]
-    for action_id in ids:
-        db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
-                   (action_id,))
-        event(db, now, "in_doubt", None, action_id)
-    return ids
-
-
-def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
-    """One PENDING action declared in doubt (its executor is going away with it running)."""
-    cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
-                     (action_id,))
-    if cur.rowcount == 1:
-        event(db, now, "in_doubt", None, action_id, why=why)
-    return cur.rowcount == 1
-
-
-def get_action(db: Db, action_id: str) -> ActionRecord:
-    row = db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE id = ?", (action_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no action {action_id!r} in this journal")
-    return _action(row)
-
-
-def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
-    ids = list(delegation_ids)
-    if not ids:
-        return []
-    rows = db.execute(
-        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id IN ({', '.join('?' * len(ids))}) "
-        "ORDER BY started_at, ordinal",
-        ids,
-    ).fetchall()
-    return [_action(r) for r in rows]
-
-
-def unsettled_actions(db: Db, root_id: str | None) -> list[ActionRecord]:
-    """IN_DOUBT and UNKNOWN actions (of one subtree, or of the whole journal)."""
-    if root_id is None:
-        rows = db.execute(
-            f"SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
-            "ORDER BY started_at"
-        ).fetchall()
-    else:
-        rows = db.execute(
-            f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
-            "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
-            (root_id,),
-        ).fetchall()
-    return [_action(r) for r in rows]
-
-
-def facts(db: Db, root_id: str) -> JournalFacts:
-    root = get_delegation(db, root_id)
-    rows = db.execute(
-        f"{SUBTREE} SELECT id, state, effect FROM actions "
-        "WHERE delegation_id IN (SELECT id FROM sub)",
-        (root_id,),
-    ).fetchall()
-    pending = frozenset(r[0] for r in rows if r[1] == ActionState.PENDING.value)
-    in_doubt = frozenset(
-        r[0] for r in rows if r[1] in (ActionState.IN_DOUBT.value, ActionState.UNKNOWN.value)
-    )
-    effecting = sum(1 for r in rows if Effect(r[2]).side_effecting)
-    return JournalFacts(root_id, root.control_seq, pending, in_doubt, effecting)
-
 
 def drained(db: Db, delegation_id: str) -> bool:
     """Whether a drain ended (a verdict) after the delegation's latest accepted intent."""
@@ -662,3 +377,4 @@ def events(db: Db, delegation_ids: Iterable[str]) -> list[EventRow]:
         (*ids, *ids),
     ).fetchall()
     return [EventRow(r[0], r[1], r[2], r[3], r[4], loads(r[5])) for r in rows]
+

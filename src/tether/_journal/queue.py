@@ -9,7 +9,8 @@ first leaves the row unclaimed, and its issuer takes it off the queue and settle
 from __future__ import annotations
 
 from tether._core.model import DelegationState
-from tether._journal.ops import (
+from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
+from tether._journal.tables import (
     _CONTROL_COLS,
     _DELEGATION_COLS,
     Db,
@@ -18,7 +19,6 @@ from tether._journal.ops import (
     event,
     get_delegation,
 )
-from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
 
 
 def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tether._core.errors import DelegationError, TetherError
+from tether._core.errors import DelegationError, InvalidTransition, TetherError
 from tether._core.redispatch import (
     AttemptFacts,
     CeilingReached,
@@ -21,38 +20,23 @@ from tether._core.redispatch import (
     Ending,
     Partial,
     RedispatchDecision,
-    RedispatchPolicy,
     StreamCut,
     cancelled,
     decide_redispatch,
 )
+from tether._journal.ops import FenceRefused
 from tether._journal.rows import NewDelegation
 from tether._runtime.clock import first_of
-from tether._runtime.gateway import ChildRuntime, new_id
+from tether._runtime.state import ChildRuntime, TaskRun, new_id
 from tether._runtime.telemetry import HookEvent, end
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from tether._runtime.supervisor import Supervisor
+    from tether._runtime import ports
 
 
 class RedispatchCancelled(TetherError):
     """The task was cancelled while a re-dispatch was being prepared."""
-
-
-@dataclass(eq=False)
-class TaskRun:
-    """One delegated task across its attempts."""
-
-    task_id: str
-    policy: RedispatchPolicy
-    current: ChildRuntime
-    attempts: list[ChildRuntime]
-    done: asyncio.Future[tuple[bool, Any]]
-    span: Span | None = None
-    cut_short: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def ending_of(value: object) -> tuple[Ending, str]:
@@ -91,7 +75,7 @@ def surface_facts(rt: ChildRuntime) -> tuple[tuple[str, ...], dict[str, tuple[st
     return surface, agents, frozenset(known)
 
 
-async def record(sup: Supervisor, rt: ChildRuntime, decision: RedispatchDecision,
+async def record(sup: ports.Attempts, rt: ChildRuntime, decision: RedispatchDecision,
                  check: str) -> None:
     sup.journal.event(sup.clock.wall(), "redispatch_decision", rt.id, None,
                       code=decision.code.value, detail=decision.detail, check=check,
@@ -99,7 +83,7 @@ async def record(sup: Supervisor, rt: ChildRuntime, decision: RedispatchDecision
     sup.telemetry.decisions.add(1, {"code": decision.code.value, "check": check})
 
 
-async def first_decision(sup: Supervisor, run: TaskRun, rt: ChildRuntime,
+async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
                          value: object) -> RedispatchDecision:
     ending, _ = ending_of(value)
     await sup.journal.flush()
@@ -119,7 +103,7 @@ async def first_decision(sup: Supervisor, run: TaskRun, rt: ChildRuntime,
     return decision
 
 
-async def stop_hook(sup: Supervisor, rt: ChildRuntime, reason: str | None) -> None:
+async def stop_hook(sup: ports.Attempts, rt: ChildRuntime, reason: str | None) -> None:
     row = rt.final if rt.final is not None and rt.stop is None else await sup.journal.get(rt.id)
     end(rt.span, outcome=row.state.value, failure=row.failure)
     if row.failure is not None:
@@ -129,7 +113,7 @@ async def stop_hook(sup: Supervisor, rt: ChildRuntime, reason: str | None) -> No
         reason or row.failure))
 
 
-async def drive(sup: Supervisor, run: TaskRun, args: Sequence[Any],
+async def drive(sup: ports.Attempts, run: TaskRun, args: Sequence[Any],
                 kwargs: dict[str, Any]) -> None:
     """Own a task until its last attempt ends; settle ``run.done`` exactly once."""
     rt = run.current
@@ -174,15 +158,19 @@ async def drive(sup: Supervisor, run: TaskRun, args: Sequence[Any],
         run.done.set_result((ok, value))
 
 
-async def fork(sup: Supervisor, run: TaskRun, failed: ChildRuntime, args: Sequence[Any],
+async def fork(sup: ports.Attempts, run: TaskRun, failed: ChildRuntime, args: Sequence[Any],
                kwargs: dict[str, Any]) -> ChildRuntime | None:
-    """A genuinely fresh child: its own delegation row (attempt n + 1), id and trace."""
-    row = await sup.journal.create_delegation(NewDelegation(
-        id=new_id("d"), task_id=failed.row.task_id, parent_id=failed.row.parent_id,
-        attempt=failed.row.attempt + 1, agent=failed.agent.name, surface=failed.row.surface,
-        args=failed.row.args, owner_id=sup.owner_id, now=sup.clock.wall(),
-        retry_of=failed.id, model=failed.row.model,
-    ))
+    """A genuinely fresh child: its own delegation row (attempt n + 1), id and trace. None if
+    the journal refuses it (its parent was fenced, the task moved on, a successor exists)."""
+    try:
+        row = await sup.journal.create_delegation(NewDelegation(
+            id=new_id("d"), task_id=failed.row.task_id, parent_id=failed.row.parent_id,
+            attempt=failed.row.attempt + 1, agent=failed.agent.name, surface=failed.row.surface,
+            args=failed.row.args, owner_id=sup.owner_id, now=sup.clock.wall(),
+            retry_of=failed.id, model=failed.row.model,
+        ))
+    except (FenceRefused, InvalidTransition):
+        return None
     rt = ChildRuntime(row, failed.agent, failed.surface, parent=failed.parent, run=run,
                       generation=failed.generation)
     if failed.parent is not None:

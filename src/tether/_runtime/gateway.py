@@ -9,41 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import json
 import os
-import secrets
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tether._core.errors import ControlSignal, Fenced, ToolRejected, UserError
+from tether._core.errors import Fenced, ToolRejected, UserError
 from tether._core.model import ActionState
 from tether._core.redispatch import UNRESTRICTED
-from tether._journal.rows import Begin, DelegationRow, NewAction
+from tether._journal.rows import Begin, NewAction
+from tether._runtime.handle import Handle
+from tether._runtime.state import ChildRuntime, new_id
 from tether._runtime.telemetry import end
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from tether._runtime.attempts import TaskRun
-    from tether._runtime.handle import Handle
-    from tether._runtime.supervisor import Supervisor
+    from tether._runtime import ports
 
 UNSERIALIZABLE = "__tether_unserializable__"
 # Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
 FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
-
-
-_PROCESS = secrets.token_hex(5)  # random per process; a counter makes ids unique within it
-_COUNTER = itertools.count(1)
-
-
-def new_id(prefix: str) -> str:
-    """Unique across processes without a system call per id (ids are on the hot path)."""
-    return f"{prefix}_{_PROCESS}{next(_COUNTER):06x}"
 
 
 def args_json(kwargs: dict[str, Any]) -> str:
@@ -56,45 +41,10 @@ def args_json(kwargs: dict[str, Any]) -> str:
         raise UserError(f"value cannot be serialized as JSON: {exc}") from None
 
 
-@dataclass(eq=False)
-class ChildRuntime:
-    """In-memory state of one running delegation, owned by its supervisor."""
-
-    row: DelegationRow
-    agent: Agent
-    surface: dict[str, Tool | Agent | str]
-    parent: ChildRuntime | None = None
-    task: asyncio.Task[Any] | None = None
-    inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
-    children: list[ChildRuntime] = field(default_factory=list)
-    stop: ControlSignal | None = None
-    ordinals: Counter[str] = field(default_factory=Counter)  # per tool: derives default keys
-    calls: int = 0  # journaled calls so far: orders this delegation's actions
-    effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
-    draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
-    run: TaskRun | None = None  # the task this attempt belongs to
-    generation: int = 0  # the task's cancel generation when its first attempt started
-    span: Span | None = None
-    final: DelegationRow | None = None  # the row as the child's own ending left it
-
-    @property
-    def id(self) -> str:
-        return self.row.id
-
-    def walk(self) -> list[ChildRuntime]:
-        out = [self]
-        for child in self.children:
-            out.extend(child.walk())
-        return out
-
-    def inflight_tasks(self) -> list[asyncio.Task[Any]]:
-        return [t for rt in self.walk() for t in rt.inflight.values()]
-
-
 class Context:
     """What a child sees: ``call`` its tools, ``delegate`` to agents it was granted."""
 
-    def __init__(self, supervisor: Supervisor, runtime: ChildRuntime) -> None:
+    def __init__(self, supervisor: ports.Calls, runtime: ChildRuntime) -> None:
         self._sup = supervisor
         self._rt = runtime
 
@@ -198,7 +148,7 @@ class Context:
         task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs,
                                              now + found.dispatch_deadline))
         rt.inflight[begun.action_id] = task
-        self._sup.track_call(begun.action_id, task)
+        self._sup.track_call(begun.action_id, task, now + found.dispatch_deadline)
         task.add_done_callback(_forget(rt, begun.action_id))
         # Shielded: cancelling the child does not cancel an action already on its way.
         return await asyncio.shield(task)
@@ -245,7 +195,8 @@ class Context:
         if not isinstance(found, Agent):
             raise UserError(f"{found.name} is a tool: use ctx.call")
         self.check()
-        return await self._sup._start_child(self._rt, found, args, kwargs)
+        run = await self._sup.start_child(self._rt, found, args, kwargs)
+        return Handle.for_run(self._sup, run)
 
 
 def _forget(rt: ChildRuntime, action_id: str) -> Callable[[asyncio.Task[Any]], None]:

@@ -10,19 +10,19 @@ from tether._core.errors import AlreadyFinished, InvalidTransition, UserError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow, NewDelegation
-from tether._runtime.attempts import TaskRun, result_of
-from tether._runtime.gateway import ChildRuntime, new_id
+from tether._runtime.attempts import result_of
 from tether._runtime.remote import queued_result, wait_queued
+from tether._runtime.state import ChildRuntime, TaskRun, new_id
 
 if TYPE_CHECKING:
-    from tether._runtime.supervisor import Supervisor
+    from tether._runtime import ports
 
 
 class Handle:
     """``id``, ``attempt`` and the control methods follow the task's current attempt: a
     re-dispatched child is a fresh delegation, and the handle moves on to it."""
 
-    def __init__(self, supervisor: Supervisor, row: DelegationRow,
+    def __init__(self, supervisor: ports.Handles, row: DelegationRow,
                  run: TaskRun | None = None, *, queued: bool = False) -> None:
         self._sup = supervisor
         self._row = row
@@ -31,7 +31,12 @@ class Handle:
         self._first_id = row.id  # a queued task's queue key; its attempts may move on
 
     @classmethod
-    def detached(cls, supervisor: Supervisor, delegation_id: str) -> Handle:
+    def for_run(cls, supervisor: ports.Handles, run: TaskRun) -> Handle:
+        """A handle on a task this process runs, as its first attempt was launched."""
+        return cls(supervisor, run.attempts[0].row, run)
+
+    @classmethod
+    def detached(cls, supervisor: ports.Handles, delegation_id: str) -> Handle:
         """A handle known only by id (say, from ``tether ls``), for control and reports."""
         handle = cls.__new__(cls)
         handle._sup, handle._run, handle._queued = supervisor, None, False
@@ -75,7 +80,7 @@ class Handle:
             self._row = await self._sup.journal.latest_attempt(self._row.id)
             target = self._row.id
         try:
-            return await self._sup._control(target, kind, grace, reason, seq)
+            return await self._sup.issue_control(target, kind, grace, reason, seq)
         except AlreadyFinished:
             # Between attempts nothing runs, yet the request must stop a re-dispatch, whoever
             # drives it (this process or another): the journal's cancel generation tells it.
@@ -87,7 +92,7 @@ class Handle:
                     and seq is None):
                 # A re-dispatch forked before the request landed: stop the new attempt too.
                 with contextlib.suppress(AlreadyFinished):
-                    return await self._sup._control(latest.id, kind, grace, reason, None)
+                    return await self._sup.issue_control(latest.id, kind, grace, reason, None)
             return await self.report()
 
     async def _cancel_gap(self, why: str, target: str | None = None) -> None:
@@ -169,6 +174,7 @@ class Handle:
             now=sup.clock.wall(), redelegate_from_epoch=self.epoch, model=row.model,
         ))
         policy = rt.run.policy if rt.run else sup.redispatch
-        return await sup._launch(ChildRuntime(new, rt.agent, rt.surface),
-                                 row.args["args"], row.args["kwargs"], policy)
+        run = await sup.launch(ChildRuntime(new, rt.agent, rt.surface), row.args["args"],
+                               row.args["kwargs"], policy)
+        return Handle.for_run(sup, run)
 

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
-from tether._core.outcome import ActionFacts, judge_probe, settle
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, ActionFacts, judge_probe, settle
 from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
-from tether._runtime.tools import Agent, ProbeResult, Tool
-
-if TYPE_CHECKING:
-    from tether._runtime.gateway import Context
-    from tether._runtime.supervisor import Supervisor
+from tether._runtime.tools import ProbeResult, Tool
 
 
 async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
@@ -53,21 +48,34 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
     return answer
 
 
+def deadline_of(action: ActionRecord, tools: Mapping[str, Tool]) -> float:
+    """When the call can no longer apply: journaled with its intent, or for a row older than
+    schema v3, its start plus the known tool's own deadline (else the default)."""
+    if action.deadline_at is not None:
+        return action.deadline_at
+    tool = tools.get(action.tool)
+    return action.started_at + (tool.dispatch_deadline if tool else DEFAULT_DISPATCH_DEADLINE)
+
+
 async def probe_all(journal: Journal, actions: list[ActionRecord],
                     tools: Mapping[str, Tool], clock: Clock, limit: float) -> None:
     """Probe each action and record the answer. A "not applied" before the call's dispatch
     deadline keeps it IN_DOUBT with the probe's evidence: it may still land."""
 
     async def one(action: ActionRecord) -> None:
+        # Judged at the time the probe was sent: an answer that comes back after the deadline
+        # says nothing of a request that landed between the look and the deadline.
+        sent = clock.wall()
         answer = await probe_one(action, tools.get(action.tool), clock, limit)
         now = clock.wall()
-        deadline = action.deadline_at if action.deadline_at is not None else now
+        deadline = deadline_of(action, tools)
         state = judge_probe(answer.outcome, voided=answer.voided, deadline_at=deadline,
-                            now=now)
+                            now=sent)
         evidence = {**answer.evidence, "probe": answer.outcome.value, "probed_at": now}
         if state is ActionState.IN_DOUBT:
             evidence["not_final"] = (f"not applied yet: the call may still apply until its "
-                                     f"dispatch deadline ({deadline - now:.3g} s from now)")
+                                     f"dispatch deadline ({max(0.0, deadline - now):.3g} s "
+                                     "from now)")
         await journal.settle_action(action.id, state, now, evidence, answer.result)
 
     await asyncio.gather(*(one(a) for a in actions))
@@ -79,10 +87,14 @@ async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
     with a call that may still apply keeps its state until that call is settled."""
     rows = await journal.subtree(root_id)
     acts = await journal.actions([r.id for r in rows])
+    states: dict[str, DelegationState] = {}
     for row in reversed(rows):
         mine = [ActionFacts(a.state, bool(a.evidence)) for a in acts
                 if a.delegation_id == row.id]
-        new = settle(row.state, mine, fallback)
+        children = [states.get(r.id, r.state) for r in rows if r.parent_id == row.id]
+        new = settle(row.state, mine, fallback,
+                     children_settled=all(c.terminal for c in children))
+        states[row.id] = new
         if new is not row.state:
             await journal.set_state(row.id, new, clock.wall())
 
@@ -106,28 +118,3 @@ async def build_report(journal: Journal, root_id: str) -> Report:
         )
 
     return build(rows[0])
-
-
-async def compensate(sup: Supervisor, report: Report, tools: Mapping[str, Tool]) -> Report | None:
-    """The compensating delegation for a report's COMPLETED actions (``Supervisor.compensate``)."""
-    plan = []
-    for action in report.all_actions():
-        tool = tools.get(action.tool)
-        if action.state is ActionState.COMPLETED and tool and tool.compensate:
-            plan.append((Tool(f"{tool.name}.compensate", tool.effect, tool.compensate), action))
-    if not plan:
-        return None
-    granted = {t.name: t for t, _ in plan}
-
-    async def compensator(ctx: Context) -> int:
-        for t, action in plan:
-            await ctx.call(t, idempotency_key=f"{action.idempotency_key}:compensate",
-                           **action.args)
-        return len(plan)
-
-    handle = await sup.delegate(
-        Agent("compensate", compensator, tuple(granted.values())),
-        task_id=f"compensate:{report.task_id}:{report.epoch}",
-    )
-    await handle.wait()
-    return await handle.report()

@@ -11,6 +11,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from tether._core import outcome
 from tether._core.documents import ControlIntent
 from tether._core.errors import DelegationError
 from tether._core.model import ControlKind, DelegationState
@@ -21,10 +22,10 @@ from tether._journal.rows import DelegationRow, OwnerRow
 from tether._runtime.reconcile import build_report, settle_subtree
 
 if TYPE_CHECKING:
-    from tether._runtime.supervisor import Supervisor
+    from tether._runtime import ports
 
 
-async def owner_alive(sup: Supervisor, owner_id: str) -> bool:
+async def owner_alive(sup: ports.Liveness, owner_id: str) -> bool:
     """A worker is alive while its lease holds; another owner while its heartbeat is recent
     (and, on this host, while its process exists)."""
     if owner_id == sup.owner_id:
@@ -32,60 +33,81 @@ async def owner_alive(sup: Supervisor, owner_id: str) -> bool:
     return judge_alive(sup, *await sup.journal.liveness(owner_id))
 
 
-def judge_alive(sup: Supervisor, owner: OwnerRow | None, server_now: float | None) -> bool:
+def judge_alive(sup: ports.Liveness, owner: OwnerRow | None, server_now: float | None) -> bool:
+    """The facts (and, for an owner on this host, whether its process exists); the decision
+    is ``_core.outcome.owner_alive``. A lease is judged on the database server's clock where
+    there is one (workers keep their clocks near it: Worker checks)."""
     if owner is None:
         return False
     if owner.id == sup.owner_id:
         return True
-    now = sup.clock.wall()
-    if owner.lease_until is not None:
-        # A lease is judged on the database server's clock where there is one, so that an
-        # orchestrator whose clock runs ahead does not reconcile a worker still at work
-        # (workers keep their clocks near the server's: Worker checks).
-        return owner.lease_until > (now if server_now is None else server_now)
-    if now - owner.heartbeat_at > sup.policy.lease:
+    same_host = owner.host == socket.gethostname() and owner.pid != os.getpid()
+    facts = outcome.OwnerFacts(owner.heartbeat_at, owner.lease_until, same_host,
+                       _pid_alive(owner.pid) if same_host and owner.lease_until is None
+                       else None)
+    return outcome.owner_alive(facts, now=sup.clock.wall(), server_now=server_now,
+                               heartbeat_lease=sup.policy.lease)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    if owner.host == socket.gethostname() and owner.pid != os.getpid():
-        try:
-            os.kill(owner.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+    except PermissionError:
+        return True
     return True
 
 
-async def settle_elsewhere(sup: Supervisor, delegation_id: str, signed: Signed) -> Report:
+async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
+                           kind: ControlKind) -> Report | None:
+    """A fenced delegation no worker claimed: take it off the queue and settle it here
+    (nothing ran). Whoever finds it does, so that an issuer that crashed right after its
+    intent committed leaves nothing stuck. None if a worker holds it or it is not queued."""
+    if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
+        return None
+    final = DelegationState.RECALLED if kind is ControlKind.RECALL \
+        else DelegationState.TERMINATED
+    await settle_subtree(sup.journal, delegation_id, sup.clock, final)
+    sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
+                      verdict="NEVER_STARTED", reason="no worker had claimed it")
+    await sup.journal.flush()
+    return await build_report(sup.journal, delegation_id)
+
+
+def _kind_of(row: DelegationRow) -> ControlKind:
+    return ControlKind.RECALL if row.state is DelegationState.RECALLING \
+        else ControlKind.TERMINATE
+
+
+async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed) -> Report:
     """The delegation is not run by this process. Still queued: take it off the queue and
     settle it here (nothing ran). Claimed: wait for its owner to settle it, and reconcile it
     ourselves if the owner is gone or does not settle it in time."""
     intent = sup.keys.trusted.verify(signed, ControlIntent)
-    if await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
-        final = DelegationState.RECALLED if intent.kind is ControlKind.RECALL \
-            else DelegationState.TERMINATED
-        await settle_subtree(sup.journal, delegation_id, sup.clock, final)
-        sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
-                          verdict="NEVER_STARTED", reason="no worker had claimed it")
-        await sup.journal.flush()
-        return await build_report(sup.journal, delegation_id)
+    never = await settle_unclaimed(sup, delegation_id, intent.kind)
+    if never is not None:
+        return never
     row = await sup.journal.get(delegation_id)
     if not await owner_alive(sup, row.owner_id):
-        return await sup._recover_one(row, "owner is gone")
+        return await sup.recover_delegation(row, "owner is gone")
     budget = (intent.grace or 0.0) + sup.policy.ack_timeout + sup.policy.probe_timeout
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
     while loop.time() < deadline:
         row = await sup.journal.peek(ops.get_delegation, delegation_id)
-        if row.state.terminal:
+        # Settled, or drained by its owner with calls left in doubt (the owner probes them
+        # again at their deadlines): the report says which.
+        if row.state.terminal or await sup.journal.drained(delegation_id):
             await sup.journal.flush()
             return await build_report(sup.journal, delegation_id)
         if not await owner_alive(sup, row.owner_id):
-            return await sup._recover_one(row, "owner is gone")
+            return await sup.recover_delegation(row, "owner is gone")
         await sup.wake(sup.control_poll)
-    return await sup._recover_one(row, "owner did not settle the delegation in time")
+    return await sup.recover_delegation(row, "owner did not settle the delegation in time")
 
 
-async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
+async def wait_queued(sup: ports.Remote, queued_id: str) -> DelegationRow:
     """Wait until the task queued as ``queued_id`` has ended (in whichever worker claimed it,
     across its re-dispatched attempts) and return its last attempt. A worker that dies first
     is presumed dead when its lease runs out, and its work is reconciled here."""
@@ -95,9 +117,13 @@ async def wait_queued(sup: Supervisor, queued_id: str) -> DelegationRow:
         entry, latest = progress.entry, progress.latest
         claimant = entry.claimed_by if entry is not None else None
         dead = claimant is not None and not judge_alive(sup, progress.claimant, progress.server_now)
+        if (entry is not None and entry.claimed_by is None and latest.fenced
+                and not latest.state.terminal):
+            await settle_unclaimed(sup, latest.id, _kind_of(latest))
+            continue
         if dead and not latest.state.terminal and latest.id not in recovered:
             recovered.add(latest.id)
-            await sup._recover_one(latest, f"worker {claimant} lost its lease")
+            await sup.recover_delegation(latest, f"worker {claimant} lost its lease")
             latest = await sup.journal.get(latest.id)
         # Done: its worker (or the issuer of an early recall) marked it so, or nobody is left
         # to re-dispatch it.

@@ -1,4 +1,8 @@
-"""The supervisor: delegates, recalls, terminates, enforces grace windows and reconciles."""
+"""The supervisor: delegates, recalls, terminates, enforces grace windows and reconciles.
+
+The drain of a recall or terminate (``draining``) and the accounting of calls and recovery
+(``accounting``) are parts of it kept in their own modules.
+"""
 
 from __future__ import annotations
 
@@ -9,38 +13,33 @@ import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tether._core import drain
-from tether._core.documents import (
-    Acknowledgement,
-    ControlIntent,
-    NoEffectsReceipt,
-    canonical,
-)
+from tether._core.documents import ControlIntent, canonical
 from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
     InvalidTransition,
-    KeyInUse,
     Recalled,
-    Terminated,
+    TetherError,
     UserError,
 )
-from tether._core.model import ActionState, ControlKind, DelegationState, Policy, check_grace
-from tether._core.outcome import UNSETTLED
+from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import Report
 from tether._core.signing import Signed
-from tether._core.verdict import RecallInput, Verdict, evaluate_recall
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import ControlRow, DelegationRow, NewDelegation, OwnerRow
-from tether._runtime.attempts import TaskRun, drive, ending_of, record, stop_hook
-from tether._runtime.clock import Clock, SystemClock, first_of
-from tether._runtime.gateway import UNSERIALIZABLE, ChildRuntime, Context, new_id
+from tether._runtime import draining
+from tether._runtime.accounting import Accounting
+from tether._runtime.attempts import drive, ending_of, record, stop_hook
+from tether._runtime.clock import Clock, SystemClock
+from tether._runtime.compensation import compensate
+from tether._runtime.gateway import UNSERIALIZABLE, Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
-from tether._runtime.reconcile import build_report, compensate, probe_all, settle_subtree
-from tether._runtime.remote import owner_alive, settle_elsewhere
+from tether._runtime.reconcile import build_report
+from tether._runtime.remote import settle_elsewhere, settle_unclaimed
+from tether._runtime.state import ChildRuntime, TaskRun, new_id
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
 
@@ -90,12 +89,8 @@ class Supervisor:
         self._learn(check_surface(tools, "Supervisor(tools=...)").values())
         self.owner_id = new_id("o")
         self._runtimes: dict[str, ChildRuntime] = {}
-        # Every tool call of this process still running, by action id, whether or not its
-        # delegation is still tracked: a call left running after a recall's grace window must
-        # still record its receipt.
-        self._calls: dict[str, asyncio.Task[Any]] = {}
+        self._accounts = Accounting(self, self._tools)
         self._background: set[asyncio.Task[Any]] = set()
-        self._rechecks: set[str] = set()  # roots with a re-probe scheduled
         self._last_control = 0
         self._poll = control_poll
         self._open = False
@@ -120,6 +115,11 @@ class Supervisor:
     @property
     def control_poll(self) -> float:
         return self._poll
+
+    @property
+    def is_open(self) -> bool:
+        """Inside ``async with``: delegations may start and background work be scheduled."""
+        return self._open
 
     def presumed_dead(self) -> bool:
         """Whether others may take this process for dead: its lease ran out (or it gave up)."""
@@ -171,35 +171,13 @@ class Supervisor:
             elif isinstance(item, Agent):
                 self._learn(item.tools)
 
-    def track_call(self, action_id: str, task: asyncio.Task[Any]) -> None:
-        self._calls[action_id] = task
-        task.add_done_callback(lambda _: self._calls.pop(action_id, None))
+    def track_call(self, action_id: str, task: asyncio.Task[Any], deadline_at: float) -> None:
+        self._accounts.track_call(action_id, task, deadline_at)
 
     async def await_call(self, action_id: str, key: str) -> None:
-        """Wait until an earlier action with idempotency key ``key`` has an outcome that lets
-        a new call with the key decide (replay, run again, or fail): at most until the earlier
-        call's dispatch deadline, after which a probe's answer is final."""
-        task = self._calls.get(action_id)
-        if task is not None:  # this process runs it: its receipt is posted before it ends
-            await asyncio.wait([task])
-            await self.journal.flush()
-            return
-        while True:
-            action = await self.journal.action(action_id)
-            if action.state not in UNSETTLED:
-                return
-            deadline = action.deadline_at if action.deadline_at is not None else 0.0
-            now = self.clock.wall()
-            if now >= deadline:
-                if action.state is ActionState.IN_DOUBT:
-                    await probe_all(self.journal, [action], self._tools, self.clock,
-                                    self.policy.probe_timeout)
-                    action = await self.journal.action(action_id)
-                if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
-                    raise KeyInUse(key, action_id, action.state.value)
-                return
-            await first_of(self.clock, min(deadline - now, self.policy.lease),
-                           self.wake(self._poll))
+        """Wait until an earlier call with idempotency key ``key`` has an outcome that lets a
+        new call with the key decide (``Accounting.await_call``)."""
+        await self._accounts.await_call(action_id, key)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Supervisor:
@@ -215,7 +193,7 @@ class Supervisor:
             self._loop = asyncio.get_running_loop()
             self.journal.on_notify(self._notified)
             self._open = True
-            self._spawn(self._watch())
+            self.spawn(self._watch())
             if self._recover_on_start:
                 await self.recover()
         except BaseException:
@@ -227,29 +205,21 @@ class Supervisor:
         # Children still running when the orchestrator leaves are terminated and accounted for.
         for rt in list(self._runtimes.values()) if not self._abandoned else []:
             if rt.parent is None and rt.task is not None and not rt.task.done():
-                with contextlib.suppress(AlreadyFinished):
-                    await self._control(rt.id, ControlKind.TERMINATE, None, "supervisor closed")
-        await self._let_calls_finish()
-        self._open = False
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self.journal.close()
-
-    async def _let_calls_finish(self) -> None:
-        """Calls still running (left to finish after a recall's grace window, or by a lost
-        lease) get a bounded while to record their receipts; whatever is still running then is
-        declared in doubt, so that the next supervisor on the journal probes it."""
-        running = [t for t in self._calls.values() if not t.done()]
-        if running:
-            await first_of(self.clock, self.policy.ack_timeout + self.policy.probe_timeout,
-                           asyncio.gather(*running, return_exceptions=True))
-        left = [a for a, t in self._calls.items() if not t.done()]
-        with contextlib.suppress(Exception):  # a lost journal: recovery still finds them
-            for action_id in left:
-                await self.journal.settle_pending(action_id, self.clock.wall(),
-                                                  "its supervisor closed while it ran")
-            await self.journal.flush()
+                try:
+                    await self.issue_control(rt.id, ControlKind.TERMINATE, None,
+                                             "supervisor closed")
+                except (AlreadyFinished, InvalidTransition):
+                    pass  # ended, or already terminating: its drain settles it
+                except TetherError:
+                    rt.cut()  # refused (a lost journal, say): stop it; recovery accounts
+        try:
+            await self._accounts.let_calls_finish()
+        finally:
+            self._open = False
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            await self.journal.close()
 
     @property
     def abandoned(self) -> bool:
@@ -263,9 +233,10 @@ class Supervisor:
             if rt.parent is None:
                 # Calls already sent keep running and record their receipts (a fence refuses
                 # new intents, never receipts); only the children's own code stops.
-                self._cut(rt, actions=False)
+                rt.cut(actions=False)
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Background work of this supervisor: cancelled when it closes, a failure journaled."""
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
@@ -326,11 +297,13 @@ class Supervisor:
         if remote:
             self._learn(surface.values())  # its probes serve reconciliation from here
             return Handle(self, row, queued=True)
-        return await self._launch(ChildRuntime(row, ag, surface), args, kwargs,
-                                  redispatch or self.redispatch)
+        run = await self.launch(ChildRuntime(row, ag, surface), args, kwargs,
+                                redispatch or self.redispatch)
+        return Handle.for_run(self, run)
 
-    async def _start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
-                           kwargs: dict[str, Any]) -> Handle:
+    async def start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
+                          kwargs: dict[str, Any]) -> TaskRun:
+        """A grandchild of ``parent`` (``Context.delegate``), unless the journal fences it."""
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
         payload = _payload(args, kwargs, agent.name)
         n = parent.ordinals[agent.grant]
@@ -348,10 +321,11 @@ class Supervisor:
         parent.children.append(rt)
         if parent.stop is not None:  # fenced while the insert was queued: never run it
             rt.stop = parent.stop
-        return await self._launch(rt, args, kwargs, self.redispatch)
+        return await self.launch(rt, args, kwargs, self.redispatch)
 
-    async def _launch(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
-                      policy: RedispatchPolicy) -> Handle:
+    async def launch(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
+                     policy: RedispatchPolicy) -> TaskRun:
+        """Start the first attempt of a task whose delegation row exists, and drive the rest."""
         run = TaskRun(rt.row.task_id, policy, rt, [rt],
                       asyncio.get_running_loop().create_future(),
                       span=self.telemetry.delegation_span(rt.row.task_id, rt.agent.name))
@@ -359,8 +333,8 @@ class Supervisor:
         if rt.row.epoch or rt.row.parent_id is not None:  # a new root task starts at 0
             rt.generation = await self.journal.cancel_generation(rt.row.task_id)
         await self.start_attempt(rt, args, kwargs, retry=False)
-        self._spawn(drive(self, run, args, kwargs))
-        return Handle(self, rt.row, run)
+        self.spawn(drive(self, run, args, kwargs))
+        return run
 
     async def start_attempt(self, rt: ChildRuntime, args: Sequence[Any],
                             kwargs: dict[str, Any], *, retry: bool,
@@ -468,36 +442,48 @@ class Supervisor:
             await self._adopt_latest(rt)
             return
         if doubtful:  # a tool raised: it may have applied; ask the outside world
-            await probe_all(self.journal, doubtful, self._tools, self.clock,
-                            self.policy.probe_timeout)
-            await settle_subtree(self.journal, rt.id, self.clock, state)
+            await self._accounts.account(rt.id, state)  # and again at its deadline
 
     # -- control --------------------------------------------------------------------------------
-    async def _control(self, delegation_id: str, kind: ControlKind, grace: float | None,
-                       reason: str, seq: int | None = None) -> Report:
+    async def issue_control(self, delegation_id: str, kind: ControlKind, grace: float | None,
+                            reason: str, seq: int | None = None) -> Report:
+        """Sign a recall or terminate, have the journal accept it, and drain the delegation
+        (here, or wherever it runs): what ``Handle.recall`` and ``terminate`` do."""
         if kind is ControlKind.RECALL:
             grace = check_grace(grace, self.policy)
         if not isinstance(reason, str):
             raise UserError("reason must be a string")
-        issued = self.clock.wall()
-        if seq is None:
-            # The next sequence as this caller sees it, so that of two racing callers the
-            # loser is told the current sequence (I4) rather than that the state moved.
+        if seq is None and kind is ControlKind.RECALL:
+            # The next sequence as this caller sees it, so that of two racing recalls the
+            # loser is told the current sequence (I4) rather than that the state moved. A
+            # terminate takes the next one in the accepting transaction: it must land even
+            # when a recall was accepted a moment before (it cuts the grace window short).
             seq = (await self.journal.get(delegation_id)).control_seq + 1
         offered = seq
+        # Stamped with no await before the accept is queued: no call of this process can
+        # then be queued between the stamp and the fence with a later intent time.
+        issued = self.clock.wall()
 
         def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
             return self.keys.signer.sign(ControlIntent(
-                kind=kind, delegation_id=row.id, epoch=row.epoch, seq=offered, grace=grace,
+                kind=kind, delegation_id=row.id, epoch=row.epoch,
+                seq=row.control_seq + 1 if offered is None else offered, grace=grace,
                 reason=reason, issued_at=issued))
 
         _, signed = await self.journal.sign_and_accept(delegation_id, make, self.keys.trusted,
                                                        self.owner_id, issued)
         rt = self._runtimes.get(delegation_id)
         if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
-            self._cut(rt)  # cuts the recall's grace window short
+            rt.cut()  # cuts the recall's grace window short
             return await asyncio.shield(rt.draining)
         if rt is None:
+            never = await settle_unclaimed(self, delegation_id, kind)  # queued, unclaimed
+            if never is not None:
+                return never
+            if (await self.journal.get(delegation_id)).owner_id == self.owner_id:
+                # Ours, but no longer tracked (a recall's grace ended with calls left
+                # running): settle it here, cutting those calls if this is a terminate.
+                return await self._accounts.settle_here(delegation_id, kind)
             return await settle_elsewhere(self, delegation_id, signed)
         return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
 
@@ -512,156 +498,24 @@ class Supervisor:
         if rt.draining is None:
             elapsed = max(0.0, self.clock.wall() - row.accepted_at)
             self._start_drain(rt, row.signed, self.clock.now() - elapsed)
+        elif row.kind is ControlKind.TERMINATE:
+            rt.cut()  # a terminate from elsewhere cuts a recall's grace window short
 
     def _start_drain(self, rt: ChildRuntime, signed: Signed,
                      accepted_at: float) -> asyncio.Future[Report]:
-        rt.draining = self._spawn(self._drain(rt, signed, accepted_at))
+        rt.draining = self.spawn(draining.drain(self, self._accounts, rt, signed, accepted_at))
         self._notify("drain", rt.id)
         return rt.draining
-
-    def _cut(self, rt: ChildRuntime, *, actions: bool = True) -> None:
-        """Stop the subtree now. A terminate also cancels in-flight actions; when a recall's
-        grace ends they are left to finish on their own, so that a completion arriving after
-        the window is still recorded (a late receipt) rather than lost with its task."""
-        for node in rt.walk():
-            node.stop = Terminated(node.id, "terminated")
-            tasks = [*node.inflight.values(), node.task] if actions else [node.task]
-            for task in tasks:
-                if task is not None and not task.done():
-                    task.cancel()
-
-    async def _drain(self, rt: ChildRuntime, signed: Signed, accepted_at: float) -> Report:
-        """Drive the drain protocol (``_core.drain``): every decision is made there."""
-        intent = self.keys.trusted.verify(signed, ControlIntent)
-        stop, cut_now = drain.start(intent.kind)
-        for node in rt.walk():
-            node.stop = node.stop or (Recalled if stop is drain.Stop.RECALLED
-                                      else Terminated)(node.id, intent.reason)
-        verdict, reason = Verdict.TERMINATE, "terminate requested"
-        if not cut_now:
-            verdict, reason = await self._grace_window(rt, signed, intent, accepted_at)
-        plan = drain.ending(verdict, killed=cut_now or any(
-            isinstance(n.stop, Terminated) for n in rt.walk()))
-        if plan.terminate:
-            self._cut(rt, actions=plan.cut_calls)
-        children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
-        for task in children:  # nothing can start any more; stop waiting for model work
-            task.cancel()
-        if children:
-            await first_of(self.clock, self.policy.ack_timeout,
-                           asyncio.gather(*children, return_exceptions=True))
-        if plan.mark_in_doubt:
-            await self.journal.mark_in_doubt(rt.id, self.clock.wall())
-        await self._account(rt.id, plan.fallback)
-        self.journal.event(self.clock.wall(), "verdict", rt.id, verdict=verdict.value,
-                           reason=reason)
-        await self.journal.flush()
-        return await build_report(self.journal, rt.id)
-
-    async def _account(self, root_id: str, fallback: DelegationState) -> None:
-        """Probe what is in doubt, settle the subtree, and keep checking in the background
-        what may still apply (``drain.recheck_at``) until it is final."""
-        await self.journal.flush()
-        doubtful = await self.journal.unsettled(root_id)
-        if doubtful:
-            await probe_all(self.journal, doubtful, self._tools, self.clock,
-                            self.policy.probe_timeout)
-        await settle_subtree(self.journal, root_id, self.clock, fallback)
-        await self._recheck_later(root_id, fallback)
-
-    async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:
-        open_calls = [a for a in await self.journal.unsettled(root_id)
-                      if a.state is ActionState.IN_DOUBT]
-        at = drain.recheck_at((a.deadline_at or 0.0 for a in open_calls), self.clock.wall())
-        if at is not None and self._open and root_id not in self._rechecks:
-            self._rechecks.add(root_id)
-            self._spawn(self._recheck(root_id, fallback, at))
-
-    async def _recheck(self, root_id: str, fallback: DelegationState, at: float) -> None:
-        try:
-            await self.clock.sleep(at - self.clock.wall())
-        finally:
-            self._rechecks.discard(root_id)
-        await self._account(root_id, fallback)
-
-    async def _grace_window(self, rt: ChildRuntime, signed: Signed, intent: ControlIntent,
-                            accepted_at: float) -> tuple[Verdict, str]:
-        """Acknowledge with the in-flight manifest, then wait while actions finish, at most
-        until the grace window ends or a terminate cuts it short."""
-        nodes = rt.walk()
-        signer, trusted = self.keys.signer, self.keys.trusted
-        ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(
-            a for n in nodes for a in n.inflight), acked_at=self.clock.wall()))
-        await self.journal.record_ack(ack, trusted, self.clock.wall())
-        receipt = None
-        if sum(n.effects_started for n in nodes) == 0:
-            receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, self.clock.wall()))
-            await self.journal.record_receipt(receipt, trusted, self.clock.wall())
-        while True:
-            # Counted before the journal is read: a call that ends after this count posted its
-            # receipt before ending, so the flush below commits it before the read.
-            running = rt.inflight_tasks()
-            await self.journal.flush()
-            facts = await self.journal.facts(rt.id)
-            decision = evaluate_recall(RecallInput(
-                signed, facts, accepted_at, self.clock.now(), self.policy, trusted, ack, receipt))
-            step = drain.grace_step(decision, live=len(running), terminated=any(
-                isinstance(n.stop, Terminated) for n in nodes))
-            if step.wait is None:
-                return step.verdict, step.reason
-            waits = [asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)] if running else []
-            await first_of(self.clock, step.wait, *waits)
 
     # -- recovery -------------------------------------------------------------------------------
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
         """Reconcile live delegations whose owner is dead (crashed process or expired lease),
         and every action still in doubt. ``tether reconcile`` runs this."""
-        live = await self.journal.delegations(live_only=True)
-        by_id = {r.id: r for r in live}
-        reports = []
-        for row in live:
-            if row.id in self._runtimes or (row.parent_id in by_id):
-                continue
-            if delegation_id is not None and row.id != delegation_id:
-                continue
-            if not await owner_alive(self, row.owner_id):
-                entry = await self.journal.queue_entry(row.id)
-                if entry is not None and entry.claimed_by is None:
-                    continue  # queued: it waits for a worker, whoever queued it
-                reports.append(await self._recover_one(row, f"owner {row.owner_id} is gone"))
-        doubtful = [a for a in await self.journal.unsettled(delegation_id)
-                    if a.delegation_id not in self._runtimes and a.id not in self._calls]
-        if doubtful:
-            await probe_all(self.journal, doubtful, self._tools, self.clock,
-                            self.policy.probe_timeout)
-            roots = {a.delegation_id for a in doubtful}
-            for root in roots:
-                row = await self.journal.get(root)
-                await settle_subtree(self.journal, root, self.clock, row.state)
-                await self._recheck_later(root, row.state)
-                if all(r.delegation_id != root for r in reports):
-                    reports.append(await build_report(self.journal, root))
-        return reports
+        return await self._accounts.recover(delegation_id)
 
-    async def _recover_one(self, row: DelegationRow, reason: str) -> Report:
-        if not row.state.terminal and await self.journal.drained(row.id):
-            # Its owner drained it before going away, leaving calls in doubt: finish the
-            # accounting, without a second verdict that would hide the first.
-            await self.journal.mark_in_doubt(row.id, self.clock.wall())
-            await self._account(row.id, DelegationState.TERMINATED)
-            await self.journal.flush()
-            return await build_report(self.journal, row.id)
-        if row.state in (DelegationState.RUNNING,):
-            intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
-                                   None, f"recovery: {reason}", self.clock.wall())
-            await self.journal.accept_control(self.keys.signer.sign(intent), self.keys.trusted,
-                                              self.owner_id, self.clock.wall())
-        await self.journal.mark_in_doubt(row.id, self.clock.wall())
-        await self._account(row.id, DelegationState.TERMINATED)
-        self.journal.event(self.clock.wall(), "verdict", row.id, verdict="RECOVERED",
-                           reason=reason)
-        await self.journal.flush()
-        return await build_report(self.journal, row.id)
+    async def recover_delegation(self, row: DelegationRow, reason: str) -> Report:
+        """Settle a delegation whose owner is gone, or that its owner cannot settle."""
+        return await self._accounts.recover_delegation(row, reason)
 
     # -- reports and compensation ---------------------------------------------------------------
     async def report(self, delegation_id: str) -> Report:

@@ -23,8 +23,9 @@ from tether._core.redispatch import RedispatchPolicy
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
-from tether._runtime.gateway import ChildRuntime
+from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
+from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.telemetry import Hooks
 from tether._runtime.tools import Agent, check_surface
@@ -124,8 +125,8 @@ class Worker:
             # give up the lease, so that nobody waits for it to run out.
             for delegation_id in held:
                 with contextlib.suppress(AlreadyFinished):
-                    await sup._control(delegation_id, ControlKind.TERMINATE, None,
-                                       "worker stopping")
+                    await sup.issue_control(delegation_id, ControlKind.TERMINATE, None,
+                                            "worker stopping")
                 await sup.journal.queue_done(delegation_id, sup.clock.wall())
             await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), 0.0)
         await sup.__aexit__(*exc)
@@ -262,9 +263,8 @@ class Worker:
                       f"the delegation grants {sorted(row.surface)}")
             return
         args, kwargs = row.args["args"], row.args["kwargs"]
-        handle = await sup._launch(ChildRuntime(row, agent, surface), args, kwargs,
-                                   sup.redispatch)
-        await handle.wait()
+        run = await sup.launch(ChildRuntime(row, agent, surface), args, kwargs, sup.redispatch)
+        await Handle.for_run(sup, run).wait()
 
     async def _settle_after_fault(self, delegation_id: str, exc: Exception) -> None:
         sup = self.supervisor
@@ -273,12 +273,12 @@ class Worker:
         row = await sup.journal.get(delegation_id)
         if row.state.terminal:
             return
-        rt = sup._runtimes.get(delegation_id)
+        rt = sup.runtime(delegation_id)
         if rt is not None and rt.task is not None and not rt.task.done():
             with contextlib.suppress(AlreadyFinished):
-                await sup._control(delegation_id, ControlKind.TERMINATE, None, why)
+                await sup.issue_control(delegation_id, ControlKind.TERMINATE, None, why)
         else:
-            await sup._recover_one(row, why)
+            await sup.recover_delegation(row, why)
 
 
 __all__ = ["Worker", "load_agents"]

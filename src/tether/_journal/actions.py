@@ -1,0 +1,234 @@
+"""Journal operations on actions: the write-ahead intent behind the fence (I1, I2, I7), receipts
+and probe answers, declaring calls in doubt, and the reads the accounting uses. Each runs inside
+one transaction, like every operation in ``ops`` (which re-exports these).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tether._core.errors import IdempotencyConflict, KeyInUse, NotFound
+from tether._core.model import ActionState, DelegationState, Effect
+from tether._core.outcome import (
+    KEY_FREE,
+    ActionFacts,
+    Gate,
+    KeyVerdict,
+    PriorCall,
+    Receipt,
+    decide_key,
+    judge_gate,
+    judge_receipt,
+    settle,
+)
+from tether._core.report import ActionRecord
+from tether._core.verdict import JournalFacts
+from tether._journal.rows import Begin, BeginResult, DelegationRow, NewAction, dumps, loads
+from tether._journal.tables import (
+    _ACTION_COLS,
+    SUBTREE,
+    Db,
+    _action,
+    event,
+    get_delegation,
+    set_state,
+)
+
+
+def begin_action(db: Db, new: NewAction) -> BeginResult:
+    """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
+    The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
+    intent accepted for the delegation cannot commit between the check and the insert."""
+    gate_row = db.execute(
+        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d "
+        "JOIN tasks t ON t.id = d.task_id WHERE d.id = ? /*LOCK d, t*/",
+        (new.delegation_id,),
+    ).fetchone()
+    if gate_row is None:
+        raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
+    lease = db.execute(
+        "SELECT o.lease_until FROM delegations d JOIN owners o ON o.id = d.owner_id "
+        "WHERE d.id = ?", (new.delegation_id,)).fetchone()
+    gate = judge_gate(fenced=bool(gate_row[0]), epoch=gate_row[1], task_epoch=gate_row[2],
+                      caller_epoch=new.epoch, lease_until=None if lease is None else lease[0],
+                      now=new.now)
+    if gate is not Gate.OPEN:
+        if gate is Gate.LEASE_EXPIRED:
+            event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
+                  key=new.idem_key)
+        return BeginResult(Begin(gate.value), new.id)
+    prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4]), r[5])
+             for r in db.execute(
+                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions "
+                 "WHERE idem_key = ? ORDER BY started_at",
+                 (new.idem_key,),
+             ).fetchall()]
+    decision = decide_key(new.tool, new.args_hash, prior, new.now)
+    found = decision.prior
+    if decision.verdict is KeyVerdict.CONFLICT:
+        assert found is not None
+        raise IdempotencyConflict(new.idem_key, found.tool)
+    if decision.verdict is KeyVerdict.REPLAY:
+        assert found is not None
+        return BeginResult(Begin.REPLAY, found.action_id, found.result)
+    if decision.verdict is KeyVerdict.WAIT:
+        assert found is not None
+        return BeginResult(Begin.WAIT, found.action_id)
+    if decision.verdict is KeyVerdict.UNKNOWN:
+        assert found is not None
+        raise KeyInUse(new.idem_key, found.action_id, found.state.value)
+    db.execute(
+        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
+        ", args_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+        (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
+         new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
+    )
+    return BeginResult(Begin.STARTED, new.id)
+
+
+def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, result: Any = None,
+                  error: str | None = None, evidence: dict[str, Any] | None = None) -> ActionState:
+    """Record an outcome: an executor's receipt, or a probe's answer (with ``evidence``). A
+    fence refuses new intents, never receipts: a receipt for an action already declared in
+    doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
+    if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
+        # The common case, a receipt for a PENDING action: one statement.
+        cur = db.execute(
+            "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
+            "WHERE id = ? AND state = 'PENDING'",
+            (outcome.value, None if result is None else dumps(result), error, now, action_id),
+        )
+        if cur.rowcount == 1:
+            return outcome
+    row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions "
+                     "WHERE id = ?", (action_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no action {action_id!r} in this journal")
+    old = ActionState(row[0])
+    verdict = judge_receipt(old, outcome, from_probe=evidence is not None,
+                            fills_result=bool(row[2]) and result is not None)
+    if verdict is Receipt.IGNORE:
+        event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
+        return old
+    if old in KEY_FREE and outcome not in KEY_FREE and db.execute(
+            "SELECT 1 FROM actions WHERE idem_key = ? AND id <> ? AND state NOT IN "
+            "('FAILED', 'NOT_APPLIED')", (row[3], action_id)).fetchone() is not None:
+        # The key was used again after a final "not applied" (a provider that broke its
+        # dispatch deadline): the fact is kept as an event, never dropped, for a person.
+        event(db, now, "contradicting_receipt", None, action_id, old=old.value,
+              new=outcome.value, result=result, error=error, evidence=evidence)
+        resettle(db, row[1], now, "a receipt contradicts a final outcome", attention=True)
+        return old
+    late = verdict is Receipt.LATE
+    db.execute(
+        "UPDATE actions SET state = ?, result = COALESCE(?, result), error = COALESCE(?, error), "
+        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, "
+        "ended_at = COALESCE(ended_at, ?) WHERE id = ? AND state = ?",
+        (outcome.value, None if result is None else dumps(result), error,
+         None if evidence is None else dumps(evidence), late, now, action_id, old.value),
+    )
+    event(db, now, "late_receipt" if late else "outcome", None, action_id,
+          old=old.value, new=outcome.value)
+    if late or evidence is not None:
+        resettle(db, row[1], now, "late receipt" if late else "probe")
+    return outcome
+
+
+def resettle(db: Db, delegation_id: str, now: float, why: str, *,
+             attention: bool = False) -> DelegationRow:
+    """Re-open a stopped delegation's accounting after a new fact about one of its actions:
+    it moves to its settled state once nothing of it or of its subtree may still apply, and
+    so may its ancestors. A running delegation settles when it ends."""
+    row = get_delegation(db, delegation_id)
+    mine = db.execute("SELECT state, evidence FROM actions WHERE delegation_id = ?",
+                      (delegation_id,)).fetchall()
+    children = db.execute("SELECT state FROM delegations WHERE parent_id = ?",
+                          (delegation_id,)).fetchall()
+    new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
+                 row.state,
+                 children_settled=all(DelegationState(c[0]).terminal for c in children))
+    if attention and new.terminal and new not in (
+            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
+        new = DelegationState.NEEDS_ATTENTION
+    if new is not row.state:
+        event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
+              why=why)
+        row = set_state(db, delegation_id, new, now)
+    if row.parent_id is not None and row.state.terminal:
+        resettle(db, row.parent_id, now, f"child {delegation_id} settled")
+    return row
+
+
+def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
+    rows = db.execute(
+        f"{SUBTREE} SELECT id FROM actions WHERE state = 'PENDING' "
+        "AND delegation_id IN (SELECT id FROM sub)",
+        (root_id,),
+    ).fetchall()
+    ids = [r[0] for r in rows]
+    for action_id in ids:
+        db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
+                   (action_id,))
+        event(db, now, "in_doubt", None, action_id)
+    return ids
+
+
+def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
+    """One PENDING action declared in doubt (its executor is going away with it running)."""
+    cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
+                     (action_id,))
+    if cur.rowcount == 1:
+        event(db, now, "in_doubt", None, action_id, why=why)
+    return cur.rowcount == 1
+
+
+def get_action(db: Db, action_id: str) -> ActionRecord:
+    row = db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE id = ?", (action_id,)).fetchone()
+    if row is None:
+        raise NotFound(f"no action {action_id!r} in this journal")
+    return _action(row)
+
+
+def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
+    ids = list(delegation_ids)
+    if not ids:
+        return []
+    rows = db.execute(
+        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id IN ({', '.join('?' * len(ids))}) "
+        "ORDER BY started_at, ordinal",
+        ids,
+    ).fetchall()
+    return [_action(r) for r in rows]
+
+
+def unsettled_actions(db: Db, root_id: str | None) -> list[ActionRecord]:
+    """IN_DOUBT and UNKNOWN actions (of one subtree, or of the whole journal)."""
+    if root_id is None:
+        rows = db.execute(
+            f"SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
+            "ORDER BY started_at"
+        ).fetchall()
+    else:
+        rows = db.execute(
+            f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
+            "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
+            (root_id,),
+        ).fetchall()
+    return [_action(r) for r in rows]
+
+
+def facts(db: Db, root_id: str) -> JournalFacts:
+    root = get_delegation(db, root_id)
+    rows = db.execute(
+        f"{SUBTREE} SELECT id, state, effect FROM actions "
+        "WHERE delegation_id IN (SELECT id FROM sub)",
+        (root_id,),
+    ).fetchall()
+    pending = frozenset(r[0] for r in rows if r[1] == ActionState.PENDING.value)
+    in_doubt = frozenset(
+        r[0] for r in rows if r[1] in (ActionState.IN_DOUBT.value, ActionState.UNKNOWN.value)
+    )
+    effecting = sum(1 for r in rows if Effect(r[2]).side_effecting)
+    return JournalFacts(root_id, root.control_seq, pending, in_doubt, effecting)
+

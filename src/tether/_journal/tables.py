@@ -1,0 +1,154 @@
+"""The tables as the journal's operations read them: the connection protocol, the SQL
+fragments and columns they share, row decoders, the event log, and one delegation's row (read
+and moved), which both the delegation and the action operations build on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from tether._core.errors import JournalCorrupt, NotFound
+from tether._core.model import (
+    ActionState,
+    ControlKind,
+    DelegationState,
+    Effect,
+    check_delegation_move,
+)
+from tether._core.report import ActionRecord
+from tether._core.signing import Signed
+from tether._journal.rows import ControlRow, DelegationRow, dumps, loads
+
+T = TypeVar("T")
+
+
+class Cursor(Protocol):
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+class Db(Protocol):
+    def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
+
+
+# A worker whose lease ran out is fenced by the journal itself: a paused process that wakes up
+# after others presumed it dead cannot act, whether or not anybody reconciled it yet.
+LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "
+          "AND o.lease_until <= ?)")
+
+SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
+    SELECT id, 0 FROM delegations WHERE id = ?
+    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
+
+_DELEGATION_COLS = (
+    "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
+    "control_seq, created_at, updated_at, result, error, failure, model, trace_id, ended_at"
+)
+_ACTION_COLS = (
+    "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
+    "late, started_at, ended_at, deadline_at"
+)
+
+
+def _decoded(table: str, parse: Callable[[Any], T]) -> Callable[[Any], T]:
+    """A row that does not decode (a flipped bit, a hand edit) is JournalCorrupt, naming the
+    row, never a crash in the middle of an operation."""
+
+    def decode(row: Any) -> T:
+        try:
+            return parse(row)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise JournalCorrupt(
+                f"row {row[0]!r} of table {table} is corrupted ({type(exc).__name__}: {exc})"
+            ) from None
+
+    return decode
+
+
+def _delegation_row(row: Any) -> DelegationRow:
+    return DelegationRow(
+        id=row[0], task_id=row[1], parent_id=row[2], epoch=row[3], attempt=row[4], agent=row[5],
+        surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
+        state=DelegationState(row[9]), fenced=bool(row[10]), control_seq=row[11],
+        created_at=row[12], updated_at=row[13], result=loads(row[14]), error=row[15],
+        failure=row[16], model=row[17], trace_id=row[18], ended_at=row[19],
+    )
+
+
+def _action_row(row: Any) -> ActionRecord:
+    return ActionRecord(
+        id=row[0], delegation_id=row[1], ordinal=row[2], tool=row[3], effect=Effect(row[4]),
+        args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
+        result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
+        started_at=row[12], ended_at=row[13], deadline_at=_finite_or_none(row[14]),
+    )
+
+
+def _finite_or_none(value: Any) -> float | None:
+    """A deadline column: NULL in rows older than schema v3 (the tool's own deadline then
+    decides, see ``reconcile.deadline_of``), else a finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"deadline_at is {value!r}, not a time")
+    return float(value)
+
+
+_delegation = _decoded("delegations", _delegation_row)
+_action = _decoded("actions", _action_row)
+
+
+def event(db: Db, at: float, what: str, delegation_id: str | None = None,
+          action_id: str | None = None, /, **detail: Any) -> None:
+    db.execute(
+        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?)",
+        (delegation_id, action_id, at, what, dumps(detail)),
+    )
+
+
+
+def _control_row(r: Any) -> ControlRow:
+    return ControlRow(
+        id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
+        signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
+    )
+
+
+_control = _decoded("controls", _control_row)
+_CONTROL_COLS = "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"
+
+
+def get_delegation(db: Db, delegation_id: str) -> DelegationRow:
+    row = db.execute(
+        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE id = ?", (delegation_id,)
+    ).fetchone()
+    if row is None:
+        raise NotFound(f"no delegation {delegation_id!r} in this journal")
+    return _delegation(row)
+
+
+
+def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
+              result: Any = None, error: str | None = None,
+              failure: str | None = None) -> DelegationRow:
+    row = get_delegation(db, delegation_id)
+    if row.state is new:
+        return row
+    check_delegation_move(delegation_id, row.state, new)
+    db.execute(
+        "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
+        "error = COALESCE(?, error), failure = COALESCE(?, failure), "
+        "fenced = CASE WHEN ? THEN 1 ELSE fenced END, "
+        "ended_at = CASE WHEN ? THEN COALESCE(ended_at, ?) ELSE ended_at END WHERE id = ?",
+        (new.value, now, None if result is None else dumps(result), error, failure,
+         new.terminal, new.terminal, now, delegation_id),
+    )
+    event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
+    return get_delegation(db, delegation_id)
+

@@ -1,0 +1,207 @@
+"""The accounting of a supervisor: the tool calls of this process still running, the re-probes
+scheduled for calls that may still apply, and recovery of delegations whose owner is gone.
+
+It holds that state for its supervisor and reaches the rest (journal, keys, background tasks)
+through ``ports.Accounts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from tether._core import drain
+from tether._core.documents import ControlIntent
+from tether._core.errors import KeyInUse
+from tether._core.model import ActionState, ControlKind, DelegationState
+from tether._core.outcome import UNSETTLED, PriorCall, holds_key
+from tether._core.report import Report
+from tether._journal.rows import DelegationRow
+from tether._runtime.clock import first_of
+from tether._runtime.reconcile import build_report, deadline_of, probe_all, settle_subtree
+from tether._runtime.remote import owner_alive, settle_unclaimed
+from tether._runtime.tools import Tool
+
+if TYPE_CHECKING:
+    from tether._runtime import ports
+
+
+class Accounting:
+    def __init__(self, sup: ports.Accounts, tools: Mapping[str, Tool]) -> None:
+        self._sup = sup
+        self._tools = tools  # the supervisor's, as it learns more: probes find them here
+        # Every tool call of this process still running, by action id, whether or not its
+        # delegation is still tracked: a call left running after a recall's grace window must
+        # still record its receipt.
+        self._calls: dict[str, asyncio.Task[Any]] = {}
+        self._deadlines: dict[str, float] = {}  # the dispatch deadline of each call in _calls
+        self._rechecks: set[str] = set()  # roots with a re-probe scheduled
+
+    def track_call(self, action_id: str, task: asyncio.Task[Any], deadline_at: float) -> None:
+        self._calls[action_id] = task
+        self._deadlines[action_id] = deadline_at
+        task.add_done_callback(lambda _: self._forget_call(action_id))
+
+    def _forget_call(self, action_id: str) -> None:
+        self._calls.pop(action_id, None)
+        self._deadlines.pop(action_id, None)
+
+    async def await_call(self, action_id: str, key: str) -> None:
+        """Wait until an earlier action with idempotency key ``key`` has an outcome that lets
+        a new call with the key decide (replay, run again, or fail): at most until the earlier
+        call's dispatch deadline, after which a probe's answer is final."""
+        sup = self._sup
+        while True:
+            action = await sup.journal.action(action_id)
+            deadline = deadline_of(action, self._tools)
+            now = sup.clock.wall()
+            if not holds_key(PriorCall(action.id, action.tool, "", action.state,
+                                       deadline_at=deadline), now):
+                return
+            if now >= deadline:
+                # Past its deadline nothing can apply any more: the next probe is final.
+                if action.state is ActionState.IN_DOUBT:
+                    await probe_all(sup.journal, [action], self._tools, sup.clock,
+                                    sup.policy.probe_timeout)
+                    action = await sup.journal.action(action_id)
+                if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
+                    raise KeyInUse(key, action_id, action.state.value)
+                return
+            task = self._calls.get(action_id)
+            # This process runs it: its receipt is posted before the task ends. Otherwise
+            # another process's progress is polled. Either way, at most until the deadline.
+            waits = [task] if task is not None else [sup.wake(sup.control_poll)]
+            await first_of(sup.clock, min(deadline - now, sup.policy.lease), *waits)
+            if task is not None and task.done():
+                await sup.journal.flush()
+
+    async def settle_here(self, root_id: str, kind: ControlKind) -> Report:
+        """A control intent for a delegation this process owns but no longer tracks: its code
+        ended, calls it left running may not have. A terminate cuts them now."""
+        sup = self._sup
+        rows = await sup.journal.subtree(root_id)
+        for action in await sup.journal.actions([r.id for r in rows]):
+            task = self._calls.get(action.id)
+            if kind is ControlKind.TERMINATE and task is not None:
+                task.cancel()
+        terminate = kind is ControlKind.TERMINATE
+        if terminate:
+            await sup.journal.mark_in_doubt(root_id, sup.clock.wall())
+        await self.account(root_id, DelegationState.TERMINATED if terminate
+                           else DelegationState.RECALLED)
+        sup.journal.event(sup.clock.wall(), "verdict", root_id,
+                          verdict="TERMINATE" if terminate else "RECALLED_CLEAN",
+                          reason=f"{kind.value.lower()} of a delegation whose code had ended")
+        await sup.journal.flush()
+        return await build_report(sup.journal, root_id)
+
+    async def let_calls_finish(self) -> None:
+        """Calls still running (left to finish after a recall's grace window, or by a lost
+        lease) get a bounded while to record their receipts; whatever is still running then is
+        declared in doubt, so that the next supervisor on the journal probes it."""
+        sup = self._sup
+        running = [t for t in self._calls.values() if not t.done()]
+        if running:
+            # Past the last deadline nothing they do can apply any more: no reason to wait.
+            last = max(self._deadlines.values(), default=0.0) - sup.clock.wall()
+            bound = min(sup.policy.ack_timeout + sup.policy.probe_timeout, max(0.0, last))
+            await first_of(sup.clock, bound, asyncio.gather(*running, return_exceptions=True))
+        left = [a for a, t in self._calls.items() if not t.done()]
+        with contextlib.suppress(Exception):  # a lost journal: recovery still finds them
+            for action_id in left:
+                await sup.journal.settle_pending(action_id, sup.clock.wall(),
+                                                 "its supervisor closed while it ran")
+            await sup.journal.flush()
+
+    async def account(self, root_id: str, fallback: DelegationState) -> None:
+        """Probe what is in doubt, settle the subtree, and keep checking in the background
+        what may still apply (``drain.recheck_at``) until it is final."""
+        sup = self._sup
+        await sup.journal.flush()
+        doubtful = await sup.journal.unsettled(root_id)
+        if doubtful:
+            await probe_all(sup.journal, doubtful, self._tools, sup.clock,
+                            sup.policy.probe_timeout)
+        await settle_subtree(sup.journal, root_id, sup.clock, fallback)
+        await self._recheck_later(root_id, fallback)
+
+    async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:
+        sup = self._sup
+        open_calls = [a for a in await sup.journal.unsettled(root_id)
+                      if a.state is ActionState.IN_DOUBT]
+        at = drain.recheck_at((deadline_of(a, self._tools) for a in open_calls),
+                              sup.clock.wall())
+        if at is not None and sup.is_open and root_id not in self._rechecks:
+            self._rechecks.add(root_id)
+            sup.spawn(self._recheck(root_id, fallback, at))
+
+    async def _recheck(self, root_id: str, fallback: DelegationState, at: float) -> None:
+        try:
+            await self._sup.clock.sleep(at - self._sup.clock.wall())
+        finally:
+            self._rechecks.discard(root_id)
+        await self.account(root_id, fallback)
+
+    async def recover(self, delegation_id: str | None = None) -> list[Report]:
+        """``Supervisor.recover``: delegations whose owner is dead, then actions in doubt."""
+        sup = self._sup
+        live = await sup.journal.delegations(live_only=True)
+        by_id = {r.id: r for r in live}
+        reports = []
+        for row in live:
+            if sup.runtime(row.id) is not None or (row.parent_id in by_id):
+                continue
+            if delegation_id is not None and row.id != delegation_id:
+                continue
+            if not await owner_alive(sup, row.owner_id):
+                entry = await sup.journal.queue_entry(row.id)
+                if entry is not None and entry.claimed_by is None:
+                    # Queued: it waits for a worker, whoever queued it; unless it was fenced
+                    # before any worker claimed it, when nothing ran and it is settled here.
+                    if row.fenced:
+                        never = await settle_unclaimed(sup, row.id, ControlKind.RECALL
+                                                       if row.state is DelegationState.RECALLING
+                                                       else ControlKind.TERMINATE)
+                        if never is not None:
+                            reports.append(never)
+                    continue
+                why = f"owner {row.owner_id} is gone"
+                reports.append(await self.recover_delegation(row, why))
+        doubtful = [a for a in await sup.journal.unsettled(delegation_id)
+                    if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
+        if doubtful:
+            await probe_all(sup.journal, doubtful, self._tools, sup.clock,
+                            sup.policy.probe_timeout)
+            roots = {a.delegation_id for a in doubtful}
+            for root in roots:
+                row = await sup.journal.get(root)
+                await settle_subtree(sup.journal, root, sup.clock, row.state)
+                await self._recheck_later(root, row.state)
+                if all(r.delegation_id != root for r in reports):
+                    reports.append(await build_report(sup.journal, root))
+        return reports
+
+    async def recover_delegation(self, row: DelegationRow, reason: str) -> Report:
+        """Settle a delegation nobody here runs and whose owner is gone (or cannot settle it):
+        terminate it in the journal if it still runs, then probe and settle its calls."""
+        sup = self._sup
+        if not row.state.terminal and await sup.journal.drained(row.id):
+            # Its owner drained it before going away, leaving calls in doubt: finish the
+            # accounting, without a second verdict that would hide the first.
+            await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
+            await self.account(row.id, DelegationState.TERMINATED)
+            await sup.journal.flush()
+            return await build_report(sup.journal, row.id)
+        if row.state in (DelegationState.RUNNING,):
+            intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
+                                   None, f"recovery: {reason}", sup.clock.wall())
+            await sup.journal.accept_control(sup.keys.signer.sign(intent), sup.keys.trusted,
+                                             sup.owner_id, sup.clock.wall())
+        await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
+        await self.account(row.id, DelegationState.TERMINATED)
+        sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict="RECOVERED",
+                          reason=reason)
+        await sup.journal.flush()
+        return await build_report(sup.journal, row.id)

@@ -1,0 +1,82 @@
+"""The drain driver of a recall or terminate: acknowledge, run the grace window, stop what is
+left, account for every action and record the verdict. Every decision is made by the drain
+protocol (``_core.drain``); this module only carries it out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from tether._core import drain as protocol
+from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt
+from tether._core.errors import Recalled, Terminated
+from tether._core.report import Report
+from tether._core.signing import Signed
+from tether._core.verdict import RecallInput, Verdict, evaluate_recall
+from tether._runtime.accounting import Accounting
+from tether._runtime.clock import first_of
+from tether._runtime.reconcile import build_report
+from tether._runtime.state import ChildRuntime
+
+if TYPE_CHECKING:
+    from tether._runtime import ports
+
+
+async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signed: Signed,
+                accepted_at: float) -> Report:
+    """Drive the drain protocol for ``rt``'s subtree; the report once it is accounted for."""
+    intent = sup.keys.trusted.verify(signed, ControlIntent)
+    stop, cut_now = protocol.start(intent.kind)
+    for node in rt.walk():
+        node.stop = node.stop or (Recalled if stop is protocol.Stop.RECALLED
+                                  else Terminated)(node.id, intent.reason)
+    verdict, reason = Verdict.TERMINATE, "terminate requested"
+    if not cut_now:
+        verdict, reason = await grace_window(sup, rt, signed, intent, accepted_at)
+    plan = protocol.ending(verdict, killed=cut_now or any(
+        isinstance(n.stop, Terminated) for n in rt.walk()))
+    if plan.terminate:
+        rt.cut(actions=plan.cut_calls)
+    children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
+    for task in children:  # nothing can start any more; stop waiting for model work
+        task.cancel()
+    if children:
+        await first_of(sup.clock, sup.policy.ack_timeout,
+                       asyncio.gather(*children, return_exceptions=True))
+    if plan.mark_in_doubt:
+        await sup.journal.mark_in_doubt(rt.id, sup.clock.wall())
+    await accounts.account(rt.id, plan.fallback)
+    sup.journal.event(sup.clock.wall(), "verdict", rt.id, verdict=verdict.value,
+                      reason=reason)
+    await sup.journal.flush()
+    return await build_report(sup.journal, rt.id)
+
+
+async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
+                       intent: ControlIntent, accepted_at: float) -> tuple[Verdict, str]:
+    """Acknowledge with the in-flight manifest, then wait while actions finish, at most
+    until the grace window ends or a terminate cuts it short."""
+    nodes = rt.walk()
+    signer, trusted = sup.keys.signer, sup.keys.trusted
+    ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(
+        a for n in nodes for a in n.inflight), acked_at=sup.clock.wall()))
+    await sup.journal.record_ack(ack, trusted, sup.clock.wall())
+    receipt = None
+    if sum(n.effects_started for n in nodes) == 0:
+        receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, sup.clock.wall()))
+        await sup.journal.record_receipt(receipt, trusted, sup.clock.wall())
+    while True:
+        # Counted before the journal is read: a call that ends after this count posted its
+        # receipt before ending, so the flush below commits it before the read.
+        running = rt.inflight_tasks()
+        await sup.journal.flush()
+        facts = await sup.journal.facts(rt.id)
+        decision = evaluate_recall(RecallInput(
+            signed, facts, accepted_at, sup.clock.now(), sup.policy, trusted, ack, receipt))
+        step = protocol.grace_step(decision, live=len(running), terminated=any(
+            isinstance(n.stop, Terminated) for n in nodes))
+        if step.wait is None:
+            return step.verdict, step.reason
+        waits = [asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)] if running else []
+        await first_of(sup.clock, step.wait, *waits)

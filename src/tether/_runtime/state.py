@@ -1,0 +1,90 @@
+"""The supervisor's in-memory records: each running delegation (``ChildRuntime``), each task
+across its attempts (``TaskRun``), and the ids they are made with.
+
+A leaf of the runtime: every other runtime module may import it, and it imports none of them
+but ``tools``, so that the records never pull in the code that drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tether._core.errors import ControlSignal, Terminated
+from tether._core.redispatch import RedispatchPolicy
+from tether._journal.rows import DelegationRow
+from tether._runtime.tools import Agent, Tool
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+_PROCESS = secrets.token_hex(5)  # random per process; a counter makes ids unique within it
+_COUNTER = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    """Unique across processes without a system call per id (ids are on the hot path)."""
+    return f"{prefix}_{_PROCESS}{next(_COUNTER):06x}"
+
+
+@dataclass(eq=False)
+class ChildRuntime:
+    """In-memory state of one running delegation, owned by its supervisor."""
+
+    row: DelegationRow
+    agent: Agent
+    surface: dict[str, Tool | Agent | str]
+    parent: ChildRuntime | None = None
+    task: asyncio.Task[Any] | None = None
+    inflight: dict[str, asyncio.Task[Any]] = field(default_factory=dict)
+    children: list[ChildRuntime] = field(default_factory=list)
+    stop: ControlSignal | None = None
+    ordinals: Counter[str] = field(default_factory=Counter)  # per tool: derives default keys
+    calls: int = 0  # journaled calls so far: orders this delegation's actions
+    effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
+    draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
+    run: TaskRun | None = None  # the task this attempt belongs to
+    generation: int = 0  # the task's cancel generation when its first attempt started
+    span: Span | None = None
+    final: DelegationRow | None = None  # the row as the child's own ending left it
+
+    @property
+    def id(self) -> str:
+        return self.row.id
+
+    def walk(self) -> list[ChildRuntime]:
+        out = [self]
+        for child in self.children:
+            out.extend(child.walk())
+        return out
+
+    def inflight_tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for rt in self.walk() for t in rt.inflight.values()]
+
+    def cut(self, *, actions: bool = True) -> None:
+        """Stop the subtree now. A terminate also cancels in-flight actions; when a recall's
+        grace ends they are left to finish on their own, so that a completion arriving after
+        the window is still recorded (a late receipt) rather than lost with its task."""
+        for node in self.walk():
+            node.stop = Terminated(node.id, "terminated")
+            tasks = [*node.inflight.values(), node.task] if actions else [node.task]
+            for task in tasks:
+                if task is not None and not task.done():
+                    task.cancel()
+
+
+@dataclass(eq=False)
+class TaskRun:
+    """One delegated task across its attempts."""
+
+    task_id: str
+    policy: RedispatchPolicy
+    current: ChildRuntime
+    attempts: list[ChildRuntime]
+    done: asyncio.Future[tuple[bool, Any]]
+    span: Span | None = None
+    cut_short: asyncio.Event = field(default_factory=asyncio.Event)

@@ -1,0 +1,1 @@
+"""``tether sim``: a deterministic simulation of tether's protocol core in virtual time."""

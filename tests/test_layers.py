@@ -1,0 +1,126 @@
+"""The layer rules of docs/design.md ("Layers"), read from the source with ``ast``.
+
+Every import counts, wherever it is: at module level, under ``if TYPE_CHECKING:`` or inside a
+function. A type-only import still couples two modules, and a cycle hidden behind one is what
+these rules exist to keep out.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+CORE_MAY_NOT_IMPORT = frozenset({"asyncio", "sqlite3", "psycopg", "threading", "time", "socket",
+                                 "os"})
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted((SRC / "tether").rglob("*.py"))}
+
+
+def _imported(name: str, path: Path) -> Iterator[str]:
+    """Every module ``name`` imports, by absolute name (``from a import b`` names ``a.b`` when
+    that is a module of ours, else ``a``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            yield base
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    yield f"{base}.{alias.name}"
+
+
+IMPORTS: dict[str, set[str]] = {name: set(_imported(name, path))
+                                for name, path in MODULES.items()}
+
+
+def _ours(name: str) -> set[str]:
+    """The tether modules ``name`` imports (a package's ``__init__`` counts as a module)."""
+    return {m for m in IMPORTS[name] if m in MODULES and m != name}
+
+
+def _cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v] & graph.keys()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _under(package: str) -> set[str]:
+    return {m for m in MODULES if m == package or m.startswith(package + ".")}
+
+
+def test_the_parser_sees_every_kind_of_import() -> None:
+    # Guards the rules below against passing vacuously.
+    assert "tether._runtime.gateway" in IMPORTS["tether._runtime.supervisor"]
+    assert "opentelemetry.metrics" in IMPORTS["tether._runtime.supervisor"]  # TYPE_CHECKING
+    assert "tether._journal.ops" in IMPORTS["tether._runtime.remote"]  # from a package import b
+    assert "asyncio" in IMPORTS["tether._runtime.clock"]
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c", "x"}, "c": {"a"}, "d": {"a"}, "e": {"d"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_runtime_has_no_import_cycle() -> None:
+    runtime = _under("tether._runtime")
+    cycles = _cycles({m: _ours(m) & runtime for m in runtime})
+    assert not cycles, ("tether._runtime modules that import one another, directly or "
+                        "transitively: " + "; ".join(", ".join(c) for c in cycles))
+
+
+def test_the_core_does_no_io() -> None:
+    offending = {m: sorted(i for i in IMPORTS[m] if i.split(".")[0] in CORE_MAY_NOT_IMPORT)
+                 for m in _under("tether._core")}
+    assert not {m: i for m, i in offending.items() if i}
+
+
+def test_the_core_imports_no_other_layer() -> None:
+    offending = {m: sorted(i for i in IMPORTS[m] if i.split(".")[0] == "tether"
+                           and i not in _under("tether._core"))
+                 for m in _under("tether._core")}
+    assert not {m: i for m, i in offending.items() if i}

@@ -1,0 +1,728 @@
+"""Edges of the outcome model found in review: a terminate racing or following a recall, a
+parent settled before its child, reconciliation from another supervisor, waits on a key bound
+to an earlier call, receipts after probes, rows with odd deadlines, and racing CLI recalls.
+
+Every in-process test runs on a virtual clock that moves only when the test advances it (no
+autojump while the scenario is choreographed; leaving the supervisor turns it on, so that
+closing never hangs). Waits on other tasks are bounded in real time and poll a condition,
+never sleep in the hope of an interleaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlparse
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import tether
+from tether._cli.app import _send
+from tether._core.model import ControlKind
+from tether.testing import VirtualClock
+
+from .conftest import PG_URL
+from .honest_agents import Provider
+
+A = tether.ActionState
+S = tether.DelegationState
+T = TypeVar("T")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def vclock() -> VirtualClock:
+    """A virtual clock with no autojump: time moves only when the test advances it."""
+    return VirtualClock()
+
+
+@contextlib.asynccontextmanager
+async def supervising(url: str, clock: VirtualClock, keys: tether.KeyRing | None,
+                      tools: Sequence[tether.Tool], *, recover: bool = True,
+                      jump_on_close: bool = True) -> AsyncIterator[tether.Supervisor]:
+    """A supervisor on ``clock``. Leaving it turns autojump on (closing waits a bounded while,
+    on its clock, for calls still running), unless the test needs time to stand still."""
+    async with tether.Supervisor(url, clock=clock, keys=keys, tools=tools,
+                                 recover=recover) as sup:
+        try:
+            yield sup
+        finally:
+            if jump_on_close:
+                clock.autojump(0.01)
+
+
+async def within(aw: Awaitable[T], seconds: float, what: str) -> T:
+    """``aw`` within ``seconds`` of real time, or the test fails saying what it waited for."""
+    try:
+        return await asyncio.wait_for(aw, seconds)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {seconds:g} s of real time") from None
+
+
+async def eventually(read: Callable[[], Awaitable[T]], ok: Callable[[T], bool], what: str,
+                     seconds: float = 5.0) -> T:
+    """Poll ``read`` (real time) until ``ok`` holds of its value."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = await read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds:g}s waiting for {what}; "
+                                 f"last seen: {value!r}")
+        await asyncio.sleep(0.01)
+
+
+async def run_clock(clock: VirtualClock, until: asyncio.Future[Any], *, step: float,
+                    limit: float) -> None:
+    """Move the clock on by ``step`` at a time, letting the loop run between steps, until
+    ``until`` is done or the clock reaches ``limit``. (A timer is registered when its task
+    first runs, after its delay was computed: small steps keep its lateness below one.)"""
+    deadline = time.monotonic() + 5.0
+    while not until.done() and clock.now() + step <= limit + 1e-9:
+        clock.advance(step)
+        await asyncio.wait([until], timeout=0.005)
+        assert time.monotonic() < deadline, "the clock could not be moved on in time"
+    if not until.done():
+        await asyncio.wait([until], timeout=0.5)  # the last step's work, if any, lands
+
+
+class Held:
+    """A payment provider whose reply waits until the test releases it. A call cancelled by
+    its caller is recorded and never applied; a released one is applied, then answered. The
+    probe asks the ledger; ``voids``: its "not applied" also voids the key at the provider
+    (final before the deadline). ``probe=False``: the tool has no probe (UNKNOWN)."""
+
+    def __init__(self, *, dispatch_deadline: float = 30.0, voids: bool = False,
+                 probe: bool = True) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.sent: list[str] = []
+        self.cancelled: list[str] = []
+        self.applied: dict[str, str] = {}
+        self.voids = voids
+        self.tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay",
+                                probe=self.lookup if probe else None,
+                                dispatch_deadline=dispatch_deadline)(self.pay)
+
+    async def pay(self, order_id: str, *, idempotency_key: str) -> str:
+        self.sent.append(idempotency_key)
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(idempotency_key)
+            raise
+        ref = f"ref-{order_id}-{len(self.sent)}"
+        self.applied[idempotency_key] = ref
+        return ref
+
+    async def lookup(self, order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        if idempotency_key in self.applied:
+            return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {"found": True},
+                                      result=self.applied[idempotency_key])
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"found": False},
+                                  voided=self.voids)
+
+
+def payer(tool: tether.Tool, order_id: str = "L-1", key: str | None = None,
+          **more: Any) -> Callable[[tether.Context], Awaitable[Any]]:
+    async def agent(ctx: tether.Context) -> Any:
+        return await ctx.call(tool, order_id=order_id, idempotency_key=key, **more)
+
+    return agent
+
+
+async def recall_mid_call(handle: tether.Handle, clock: VirtualClock, sleepers: int,
+                          grace: float = 0.3) -> tether.Report:
+    """Recall ``handle`` and let its grace window end with its call still running: the window
+    and ``sleepers - 1`` other timers are parked on the clock, then the window's time passes."""
+    recall = asyncio.ensure_future(handle.recall(grace=grace, reason="too slow"))
+    await within(clock.sleeping(sleepers), 5.0, "the grace window to start")
+    clock.advance(grace)
+    return await within(recall, 5.0, "the recall to end after its grace window")
+
+
+class HeldAccept:
+    """The first control intent to reach the journal's accept waits there until a second one
+    arrives; the second goes on once the first is accepted. So the second caller did whatever
+    it does before accepting (read a sequence, say) while the first was being accepted."""
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.first_arrived = asyncio.Event()
+        self.second_arrived = asyncio.Event()
+        self.first_done = asyncio.Event()
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch,
+              target: tether.Journal | type[tether.Journal]) -> None:
+        """On one journal (``target`` an instance) or every journal (the class)."""
+        original: Callable[..., Awaitable[Any]] = target.sign_and_accept
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            # Bound to one journal, or called on the class with the journal first: either way
+            # the arguments pass through as they came.
+            call = original
+            self.arrivals += 1
+            if self.arrivals == 1:
+                self.first_arrived.set()
+                await self.second_arrived.wait()
+                try:
+                    return await call(*args, **kwargs)
+                finally:
+                    self.first_done.set()
+            self.second_arrived.set()
+            await self.first_done.wait()
+            return await call(*args, **kwargs)
+
+        monkeypatch.setattr(target, "sign_and_accept", held)
+
+
+def spy_waits(monkeypatch: pytest.MonkeyPatch, sup: tether.Supervisor) -> asyncio.Event:
+    """Set when a child of ``sup`` waits on an earlier call of the same key (Begin.WAIT)."""
+    waiting = asyncio.Event()
+    original = sup.await_call
+
+    async def await_call(action_id: str, key: str) -> None:
+        waiting.set()
+        await original(action_id, key)
+
+    monkeypatch.setattr(sup, "await_call", await_call)
+    return waiting
+
+
+async def reaches_key(result: asyncio.Future[Any], waiting: asyncio.Event) -> None:
+    """Until the re-delegated child either waits on the earlier call or has ended."""
+    waited = asyncio.ensure_future(waiting.wait())
+    try:
+        await within(asyncio.wait([result, waited], return_when=asyncio.FIRST_COMPLETED), 5.0,
+                     "the re-delegated child to reach the key")
+    finally:
+        waited.cancel()
+
+
+async def verdicts(journal: tether.Journal, ids: Iterable[str]) -> list[str]:
+    return [str(e.detail.get("verdict")) for e in await journal.events(list(ids))
+            if e.kind == "verdict"]
+
+
+def run_sql(url: str, statement: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    """A hand edit (or read) of the journal's tables, outside tether (``?`` placeholders)."""
+    if url.startswith("sqlite"):
+        with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as db:
+            rows = db.execute(statement, params).fetchall()
+            db.commit()
+        return rows
+    schema = parse_qs(urlparse(url).query)["schema"][0]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        cur = conn.execute(statement.replace("?", "%s"), params)
+        return cur.fetchall() if cur.description else []
+
+
+# -- d8: a terminate while a recall is being accepted ---------------------------------------------
+
+async def test_a_terminate_while_a_recall_is_accepted_takes_the_next_sequence(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    held = Held()
+    async with supervising(journal_url, vclock, keys, [held.tool]) as sup:
+        child = await sup.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        race = HeldAccept()
+        race.patch(monkeypatch, sup.journal)
+        recall = asyncio.ensure_future(child.recall(grace=60.0, reason="plan changed"))
+        await within(race.first_arrived.wait(), 5.0, "the recall to reach the journal")
+        terminate = asyncio.ensure_future(child.terminate(reason="kill it now"))
+        (terminated,) = await within(asyncio.gather(terminate, return_exceptions=True), 10.0,
+                                     "the terminate to return (no time passes)")
+        if isinstance(terminated, BaseException):
+            recall.cancel()
+            raise AssertionError(f"the terminate sent while the recall was being accepted was "
+                                 f"refused: {terminated!r}") from terminated
+        recalled = await within(recall, 5.0, "the recall, its window cut short")
+        controls = [(c.seq, c.kind) for c in await sup.journal.controls(child.id)]
+        key = f"{child.task_id}:pay:0"
+    assert controls == [(1, ControlKind.RECALL), (2, ControlKind.TERMINATE)]
+    assert recalled.verdict == "TERMINATE" and terminated.verdict == "TERMINATE", (
+        f"the terminate did not cut the grace window short: {recalled.verdict}, "
+        f"{terminated.verdict}")
+    assert held.cancelled == [key], "the terminate did not cut the call in flight"
+    assert vclock.now() == 0.0  # the window was cut short: none of its 60 s passed
+
+
+async def test_leaving_the_supervisor_while_a_recall_is_accepted_never_raises(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Leaving ``async with`` terminates the children still running: that terminate races a
+    recall being accepted, and must land (cutting the window short), not escape as an error."""
+    held = Held()
+    sup = tether.Supervisor(journal_url, clock=vclock, keys=keys, tools=[held.tool])
+    await sup.__aenter__()
+    child = await sup.delegate(payer(held.tool), tools=[held.tool])
+    await within(held.entered.wait(), 5.0, "the payment to be sent")
+    race = HeldAccept()
+    race.patch(monkeypatch, sup.journal)
+    recall = asyncio.ensure_future(child.recall(grace=60.0, reason="plan changed"))
+    await within(race.first_arrived.wait(), 5.0, "the recall to reach the journal")
+    leaving = asyncio.ensure_future(sup.__aexit__(None, None, None))
+    (left,) = await within(asyncio.gather(asyncio.shield(leaving), return_exceptions=True),
+                           10.0, "leaving the supervisor")
+    if isinstance(left, BaseException):
+        with contextlib.suppress(Exception):  # close it after all, for the next test
+            vclock.autojump(0.01)
+            await asyncio.wait_for(sup.__aexit__(None, None, None), 10.0)
+        recall.cancel()
+        raise AssertionError(f"leaving `async with` raised {left!r}") from left
+    report = await within(recall, 5.0, "the recall's report")
+    async with tether.Journal(journal_url, create=False) as journal:
+        controls = [(c.seq, c.kind) for c in await journal.controls(child.id)]
+        said = await verdicts(journal, [child.id])
+    assert controls == [(1, ControlKind.RECALL), (2, ControlKind.TERMINATE)]
+    assert report.verdict == "TERMINATE" and said == ["TERMINATE"]
+    assert held.cancelled == [f"{child.task_id}:pay:0"]
+
+
+# -- d4: a parent is not settled before its child -------------------------------------------------
+
+async def test_a_recalled_parent_is_not_settled_while_its_childs_call_is_in_doubt(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    provider = Provider(vclock, latency=1.0)
+    child_agent = tether.agent(tools=[provider.tool])(payer(provider.tool, cents=100))
+
+    async def parent(ctx: tether.Context) -> Any:
+        handle = await ctx.delegate(child_agent)
+        return await handle.result()
+
+    async with supervising(journal_url, vclock, keys, [provider.tool]) as sup:
+        root = await sup.delegate(parent, tools=[child_agent])
+        await within(provider.wait_sent(1), 5.0, "the child's payment to be sent")
+        report = await recall_mid_call(root, vclock, sleepers=2)  # latency + grace window
+        assert not provider.applied, "the scenario needs the payment still in flight"
+        (child,) = report.children
+        assert [a.state for a in child.actions] == [A.IN_DOUBT]
+        assert not child.outcome.terminal
+        assert not report.outcome.terminal, (
+            f"the root was reported {report.outcome.value} (settled) while its child's call "
+            f"is still in doubt (the child is {child.outcome.value})")
+        vclock.advance(0.75)  # the payment lands (t = 1.0); its receipt is late
+        await within(provider.settle(), 5.0, "the provider to apply the payment")
+        final = await eventually(lambda: sup.report(root.id),
+                                 lambda r: r.children[0].outcome.terminal,
+                                 "the child to settle on its late receipt")
+    (child,) = final.children
+    assert [(a.state, a.late) for a in child.actions] == [(A.COMPLETED, True)]
+    assert final.outcome.terminal, (
+        f"the child settled ({child.outcome.value}) but its parent stayed "
+        f"{final.outcome.value}")
+
+
+# -- d5: a terminate from another process during a recall's grace window --------------------------
+
+@pytest.mark.parametrize("voids", [True, False], ids=["probe-voids", "probe-not-yet"])
+async def test_a_terminate_from_another_supervisor_cuts_the_grace_window_short(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing, voids: bool) -> None:
+    """``voids``: the owner's probe of the cut call is final at once (the delegation settles),
+    or says "not applied yet" (it stays TERMINATING until the call's deadline). Either way the
+    other supervisor's terminate returns once the owner has drained it: no 15 s wait, and no
+    RECOVERED verdict against a live owner."""
+    held = Held(voids=voids)
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        child = await a.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        recall = asyncio.ensure_future(child.recall(grace=60.0, reason="slow"))
+        await within(vclock.sleeping(1, at_least=59.0), 5.0, "the grace window to start")
+        terminate = asyncio.ensure_future(b.handle_for(child.id).terminate(reason="kill now"))
+        recalled = await within(asyncio.shield(recall), 5.0,
+                                "the owner to cut its grace window short on the terminate")
+        assert recalled.verdict == "TERMINATE", f"{recalled.verdict}: {recalled.reason}"
+        assert held.cancelled == [f"{child.task_id}:pay:0"]
+        started = time.monotonic()
+        try:
+            terminated = await within(asyncio.shield(terminate), 5.0,
+                                      "the other supervisor's terminate to return")
+        finally:
+            waited = time.monotonic() - started
+            terminate.cancel()
+        said = await verdicts(a.journal, [child.id])
+    assert vclock.now() == 0.0
+    assert terminated.verdict == "TERMINATE", f"{terminated.verdict}: {terminated.reason}"
+    assert said == ["TERMINATE"], f"verdicts on record: {said} (after {waited:.1f} s)"
+
+
+# -- d3: reconciliation from elsewhere never finishes a live delegation ---------------------------
+
+async def test_reconciling_from_another_supervisor_leaves_a_live_delegation_running(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    ledger: dict[str, str] = {}
+
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        ledger[idempotency_key] = f"ref-{order_id}"
+        if order_id == "o1":
+            raise TimeoutError("the reply was lost")  # applied, but the agent cannot tell
+        return ledger[idempotency_key]
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        if idempotency_key in ledger:
+            return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {"found": True},
+                                      result=ledger[idempotency_key])
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"found": False})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup)(pay)
+
+    async def agent(ctx: tether.Context) -> Any:
+        with contextlib.suppress(TimeoutError):
+            await ctx.call(tool, order_id="o1")  # the agent carries on
+        await vclock.sleep(10.0)  # model work
+        return await ctx.call(tool, order_id="o2")
+
+    async with supervising(journal_url, vclock, keys, [tool]) as a:
+        child = await a.delegate(agent, tools=[tool])
+        await within(vclock.sleeping(1, at_least=9.0), 5.0, "the child's model work")
+        assert [x.state for x in await a.journal.actions([child.id])] == [A.IN_DOUBT]
+        async with supervising(journal_url, vclock, keys, [tool], jump_on_close=False) as b:
+            await b.recover()  # as on its start: `tether reconcile`
+        row = await a.journal.get(child.id)
+        assert (row.state, row.fenced) == (S.RUNNING, False), (
+            f"reconciling from another supervisor moved a live delegation of a live owner to "
+            f"{row.state.value} (fenced={row.fenced})")
+        vclock.advance(10.5)  # the model work ends
+        result = await within(child.result(), 5.0, "the child's result")
+    assert result == "ref-o2"
+    assert sorted(ledger) == [f"{child.task_id}:pay:0", f"{child.task_id}:pay:1"]
+
+
+# -- d6: a terminate after a recall left calls running, in the same process -----------------------
+
+async def test_terminate_after_a_recall_left_calls_running_cuts_them_here(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    held = Held(dispatch_deadline=5.0)
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as sup:
+        child = await sup.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        report = await recall_mid_call(child, vclock, sleepers=1)
+        assert [a.state for a in report.actions] == [A.IN_DOUBT]
+        assert held.cancelled == []  # a recall leaves the call be
+        terminated = await within(child.terminate(reason="kill it now"), 3.0,
+                                  "the terminate of our own recalled delegation")
+        assert held.cancelled == [f"{child.task_id}:pay:0"], "the call left running was not cut"
+        assert terminated.verdict == "TERMINATE", f"{terminated.verdict}: {terminated.reason}"
+        vclock.advance(5.0)  # t = 5.3, past the cut call's deadline: its probe is final
+        final = await eventually(lambda: sup.report(child.id), lambda r: r.outcome.terminal,
+                                 "the delegation to settle here at the call's deadline")
+        said = await verdicts(sup.journal, [child.id])
+    assert [a.state for a in final.actions] == [A.NOT_APPLIED]
+    assert "RECOVERED" not in said, f"verdicts on record: {said}"
+
+
+# -- d1: waiting on an earlier call of the key ends at its dispatch deadline ----------------------
+
+async def test_a_redelegated_child_waits_on_an_earlier_call_at_most_until_its_deadline(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        calls.append(idempotency_key)
+        if len(calls) == 1:
+            # The provider drops this request after its 1 s deadline; the client would only
+            # give up after 1000 s.
+            await vclock.sleep(1000.0)
+            raise RuntimeError("client timeout")
+        return "ref-2"
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"provider": "none"})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=1.0)(pay)
+    async with supervising(sqlite_url, vclock, keys, [tool]) as sup:
+        waiting = spy_waits(monkeypatch, sup)
+        child = await sup.delegate(payer(tool), tools=[tool])
+        await within(vclock.sleeping(1, at_least=999.0), 5.0, "the first call to be sent")
+        report = await recall_mid_call(child, vclock, sleepers=2)
+        assert [a.state for a in report.actions] == [A.IN_DOUBT]
+        again = await child.redelegate()
+        result = asyncio.ensure_future(again.result())
+        await within(waiting.wait(), 5.0, "the re-delegated child to wait on the first call")
+        await run_clock(vclock, result, step=0.05, limit=2.0)  # the deadline is at t = 1.0
+        assert result.done(), (
+            f"at t = {vclock.now():g}, well past the first call's deadline (t = 1), the "
+            f"re-delegated child still waits on that call (its client gives up at t = 1000)")
+        value = result.result()
+        first = (await sup.report(child.id)).actions[0]
+    assert value == "ref-2"
+    assert first.state is A.NOT_APPLIED
+
+
+# -- d12: the executor's result after a probe found the call applied ------------------------------
+
+async def test_a_completed_receipt_after_a_completed_probe_fills_in_the_result(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    ledger: dict[str, bool] = {}
+
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        await vclock.sleep(0.5)
+        ledger[idempotency_key] = True  # applied at t = 0.5
+        await vclock.sleep(5.0)  # the reply comes at t = 5.5, past the 2 s deadline
+        return "ch_123"
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        # Like most probes, it can tell that the call applied, not what it returned.
+        if idempotency_key in ledger:
+            return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {"found": True})
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"found": False})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=2.0)(pay)
+    async with supervising(journal_url, vclock, keys, [tool]) as sup:
+        child = await sup.delegate(payer(tool), tools=[tool])
+        report = await recall_mid_call(child, vclock, sleepers=2)
+        assert [a.state for a in report.actions] == [A.IN_DOUBT]
+        vclock.advance(0.2)  # t = 0.5: applied; the reply is on its way
+        await within(vclock.sleeping(1, at_least=4.9), 5.0, "the provider to apply the payment")
+        vclock.advance(1.6)  # t = 2.1: the owner probes again at the deadline (t = 2.0)
+        probed = await eventually(lambda: sup.report(child.id),
+                                  lambda r: r.actions[0].state is A.COMPLETED,
+                                  "the re-probe at the deadline")
+        assert probed.actions[0].result is None
+        vclock.advance(3.5)  # t = 5.6: the executor's receipt (t = 5.5), with the result
+        final = await eventually(lambda: sup.report(child.id),
+                                 lambda r: r.actions[0].result is not None,
+                                 "the executor's receipt to fill in the result", seconds=3.0)
+    (action,) = final.actions
+    assert (action.state, action.result, action.late) == (A.COMPLETED, "ch_123", True)
+
+
+# -- d7: a child that ended on its own with a call not applied yet --------------------------------
+
+async def test_a_call_left_not_applied_yet_by_a_failed_child_is_reprobed_at_its_deadline(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        raise ConnectionResetError("connection reset after send")
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"provider": "none"})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=5.0)(pay)
+    async with supervising(sqlite_url, vclock, keys, [tool]) as sup:
+        child = await sup.delegate(payer(tool), tools=[tool])
+        with pytest.raises(tether.DelegationError):
+            await within(child.result(), 5.0, "the child to fail")
+        first = await eventually(lambda: sup.report(child.id),
+                                 lambda r: bool(r.actions and r.actions[0].evidence),
+                                 "the owner's probe of the call")
+        assert first.actions[0].state is A.IN_DOUBT  # not applied *yet*
+        vclock.advance(5.5)  # past the call's dispatch deadline (t = 5)
+        final = await eventually(lambda: sup.report(child.id),
+                                 lambda r: r.actions[0].state is not A.IN_DOUBT,
+                                 "the live supervisor to probe again at the deadline")
+    assert final.actions[0].state is A.NOT_APPLIED
+    assert final.outcome.terminal
+
+
+# -- d2: a receipt contradicting a final NOT_APPLIED whose key was used again ---------------------
+
+async def test_a_late_receipt_contradicting_a_final_not_applied_is_kept_and_flagged(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    first_reply = asyncio.Event()
+    entered = asyncio.Event()
+    sent: list[str] = []
+    ledger: dict[str, str] = {}
+
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        sent.append(idempotency_key)
+        ref = f"ref-{len(sent)}"
+        entered.set()
+        if ref == "ref-1":
+            await first_reply.wait()  # the provider breaks its deadline and applies it late
+        ledger.setdefault(idempotency_key, ref)
+        return ref
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        if idempotency_key in ledger:
+            return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {},
+                                      result=ledger[idempotency_key])
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"provider": "none"})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=1.0)(pay)
+    agent = payer(tool, "o1", key="refund-o1")
+    async with supervising(journal_url, vclock, keys, [tool]) as a, \
+            supervising(journal_url, vclock, keys, [tool], recover=False) as b:
+        first = await a.delegate(agent, tools=[tool])
+        await within(entered.wait(), 5.0, "the first payment to be sent")
+        report = await recall_mid_call(first, vclock, sleepers=1)
+        assert [x.state for x in report.actions] == [A.IN_DOUBT]
+        vclock.advance(1.0)  # past the deadline: the owner's re-probe is final
+        await eventually(lambda: a.report(first.id),
+                         lambda r: r.actions[0].state is A.NOT_APPLIED,
+                         "the final NOT_APPLIED at the deadline")
+        second = await b.delegate(agent, tools=[tool])  # another process, the same key
+        assert await within(second.result(), 5.0, "the second payment") == "ref-2"
+        first_reply.set()  # the first request's reply arrives: it was applied after all
+        events = await eventually(lambda: a.journal.events([first.id]),
+                                  lambda es: any(e.kind == "contradicting_receipt"
+                                                 for e in es),
+                                  "the contradicting receipt to be recorded")
+        final = await eventually(lambda: a.report(first.id),
+                                 lambda r: r.outcome is S.NEEDS_ATTENTION,
+                                 "the delegation to be flagged for a person", seconds=2.0)
+    (kept,) = [e for e in events if e.kind == "contradicting_receipt"]
+    assert (kept.detail["old"], kept.detail["new"]) == ("NOT_APPLIED", "COMPLETED")
+    assert kept.detail["result"] == "ref-1"
+    assert final.actions[0].state is A.NOT_APPLIED  # the record stands; the fact is kept beside
+
+
+# -- d10: rows migrated with no deadline use their tool's own ------------------------------------
+
+async def test_a_row_without_a_deadline_uses_its_tools_dispatch_deadline(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        raise ConnectionResetError("reset after send")
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"provider": "not yet"})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=3600.0)(pay)
+    async with supervising(journal_url, vclock, keys, [tool], jump_on_close=False) as sup:
+        child = await sup.delegate(payer(tool), tools=[tool])
+        with pytest.raises(tether.DelegationError):
+            await within(child.result(), 5.0, "the child to fail")
+        await sup.journal.flush()
+    run_sql(journal_url, "UPDATE actions SET deadline_at = NULL")  # as schema v2 left it
+    assert run_sql(journal_url, "SELECT deadline_at FROM actions") == [(None,)]
+    vclock.advance(60.0)  # twice the default deadline, a minute into the tool's hour
+    async with supervising(journal_url, vclock, keys, [tool]) as sup:  # probes on start
+        early = await sup.report(child.id)
+        assert [a.state for a in early.actions] == [A.IN_DOUBT], (
+            f"a minute into the tool's 3600 s deadline, the call is "
+            f"{early.actions[0].state.value} ({early.actions[0].evidence})")
+        vclock.advance(3600.0)  # past started_at + the tool's deadline
+        late = await eventually(lambda: sup.report(child.id),
+                                lambda r: r.actions[0].state is not A.IN_DOUBT,
+                                "the re-probe at the tool's deadline")
+    assert [a.state for a in late.actions] == [A.NOT_APPLIED]
+
+
+# -- d11: a corrupt deadline is a corrupt journal -------------------------------------------------
+
+async def test_a_corrupt_deadline_is_journal_corrupt_naming_the_row(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        raise ConnectionResetError("reset")
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {})
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup)(pay)
+    async with supervising(journal_url, vclock, keys, [tool], jump_on_close=False) as sup:
+        child = await sup.delegate(payer(tool), tools=[tool])
+        with pytest.raises(tether.DelegationError):
+            await within(child.result(), 5.0, "the child to fail")
+        await sup.journal.flush()
+        (action,) = await sup.journal.actions([child.id])
+    assert action.state is A.IN_DOUBT
+    # A hand edit: text in SQLite's REAL column; PostgreSQL's takes no text, but NaN.
+    bad = "soon" if journal_url.startswith("sqlite") else float("nan")
+    run_sql(journal_url, "UPDATE actions SET deadline_at = ?", (bad,))
+    with pytest.raises(tether.JournalCorrupt) as caught:
+        async with supervising(journal_url, vclock, keys, [tool], jump_on_close=False):
+            pass  # reconciles on start: the in-doubt action is read
+    assert action.id in str(caught.value) and "deadline_at" in str(caught.value)
+
+
+# -- d13: a key whose earlier call's probe said UNKNOWN ------------------------------------------
+
+async def test_a_key_whose_earlier_call_is_unknown_but_live_waits_and_replays(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = Provider(vclock, latency=1.0)
+    noprobe = tether.tool(effect=tether.Effect.EXTERNAL, name="np")(provider.pay)
+
+    async def agent(ctx: tether.Context) -> Any:
+        return await ctx.call(noprobe, order_id="L-1", cents=1)
+
+    async with supervising(sqlite_url, vclock, keys, [noprobe]) as sup:
+        waiting = spy_waits(monkeypatch, sup)
+        child = await sup.delegate(agent, tools=[noprobe])
+        await within(provider.wait_sent(1), 5.0, "the payment to be sent")
+        report = await recall_mid_call(child, vclock, sleepers=2)
+        assert [a.state for a in report.actions] == [A.UNKNOWN]
+        again = await child.redelegate()
+        result = asyncio.ensure_future(again.result())
+        await reaches_key(result, waiting)
+        if result.done():
+            failure = result.exception()
+            raise AssertionError(
+                f"the earlier call is UNKNOWN but still before its deadline (and running "
+                f"here), yet the re-delegated child ended at once: {failure!r} "
+                f"(cause {failure.__cause__ if failure else None!r})")
+        vclock.advance(0.75)  # the first payment lands (t = 1.0); its late receipt settles it
+        value = await within(result, 5.0, "the re-delegated child's replay")
+        key = report.actions[0].idempotency_key
+    assert value == provider.applied[key][0]
+    assert provider.sent.count(key) == 1
+
+
+async def test_a_key_whose_earlier_call_is_unknown_fails_past_its_deadline(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    held = Held(dispatch_deadline=1.0, probe=False)  # never answers, no probe
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as sup:
+        waiting = spy_waits(monkeypatch, sup)
+        child = await sup.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        report = await recall_mid_call(child, vclock, sleepers=1)
+        (earlier,) = report.actions
+        assert earlier.state is A.UNKNOWN
+        again = await child.redelegate()
+        result = asyncio.ensure_future(again.result())
+        await reaches_key(result, waiting)
+        assert not result.done(), (
+            f"before the earlier call's deadline the child must wait, not end: "
+            f"{result.exception()!r}")
+        await run_clock(vclock, result, step=0.05, limit=2.0)  # the deadline is at t = 1.0
+        assert result.done(), f"at t = {vclock.now():g} the re-delegated child still waits"
+        failure = result.exception()
+    assert isinstance(failure, tether.DelegationError), failure
+    cause = failure.__cause__
+    assert isinstance(cause, tether.KeyInUse), f"{failure!r} caused by {cause!r}"
+    assert cause.action_id == earlier.id and earlier.id in str(cause)
+    assert held.sent == [earlier.idempotency_key]  # never sent again
+
+
+# -- d14: two racing `tether recall` commands ----------------------------------------------------
+
+async def test_the_loser_of_two_racing_cli_recalls_gets_stale_sequence(
+        journal_url: str, vclock: VirtualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def agent(ctx: tether.Context) -> None:
+        await vclock.sleep(1000.0)
+
+    async with supervising(journal_url, vclock, None, []) as sup:
+        child = await sup.delegate(agent)
+        race = HeldAccept()  # both commands read the sequence before either is accepted
+        race.patch(monkeypatch, tether.Journal)
+        sends = [_send(journal_url, None, child.id, ControlKind.RECALL, 5.0, f"shell {n}", False)
+                 for n in (1, 2)]
+        outcomes = await within(asyncio.gather(*sends, return_exceptions=True), 10.0,
+                                "both recall commands")
+        monkeypatch.undo()
+        row = await sup.journal.get(child.id)
+    won = [o for o in outcomes if isinstance(o, dict)]
+    lost = [o for o in outcomes if not isinstance(o, dict)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert won[0]["seq"] == 1 and row.control_seq == 1
+    assert isinstance(lost[0], tether.StaleSequence), \
+        f"the loser got {type(lost[0]).__name__}: {lost[0]}"
+    assert lost[0].current == 1 and "current sequence is 1" in str(lost[0])
