@@ -306,3 +306,31 @@ async def test_durability_setting(tmp_path: Path, durable: bool, query: str, lev
     """FULL survives power loss; durable=False (NORMAL) survives a process crash."""
     async with Journal(f"sqlite:///{tmp_path / 'j.db'}{query}", durable=durable) as j:
         assert await j._read(lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == level
+
+
+async def test_a_connection_lost_inside_a_batch_fails_its_operations_never_hangs(
+        sqlite_url: str) -> None:
+    """The writer thread must never die with operations waiting: a connection that breaks
+    between two operations of one batch (here, closed by the first) fails the batch with a
+    clear error, and the thread still answers what comes next."""
+    journal = Journal(sqlite_url)
+    await journal.open()
+    try:
+        runner = journal._runner
+
+        def lose_the_connection(db: sqlite3.Connection) -> None:
+            db.close()  # gone before the batch's SAVEPOINT bookkeeping and its COMMIT
+
+        first = runner.submit(lose_the_connection, write=True)
+        second = runner.submit(lambda db: None, write=True)
+        assert first is not None and second is not None
+        results = await asyncio.wait_for(
+            asyncio.gather(first, second, return_exceptions=True), 10.0)
+        assert all(isinstance(r, Exception) for r in results), results
+        third = runner.submit(lambda db: None, write=True)
+        assert third is not None
+        done, _ = await asyncio.wait([third], timeout=10.0)
+        assert done, "the writer left an operation waiting"  # answered (an error), not hung
+        assert isinstance(third.exception(), Exception)
+    finally:
+        await asyncio.wait_for(journal.close(), 10.0)

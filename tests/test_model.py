@@ -239,7 +239,10 @@ class JournalRules(RuleBasedStateMachine):
         """The outcome model's settling rule, stated independently of the code under test."""
         d = self.model.delegations[did]
         mine = [(a, v[3]) for a, v in self.model.actions.items() if v[0] == did]
+        children = [c for c in self.model.delegations.values() if c.parent == did]
         if d.state in (S.RUNNING, S.RECONCILED, S.CANCELLED):
+            return
+        if any(not c.state.terminal for c in children):  # a parent settles after its subtree
             return
         if any(st in (A.PENDING, A.IN_DOUBT) for _, st in mine):
             return
@@ -254,6 +257,8 @@ class JournalRules(RuleBasedStateMachine):
         if new is not d.state:
             d.state = new
             d.fenced = d.fenced or new.terminal
+        if d.state.terminal and d.parent is not None:
+            self.resettle(d.parent)
 
     @precondition(lambda self: self.model.delegations)
     @rule(data=st.data(), kind=st.sampled_from(list(tether.ControlKind)),

@@ -395,6 +395,7 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
     from tether._chaos.harness import CLASSES, run_chaos
     from tether._chaos.plan import BUGS, FAULTS
     from tether._chaos.trace import line
+    from tether._cli.render import trials_table
 
     chosen = FAULTS if faults is None else tuple(f.strip() for f in faults.split(","))
     unknown = [f for f in chosen if f not in FAULTS]
@@ -416,13 +417,7 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
         raise typer.Exit(1 if result["violations"] else 0)
     title = (f"tether chaos: replay of trial {replay}" if replay is not None
              else f"tether chaos: {result['trials']} trials, seed {seed}")
-    table = Table(title=title)
-    for col in ("fault", "trials", "violations", "by class"):
-        table.add_column(col)
-    for name, row in result["faults"].items():
-        table.add_row(name, str(row["trials"]), str(row["violations"]),
-                      " ".join(f"{k} {n}" for k, n in row["classes"].items()))
-    out.print(table)
+    out.print(trials_table(title, result["faults"]))
     out.print("  ".join(f"{k}: {result['counts'][k]}" for k in CLASSES) + "  outcomes: "
               + ", ".join(f"{k} {n}" for k, n in sorted(result["outcomes"].items())))
     backend = "" if journal is None else f" --journal {journal}"

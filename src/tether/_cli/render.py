@@ -136,3 +136,14 @@ def render_report(console: Console, report: dict[str, Any], indent: str = "") ->
                       + (f" [{_brief(a['evidence'])}]" if a["evidence"] else ""))
     for child in report["children"]:
         render_report(console, child, indent + "  ")
+
+
+def trials_table(title: str, faults: dict[str, dict[str, Any]]) -> Table:
+    """Per fault: trials, violations and classes, as ``tether chaos`` and ``tether sim`` print."""
+    table = Table(title=title)
+    for col in ("fault", "trials", "violations", "by class"):
+        table.add_column(col)
+    for name, row in faults.items():
+        table.add_row(name, str(row["trials"]), str(row["violations"]),
+                      " ".join(f"{k} {n}" for k, n in row["classes"].items()))
+    return table

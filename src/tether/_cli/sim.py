@@ -9,8 +9,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from tether._cli.render import trials_table
 from tether._core.errors import UserError
 
 out = Console()
@@ -77,13 +77,7 @@ def _summary(result: dict[str, Any], seed: int, chosen: tuple[str, ...],
 
     title = (f"tether sim: replay of trial {result['replay']}" if result["replay"] is not None
              else f"tether sim: {result['trials']} trials, seed {seed}")
-    table = Table(title=title)
-    for col in ("fault", "trials", "violations", "by class"):
-        table.add_column(col)
-    for name, row in result["faults"].items():
-        table.add_row(name, str(row["trials"]), str(row["violations"]),
-                      " ".join(f"{k} {n}" for k, n in row["classes"].items()))
-    out.print(table)
+    out.print(trials_table(title, result["faults"]))
     counts = result["counts"]
     out.print("  ".join(f"{k}: {counts[k]}" for k in (*classes, "error")), highlight=False,
               soft_wrap=True)

@@ -109,6 +109,14 @@ class ThreadRunner:
                     if attempt == RETRIES - 1:
                         err = JournalError(f"journal transaction kept failing: {exc}")
                         self._resolve([(op, None, err) for op in batch])
+                except Exception as exc:
+                    # Anything else (a connection lost at a SAVEPOINT, say) fails this batch
+                    # with a clear error; the thread lives on, so no caller waits forever.
+                    mapped = self.map_error(exc)
+                    err = mapped if isinstance(mapped, JournalError) else JournalError(
+                        f"journal write failed: {exc}")
+                    self._resolve([(op, None, err) for op in batch])
+                    break
         self.close(conn)
 
     def _run_batch(self, conn: Any, batch: list[Op]) -> list[tuple[Op, Any, Exception | None]]:
