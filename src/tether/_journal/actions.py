@@ -40,19 +40,18 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
     """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
     The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
     intent accepted for the delegation cannot commit between the check and the insert."""
+    # One read on the hot path: the owner's lease rides along (not locked: a lease only
+    # shrinks by time, and the comparison is with the caller's ``now``).
     gate_row = db.execute(
-        "SELECT d.fenced, d.epoch, t.epoch FROM delegations d "
-        "JOIN tasks t ON t.id = d.task_id WHERE d.id = ? /*LOCK d, t*/",
+        "SELECT d.fenced, d.epoch, t.epoch, o.lease_until FROM delegations d "
+        "JOIN tasks t ON t.id = d.task_id LEFT JOIN owners o ON o.id = d.owner_id "
+        "WHERE d.id = ? /*LOCK d, t*/",
         (new.delegation_id,),
     ).fetchone()
     if gate_row is None:
         raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
-    lease = db.execute(
-        "SELECT o.lease_until FROM delegations d JOIN owners o ON o.id = d.owner_id "
-        "WHERE d.id = ?", (new.delegation_id,)).fetchone()
     gate = judge_gate(fenced=bool(gate_row[0]), epoch=gate_row[1], task_epoch=gate_row[2],
-                      caller_epoch=new.epoch, lease_until=None if lease is None else lease[0],
-                      now=new.now)
+                      caller_epoch=new.epoch, lease_until=gate_row[3], now=new.now)
     if gate is not Gate.OPEN:
         if gate is Gate.LEASE_EXPIRED:
             event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
