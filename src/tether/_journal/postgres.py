@@ -103,6 +103,15 @@ class PostgresRunner(ThreadRunner):
         return conn
 
     def _check_or_init(self, conn: psycopg.Connection[Any]) -> None:
+        """Check, create or migrate the schema in one transaction under an advisory lock held
+        per schema, so any number of processes starting at once on a fresh journal agree: the
+        first creates it, the others wait for its commit and find it made."""
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
+                         (f"tether.schema.{self.schema}",))
+            self._check_or_init_locked(conn)
+
+    def _check_or_init_locked(self, conn: psycopg.Connection[Any]) -> None:
         names = {r[0] for r in conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
             (self.schema,))}
@@ -115,7 +124,7 @@ class PostgresRunner(ThreadRunner):
             if found > SCHEMA_VERSION:
                 raise SchemaTooNew(found, SCHEMA_VERSION)
             if found < SCHEMA_VERSION:
-                self._migrate(conn, found)
+                migrate(conn, found, "postgresql")
             return
         if names:
             raise NotAJournal(
@@ -125,11 +134,7 @@ class PostgresRunner(ThreadRunner):
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
             sql.Identifier(self.schema)))
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
-        self._migrate(conn, 0)
-
-    def _migrate(self, conn: psycopg.Connection[Any], found: int) -> None:
-        with conn.transaction():
-            migrate(conn, found, "postgresql")
+        migrate(conn, 0, "postgresql")
 
     def begin(self, conn: psycopg.Connection[Any], write: bool) -> None:
         conn.execute("BEGIN")

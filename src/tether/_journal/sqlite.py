@@ -28,7 +28,33 @@ def _map_error(exc: sqlite3.Error, path: Path) -> JournalError:
 
 
 def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
-    """Refuse anything that is not a tether journal before writing a single byte to it."""
+    """Refuse anything that is not a tether journal before writing a single byte to it.
+
+    A journal to create or migrate is re-checked inside an exclusive transaction, so any number
+    of processes opening a fresh file at once agree: the first creates, the others wait for its
+    commit and find the journal made."""
+    if _inspect(conn, path, create):
+        conn.execute("BEGIN EXCLUSIVE")
+        try:
+            if _inspect(conn, path, create):
+                found = _version(conn)
+                migrate(conn, found, "sqlite")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+def _version(conn: sqlite3.Connection) -> int:
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    if "tether_meta" not in names:
+        return 0
+    return int(conn.execute(
+        "SELECT value FROM tether_meta WHERE key = 'schema_version'").fetchone()[0])
+
+
+def _inspect(conn: sqlite3.Connection, path: Path, create: bool) -> bool:
+    """True when the journal must be created or migrated; raises if it is not a journal."""
     try:
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
     except sqlite3.DatabaseError as exc:
@@ -37,28 +63,15 @@ def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = 'app'").fetchone()
         if row is None or row[0] != APP:
             raise NotAJournal(f"{path} is not a tether journal")
-        found = int(conn.execute(
-            "SELECT value FROM tether_meta WHERE key = 'schema_version'").fetchone()[0])
+        found = _version(conn)
         if found > SCHEMA_VERSION:
             raise SchemaTooNew(found, SCHEMA_VERSION)
-        if found < SCHEMA_VERSION:
-            _migrate(conn, found)
-        return
+        return found < SCHEMA_VERSION
     if names:
         raise NotAJournal(f"{path} is a SQLite database but not a tether journal")
     if not create:
         raise NotAJournal(f"{path} is empty, not a tether journal")
-    _migrate(conn, 0)
-
-
-def _migrate(conn: sqlite3.Connection, found: int) -> None:
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        migrate(conn, found, "sqlite")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+    return True
 
 
 def connect(path: Path, *, create: bool, synchronous: str,
