@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
@@ -69,6 +70,11 @@ def split_url(url: str) -> tuple[str, str, str]:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
         raise UserError(f"schema {schema!r} in the journal URL is not a plain identifier")
     conninfo = urlunparse(parsed._replace(query=urlencode(query)))
+    try:
+        conninfo_to_dict(conninfo)  # libpq's own parser: an unknown parameter is named here
+    except psycopg.ProgrammingError as exc:
+        raise UserError(f"journal URL: {str(exc).strip()} (tether takes schema= and keys=; "
+                        "the rest are libpq connection parameters)") from None
     shown = parsed._replace(netloc=parsed.netloc.split("@")[-1] if "@" in parsed.netloc
                             else parsed.netloc, query="")
     return conninfo, schema, urlunparse(shown)

@@ -287,6 +287,9 @@ class Supervisor:
         payload = _payload(args, kwargs, ag.name)
         if task_id is not None and (not isinstance(task_id, str) or not task_id):
             raise UserError("task_id must be a non-empty string")
+        if model is not None and not isinstance(model, str):
+            raise UserError(f"model must be a string naming the model (e.g. 'gpt-4o'), "
+                            f"not {type(model).__name__}")
         if remote and redispatch is not None:
             raise UserError("a queued delegation follows its worker's re-dispatch policy")
         row = await self.journal.create_delegation(NewDelegation(
