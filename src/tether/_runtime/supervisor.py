@@ -13,7 +13,8 @@ import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tether._core.documents import ControlIntent, canonical
+from tether._core import values
+from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
@@ -34,7 +35,7 @@ from tether._runtime.accounting import Accounting
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.compensation import compensate
-from tether._runtime.gateway import UNSERIALIZABLE, Context
+from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
@@ -50,21 +51,23 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _json_or_marker(value: Any) -> Any:
-    try:
-        canonical(value)
-        return value
-    except UserError:
-        return {UNSERIALIZABLE: repr(value)[:500]}
-
-
 def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
     payload = {"args": list(args), "kwargs": kwargs}
     try:
-        canonical(payload)
+        values.check(payload)
     except UserError as exc:
         raise UserError(f"arguments to {what} cannot be serialized: {exc}") from None
     return payload
+
+
+def _check_result(value: Any, agent: str) -> None:
+    """A result is kept only if the journal gives it back unchanged, so a task's result is
+    the same wherever it ran (here, or in a worker whose result is read from the journal);
+    otherwise the child fails with a UserError (its actions are accounted for as always)."""
+    try:
+        values.check(value)
+    except UserError as exc:
+        raise UserError(f"the result of {agent} cannot be stored: {exc}") from None
 
 
 class Supervisor:
@@ -389,6 +392,7 @@ class Supervisor:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
+            _check_result(value, rt.agent.name)
             ending = (DelegationState.SUCCEEDED, value, None, None)
             outcome: tuple[bool, Any] = (True, value)
         except ControlSignal as signal:
@@ -403,6 +407,7 @@ class Supervisor:
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
             if cut.partial.usable:  # retrying would destroy what was salvaged
+                _check_result(cut.partial.to_json(), rt.agent.name)
                 ending = (DelegationState.SUCCEEDED_PARTIAL, cut.partial.to_json(), None,
                           ending_of(cut)[1])
                 outcome = (True, cut.partial)
@@ -434,7 +439,7 @@ class Supervisor:
         try:
             # Queued after this child's receipts, so it commits after them: no flush needed.
             rt.final, doubtful = await self.journal.end_delegation(
-                rt.id, state, self.clock.wall(), result=_json_or_marker(result), error=error,
+                rt.id, state, self.clock.wall(), result=result, error=error,
                 failure=failure)
         except AlreadyFinished:
             return
