@@ -41,6 +41,7 @@ from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
+from tether._runtime.stopping import Stopping
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
 
@@ -82,7 +83,8 @@ class Supervisor:
                  control_poll: float = 0.05, recover: bool = True,
                  redispatch: RedispatchPolicy | None = None, hooks: Hooks | None = None,
                  tracer_provider: TracerProvider | None = None,
-                 meter_provider: MeterProvider | None = None) -> None:
+                 meter_provider: MeterProvider | None = None,
+                 handle_signals: bool = False) -> None:
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -108,6 +110,7 @@ class Supervisor:
         self.redispatch = redispatch or RedispatchPolicy()
         self.hooks = hooks or Hooks()
         self.telemetry = Telemetry(tracer_provider, meter_provider)
+        self._stopping = Stopping(handle_signals)
 
     @property
     def keys(self) -> KeyRing:
@@ -199,12 +202,19 @@ class Supervisor:
             self.spawn(self._watch())
             if self._recover_on_start:
                 await self.recover()
+            self._stopping.enter()
         except BaseException:
             await self.journal.close()
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        signum = self._stopping.leave()
+        await self._close()
+        if signum is not None:  # SIGTERM (handle_signals=True): everything settled, now exit
+            raise SystemExit(128 + signum)
+
+    async def _close(self) -> None:
         # Children still running when the orchestrator leaves are terminated and accounted for.
         for rt in list(self._runtimes.values()) if not self._abandoned else []:
             if rt.parent is None and rt.task is not None and not rt.task.done():
