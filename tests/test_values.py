@@ -167,3 +167,32 @@ async def test_tool_arguments_follow_the_same_rules(journal_url: str) -> None:
         assert isinstance(info.value.__cause__, tether.UserError)
         assert "cannot be serialized" in str(info.value.__cause__)
         assert (await handle.report()).actions == () and calls == []
+
+
+async def test_a_probe_answer_that_cannot_be_stored_is_still_recorded(
+        journal_url: str) -> None:
+    """The probe's verdict stands; its unstorable evidence and result are kept as text, and
+    the reconciliation is not lost to a journal write that fails."""
+    applied: list[str] = []
+
+    async def lookup(order: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.COMPLETED,
+                                  {"seen": {"at", "provider"}}, result=Opaque())
+
+    @tether.tool(probe=lookup)
+    async def charge(order: str, *, idempotency_key: str) -> str:
+        applied.append(order)
+        raise ConnectionResetError("reply lost")  # applied, but we cannot tell: IN_DOUBT
+
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(charge, order="P-1")
+
+    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
+        handle = await sup.delegate(agent, tools=[charge])
+        with pytest.raises(tether.DelegationError):
+            await handle.result()
+        report = await handle.report()
+    (action,) = report.actions
+    assert applied == ["P-1"] and action.state is tether.ActionState.COMPLETED
+    assert action.evidence is not None and "cannot be stored" in action.evidence["reason"]
+    assert report.outcome is tether.DelegationState.RECONCILED

@@ -35,6 +35,29 @@ MAX_DEPTH = 200  # well inside the JSON decoder's recursion limit, so what is wr
 MAX_INT_BITS = 13_000  # about 3,900 decimal digits
 
 
+# Stands for the result of a call that applied but returned something that cannot be stored:
+# its completion is recorded all the same, and only a replay of its key (which would need the
+# value) is refused.
+UNSERIALIZABLE = "__tether_unserializable__"
+
+
+def storable(value: Any) -> Any:
+    """``value`` if it can be stored, else the UNSERIALIZABLE marker (for what has already
+    happened and must be recorded whatever it returned: a tool's result, a probe's answer)."""
+    try:
+        check(value)
+    except UserError:
+        return {UNSERIALIZABLE: _short_repr(value)}
+    return value
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        return repr(value)[:500]
+    except Exception as exc:  # a repr that fails (a huge int, a broken __repr__)
+        return f"<{type(value).__name__}: repr failed: {exc}>"[:500]
+
+
 def check(value: Any) -> None:
     """Raise UserError if ``value`` would not come back from the journal as it was given."""
     _check(value, "value", 0)

@@ -26,7 +26,7 @@ from tether._runtime.tools import Agent, Tool, surface_name
 if TYPE_CHECKING:
     from tether._runtime import ports
 
-UNSERIALIZABLE = "__tether_unserializable__"
+UNSERIALIZABLE = values.UNSERIALIZABLE
 # Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
 FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
 
@@ -176,14 +176,8 @@ class Context:
             end(span, outcome="CANCELLED")
             raise
         end(span, outcome=ActionState.COMPLETED.value)
-        try:
-            values.check(result)
-            stored = result
-        except UserError:
-            # The call has applied: its completion is recorded whatever it returned. Only a
-            # replay of its key, which needs the value itself, is refused.
-            stored = {UNSERIALIZABLE: repr(result)[:500]}
-        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(), result=stored)
+        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(),
+                              result=values.storable(result))
         return result
 
     async def delegate(self, agent: Agent, /, *args: Any, **kwargs: Any) -> Handle:
