@@ -91,3 +91,17 @@ async def test_ls_on_a_corrupt_journal_is_one_error_line(sqlite_url: str, damage
     assert code == 2, out
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
     assert "corrupt" in err and "Traceback" not in err + out
+
+
+async def test_a_relative_journal_survives_a_change_of_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with tether.Supervisor("sqlite:///state/journal.db",
+                                 keys=tether.KeyRing.ephemeral()) as sup:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert await sup.journal.delegations() == []
+        os.replace(tmp_path / "state" / "journal.db", tmp_path / "aside.db")
+        with pytest.raises(tether.JournalError, match="deleted"):
+            await sup.journal.delegations()
+        os.replace(tmp_path / "aside.db", tmp_path / "state" / "journal.db")

@@ -171,11 +171,14 @@ class SqliteRunner(ThreadRunner):
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._identity: tuple[int, int] | None = None
+        self._where = path
 
     def connect(self) -> sqlite3.Connection:
+        # Absolute as of now: a process that changes directory later still checks this file.
+        self._where = Path(os.path.abspath(self.path))
         conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
-        self._identity = identity(self.path)
+        self._identity = identity(self._where)
         return conn
 
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
@@ -183,7 +186,7 @@ class SqliteRunner(ThreadRunner):
         # A file deleted or moved over the journal's path leaves this connection on the old
         # inode: every commit would land in a file nobody will ever open. Checked once the
         # transaction holds its lock, before any statement of the batch runs.
-        now = identity(self.path)
+        now = identity(self._where)
         if now != self._identity:
             conn.execute("ROLLBACK")
             what = "deleted" if now is None else "replaced by another file"
