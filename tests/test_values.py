@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tether
@@ -196,3 +196,28 @@ async def test_a_probe_answer_that_cannot_be_stored_is_still_recorded(
     assert applied == ["P-1"] and action.state is tether.ActionState.COMPLETED
     assert action.evidence is not None and "cannot be stored" in action.evidence["reason"]
     assert report.outcome is tether.DelegationState.RECONCILED
+
+
+async def _through_the_journal(url: str, value: Any) -> None:
+    async def keep(ctx: tether.Context, v: Any) -> Any:
+        return v
+
+    async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
+        try:
+            handle = await sup.delegate(keep, value, tools=[])
+        except tether.UserError:
+            with pytest.raises(tether.UserError):
+                values.dumps(value)
+            return
+        await handle.result()
+        row = await sup.journal.get(handle.id)
+    assert same([value], row.args["args"]) and same(value, row.result)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(anything)
+def test_what_the_journal_gives_back_is_what_was_delegated(journal_url: str,
+                                                           value: Any) -> None:
+    """The same property through a real journal on each backend: arguments and result."""
+    asyncio.run(_through_the_journal(journal_url, value))
