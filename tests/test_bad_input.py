@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -230,3 +235,124 @@ async def test_concurrent_calls_of_one_tool_get_distinct_keys(
     assert len(set(await child.result())) == 4
     keys = [a.idempotency_key for a in (await child.report()).actions]
     assert len(set(keys)) == 4 and pay.requests == 4
+
+
+# -- journals that cannot be opened: one `error:` line, exit 2, nothing changed ---------------
+
+def cli(*args: str, prelude: str = "", timeout: float = 60.0) -> tuple[int, str, str]:
+    """Run the CLI in a process of its own (a mistake that hangs fails the test, never the run);
+    ``prelude``: Python run first, to change that process's world."""
+    code = f"{prelude}\nimport sys\nfrom tether._cli.app import main\nsys.argv = ['tether', " \
+           f"*{list(args)!r}]\nmain()\n"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, cwd=Path(__file__).parent.parent)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"tether {' '.join(args)} still running after {timeout}s")
+    return done.returncode, done.stdout, done.stderr
+
+
+def one_error_line(args: tuple[str, ...], prelude: str = "") -> str:
+    code, out, err = cli(*args, prelude=prelude)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (code, err)
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+async def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
+    fifo = tmp_path / "journal.db"
+    os.mkfifo(fifo)
+    assert "FIFO" in one_error_line(("ls", "--journal", f"sqlite:///{fifo}"))
+    opening = tether.Supervisor(f"sqlite:///{fifo}", keys=tether.KeyRing.ephemeral())
+    with pytest.raises(tether.JournalError, match="FIFO"):
+        await asyncio.wait_for(opening.__aenter__(), 30)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "dir").mkdir()
+    line = one_error_line(("ls", "--journal", f"sqlite:///{tmp_path / 'dir'}"))
+    assert "is a directory" in line
+    assert list((tmp_path / "dir").iterdir()) == []
+
+
+def test_an_unknown_postgresql_url_parameter_is_named(tmp_path: Path) -> None:
+    url = "postgresql://postgres@127.0.0.1:5432/test?schema=never_made&bogus=1"
+    assert "bogus" in one_error_line(("ls", "--journal", url))
+
+
+BLOCK_PSYCOPG = """
+import sys
+class NoPsycopg:  # as if tether had been installed without its [postgres] extra
+    def find_spec(self, name, path=None, target=None):
+        if name == "psycopg" or name.startswith(("psycopg.", "psycopg_")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, NoPsycopg())
+"""
+
+
+def test_postgresql_without_its_extra_says_what_to_install() -> None:
+    url = "postgresql://postgres@127.0.0.1:5432/test?schema=never_made"
+    line = one_error_line(("ls", "--journal", url), prelude=BLOCK_PSYCOPG)
+    assert "tether[postgres]" in line
+
+
+async def test_a_journal_path_under_a_file_is_a_tether_error(tmp_path: Path) -> None:
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(tether.JournalError, match="cannot"):
+        async with tether.Supervisor(f"sqlite:///{tmp_path / 'plain' / 'journal.db'}",
+                                     keys=tether.KeyRing.ephemeral()):
+            pass
+    assert (tmp_path / "plain").read_text() == "x"
+
+
+# Root writes anywhere: the process drops the capability that lets it, as an ordinary user's
+# process never had it; then a directory without write permission is what a user sees.
+DROP_ROOT_WRITES = """
+import ctypes, os
+if os.geteuid() == 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()
+    assert libc.capget(hdr, data) == 0
+    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
+        data[0] &= ~(1 << cap); data[1] &= ~(1 << cap)
+    assert libc.capset(hdr, data) == 0, ctypes.get_errno()
+"""
+
+OPEN_SUPERVISOR = """
+import asyncio, sys, tether
+async def main():
+    async with tether.Supervisor(sys.argv[1], keys=tether.KeyRing.ephemeral()):
+        pass
+try:
+    asyncio.run(main())
+except tether.TetherError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_supervisor_on_an_unwritable_directory_raises_a_tether_error(
+        tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", DROP_ROOT_WRITES + OPEN_SUPERVISOR,
+             f"sqlite:///{locked / 'journal.db'}"], capture_output=True, text=True, timeout=60)
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.startswith("JournalError cannot open the journal"), done.stdout
+    assert list(locked.iterdir()) == []
+
+
+async def test_a_model_that_is_not_a_name_is_a_user_error(sup: tether.Supervisor,
+                                                          shop: Shop) -> None:
+    with pytest.raises(tether.UserError, match="model must be a string"):
+        await sup.delegate(shop.refund_agent, "M-9", tools=shop.tools,
+                           model=object())  # type: ignore[arg-type]
+    assert await sup.journal.delegations() == []

@@ -66,7 +66,12 @@ class Journal:
         query = parse_qs(urlparse(url).query)
         keys = query.get("keys", [None])[0]
         if url.startswith(("postgresql://", "postgres://")):
-            from tether._journal.postgres import PostgresRunner
+            try:
+                from tether._journal.postgres import PostgresRunner
+            except ImportError as exc:
+                raise UserError(
+                    f"a postgresql:// journal needs psycopg ({exc}): "
+                    "pip install 'tether[postgres]'") from None
 
             runner = PostgresRunner(url, create=create)
             self._runner: ThreadRunner = runner

@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
 from psycopg import errors, sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
@@ -71,6 +72,11 @@ def split_url(url: str) -> tuple[str, str, str]:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
         raise UserError(f"schema {schema!r} in the journal URL is not a plain identifier")
     conninfo = urlunparse(parsed._replace(query=urlencode(query)))
+    try:
+        conninfo_to_dict(conninfo)  # libpq's own parser: an unknown parameter is named here
+    except psycopg.ProgrammingError as exc:
+        raise UserError(f"journal URL: {str(exc).strip()} (tether takes schema= and keys=; "
+                        "the rest are libpq connection parameters)") from None
     shown = parsed._replace(netloc=parsed.netloc.split("@")[-1] if "@" in parsed.netloc
                             else parsed.netloc, query="")
     return conninfo, schema, urlunparse(shown)
@@ -105,6 +111,15 @@ class PostgresRunner(ThreadRunner):
         return conn
 
     def _check_or_init(self, conn: psycopg.Connection[Any]) -> None:
+        """Check, create or migrate the schema in one transaction under an advisory lock held
+        per schema, so any number of processes starting at once on a fresh journal agree: the
+        first creates it, the others wait for its commit and find it made."""
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
+                         (f"tether.schema.{self.schema}",))
+            self._check_or_init_locked(conn)
+
+    def _check_or_init_locked(self, conn: psycopg.Connection[Any]) -> None:
         names = {r[0] for r in conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
             (self.schema,))}
@@ -117,7 +132,7 @@ class PostgresRunner(ThreadRunner):
             if found > SCHEMA_VERSION:
                 raise SchemaTooNew(found, SCHEMA_VERSION)
             if found < SCHEMA_VERSION:
-                self._migrate(conn, found)
+                migrate(conn, found, "postgresql")
             return
         if names:
             raise NotAJournal(
@@ -127,11 +142,7 @@ class PostgresRunner(ThreadRunner):
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
             sql.Identifier(self.schema)))
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
-        self._migrate(conn, 0)
-
-    def _migrate(self, conn: psycopg.Connection[Any], found: int) -> None:
-        with conn.transaction():
-            migrate(conn, found, "postgresql")
+        migrate(conn, 0, "postgresql")
 
     def begin(self, conn: psycopg.Connection[Any], write: bool) -> None:
         conn.execute("BEGIN")

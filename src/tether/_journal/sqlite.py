@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 from tether._core.errors import (
@@ -22,13 +24,44 @@ def _map_error(exc: sqlite3.Error, path: Path) -> JournalError:
     text = str(exc)
     if "locked" in text or "busy" in text:
         return JournalLocked(f"journal {path} is locked by another writer ({text})")
+    if "unable to open" in text:
+        return JournalError(f"cannot open the journal {path}: {text} (is its directory "
+                            "writable?)")
+    if "readonly" in text:
+        return JournalError(f"journal {path} is read-only ({text})")
     if "malformed" in text or "not a database" in text or "corrupt" in text:
         return JournalCorrupt(f"journal {path} is corrupted ({text})")
     return JournalError(f"journal {path}: {text}")
 
 
 def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
-    """Refuse anything that is not a tether journal before writing a single byte to it."""
+    """Refuse anything that is not a tether journal before writing a single byte to it.
+
+    A journal to create or migrate is re-checked inside an exclusive transaction, so any number
+    of processes opening a fresh file at once agree: the first creates, the others wait for its
+    commit and find the journal made."""
+    if _inspect(conn, path, create):
+        conn.execute("BEGIN EXCLUSIVE")
+        try:
+            if _inspect(conn, path, create):
+                found = _version(conn)
+                migrate(conn, found, "sqlite")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+def _version(conn: sqlite3.Connection) -> int:
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+    if "tether_meta" not in names:
+        return 0
+    return int(conn.execute(
+        "SELECT value FROM tether_meta WHERE key = 'schema_version'").fetchone()[0])
+
+
+def _inspect(conn: sqlite3.Connection, path: Path, create: bool) -> bool:
+    """True when the journal must be created or migrated; raises if it is not a journal."""
     try:
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
     except sqlite3.DatabaseError as exc:
@@ -37,46 +70,80 @@ def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = 'app'").fetchone()
         if row is None or row[0] != APP:
             raise NotAJournal(f"{path} is not a tether journal")
-        found = int(conn.execute(
-            "SELECT value FROM tether_meta WHERE key = 'schema_version'").fetchone()[0])
+        found = _version(conn)
         if found > SCHEMA_VERSION:
             raise SchemaTooNew(found, SCHEMA_VERSION)
-        if found < SCHEMA_VERSION:
-            _migrate(conn, found)
-        return
+        return found < SCHEMA_VERSION
     if names:
         raise NotAJournal(f"{path} is a SQLite database but not a tether journal")
     if not create:
         raise NotAJournal(f"{path} is empty, not a tether journal")
-    _migrate(conn, 0)
+    return True
 
 
-def _migrate(conn: sqlite3.Connection, found: int) -> None:
-    conn.execute("BEGIN IMMEDIATE")
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _oserror(path: Path, exc: OSError, doing: str) -> JournalError:
+    return JournalError(f"cannot {doing} the journal {path}: {exc.strerror or exc}")
+
+
+def _read_head(path: Path, create: bool) -> bytes | None:
+    """The file's first 16 bytes (None: no file yet). Opened without blocking and checked
+    with fstat before a byte is read, so a FIFO or a device is refused, never waited on."""
     try:
-        migrate(conn, found, "sqlite")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        if not create:
+            raise NotAJournal(f"no journal at {path}") from None
+        return None
+    except IsADirectoryError:
+        raise NotAJournal(f"{path} is a directory, not a journal file") from None
+    except OSError as exc:
+        raise _oserror(path, exc, "open") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAJournal(f"{path} is {_kind(mode)}, not a journal file")
+        return os.read(fd, 16)
+    finally:
+        os.close(fd)
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """The file's device and inode: what tells the journal a process opened from another
+    file moved over its path. None: no file there any more."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def connect(path: Path, *, create: bool, synchronous: str,
             busy_timeout: float) -> sqlite3.Connection:
     """Open and validate a journal file; raises a JournalError and leaves the file untouched
     if it is not a tether journal."""
-    if path.exists():
-        with path.open("rb") as fh:
-            head = fh.read(16)
-        if head and head != SQLITE_MAGIC:
-            raise NotAJournal(f"{path} is not a tether journal (not a SQLite database)")
-    elif not create:
-        raise NotAJournal(f"no journal at {path}")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(
-        path, isolation_level=None, check_same_thread=False, timeout=busy_timeout
-    )
+    head = _read_head(path, create)
+    if head and head != SQLITE_MAGIC:
+        raise NotAJournal(f"{path} is not a tether journal (not a SQLite database)")
+    if head is None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _oserror(path, exc, "create") from None
+    try:
+        conn = sqlite3.connect(
+            path, isolation_level=None, check_same_thread=False, timeout=busy_timeout
+        )
+    except sqlite3.Error as exc:
+        raise _map_error(exc, path) from None
     try:
         _check_or_init(conn, path, create)
         conn.execute("PRAGMA journal_mode=WAL")
@@ -103,13 +170,29 @@ class SqliteRunner(ThreadRunner):
         self._create = create
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
+        self._identity: tuple[int, int] | None = None
+        self._where = path
 
     def connect(self) -> sqlite3.Connection:
-        return connect(self.path, create=self._create, synchronous=self._synchronous,
+        # Absolute as of now: a process that changes directory later still checks this file.
+        self._where = Path(os.path.abspath(self.path))
+        conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
+        self._identity = identity(self._where)
+        return conn
 
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        # A file deleted or moved over the journal's path leaves this connection on the old
+        # inode: every commit would land in a file nobody will ever open. Checked once the
+        # transaction holds its lock, before any statement of the batch runs.
+        now = identity(self._where)
+        if now != self._identity:
+            conn.execute("ROLLBACK")
+            what = "deleted" if now is None else "replaced by another file"
+            raise JournalError(
+                f"journal {self.path} was {what} while this process had it open; "
+                "stopping instead of writing to a file nobody can read")
 
     def map_error(self, exc: Exception) -> Exception:
         return _map_error(exc, self.path) if isinstance(exc, sqlite3.Error) else exc

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tether._core import values
 from tether._core.errors import Fenced, ToolRejected, UserError
 from tether._core.model import ActionState
 from tether._core.redispatch import UNRESTRICTED
@@ -26,19 +26,15 @@ from tether._runtime.tools import Agent, Tool, surface_name
 if TYPE_CHECKING:
     from tether._runtime import ports
 
-UNSERIALIZABLE = "__tether_unserializable__"
+UNSERIALIZABLE = values.UNSERIALIZABLE
 # Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
 FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
 
 
 def args_json(kwargs: dict[str, Any]) -> str:
-    """Deterministic JSON for a call's arguments, hashed for the Stripe rule. The C encoder
-    with sorted keys suffices here: these bytes are compared, never signed."""
-    try:
-        return json.dumps(kwargs, sort_keys=True, separators=(",", ":"), allow_nan=False,
-                          ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as exc:
-        raise UserError(f"value cannot be serialized as JSON: {exc}") from None
+    """Deterministic JSON for a call's arguments (``_core.values``: the one encoding of stored
+    values), hashed for the Stripe rule: these bytes are compared, never signed."""
+    return values.dumps(kwargs)
 
 
 class Context:
@@ -180,12 +176,8 @@ class Context:
             end(span, outcome="CANCELLED")
             raise
         end(span, outcome=ActionState.COMPLETED.value)
-        try:
-            args_json({"r": result})
-            stored = result
-        except UserError:
-            stored = {UNSERIALIZABLE: repr(result)[:500]}
-        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(), result=stored)
+        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(),
+                              result=values.storable(result))
         return result
 
     async def delegate(self, agent: Agent, /, *args: Any, **kwargs: Any) -> Handle:

@@ -4,8 +4,10 @@ settle each delegation's final state, and build the reports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping
 
+from tether._core import values
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, ActionFacts, judge_probe, settle
 from tether._core.report import ActionRecord, Report
@@ -45,7 +47,16 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
     if not isinstance(answer, ProbeResult) or not isinstance(answer.outcome, ProbeOutcome):
         return ProbeResult(ProbeOutcome.UNKNOWN,
                            {"reason": f"probe returned {answer!r}, not a ProbeResult"})
-    return answer
+    evidence = answer.evidence
+    if not isinstance(evidence, dict):
+        evidence = {"evidence": evidence}
+    kept = values.storable(evidence)
+    if kept is not evidence:  # the answer stands; what it was based on is kept as text
+        evidence = {"reason": "the probe's evidence cannot be stored", **kept}
+    result = values.storable(answer.result)
+    if evidence is answer.evidence and result is answer.result:
+        return answer
+    return dataclasses.replace(answer, evidence=evidence, result=result)
 
 
 def deadline_of(action: ActionRecord, tools: Mapping[str, Tool]) -> float:

@@ -13,7 +13,8 @@ import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tether._core.documents import ControlIntent, canonical
+from tether._core import values
+from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
@@ -34,12 +35,13 @@ from tether._runtime.accounting import Accounting
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.compensation import compensate
-from tether._runtime.gateway import UNSERIALIZABLE, Context
+from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
+from tether._runtime.stopping import Stopping
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
 
@@ -50,21 +52,23 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def _json_or_marker(value: Any) -> Any:
-    try:
-        canonical(value)
-        return value
-    except UserError:
-        return {UNSERIALIZABLE: repr(value)[:500]}
-
-
 def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
     payload = {"args": list(args), "kwargs": kwargs}
     try:
-        canonical(payload)
+        values.check(payload)
     except UserError as exc:
         raise UserError(f"arguments to {what} cannot be serialized: {exc}") from None
     return payload
+
+
+def _check_result(value: Any, agent: str) -> None:
+    """A result is kept only if the journal gives it back unchanged, so a task's result is
+    the same wherever it ran (here, or in a worker whose result is read from the journal);
+    otherwise the child fails with a UserError (its actions are accounted for as always)."""
+    try:
+        values.check(value)
+    except UserError as exc:
+        raise UserError(f"the result of {agent} cannot be stored: {exc}") from None
 
 
 class Supervisor:
@@ -79,7 +83,8 @@ class Supervisor:
                  control_poll: float = 0.05, recover: bool = True,
                  redispatch: RedispatchPolicy | None = None, hooks: Hooks | None = None,
                  tracer_provider: TracerProvider | None = None,
-                 meter_provider: MeterProvider | None = None) -> None:
+                 meter_provider: MeterProvider | None = None,
+                 handle_signals: bool = False) -> None:
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -105,6 +110,7 @@ class Supervisor:
         self.redispatch = redispatch or RedispatchPolicy()
         self.hooks = hooks or Hooks()
         self.telemetry = Telemetry(tracer_provider, meter_provider)
+        self._stopping = Stopping(handle_signals)
 
     @property
     def keys(self) -> KeyRing:
@@ -196,12 +202,19 @@ class Supervisor:
             self.spawn(self._watch())
             if self._recover_on_start:
                 await self.recover()
+            self._stopping.enter()
         except BaseException:
             await self.journal.close()
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        signum = self._stopping.leave()
+        await self._close()
+        if signum is not None:  # SIGTERM (handle_signals=True): everything settled, now exit
+            raise SystemExit(128 + signum)
+
+    async def _close(self) -> None:
         # Children still running when the orchestrator leaves are terminated and accounted for.
         for rt in list(self._runtimes.values()) if not self._abandoned else []:
             if rt.parent is None and rt.task is not None and not rt.task.done():
@@ -287,6 +300,9 @@ class Supervisor:
         payload = _payload(args, kwargs, ag.name)
         if task_id is not None and (not isinstance(task_id, str) or not task_id):
             raise UserError("task_id must be a non-empty string")
+        if model is not None and not isinstance(model, str):
+            raise UserError(f"model must be a string naming the model (e.g. 'gpt-4o'), "
+                            f"not {type(model).__name__}")
         if remote and redispatch is not None:
             raise UserError("a queued delegation follows its worker's re-dispatch policy")
         row = await self.journal.create_delegation(NewDelegation(
@@ -386,6 +402,7 @@ class Supervisor:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
+            _check_result(value, rt.agent.name)
             ending = (DelegationState.SUCCEEDED, value, None, None)
             outcome: tuple[bool, Any] = (True, value)
         except ControlSignal as signal:
@@ -400,6 +417,7 @@ class Supervisor:
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
             if cut.partial.usable:  # retrying would destroy what was salvaged
+                _check_result(cut.partial.to_json(), rt.agent.name)
                 ending = (DelegationState.SUCCEEDED_PARTIAL, cut.partial.to_json(), None,
                           ending_of(cut)[1])
                 outcome = (True, cut.partial)
@@ -431,7 +449,7 @@ class Supervisor:
         try:
             # Queued after this child's receipts, so it commits after them: no flush needed.
             rt.final, doubtful = await self.journal.end_delegation(
-                rt.id, state, self.clock.wall(), result=_json_or_marker(result), error=error,
+                rt.id, state, self.clock.wall(), result=result, error=error,
                 failure=failure)
         except AlreadyFinished:
             return

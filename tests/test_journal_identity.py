@@ -1,0 +1,107 @@
+"""A SQLite journal deleted or replaced under a running process is noticed at the next commit:
+the process stops with a clear error instead of writing to a file nobody will read."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether.testing import PaymentService, VirtualClock
+
+from .conftest import Shop
+from .test_cli import tether_cli
+
+
+def file_of(sqlite_url: str) -> Path:
+    return Path(sqlite_url.removeprefix("sqlite:///"))
+
+
+async def make_journal(url: str) -> None:
+    async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()):
+        pass
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_a_journal_gone_under_a_supervisor_stops_its_writes(
+        sqlite_url: str, tmp_path: Path, clock: VirtualClock, shop: Shop,
+        pay: PaymentService, how: str) -> None:
+    path = file_of(sqlite_url)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    await make_journal(other)
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def agent(ctx: tether.Context) -> str:
+        started.set()
+        await go.wait()
+        ref: str = await ctx.call(shop.refund, order_id="J-1", cents=5)
+        return ref
+
+    async with tether.Supervisor(sqlite_url, clock=clock, keys=tether.KeyRing.ephemeral(),
+                                 tools=shop.tools) as sup:
+        child = await sup.delegate(agent, tools=shop.tools)
+        await started.wait()
+        if how == "deleted":
+            for sidecar in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                sidecar.unlink(missing_ok=True)
+        else:
+            shutil.copy(file_of(other), tmp_path / "moved.db")
+            os.replace(tmp_path / "moved.db", path)
+        go.set()
+        with pytest.raises(tether.JournalError, match=how):
+            await child.result()  # neither the intent nor the failure can be recorded
+        assert pay.requests == 0  # the refund's intent could not be recorded: never sent
+        with pytest.raises(tether.JournalError, match=how):
+            await sup.delegate(shop.refund_agent, "J-2", tools=shop.tools)
+        clock.autojump()
+
+
+async def test_a_journal_moved_back_is_used_again(sqlite_url: str, tmp_path: Path) -> None:
+    """The check is of the file itself, not a latch: the same file back in place works."""
+    path = file_of(sqlite_url)
+    async with tether.Supervisor(sqlite_url, keys=tether.KeyRing.ephemeral()) as sup:
+        os.replace(path, tmp_path / "aside.db")
+        with pytest.raises(tether.JournalError, match="deleted"):
+            await sup.journal.delegations()
+        os.replace(tmp_path / "aside.db", path)
+        assert await sup.journal.delegations() == []
+
+
+@pytest.mark.parametrize("damage", ["overwritten", "truncated"])
+async def test_ls_on_a_corrupt_journal_is_one_error_line(sqlite_url: str, damage: str) -> None:
+    async def agent(ctx: tether.Context, n: int) -> str:
+        return "x" * n
+
+    async with tether.Supervisor(sqlite_url, keys=tether.KeyRing.ephemeral()) as sup:
+        for i in range(60):
+            await (await sup.delegate(agent, 500 + i, tools=[])).result()
+    path = file_of(sqlite_url)
+    data = bytearray(path.read_bytes())
+    if damage == "overwritten":
+        data[4096:len(data) - 4096] = bytes(range(256)) * ((len(data) - 8192) // 256) + bytes(
+            (len(data) - 8192) % 256)
+    else:
+        del data[len(data) // 2:]
+    path.write_bytes(bytes(data))
+    code, out, err = await tether_cli("ls", "--journal", sqlite_url)
+    assert code == 2, out
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert "corrupt" in err and "Traceback" not in err + out
+
+
+async def test_a_relative_journal_survives_a_change_of_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    async with tether.Supervisor("sqlite:///state/journal.db",
+                                 keys=tether.KeyRing.ephemeral()) as sup:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        assert await sup.journal.delegations() == []
+        os.replace(tmp_path / "state" / "journal.db", tmp_path / "aside.db")
+        with pytest.raises(tether.JournalError, match="deleted"):
+            await sup.journal.delegations()
+        os.replace(tmp_path / "aside.db", tmp_path / "state" / "journal.db")

@@ -1,0 +1,108 @@
+"""A process running a supervisor that is stopped by SIGTERM leaves nothing RUNNING: with
+``handle_signals=True`` it settles its children before it exits; with Python's default it dies
+at once, and the next supervisor to open the journal settles them when it starts."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+import tether
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILDREN = 5
+
+ORCHESTRATOR = """
+import asyncio, sys, tether
+
+@tether.tool
+async def pay(order: str, *, idempotency_key: str) -> str:
+    return "paid " + order
+
+async def agent(ctx, order):
+    await ctx.call(pay, order=order)
+    await asyncio.Event().wait()  # works on until stopped
+
+async def main(url, handle, children):
+    extra = {"handle_signals": True} if handle else {}
+    async with tether.Supervisor(url, tools=[pay], **extra) as sup:
+        for i in range(children):
+            await sup.delegate(agent, f"o-{i}", tools=[pay])
+        while len([a for d in await sup.journal.delegations()
+                   for a in (await sup.report(d.id)).actions]) < children:
+            await asyncio.sleep(0.01)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2] == "handle", int(sys.argv[3])))
+"""
+
+
+async def run_and_sigterm(url: str, mode: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", ORCHESTRATOR, url, mode, str(CHILDREN), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+    assert line == b"ready\n", line + await proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+async def states(url: str, recover: bool) -> list[tether.DelegationState]:
+    async with tether.Supervisor(url, recover=recover) as sup:
+        return [d.state for d in await sup.journal.delegations()]
+
+
+async def test_sigterm_with_handle_signals_settles_before_exit(journal_url: str) -> None:
+    code, err = await run_and_sigterm(journal_url, "handle")
+    assert code == 128 + signal.SIGTERM and "Traceback" not in err, err
+    # Nobody else has reconciled anything: the process itself settled its children.
+    assert await states(journal_url, recover=False) == \
+        [tether.DelegationState.TERMINATED] * CHILDREN
+
+
+async def test_after_a_plain_sigterm_the_next_supervisor_settles_at_once(
+        journal_url: str) -> None:
+    code, _ = await run_and_sigterm(journal_url, "default")
+    assert code == -signal.SIGTERM  # Python's default: the process ended, settling nothing
+    assert set(await states(journal_url, recover=False)) == {tether.DelegationState.RUNNING}
+    # Opening a supervisor recovers: the dead process's children are settled as it starts.
+    settled = await states(journal_url, recover=True)
+    assert len(settled) == CHILDREN and all(s.terminal for s in settled), settled
+
+
+def test_handle_signals_restores_the_previous_handler(tmp_path: Path) -> None:
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        async def main() -> None:
+            async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}", handle_signals=True,
+                                         keys=tether.KeyRing.ephemeral()):
+                assert signal.getsignal(signal.SIGTERM) is not mine
+
+        asyncio.run(main())
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+async def test_handle_signals_outside_the_main_thread_is_a_user_error(tmp_path: Path) -> None:
+    def in_thread() -> None:
+        async def main() -> None:
+            async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}", handle_signals=True,
+                                         keys=tether.KeyRing.ephemeral()):
+                pass
+
+        asyncio.run(main())
+
+    with pytest.raises(tether.UserError, match="main thread"):
+        await asyncio.to_thread(in_thread)
