@@ -19,6 +19,7 @@ from tests import remote_agents
 from tests.conftest import PG_URL
 from tether._chaos.pgserver import PrivateServer, terminate
 from tether._core.errors import JournalError
+from tether._core.report import ActionRecord
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
 
@@ -182,7 +183,7 @@ async def test_payments_keep_flowing_through_a_server_restart(
         refs.append(await ctx.call(refund, order_id=f"{order}-3", cents=300))
         return refs
 
-    async def run() -> list[list[str]]:
+    async def run() -> tuple[list[list[str]], list[ActionRecord]]:
         async with tether.Supervisor(private_url, tools=[refund], recover=False) as sup:
             handles = [await sup.delegate(three_payments, f"o{i}") for i in range(n)]
             for _ in range(n):
@@ -193,7 +194,7 @@ async def test_payments_keep_flowing_through_a_server_restart(
             results = [await h.result() for h in handles]
             assert sup.journal._runner.reconnects >= 1
             ids = [h.id for h in handles]
-            return [results, await sup.journal.actions(ids)]  # type: ignore[list-item]
+            return results, await sup.journal.actions(ids)
 
     results, actions = await asyncio.wait_for(run(), WITHIN)
     assert all(len(refs) == 3 for refs in results)

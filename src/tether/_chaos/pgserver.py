@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -161,7 +162,7 @@ class PrivateServer:
         self.stop()
 
 
-def terminate(conn: psycopg.Connection[object], application_name: str | None = None) -> int:
+def terminate(conn: psycopg.Connection[Any], application_name: str | None = None) -> int:
     """``pg_terminate_backend`` on the client backends of the connection's database, other
     than its own (only those of ``application_name`` if given)."""
     query = ("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
