@@ -164,6 +164,23 @@ async def test_closing_never_waits_for_a_paused_server(
         await asyncio.wait_for(stuck, WITHIN)
 
 
+async def test_a_write_to_a_paused_server_fails_in_time(
+        private_pg: PrivateServer, private_url: str) -> None:
+    """A paused server breaks no connection: the watchdog cuts the one that has waited too
+    long, and the write fails with a JournalError instead of waiting for ever (reads too)."""
+    async with Journal(private_url) as journal:
+        await journal.register_owner(OwnerRow("o3", 1, "h", 1.0, 1.0))
+        journal._runner.reconnect_within = 0.5
+        await asyncio.to_thread(private_pg.pause)
+        with pytest.raises(JournalError):
+            await asyncio.wait_for(journal.flush(), WITHIN)
+        with pytest.raises(JournalError):
+            await asyncio.wait_for(journal.liveness("o3"), WITHIN)
+        await asyncio.to_thread(private_pg.resume)
+        journal._runner.reconnect_within = WITHIN
+        await asyncio.wait_for(journal.flush(), WITHIN)  # and it recovers
+
+
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 async def test_payments_keep_flowing_through_a_server_restart(
         private_pg: PrivateServer, private_url: str, tmp_path: Path,

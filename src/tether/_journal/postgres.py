@@ -16,9 +16,12 @@ so that a transaction the server still runs is waited for, never by guessing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -38,6 +41,7 @@ T = TypeVar("T")
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
 LISTEN_TICK = 0.25
+CONNECT_TIMEOUT = 5  # seconds
 IDLE_IN_TRANSACTION_MS = 2000  # how often the listener thread checks that it should stop
 
 
@@ -68,6 +72,15 @@ class PgDb:
         self._conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))
 
 
+def _deliver(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
 def split_url(url: str) -> tuple[str, str, str]:
     """(conninfo for psycopg, schema, the URL without its password, for messages)."""
     parsed = urlparse(url)
@@ -84,6 +97,7 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 class PostgresRunner(ThreadRunner):
     reconnect_within = 30.0
+    watched = True
 
     def __init__(self, url: str, *, create: bool = True) -> None:
         super().__init__()
@@ -172,6 +186,12 @@ class PostgresRunner(ThreadRunner):
     def where(self) -> str:
         return f"journal at {self.shown}"
 
+    def interrupt(self, conn: psycopg.Connection[Any]) -> None:
+        """Shut the socket down under libpq (on a duplicate of its descriptor): its wait
+        ends at once with "server closed the connection", and the connection is broken."""
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
     def db(self, conn: psycopg.Connection[Any]) -> PgDb:
         return PgDb(conn, self.channel)
 
@@ -192,6 +212,29 @@ class PostgresRunner(ThreadRunner):
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
 
+    async def read_beside(self, fn: Callable[[Any], T]) -> T:
+        """``read_pooled`` on a thread of its own rather than the loop's executor: a read
+        stuck on a server that answers nothing must neither keep the process from exiting
+        nor its caller waiting for ever (it fails after the stall bound and a connect)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                outcome: tuple[Any, BaseException | None] = (self.read_pooled(fn), None)
+            except BaseException as exc:
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(_deliver, future, *outcome)
+
+        threading.Thread(target=run, name="tether-read", daemon=True).start()
+        bound = self.stall_after() + CONNECT_TIMEOUT
+        try:
+            return await asyncio.wait_for(future, bound)
+        except TimeoutError:
+            raise JournalError(f"the journal at {self.shown} did not answer a read within "
+                               f"{bound:g} s") from None
+
     def read_pooled(self, fn: Callable[[Any], T]) -> T:
         """Run a read on a pooled connection (in a worker thread), so that polling for another
         process's progress never queues behind this process's write batches. It sees only
@@ -200,7 +243,7 @@ class PostgresRunner(ThreadRunner):
             if self._pool is None:
                 self._pool = ConnectionPool(
                     self.conninfo, min_size=1, max_size=4, open=True, name="tether",
-                    kwargs={"autocommit": True, "connect_timeout": 5},
+                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT},
                     configure=self._configure)
             pool = self._pool
         deadline = time.monotonic() + self.reconnect_within
@@ -237,7 +280,7 @@ class PostgresRunner(ThreadRunner):
         delay, again = BACKOFF_FIRST, False
         while self._listening.is_set() and not self._closing.is_set():
             with contextlib.suppress(psycopg.Error), psycopg.connect(
-                    self.conninfo, autocommit=True, connect_timeout=5) as conn:
+                    self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                 delay = BACKOFF_FIRST
                 if again:

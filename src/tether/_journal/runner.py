@@ -13,7 +13,10 @@ that can reconnect (PostgreSQL): the thread reconnects with bounded backoff for 
 committed nothing; one lost around its COMMIT is looked up (the backend's ``committed``: a
 marker the batch wrote) before anything is run again, so nothing is guessed and nothing runs
 twice. Whatever happens, the thread never leaves an operation waiting: a batch it cannot run
-fails with a JournalError, and if the thread itself ends, everything queued fails with it.
+fails with a JournalError, and if the thread itself ends, everything queued fails with it. A
+server that stops answering without closing anything (a paused host) is the one case a client
+cannot see by itself: a watchdog cuts a connection that has been busy for longer than
+``stall_after()`` seconds, which turns it into a lost connection like any other.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class ThreadRunner:
     #: Seconds to keep reconnecting after a connection is lost before failing what waits
     #: (0: the backend does not reconnect).
     reconnect_within: float = 0.0
+    #: Whether the backend can cut a connection from another thread (``interrupt``).
+    watched = False
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
@@ -76,6 +81,7 @@ class ThreadRunner:
         self._inflight: list[Op] = []
         self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
         self.stop_wait = STOP_WAIT
+        self._busy_since: float | None = None  # when the batch on the wire was sent
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -110,12 +116,34 @@ class ThreadRunner:
     def where(self) -> str:
         return "journal"
 
+    def interrupt(self, conn: Any) -> None:
+        """From another thread: make whatever ``conn`` waits for fail as a lost connection."""
+
+    def stall_after(self) -> float:
+        """Seconds a batch may be on the wire before the watchdog cuts its connection."""
+        return max(2.0, self.reconnect_within)
+
     # -- the thread -----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._conn = await asyncio.to_thread(self.connect)
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
         self._thread.start()
+        if self.watched:
+            threading.Thread(target=self._watch, args=(self._thread,),
+                             name="tether-journal-watchdog", daemon=True).start()
+
+    def _watch(self, writer: threading.Thread) -> None:
+        while True:
+            writer.join(0.25)
+            if not writer.is_alive():
+                return
+            busy, conn = self._busy_since, self._conn
+            if busy is not None and conn is not None and \
+                    time.monotonic() - busy > self.stall_after():
+                self._busy_since = None
+                with contextlib.suppress(Exception):
+                    self.interrupt(conn)
 
     async def stop(self) -> None:
         thread = self._thread
@@ -208,7 +236,12 @@ class ThreadRunner:
                     self._fail(batch, self._gone(deadline))
                     return
             try:
-                self._resolve(self._run_batch(self._conn, batch))
+                self._busy_since = time.monotonic()
+                try:
+                    done = self._run_batch(self._conn, batch)
+                finally:
+                    self._busy_since = None
+                self._resolve(done)
                 return
             except Retry as exc:
                 attempt += 1
@@ -276,12 +309,15 @@ class ThreadRunner:
         while True:
             if self._conn is None and not self._reconnect(deadline):
                 return None
+            self._busy_since = time.monotonic()
             try:
                 return self.committed(self._conn)
             except Exception as exc:
                 if not self.is_lost(self._conn, exc):
                     return None
                 self._drop()
+            finally:
+                self._busy_since = None
 
     def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
         done: Done = []
