@@ -183,3 +183,21 @@ def bank_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "bank.db"))
     monkeypatch.setenv("TETHER_TEST_GATES", str(gates))
     return tmp_path / "bank.db"
+
+
+@pytest.fixture(scope="module")
+def private_pg() -> Iterator[Any]:
+    """A PostgreSQL server of the module's own (initdb in a temporary directory, its own port)
+    for the tests that restart it, pause it or end its backends: never the shared one."""
+    from tether._chaos.pgserver import PrivateServer
+
+    with PrivateServer() as server:
+        yield server
+
+
+@pytest.fixture
+def private_url(private_pg: Any, tmp_path: Path) -> Iterator[str]:
+    """A journal URL on the private server, in a schema of its own; the server is running
+    (resumed if a test paused it) when the test ends."""
+    yield f"{private_pg.url}?schema=t_{uuid.uuid4().hex[:16]}&keys={tmp_path / 'keys'}"
+    private_pg.resume()

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -96,6 +95,17 @@ class Journal:
                                     busy_timeout=busy_timeout)
 
     @property
+    def reconnect_within(self) -> float:
+        """Seconds an operation may wait for a lost connection to come back (PostgreSQL)
+        before it fails with a JournalError; 0 on SQLite, which has no connection to lose."""
+        return self._runner.reconnect_within
+
+    @reconnect_within.setter
+    def reconnect_within(self, seconds: float) -> None:
+        if self._pg is not None:
+            self._runner.reconnect_within = seconds
+
+    @property
     def location(self) -> str:
         return self._shown or str(self.path.resolve())
 
@@ -131,7 +141,7 @@ class Journal:
         connection beside the writer, so polling never waits behind this process's batches."""
         if self._pg is None:
             return await self._read(fn, *args)
-        return await asyncio.to_thread(self._pg.read_pooled, _bind(fn, args, {}))
+        return await self._pg.read_beside(_bind(fn, args, {}))
 
     def on_notify(self, callback: Callable[[str], None]) -> bool:
         """Have ``callback(owner_id)`` called (from any thread) when a control intent for one
@@ -294,8 +304,14 @@ class Journal:
 
 
     # -- workers ------------------------------------------------------------------------------
-    async def renew_lease(self, owner_id: str, now: float, lease: float) -> bool:
-        return await self._write(queue.renew_lease, owner_id, now, lease)
+    async def renew_lease(self, owner_id: str, now: float | Callable[[], float],
+                          lease: float) -> bool:
+        """``now`` may be a clock, read when the renewal runs: one that waited for the
+        journal to come back is judged at that time, never at the time it was asked."""
+        if not callable(now):
+            return await self._write(queue.renew_lease, owner_id, now, lease)
+        read = now
+        return await self._write(lambda db: queue.renew_lease(db, owner_id, read(), lease))
 
     async def claim(self, owner_id: str, agents: tuple[str, ...], now: float,
                     limit: int) -> list[DelegationRow]:

@@ -6,25 +6,36 @@ check their row count, and the statements that insert behind a fence take a shar
 fenced rows (``FOR SHARE``), so a concurrent fence either waits for the insert to commit (and
 its drain then sees the action) or commits first (and the insert sees the fence). A deadlock or
 serialization failure between processes rolls the whole batch back and runs it again.
+
+A lost connection (a restart, a failover, a terminated backend) is ridden through: the writer,
+the listener and the pooled reads reconnect with bounded backoff (``reconnect_within``). Each
+write batch first stamps a row of its own in ``tether_meta`` (``commit:<runner id>`` = the
+batch's number); a batch lost around its COMMIT is settled by reading that row back, locking it
+so that a transaction the server still runs is waited for, never by guessing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
+import os
 import re
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import errors, pq, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
-from tether._journal.runner import Retry, ThreadRunner
+from tether._journal.runner import BACKOFF_FIRST, BACKOFF_MAX, Retry, ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
 T = TypeVar("T")
@@ -32,6 +43,7 @@ LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
 XLOCK = re.compile(r"/\*XLOCK ([^*]*)\*/")
 LISTEN_TICK = 0.25
+CONNECT_TIMEOUT = 5  # seconds
 IDLE_IN_TRANSACTION_MS = 2000  # how often the listener thread checks that it should stop
 
 
@@ -63,6 +75,15 @@ class PgDb:
         self._conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))
 
 
+def _deliver(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
 def split_url(url: str) -> tuple[str, str, str]:
     """(conninfo for psycopg, schema, the URL without its password, for messages)."""
     parsed = urlparse(url)
@@ -83,8 +104,14 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 class PostgresRunner(ThreadRunner):
+    reconnect_within = 30.0
+    watched = True
+
     def __init__(self, url: str, *, create: bool = True) -> None:
         super().__init__()
+        self._mark_key = f"commit:{uuid.uuid4().hex}"  # this runner's commit marker
+        self._mark = 0
+        self._marked = False
         self.conninfo, self.schema, self.shown = split_url(url)
         self._create = create
         self.channel = f"tether_{self.schema}"
@@ -145,13 +172,49 @@ class PostgresRunner(ThreadRunner):
         migrate(conn, 0, "postgresql")
 
     def begin(self, conn: psycopg.Connection[Any], write: bool) -> None:
-        conn.execute("BEGIN")
+        if not write:
+            conn.execute("BEGIN")
+            return
+        if not self._marked:  # committed before any batch updates it, so that a read-back
+            conn.execute(       # can wait on the row's lock
+                "INSERT INTO tether_meta (key, value) VALUES (%s, '0') "
+                "ON CONFLICT (key) DO NOTHING", (self._mark_key,))
+            self._marked = True
+        self._mark += 1
+        # One round trip, as BEGIN alone (literals: a hex id and an integer).
+        conn.execute(f"BEGIN; UPDATE tether_meta SET value = '{self._mark}' "
+                     f"WHERE key = '{self._mark_key}'")
+
+    def committed(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute("SELECT value FROM tether_meta WHERE key = %s FOR UPDATE",
+                           (self._mark_key,)).fetchone()
+        return row is not None and row[0] == str(self._mark)
+
+    def is_lost(self, conn: Any, exc: BaseException) -> bool:
+        if conn is None or conn.closed or conn.broken:
+            return True
+        return (isinstance(exc, psycopg.OperationalError)
+                and conn.pgconn.status != pq.ConnStatus.OK)
+
+    def where(self) -> str:
+        return f"journal at {self.shown}"
+
+    def interrupt(self, conn: psycopg.Connection[Any]) -> None:
+        """Shut the socket down under libpq (on a duplicate of its descriptor): its wait
+        ends at once with "server closed the connection", and the connection is broken."""
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
     def db(self, conn: psycopg.Connection[Any]) -> PgDb:
         return PgDb(conn, self.channel)
 
     def close(self, conn: Any) -> None:
-        conn.close()
+        if conn is not None:
+            if self._marked and not conn.broken:  # a clean end leaves no marker behind
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("DELETE FROM tether_meta WHERE key = %s", (self._mark_key,))
+            conn.close()
+        self._marked = False
         self._listening.clear()
         with self._pool_lock:
             if self._pool is not None:
@@ -162,6 +225,29 @@ class PostgresRunner(ThreadRunner):
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
 
+    async def read_beside(self, fn: Callable[[Any], T]) -> T:
+        """``read_pooled`` on a thread of its own rather than the loop's executor: a read
+        stuck on a server that answers nothing must neither keep the process from exiting
+        nor its caller waiting for ever (it fails after the stall bound and a connect)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                outcome: tuple[Any, BaseException | None] = (self.read_pooled(fn), None)
+            except BaseException as exc:
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(_deliver, future, *outcome)
+
+        threading.Thread(target=run, name="tether-read", daemon=True).start()
+        bound = self.stall_after() + CONNECT_TIMEOUT
+        try:
+            return await asyncio.wait_for(future, bound)
+        except TimeoutError:
+            raise JournalError(f"the journal at {self.shown} did not answer a read within "
+                               f"{bound:g} s") from None
+
     def read_pooled(self, fn: Callable[[Any], T]) -> T:
         """Run a read on a pooled connection (in a worker thread), so that polling for another
         process's progress never queues behind this process's write batches. It sees only
@@ -170,21 +256,33 @@ class PostgresRunner(ThreadRunner):
             if self._pool is None:
                 self._pool = ConnectionPool(
                     self.conninfo, min_size=1, max_size=4, open=True, name="tether",
-                    kwargs={"autocommit": True, "connect_timeout": 5},
+                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT},
                     configure=self._configure)
             pool = self._pool
-        try:
-            with pool.connection(timeout=10) as conn:
-                return fn(PgDb(conn, self.channel))
-        except PoolTimeout as exc:
-            raise JournalError(f"no connection to the journal at {self.shown}: {exc}") from None
-        except psycopg.Error as exc:
-            raise self.map_error(exc) from None
+        deadline = time.monotonic() + self.reconnect_within
+        delay = BACKOFF_FIRST
+        while True:  # a read is safe to run again on another connection
+            conn: psycopg.Connection[Any] | None = None
+            left = deadline - time.monotonic()
+            try:
+                with pool.connection(timeout=max(0.1, min(10.0, left))) as conn:
+                    return fn(PgDb(conn, self.channel))
+            except PoolTimeout as exc:
+                if time.monotonic() >= deadline or self._closing.is_set():
+                    raise JournalError(
+                        f"no connection to the journal at {self.shown}: {exc}") from None
+            except psycopg.Error as exc:
+                if (conn is not None and not self.is_lost(conn, exc)) or \
+                        time.monotonic() >= deadline or self._closing.is_set():
+                    raise self.map_error(exc) from None
+                self._closing.wait(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, BACKOFF_MAX)
 
     # -- notifications ----------------------------------------------------------------------
     def listen(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(payload)`` from a thread for each NOTIFY on this journal's channel.
-        Best effort: if the connection drops, owners still learn of intents by polling."""
+        Best effort: while the connection is down owners learn of intents by polling; once it
+        is back, ``callback("reconnected")`` tells them that notifications may have been lost."""
         if self._listening.is_set():
             return
         self._listening.set()
@@ -192,12 +290,20 @@ class PostgresRunner(ThreadRunner):
                          daemon=True).start()
 
     def _listen(self, callback: Callable[[str], None]) -> None:
-        with contextlib.suppress(psycopg.Error), psycopg.connect(
-                self.conninfo, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-            while self._listening.is_set():
-                for note in conn.notifies(timeout=LISTEN_TICK):
-                    callback(note.payload)
+        delay, again = BACKOFF_FIRST, False
+        while self._listening.is_set() and not self._closing.is_set():
+            with contextlib.suppress(psycopg.Error), psycopg.connect(
+                    self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                delay = BACKOFF_FIRST
+                if again:
+                    callback("reconnected")
+                while self._listening.is_set():
+                    for note in conn.notifies(timeout=LISTEN_TICK):
+                        callback(note.payload)
+            again = True
+            self._closing.wait(delay)  # lost: try again, with bounded backoff
+            delay = min(delay * 2, BACKOFF_MAX)
 
     def map_error(self, exc: Exception) -> Exception:
         if isinstance(exc, errors.DeadlockDetected | errors.SerializationFailure):

@@ -6,6 +6,17 @@ intent that waits for its commit therefore shares that commit (and its fsync) wi
 arrived meanwhile; a refused operation rolls back only its own savepoint. A transaction the
 database aborts as a whole (a deadlock with another process, say) is retried from the start:
 nothing of it was committed.
+
+A lost connection (a server restart, a terminated backend) is an ordinary event for a backend
+that can reconnect (PostgreSQL): the thread reconnects with bounded backoff for up to
+``reconnect_within`` seconds and runs the batch again. A batch lost before its COMMIT was sent
+committed nothing; one lost around its COMMIT is looked up (the backend's ``committed``: a
+marker the batch wrote) before anything is run again, so nothing is guessed and nothing runs
+twice. Whatever happens, the thread never leaves an operation waiting: a batch it cannot run
+fails with a JournalError, and if the thread itself ends, everything queued fails with it. A
+server that stops answering without closing anything (a paused host) is the one case a client
+cannot see by itself: a watchdog cuts a connection that has been busy for longer than
+``stall_after()`` seconds, which turns it into a lost connection like any other.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +35,8 @@ from tether._core.errors import JournalError
 T = TypeVar("T")
 MAX_BATCH = 1024
 RETRIES = 8
+BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between reconnection attempts
+STOP_WAIT = 10.0  # how long closing waits for a thread stuck on a server that does not answer
 
 
 @dataclass
@@ -32,16 +46,42 @@ class Op:
     future: asyncio.Future[Any] | None
 
 
+Done = list[tuple[Op, Any, Exception | None]]
+
+
 class Retry(Exception):
     """Raised by a backend's error mapping: roll the whole batch back and run it again."""
 
 
+class Lost(Exception):
+    """The connection broke under a batch. ``at_commit``: its COMMIT had been sent, so whether
+    it committed is unknown until the journal is read back; ``done`` is what it computed."""
+
+    def __init__(self, cause: BaseException, at_commit: bool, done: Done | None = None) -> None:
+        super().__init__(str(cause).strip() or type(cause).__name__)
+        self.at_commit = at_commit
+        self.done = done or []
+
+
 class ThreadRunner:
+    #: Seconds to keep reconnecting after a connection is lost before failing what waits
+    #: (0: the backend does not reconnect).
+    reconnect_within: float = 0.0
+    #: Whether the backend can cut a connection from another thread (``interrupt``).
+    watched = False
+
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._conn: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # submit against the thread's end
+        self._dead = False
+        self._closing = threading.Event()
+        self._inflight: list[Op] = []
+        self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
+        self.stop_wait = STOP_WAIT
+        self._busy_since: float | None = None  # when the batch on the wire was sent
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -49,7 +89,9 @@ class ThreadRunner:
         raise NotImplementedError
 
     def close(self, conn: Any) -> None:
-        conn.close()
+        """End the backend's use of the journal (``conn`` is None if it was lost)."""
+        if conn is not None:
+            conn.close()
 
     def begin(self, conn: Any, write: bool) -> None:
         raise NotImplementedError
@@ -62,30 +104,104 @@ class ThreadRunner:
         """A database error as a tether error; Retry for a transaction to run again."""
         return exc
 
+    def is_lost(self, conn: Any, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection is gone (and another may be opened)."""
+        return False
+
+    def committed(self, conn: Any) -> bool:
+        """On a fresh connection: whether the last write batch, lost around its COMMIT,
+        committed. Waits for that transaction if the server still runs it."""
+        raise NotImplementedError
+
+    def where(self) -> str:
+        return "journal"
+
+    def interrupt(self, conn: Any) -> None:
+        """From another thread: make whatever ``conn`` waits for fail as a lost connection."""
+
+    def stall_after(self) -> float:
+        """Seconds a batch may be on the wire before the watchdog cuts its connection."""
+        return max(2.0, self.reconnect_within)
+
     # -- the thread -----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._conn = await asyncio.to_thread(self.connect)
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
         self._thread.start()
+        if self.watched:
+            threading.Thread(target=self._watch, args=(self._thread,),
+                             name="tether-journal-watchdog", daemon=True).start()
+
+    def _watch(self, writer: threading.Thread) -> None:
+        while True:
+            writer.join(0.25)
+            if not writer.is_alive():
+                return
+            busy, conn = self._busy_since, self._conn
+            if busy is not None and conn is not None and \
+                    time.monotonic() - busy > self.stall_after():
+                self._busy_since = None
+                with contextlib.suppress(Exception):
+                    self.interrupt(conn)
 
     async def stop(self) -> None:
-        if self._thread is None:
+        thread = self._thread
+        if thread is None:
             return
+        self._closing.set()  # ends a reconnection loop at once
         self._queue.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(thread.join, self.stop_wait)
         self._thread = None
+        if thread.is_alive():
+            # Stuck in a call to a server that does not answer (a paused host): never wait on
+            # it for ever. What it holds fails here; its late answer finds the futures done.
+            err = JournalError(f"{self.where()} did not answer; closed without it")
+            _settle([(op, None, err) for op in [*self._inflight, *self._drain()]
+                     if op.future is not None])
+            await asyncio.to_thread(self.close, None)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool,
                wait: bool = True) -> asyncio.Future[T] | None:
         if self._thread is None or self._loop is None:
             raise JournalError("journal is not open")
         future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
-        self._queue.put(Op(fn, write, future))
+        with self._lock:
+            if self._dead:
+                if future is None:
+                    return None  # a posted write to a journal already lost: as after a crash
+                raise JournalError(f"{self.where()} is no longer available")
+            self._queue.put(Op(fn, write, future))
         return future
 
+    def _drain(self) -> list[Op]:
+        ops: list[Op] = []
+        while True:
+            try:
+                op = self._queue.get_nowait()
+            except queue.Empty:
+                return ops
+            if op is not None:
+                ops.append(op)
+
     def _work(self) -> None:
-        conn = self._conn
+        reason = "journal is closed"
+        try:
+            self._serve()
+        except BaseException as exc:  # never end with operations waiting
+            reason = f"the journal's writer stopped: {exc!r}"
+            raise
+        finally:
+            with self._lock:
+                self._dead = True
+            err = JournalError(reason)
+            self._resolve([(op, None, err) for op in [*self._inflight, *self._drain()]])
+            self._inflight = []
+            with contextlib.suppress(Exception):
+                self.close(self._conn)
+            self._conn = None
+
+    def _serve(self) -> None:
         stopping = False
         while not stopping:
             first = self._queue.get()
@@ -101,58 +217,156 @@ class ThreadRunner:
                     stopping = True
                     break
                 batch.append(op)
-            for attempt in range(RETRIES):
-                try:
-                    self._resolve(self._run_batch(conn, batch))
-                    break
-                except Retry as exc:
-                    if attempt == RETRIES - 1:
-                        err = JournalError(f"journal transaction kept failing: {exc}")
-                        self._resolve([(op, None, err) for op in batch])
-                except Exception as exc:
-                    # Anything else (a connection lost at a SAVEPOINT, say) fails this batch
-                    # with a clear error; the thread lives on, so no caller waits forever.
-                    mapped = self.map_error(exc)
-                    err = mapped if isinstance(mapped, JournalError) else JournalError(
-                        f"journal write failed: {exc}")
-                    self._resolve([(op, None, err) for op in batch])
-                    break
-        self.close(conn)
+            self._inflight = batch
+            self._run(batch)
+            self._inflight = []
 
-    def _run_batch(self, conn: Any, batch: list[Op]) -> list[tuple[Op, Any, Exception | None]]:
-        done: list[tuple[Op, Any, Exception | None]] = []
+    def _fail(self, batch: list[Op], err: Exception) -> None:
+        self._resolve([(op, None, err) for op in batch])
+
+    def _run(self, batch: list[Op]) -> None:
+        """Run one batch to an answer for every operation in it."""
+        attempt = 0
+        deadline: float | None = None  # set by the first lost connection
+        while True:
+            if self._conn is None:  # lost earlier, or under this batch
+                if deadline is None:
+                    deadline = time.monotonic() + self.reconnect_within
+                if not self._reconnect(deadline):
+                    self._fail(batch, self._gone(deadline))
+                    return
+            try:
+                self._busy_since = time.monotonic()
+                try:
+                    done = self._run_batch(self._conn, batch)
+                finally:
+                    self._busy_since = None
+                self._resolve(done)
+                return
+            except Retry as exc:
+                attempt += 1
+                if attempt == RETRIES:
+                    self._fail(batch, JournalError(f"journal transaction kept failing: {exc}"))
+                    return
+            except Lost as lost:
+                self._drop()
+                if deadline is None:
+                    deadline = time.monotonic() + self.reconnect_within
+                if self.reconnect_within <= 0:
+                    self._fail(batch, JournalError(f"lost the {self.where()}: {lost}"))
+                    return
+                if lost.at_commit:
+                    outcome = self._read_back(deadline)
+                    if outcome is None:
+                        self._fail(batch, JournalError(
+                            f"lost the {self.where()} while committing, and could not read "
+                            f"back within {self.reconnect_within:g} s whether the commit "
+                            f"happened: {lost}"))
+                        return
+                    if outcome:
+                        self._resolve(lost.done)
+                        return
+                # Nothing of it committed: run it again on a new connection.
+            except Exception as exc:
+                # Anything else fails this batch with a clear error; the thread lives on,
+                # so no caller waits for ever.
+                mapped = self.map_error(exc)
+                err = mapped if isinstance(mapped, JournalError) else JournalError(
+                    f"journal write failed: {exc}")
+                self._fail(batch, err)
+                return
+
+    def _gone(self, deadline: float) -> JournalError:
+        if self._closing.is_set():
+            return JournalError(f"{self.where()} closed while reconnecting")
+        return JournalError(f"lost the {self.where()} and could not reconnect within "
+                            f"{self.reconnect_within:g} s")
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _reconnect(self, deadline: float) -> bool:
+        """Open a new connection, with bounded backoff, until the deadline or closing."""
+        delay = BACKOFF_FIRST
+        while not self._closing.is_set():
+            try:
+                self._conn = self.connect()
+                self.reconnects += 1
+                return True
+            except Exception:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._closing.wait(min(delay, left))
+                delay = min(delay * 2, BACKOFF_MAX)
+        return False
+
+    def _read_back(self, deadline: float) -> bool | None:
+        """Whether the batch lost at its COMMIT committed; None if that cannot be read."""
+        while True:
+            if self._conn is None and not self._reconnect(deadline):
+                return None
+            self._busy_since = time.monotonic()
+            try:
+                return self.committed(self._conn)
+            except Exception as exc:
+                if not self.is_lost(self._conn, exc):
+                    return None
+                self._drop()
+            finally:
+                self._busy_since = None
+
+    def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
+        done: Done = []
         db = self.db(conn)
+        write = any(op.write for op in batch)
         try:
-            self.begin(conn, any(op.write for op in batch))
+            self.begin(conn, write)
         except Exception as exc:
+            if self.is_lost(conn, exc):
+                raise Lost(exc, at_commit=False) from exc
             err = self.map_error(exc)
             if isinstance(err, Retry):
                 raise err from None
             return [(op, None, err) for op in batch]
         alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
-        for op in batch:
-            if not alone:
-                conn.execute("SAVEPOINT op")
-            try:
-                value = op.fn(db)
-            except Exception as exc:  # refused or failed: undo this operation only
-                mapped = self.map_error(exc)
-                with contextlib.suppress(Exception):
-                    conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
-                                 else "ROLLBACK TO SAVEPOINT op")
-                if isinstance(mapped, Retry):
-                    raise mapped from None
-                if alone:
-                    return [(op, None, mapped)]
-                conn.execute("RELEASE SAVEPOINT op")
-                done.append((op, None, mapped))
-            else:
+        try:
+            for op in batch:
                 if not alone:
+                    conn.execute("SAVEPOINT op")
+                try:
+                    value = op.fn(db)
+                except Exception as exc:  # refused or failed: undo this operation only
+                    if self.is_lost(conn, exc):
+                        raise
+                    mapped = self.map_error(exc)
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
+                                     else "ROLLBACK TO SAVEPOINT op")
+                    if isinstance(mapped, Retry):
+                        raise mapped from None
+                    if alone:
+                        return [(op, None, mapped)]
                     conn.execute("RELEASE SAVEPOINT op")
-                done.append((op, value, None))
+                    done.append((op, None, mapped))
+                else:
+                    if not alone:
+                        conn.execute("RELEASE SAVEPOINT op")
+                    done.append((op, value, None))
+        except Retry:
+            raise
+        except Exception as exc:
+            if self.is_lost(conn, exc):  # before COMMIT: nothing of it committed
+                raise Lost(exc, at_commit=False) from exc
+            raise
         try:
             conn.execute("COMMIT")
         except Exception as exc:
+            if self.is_lost(conn, exc):
+                raise Lost(exc, at_commit=write, done=done) from exc
             with contextlib.suppress(Exception):
                 conn.execute("ROLLBACK")
             err = self.map_error(exc)
@@ -161,7 +375,7 @@ class ThreadRunner:
             done = [(op, None, err) for op, _, _ in done]
         return done
 
-    def _resolve(self, done: list[tuple[Op, Any, Exception | None]]) -> None:
+    def _resolve(self, done: Done) -> None:
         waiting = [d for d in done if d[0].future is not None]
         if not waiting or self._loop is None:
             return
@@ -169,7 +383,7 @@ class ThreadRunner:
             self._loop.call_soon_threadsafe(_settle, waiting)
 
 
-def _settle(done: list[tuple[Op, Any, Exception | None]]) -> None:
+def _settle(done: Done) -> None:
     for op, value, error in done:
         fut = op.future
         if fut is None or fut.done():

@@ -19,6 +19,7 @@ from tether._core.errors import (
     AlreadyFinished,
     ControlSignal,
     InvalidTransition,
+    JournalError,
     Recalled,
     TetherError,
     UserError,
@@ -135,7 +136,9 @@ class Supervisor:
     def _notified(self, payload: str) -> None:
         """From the journal's listener thread: another process did something that may concern
         this one (an intent for one of its delegations, a task queued or done)."""
-        if payload in (self.owner_id, "queued", "done") and self._loop is not None:
+        # "reconnected": the listener was cut, and what it missed is polled for now.
+        if payload in (self.owner_id, "queued", "done", "reconnected") and \
+                self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed under us
                 self._loop.call_soon_threadsafe(self._ring)
 
@@ -274,7 +277,11 @@ class Supervisor:
             await self.wake(self._poll)
             if self.presumed_dead():
                 continue  # whoever reconciles our delegations settles them, not us
-            for row in await self.journal.controls_to_adopt(self.owner_id, self._last_control):
+            try:
+                rows = await self.journal.controls_to_adopt(self.owner_id, self._last_control)
+            except JournalError:
+                continue  # the journal is away longer than it reconnects for: poll again
+            for row in rows:
                 self._last_control = max(self._last_control, row.id)
                 rt = self._runtimes.get(row.delegation_id)
                 if row.issuer != self.owner_id and rt is not None:
@@ -346,6 +353,9 @@ class Supervisor:
                       asyncio.get_running_loop().create_future(),
                       span=self.telemetry.delegation_span(rt.row.task_id, rt.agent.name))
         rt.run = rt.run or run
+        # A failure of the task's driver reaches whoever awaits the result; nobody may (a
+        # worker only waits for the end), and that is no reason to print it at exit.
+        run.done.add_done_callback(_retrieved)
         if rt.row.epoch or rt.row.parent_id is not None:  # a new root task starts at 0
             rt.generation = await self.journal.cancel_generation(rt.row.task_id)
         await self.start_attempt(rt, args, kwargs, retry=False)
@@ -564,3 +574,8 @@ class Supervisor:
 
 
 __all__ = ["Supervisor"]
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -6,6 +6,11 @@ agents it knows and runs each exactly as a local child (the same gateway, grace 
 drains and re-dispatch). Control intents reach it through the journal (LISTEN/NOTIFY on
 PostgreSQL, polling everywhere). If it cannot renew its lease in time it stops at once: the
 journal already refuses its actions, and whoever reconciles its delegations owns them now.
+
+A lost connection to the journal (a database restart or failover) is ridden through: the
+journal reconnects for up to one lease, and a renewal that gets through before the lease ran
+out keeps every claim. One that does not (the database stayed away, or paused, for longer)
+gives them up: the worker stops its children at once, writes nothing and exits (LeaseLost).
 """
 
 from __future__ import annotations
@@ -92,6 +97,10 @@ class Worker:
         self.supervisor = Supervisor(journal, clock=clock, policy=policy, keys=keys,
                                      recover=False, redispatch=redispatch, hooks=hooks,
                                      control_poll=min(poll, self.lease / 6))
+        # No operation waits for the journal longer than the lease that vouches for it.
+        journal_ = self.supervisor.journal
+        journal_.reconnect_within = min(journal_.reconnect_within, self.lease)
+        self._lease_ends = 0.0  # loop time by which the lease last renewed surely ends
         self._running: dict[str, asyncio.Task[None]] = {}
         self._stopping = asyncio.Event()
         self._fault: BaseException | None = None
@@ -105,10 +114,11 @@ class Worker:
         await sup.__aenter__()
         try:
             await self._check_clock()
-            now = sup.clock.wall()
+            now, started = sup.clock.wall(), asyncio.get_running_loop().time()
             if not await sup.journal.renew_lease(sup.owner_id, now, self.lease):
                 raise LeaseLost(sup.owner_id)
             sup.lease_until = now + self.lease
+            self._lease_ends = started + self.lease
         except BaseException:
             await sup.__aexit__(None, None, None)
             raise
@@ -120,16 +130,23 @@ class Worker:
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
+        lost: JournalError | None = None
         if not sup.abandoned:
             # Still ours: terminate what is left (journaled, probed), say so in the queue, and
             # give up the lease, so that nobody waits for it to run out.
-            for delegation_id in held:
-                with contextlib.suppress(AlreadyFinished):
-                    await sup.issue_control(delegation_id, ControlKind.TERMINATE, None,
-                                            "worker stopping")
-                await sup.journal.queue_done(delegation_id, sup.clock.wall())
-            await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), 0.0)
+            try:
+                for delegation_id in held:
+                    with contextlib.suppress(AlreadyFinished):
+                        await sup.issue_control(delegation_id, ControlKind.TERMINATE, None,
+                                                "worker stopping")
+                    await sup.journal.queue_done(delegation_id, sup.clock.wall())
+                await sup.journal.renew_lease(sup.owner_id, sup.clock.wall(), 0.0)
+            except JournalError as err:  # the lease hands them over when it runs out
+                lost = err
+                sup.abandon()
         await sup.__aexit__(*exc)
+        if lost is not None and not isinstance(exc[1], BaseException):
+            raise LeaseLost(sup.owner_id, f"could not hand over what it held ({lost})")
 
     def stop(self) -> None:
         """Stop claiming; ``run`` returns once the delegations it holds have ended, or after
@@ -206,8 +223,17 @@ class Worker:
             # Real time: a lease is about this process being alive, not about any clock.
             await asyncio.sleep(self.lease / 3)
             started, now = loop.time(), sup.clock.wall()
+            # Judged when it runs (after a reconnection, say), not when it was asked for.
+            renewal = asyncio.ensure_future(
+                sup.journal.renew_lease(sup.owner_id, sup.clock.wall, self.lease))
             try:
-                ok = await sup.journal.renew_lease(sup.owner_id, now, self.lease)
+                ok = await asyncio.wait_for(asyncio.shield(renewal),
+                                            max(0.0, self._lease_ends - started))
+            except TimeoutError:  # the journal did not answer within the lease: give up
+                renewal.add_done_callback(_retrieved)
+                sup.abandon()
+                raise LeaseLost(sup.owner_id, "the journal did not answer within its lease "
+                                f"({self.lease:g} s)") from None
             except JournalError as exc:  # cannot tell whether the lease holds: stop
                 sup.abandon()
                 raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
@@ -215,6 +241,7 @@ class Worker:
                 sup.abandon()
                 raise LeaseLost(sup.owner_id)
             sup.lease_until = now + self.lease
+            self._lease_ends = started + self.lease
             await self._check_clock()
 
     async def _check_clock(self) -> None:
@@ -279,6 +306,12 @@ class Worker:
                 await sup.issue_control(delegation_id, ControlKind.TERMINATE, None, why)
         else:
             await sup.recover_delegation(row, why)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Nobody waits for it any more: its failure, if any, was accounted for already."""
+    if not future.cancelled():
+        future.exception()
 
 
 __all__ = ["Worker", "load_agents"]
