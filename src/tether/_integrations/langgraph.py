@@ -202,6 +202,9 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
         cfg["callbacks"] = [*(callbacks or []), _Guard()]
         if checkpointed:  # one checkpoint thread per tether task: a re-delegation resumes it
             cfg["configurable"] = {"thread_id": ctx.task_id, **cfg.get("configurable", {})}
+            snapshot = await graph.aget_state(cast(RunnableConfig, cfg))
+            if snapshot.next:  # stopped mid-run: resume where it was (input None)
+                state = None
         token = _BINDING.set(_Binding(ctx, tools))
         last: Any = state
         try:
