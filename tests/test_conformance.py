@@ -17,10 +17,14 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import tool as lc_tool
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from pydantic_ai import Agent as PaiAgent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 import tether
 import tether.langgraph
 import tether.openai_agents
+import tether.pydantic_ai
 from tether.conformance import (
     Cut,
     Handoff,
@@ -146,7 +150,63 @@ class LangGraph:
             graph.compile(), probes={"refund": shop.pay.lookup}, deadlines={"refund": deadline})
 
 
-HARNESSES: list[Harness] = [AgentsSdk(), LangGraph()]
+def delegating(sub: PaiAgent[None, str]) -> Any:
+    async def sub_agent(prompt: str) -> str:
+        """Does part of the work."""
+        return str(await tether.pydantic_ai.delegate(sub, prompt))
+
+    return sub_agent
+
+
+class PydanticAi:
+    name = "pydantic-ai"
+    nesting = True
+    handoffs = False
+
+    def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
+              unmediated: bool = False) -> tether.Agent:
+        if unmediated:  # pydantic-ai's hosted tools are toolsets tether refuses
+            raise tether.UserError("no unmediated tool in a pydantic-ai agent")
+        ids = itertools.count()
+        subs: dict[str, PaiAgent[None, str]] = {}
+
+        async def refund(order_id: str, cents: int) -> str:
+            """Refund an order."""
+            return await shop.refund(order_id, cents, tether.pydantic_ai.idempotency_key())
+
+        def build(name: str, steps: Sequence[Step]) -> PaiAgent[None, str]:
+            responses: list[ModelResponse | BaseException] = []
+            tools: list[Any] = [refund]
+            for step in steps:
+                call_id = f"c{next(ids)}"
+                if isinstance(step, Refund):
+                    responses.append(ModelResponse(parts=[ToolCallPart(
+                        "refund", {"order_id": step.order, "cents": 500}, call_id)]))
+                elif isinstance(step, Say):
+                    responses.append(ModelResponse(parts=[TextPart(step.text)]))
+                elif isinstance(step, Cut):
+                    responses.append(ConnectionRefusedError("refused"))
+                elif isinstance(step, Nested):
+                    subs["sub_agent"] = build(f"{name}_sub", step.steps)
+                    tools.append(delegating(subs["sub_agent"]))
+                    responses.append(ModelResponse(parts=[ToolCallPart(
+                        "sub_agent", {"prompt": "go"}, call_id)]))
+
+            def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+                step = responses.pop(0)
+                if isinstance(step, BaseException):
+                    raise step
+                return step
+
+            return PaiAgent(FunctionModel(respond), name=name, tools=tools)
+
+        main = build("main", steps)
+        return tether.pydantic_ai.as_tether_agent(
+            main, probes={"refund": shop.pay.lookup}, deadlines={"refund": deadline},
+            delegates=subs)
+
+
+HARNESSES: list[Harness] = [AgentsSdk(), LangGraph(), PydanticAi()]
 CASES = [(h, s) for h in HARNESSES for s in scenarios(h)]
 
 
