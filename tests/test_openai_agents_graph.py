@@ -95,6 +95,21 @@ async def test_recall_fences_a_handoff_target(shop: Shop, sqlite_url: str) -> No
     assert shop.pay.refund_count("B") == 0
 
 
+async def test_agents_that_hand_off_to_each_other_share_one_delegation(
+        shop: Shop, sqlite_url: str) -> None:
+    triage = SdkAgent(name="triage", model=ScriptedModel([
+        call("transfer_to_refunder", "c1"), [assistant_message("refunded, back at triage")]]))
+    refunder = SdkAgent(name="refunder", tools=[shop.refund], handoffs=[triage],
+                        model=ScriptedModel([refund("A", "c2"), call("transfer_to_triage", "c3")]))
+    triage.handoffs = [refunder]
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(triage), "refund A")
+        assert await handle.result() == "refunded, back at triage"
+        report = await handle.report()
+    assert [(a.tool, a.state) for a in report.actions] == [("refund", A.COMPLETED)]
+    assert report.children == ()
+
+
 def test_a_handoff_to_a_tool_tether_cannot_mediate_is_refused(shop: Shop) -> None:
     searcher = SdkAgent(name="searcher", tools=[WebSearchTool()], model=ScriptedModel([]))
     triage = SdkAgent(name="triage", tools=[shop.refund], handoffs=[searcher],

@@ -169,6 +169,7 @@ async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
                 forwarded = options.on_event(event)
                 if inspect.isawaitable(forwarded):
                     await forwarded
+            ctx.check()  # a recalled child stops between events, not only at its next tool
     except MaxTurnsExceeded as exc:
         raise CeilingReached("max_turns", str(exc)) from None
     except Exception as exc:
