@@ -3,6 +3,7 @@ own offline test model and a ledger of its own."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,10 @@ from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import tool as lc_tool
 from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from mcp import ClientSession
+from mcp.client import Client
+from mcp.server.mcpserver import Context as McpContext
+from mcp.server.mcpserver import MCPServer
 from pydantic_ai import Agent as PaiAgent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
@@ -37,6 +42,7 @@ from tether.conformance import (
     run_scenario,
     scenarios,
 )
+from tether.mcp import ServerPolicy, mcp_tools
 
 set_tracing_disabled(True)
 
@@ -206,7 +212,81 @@ class PydanticAi:
             delegates=subs)
 
 
-HARNESSES: list[Harness] = [AgentsSdk(), LangGraph(), PydanticAi()]
+class McpGateway:
+    """tether's MCP gateway in front of a real MCP server (in process, over the SDK's memory
+    transport), driven by a plain tether agent that plays the script as a model would."""
+
+    name = "mcp-gateway"
+    nesting = True
+    handoffs = False
+
+    def __init__(self) -> None:
+        self._open: list[tuple[asyncio.Event, asyncio.Task[None]]] = []
+
+    async def _session(self, server: MCPServer) -> ClientSession:
+        ready: asyncio.Future[ClientSession] = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+
+        async def hold() -> None:  # entered and left in one task, as anyio requires
+            async with Client(server) as client:
+                ready.set_result(client.session)
+                await stop.wait()
+
+        task = asyncio.create_task(hold())
+        self._open.append((stop, task))
+        waiting: set[asyncio.Future[Any]] = {ready, task}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            task.result()  # raises why the session did not open
+        return ready.result()
+
+    async def aclose(self) -> None:
+        for stop, task in self._open:
+            stop.set()
+            await task
+        self._open.clear()
+
+    async def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
+                    unmediated: bool = False) -> tether.Agent:
+        server = MCPServer("shop")
+
+        @server.tool()
+        async def refund(order_id: str, cents: int, ctx: McpContext) -> str:
+            meta = ctx.request_context.meta or {}
+            key = meta.get("io.tether/idempotency-key")
+            return await shop.refund(order_id, cents, key if isinstance(key, str) else None)
+
+        (tool,) = await mcp_tools(await self._session(server), ServerPolicy(
+            "shop", probes={"refund": shop.pay.lookup}, deadlines={"refund": deadline}))
+        extra = ("web_search",) if unmediated else ()
+
+        def build(name: str, steps: Sequence[Step]) -> tether.Agent:
+            script = list(steps)  # shared by the attempts, as a scripted model is
+            subs = {n: build(f"{name}_sub", step.steps)
+                    for n, step in enumerate(steps) if isinstance(step, Nested)}
+
+            async def run(ctx: tether.Context, request: str) -> Any:
+                results: list[Any] = []
+                while script:
+                    n, step = len(steps) - len(script), script.pop(0)
+                    if isinstance(step, Refund):
+                        results.append(await ctx.call(tool, order_id=step.order, cents=500))
+                    elif isinstance(step, Say):
+                        return step.text
+                    elif isinstance(step, Cut):
+                        raise tether.StreamCut(tether.CutReason.CONNECT_ERROR,
+                                               tether.Partial("", tuple(results)))
+                    elif isinstance(step, Nested):
+                        handle = await ctx.delegate(subs[n], "go")
+                        results.append(await handle.result())
+                return None
+
+            return tether.Agent(name, run, (tool, *subs.values(), *extra))
+
+        return build("main", steps)
+
+
+HARNESSES: list[Harness] = [AgentsSdk(), LangGraph(), PydanticAi(), McpGateway()]
 CASES = [(h, s) for h in HARNESSES for s in scenarios(h)]
 
 
