@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx2
-import openai
 from agents import Agent as SdkAgent
 from agents import (
     FunctionTool,
@@ -37,7 +35,8 @@ from agents.tool_context import ToolContext
 
 from tether._core.errors import DelegationError, UserError
 from tether._core.model import Effect
-from tether._core.redispatch import CeilingReached, CutReason, Partial, StreamCut
+from tether._core.redispatch import CeilingReached, Partial, StreamCut
+from tether._integrations.cuts import cut_reason
 from tether._integrations.openai_agents_graph import KEY, TOOL_CONTEXT, Plan, Planner
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, ProbeFn, Tool
@@ -48,17 +47,6 @@ EventFn = Callable[[StreamEvent], Any]
 def idempotency_key() -> str | None:
     """Inside a function tool run through tether: the key to send to the outside world."""
     return KEY.get()
-
-
-def cut_reason(exc: BaseException) -> CutReason | None:
-    """Whether a model call failed in transit (and how), or for another reason (None)."""
-    if isinstance(exc, httpx2.ConnectTimeout | openai.APITimeoutError):
-        return CutReason.CONNECT_TIMEOUT
-    if isinstance(exc, httpx2.ConnectError | openai.APIConnectionError | ConnectionRefusedError):
-        return CutReason.CONNECT_ERROR
-    if isinstance(exc, httpx2.TransportError | ConnectionError):
-        return CutReason.STREAM_INCOMPLETE  # the stream started, then broke
-    return None
 
 
 @dataclass(frozen=True)
