@@ -148,3 +148,20 @@ async def test_a_re_delegated_thread_resumes_and_replays_completed_refunds(
     assert shop.pay.refund_count("A") == 1 and shop.pay.refund_count("B") == 1
     assert [a.args["order_id"] for a in report.actions if a.state is A.COMPLETED] == ["B"]
     assert [e.kind for e in events].count("replay") == 1
+
+
+@pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
+async def test_a_prebuilt_react_agent_runs_through_the_gateway(sqlite_url: str) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    shop = Shop()
+    model = ScriptedChat(responses=[calls(("refund", {"order_id": "A", "cents": 500})),
+                                    AIMessage(content="refunded A")])
+    graph = create_react_agent(model, tools=tool_node([refund_tool(shop)]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph, probes={"refund": shop.pay.lookup}),
+                                    "refund A")
+        assert await handle.result() == "refunded A"
+        report = await handle.report()
+    assert [(a.tool, a.state) for a in report.actions] == [("refund", A.COMPLETED)]
+    assert shop.keys == [report.actions[0].idempotency_key]
