@@ -16,7 +16,7 @@ from langgraph.prebuilt import ToolNode, tools_condition
 
 import tether
 from tether.conformance import Shop
-from tether.langgraph import as_tether_agent, idempotency_key, tool_node
+from tether.langgraph import as_tether_agent, idempotency_key, subgraph, tool_node
 
 from .test_conformance import ScriptedChat
 
@@ -165,3 +165,47 @@ async def test_a_prebuilt_react_agent_runs_through_the_gateway(sqlite_url: str) 
         report = await handle.report()
     assert [(a.tool, a.state) for a in report.actions] == [("refund", A.COMPLETED)]
     assert shop.keys == [report.actions[0].idempotency_key]
+
+
+async def test_a_subgraph_node_is_a_nested_delegation_fenced_by_the_root(
+        sqlite_url: str) -> None:
+    shop = Shop(gate=asyncio.Event())
+    billing = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                        calls(("refund", {"order_id": "B", "cents": 500})),
+                        AIMessage(content="billing done")], tool_node([refund_tool(shop)]))
+    parent = StateGraph(MessagesState)
+    parent.add_node("billing", subgraph(billing, name="billing",
+                                        probes={"refund": shop.pay.lookup}))
+    parent.add_edge(START, "billing")
+    child = as_tether_agent(parent.compile(), name="desk")
+    async with tether.Supervisor(sqlite_url) as sup:
+        draining = asyncio.Event()
+        sup.listen(lambda event, about: draining.set() if event == "drain" else None)
+        handle = await sup.delegate(child, "refund A and B")
+        async with asyncio.timeout(30):
+            await shop.started.wait()
+        recall = asyncio.ensure_future(handle.recall(grace=30))
+        async with asyncio.timeout(30):
+            await draining.wait()
+        shop.gate.set()  # type: ignore[union-attr]
+        report = await recall
+    assert report.actions == ()
+    (sub,) = report.children
+    assert sub.agent == "billing"
+    assert [(a.args["order_id"], a.state) for a in sub.actions] == [("A", A.COMPLETED)]
+    assert shop.pay.refund_count("B") == 0 and shop.keys == [sub.actions[0].idempotency_key]
+
+
+async def test_a_subgraph_node_returns_its_messages_to_the_parent(sqlite_url: str) -> None:
+    shop = Shop()
+    billing = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                        AIMessage(content="billing done")], tool_node([refund_tool(shop)]))
+    parent = StateGraph(MessagesState)
+    parent.add_node("billing", subgraph(billing, name="billing"))
+    parent.add_edge(START, "billing")
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(parent.compile(), name="desk"), "refund A")
+        assert await handle.result() == "billing done"
+        report = await handle.report()
+    (sub,) = report.children
+    assert [(a.tool, a.state) for a in sub.actions] == [("refund", A.COMPLETED)]

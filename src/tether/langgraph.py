@@ -9,10 +9,12 @@ from __future__ import annotations
 
 try:
     from tether._integrations.langgraph import (
+        Subgraph,
         as_tether_agent,
         awrap_tool_call,
         cut_reason,
         idempotency_key,
+        subgraph,
         tool_node,
     )
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
@@ -21,4 +23,5 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the e
     raise ModuleNotFoundError("tether.langgraph needs LangGraph: "
                               "pip install 'tether[langgraph]'", name=exc.name) from None
 
-__all__ = ["as_tether_agent", "awrap_tool_call", "cut_reason", "idempotency_key", "tool_node"]
+__all__ = ["Subgraph", "as_tether_agent", "awrap_tool_call", "cut_reason", "idempotency_key",
+           "subgraph", "tool_node"]

@@ -7,7 +7,8 @@ every run refuses any tool that starts without passing the gateway (a ToolNode b
 the hook, a tool calling another tool), so nothing runs unseen. A tool that ran and answered
 an error message is in doubt and probed; a model call that fails in transit raises
 ``StreamCut``; a graph with a checkpointer runs on the thread named after the tether task, so
-re-delegating the task resumes it and replays completed actions instead of repeating them.
+re-delegating the task resumes it and replays completed actions instead of repeating them. A
+node built with ``subgraph(graph, name=...)`` runs that subgraph as a nested delegation.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
+from uuid import UUID
 
 from langchain_core.callbacks import AsyncCallbackHandler
-from langchain_core.messages import ToolMessage
+from langchain_core.messages import (
+    ToolMessage,
+    convert_to_messages,
+    messages_from_dict,
+    messages_to_dict,
+)
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool
 from langgraph.prebuilt import ToolNode
@@ -43,9 +50,9 @@ _KEY: ContextVar[str | None] = ContextVar("tether_langgraph_key", default=None)
 _BINDING: ContextVar[_Binding | None] = ContextVar("tether_langgraph_binding", default=None)
 _CALL: ContextVar[tuple[ToolCallRequest, Execute] | None] = ContextVar(
     "tether_langgraph_call", default=None)
-# One-shot passes, consumed by the guard when the tool starts: a list, so that the guard's
+# One-shot passes, bound by the guard to the tool run they admit: a list, so that the guard's
 # copy of the context sees the same object.
-_PASS: ContextVar[list[str] | None] = ContextVar("tether_langgraph_pass", default=None)
+_PASS: ContextVar[list[Any] | None] = ContextVar("tether_langgraph_pass", default=None)
 _OURS: weakref.WeakSet[ToolNode] = weakref.WeakSet()
 
 
@@ -110,7 +117,7 @@ def _gateway_fn(name: str) -> Callable[..., Awaitable[Any]]:
         if current is None:
             raise UserError(f"{name} runs only inside its graph's ToolNode")
         request, execute = current
-        key, ticket = _KEY.set(idempotency_key), _PASS.set([name])
+        key, ticket = _KEY.set(idempotency_key), _PASS.set([name, None])  # [tool, its run]
         try:
             out = await execute(request)
         finally:
@@ -128,18 +135,76 @@ def _gateway_fn(name: str) -> Callable[..., Awaitable[Any]]:
 
 
 class _Guard(AsyncCallbackHandler):
-    """Refuses a tool that starts without a pass from the gateway."""
+    """Refuses a tool that starts without a pass from the gateway. A pass admits one tool run
+    (a nested graph's run may carry its parent's guard too: both see the same run)."""
 
     raise_error = True
 
-    async def on_tool_start(self, serialized: dict[str, Any], input_str: str,
-                            **kwargs: Any) -> None:
+    async def on_tool_start(self, serialized: dict[str, Any], input_str: str, *,
+                            run_id: UUID, **kwargs: Any) -> None:
         name = (serialized or {}).get("name", "?")
         ticket = _PASS.get()
-        if not ticket or ticket[-1] != name:
+        if ticket is None or ticket[0] != name or ticket[1] not in (None, run_id):
             raise UserError(f"tool {name} started without passing tether's gateway: build its "
                             "ToolNode with tether.langgraph.tool_node(...)")
-        ticket.clear()
+        ticket[1] = run_id
+
+
+def _to_json(state: Any) -> Any:
+    """A messages state in JSON, to be a delegation's journaled argument or result."""
+    if isinstance(state, dict) and isinstance(state.get("messages"), list):
+        return {**state, "messages": messages_to_dict(convert_to_messages(state["messages"]))}
+    return state
+
+
+def _from_json(data: Any) -> Any:
+    if isinstance(data, dict) and isinstance(data.get("messages"), list):
+        return {**data, "messages": messages_from_dict(data["messages"])}
+    return data
+
+
+class Subgraph:
+    """A graph node that runs a compiled subgraph as a nested tether delegation (its own id,
+    keys and fence), or directly outside tether. Its state goes through the journal as JSON:
+    a messages state, with JSON values besides."""
+
+    def __init__(self, graph: Any, agent: Agent) -> None:
+        self.graph = graph
+        self.agent = agent
+
+    async def __call__(self, state: Any) -> Any:
+        binding = _BINDING.get()
+        if binding is None:
+            return await self.graph.ainvoke(state)
+        handle = await binding.ctx.delegate(self.agent, _to_json(state))
+        return _from_json(await handle.result())
+
+
+def subgraph(graph: Any, *, name: str, effects: Mapping[str, Effect] | None = None,
+             probes: Mapping[str, ProbeFn] | None = None,
+             deadlines: Mapping[str, float] | None = None) -> Subgraph:
+    """``parent.add_node("billing", subgraph(billing_graph, name="billing", ...))``: the
+    subgraph runs as a nested delegation of the parent graph's child."""
+    agent = as_tether_agent(graph, effects=effects, probes=probes, deadlines=deadlines,
+                            name=name)
+    return Subgraph(graph, Agent(agent.name, _nested_run(agent), agent.tools))
+
+
+def _nested_run(agent: Agent) -> Callable[..., Awaitable[Any]]:
+    async def run(ctx: Context, state: Any) -> Any:
+        return _to_json(await agent.fn(ctx, _from_json(state), whole_state=True))
+
+    return run
+
+
+def _subgraphs(graph: Any) -> list[Agent]:
+    found = []
+    for node in graph.nodes.values():
+        bound = getattr(node, "bound", None)
+        target = getattr(bound, "afunc", None) or getattr(bound, "func", None)
+        if isinstance(target, Subgraph):
+            found.append(target.agent)
+    return found
 
 
 def _tool_nodes(graph: Any) -> list[tuple[str, ToolNode]]:
@@ -193,7 +258,7 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
              for n in found}
     checkpointed = getattr(graph, "checkpointer", None) not in (None, False)
 
-    async def run(ctx: Context, input: Any) -> Any:
+    async def run(ctx: Context, input: Any, whole_state: bool = False) -> Any:
         state = {"messages": [{"role": "user", "content": input}]} \
             if isinstance(input, str) else input
         before = len(state.get("messages", ())) if isinstance(state, dict) else 0
@@ -223,9 +288,11 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
             raise StreamCut(reason, _partial(last, before), repr(exc)) from None
         finally:
             _BINDING.reset(token)
-        return _output(last)
+        return last if whole_state else _output(last)
 
-    return Agent(name or getattr(graph, "name", None) or "graph", run, tuple(tools.values()))
+    return Agent(name or getattr(graph, "name", None) or "graph", run,
+                 (*tools.values(), *_subgraphs(graph)))
 
 
-__all__ = ["as_tether_agent", "awrap_tool_call", "cut_reason", "idempotency_key", "tool_node"]
+__all__ = ["Subgraph", "as_tether_agent", "awrap_tool_call", "cut_reason", "idempotency_key",
+           "subgraph", "tool_node"]
