@@ -25,6 +25,13 @@ async def run_example(name: str) -> str:
     ("openai_agents_refund.py", ["result: Refunded 12.50 on A-1001.", "attempts: 2",
                                  "SUCCEEDED, [('refund', 'COMPLETED')]",
                                  "provider ledger: [('A-1001', 1250)]"]),
+    ("langgraph_refund.py", ["result: Refunded 12.50 on A-1001.", "attempts: 2",
+                             "SUCCEEDED, [('refund', 'COMPLETED')]",
+                             "provider ledger: [('A-1001', 1250)]"]),
+    ("pydantic_ai_refund.py", ["result: Refunded 12.50 on A-1001.",
+                               "SUCCEEDED: [('refund', 0, 'FAILED'), "
+                               "('refund', 1250, 'COMPLETED')]",
+                               "provider ledger: [('A-1001', 1250)]"]),
     ("workers.py", ["queued task result: report on weekly numbers",
                     "recalled on the worker: RECALLED"]),
 ])

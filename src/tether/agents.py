@@ -1,17 +1,7 @@
-"""OpenAI Agents SDK integration (``pip install 'tether[openai-agents]'``).
-
-``child = tether.agents.as_tether_agent(sdk_agent, effects={"refund": Effect.EXTERNAL},
-probes={"refund": lookup})``, then ``await sup.delegate(child, "the user's request")``.
-"""
+"""The former name of ``tether.openai_agents``, kept importable."""
 
 from __future__ import annotations
 
-try:
-    from tether._integrations.openai_agents import as_tether_agent, cut_reason, idempotency_key
-except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
-    if exc.name is None or exc.name.split(".")[0] not in ("agents", "openai", "httpx2"):
-        raise
-    raise ModuleNotFoundError("tether.agents needs the OpenAI Agents SDK: "
-                              "pip install 'tether[openai-agents]'", name=exc.name) from None
+from tether.openai_agents import as_tether_agent, cut_reason, idempotency_key
 
 __all__ = ["as_tether_agent", "cut_reason", "idempotency_key"]

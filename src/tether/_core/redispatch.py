@@ -175,6 +175,24 @@ def surface_verdict(surface: tuple[str, ...], agents: Mapping[str, tuple[str, ..
     return walk(surface, ()) or RedispatchDecision(Code.REDISPATCH, "surface is retry-safe")
 
 
+def unmediated(surface: tuple[str, ...], agents: Mapping[str, tuple[str, ...]],
+               known: frozenset[str]) -> str | None:
+    """A tool granted by name only (a hosted tool, say), reachable from the surface: it runs
+    where the journal cannot see it, so "no tool ran" cannot be proven."""
+    seen: set[str] = set()
+    todo = list(surface)
+    while todo:
+        name = todo.pop()
+        if name.startswith(AGENT_PREFIX):
+            agent = name[len(AGENT_PREFIX):]
+            if agent not in seen:
+                seen.add(agent)
+                todo.extend(agents.get(agent, ()))
+        elif name != UNRESTRICTED and name not in known:
+            return name
+    return None
+
+
 def decide_redispatch(facts: AttemptFacts, policy: RedispatchPolicy) -> RedispatchDecision:
     """The first check, made when the attempt ends (before the settle delay)."""
     if facts.ending is Ending.CEILING:
@@ -194,7 +212,7 @@ def decide_redispatch(facts: AttemptFacts, policy: RedispatchPolicy) -> Redispat
     if facts.side_effects_started:
         return RedispatchDecision(Code.SIDE_EFFECT_STARTED,
                                   f"{facts.side_effects_started} side-effecting action(s)")
-    if facts.tools_ran == 0:
+    if facts.tools_ran == 0 and not unmediated(facts.surface, facts.agents, facts.known_tools):
         return RedispatchDecision(Code.REDISPATCH_NO_TOOL_RAN)
     return surface_verdict(facts.surface, facts.agents, facts.known_tools, policy)
 

@@ -1,0 +1,245 @@
+"""Run a pydantic-ai ``Agent`` as a tether child.
+
+The run's assembled toolset (the agent's own tools included) is wrapped, through a
+capability's ``get_wrapper_toolset``, in a ``WrapperToolset`` whose ``call_tool`` passes
+tether's gateway with the effect the operator declares (EXTERNAL when not declared). A tool
+that asks the model to retry (``ModelRetry``), defers or awaits approval did not apply: FAILED.
+A tool listed in ``delegates`` runs a sub-agent with ``delegate(sub_agent, prompt)``: a nested
+delegation with its own keys and fence, itself not journaled as an action. The run's own
+stops line up with tether's: a recall or terminate ends the run at its next tool call or step,
+and ``RunCancelled`` (the application cancelled or timed out its own run) or a usage limit is a
+ceiling, never re-dispatched. A model call that fails in transit raises ``StreamCut``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic_ai import Agent as PaiAgent
+from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.exceptions import (
+    ApprovalRequired,
+    CallDeferred,
+    ModelRetry,
+    RunCancelled,
+    UsageLimitExceeded,
+)
+from pydantic_ai.messages import ModelResponse, TextPart, ToolReturnPart
+from pydantic_ai.tools import RunContext
+from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
+from pydantic_ai.toolsets.abstract import ToolsetTool
+from pydantic_core import to_jsonable_python
+
+from tether._core.errors import ControlSignal, ToolRejected, UserError
+from tether._core.model import Effect
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
+from tether._core.redispatch import CeilingReached, Partial, StreamCut
+from tether._integrations.cuts import cut_reason
+from tether._runtime.gateway import Context
+from tether._runtime.tools import Agent, ProbeFn, Tool
+
+EventFn = Callable[[Any], Any]
+_Call = tuple[AbstractToolset[Any], str, dict[str, Any], RunContext[Any], ToolsetTool[Any]]
+
+_KEY: ContextVar[str | None] = ContextVar("tether_pydantic_ai_key", default=None)
+_BINDING: ContextVar[_Binding | None] = ContextVar("tether_pydantic_ai_binding", default=None)
+_CALL: ContextVar[_Call | None] = ContextVar("tether_pydantic_ai_call", default=None)
+
+
+def idempotency_key() -> str | None:
+    """Inside a tool run through tether: the key to send to the outside world."""
+    return _KEY.get()
+
+
+@dataclass(frozen=True)
+class _Binding:
+    ctx: Context
+    tools: Mapping[str, Tool]
+    delegates: frozenset[str]
+    nested: Mapping[int, Agent]  # pydantic-ai agent id -> its tether agent
+
+
+class _NotApplied(ToolRejected):
+    """The tool asked for a retry, deferred or awaits approval: it did not apply."""
+
+    def __init__(self, original: Exception) -> None:
+        super().__init__(f"{type(original).__name__}: {original}")
+        self.original = original
+
+
+@dataclass
+class TetherToolset(WrapperToolset[Any]):
+    """Calls the wrapped toolset's tools through tether's gateway inside a tether child, and
+    directly outside one."""
+
+    async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any],
+                        tool: ToolsetTool[Any]) -> Any:
+        binding = _BINDING.get()
+        if binding is None or name in binding.delegates:
+            return await self.wrapped.call_tool(name, tool_args, ctx, tool)
+        found = binding.tools.get(name)
+        if found is None:
+            raise UserError(f"tool {name} is not in this agent's surface")
+        token = _CALL.set((self.wrapped, name, tool_args, ctx, tool))
+        try:
+            return await binding.ctx.call(found, **to_jsonable_python(tool_args))
+        except _NotApplied as exc:  # journaled FAILED; pydantic-ai handles the original
+            raise exc.original from None
+        finally:
+            _CALL.reset(token)
+
+
+@dataclass(init=False)
+class _Gateway(AbstractCapability[Any]):
+    """Wraps the run's assembled toolset (the agent's own tools included) in TetherToolset."""
+
+    def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
+        return TetherToolset(toolset)
+
+
+async def delegate(agent: PaiAgent[Any, Any], prompt: str) -> Any:
+    """Inside a tool listed in ``delegates``: run ``agent`` as a nested tether delegation and
+    return its output (outside tether, run it directly)."""
+    binding = _BINDING.get()
+    if binding is None:
+        return (await agent.run(prompt)).output
+    nested = binding.nested.get(id(agent))
+    if nested is None:
+        raise UserError(f"agent {agent.name} is not a declared sub-agent: pass it in "
+                        "as_tether_agent(..., delegates={tool: agent})")
+    handle = await binding.ctx.delegate(nested, prompt)
+    return await handle.result()
+
+
+def _gateway_fn(name: str) -> Callable[..., Any]:
+    async def run(idempotency_key: str | None = None, **_arguments: Any) -> Any:
+        current = _CALL.get()
+        if current is None:
+            raise UserError(f"{name} runs only inside its pydantic-ai run")
+        wrapped, tool_name, args, run_ctx, tool = current
+        token = _KEY.set(idempotency_key)
+        try:
+            return await wrapped.call_tool(tool_name, args, run_ctx, tool)
+        except (ModelRetry, CallDeferred, ApprovalRequired) as exc:
+            raise _NotApplied(exc) from None
+        finally:
+            _KEY.reset(token)
+
+    run.__name__ = name
+    return run
+
+
+def _function_tools(agent: PaiAgent[Any, Any]) -> list[str]:
+    names: list[str] = []
+    refused: list[str] = []
+
+    def visit(toolset: AbstractToolset[Any]) -> None:
+        if isinstance(toolset, FunctionToolset):
+            names.extend(toolset.tools)
+        else:
+            refused.append(toolset.label)
+
+    for toolset in agent.toolsets:
+        toolset.apply(visit)
+    if refused:
+        raise UserError(f"agent {agent.name}: tether cannot mediate toolset "
+                        f"{', '.join(refused)} here; use tether.mcp for MCP servers")
+    return names
+
+
+def _signal(exc: BaseException) -> BaseException:
+    """A tether stop raised inside pydantic-ai's task group reaches us in an exception group:
+    the stop itself is what the supervisor must see."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _signal(inner)
+            if isinstance(found, ControlSignal | StreamCut):
+                return found
+    return exc
+
+
+def _partial(messages: list[Any]) -> Partial:
+    results = tuple(to_jsonable_python(p.content) for m in messages for p in m.parts
+                    if isinstance(p, ToolReturnPart))
+    text = "".join(p.content for m in messages[-1:] if isinstance(m, ModelResponse)
+                   for p in m.parts if isinstance(p, TextPart))
+    return Partial(text, results)
+
+
+def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] | None = None,
+                    probes: Mapping[str, ProbeFn] | None = None,
+                    deadlines: Mapping[str, float] | None = None, name: str | None = None,
+                    delegates: Mapping[str, PaiAgent[Any, Any]] | None = None,
+                    deps: Any = None, on_event: EventFn | None = None) -> Agent:
+    """A tether agent that runs ``agent`` on its input prompt through the gateway.
+    ``effects``, ``probes`` and ``deadlines`` are keyed by tool name (sub-agents' tools
+    included); ``delegates`` maps a tool name to the sub-agent it runs with ``delegate``;
+    ``deps`` are the run's dependencies; ``on_event`` (sync or async) receives each node."""
+    effects, probes, deadlines = dict(effects or {}), dict(probes or {}), dict(deadlines or {})
+    for tool_name, effect in effects.items():
+        if not isinstance(effect, Effect) or effect is Effect.DELEGATE:
+            raise UserError(f"effect of {tool_name!r} must be a tether.Effect other than DELEGATE")
+    made: dict[int, Agent] = {}
+    seen: set[str] = set()
+    tools: dict[str, Tool] = {}
+
+    def plan(pai: PaiAgent[Any, Any], subs: Mapping[str, PaiAgent[Any, Any]],
+             label: str) -> Agent:
+        if id(pai) in made:
+            return made[id(pai)]
+        names = _function_tools(pai)
+        missing = sorted(set(subs) - set(names))
+        if missing:
+            raise UserError(f"agent {label} has no tool named {', '.join(missing)}")
+        nested = {id(sub): plan(sub, {}, sub.name or "sub_agent") for sub in subs.values()}
+        for n in names:
+            if n not in subs:
+                seen.add(n)
+                tools.setdefault(n, Tool(
+                    n, effects.get(n, Effect.EXTERNAL), _gateway_fn(n), probe=probes.get(n),
+                    dispatch_deadline=deadlines.get(n, DEFAULT_DISPATCH_DEADLINE)))
+        own = {n: tools[n] for n in names if n not in subs}
+        binding_of = (own, frozenset(subs), nested)
+
+        async def run(ctx: Context, prompt: Any) -> Any:
+            token = _BINDING.set(_Binding(ctx, *binding_of))
+            messages: list[Any] = []
+            try:
+                async with pai.iter(prompt, deps=deps, capabilities=[_Gateway()]) as agent_run:
+                    async for node in agent_run:
+                        messages = agent_run.all_messages()
+                        if on_event is not None:
+                            forwarded = on_event(node)
+                            if inspect.isawaitable(forwarded):
+                                await forwarded
+                        ctx.check()
+                    assert agent_run.result is not None
+                    return agent_run.result.output
+            except (RunCancelled, UsageLimitExceeded) as exc:
+                raise CeilingReached(type(exc).__name__, str(exc)) from None
+            except BaseException as exc:
+                found = _signal(exc)
+                reason = cut_reason(found) if isinstance(found, Exception) else None
+                if reason is not None:
+                    raise StreamCut(reason, _partial(messages), repr(found)) from None
+                if found is not exc:
+                    raise found from None
+                raise
+            finally:
+                _BINDING.reset(token)
+
+        made[id(pai)] = Agent(label, run, (*own.values(), *nested.values()))
+        return made[id(pai)]
+
+    root = plan(agent, dict(delegates or {}), name or agent.name or "agent")
+    unknown = sorted((set(effects) | set(probes) | set(deadlines)) - seen)
+    if unknown:
+        raise UserError(f"agent {root.name} has no tool named {', '.join(unknown)}")
+    return root
+
+
+__all__ = ["TetherToolset", "as_tether_agent", "cut_reason", "delegate", "idempotency_key"]

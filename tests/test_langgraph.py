@@ -1,0 +1,211 @@
+"""LangGraph specifics beyond the conformance kit: unmediated ToolNodes refused, a tool's error
+message after it ran is in doubt, bad arguments never reach the gateway, and a checkpoint thread
+is the tether task, so a re-delegated run resumes and replays what completed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.tools import tool as lc_tool
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.prebuilt import ToolNode, tools_condition
+
+import tether
+from tether.conformance import Shop
+from tether.langgraph import as_tether_agent, idempotency_key, subgraph, tool_node
+
+from .test_conformance import ScriptedChat
+
+A = tether.ActionState
+
+
+def calls(*calls: tuple[str, dict[str, Any]]) -> AIMessage:
+    return AIMessage(content="", tool_calls=[
+        {"name": name, "args": args, "id": f"c{n}"} for n, (name, args) in enumerate(calls)])
+
+
+def graph_of(responses: list[BaseMessage], tools_node: Any, **compile_args: Any) -> Any:
+    model = ScriptedChat(responses=responses)
+
+    async def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", call_model)
+    graph.add_node("tools", tools_node)
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    return graph.compile(**compile_args)
+
+
+def refund_tool(shop: Shop) -> Any:
+    @lc_tool
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        return await shop.refund(order_id, cents, idempotency_key())
+
+    return refund
+
+
+def test_a_tool_node_that_does_not_route_through_tether_is_refused() -> None:
+    graph = graph_of([], ToolNode([refund_tool(Shop())]))
+    with pytest.raises(tether.UserError, match="ToolNode 'tools' does not route through"):
+        as_tether_agent(graph)
+    with pytest.raises(tether.UserError, match="no tool named wire"):
+        as_tether_agent(graph_of([], tool_node([refund_tool(Shop())])),
+                        effects={"wire": tether.Effect.EXTERNAL})
+
+
+async def test_a_tool_calling_another_tool_unmediated_is_refused(sqlite_url: str) -> None:
+    ran: list[str] = []
+
+    @lc_tool
+    async def wire(to: str) -> str:
+        """Wire money."""
+        ran.append(to)
+        return "wired"
+
+    @lc_tool
+    async def pay(to: str) -> str:
+        """Pay someone (by wiring, behind tether's back)."""
+        return str(await wire.ainvoke({"to": to}))
+
+    graph = graph_of([calls(("pay", {"to": "bob"})), AIMessage(content="paid")],
+                     tool_node([pay]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph), "pay bob")
+        with pytest.raises(tether.DelegationError, match="without passing tether's gateway"):
+            await handle.result()
+    assert ran == []
+
+
+async def test_an_error_message_from_a_tool_that_ran_is_in_doubt_and_probed(
+        sqlite_url: str) -> None:
+    shop = Shop(fail=RuntimeError("reply lost"))
+    graph = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                      AIMessage(content="could not confirm")],
+                     tool_node([refund_tool(shop)], handle_tool_errors=True))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph, probes={"refund": shop.pay.lookup}),
+                                    "refund A")
+        assert await handle.result() == "could not confirm"  # the model heard of the error
+        report = await handle.report()
+    (action,) = report.actions
+    assert action.state is A.COMPLETED  # in doubt, then the provider's ledger settled it
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+
+
+async def test_arguments_the_tool_refuses_never_reach_the_gateway(sqlite_url: str) -> None:
+    shop = Shop()
+    graph = graph_of([calls(("refund", {"order_id": "A", "cents": "lots"})),
+                      AIMessage(content="bad call")], tool_node([refund_tool(shop)]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph), "refund A")
+        assert await handle.result() == "bad call"
+        report = await handle.report()
+    assert report.actions == () and shop.keys == []
+
+
+async def test_a_re_delegated_thread_resumes_and_replays_completed_refunds(
+        sqlite_url: str) -> None:
+    """A completes, B hangs, the child is terminated mid-node: the checkpoint is still before
+    the tools node. Re-delegating the task resumes the same thread: A's call replays its
+    journaled result (the provider is not asked again), B runs for the first time."""
+    shop = Shop()
+    hold = asyncio.Event()
+
+    @lc_tool
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        if order_id == "B" and not hold.is_set():
+            shop.started.set()
+            await asyncio.Event().wait()  # hangs until the child is terminated
+        return await shop.refund(order_id, cents, idempotency_key())
+
+    graph = graph_of([calls(("refund", {"order_id": "A", "cents": 500}),
+                            ("refund", {"order_id": "B", "cents": 500})),
+                      AIMessage(content="A and B refunded")],
+                     tool_node([refund]), checkpointer=InMemorySaver())
+    child = as_tether_agent(graph, probes={"refund": shop.pay.lookup},
+                            deadlines={"refund": 0.2})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B", task_id="thread-7")
+        await shop.started.wait()
+        async with asyncio.timeout(30):
+            while shop.pay.refund_count("A") == 0:
+                await sup.wake(0.01)
+        await first.terminate(reason="host going down")
+        hold.set()
+        second = await first.redelegate()
+        assert await second.result() == "A and B refunded"
+        report = await second.report()
+        events = await sup.journal.events([second.id])
+    assert shop.pay.refund_count("A") == 1 and shop.pay.refund_count("B") == 1
+    assert [a.args["order_id"] for a in report.actions if a.state is A.COMPLETED] == ["B"]
+    assert [e.kind for e in events].count("replay") == 1
+
+
+@pytest.mark.filterwarnings("ignore::langgraph.warnings.LangGraphDeprecatedSinceV10")
+async def test_a_prebuilt_react_agent_runs_through_the_gateway(sqlite_url: str) -> None:
+    from langgraph.prebuilt import create_react_agent
+
+    shop = Shop()
+    model = ScriptedChat(responses=[calls(("refund", {"order_id": "A", "cents": 500})),
+                                    AIMessage(content="refunded A")])
+    graph = create_react_agent(model, tools=tool_node([refund_tool(shop)]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph, probes={"refund": shop.pay.lookup}),
+                                    "refund A")
+        assert await handle.result() == "refunded A"
+        report = await handle.report()
+    assert [(a.tool, a.state) for a in report.actions] == [("refund", A.COMPLETED)]
+    assert shop.keys == [report.actions[0].idempotency_key]
+
+
+async def test_a_subgraph_node_is_a_nested_delegation_fenced_by_the_root(
+        sqlite_url: str) -> None:
+    shop = Shop(gate=asyncio.Event())
+    billing = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                        calls(("refund", {"order_id": "B", "cents": 500})),
+                        AIMessage(content="billing done")], tool_node([refund_tool(shop)]))
+    parent = StateGraph(MessagesState)
+    parent.add_node("billing", subgraph(billing, name="billing",
+                                        probes={"refund": shop.pay.lookup}))
+    parent.add_edge(START, "billing")
+    child = as_tether_agent(parent.compile(), name="desk")
+    async with tether.Supervisor(sqlite_url) as sup:
+        draining = asyncio.Event()
+        sup.listen(lambda event, about: draining.set() if event == "drain" else None)
+        handle = await sup.delegate(child, "refund A and B")
+        async with asyncio.timeout(30):
+            await shop.started.wait()
+        recall = asyncio.ensure_future(handle.recall(grace=30))
+        async with asyncio.timeout(30):
+            await draining.wait()
+        shop.gate.set()  # type: ignore[union-attr]
+        report = await recall
+    assert report.actions == ()
+    (sub,) = report.children
+    assert sub.agent == "billing"
+    assert [(a.args["order_id"], a.state) for a in sub.actions] == [("A", A.COMPLETED)]
+    assert shop.pay.refund_count("B") == 0 and shop.keys == [sub.actions[0].idempotency_key]
+
+
+async def test_a_subgraph_node_returns_its_messages_to_the_parent(sqlite_url: str) -> None:
+    shop = Shop()
+    billing = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                        AIMessage(content="billing done")], tool_node([refund_tool(shop)]))
+    parent = StateGraph(MessagesState)
+    parent.add_node("billing", subgraph(billing, name="billing"))
+    parent.add_edge(START, "billing")
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(parent.compile(), name="desk"), "refund A")
+        assert await handle.result() == "billing done"
+        report = await handle.report()
+    (sub,) = report.children
+    assert [(a.tool, a.state) for a in sub.actions] == [("refund", A.COMPLETED)]
