@@ -61,14 +61,21 @@ def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str
     return payload
 
 
-def _check_result(value: Any, agent: str) -> None:
+def _unstorable(value: Any, agent: str) -> UserError | None:
     """A result is kept only if the journal gives it back unchanged, so a task's result is
     the same wherever it ran (here, or in a worker whose result is read from the journal);
-    otherwise the child fails with a UserError (its actions are accounted for as always)."""
+    otherwise the child fails with this UserError (its actions are accounted for as always)."""
     try:
         values.check(value)
     except UserError as exc:
-        raise UserError(f"the result of {agent} cannot be stored: {exc}") from None
+        return UserError(f"the result of {agent} cannot be stored: {exc}")
+    return None
+
+
+def _check_result(value: Any, agent: str) -> None:
+    bad = _unstorable(value, agent)
+    if bad is not None:
+        raise bad
 
 
 class Supervisor:
@@ -416,10 +423,13 @@ class Supervisor:
                 raise
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
-            if cut.partial.usable:  # retrying would destroy what was salvaged
-                _check_result(cut.partial.to_json(), rt.agent.name)
-                ending = (DelegationState.SUCCEEDED_PARTIAL, cut.partial.to_json(), None,
-                          ending_of(cut)[1])
+            salvaged = cut.partial.to_json() if cut.partial.usable else None
+            bad = None if salvaged is None else _unstorable(salvaged, rt.agent.name)
+            if bad is not None:  # raised here, no other handler of this try would see it
+                ending = (DelegationState.FAILED, None, f"UserError: {bad}", ending_of(bad)[1])
+                outcome = (False, bad)
+            elif salvaged is not None:  # retrying would destroy what was salvaged
+                ending = (DelegationState.SUCCEEDED_PARTIAL, salvaged, None, ending_of(cut)[1])
                 outcome = (True, cut.partial)
             else:
                 ending = (DelegationState.FAILED, None, str(cut), ending_of(cut)[1])
