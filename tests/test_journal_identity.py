@@ -128,5 +128,5 @@ async def test_a_worker_whose_journal_is_deleted_stops_with_the_reason(
             proc.kill()
             await proc.wait()
     lines = [ln for ln in err.decode().splitlines() if ln.strip()]
-    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert proc.returncode == 3 and len(lines) == 1 and lines[0].startswith("error:"), lines
     assert "deleted" in lines[0]
