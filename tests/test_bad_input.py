@@ -356,3 +356,14 @@ async def test_a_model_that_is_not_a_name_is_a_user_error(sup: tether.Supervisor
         await sup.delegate(shop.refund_agent, "M-9", tools=shop.tools,
                            model=object())  # type: ignore[arg-type]
     assert await sup.journal.delegations() == []
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("postgresql://[bad/db", "not understood"),
+    ("sqlite:///journal.db?bogus=1", "unknown parameter 'bogus'"),
+    ("sqlite:///journal.db?schema=x", "unknown parameter 'schema'"),
+])
+def test_a_malformed_journal_url_is_one_error_line(url: str, says: str) -> None:
+    assert says in one_error_line(("ls", "--journal", url))
+    with pytest.raises(tether.UserError, match=says):
+        tether.Journal(url)
