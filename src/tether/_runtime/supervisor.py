@@ -78,6 +78,24 @@ def _check_result(value: Any, agent: str) -> None:
         raise bad
 
 
+def _check_arguments(journal: object, clock: object, keys: object, policy: object,
+                     redispatch: object, tools: object) -> None:
+    """A mistake in the constructor's arguments is a UserError naming the argument, not an
+    AttributeError from deep inside later."""
+    if not isinstance(journal, str | Journal):
+        raise UserError(f"journal must be a URL or a tether.Journal, not {type(journal).__name__}")
+    if clock is not None and not all(callable(getattr(clock, name, None))
+                                     for name in ("now", "wall", "sleep")):
+        raise UserError("clock must have now(), wall() and sleep() (tether.testing.VirtualClock, "
+                        f"say), not {type(clock).__name__}")
+    for name, value, kind in (("keys", keys, KeyRing), ("policy", policy, Policy),
+                              ("redispatch", redispatch, RedispatchPolicy)):
+        if value is not None and not isinstance(value, kind):
+            raise UserError(f"{name} must be a tether.{kind.__name__}, not {type(value).__name__}")
+    if isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
+        raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
+
+
 class Supervisor:
     """Holds the journal and the keys, and every child this process runs.
 
@@ -92,6 +110,7 @@ class Supervisor:
                  tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
                  handle_signals: bool = False) -> None:
+        _check_arguments(journal, clock, keys, policy, redispatch, tools)
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
