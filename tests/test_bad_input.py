@@ -356,3 +356,33 @@ async def test_a_model_that_is_not_a_name_is_a_user_error(sup: tether.Supervisor
         await sup.delegate(shop.refund_agent, "M-9", tools=shop.tools,
                            model=object())  # type: ignore[arg-type]
     assert await sup.journal.delegations() == []
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("postgresql://[bad/db", "not understood"),
+    ("sqlite:///journal.db?bogus=1", "unknown parameter 'bogus'"),
+    ("sqlite:///journal.db?schema=x", "unknown parameter 'schema'"),
+])
+def test_a_malformed_journal_url_is_one_error_line(url: str, says: str) -> None:
+    assert says in one_error_line(("ls", "--journal", url))
+    with pytest.raises(tether.UserError, match=says):
+        tether.Journal(url)
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"journal": 123}, "journal must be"),
+    ({"journal": None}, "journal must be"),
+    ({"clock": object()}, "clock must"),
+    ({"keys": "keys/"}, "keys must be a tether.KeyRing"),
+    ({"policy": {"max_grace": 5}}, "policy must be a tether.Policy"),
+    ({"redispatch": 1}, "redispatch must be"),
+    ({"tools": "refund"}, "tools must be a list"),
+    ({"tools": object()}, "tools must be a list"),
+], ids=["journal-int", "journal-none", "clock", "keys", "policy", "redispatch", "tools-str",
+        "tools-object"])
+def test_supervisor_arguments_of_the_wrong_kind_are_named(kwargs: dict[str, Any], says: str,
+                                                          tmp_path: Path) -> None:
+    kwargs = {"journal": f"sqlite:///{tmp_path / 'j.db'}", **kwargs}
+    with pytest.raises(tether.UserError, match=says):
+        tether.Supervisor(**kwargs)
+    assert not (tmp_path / "j.db").exists()

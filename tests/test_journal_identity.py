@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from tether.testing import PaymentService, VirtualClock
 
 from .conftest import Shop
 from .test_cli import tether_cli
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def file_of(sqlite_url: str) -> Path:
@@ -105,3 +108,25 @@ async def test_a_relative_journal_survives_a_change_of_directory(
         with pytest.raises(tether.JournalError, match="deleted"):
             await sup.journal.delegations()
         os.replace(tmp_path / "aside.db", tmp_path / "state" / "journal.db")
+
+
+async def test_a_worker_whose_journal_is_deleted_stops_with_the_reason(
+        sqlite_url: str, tmp_path: Path) -> None:
+    await make_journal(sqlite_url)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "worker", "--journal", sqlite_url, "--agents",
+        "tests.remote_agents:AGENTS", "--lease", "1", "--keys", str(tmp_path / "keys"),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    assert line.startswith("worker "), line
+    file_of(sqlite_url).unlink()
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 60)  # its next renewal fails
+    finally:
+        if proc.returncode is None:  # it went on writing to the deleted file
+            proc.kill()
+            await proc.wait()
+    lines = [ln for ln in err.decode().splitlines() if ln.strip()]
+    assert proc.returncode == 3 and len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert "deleted" in lines[0]

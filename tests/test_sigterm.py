@@ -19,8 +19,10 @@ CHILDREN = 5
 ORCHESTRATOR = """
 import asyncio, sys, tether
 
-@tether.tool
+@tether.tool(dispatch_deadline=600.0)
 async def pay(order: str, *, idempotency_key: str) -> str:
+    if order.startswith("hang"):  # a call that outlives the supervisor's patience on exit
+        await asyncio.Event().wait()
     return "paid " + order
 
 async def agent(ctx, order):
@@ -32,8 +34,10 @@ async def main(url, handle, children):
     async with tether.Supervisor(url, tools=[pay], **extra) as sup:
         for i in range(children):
             await sup.delegate(agent, f"o-{i}", tools=[pay])
+        if sys.argv[4:] == ["hang"]:
+            await sup.delegate(agent, "hang", tools=[pay])
         while len([a for d in await sup.journal.delegations()
-                   for a in (await sup.report(d.id)).actions]) < children:
+                   for a in (await sup.report(d.id)).actions]) < children + len(sys.argv[4:]):
             await asyncio.sleep(0.01)
         print("ready", flush=True)
         await asyncio.Event().wait()
@@ -42,13 +46,18 @@ asyncio.run(main(sys.argv[1], sys.argv[2] == "handle", int(sys.argv[3])))
 """
 
 
-async def run_and_sigterm(url: str, mode: str) -> tuple[int, str]:
+async def start(url: str, *args: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", ORCHESTRATOR, url, mode, str(CHILDREN), cwd=ROOT,
+        sys.executable, "-c", ORCHESTRATOR, url, *args, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
     assert line == b"ready\n", line + await proc.stderr.read()
+    return proc
+
+
+async def run_and_sigterm(url: str, mode: str) -> tuple[int, str]:
+    proc = await start(url, mode, str(CHILDREN))
     proc.send_signal(signal.SIGTERM)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
@@ -106,3 +115,21 @@ async def test_handle_signals_outside_the_main_thread_is_a_user_error(tmp_path: 
 
     with pytest.raises(tether.UserError, match="main thread"):
         await asyncio.to_thread(in_thread)
+
+
+async def test_a_second_sigterm_while_settling_ends_the_process(journal_url: str) -> None:
+    """The first SIGTERM starts the settling, which waits a bounded while (15 s by default)
+    for a call still running; a second one is not ignored: the process ends there and then,
+    and what it left is settled by the next supervisor, as after any crash."""
+    proc = await start(journal_url, "handle", "0", "hang")
+    proc.send_signal(signal.SIGTERM)
+    deadline = asyncio.get_running_loop().time() + 60
+    async with tether.Journal(journal_url, create=False) as journal:
+        while (await journal.delegations())[0].state is tether.DelegationState.RUNNING:
+            assert asyncio.get_running_loop().time() < deadline, "the first SIGTERM was lost"
+            await asyncio.sleep(0.02)  # polling another process's progress: real time
+    proc.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == -signal.SIGTERM
+    settled = await states(journal_url, recover=True)
+    assert len(settled) == 1 and settled[0].terminal, settled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -13,6 +14,7 @@ import pytest
 from psycopg import sql
 
 import tether
+from tether._journal import schema as journal_schema
 
 from .conftest import PG_URL, pg_unavailable
 
@@ -80,3 +82,36 @@ async def test_concurrent_first_starts_on_postgresql(fresh_schemas: list[str],
         url = f"{PG_URL}?schema={schema}&keys={tmp_path / 'keys'}"
         assert open_at_once(url) == [(0, "")] * PROCESSES
         await check_opens(url)
+
+
+def version_1_statements(dialect: str) -> list[str]:
+    return [journal_schema.ddl(s, dialect) for s in journal_schema.MIGRATIONS[1]]
+
+
+async def test_concurrent_migrations_on_sqlite(tmp_path: Path) -> None:
+    """Six processes opening a version 1 journal at once: one migrates, none fails."""
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path)
+    for statement in version_1_statements("sqlite"):
+        conn.execute(statement)
+    conn.executemany("INSERT INTO tether_meta VALUES (?, ?)",
+                     [("app", "tether"), ("schema_version", "1")])
+    conn.commit()
+    conn.close()
+    url = f"sqlite:///{path}"
+    assert open_at_once(url) == [(0, "")] * PROCESSES
+    await check_opens(url)
+
+
+async def test_concurrent_migrations_on_postgresql(fresh_schemas: list[str],
+                                                   tmp_path: Path) -> None:
+    name = fresh_schemas[0]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(name)))
+        for statement in version_1_statements("postgresql"):
+            conn.execute(statement)
+        conn.execute("INSERT INTO tether_meta VALUES ('app', 'tether'), ('schema_version', '1')")
+    url = f"{PG_URL}?schema={name}&keys={tmp_path / 'keys'}"
+    assert open_at_once(url) == [(0, "")] * PROCESSES
+    await check_opens(url)

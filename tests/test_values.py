@@ -221,3 +221,17 @@ def test_what_the_journal_gives_back_is_what_was_delegated(journal_url: str,
                                                            value: Any) -> None:
     """The same property through a real journal on each backend: arguments and result."""
     asyncio.run(_through_the_journal(journal_url, value))
+
+
+async def test_a_salvaged_partial_that_cannot_be_stored_fails_the_task(
+        journal_url: str) -> None:
+    async def cut(ctx: tether.Context) -> None:
+        raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE,
+                               tether.Partial(text="half", tool_results=({"ids": {1, 2}},)))
+
+    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
+        handle = await sup.delegate(cut, tools=[])
+        with pytest.raises(tether.DelegationError, match="cannot be stored"):
+            await asyncio.wait_for(handle.result(), 30)
+        row = await sup.journal.get(handle.id)
+        assert row.state is tether.DelegationState.FAILED and row.result is None

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
+SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 
 
 def sqlite_path(url: str) -> Path:
@@ -62,7 +63,10 @@ class Journal:
     def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
                  busy_timeout: float | None = None) -> None:
         self.url = url
-        query = parse_qs(urlparse(url).query)
+        try:
+            query = parse_qs(urlparse(url).query)
+        except ValueError as exc:  # e.g. an unclosed "[" in the host
+            raise UserError(f"journal URL {url!r} is not understood: {exc}") from None
         keys = query.get("keys", [None])[0]
         if url.startswith(("postgresql://", "postgres://")):
             try:
@@ -79,6 +83,10 @@ class Journal:
             self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
             self._shown = runner.shown
             return
+        unknown = sorted(set(query) - SQLITE_PARAMETERS)
+        if unknown:
+            raise UserError(f"unknown parameter {unknown[0]!r} in the journal URL {url!r}; "
+                            f"a SQLite journal takes {', '.join(sorted(SQLITE_PARAMETERS))}")
         if busy_timeout is None:
             try:
                 busy_timeout = float(query.get("busy_timeout", ["5"])[0])

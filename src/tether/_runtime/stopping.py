@@ -7,8 +7,9 @@ behaviour (the process ends at once) and the next supervisor to open the journal
 dead process's delegations when it starts (``Supervisor.recover``). With
 ``handle_signals=True``, SIGTERM cancels the task that entered the block; the supervisor's exit
 terminates its children as on any exit, then raises ``SystemExit(128 + SIGTERM)``: the exit
-status a shell reports for a process ended by SIGTERM, without a traceback. To stop on another
-signal, cancel that task from your own handler: the exit settles the children the same way.
+status a shell reports for a process ended by SIGTERM, without a traceback. A second SIGTERM
+meanwhile meets the handler that was there before (by default: the process ends). To stop on
+another signal, cancel that task from your own handler: the exit settles the children alike.
 """
 
 from __future__ import annotations
@@ -49,17 +50,23 @@ class Stopping:
                                 "supervisor's task from your own handler") from None
 
     def _received(self, signum: int) -> None:
+        # The previous handler is back at once: a second SIGTERM during the settling does what
+        # it did before (Python's default ends the process there and then).
+        self._restore()
         if self.signal is not None or self._task is None or self._task.done():
-            return
+            return  # a second one already queued when the first was handled
         self.signal = signum
         self._task.cancel(f"tether: signal {signum}")
 
-    def leave(self) -> int | None:
-        """Restore the signal handlers; the signal that ended the block, if one did."""
+    def _restore(self) -> None:
         if self._loop is not None:
             for sig, previous in self._previous.items():
                 self._loop.remove_signal_handler(sig)
                 signal.signal(sig, previous)
         self._previous.clear()
+
+    def leave(self) -> int | None:
+        """Restore the signal handlers; the signal that ended the block, if one did."""
+        self._restore()
         self._task = None
         return self.signal

@@ -62,14 +62,39 @@ def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str
     return payload
 
 
-def _check_result(value: Any, agent: str) -> None:
+def _unstorable(value: Any, agent: str) -> UserError | None:
     """A result is kept only if the journal gives it back unchanged, so a task's result is
     the same wherever it ran (here, or in a worker whose result is read from the journal);
-    otherwise the child fails with a UserError (its actions are accounted for as always)."""
+    otherwise the child fails with this UserError (its actions are accounted for as always)."""
     try:
         values.check(value)
     except UserError as exc:
-        raise UserError(f"the result of {agent} cannot be stored: {exc}") from None
+        return UserError(f"the result of {agent} cannot be stored: {exc}")
+    return None
+
+
+def _check_result(value: Any, agent: str) -> None:
+    bad = _unstorable(value, agent)
+    if bad is not None:
+        raise bad
+
+
+def _check_arguments(journal: object, clock: object, keys: object, policy: object,
+                     redispatch: object, tools: object) -> None:
+    """A mistake in the constructor's arguments is a UserError naming the argument, not an
+    AttributeError from deep inside later."""
+    if not isinstance(journal, str | Journal):
+        raise UserError(f"journal must be a URL or a tether.Journal, not {type(journal).__name__}")
+    if clock is not None and not all(callable(getattr(clock, name, None))
+                                     for name in ("now", "wall", "sleep")):
+        raise UserError("clock must have now(), wall() and sleep() (tether.testing.VirtualClock, "
+                        f"say), not {type(clock).__name__}")
+    for name, value, kind in (("keys", keys, KeyRing), ("policy", policy, Policy),
+                              ("redispatch", redispatch, RedispatchPolicy)):
+        if value is not None and not isinstance(value, kind):
+            raise UserError(f"{name} must be a tether.{kind.__name__}, not {type(value).__name__}")
+    if isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
+        raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
 
 
 class Supervisor:
@@ -86,6 +111,7 @@ class Supervisor:
                  tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
                  handle_signals: bool = False) -> None:
+        _check_arguments(journal, clock, keys, policy, redispatch, tools)
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -426,10 +452,13 @@ class Supervisor:
                 raise
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
-            if cut.partial.usable:  # retrying would destroy what was salvaged
-                _check_result(cut.partial.to_json(), rt.agent.name)
-                ending = (DelegationState.SUCCEEDED_PARTIAL, cut.partial.to_json(), None,
-                          ending_of(cut)[1])
+            salvaged = cut.partial.to_json() if cut.partial.usable else None
+            bad = None if salvaged is None else _unstorable(salvaged, rt.agent.name)
+            if bad is not None:  # raised here, no other handler of this try would see it
+                ending = (DelegationState.FAILED, None, f"UserError: {bad}", ending_of(bad)[1])
+                outcome = (False, bad)
+            elif salvaged is not None:  # retrying would destroy what was salvaged
+                ending = (DelegationState.SUCCEEDED_PARTIAL, salvaged, None, ending_of(cut)[1])
                 outcome = (True, cut.partial)
             else:
                 ending = (DelegationState.FAILED, None, str(cut), ending_of(cut)[1])
