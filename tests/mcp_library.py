@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+from mcp.server.elicitation import AcceptedElicitation
 from mcp.server.mcpserver import Context, MCPServer
 from mcp_types import (
     Completion,
@@ -37,7 +38,7 @@ def review(slug: str, tone: str = "kind") -> str:
     return f"Write a {tone} review of {slug}."
 
 
-@server.completion()
+@server.completion()  # type: ignore[no-untyped-call, untyped-decorator]
 async def complete(ref: PromptReference | ResourceTemplateReference, argument: object,
                    context: object) -> Completion:
     prefix = str(getattr(argument, "value", ""))
@@ -58,7 +59,7 @@ async def ask(ctx: Context) -> str:
     card = await ctx.elicit("your name?", Card)
     roots = await session.list_roots()
     said = sampled.content.text if isinstance(sampled.content, TextContent) else "?"
-    name = card.data.name if card.data is not None else card.action
+    name = card.data.name if isinstance(card, AcceptedElicitation) else card.action
     return f"{said}|{name}|{','.join(str(r.uri) for r in roots.roots)}"
 
 

@@ -35,7 +35,7 @@ class Client:
         return t.ElicitResult(action="accept", content={"name": "Ada"})
 
     async def roots(self, context: Any) -> Any:
-        return t.ListRootsResult(roots=[t.Root(uri="file:///tmp/shelf")])
+        return t.ListRootsResult(roots=[t.Root.model_validate({"uri": "file:///tmp/shelf"})])
 
     async def logging(self, params: t.LoggingMessageNotificationParams) -> None:
         self.logs.append(params.data)
