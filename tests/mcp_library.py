@@ -4,6 +4,7 @@ list_changed notification, and sampling, elicitation and roots asked of its clie
 
 from __future__ import annotations
 
+import os
 import warnings
 
 from mcp.server.elicitation import AcceptedElicitation
@@ -69,6 +70,12 @@ async def shout(words: str, ctx: Context) -> str:
     await ctx.info(f"shouting {words}")
     await ctx.request_context.session.send_tool_list_changed()
     return words.upper()
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def whereami() -> dict[str, object]:
+    """The server's working directory and the names in its environment."""
+    return {"cwd": os.getcwd(), "env": sorted(os.environ)}
 
 
 if __name__ == "__main__":

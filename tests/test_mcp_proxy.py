@@ -120,7 +120,7 @@ async def test_a_policy_for_an_unknown_server_is_refused(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(("text", "message"), [
     ("{not json", "is not JSON"),
-    ('["bank"]', "must map server names"),
+    ('["bank"]', "is not of type 'object'"),
     ('{"bank": {"effects": {"pay": "SOMETIMES"}}}', "'SOMETIMES' is not a valid Effect"),
     ('{"bank": {"trusted": true, "probes": {}}}', "takes only 'trusted' and 'effects'"),
 ])

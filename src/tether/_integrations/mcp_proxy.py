@@ -36,6 +36,7 @@ from tether._core.documents import ControlIntent
 from tether._core.errors import ControlSignal, TetherError, ToolRejected, UserError
 from tether._core.model import ActionState, ControlKind
 from tether._core.redispatch import UNRESTRICTED
+from tether._integrations.mcp_config import ProxyConfig
 from tether._integrations.mcp_gateway import (
     KEY_META,
     REJECTED_BEFORE_RUNNING,
@@ -176,17 +177,10 @@ class Proxy:
     """One client session: its upstream sessions, the tools they offer, and the delegation that
     journals the calls."""
 
-    def __init__(self, upstreams: Mapping[str, list[str]],
-                 policies: Mapping[str, ServerPolicy], name: str = "mcp-proxy") -> None:
-        unknown = sorted(set(policies) - set(upstreams))
-        if unknown:
-            raise UserError(f"the MCP policy names servers with no --upstream: "
-                            f"{', '.join(unknown)}")
-        if not upstreams:
-            raise UserError("give at least one --upstream NAME=COMMAND")
-        self.commands = dict(upstreams)
-        self.policies = {n: policies.get(n, ServerPolicy(n)) for n in upstreams}
-        self.name = name
+    def __init__(self, config: ProxyConfig) -> None:
+        self.specs = dict(config.upstreams)
+        self.policies = {n: config.policies.get(n, ServerPolicy(n)) for n in self.specs}
+        self.name = config.session
         self.upstreams: list[Upstream] = []
         self.exposed: dict[str, tuple[Tool, mcp_types.Tool, Upstream]] = {}
         self.ctx: Context | None = None
@@ -206,8 +200,8 @@ class Proxy:
                              elicitation_callback=relay.elicitation,
                              list_roots_callback=relay.roots, message_handler=relay.notification)
 
-    async def add_upstream(self, name: str, session: ClientSession, prefix: str = "") -> None:
-        up = Upstream(name, session, self.policies[name], prefix)
+    async def add_upstream(self, name: str, session: ClientSession) -> None:
+        up = Upstream(name, session, self.policies[name], self.specs[name].prefix)
         self.upstreams.append(up)
         if up.capabilities.tools is not None:
             await self._load_tools(up)
@@ -479,10 +473,3 @@ class Proxy:
     async def settle_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-
-
-async def serve(journal: str, upstreams: Mapping[str, list[str]],
-                policies: Mapping[str, ServerPolicy]) -> None:
-    from tether._integrations.mcp_serve import serve_stdio
-
-    await serve_stdio(journal, Proxy(upstreams, policies))
