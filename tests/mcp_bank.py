@@ -71,4 +71,7 @@ async def paid(account: str, ctx: Context) -> int:
 
 
 if __name__ == "__main__":
-    server.run()
+    if sys.argv[1:2] == ["--http"]:  # Streamable HTTP on 127.0.0.1:PORT/mcp
+        server.run(transport="streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run()

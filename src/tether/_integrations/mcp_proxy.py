@@ -28,7 +28,6 @@ from typing import Any
 from mcp import ClientSession
 from mcp import types as mcp_types
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
-from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.session import ServerSession
 from mcp.shared.exceptions import MCPError
 
@@ -253,43 +252,6 @@ class Proxy:
             return await call_next(ctx)
         finally:
             self._in_flight.pop(id(ctx), None)
-
-    def server(self) -> Server[Any]:
-        """The MCP server the client sees: the upstreams' capabilities, nothing more."""
-        caps = [up.capabilities for up in self.upstreams]
-        instructions = "\n\n".join(i for up in self.upstreams
-                                   if (i := up.session.instructions)) or None
-        names = ", ".join(up.name for up in self.upstreams)
-        server: Server[Any] = Server(f"tether-mcp-proxy ({names})", instructions=instructions)
-        server.middleware.append(self.track)
-        if any(c.tools is not None for c in caps):
-            server.add_request_handler("tools/list", RawParams, self.list_tools)
-            server.add_request_handler("tools/call", RawParams, self.call_tool)
-        passing = {
-            "resources": ("resources/list", "resources/templates/list", "resources/read"),
-            "prompts": ("prompts/list", "prompts/get"),
-            "completions": ("completion/complete",),
-            "logging": ("logging/setLevel",),
-        }
-        for capability, methods in passing.items():
-            if any(getattr(c, capability) is not None for c in caps):
-                for method in methods:
-                    server.add_request_handler(method, RawParams, self.pass_through)
-        if any(c.resources is not None and c.resources.subscribe for c in caps):
-            for method in ("resources/subscribe", "resources/unsubscribe"):
-                server.add_request_handler(method, RawParams, self.pass_through)
-        server.add_notification_handler("notifications/roots/list_changed",
-                                        mcp_types.NotificationParams, self.roots_changed)
-        return server
-
-    def notification_options(self) -> NotificationOptions:
-        caps = [up.capabilities for up in self.upstreams]
-        return NotificationOptions(
-            prompts_changed=any(c.prompts is not None and bool(c.prompts.list_changed)
-                                for c in caps),
-            resources_changed=any(c.resources is not None and bool(c.resources.list_changed)
-                                  for c in caps),
-            tools_changed=any(c.tools is not None and bool(c.tools.list_changed) for c in caps))
 
     # -- everything but tools/call: passed through -----------------------------------------------
     def _route(self, method: str, params: Mapping[str, Any]) -> list[Upstream]:
