@@ -325,9 +325,13 @@ class Proxy:
     async def call_tool(self, ctx: ServerRequestContext[Any], _: RawParams) -> dict[str, Any]:
         answer = await self._call(ctx)
         # The client acts on what it is told, so the journal holds the call's outcome before
-        # the client hears it: what a client saw paid is never left for a probe to find.
-        assert self.sup is not None
-        await self.sup.journal.flush()
+        # the client hears it: what a client saw paid is never left for a probe to find. (A
+        # read-only call has no outcome to hold.)
+        name = (ctx.params or {}).get("name")
+        found = self.exposed.get(name) if isinstance(name, str) else None
+        if found is None or found[0].effect.journaled:
+            assert self.sup is not None
+            await self.sup.journal.flush()
         return answer
 
     async def _call(self, request: ServerRequestContext[Any]) -> dict[str, Any]:
