@@ -23,6 +23,7 @@ from typing import Any
 
 from mcp import types as mcp_types
 from mcp.server.context import ServerRequestContext
+from mcp.server.session import ServerSession
 from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
@@ -57,6 +58,7 @@ def parse_listen(spec: str) -> tuple[str, int]:
 
 @dataclass(eq=False)
 class _Session:
+    client: ServerSession
     ready: asyncio.Future[Proxy] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -79,13 +81,14 @@ class HttpSessions:
         if found is None:
             if not start or ctx.method == "initialize":
                 return None
-            found = self.sessions[key] = _Session()
+            found = self.sessions[key] = _Session(ctx.session)
             found.task = asyncio.ensure_future(self._run(found))
             connection.exit_stack.push_async_callback(self._ended, key)
         return await asyncio.shield(found.ready)
 
     async def _run(self, session: _Session) -> None:
         proxy = Proxy(self.config)
+        proxy.client = session.client  # known before the upstreams connect (and ask for roots)
         try:
             async with AsyncExitStack() as stack:
                 await connect_upstreams(proxy, stack)

@@ -117,6 +117,7 @@ class _Call:
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
+ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
 
 
 def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
@@ -187,10 +188,11 @@ class Proxy:
         self.closed = asyncio.Event()  # the client ended its session
         self.ready = asyncio.Event()  # the delegation's body runs: calls may pass
         self.relay = ClientRelay(self._client, self._refresh_tools)
-        self._client_session: ServerSession | None = None
+        self.client: ServerSession | None = None  # the client's session, once it is known
         self._in_flight: dict[int, ServerRequestContext[Any]] = {}
         self._ordinals: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
+        self._roots: asyncio.Future[Any] | None = None
 
     # -- upstreams ------------------------------------------------------------------------------
     def session_for(self, read: Any, write: Any) -> ClientSession:
@@ -238,15 +240,21 @@ class Proxy:
         if self._in_flight:
             request = list(self._in_flight.values())[-1]
             return request.session, request.request_id
-        if self._client_session is not None:
-            return self._client_session, None
+        if self.client is not None:
+            return self.client, None
         return None
 
     async def track(self, ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
         """Middleware: remembers the client's session and its requests in flight."""
-        self._client_session = ctx.session
+        self.client = ctx.session
+        if ctx.method == "initialize":
+            self._expect_roots(ctx.params or {})
         if ctx.request_id is None or ctx.method == "initialize":
             return await call_next(ctx)
+        if self._roots is not None and not self._roots.done():
+            # Upstreams that asked for roots before this client came ask again now: their
+            # answers come first, so that the client's first call sees them in effect.
+            await asyncio.wait({self._roots}, timeout=ROOTS_WAIT)
         self._in_flight[id(ctx)] = ctx
         try:
             return await call_next(ctx)
@@ -309,6 +317,24 @@ class Proxy:
                             __: mcp_types.NotificationParams) -> None:
         for up in self.upstreams:
             await up.session.send_notification(mcp_types.RootsListChangedNotification())
+
+    def _expect_roots(self, params: Mapping[str, Any]) -> None:
+        caps = params.get("capabilities")
+        refused = self.relay.roots_refused
+        if not refused or not isinstance(caps, dict) or caps.get("roots") is None:
+            return
+        events = {up: asyncio.Event() for up in refused}
+        self.relay.roots_answered.update(events)
+        self._roots = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in events.values())))
+
+    async def client_initialized(self, ctx: ServerRequestContext[Any],
+                                 params: mcp_types.NotificationParams) -> None:
+        """The upstreams were connected before the client: one that asked for roots then was
+        told no client is connected. Now that a client with roots is here, they ask again."""
+        self.client = ctx.session
+        refused, self.relay.roots_refused = self.relay.roots_refused, set()
+        for session in refused:
+            await session.send_notification(mcp_types.RootsListChangedNotification())
 
     # -- tools ----------------------------------------------------------------------------------
     async def session_agent(self, ctx: Context) -> None:

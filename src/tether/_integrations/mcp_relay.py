@@ -10,6 +10,7 @@ Progress notifications ride every forwarded request, in the direction the protoc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -87,6 +88,10 @@ class ClientRelay:
                  on_tools_changed: Callable[[], Awaitable[None]] | None = None) -> None:
         self._client = client
         self._on_tools_changed = on_tools_changed
+        # Upstreams that asked for roots before a client was there, and, once a client with
+        # roots is, the event each sets when its roots request was answered.
+        self.roots_refused: set[ClientSession] = set()
+        self.roots_answered: dict[ClientSession, asyncio.Event] = {}
 
     def _target(self, what: str) -> tuple[ServerSession, Any]:
         found = self._client()
@@ -117,7 +122,13 @@ class ClientRelay:
                                mcp_types.ElicitResult)
 
     async def roots(self, context: ClientRequestContext) -> Any:
-        return await self._ask("roots", mcp_types.ListRootsRequest(), mcp_types.ListRootsResult)
+        if self._client() is None:
+            self.roots_refused.add(context.session)
+        answer = await self._ask("roots", mcp_types.ListRootsRequest(),
+                                 mcp_types.ListRootsResult)
+        if (event := self.roots_answered.get(context.session)) is not None:
+            event.set()
+        return answer
 
     async def notification(self, message: IncomingMessage) -> None:
         if isinstance(message, Exception):

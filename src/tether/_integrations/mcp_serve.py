@@ -99,6 +99,12 @@ def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
         if proxy is not None:
             await proxy.roots_changed(ctx, params)
 
+    async def initialized(ctx: ServerRequestContext[Any],
+                          params: mcp_types.NotificationParams) -> None:
+        proxy = await resolve(ctx, False)
+        if proxy is not None:
+            await proxy.client_initialized(ctx, params)
+
     server.middleware.append(track)
     if any(c.tools is not None for c in caps):
         server.add_request_handler("tools/list", RawParams, list_tools)
@@ -118,6 +124,8 @@ def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
             server.add_request_handler(method, RawParams, pass_through)
     server.add_notification_handler("notifications/roots/list_changed",
                                     mcp_types.NotificationParams, roots_changed)
+    server.add_notification_handler("notifications/initialized",
+                                    mcp_types.NotificationParams, initialized)
     return server
 
 
