@@ -110,6 +110,7 @@ class _Call:
     """One client ``tools/call`` on its way: what the tool function forwards, and its task."""
 
     request: ServerRequestContext[Any]
+    params: dict[str, Any]  # the client's own (fields this proxy does not know included)
     meta: dict[str, Any]
     wants_progress: bool
     task: asyncio.Task[Any] | None = None
@@ -131,7 +132,9 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
         meta = dict(mine.meta) if mine is not None else {}
         if idempotency_key:
             meta[KEY_META] = idempotency_key
-        params: dict[str, Any] = {"name": name, "arguments": arguments}
+        params: dict[str, Any] = {**(mine.params if mine is not None else {}),
+                                  "name": name, "arguments": arguments}
+        params.pop("_meta", None)
         if meta:
             params["_meta"] = meta
         if mine is not None:
@@ -380,7 +383,9 @@ class Proxy:
         if not isinstance(key, str) or not key:
             key = self._next_key(tool)
         assert self.ctx is not None and self.sup is not None
-        call = _Call(request, meta, wants)
+        # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
+        forwarded = {k: v for k, v in (out or {}).items() if k not in ("task", "_meta")}
+        call = _Call(request, forwarded, meta, wants)
         _CALL.set(call)  # copied into the action's task with this context
         try:
             result = await self.ctx.call(tool, idempotency_key=key, **arguments)
