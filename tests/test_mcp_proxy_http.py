@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -31,13 +30,6 @@ KEY = "io.tether/idempotency-key"
 def key_meta(key: str) -> Any:
     """A request's ``_meta`` carrying tether's idempotency key."""
     return {KEY: key}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @asynccontextmanager
@@ -69,11 +61,13 @@ async def serving(*args: str, ready: str) -> AsyncIterator[list[str]]:
 
 @asynccontextmanager
 async def proxy_http(journal: str) -> AsyncIterator[str]:
-    port = free_port()
+    """The proxy on a port the system picks (it says which once it listens)."""
     async with serving(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
-                       "--http", f"127.0.0.1:{port}", "--upstream",
-                       f"bank={sys.executable} -m tests.mcp_bank", ready="serving MCP at"):
-        yield f"http://127.0.0.1:{port}/mcp"
+                       "--http", "127.0.0.1:0", "--upstream",
+                       f"bank={sys.executable} -m tests.mcp_bank",
+                       ready="serving MCP at") as lines:
+        said = next(line for line in lines if "serving MCP at" in line)
+        yield said.split("serving MCP at ")[1].split()[0]
 
 
 @asynccontextmanager
@@ -138,16 +132,17 @@ async def test_a_call_cancelled_over_http_is_cancelled_upstream_and_reconciled(
 
 
 async def test_an_upstream_reached_by_url(bank_env: Path, tmp_path: Path) -> None:
-    port = free_port()
     config = tmp_path / "mcp.json"
-    config.write_text(json.dumps({"mcpServers": {
-        "bank": {"url": f"http://127.0.0.1:{port}/mcp", "effects": {"pay": "EXTERNAL"}}}}))
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
-    async with serving(sys.executable, "-m", "tests.mcp_bank", "--http", str(port),
-                       ready="Uvicorn running"), \
-            connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
-                    "--journal", journal) as session:
-        result = await session.call_tool("pay", {"account": "U-1", "cents": 8})
+    async with serving(sys.executable, "-m", "tests.mcp_bank", "--http", "0",
+                       ready="Uvicorn running") as lines:
+        said = next(line for line in lines if "Uvicorn running on " in line)
+        base = said.split("Uvicorn running on ")[1].split()[0]
+        config.write_text(json.dumps({"mcpServers": {
+            "bank": {"url": f"{base}/mcp", "effects": {"pay": "EXTERNAL"}}}}))
+        async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config",
+                           str(config), "--journal", journal) as session:
+            result = await session.call_tool("pay", {"account": "U-1", "cents": 8})
     assert text(result) == "paid 8 to U-1"
     (report,) = await reports(journal)
     (action,) = report.actions
@@ -161,3 +156,20 @@ async def test_http_listen_mistakes_are_one_line(tmp_path: Path) -> None:
         code, _, err = await cli("mcp-proxy", "--http", spec, "--upstream", "x=y",
                                  "--journal", f"sqlite:///{tmp_path / 'j.db'}")
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+async def test_2026_clients_share_one_session_over_http(bank_env: Path, tmp_path: Path) -> None:
+    """The 2026-07-28 protocol has no sessions: its requests share one client session of the
+    proxy (one delegation, one set of upstream connections), not one per request."""
+    from mcp import Client
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, Client(url) as client:
+        version = client.protocol_version
+        for cents in (1, 2, 3):
+            result = await client.call_tool("pay", {"account": "M-1", "cents": cents})
+            assert not result.is_error, text(result)
+    assert version == "2026-07-28"
+    (report,) = await reports(journal)
+    assert [a.state for a in report.actions] == [A.COMPLETED] * 3
+    assert [c for _, c in paid(bank_env, "M-1")] == [1, 2, 3]

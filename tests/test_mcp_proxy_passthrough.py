@@ -26,6 +26,7 @@ class Client:
 
     logs: list[Any] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    logged: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def sampling(self, context: Any, params: t.CreateMessageRequestParams) -> Any:
         return t.CreateMessageResult(role="assistant", model="test-model",
@@ -39,6 +40,7 @@ class Client:
 
     async def logging(self, params: t.LoggingMessageNotificationParams) -> None:
         self.logs.append(params.data)
+        self.logged.set()
 
     async def message(self, message: Any) -> None:
         if isinstance(message, t.ToolListChangedNotification):
@@ -80,7 +82,10 @@ async def everything_seen(session: ClientSession, client: Client) -> dict[str, A
     seen["ask"] = text(await session.call_tool("ask", {}))
     seen["shout"] = text(await session.call_tool("shout", {"words": "hi"}))
     await asyncio.wait_for(client.changed.wait(), 30)
-    seen["logs"] = client.logs
+    await asyncio.wait_for(client.logged.wait(), 30)
+    seen["logs"] = list(client.logs)
+    # The tools list changed (the proxy listed them again): the tools still work.
+    seen["again"] = text(await session.call_tool("shout", {"words": "again"}))
     return seen
 
 
@@ -96,7 +101,7 @@ async def test_the_whole_protocol_passes_through_the_proxy(tmp_path: Path) -> No
     assert got["ask"] == "hello|Ada|file:///tmp/shelf"  # the real client answered
     assert got["logs"] == ["shouting hi"] and got["completion"].values == ["dune"]
     # Reads of resources and prompts are not actions; the tool calls are.
-    assert [a.tool for a in report.actions] == ["library.ask", "library.shout"]
+    assert [a.tool for a in report.actions] == ["library.ask", "library.shout", "library.shout"]
 
 
 EVERYTHING = ROOT / ".ci" / "node" / "node_modules" / ".bin" / "mcp-server-everything"
@@ -155,3 +160,26 @@ async def test_the_everything_server_through_the_proxy(tmp_path: Path) -> None:
         await asyncio.wait_for(updated.wait(), 30)  # the server's update reached the client
     assert got == expected
     assert len(got["progress"][1]) == 3  # every progress notification reached the client
+
+
+async def test_a_2026_client_through_the_stdio_proxy(tmp_path: Path) -> None:
+    """`mcp.Client` negotiates the 2026-07-28 protocol with the proxy while the upstream speaks
+    the handshake era: each hop has its own envelope, results get the fields the newer era
+    requires."""
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    params = StdioServerParameters(command=sys.executable, env={"PYTHONPATH": str(ROOT)},
+                                   args=["-m", "tether", "mcp-proxy", "--journal", journal,
+                                         "--upstream", f"library={' '.join(LIBRARY)}"])
+    async with Client(params) as client:
+        version = client.protocol_version
+        first = await client.call_tool("shout", {"words": "hey"})
+        second = await client.call_tool("shout", {"words": "again"})
+        resources = await client.list_resources()
+        report = await session_delegation(journal)
+    assert version == "2026-07-28"
+    assert (text(first), text(second)) == ("HEY", "AGAIN")
+    assert [r.uri for r in resources.resources] == ["library://catalog"]
+    assert [a.tool for a in report.actions] == ["library.shout", "library.shout"]

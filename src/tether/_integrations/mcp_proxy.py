@@ -215,6 +215,9 @@ class Proxy:
         fresh: dict[str, tuple[Tool, mcp_types.Tool]] = {}
         for tool, spec in found:
             shown = spec.model_copy(update={"name": up.prefix + spec.name})
+            known = up.tools.get(shown.name)
+            if known is not None and known[0].effect is tool.effect:
+                tool = known[0]  # the delegation's surface granted this very object
             other = self.exposed.get(shown.name)
             if other is not None and other[2] is not up:
                 raise UserError(

@@ -24,6 +24,8 @@ from mcp.shared.exceptions import MCPError
 from mcp.shared.message import ServerMessageMetadata
 from pydantic import ConfigDict
 
+RESERVED = "io.modelcontextprotocol/"
+
 
 class RawParams(mcp_types.RequestParams):
     """Any request's params, kept whole: the proxy forwards what the client sent."""
@@ -44,10 +46,13 @@ class RawResult(mcp_types.Result):
 def outgoing(params: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, bool]:
     """The client's params as sent upstream, and whether the client asked for progress. Its
     progress token is the client's; the upstream session uses its own and the proxy relays."""
+    # (A 2026-07-28 client's progress token rides the same key.)
     if params is None:
         return None, False
     out = dict(params)
-    meta = dict(out.get("_meta") or {})
+    # The reserved keys (the 2026-07-28 envelope: protocol version, client info and
+    # capabilities, log level) belong to one hop: the upstream session stamps its own.
+    meta = {k: v for k, v in (out.get("_meta") or {}).items() if not k.startswith(RESERVED)}
     wants = meta.pop("progressToken", None) is not None
     if meta:
         out["_meta"] = meta

@@ -16,6 +16,8 @@ from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
+from mcp_types.methods import CACHEABLE_METHODS
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from tether._core.errors import TetherError, UserError
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
@@ -60,6 +62,19 @@ class ProxyServer(Server[Any]):
             notification_options or self.notes, experimental_capabilities, extensions)
 
 
+def for_client(ctx: ServerRequestContext[Any], result: dict[str, Any]) -> dict[str, Any]:
+    """An upstream's result in the client's protocol era: a 2026-07-28 client requires the
+    ``resultType`` and, for cacheable methods, the caching fields that an older upstream does
+    not send (the SDK's own defaults: immediately stale, private). An older client ignores
+    them."""
+    if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        return result
+    filled: dict[str, Any] = {"resultType": "complete"}
+    if ctx.method in CACHEABLE_METHODS:
+        filled.update({"ttlMs": 0, "cacheScope": "private"})
+    return {**filled, **result}
+
+
 def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
     """The MCP server the client sees: the upstreams' capabilities (as ``template``'s upstreams
     declare them), each request handled by the proxy of its client session."""
@@ -85,13 +100,13 @@ def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
         return proxy
 
     async def list_tools(ctx: ServerRequestContext[Any], params: RawParams) -> Any:
-        return await (await session_of(ctx)).list_tools(ctx, params)
+        return for_client(ctx, await (await session_of(ctx)).list_tools(ctx, params))
 
     async def call_tool(ctx: ServerRequestContext[Any], params: RawParams) -> Any:
-        return await (await session_of(ctx)).call_tool(ctx, params)
+        return for_client(ctx, await (await session_of(ctx)).call_tool(ctx, params))
 
     async def pass_through(ctx: ServerRequestContext[Any], params: RawParams) -> Any:
-        return await (await session_of(ctx)).pass_through(ctx, params)
+        return for_client(ctx, await (await session_of(ctx)).pass_through(ctx, params))
 
     async def roots_changed(ctx: ServerRequestContext[Any],
                             params: mcp_types.NotificationParams) -> None:
