@@ -173,3 +173,24 @@ async def test_2026_clients_share_one_session_over_http(bank_env: Path, tmp_path
     (report,) = await reports(journal)
     assert [a.state for a in report.actions] == [A.COMPLETED] * 3
     assert [c for _, c in paid(bank_env, "M-1")] == [1, 2, 3]
+
+
+async def test_a_2026_client_that_drops_its_request_cancels_the_call(
+        bank_env: Path, tmp_path: Path) -> None:
+    """On the 2026-07-28 wire a client cancels by closing the request's stream: the proxy
+    takes the disconnect as a cancellation, sends it upstream, and reconciles the call."""
+    from mcp import Client
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, Client(url) as client:
+        started = await listen_gate("started")
+        cancelled = await listen_gate("cancelled")
+        call = asyncio.ensure_future(client.call_tool("pay", {"account": "hold-8", "cents": 8}))
+        await started
+        call.cancel()  # the SDK aborts the request's POST: no notification on this wire
+        assert await asyncio.wait_for(cancelled, 30) == "hold-8"
+        found = await until(journal, lambda rs: rs and rs[0].actions
+                            and rs[0].actions[0].evidence is not None)
+    (action,) = found[0].actions
+    assert action.state in (A.UNKNOWN, A.IN_DOUBT)  # never COMPLETED: it was cancelled
+    assert paid(bank_env, "hold-8") == []
