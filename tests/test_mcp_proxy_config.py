@@ -89,10 +89,13 @@ async def test_the_default_journal_is_per_user_not_per_directory(
     elsewhere.mkdir()
     config = write(tmp_path, {"mcpServers": {"bank": bank_entry()}})
     async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
-                       cwd=elsewhere, env={"XDG_STATE_HOME": str(state)}) as session:
+                       "--session", "agent-7", cwd=elsewhere,
+                       env={"XDG_STATE_HOME": str(state)}) as session:
         await session.call_tool("pay", {"account": "A-1", "cents": 1})
     assert (state / "tether" / "journal.db").exists()
     assert not (elsewhere / ".tether").exists()
+    report = await delegation(f"sqlite:///{state / 'tether' / 'journal.db'}")
+    assert report.agent == "agent-7"  # --session names it in `tether ls`
 
 
 async def probed(journal: str, tool: str) -> tether.ActionRecord:
