@@ -331,6 +331,29 @@ def target(name: str, value: float | None, goal: float, unit: str, kind: str,
             "direction": "at most" if kind == "max" else "at least", "met": met, "note": note}
 
 
+def mcp_proxy_figures(directory: Path, n: int) -> dict[str, Any] | None:
+    """``tether mcp-proxy`` against a direct call (bench/mcp_overhead.py); None without mcp."""
+    try:
+        from mcp_overhead import proxy_overhead
+    except ModuleNotFoundError:
+        return None
+    return asyncio.run(proxy_overhead(directory, n))
+
+
+def mcp_target(proxied: dict[str, Any] | None, commit: float) -> dict[str, Any]:
+    """The proxy's own cost of a journaled call beyond one durable commit, p50 (goal: 1 ms)."""
+    if proxied is None:
+        return target("MCP proxy: journaled call over a direct one, minus one commit (p50)",
+                      None, 1.0, "ms", "max", "mcp not installed: pip install -e '.[mcp]'")
+    direct, journaled = proxied["direct"]["p50"], proxied["journaled"]["p50"]
+    return target(
+        "MCP proxy: journaled call over a direct one, minus one commit (p50)",
+        (journaled - direct - commit) * 1000, 1.0, "ms", "max",
+        f"{proxied['direct']['n']} echo calls: direct {direct * 1000:.2f} ms, journaled "
+        f"{journaled * 1000:.2f} ms (p95 {proxied['journaled']['p95'] * 1000:.2f}), read-only "
+        f"{proxied['read_only']['p50'] * 1000:.2f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller runs, under a minute")
@@ -367,6 +390,7 @@ def main() -> int:
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
         sims = [sim_throughput(1000 if q else 5000) for _ in range(1 if q else 3)]
+        proxied = mcp_proxy_figures(d, 50 if q else 200)
     figures["commit_s"] = stats(commit)
     figures["row_in_100_commit_s"] = stats(row100)
     figures["tether_action_s"] = stats(seq)
@@ -390,6 +414,8 @@ def main() -> int:
     figures["idle_child_bytes"] = memory
     figures["dbos"] = dbos
     figures["sim_trials_per_minute"] = stats(sims)
+    if proxied is not None:
+        figures["mcp_proxy_call_s"] = proxied
     c_med = figures["commit_s"]["median"]
     per_action = figures["tether_action_s"]["median"]
     conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
@@ -425,6 +451,7 @@ def main() -> int:
                figures["pg_worker_recall_s"]["p99"] * 1000 if pg_recall else None, 20.0, "ms",
                "max", f"`tether worker` process, {len(pg_recall)} recalls" if pg_recall
                else f"no server at {PG}"),
+        mcp_target(proxied, c_med),
         target("sim_throughput: `tether sim` trials per minute",
                figures["sim_trials_per_minute"]["median"], 10_000, "trials/min", "min",
                "every fault, one process"),

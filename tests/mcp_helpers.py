@@ -20,12 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @asynccontextmanager
-async def connect(command: str, *args: str, cwd: Path = ROOT) -> AsyncIterator[ClientSession]:
+async def connect(command: str, *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
+                  **callbacks: Any) -> AsyncIterator[ClientSession]:
+    """``callbacks``: the ClientSession's (sampling_callback, message_handler, ...); ``env``:
+    more environment for the server."""
     # The SDK passes a server only a safe subset of the environment: name what it needs.
-    env = {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
+    mine = {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
     params = StdioServerParameters(command=command, args=list(args), cwd=cwd,
-                                   env={**env, "PYTHONPATH": str(ROOT)})
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+                                   env={**mine, "PYTHONPATH": str(ROOT), **(env or {})})
+    async with stdio_client(params) as (read, write), ClientSession(
+            read, write, **callbacks) as session:
         await session.initialize()
         yield session
 

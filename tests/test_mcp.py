@@ -26,7 +26,8 @@ E = tether.Effect
 async def test_an_untrusted_servers_tools_are_external(bank_env: Path) -> None:
     async with bank() as session:
         tools = {t.name: t.effect for t in await mcp_tools(session, "bank")}
-    assert tools == {"bank.balance": E.EXTERNAL, "bank.pay": E.EXTERNAL}  # fail closed
+    # fail closed
+    assert tools == {"bank.balance": E.EXTERNAL, "bank.pay": E.EXTERNAL, "bank.paid": E.EXTERNAL}
 
 
 async def test_a_trusted_servers_annotations_are_used_unless_policy_says_otherwise(
@@ -36,8 +37,10 @@ async def test_a_trusted_servers_annotations_are_used_unless_policy_says_otherwi
             session, ServerPolicy("bank", trusted=True))}
         overridden = {t.name: t.effect for t in await mcp_tools(
             session, ServerPolicy("bank", trusted=True, effects={"pay": E.EXTERNAL}))}
-    assert trusted == {"bank.balance": E.READ_ONLY, "bank.pay": E.IDEMPOTENT}
-    assert overridden == {"bank.balance": E.READ_ONLY, "bank.pay": E.EXTERNAL}
+    assert trusted == {"bank.balance": E.READ_ONLY, "bank.pay": E.IDEMPOTENT,
+                       "bank.paid": E.READ_ONLY}
+    assert overridden == {"bank.balance": E.READ_ONLY, "bank.pay": E.EXTERNAL,
+                          "bank.paid": E.READ_ONLY}
 
 
 async def test_a_policy_naming_a_tool_the_server_lacks_is_refused(bank_env: Path) -> None:

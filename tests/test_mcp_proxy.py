@@ -62,14 +62,16 @@ async def test_an_operator_recalls_a_proxy_session_from_another_shell(
         await started
         delegation = (await session_delegation(journal_url)).delegation_id
         code, _, err = await cli("recall", delegation, "--grace", "30", "--no-wait",
-                                 "--journal", journal_url)
+                                 "--reason", "re-plan", "--journal", journal_url)
         assert code == 0, err
         refused = await session.call_tool("pay", {"account": "B-2", "cents": 3})
         open_gate("release")  # the call in flight finishes inside the grace window
         finished = await call
         code, out, err = await cli("show", delegation, "--json", "--journal", journal_url)
     assert not finished.is_error
-    assert refused.is_error and "stopped" in text(refused)
+    # Who stopped the session and why, from the journal's record of the signed intent.
+    assert refused.is_error and "recalled by cli:" in text(refused), text(refused)
+    assert "re-plan" in text(refused) and "not made" in text(refused)
     shown = json.loads(out)
     assert [a["state"] for a in shown["actions"]] == ["COMPLETED"]
     assert paid(bank_env, "B-2") == []
@@ -118,7 +120,7 @@ async def test_a_policy_for_an_unknown_server_is_refused(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(("text", "message"), [
     ("{not json", "is not JSON"),
-    ('["bank"]', "must map server names"),
+    ('["bank"]', "is not of type 'object'"),
     ('{"bank": {"effects": {"pay": "SOMETIMES"}}}', "'SOMETIMES' is not a valid Effect"),
     ('{"bank": {"trusted": true, "probes": {}}}', "takes only 'trusted' and 'effects'"),
 ])

@@ -342,29 +342,6 @@ def worker(
         raise typer.Exit(3) from None
 
 
-@app.command("mcp-proxy")
-@cli_errors
-def mcp_proxy(
-    upstream: Annotated[list[str], typer.Option(
-        "--upstream", help="NAME=COMMAND of an upstream stdio MCP server (repeatable).")],
-    policy: Annotated[Path | None, typer.Option(
-        "--policy", help="JSON: {server: {trusted: bool, effects: {tool: EFFECT}}}.")] = None,
-    journal: JournalOpt = DEFAULT_URL,
-) -> None:
-    """Serve the upstream servers' tools over stdio, each call journaled and fenced; stop a
-    session with `tether recall` / `tether terminate` (its delegation id is on stderr)."""
-    try:
-        from tether._integrations.mcp_gateway import load_policies
-        from tether._integrations.mcp_proxy import parse_upstream, serve
-    except ModuleNotFoundError as exc:
-        raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'") \
-            from exc
-    servers = dict(parse_upstream(spec) for spec in upstream)
-    if len(servers) != len(upstream):
-        raise UserError("two --upstream options share a name")
-    run(serve(journal, servers, load_policies(policy) if policy else {}))
-
-
 @app.command()
 @cli_errors
 def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
@@ -502,6 +479,15 @@ def _register_sim() -> None:
 
 
 _register_sim()
+
+
+def _register_mcp() -> None:
+    from tether._cli.mcp import mcp_proxy
+
+    app.command("mcp-proxy")(cli_errors(mcp_proxy))
+
+
+_register_mcp()
 
 
 def main() -> None:

@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mcp import ClientSession
 from mcp import types as mcp_types
+from mcp.shared.exceptions import MCPError
 
-from tether._core.errors import UserError
+from tether._core.errors import ToolRejected, UserError
 from tether._core.model import Effect
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
-from tether._runtime.tools import ProbeFn, Tool
+from tether._runtime.tools import ProbeFn, Tool, ToolFn
 
 KEY_META = "io.tether/idempotency-key"
+# JSON-RPC errors by which a server refuses a request before running anything: the call did
+# not apply, with certainty (FAILED, never a false alarm in doubt).
+REJECTED_BEFORE_RUNNING = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
@@ -100,13 +104,19 @@ def result_of(name: str, res: mcp_types.CallToolResult) -> Any:
     return [c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in res.content]
 
 
-def _caller(session: ClientSession, name: str, raw: bool) -> Any:
+def _caller(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
+    name = spec.name
+
     async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
         meta: dict[str, Any] = {KEY_META: idempotency_key} if idempotency_key else {}
-        res = await session.call_tool(name, arguments, meta=meta or None)  # type: ignore[arg-type]
-        value = result_of(name, res)  # raises for an error result, in either mode
-        # The proxy hands the upstream's whole result back to its client, unchanged.
-        return res.model_dump(mode="json", by_alias=True, exclude_none=True) if raw else value
+        try:
+            res = await session.call_tool(name, arguments,
+                                          meta=meta or None)  # type: ignore[arg-type]
+        except MCPError as exc:
+            if exc.code in REJECTED_BEFORE_RUNNING:
+                raise ToolRejected(f"{name}: {exc.error.message}") from exc
+            raise
+        return result_of(name, res)  # raises for an error result
 
     call.__name__ = name
     return call
@@ -120,8 +130,10 @@ async def mcp_tools(session: ClientSession, policy: ServerPolicy | str) -> list[
 
 
 async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
-                     raw: bool = False) -> list[tuple[Tool, mcp_types.Tool]]:
-    """Each tether tool with the server's own description of it."""
+                     make: Callable[[ClientSession, mcp_types.Tool], ToolFn] = _caller,
+                     ) -> list[tuple[Tool, mcp_types.Tool]]:
+    """Each tether tool with the server's own description of it; ``make`` builds the function
+    that calls the tool (the proxy's forwards its client's request whole)."""
     if isinstance(policy, str):
         policy = ServerPolicy(policy)
     offered = await list_all(session)
@@ -133,7 +145,7 @@ async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
     tools = []
     for spec in offered:
         tools.append((Tool(f"{policy.name}.{spec.name}", effect_of(spec, policy),
-                           _caller(session, spec.name, raw),
+                           make(session, spec),
                            probe=policy.probes.get(spec.name),
                            dispatch_deadline=policy.deadlines.get(
                                spec.name, DEFAULT_DISPATCH_DEADLINE)), spec))

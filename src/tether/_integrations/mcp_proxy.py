@@ -1,34 +1,61 @@
-"""``tether mcp-proxy``: a stdio MCP server in front of one or more upstream MCP servers.
+"""``tether mcp-proxy``: an MCP server in front of one or more upstream MCP servers.
 
-Any MCP client (any agent) talks to the proxy as to the upstream servers: the same tools, the
-same schemas, the same results. Each client session is one tether delegation, so every call is
-journaled with its key, fenced, and probed when in doubt; an operator recalls or terminates
-the session with ``tether recall`` / ``tether terminate`` from another shell, and the client
-then gets an error result for each new call instead of an action nobody accounted for.
+Any MCP client (any agent) talks to the proxy as to the upstream servers: the same tools,
+resources, prompts and completions, the same results and errors, its sampling, elicitation and
+roots asked of the real client (``mcp_relay``). Each client session is one tether delegation:
+every ``tools/call`` is journaled with its key, fenced, and reconciled when in doubt; an
+operator recalls or terminates the session with ``tether recall`` / ``tether terminate`` from
+another shell, and the client then gets an error result for each new call instead of an action
+nobody accounted for.
+
+A client that cancels a call (``notifications/cancelled``, or a dropped HTTP stream) has the
+cancellation sent on upstream; the action is then in doubt and probed, never taken as done.
+A client may carry its own idempotency key in the request's ``_meta``
+(``io.tether/idempotency-key``): a retry with the same key replays the journaled outcome.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import shlex
-import sys
+from collections import Counter
 from collections.abc import Mapping
-from contextlib import AsyncExitStack
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from mcp import ClientSession
 from mcp import types as mcp_types
-from mcp.client.stdio import StdioServerParameters, stdio_client
-from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.session import ServerSession
+from mcp.shared.exceptions import MCPError
 
-from tether._core.errors import ControlSignal, UserError
-from tether._integrations.mcp_gateway import McpToolError, ServerPolicy, wrap_tools
-from tether._journal.journal import Journal
+from tether._core.documents import ControlIntent
+from tether._core.errors import ControlSignal, TetherError, ToolRejected, UserError
+from tether._core.model import ActionState, ControlKind
+from tether._core.redispatch import UNRESTRICTED
+from tether._integrations.mcp_config import ProxyConfig
+from tether._integrations.mcp_gateway import (
+    KEY_META,
+    REJECTED_BEFORE_RUNNING,
+    McpToolError,
+    ServerPolicy,
+    wrap_tools,
+)
+from tether._integrations.mcp_relay import (
+    ClientRelay,
+    RawParams,
+    RawRequest,
+    RawResult,
+    forward,
+    outgoing,
+    progress_relay,
+)
 from tether._runtime.gateway import Context
+from tether._runtime.reconcile import probe_all
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.tools import Agent, Tool
+from tether._runtime.tools import Tool, ToolFn
 
 
 def parse_upstream(spec: str) -> tuple[str, list[str]]:
@@ -45,99 +72,404 @@ def parse_upstream(spec: str) -> tuple[str, list[str]]:
     return name, argv
 
 
-def error_result(text: str) -> mcp_types.CallToolResult:
-    return mcp_types.CallToolResult(content=[mcp_types.TextContent(type="text", text=text)],
-                                    is_error=True)
+def error_result(text: str) -> dict[str, Any]:
+    return {"content": [{"type": "text", "text": text}], "isError": True}
+
+
+class UpstreamErrorResult(McpToolError):
+    """The upstream answered ``isError``: in doubt, and its result goes to the client as is."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        texts = [c.get("text", "") for c in result.get("content", []) if isinstance(c, dict)]
+        super().__init__(" ".join(t for t in texts if t) or "the tool reported an error")
+        self.result = result
+
+
+class UpstreamRejected(ToolRejected):
+    """The upstream refused the request before running it (invalid params, no such method)."""
+
+    def __init__(self, error: MCPError) -> None:
+        super().__init__(error.error.message)
+        self.error = error
+
+
+class UpstreamFailed(Exception):
+    """Any other JSON-RPC error: the call may have applied first, so it is in doubt."""
+
+    def __init__(self, error: MCPError) -> None:
+        super().__init__(error.error.message)
+        self.error = error
+
+
+class ClientCancelled(Exception):
+    """The client gave up on a call that was running upstream: in doubt, then probed."""
+
+
+@dataclass(eq=False)
+class _Call:
+    """One client ``tools/call`` on its way: what the tool function forwards, and its task."""
+
+    request: ServerRequestContext[Any]
+    params: dict[str, Any]  # the client's own (fields this proxy does not know included)
+    meta: dict[str, Any]
+    wants_progress: bool
+    task: asyncio.Task[Any] | None = None
+    cancelled: bool = False
+
+
+_CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
+ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
+
+
+def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
+    """The function the gateway runs for one upstream tool: the client's request, forwarded."""
+    name = spec.name
+
+    async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
+        mine = _CALL.get()
+        if mine is not None and mine.cancelled:
+            raise ToolRejected(f"{name}: the client cancelled the call before it was sent")
+        meta = dict(mine.meta) if mine is not None else {}
+        if idempotency_key:
+            meta[KEY_META] = idempotency_key
+        params: dict[str, Any] = {**(mine.params if mine is not None else {}),
+                                  "name": name, "arguments": arguments}
+        params.pop("_meta", None)
+        if meta:
+            params["_meta"] = meta
+        if mine is not None:
+            mine.task = asyncio.current_task()
+        relay = progress_relay(mine.request, mine.wants_progress) if mine else None
+        try:
+            res = await session.send_request(RawRequest(method="tools/call", params=params),
+                                             RawResult, progress_callback=relay)
+        except asyncio.CancelledError:
+            # The SDK has sent notifications/cancelled upstream for the request by now.
+            if mine is not None and mine.cancelled:
+                raise ClientCancelled(f"{name}: the client cancelled the call while it "
+                                      "ran upstream") from None
+            raise
+        except MCPError as exc:
+            if exc.code in REJECTED_BEFORE_RUNNING:
+                raise UpstreamRejected(exc) from None
+            raise UpstreamFailed(exc) from None
+        result = res.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if result.get("isError"):
+            raise UpstreamErrorResult(result)
+        return result
+
+    call.__name__ = name
+    return call
+
+
+@dataclass(eq=False)
+class Upstream:
+    name: str
+    session: ClientSession
+    policy: ServerPolicy
+    prefix: str = ""
+    tools: dict[str, tuple[Tool, mcp_types.Tool]] = field(default_factory=dict)
+
+    @property
+    def capabilities(self) -> mcp_types.ServerCapabilities:
+        caps = self.session.server_capabilities
+        return caps if caps is not None else mcp_types.ServerCapabilities()
 
 
 class Proxy:
-    """The upstream sessions, the tools they offer, and the delegation that journals them."""
+    """One client session: its upstream sessions, the tools they offer, and the delegation that
+    journals the calls."""
 
-    def __init__(self, upstreams: Mapping[str, list[str]],
-                 policies: Mapping[str, ServerPolicy]) -> None:
-        unknown = sorted(set(policies) - set(upstreams))
-        if unknown:
-            raise UserError(f"the MCP policy names servers with no --upstream: "
-                            f"{', '.join(unknown)}")
-        if not upstreams:
-            raise UserError("give at least one --upstream NAME=COMMAND")
-        self.upstreams = dict(upstreams)
-        self.policies = {n: policies.get(n, ServerPolicy(n)) for n in upstreams}
-        self.exposed: dict[str, tuple[Tool, mcp_types.Tool]] = {}
+    def __init__(self, config: ProxyConfig) -> None:
+        self.specs = dict(config.upstreams)
+        self.policies = {n: config.policies.get(n, ServerPolicy(n)) for n in self.specs}
+        self.name = config.session
+        self.upstreams: list[Upstream] = []
+        self.exposed: dict[str, tuple[Tool, mcp_types.Tool, Upstream]] = {}
         self.ctx: Context | None = None
-        self.journal: Journal | None = None
+        self.sup: Supervisor | None = None
         self.closed = asyncio.Event()  # the client ended its session
+        self.ready = asyncio.Event()  # the delegation's body runs: calls may pass
+        self.relay = ClientRelay(self._client, self._refresh_tools)
+        self.client: ServerSession | None = None  # the client's session, once it is known
+        self._in_flight: dict[int, ServerRequestContext[Any]] = {}
+        self._ordinals: Counter[str] = Counter()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._roots: asyncio.Future[Any] | None = None
 
-    async def connect(self, stack: AsyncExitStack) -> None:
-        for name, argv in self.upstreams.items():
-            params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+    # -- upstreams ------------------------------------------------------------------------------
+    def session_for(self, read: Any, write: Any) -> ClientSession:
+        relay = self.relay
+        return ClientSession(read, write, sampling_callback=relay.sampling,
+                             elicitation_callback=relay.elicitation,
+                             list_roots_callback=relay.roots, message_handler=relay.notification)
+
+    async def add_upstream(self, name: str, session: ClientSession) -> None:
+        up = Upstream(name, session, self.policies[name], self.specs[name].prefix)
+        self.upstreams.append(up)
+        if up.capabilities.tools is not None:
+            await self._load_tools(up)
+
+    async def _load_tools(self, up: Upstream) -> None:
+        found = await wrap_tools(up.session, up.policy, make=_forwarder)
+        fresh: dict[str, tuple[Tool, mcp_types.Tool]] = {}
+        for tool, spec in found:
+            shown = spec.model_copy(update={"name": up.prefix + spec.name})
+            known = up.tools.get(shown.name)
+            if known is not None and known[0].effect is tool.effect:
+                tool = known[0]  # the delegation's surface granted this very object
+            other = self.exposed.get(shown.name)
+            if other is not None and other[2] is not up:
+                raise UserError(
+                    f"upstreams {other[2].name} and {up.name} both offer a tool named "
+                    f"{shown.name!r}: give one of them a tool-name prefix in the policy")
+            fresh[shown.name] = (tool, shown)
+        for old in up.tools:
+            self.exposed.pop(old, None)
+        up.tools = fresh
+        self.exposed.update({n: (t, s, up) for n, (t, s) in fresh.items()})
+
+    async def _refresh_tools(self) -> None:
+        for up in self.upstreams:
+            if up.capabilities.tools is not None:
+                with contextlib.suppress(TetherError, MCPError):
+                    await self._load_tools(up)
+
+    def tools(self) -> tuple[Tool | str, ...]:
+        # Tools an upstream adds later (list_changed) are declared too: grant them as well.
+        return (*(t for t, _, _ in self.exposed.values()), UNRESTRICTED)
+
+    # -- the client -----------------------------------------------------------------------------
+    def _client(self) -> tuple[ServerSession, Any] | None:
+        """Where to send what an upstream asks: the latest client request in flight (its
+        stream), else the client's session."""
+        if self._in_flight:
+            request = list(self._in_flight.values())[-1]
+            return request.session, request.request_id
+        if self.client is not None:
+            return self.client, None
+        return None
+
+    async def track(self, ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
+        """Middleware: remembers the client's session and its requests in flight."""
+        self.client = ctx.session
+        if ctx.method == "initialize":
+            self._expect_roots(ctx.params or {})
+        if ctx.request_id is None or ctx.method == "initialize":
+            return await call_next(ctx)
+        if self._roots is not None and not self._roots.done():
+            # Upstreams that asked for roots before this client came ask again now: their
+            # answers come first, so that the client's first call sees them in effect.
+            await asyncio.wait({self._roots}, timeout=ROOTS_WAIT)
+        self._in_flight[id(ctx)] = ctx
+        try:
+            return await call_next(ctx)
+        finally:
+            self._in_flight.pop(id(ctx), None)
+
+    # -- everything but tools/call: passed through -----------------------------------------------
+    def _route(self, method: str, params: Mapping[str, Any]) -> list[Upstream]:
+        """The upstreams that may serve a request, in the order to try them."""
+        area = method.split("/")[0]
+        capability = {"completion": "completions"}.get(area, area)
+        serving = [up for up in self.upstreams
+                   if getattr(up.capabilities, capability, None) is not None]
+        if method == "prompts/get":
+            name = str(params.get("name", ""))
+            named = [up for up in serving if up.prefix and name.startswith(up.prefix)]
+            return named or serving
+        return serving
+
+    async def pass_through(self, ctx: ServerRequestContext[Any], _: RawParams) -> dict[str, Any]:
+        params = dict(ctx.params or {})
+        serving = self._route(ctx.method, params)
+        if not serving:
+            raise MCPError(code=mcp_types.METHOD_NOT_FOUND, message="Method not found",
+                           data=ctx.method)
+        if len(serving) == 1 or (ctx.method.endswith("/list") and "cursor" in params):
+            return await forward(serving[0].session, ctx, ctx.method, params)
+        if ctx.method.endswith("/list"):  # several upstreams: one page holding all of them
+            return await self._merge(ctx, serving, params)
+        if ctx.method == "logging/setLevel":
+            for up in serving:
+                await forward(up.session, ctx, ctx.method, params)
+            return {}
+        failure: MCPError | None = None
+        for up in serving:  # the first upstream that knows the resource, prompt or reference
             try:
-                read, write = await stack.enter_async_context(stdio_client(params))
-                session = await stack.enter_async_context(ClientSession(read, write))
-                await session.initialize()
-            except OSError as exc:
-                raise UserError(f"cannot start upstream {name} ({argv[0]}): {exc}") from None
-            for tool, spec in await wrap_tools(session, self.policies[name], raw=True):
-                if spec.name in self.exposed:
-                    raise UserError(f"two upstream servers offer a tool named {spec.name!r}")
-                self.exposed[spec.name] = (tool, spec)
+                return await forward(up.session, ctx, ctx.method, params)
+            except MCPError as exc:
+                failure = exc
+        assert failure is not None
+        raise failure
 
+    async def _merge(self, ctx: ServerRequestContext[Any], serving: list[Upstream],
+                     params: dict[str, Any]) -> dict[str, Any]:
+        merged: dict[str, list[Any]] = {}
+        for up in serving:
+            cursor: str | None = None
+            while True:
+                page = await forward(up.session, ctx, ctx.method,
+                                     {**params, "cursor": cursor} if cursor else params)
+                for key, value in page.items():
+                    if isinstance(value, list):
+                        merged.setdefault(key, []).extend(value)
+                cursor = page.get("nextCursor")
+                if not cursor:
+                    break
+        return dict(merged)
+
+    async def roots_changed(self, _: ServerRequestContext[Any],
+                            __: mcp_types.NotificationParams) -> None:
+        for up in self.upstreams:
+            await up.session.send_notification(mcp_types.RootsListChangedNotification())
+
+    def _expect_roots(self, params: Mapping[str, Any]) -> None:
+        caps = params.get("capabilities")
+        refused = self.relay.roots_refused
+        if not refused or not isinstance(caps, dict) or caps.get("roots") is None:
+            return
+        events = {up: asyncio.Event() for up in refused}
+        self.relay.roots_answered.update(events)
+        self._roots = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in events.values())))
+
+    async def client_initialized(self, ctx: ServerRequestContext[Any],
+                                 params: mcp_types.NotificationParams) -> None:
+        """The upstreams were connected before the client: one that asked for roots then was
+        told no client is connected. Now that a client with roots is here, they ask again."""
+        self.client = ctx.session
+        refused, self.relay.roots_refused = self.relay.roots_refused, set()
+        for session in refused:
+            await session.send_notification(mcp_types.RootsListChangedNotification())
+
+    # -- tools ----------------------------------------------------------------------------------
     async def session_agent(self, ctx: Context) -> None:
         """The delegation's body: it lives as long as the client session."""
         self.ctx = ctx
+        self.ready.set()
         await self.closed.wait()
 
-    async def list_tools(self, _: Any, __: Any) -> mcp_types.ListToolsResult:
-        return mcp_types.ListToolsResult(tools=[spec for _, spec in self.exposed.values()])
+    async def list_tools(self, _: ServerRequestContext[Any], __: RawParams) -> dict[str, Any]:
+        return mcp_types.ListToolsResult(
+            tools=[spec for _, spec, _ in self.exposed.values()]).model_dump(
+                mode="json", by_alias=True, exclude_none=True)
 
-    async def call_tool(self, _: Any,
-                        params: mcp_types.CallToolRequestParams) -> mcp_types.CallToolResult:
-        answer = await self._call(params)
+    async def call_tool(self, ctx: ServerRequestContext[Any], _: RawParams) -> dict[str, Any]:
+        answer = await self._call(ctx)
         # The client acts on what it is told, so the journal holds the call's outcome before
-        # the client hears it: what a client saw paid is never left for a probe to find.
-        assert self.journal is not None
-        await self.journal.flush()
+        # the client hears it: what a client saw paid is never left for a probe to find. (A
+        # read-only call has no outcome to hold.)
+        name = (ctx.params or {}).get("name")
+        found = self.exposed.get(name) if isinstance(name, str) else None
+        if found is None or found[0].effect.journaled:
+            assert self.sup is not None
+            await self.sup.journal.flush()
         return answer
 
-    async def _call(self, params: mcp_types.CallToolRequestParams) -> mcp_types.CallToolResult:
-        found = self.exposed.get(params.name)
+    async def _call(self, request: ServerRequestContext[Any]) -> dict[str, Any]:
+        params = dict(request.params or {})
+        name = params.get("name")
+        arguments = params.get("arguments") or {}
+        found = self.exposed.get(name) if isinstance(name, str) else None
         if found is None:
-            return error_result(f"unknown tool {params.name!r}")
-        assert self.ctx is not None
+            return error_result(f"Unknown tool: {name}")
+        if not isinstance(arguments, dict) or "idempotency_key" in arguments:
+            raise MCPError(code=mcp_types.INVALID_PARAMS,
+                           message="tether mcp-proxy: arguments must be an object, and "
+                           "'idempotency_key' is reserved (send it in _meta as "
+                           f"{KEY_META!r})")
+        tool = found[0]
+        await self.ready.wait()
+        out, wants = outgoing(params)
+        meta = dict((out or {}).get("_meta") or {})
+        key = meta.pop(KEY_META, None)
+        if not isinstance(key, str) or not key:
+            key = self._next_key(tool)
+        assert self.ctx is not None and self.sup is not None
+        # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
+        forwarded = {k: v for k, v in (out or {}).items() if k not in ("task", "_meta")}
+        call = _Call(request, forwarded, meta, wants)
+        _CALL.set(call)  # copied into the action's task with this context
         try:
-            raw = await self.ctx.call(found[0], **(params.arguments or {}))
+            result = await self.ctx.call(tool, idempotency_key=key, **arguments)
         except ControlSignal as signal:  # recalled or terminated: no new work
-            return error_result(f"tether: this session was stopped ({type(signal).__name__}: "
-                                f"{signal}); the call was not made")
+            return error_result(await self._stopped(signal, "the call was not made"))
         except asyncio.CancelledError:
-            try:  # a terminate cut the call: say so, and leave the outcome to reconciliation
-                self.ctx.check()
-            except ControlSignal as signal:
-                return error_result(f"tether: this session was terminated ({signal}); the "
-                                    "call's outcome is in doubt and is being reconciled")
+            if self._stop() is not None:  # a terminate cut the call
+                return error_result(await self._stopped(
+                    self._stop(), "the call's outcome is in doubt and is being reconciled"))
+            # The client cancelled: cancel the call upstream too, and reconcile it. Nothing
+            # may be awaited here (the client's cancellation is pending on this task).
+            call.cancelled = True
+            self._spawn(self._reconcile_cancelled(call, tool, key))
             raise
-        except (McpToolError, UserError) as exc:
+        except UpstreamErrorResult as exc:  # in doubt, and the client sees what it said
+            return exc.result
+        except (UpstreamRejected, UpstreamFailed) as exc:
+            raise exc.error from None
+        except (McpToolError, UserError, ToolRejected) as exc:
             return error_result(str(exc))
-        if isinstance(raw, dict):  # the upstream's own result, as journaled
-            return mcp_types.CallToolResult.model_validate(raw)
+        if isinstance(result, dict):  # the upstream's own result, as journaled
+            return result
         return error_result("tether: this call replayed a result it cannot return")
 
+    def _next_key(self, tool: Tool) -> str:
+        assert self.ctx is not None
+        n = self._ordinals[tool.name]
+        self._ordinals[tool.name] += 1
+        return f"{self.ctx.task_id}:{tool.name}:mcp{n}"
 
-async def serve(journal: str, upstreams: Mapping[str, list[str]],
-                policies: Mapping[str, ServerPolicy]) -> None:
-    proxy = Proxy(upstreams, policies)
-    async with AsyncExitStack() as stack:
-        await proxy.connect(stack)
-        sup = await stack.enter_async_context(Supervisor(journal))
-        proxy.journal = sup.journal
-        tools = tuple(tool for tool, _ in proxy.exposed.values())
-        handle = await sup.delegate(Agent("mcp-proxy", proxy.session_agent, tools))
-        # stdout is the MCP channel: tell the operator on stderr how to reach this session.
-        print(f"tether mcp-proxy: delegation {handle.id}; stop it with "
-              f"`tether recall {handle.id} --grace SECONDS`", file=sys.stderr, flush=True)
-        server: Server[Any] = Server("tether-mcp-proxy", on_list_tools=proxy.list_tools,
-                                     on_call_tool=proxy.call_tool)
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
-        proxy.closed.set()  # a session that ended normally ends its delegation normally
-        await handle.wait()
+    def _stop(self) -> ControlSignal | None:
+        assert self.ctx is not None
+        try:
+            self.ctx.check()
+        except ControlSignal as signal:
+            return signal
+        return None
+
+    async def _stopped(self, signal: ControlSignal | None, then: str) -> str:
+        """Who stopped this session and why, from the journal's record of the intent."""
+        assert self.sup is not None and self.ctx is not None
+        controls = await self.sup.journal.controls(self.ctx.delegation_id)
+        if not controls:
+            return f"tether: this session was stopped ({signal}); {then}"
+        first = controls[0]
+        try:
+            reason = self.sup.keys.trusted.verify(first.signed, ControlIntent).reason
+        except TetherError:
+            reason = ""
+        verb = "recalled" if first.kind is ControlKind.RECALL else "terminated"
+        return (f"tether: this session was {verb} by {first.issuer}: "
+                f"{reason or 'no reason given'}; {then}")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile_cancelled(self, call: _Call, tool: Tool, key: str) -> None:
+        """A call its client cancelled: cancel it upstream (the SDK sends
+        ``notifications/cancelled``), then declare it in doubt and ask its probe."""
+        assert self.sup is not None and self.ctx is not None
+        sup = self.sup
+        await asyncio.sleep(0)  # an action task created just before the cancel starts now
+        if call.task is not None and not call.task.done():
+            call.task.cancel()
+            await asyncio.wait({call.task}, timeout=sup.policy.ack_timeout)
+        await sup.journal.flush()
+        mine = [a for a in await sup.journal.actions([self.ctx.delegation_id])
+                if a.idempotency_key == key]
+        for action in mine:
+            if action.state is ActionState.PENDING:  # cut before it reached the tool
+                await sup.journal.settle_pending(action.id, sup.clock.wall(),
+                                                 "its client cancelled the call")
+        doubtful = [a for a in await sup.journal.unsettled(self.ctx.delegation_id)
+                    if a.idempotency_key == key]
+        if doubtful:
+            await probe_all(sup.journal, doubtful, {tool.name: tool}, sup.clock,
+                            sup.policy.probe_timeout)
+        await sup.journal.flush()
+
+    async def settle_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

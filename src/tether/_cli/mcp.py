@@ -1,0 +1,58 @@
+"""``tether mcp-proxy``: registered on the CLI app by ``register``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tether._core.errors import UserError
+
+
+def mcp_proxy(
+    upstream: Annotated[list[str] | None, typer.Option(
+        "--upstream", help="NAME=COMMAND of an upstream stdio MCP server (repeatable); it "
+        "inherits the proxy's environment.")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "--policy", help="JSON: the mcpServers file MCP hosts use, with tether's "
+        "keys beside the standard ones (trusted, effects, probes, deadlines, prefix, session).")
+    ] = None,
+    session: Annotated[str | None, typer.Option(
+        "--session", help="The agent name of this session's delegation (default: the "
+        "config's, else mcp-proxy).")] = None,
+    http: Annotated[str | None, typer.Option(
+        "--http", help="HOST:PORT: serve MCP over Streamable HTTP at /mcp (loopback only), "
+        "one delegation per MCP session, instead of stdio.")] = None,
+    journal: Annotated[str | None, typer.Option(
+        "--journal", "-j", envvar="TETHER_JOURNAL", help="Journal URL (default: per user, "
+        "$XDG_STATE_HOME/tether/journal.db or ~/.local/state/tether/journal.db).")] = None,
+) -> None:
+    """Serve the upstream servers over stdio (or --http), each tool call journaled and fenced;
+    stop a session with `tether recall` / `tether terminate` (its delegation id is on
+    stderr)."""
+    try:
+        from tether._integrations.mcp_config import ProxyConfig, combine, load_config
+        from tether._integrations.mcp_proxy import parse_upstream
+        from tether._integrations.mcp_serve import default_journal, serve_stdio
+    except ModuleNotFoundError as exc:
+        raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'") \
+            from exc
+    specs = upstream or []
+    servers = dict(parse_upstream(spec) for spec in specs)
+    if len(servers) != len(specs):
+        raise UserError("two --upstream options share a name")
+    listen = None
+    if http is not None:
+        from tether._integrations.mcp_http import parse_listen, serve_http
+
+        listen = parse_listen(http)
+    settings = combine(servers, load_config(config) if config else ProxyConfig(), session)
+    import asyncio
+
+    url = journal or default_journal()
+    if listen is None:
+        asyncio.run(serve_stdio(url, settings))
+    else:
+        asyncio.run(serve_http(url, settings, *listen))
+

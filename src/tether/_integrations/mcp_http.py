@@ -1,0 +1,158 @@
+"""``tether mcp-proxy --http HOST:PORT``: the proxy served over Streamable HTTP at ``/mcp``.
+
+Each MCP session (the SDK's session manager gives each its id, its streams and its idle
+timeout) is one client session of the proxy: its own upstream connections, so that what an
+upstream asks of its client (sampling, elicitation, roots) and what it notifies reaches the
+right one, and its own delegation in the journal. Clients of the 2026-07-28 protocol have no
+sessions: their requests share one client session of the proxy while it serves. A client that
+drops a request's stream, or cancels it, has the call cancelled upstream and reconciled like
+any cancellation; a client that retries after a broken stream with the same tether
+idempotency key in ``_meta`` gets the journaled outcome replayed instead of a second call.
+
+Loopback only: the proxy has no authentication of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import sys
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcp import types as mcp_types
+from mcp.server.context import ServerRequestContext
+from mcp.server.session import ServerSession
+from mcp.shared.exceptions import MCPError
+
+from tether._core.errors import UserError
+from tether._integrations.mcp_config import ProxyConfig
+from tether._integrations.mcp_proxy import Proxy
+from tether._integrations.mcp_serve import (
+    build_server,
+    connect_upstreams,
+    end_session,
+    first_error,
+    one_line,
+    start_session,
+)
+from tether._runtime.supervisor import Supervisor
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; port 0: any free one), on a loopback address
+    only."""
+    host, sep, port = spec.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UserError(f"--http {spec!r} must be HOST:PORT, e.g. 127.0.0.1:8765")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise UserError(f"--http {spec!r}: the proxy has no authentication of its own, so it "
+                        "serves on a loopback address only (127.0.0.1, ::1 or localhost)")
+    return host, int(port)
+
+
+STATELESS = "(2026-07-28 clients, sessionless)"
+
+
+@dataclass(eq=False)
+class _Session:
+    client: ServerSession
+    ready: asyncio.Future[Proxy] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class HttpSessions:
+    """The proxy of each MCP session, started at its first request, ended with the session."""
+
+    def __init__(self, journal: str, config: ProxyConfig, sup: Supervisor) -> None:
+        self.journal, self.config, self.sup = journal, config, sup
+        self.sessions: dict[str, _Session] = {}
+
+    async def resolve(self, ctx: ServerRequestContext[Any], start: bool) -> Proxy | None:
+        # The SDK keeps a client's Connection (its session, and the exit stack it unwinds when
+        # the session ends) on the per-request session only.
+        connection = ctx.session._connection
+        # A 2026-07-28 client has no session: each request comes on a connection of its own.
+        # Its requests share one client session of the proxy, for as long as it serves.
+        key = connection.session_id or STATELESS
+        found = self.sessions.get(key)
+        if found is None:
+            if not start or ctx.method == "initialize":
+                return None
+            found = self.sessions[key] = _Session(ctx.session)
+            found.task = asyncio.ensure_future(self._run(found))
+            if key is not STATELESS:
+                connection.exit_stack.push_async_callback(self._ended, key)
+        return await asyncio.shield(found.ready)
+
+    async def _run(self, session: _Session) -> None:
+        proxy = Proxy(self.config)
+        proxy.client = session.client  # known before the upstreams connect (and ask for roots)
+        try:
+            async with AsyncExitStack() as stack:
+                await connect_upstreams(proxy, stack)
+                handle = await start_session(proxy, self.sup, self.journal)
+                session.ready.set_result(proxy)
+                await session.done.wait()
+                await end_session(proxy, handle)
+        except BaseException as exc:
+            if not session.ready.done():
+                session.ready.set_exception(MCPError(
+                    code=mcp_types.INTERNAL_ERROR,
+                    message=f"tether mcp-proxy: the upstreams failed: {first_error(exc)}"))
+            if not isinstance(exc, Exception):
+                raise
+
+    async def _ended(self, key: str) -> None:
+        session = self.sessions.pop(key, None)
+        if session is not None:
+            session.done.set()
+            if session.task is not None:
+                await asyncio.wait({session.task}, timeout=self.sup.policy.ack_timeout)
+
+    async def close(self) -> None:
+        for key in list(self.sessions):
+            await self._ended(key)
+
+
+async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) -> None:
+    import uvicorn
+
+    try:
+        async with AsyncExitStack() as stack:
+            template = Proxy(config)  # the upstreams' capabilities, and the config checked
+            probe = await stack.enter_async_context(AsyncExitStack())
+            await connect_upstreams(template, probe)
+            sup = await stack.enter_async_context(Supervisor(journal))
+            sessions = HttpSessions(journal, config, sup)
+            server = build_server(template, sessions.resolve)
+            await probe.aclose()
+            app = server.streamable_http_app(host=host)
+
+            class Web(uvicorn.Server):
+                async def startup(self, sockets: Any = None) -> None:
+                    await super().startup(sockets)
+                    # Said once it listens (a port of 0 is chosen by the system: say which).
+                    bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                    shown = f"[{host}]" if ":" in host else host
+                    print(f"tether mcp-proxy: serving MCP at http://{shown}:{bound}/mcp "
+                          f"(journal {journal})", file=sys.stderr, flush=True)
+
+            web = Web(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                     lifespan="on"))
+            try:
+                await web.serve()
+            finally:
+                with contextlib.suppress(Exception):
+                    await sessions.close()
+    except BaseExceptionGroup as group:
+        raise one_line(group) from None

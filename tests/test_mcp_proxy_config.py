@@ -1,0 +1,146 @@
+"""`tether mcp-proxy --config FILE`: the mcpServers file MCP hosts use, with tether's keys
+beside the standard ones; each upstream gets only the environment it is given, its own working
+directory, probes named module:attr, a tool-name prefix; every mistake is one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.remote_agents import listen_gate
+from tests.test_mcp_proxy import cli
+
+A = tether.ActionState
+
+
+def bank_entry(**tether_keys: Any) -> dict[str, Any]:
+    return {"command": sys.executable, "args": ["-m", "tests.mcp_bank"],
+            "env": {"PYTHONPATH": str(ROOT),
+                    **{k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}},
+            **tether_keys}
+
+
+def write(tmp_path: Path, config: dict[str, Any]) -> Path:
+    path = tmp_path / "mcp.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+async def delegation(journal: str) -> tether.Report:
+    async with tether.Journal(journal, create=False) as j:
+        (row,) = await j.delegations()
+        from tether._runtime.reconcile import build_report
+
+        return await build_report(j, row.id)
+
+
+async def test_a_config_file_names_env_cwd_probes_prefix_and_session(
+        bank_env: Path, tmp_path: Path) -> None:
+    (tmp_path / "shelf").mkdir()
+    config = write(tmp_path, {"session": "billing-agent", "mcpServers": {
+        "bank": bank_entry(effects={"pay": "external"}, probes={"pay": "tests.mcp_probes:bank_pay"},
+                           deadlines={"pay": 0.5}),
+        "twin": bank_entry(prefix="twin_"),
+        "library": {"command": sys.executable, "args": ["-m", "tests.mcp_library"],
+                    "cwd": "shelf", "env": {"PYTHONPATH": str(ROOT), "LIBRARY_MODE": "quiet"}},
+    }})
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
+                       "--journal", journal, env={"SECRET_TOKEN": "s3cr3t"}) as session:
+        names = {t.name for t in (await session.list_tools()).tools}
+        where = (await session.call_tool("whereami", {})).structured_content
+        started = await listen_gate("started")
+        cancelled = await listen_gate("cancelled")
+        call = asyncio.ensure_future(session.call_tool("pay", {"account": "hold-5", "cents": 5}))
+        await started
+        call.cancel()  # cancelled upstream, then probed with the config's probe
+        assert await asyncio.wait_for(cancelled, 30) == "hold-5"
+        twin = await session.call_tool("twin_pay", {"account": "T-1", "cents": 2})
+        # Before its dispatch deadline the bank's "no entry" means "not applied yet"; the
+        # session's end probes it again, past the deadline, when the answer is final.
+        cut = await probed(journal, "bank.pay")
+        assert cut.state is A.IN_DOUBT and cut.deadline_at is not None
+        await asyncio.sleep(max(0.0, cut.deadline_at - time.time()))
+    assert {"pay", "twin_pay", "balance", "twin_balance", "whereami"} <= names
+    assert where is not None and where["cwd"] == str(tmp_path / "shelf")
+    assert "LIBRARY_MODE" in where["env"] and "SECRET_TOKEN" not in where["env"]
+    assert not twin.is_error and text(twin) == "paid 2 to T-1"
+    report = await delegation(journal)
+    assert report.agent == "billing-agent"
+    states = {(a.tool, a.state) for a in report.actions}
+    # The cancelled payment: probed past its deadline, proved not applied (the bank's ledger).
+    assert ("bank.pay", A.NOT_APPLIED) in states and ("twin.pay", A.COMPLETED) in states
+    assert report.outcome is tether.DelegationState.RECONCILED
+    assert paid(bank_env, "hold-5") == []
+
+
+async def test_the_default_journal_is_per_user_not_per_directory(
+        bank_env: Path, tmp_path: Path) -> None:
+    state, elsewhere = tmp_path / "state", tmp_path / "host"
+    elsewhere.mkdir()
+    config = write(tmp_path, {"mcpServers": {"bank": bank_entry()}})
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
+                       "--session", "agent-7", cwd=elsewhere,
+                       env={"XDG_STATE_HOME": str(state)}) as session:
+        await session.call_tool("pay", {"account": "A-1", "cents": 1})
+    assert (state / "tether" / "journal.db").exists()
+    assert not (elsewhere / ".tether").exists()
+    report = await delegation(f"sqlite:///{state / 'tether' / 'journal.db'}")
+    assert report.agent == "agent-7"  # --session names it in `tether ls`
+
+
+async def probed(journal: str, tool: str) -> tether.ActionRecord:
+    """The action once its probe has answered (the proxy reconciles a cancel in the
+    background), polled with a deadline."""
+    give_up = time.monotonic() + 30
+    while True:
+        (action,) = [a for a in (await delegation(journal)).actions if a.tool == tool]
+        if action.evidence is not None or time.monotonic() > give_up:
+            return action
+        await asyncio.sleep(0.05)
+
+
+def quitter() -> dict[str, Any]:
+    return {"command": sys.executable, "args": ["-c", "pass"]}
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"mcpServers": {"x": {}}}, "needs either 'command'"),
+    ({"mcpServers": {"x": {"command": "y", "url": "http://127.0.0.1:1/mcp"}}}, "not both"),
+    ({"mcpServers": {"x": {"command": "y", "efects": {}}}}, "'efects' was unexpected"),
+    ({"mcpServers": {"x": {"command": "y", "effects": {"a": "SOMETIMES"}}}}, "'SOMETIMES'"),
+    ({"mcpServers": {"x": {"command": "y", "probes": {"a": "no_such_module:probe"}}}},
+     "cannot import probe"),
+    ({"mcpServers": {"x": {"command": "y", "probes": {"a": "tests.mcp_probes:not_async"}}}},
+     "must be an async function"),
+    ({"mcpServers": {"bad name": {"command": "y"}}}, "does not match"),
+    ({"mcpServers": {}, "sesion": "x"}, "'sesion' was unexpected"),
+    ({"mcpServers": {"x": {"command": "/no/such/server"}}}, "cannot start upstream x"),
+    ({"mcpServers": {"x": quitter()}}, "cannot start upstream x"),
+    ({"mcpServers": {"bank": bank_entry(effects={"transfer": "EXTERNAL"})}},
+     "does not offer: transfer"),
+    ({"mcpServers": {"a": bank_entry(), "b": bank_entry()}}, "give one of them a tool-name prefix"),
+])
+async def test_config_mistakes_are_one_line(bank_env: Path, tmp_path: Path,
+                                            config: dict[str, Any], message: str) -> None:
+    path = write(tmp_path, config)
+    code, out, err = await cli("mcp-proxy", "--journal", f"sqlite:///{tmp_path / 'j.db'}",
+                               "--config", str(path))
+    assert code == 2 and err.startswith("error:") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err + out
+
+
+async def test_an_upstream_named_twice_is_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, {"mcpServers": {"bank": {"command": "x"}}})
+    code, _, err = await cli("mcp-proxy", "--config", str(path), "--upstream", "bank=y",
+                             "--journal", f"sqlite:///{tmp_path / 'j.db'}")
+    assert code == 2 and "also in the MCP config file" in err and len(err.splitlines()) == 1

@@ -1,0 +1,196 @@
+"""Streamable HTTP both ways: `tether mcp-proxy --http 127.0.0.1:PORT` serves MCP at /mcp with
+one delegation per MCP session, and an upstream can be a URL. A client that cancels a call
+over HTTP has it cancelled upstream and reconciled; a retry with a new request id but the same
+tether idempotency key in `_meta` replays the journaled outcome (I7)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+import tether
+from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.remote_agents import listen_gate
+from tests.test_mcp_proxy import cli
+
+A = tether.ActionState
+KEY = "io.tether/idempotency-key"
+
+
+def key_meta(key: str) -> Any:
+    """A request's ``_meta`` carrying tether's idempotency key."""
+    return {KEY: key}
+
+
+@asynccontextmanager
+async def serving(*args: str, ready: str) -> AsyncIterator[list[str]]:
+    """A process run until it says ``ready`` on stderr; its stderr lines so far."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(*args, cwd=ROOT, env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    up = asyncio.Event()
+
+    async def read() -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            lines.append(raw.decode())
+            if ready in lines[-1]:
+                up.set()
+
+    reader = asyncio.ensure_future(read())
+    try:
+        await asyncio.wait_for(up.wait(), 60)
+        yield lines
+    finally:
+        proc.terminate()
+        await proc.wait()
+        reader.cancel()
+
+
+@asynccontextmanager
+async def proxy_http(journal: str) -> AsyncIterator[str]:
+    """The proxy on a port the system picks (it says which once it listens)."""
+    async with serving(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--http", "127.0.0.1:0", "--upstream",
+                       f"bank={sys.executable} -m tests.mcp_bank",
+                       ready="serving MCP at") as lines:
+        said = next(line for line in lines if "serving MCP at" in line)
+        yield said.split("serving MCP at ")[1].split()[0]
+
+
+@asynccontextmanager
+async def http_client(url: str) -> AsyncIterator[ClientSession]:
+    async with streamable_http_client(url) as (read, write), \
+            ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+async def reports(journal: str) -> list[tether.Report]:
+    async with tether.Journal(journal, create=False) as j:
+        from tether._runtime.reconcile import build_report
+
+        return [await build_report(j, r.id) for r in await j.delegations()]
+
+
+async def until(journal: str, done: object, within: float = 30.0) -> list[tether.Report]:
+    give_up = time.monotonic() + within
+    while True:
+        found = await reports(journal)
+        if (callable(done) and done(found)) or time.monotonic() > give_up:
+            return found
+        await asyncio.sleep(0.05)
+
+
+async def test_each_http_session_is_a_delegation_and_a_retry_replays(
+        bank_env: Path, tmp_path: Path) -> None:
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, http_client(url) as one, http_client(url) as two:
+        names = {t.name for t in (await one.list_tools()).tools}
+        first = await one.call_tool("pay", {"account": "R-1", "cents": 3},
+                                    meta=key_meta("order-77"))
+        # The stream broke before the answer, say: the client retries with a new
+        # request id, the same key, on another session. The journal replays the outcome.
+        again = await two.call_tool("pay", {"account": "R-1", "cents": 3},
+                                    meta=key_meta("order-77"))
+    assert {"pay", "balance"} <= names
+    assert text(first) == text(again) == "paid 3 to R-1" and not again.is_error
+    assert paid(bank_env, "R-1") == [("order-77", 3)]  # applied once
+    found = await reports(journal)
+    assert len(found) == 2  # one delegation per MCP session
+    assert [(a.tool, a.state, a.idempotency_key) for r in found for a in r.actions] == [
+        ("bank.pay", A.COMPLETED, "order-77")]
+
+
+async def test_a_call_cancelled_over_http_is_cancelled_upstream_and_reconciled(
+        bank_env: Path, tmp_path: Path) -> None:
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, http_client(url) as session:
+        started = await listen_gate("started")
+        cancelled = await listen_gate("cancelled")
+        call = asyncio.ensure_future(session.call_tool("pay", {"account": "hold-7", "cents": 7}))
+        await started
+        call.cancel()
+        assert await asyncio.wait_for(cancelled, 30) == "hold-7"
+        found = await until(journal, lambda rs: rs and rs[0].actions
+                            and rs[0].actions[0].evidence is not None)
+    (action,) = found[0].actions
+    assert action.state in (A.UNKNOWN, A.IN_DOUBT)  # never COMPLETED: it was cancelled
+    assert paid(bank_env, "hold-7") == []
+
+
+async def test_an_upstream_reached_by_url(bank_env: Path, tmp_path: Path) -> None:
+    config = tmp_path / "mcp.json"
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with serving(sys.executable, "-m", "tests.mcp_bank", "--http", "0",
+                       ready="Uvicorn running") as lines:
+        said = next(line for line in lines if "Uvicorn running on " in line)
+        base = said.split("Uvicorn running on ")[1].split()[0]
+        config.write_text(json.dumps({"mcpServers": {
+            "bank": {"url": f"{base}/mcp", "effects": {"pay": "EXTERNAL"}}}}))
+        async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config",
+                           str(config), "--journal", journal) as session:
+            result = await session.call_tool("pay", {"account": "U-1", "cents": 8})
+    assert text(result) == "paid 8 to U-1"
+    (report,) = await reports(journal)
+    (action,) = report.actions
+    assert (action.tool, action.state) == ("bank.pay", A.COMPLETED)
+    assert paid(bank_env, "U-1") == [(action.idempotency_key, 8)]
+
+
+async def test_http_listen_mistakes_are_one_line(tmp_path: Path) -> None:
+    for spec, message in [("8765", "must be HOST:PORT"), ("0.0.0.0:8765", "loopback address only"),
+                          ("127.0.0.1:99999", "must be HOST:PORT")]:
+        code, _, err = await cli("mcp-proxy", "--http", spec, "--upstream", "x=y",
+                                 "--journal", f"sqlite:///{tmp_path / 'j.db'}")
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+async def test_2026_clients_share_one_session_over_http(bank_env: Path, tmp_path: Path) -> None:
+    """The 2026-07-28 protocol has no sessions: its requests share one client session of the
+    proxy (one delegation, one set of upstream connections), not one per request."""
+    from mcp import Client
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, Client(url) as client:
+        version = client.protocol_version
+        for cents in (1, 2, 3):
+            result = await client.call_tool("pay", {"account": "M-1", "cents": cents})
+            assert not result.is_error, text(result)
+    assert version == "2026-07-28"
+    (report,) = await reports(journal)
+    assert [a.state for a in report.actions] == [A.COMPLETED] * 3
+    assert [c for _, c in paid(bank_env, "M-1")] == [1, 2, 3]
+
+
+async def test_a_2026_client_that_drops_its_request_cancels_the_call(
+        bank_env: Path, tmp_path: Path) -> None:
+    """On the 2026-07-28 wire a client cancels by closing the request's stream: the proxy
+    takes the disconnect as a cancellation, sends it upstream, and reconciles the call."""
+    from mcp import Client
+
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, Client(url) as client:
+        started = await listen_gate("started")
+        cancelled = await listen_gate("cancelled")
+        call = asyncio.ensure_future(client.call_tool("pay", {"account": "hold-8", "cents": 8}))
+        await started
+        call.cancel()  # the SDK aborts the request's POST: no notification on this wire
+        assert await asyncio.wait_for(cancelled, 30) == "hold-8"
+        found = await until(journal, lambda rs: rs and rs[0].actions
+                            and rs[0].actions[0].evidence is not None)
+    (action,) = found[0].actions
+    assert action.state in (A.UNKNOWN, A.IN_DOUBT)  # never COMPLETED: it was cancelled
+    assert paid(bank_env, "hold-8") == []
