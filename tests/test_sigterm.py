@@ -21,8 +21,11 @@ import asyncio, sys, tether
 
 @tether.tool(dispatch_deadline=600.0)
 async def pay(order: str, *, idempotency_key: str) -> str:
-    if order.startswith("hang"):  # a call that outlives the supervisor's patience on exit
-        await asyncio.Event().wait()
+    while order.startswith("hang"):  # a call that outlives the supervisor's patience on
+        try:                          # exit: it shrugs off the terminate's cancellation too
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            continue
     return "paid " + order
 
 async def agent(ctx, order):
