@@ -143,9 +143,11 @@ async def test_without_a_server_what_waits_fails_in_time_then_the_journal_recove
         await journal.flush()
         journal._runner.reconnect_within = 0.5
         await asyncio.to_thread(private_pg.down, "fast")
-        with pytest.raises(JournalError, match="could not reconnect"):
-            await asyncio.wait_for(journal.flush(), WITHIN)
-        await asyncio.to_thread(private_pg.up)
+        try:
+            with pytest.raises(JournalError, match="could not reconnect"):
+                await asyncio.wait_for(journal.flush(), WITHIN)
+        finally:
+            await asyncio.to_thread(private_pg.up)
         journal._runner.reconnect_within = WITHIN
         await asyncio.wait_for(journal.register_owner(OwnerRow("o2", 1, "h", 1.0, 1.0)), WITHIN)
 
@@ -172,11 +174,13 @@ async def test_a_write_to_a_paused_server_fails_in_time(
         await journal.register_owner(OwnerRow("o3", 1, "h", 1.0, 1.0))
         journal._runner.reconnect_within = 0.5
         await asyncio.to_thread(private_pg.pause)
-        with pytest.raises(JournalError):
-            await asyncio.wait_for(journal.flush(), WITHIN)
-        with pytest.raises(JournalError):
-            await asyncio.wait_for(journal.liveness("o3"), WITHIN)
-        await asyncio.to_thread(private_pg.resume)
+        try:
+            with pytest.raises(JournalError):
+                await asyncio.wait_for(journal.flush(), WITHIN)
+            with pytest.raises(JournalError):
+                await asyncio.wait_for(journal.liveness("o3"), WITHIN)
+        finally:
+            await asyncio.to_thread(private_pg.resume)
         journal._runner.reconnect_within = WITHIN
         await asyncio.wait_for(journal.flush(), WITHIN)  # and it recovers
 

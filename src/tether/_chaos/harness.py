@@ -29,7 +29,16 @@ from typing import Any
 import tether
 from tether._chaos import trace as tracing
 from tether._chaos.ledger import Ledger, Network
-from tether._chaos.plan import FAULTS, LATE_APPLY_MAX, Plan, make_plan, plans
+from tether._chaos.pgserver import PrivateServer
+from tether._chaos.plan import (
+    ALL_FAULTS,
+    FAULTS,
+    INFRA_FAULTS,
+    LATE_APPLY_MAX,
+    Plan,
+    make_plan,
+    plans,
+)
 from tether._chaos.world import TOOL_DEADLINE, Trial, build
 from tether._core.report import ActionRecord
 from tether._journal.rows import ControlRow, DelegationRow, EventRow
@@ -109,7 +118,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
 
 
 def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
-                     ledger: Ledger) -> tuple[str, str]:
+                     ledger: Ledger, server: PrivateServer | None = None) -> tuple[str, str]:
     """('exited' | 'killed' | 'crashed' | 'hung', last words). The orchestrator leads a process
     group of its own: whatever it started and left behind is ended with it, by that group id."""
     log = directory / "orchestrator.log"
@@ -123,6 +132,8 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
         deadline = time.monotonic() + timeout
         if plan.fault == "pause_orchestrator":
             pause_orchestrator(proc, plan, directory, url, ledger, deadline)
+        if plan.fault in INFRA_FAULTS and server is not None:
+            infra_fault(proc, plan, server, ledger, deadline)
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
@@ -181,6 +192,31 @@ def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Pat
                       {"sig": "SIGCONT", "pid": proc.pid}))
         for at, what, key, detail in notes:
             ledger.note("harness", what, key, at=at, **detail)
+
+
+def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer,
+                ledger: Ledger, deadline: float) -> None:
+    """Restart the trial's database server, end its backends or pause it, once the children
+    are delegated: every process of the trial must ride through or give up cleanly."""
+    while ledger.first_note("delegated") is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    start = ledger.first_note("delegated")
+    assert start is not None
+    time.sleep(max(0.0, start + plan.pause_after - time.time()))
+    at = time.time()
+    try:
+        if plan.fault == "pg_restart":
+            server.restart(plan.variant)
+        elif plan.fault == "pg_terminate":
+            server.terminate()
+        else:
+            server.pause()
+            time.sleep(plan.pause_for)
+    finally:
+        server.resume()
+        ledger.note("harness", plan.fault, "", at=at, mode=plan.variant, took=time.time() - at)
 
 
 def recovery_policy(plan: Plan) -> tether.Policy:
@@ -295,7 +331,8 @@ def judge(snap: Snapshot, ledger: Ledger, plan: Plan, outcome: str) -> list[Viol
     return found
 
 
-def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0) -> TrialResult:
+def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0,
+              server: PrivateServer | None = None) -> TrialResult:
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         directory = Path(tmp)
         url = trial_url(directory, base, plan)
@@ -305,7 +342,7 @@ def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0) -> Tri
                           overdue=plan.bug == "overdue_apply")
         network.start()
         try:
-            return _trial(plan, directory, url, ledger, network, start, timeout)
+            return _trial(plan, directory, url, ledger, network, start, timeout, server)
         finally:
             network.close()
             ledger.close()
@@ -313,8 +350,8 @@ def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0) -> Tri
 
 
 def _trial(plan: Plan, directory: Path, url: str, ledger: Ledger, network: Network,
-           start: float, timeout: float) -> TrialResult:
-    outcome, error = run_orchestrator(directory, plan, url, timeout, ledger)
+           start: float, timeout: float, server: PrivateServer | None = None) -> TrialResult:
+    outcome, error = run_orchestrator(directory, plan, url, timeout, ledger, server)
     if not (directory / "keys" / "signing.json").exists():
         # Killed before it opened the journal: nothing happened.
         return TrialResult(plan, outcome, [], tracing.collect(ledger, None, start), error)
@@ -358,14 +395,34 @@ def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
         chosen = [replace(base, bug=inject)]
     else:
         chosen = [replace(p, bug=inject) for p in plans(seed, trials, faults, per_fault)]
-    per_fault_counts: dict[str, Counter[str]] = {f: Counter() for f in FAULTS}
+    per_fault_counts: dict[str, Counter[str]] = {f: Counter() for f in ALL_FAULTS}
+    server: PrivateServer | None = None
+    if any(p.fault in INFRA_FAULTS for p in chosen):
+        if journal is None:
+            raise tether.UserError(
+                f"{', '.join(INFRA_FAULTS)} need --journal postgresql://... (the run then "
+                "starts a private server of its own for every trial)")
+        server = PrivateServer().start()
+        journal = server.url
+    try:
+        return _run(chosen, journal, timeout, per_fault_counts, traces, replay, recorded,
+                    progress, seed, inject, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _run(chosen: list[Plan], journal: str | None, timeout: float,
+         per_fault_counts: dict[str, Counter[str]], traces: Path | None, replay: int | None,
+         recorded: dict[str, Any] | None, progress: Callable[[int, Plan, str], None] | None,
+         seed: int, inject: str, server: PrivateServer | None) -> dict[str, Any]:
     violations: list[Violation] = []
     outcomes: Counter[str] = Counter()
     details: list[dict[str, Any]] = []
     written: list[str] = []
     results: list[TrialResult] = []
     for i, plan in enumerate(chosen):
-        result = one_trial(plan, journal, timeout)
+        result = one_trial(plan, journal, timeout, server)
         results.append(result)
         outcomes[result.outcome] += 1
         counts = per_fault_counts[plan.fault]

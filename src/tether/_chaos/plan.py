@@ -33,6 +33,14 @@ NEW_FAULTS = (
     "cli_recall",  # `tether recall ID --grace G` of a busy child, from another process
 )
 FAULTS = ORIGINAL_FAULTS + NEW_FAULTS
+# Faults of the infrastructure, on a private PostgreSQL server the run starts for itself. Drawn
+# only when named (``--faults``), so that the other faults' seeds keep giving the same plans.
+INFRA_FAULTS = (
+    "pg_restart",  # `pg_ctl restart -m fast|immediate` mid-trial
+    "pg_terminate",  # pg_terminate_backend on every client backend mid-trial
+    "pg_pause",  # SIGSTOP the postmaster and its backends for longer than a lease
+)
+ALL_FAULTS = FAULTS + INFRA_FAULTS
 
 # The provider applies a request at most this many seconds after the tool sent it, or never
 # (it drops what is older): the chaos refund tool declares it as its dispatch deadline. Plans
@@ -94,8 +102,11 @@ def plans(run_seed: int, trials: int, faults: tuple[str, ...] = FAULTS,
     chosen: list[Plan] = []
     wanted = {f: per_fault for f in faults} if per_fault is not None else None
     index = 0
+    infra = any(f in INFRA_FAULTS for f in faults)
     while (len(chosen) < trials) if wanted is None else any(wanted.values()):
-        plan = make_plan(trial_seed(run_seed, index))
+        seed = trial_seed(run_seed, index)
+        # With an infrastructure fault named, the fault is drawn among those named.
+        plan = make_plan(seed, random.Random(seed).choice(faults) if infra else None)
         index += 1
         if wanted is None:
             if plan.fault in faults:
@@ -108,10 +119,13 @@ def plans(run_seed: int, trials: int, faults: tuple[str, ...] = FAULTS,
     return chosen
 
 
-def make_plan(seed: int) -> Plan:
-    """Everything about a trial follows from its seed, so ``--replay SEED`` reruns it."""
+def make_plan(seed: int, forced: str | None = None) -> Plan:
+    """Everything about a trial follows from its seed, so ``--replay SEED`` reruns it (an
+    infrastructure fault's trial from its recorded plan: its fault was chosen, not drawn)."""
     rng = random.Random(seed)
     fault = rng.choice(FAULTS)
+    if forced is not None:
+        fault = forced
     slow = fault == "slow_tool"
     plan = Plan(
         seed=seed, fault=fault, children=rng.randint(1, 3), refunds=rng.randint(1, 3),
@@ -124,7 +138,24 @@ def make_plan(seed: int) -> Plan:
     )
     if fault in NEW_FAULTS:  # a stream of its own, so the fields above stay as they were
         plan = dataclasses.replace(plan, **_cross_process(fault, random.Random(f"{seed}:{fault}")))
+    if fault in INFRA_FAULTS:
+        plan = dataclasses.replace(plan, **_infra(fault, random.Random(f"{seed}:{fault}")))
     return plan
+
+
+def _infra(fault: str, rng: random.Random) -> dict[str, Any]:
+    """Children on this process or on a `tether worker`, the fault once they are under way."""
+    remote = rng.random() < 0.5
+    lease = rng.choice([1.0, 1.5]) if fault == "pg_pause" else rng.choice([2.0, 3.0])
+    p: dict[str, Any] = {
+        "remote": remote, "lease": lease, "latency": rng.uniform(0.02, 0.2),
+        "children": rng.randint(1, 3), "refunds": rng.randint(1, 3),
+        "pause_after": rng.uniform(0.0, 0.3),
+        "variant": rng.choice(["fast", "immediate"]) if fault == "pg_restart" else "",
+        # A pause outlasts a worker's lease: the worker gives its claims up.
+        "pause_for": lease * rng.uniform(1.5, 2.5) if fault == "pg_pause" else 0.0,
+    }
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()}
 
 
 def _late(rng: random.Random, always: bool = False) -> float:

@@ -371,14 +371,15 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
     from rich.table import Table
 
     from tether._chaos.harness import CLASSES, run_chaos
-    from tether._chaos.plan import BUGS, FAULTS
+    from tether._chaos.plan import ALL_FAULTS, BUGS, FAULTS
     from tether._chaos.trace import line
     from tether._cli.render import trials_table
 
     chosen = FAULTS if faults is None else tuple(f.strip() for f in faults.split(","))
-    unknown = [f for f in chosen if f not in FAULTS]
+    unknown = [f for f in chosen if f not in ALL_FAULTS]
     if unknown or not chosen:
-        raise UserError(f"unknown fault kind(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        raise UserError(f"unknown fault kind(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(ALL_FAULTS)}")
     if inject is not None and inject not in BUGS:
         raise UserError(f"unknown --inject {inject!r}; known: {', '.join(BUGS)}")
     if journal is not None and not journal.startswith(("postgresql://", "postgres://")):

@@ -126,6 +126,8 @@ class ThreadRunner:
     # -- the thread -----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._closing.clear()  # a journal may be opened again after it was closed
+        self._dead = False
         self._conn = await asyncio.to_thread(self.connect)
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
         self._thread.start()

@@ -226,11 +226,11 @@ class Worker:
             # Judged when it runs (after a reconnection, say), not when it was asked for.
             renewal = asyncio.ensure_future(
                 sup.journal.renew_lease(sup.owner_id, sup.clock.wall, self.lease))
+            renewal.add_done_callback(_retrieved)  # also when this loop is cancelled first
             try:
                 ok = await asyncio.wait_for(asyncio.shield(renewal),
                                             max(0.0, self._lease_ends - started))
             except TimeoutError:  # the journal did not answer within the lease: give up
-                renewal.add_done_callback(_retrieved)
                 sup.abandon()
                 raise LeaseLost(sup.owner_id, "the journal did not answer within its lease "
                                 f"({self.lease:g} s)") from None

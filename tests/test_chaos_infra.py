@@ -1,0 +1,36 @@
+"""`tether chaos` draws infrastructure faults on a private PostgreSQL server of its own: a
+restart (fast or immediate), terminated backends, a pause longer than a lease, each mid-trial.
+Every process rides through or gives up cleanly: no violation, no hung process."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from tests.test_chaos import ROOT, chaos
+
+INFRA = ("pg_restart", "pg_terminate", "pg_pause")
+
+
+async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Path) -> None:
+    base = pg_url.split("?")[0]  # names the backend; the run starts a private server
+    code, result, err = await chaos("--faults", ",".join(INFRA), "--per-fault", "2",
+                                    "--seed", "3", "--journal", base, "--traces",
+                                    str(tmp_path), "--trial-timeout", "40")
+    assert code == 0, (err, result["violations"])
+    assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(INFRA, 2)
+    assert result["outcomes"] == {"exited": 6}  # none hung
+    for record in result["trials_detail"]:
+        # The fault happened, while the trial ran.
+        assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
+
+
+async def test_infrastructure_faults_need_postgresql() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "chaos", "--faults", "pg_restart", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: pg_restart"), lines
