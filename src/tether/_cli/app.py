@@ -383,8 +383,9 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
               "--traces", help="Where failing trials' records (plan and observed schedule) "
               "are written, and where --replay reads them.")] = Path(".tether/chaos"),
           inject: Annotated[str | None, typer.Option(
-              "--inject", help="A deliberate bug of the simulated provider, to check that "
-              "chaos catches it: double_apply, blind_probe or overdue_apply.")] = None,
+              "--inject", help="A deliberate bug (of the simulated provider or the runtime), to "
+              "check that chaos catches it: double_apply, blind_probe, overdue_apply or "
+              "intent_after_dispatch.")] = None,
           trial_timeout: Annotated[float, typer.Option(
               "--trial-timeout", min=1.0, help="Seconds before a trial counts as hung.")] = 30.0,
           as_json: JsonOpt = False) -> None:
