@@ -29,6 +29,7 @@ TRUSTED = tether.TrustedKeys([KEY.public])
 @pytest.fixture
 async def journal(journal_url: str) -> AsyncIterator[Journal]:
     async with Journal(journal_url) as j:
+        await j.genesis(KEY, 0.0)  # KEY roots the journal's key registry
         for owner in ("orchestrator", "w1", "w2"):
             await j.register_owner(OwnerRow(owner, 1, "host", 0.0, 0.0))
         yield j
@@ -187,7 +188,8 @@ async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: J
     assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
     assert (await journal.begin_action(action("a1", "d1", 14.0))).status is Begin.STARTED
     await journal.close()
-    async with tether.Supervisor(journal_url, recover=False) as sup:
+    async with tether.Supervisor(journal_url, recover=False,
+                                 keys=tether.KeyRing(KEY, TRUSTED)) as sup:
         (report,) = await sup.recover()
         entry = await sup.journal.queue_entry("d1")
     assert report.delegation_id == "d1" and report.verdict == "RECOVERED"

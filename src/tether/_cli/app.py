@@ -29,7 +29,8 @@ from tether._runtime.tools import Agent, Tool
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Recall, terminate and reconcile sub-agents with real side effects.")
-keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key and trusted keys.")
+keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key, the pinned root "
+                       "and the journal's key registry.")
 app.add_typer(keys_app, name="keys")
 trace_app = typer.Typer(no_args_is_help=True, help="Timelines and failure forensics.")
 app.add_typer(trace_app, name="trace")
@@ -109,7 +110,9 @@ def show(delegation_id: str, journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt
     async def go() -> dict[str, Any]:
         async with Journal(journal, create=False) as j:
             ring = await asyncio.to_thread(_load_keys_or_none, key_dir(j, keys))
-            return await collect(j, delegation_id, ring.trusted if ring else None)
+            # Verified against the journal's key registry as this configuration roots it.
+            trusted = (await j.registry(ring.trusted)).keys if ring else None
+            return await collect(j, delegation_id, trusted)
 
     data = run(go())
     if as_json:
@@ -291,12 +294,12 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     directory = key_dir(Journal(journal), keys)
     ring = KeyRing.load(directory)
     data = {"directory": str(directory), "signing": ring.signer.key_id,
-            "trusted": ring.trusted.ids()}
+            "public": ring.signer.public_b64(), "pinned": ring.trusted.ids()}
     if as_json:
         emit_json(data)
     else:
-        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\ntrusted: "
-                  + ", ".join(ring.trusted.ids()))
+        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\npublic key: "
+                  f"{data['public']}\npinned root keys: " + ", ".join(ring.trusted.ids()))
 
 
 @app.command()
@@ -502,6 +505,15 @@ def _register_sim() -> None:
 
 
 _register_sim()
+
+
+def _register_keys() -> None:
+    from tether._cli.keys import register
+
+    register(keys_app, out, cli_errors, emit_json)
+
+
+_register_keys()
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
+    ForgedRow,
     InvalidTransition,
     NotFound,
     StaleEpoch,
@@ -259,7 +260,7 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
 def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                    accepted_at: float) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
-    The signature was verified by the caller against the journal's trusted keys."""
+    The signature was verified in this transaction against the journal's key registry."""
     row = get_delegation(db, intent.delegation_id)
     if intent.seq != row.control_seq + 1:
         raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
@@ -287,6 +288,15 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         "WHERE id IN (SELECT id FROM sub) AND id <> ?",
         (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
     )
+    squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
+                          (intent.delegation_id, intent.seq)).fetchone()
+    if squatter is not None:
+        # The delegation's own sequence says this slot is free: a row the acceptance never
+        # wrote (forged, or left by a hand edit) holds it. Name it, change nothing.
+        raise ForgedRow(f"controls row {squatter[0]} holds sequence {intent.seq} of "
+                        f"delegation {intent.delegation_id}, whose accepted sequence is "
+                        f"{row.control_seq}: that row was not written by an accepted intent "
+                        "(forged or edited); remove it, then retry")
     cur = db.execute(
         "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
         "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 from tether._core.model import ControlKind, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.report import Report
+from tether._core.signing import TrustedKeys
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
@@ -46,6 +47,8 @@ class Liveness(Journaled, Protocol):
 
 class Remote(Liveness, Protocol):
     """Waiting on work another process runs, and reconciling it if that process is gone."""
+
+    async def current_trust(self) -> TrustedKeys: ...
 
     @property
     def keys(self) -> KeyRing: ...
@@ -115,6 +118,8 @@ class Drains(Journaled, Protocol):
 
     @property
     def keys(self) -> KeyRing: ...
+
+    async def current_trust(self) -> TrustedKeys: ...
 
 
 class Accounts(Liveness, Protocol):
