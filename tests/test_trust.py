@@ -40,7 +40,12 @@ async def held(journal_url: str, shop: Shop) -> AsyncIterator[tuple[tether.Super
     shop.gate = asyncio.Event()
     async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
         yield sup, shop
-        shop.gate.set()
+        open_gate(shop)
+
+
+def open_gate(shop: Shop) -> None:
+    assert shop.gate is not None
+    shop.gate.set()
 
 
 def one_error_line(err: str) -> str:
@@ -65,7 +70,7 @@ async def test_a_caller_with_its_own_keys_cannot_recall(
     row = await sup.journal.get(child.id)
     assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
     assert await sup.journal.controls(child.id) == []
-    shop.gate.set()
+    open_gate(shop)
     assert (await child.result()).startswith("re_")
     assert shop.pay.refund_count("T-1") == 1
 
@@ -93,7 +98,7 @@ async def test_trusting_and_revoking_a_key_are_signed_journaled_operations(
                                       "--keys", str(other), "--no-wait", "--json")
     assert code == 0, err
     assert json.loads(out)["accepted"] is True
-    shop.gate.set()
+    open_gate(shop)
     report = await child.report()
     assert report.outcome is tether.DelegationState.RECALLED
     code, out, err = await tether_cli("keys", "revoke", ring.signer.key_id, "--journal",
@@ -106,7 +111,7 @@ async def test_trusting_and_revoking_a_key_are_signed_journaled_operations(
                                     "--keys", str(other), "--no-wait")
     assert code == 2 and "revoked" in one_error_line(err)
     assert (await sup.journal.get(again.id)).control_seq == 0
-    shop.gate.set()
+    open_gate(shop)
     await again.result()
 
 
@@ -158,7 +163,7 @@ async def test_a_forged_row_at_the_next_sequence_is_named(
     assert "controls row" in line and "sequence 1" in line
     row = await sup.journal.get(child.id)
     assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
-    shop.gate.set()
+    open_gate(shop)
     assert (await child.result()).startswith("re_")
 
 
