@@ -214,7 +214,7 @@ async def test_a_fault_in_a_workers_handling_settles_the_delegation(journal_url:
     lives; the worker goes on serving (I3)."""
     agent = tether.Agent("fine", fine, ())
     async with tether.Supervisor(journal_url, recover=False) as sup:
-        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        await sup.journal.create_delegation(sup.sign_work(unreadable("d-bad", sup.owner_id)))
         async with tether.Worker(journal_url, [agent], poll=0.01) as worker:
             running = asyncio.ensure_future(worker.run())
             with pytest.raises(tether.DelegationError, match="TERMINATED"):
@@ -240,7 +240,7 @@ async def test_a_worker_that_cannot_settle_a_fault_stops_and_keeps_its_lease(
     worker's once the lease runs out (I3, I7)."""
     agent = tether.Agent("fine", fine, ())
     async with tether.Supervisor(journal_url, recover=False) as sup:
-        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        await sup.journal.create_delegation(sup.sign_work(unreadable("d-bad", sup.owner_id)))
         async with tether.Worker(journal_url, [agent], poll=0.01, lease=600.0) as worker:
 
             async def cannot_settle(delegation_id: str, exc: Exception) -> None:

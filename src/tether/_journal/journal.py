@@ -177,6 +177,9 @@ class Journal:
         return await self._write(ops.end_delegation, delegation_id, state, now, result, error,
                                  failure)
 
+    async def work_of(self, delegation_id: str) -> Signed | None:
+        return await self.peek(ops.work_of, delegation_id)
+
     async def bump_cancel(self, task_id: str, now: float, why: str) -> int:
         return await self._write(ops.bump_cancel, task_id, now, why)
 

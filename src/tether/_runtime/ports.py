@@ -17,7 +17,7 @@ from tether._core.redispatch import RedispatchPolicy
 from tether._core.report import Report
 from tether._core.signing import TrustedKeys
 from tether._journal.journal import Journal
-from tether._journal.rows import DelegationRow
+from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.clock import Clock
 from tether._runtime.keys import KeyRing
 from tether._runtime.state import ChildRuntime, TaskRun
@@ -73,6 +73,8 @@ class Handles(Remote, Protocol):
     async def report(self, delegation_id: str) -> Report: ...
 
     def runtime(self, delegation_id: str) -> ChildRuntime | None: ...
+
+    def sign_work(self, new: NewDelegation) -> NewDelegation: ...
 
     async def launch(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
                      policy: RedispatchPolicy) -> TaskRun: ...

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -27,7 +28,7 @@ from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import Report
 from tether._core.signing import Signed, TrustedKeys
-from tether._core.trust import bound
+from tether._core.trust import bound, work_order
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import ControlRow, DelegationRow, NewDelegation, OwnerRow
@@ -296,17 +297,25 @@ class Supervisor:
             raise UserError("task_id must be a non-empty string")
         if remote and redispatch is not None:
             raise UserError("a queued delegation follows its worker's re-dispatch policy")
-        row = await self.journal.create_delegation(NewDelegation(
+        new = NewDelegation(
             id=new_id("d"), task_id=task_id or new_id("t"), parent_id=None, attempt=1,
             agent=ag.name, surface=tuple(surface), args=payload, owner_id=self.owner_id,
             now=self.clock.wall(), model=model, queued=remote,
-        ))
+        )
+        row = await self.journal.create_delegation(self.sign_work(new) if remote else new)
         if remote:
             self._learn(surface.values())  # its probes serve reconciliation from here
             return Handle(self, row, queued=True)
         run = await self.launch(ChildRuntime(row, ag, surface), args, kwargs,
                                 redispatch or self.redispatch)
         return Handle.for_run(self, run)
+
+    def sign_work(self, new: NewDelegation) -> NewDelegation:
+        """Queued work carries this process's signature over what a worker is to run (agent,
+        arguments, surface, parent): a worker runs nothing the deployment did not sign."""
+        order = work_order(new.id, new.task_id, new.parent_id, new.agent, new.args,
+                           new.surface, new.now)
+        return dataclasses.replace(new, work=self.keys.signer.sign(order))
 
     async def start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
                           kwargs: dict[str, Any]) -> TaskRun:
