@@ -14,8 +14,20 @@ def entries(db: Db) -> list[tuple[int, Signed]]:
     return [(int(r[0]), Signed(bytes(r[1]), r[2], bytes(r[3]))) for r in rows]
 
 
+# Replaying the registry checks every entry's signature; it changes rarely, so the result is
+# remembered per (pins, entries): one small read per acceptance, no signature re-checked.
+_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...]], Registry] = {}
+
+
 def registry(db: Db, pins: TrustedKeys) -> Registry:
-    return effective(pins, entries(db))
+    rows = tuple(entries(db))
+    key = (tuple(pins.ids()), rows)
+    found = _MEMO.get(key)
+    if found is None:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        found = _MEMO[key] = effective(pins, rows)
+    return found
 
 
 def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str = "") -> int:
