@@ -272,7 +272,7 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
 def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                    accepted_at: float) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
-    The signature was verified in this transaction against the journal's key registry."""
+    The signature was verified by the caller against the journal's trusted keys."""
     row = get_delegation(db, intent.delegation_id)
     if intent.seq != row.control_seq + 1:
         raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
