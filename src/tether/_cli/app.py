@@ -294,7 +294,8 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     directory = key_dir(Journal(journal), keys)
     ring = KeyRing.load(directory)
     data = {"directory": str(directory), "signing": ring.signer.key_id,
-            "public": ring.signer.public_b64(), "pinned": ring.trusted.ids()}
+            "public": ring.signer.public_b64(), "pinned": ring.trusted.ids(),
+            "trusted": ring.trusted.ids()}  # "trusted": the pinned roots' earlier name
     if as_json:
         emit_json(data)
     else:
