@@ -74,3 +74,5 @@ def test_keys_init_on_a_file_is_one_line(tmp_path: Path) -> None:
     assert "not-a-dir" in one_line_error(["keys", "init", "--keys", str(a_file)])
     assert "not-a-dir" in one_line_error(["keys", "init", "--keys", str(a_file / "keys")])
     assert a_file.read_text() == "x"
+    # A place nobody can create a directory in, root included (procfs).
+    assert "/proc/tether-keys" in one_line_error(["keys", "init", "--keys", "/proc/tether-keys"])
