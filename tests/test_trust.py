@@ -197,3 +197,35 @@ def test_the_registry_believes_only_entries_signed_by_trusted_keys() -> None:
     revoked = effective(pins, list(enumerate([*entries, grant(friend, "revoke", root),
                                               grant(root, "revoke", friend)])))
     assert revoked.keys.ids() == [root.key_id] and friend.key_id in revoked.revoked
+
+
+async def test_verify_names_every_signed_record_that_fails(
+        held: tuple[tether.Supervisor, Shop], journal_url: str) -> None:
+    """`tether verify` passes a clean journal and exits 1 naming a copied intent, an altered
+    intent body and queued work whose arguments were rewritten."""
+    sup, shop = held
+    x = await sup.delegate(shop.refund_agent, "V-1", tools=shop.tools)
+    await x.terminate("clean")
+    queued = await sup.delegate(shop.refund_agent, "V-2", tools=shop.tools, remote=True)
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 0, (out, err)
+    clean = json.loads(out)
+    assert clean["ok"] and clean["records_checked"] >= 2
+    w = await sup.delegate(shop.refund_agent, "V-3", tools=shop.tools)
+    (signed,) = [c.signed for c in await sup.journal.controls(x.id)]
+    await raw(sup.journal, "INSERT INTO controls (delegation_id, seq, kind, body, key_id, "
+              "signature, accepted_at, issuer) VALUES (?, 1, 'TERMINATE', ?, ?, ?, 0, 'x')",
+              w.id, signed.body, signed.key_id, signed.signature)
+    await raw(sup.journal, "UPDATE controls SET body = ? WHERE delegation_id = ?",
+              signed.body.replace(b'"clean"', b'"dirty"'), x.id)
+    await raw(sup.journal, "UPDATE delegations SET args = ? WHERE id = ?",
+              '{"args":["V-2-other"],"kwargs":{}}', queued.id)
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1, (out, err)
+    found = {(p["delegation"], p["record"].split(" (")[0]): p["problem"]
+             for p in json.loads(out)["problems"]}
+    assert "does not verify" in found[(x.id, next(r for d, r in found if d == x.id))]
+    assert any(d == w.id and "copied or replayed" in p for (d, _), p in found.items())
+    assert "does not match" in found[(queued.id, "queued work")]
+    code, out, _ = await tether_cli("verify", w.id, "--journal", journal_url)
+    assert code == 1 and "controls row" in out

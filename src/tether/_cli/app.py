@@ -512,6 +512,9 @@ def _register_keys() -> None:
     from tether._cli.keys import register
 
     register(keys_app, out, cli_errors, emit_json)
+    from tether._cli.verify import register as register_verify
+
+    register_verify(app, out, cli_errors, emit_json)
 
 
 _register_keys()
