@@ -8,6 +8,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import tether
 from tests.test_trust import raw
 from tether.testing import PaymentService
@@ -73,3 +75,16 @@ async def test_a_worker_refuses_work_nobody_trusted_signed(journal_url: str,
     assert "does not match" in rows[-1].error
     assert PAY.refund_count(f"H-1{run}") == 1
     assert all(PAY.refund_count(o) == 0 for o in ("X-0", "X-4", "F-1", "A-1"))
+
+
+async def test_a_worker_whose_key_is_not_trusted_does_not_start(journal_url: str) -> None:
+    """It would claim work it cannot settle (its terminates would be refused): it refuses to
+    start with one line, claiming nothing."""
+    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral(),
+                                 tools=[pay]) as sup:
+        queued = await sup.delegate(payer, f"U-{uuid.uuid4().hex[:6]}", 1, remote=True)
+        with pytest.raises(tether.UserError, match=r"cannot serve: key \w+ is not trusted"):
+            async with tether.Worker(journal_url, [payer], keys=tether.KeyRing.ephemeral()):
+                pass
+        entry = await sup.journal.queue_entry(queued.id)
+    assert entry is not None and entry.claimed_by is None

@@ -113,6 +113,12 @@ class Worker:
         sup = self.supervisor
         await sup.__aenter__()
         try:
+            # A worker signs what it settles (terminates, acknowledgements): its key must be
+            # one the deployment trusts, or it would claim work it cannot account for.
+            registry = await sup.journal.registry(sup.keys.trusted)
+            if sup.keys.signer.key_id not in registry.keys:
+                why = registry.explain(sup.keys.signer.key_id)
+                raise UserError(f"this worker cannot serve: {why}")
             await self._check_clock()
             now = sup.clock.wall()
             if not await sup.journal.renew_lease(sup.owner_id, now, self.lease):
