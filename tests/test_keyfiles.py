@@ -31,6 +31,17 @@ def test_key_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
         assert not [p for p in directory.iterdir() if p.name.startswith(".signing")]
 
 
+def test_loading_keys_an_older_tether_left_open_makes_them_private(tmp_path: Path) -> None:
+    tether.KeyRing.init(tmp_path / "keys")
+    for path, loose in ((tmp_path / "keys", 0o777), (tmp_path / "keys" / "trusted.json", 0o666),
+                        (tmp_path / "keys" / "signing.json", 0o644)):
+        os.chmod(path, loose)
+    tether.KeyRing.load(tmp_path / "keys")
+    assert mode(tmp_path / "keys") == 0o700
+    assert mode(tmp_path / "keys" / "trusted.json") == 0o600
+    assert mode(tmp_path / "keys" / "signing.json") == 0o600
+
+
 STARTER = r"""
 import sys, time
 from pathlib import Path

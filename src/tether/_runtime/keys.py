@@ -80,6 +80,15 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _tighten(directory: Path, *files: Path) -> None:
+    """Key files written by an older tether followed the umask: make them private now (where
+    this process owns them; otherwise leave them, the owner's tools will)."""
+    for path, mode in ((directory, 0o700), *((f, 0o600) for f in files)):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, mode)
+
+
 @dataclass
 class KeyRing:
     signer: SigningKey
@@ -105,6 +114,7 @@ class KeyRing:
             keys = TrustedKeys.from_b64(json.loads(trusted.read_text()))
         except (OSError, ValueError, KeyError, TypeError, ControlRefused) as exc:
             raise UserError(f"key files in {directory} are unreadable: {exc}") from None
+        _tighten(directory, signing, trusted)
         return cls(signer, keys, directory)
 
     @classmethod
