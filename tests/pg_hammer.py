@@ -25,6 +25,7 @@ TRUSTED = tether.TrustedKeys([KEY.public])
 
 async def main(url: str, role: str, delegation: str, n: int) -> None:
     async with Journal(url, create=False) as j:
+        await j.genesis(KEY, 0.0)  # KEY roots the key registry (the first process records it)
         me = os.getpid()
         if role == "act":
             started = 0

@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ORIGINAL = ",".join(ORIGINAL_FAULTS)
 
 
-async def chaos(*args: str, faults: str = "") -> tuple[int, dict[str, Any], str]:
+async def chaos(*args: str, inject: str = "") -> tuple[int, dict[str, Any], str]:
     env = {**os.environ}
-    env.pop("TETHER_FAULTS", None)
-    if faults:
-        env["TETHER_FAULTS"] = faults
+    if inject:
+        args = (*args, "--inject", inject)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tether", "chaos", *args, "--json", cwd=ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -51,18 +50,19 @@ async def test_thirty_trials_find_no_violation(tmp_path: Path) -> None:
 
 
 async def test_writing_the_intent_after_dispatch_is_caught_and_replays(tmp_path: Path) -> None:
-    """The harness is itself tested: break I1 with the fault switch and chaos must say so."""
+    """The harness is itself tested: break I1 with the interceptor it plants and chaos must
+    say so."""
     traces = ("--traces", str(tmp_path))
     code, result, _ = await chaos("--trials", "8", "--seed", "3", "--faults",
                                   "kill_after_effect,recall,race", *traces,
-                                  faults="intent_after_dispatch")
+                                  inject="intent_after_dispatch")
     assert code == 1
     counts = result["counts"]
     assert isinstance(counts, dict) and counts["lost"] > 0 and counts["ghost"] > 0
     violations = result["violations"]
     assert isinstance(violations, list)
     seed = next(v["trial_seed"] for v in violations if v["fault"] == "kill_after_effect")
-    code, again, _ = await chaos("--replay", str(seed), *traces, faults="intent_after_dispatch")
+    code, again, _ = await chaos("--replay", str(seed), *traces, inject="intent_after_dispatch")
     assert code == 1 and again["trials"] == 1
     replayed = again["violations"]
     assert isinstance(replayed, list) and {v["class"] for v in replayed} >= {"lost", "ghost"}

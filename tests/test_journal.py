@@ -25,6 +25,7 @@ TRUSTED = tether.TrustedKeys([KEY.public])
 @pytest.fixture
 async def journal(journal_url: str) -> AsyncIterator[Journal]:
     async with Journal(journal_url) as j:
+        await j.genesis(KEY, 0.0)  # KEY roots the journal's key registry
         yield j
 
 

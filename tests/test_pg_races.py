@@ -58,6 +58,7 @@ async def _race(url: str, first: Any, second: Any, *, table: str = "delegations"
     jb = Journal(f"{url}&application_name={names[1]}")
     await ja.open()
     await jb.open()
+    await ja.genesis(KEY, 0.0)  # KEY roots the journal's key registry
     await ja.create_delegation(NewDelegation(
         id="d1", task_id="t1", parent_id=None, attempt=1, agent="agent", surface=("pay",),
         args={}, owner_id="o", now=1.0))

@@ -29,6 +29,7 @@ TRUSTED = tether.TrustedKeys([KEY.public])
 @pytest.fixture
 async def journal(journal_url: str) -> AsyncIterator[Journal]:
     async with Journal(journal_url) as j:
+        await j.genesis(KEY, 0.0)  # KEY roots the journal's key registry
         for owner in ("orchestrator", "w1", "w2"):
             await j.register_owner(OwnerRow(owner, 1, "host", 0.0, 0.0))
         yield j
@@ -187,7 +188,8 @@ async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: J
     assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
     assert (await journal.begin_action(action("a1", "d1", 14.0))).status is Begin.STARTED
     await journal.close()
-    async with tether.Supervisor(journal_url, recover=False) as sup:
+    async with tether.Supervisor(journal_url, recover=False,
+                                 keys=tether.KeyRing(KEY, TRUSTED)) as sup:
         (report,) = await sup.recover()
         entry = await sup.journal.queue_entry("d1")
     assert report.delegation_id == "d1" and report.verdict == "RECOVERED"
@@ -212,7 +214,7 @@ async def test_a_fault_in_a_workers_handling_settles_the_delegation(journal_url:
     lives; the worker goes on serving (I3)."""
     agent = tether.Agent("fine", fine, ())
     async with tether.Supervisor(journal_url, recover=False) as sup:
-        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        await sup.journal.create_delegation(sup.sign_work(unreadable("d-bad", sup.owner_id)))
         async with tether.Worker(journal_url, [agent], poll=0.01) as worker:
             running = asyncio.ensure_future(worker.run())
             with pytest.raises(tether.DelegationError, match="TERMINATED"):
@@ -238,7 +240,7 @@ async def test_a_worker_that_cannot_settle_a_fault_stops_and_keeps_its_lease(
     worker's once the lease runs out (I3, I7)."""
     agent = tether.Agent("fine", fine, ())
     async with tether.Supervisor(journal_url, recover=False) as sup:
-        await sup.journal.create_delegation(unreadable("d-bad", sup.owner_id))
+        await sup.journal.create_delegation(sup.sign_work(unreadable("d-bad", sup.owner_id)))
         async with tether.Worker(journal_url, [agent], poll=0.01, lease=600.0) as worker:
 
             async def cannot_settle(delegation_id: str, exc: Exception) -> None:

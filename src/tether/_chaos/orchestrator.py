@@ -20,6 +20,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 
 import tether
+from tether._chaos import faults
 from tether._chaos.plan import Plan
 from tether._chaos.world import Trial, build, policy
 
@@ -150,6 +151,7 @@ class Workers:
 
 async def run(directory: Path, plan: Plan, url: str) -> None:
     trial = Trial(directory, plan, "orchestrator")
+    faults.install(plan.bug)
     helpers = Helpers(trial, url)
     try:
         await orchestrate(trial, url, helpers)

@@ -30,7 +30,8 @@ from tether._runtime.tools import Agent, Tool
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Recall, terminate and reconcile sub-agents with real side effects.")
-keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key and trusted keys.")
+keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key, the pinned root "
+                       "and the journal's key registry.")
 app.add_typer(keys_app, name="keys")
 trace_app = typer.Typer(no_args_is_help=True, help="Timelines and failure forensics.")
 app.add_typer(trace_app, name="trace")
@@ -110,7 +111,9 @@ def show(delegation_id: str, journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt
     async def go() -> dict[str, Any]:
         async with Journal(journal, create=False) as j:
             ring = await asyncio.to_thread(_load_keys_or_none, key_dir(j, keys))
-            return await collect(j, delegation_id, ring.trusted if ring else None)
+            # Verified against the journal's key registry as this configuration roots it.
+            trusted = (await j.registry(ring.trusted)).keys if ring else None
+            return await collect(j, delegation_id, trusted)
 
     data = run(go())
     if as_json:
@@ -292,12 +295,13 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     directory = key_dir(Journal(journal), keys)
     ring = KeyRing.load(directory)
     data = {"directory": str(directory), "signing": ring.signer.key_id,
-            "trusted": ring.trusted.ids()}
+            "public": ring.signer.public_b64(), "pinned": ring.trusted.ids(),
+            "trusted": ring.trusted.ids()}  # "trusted": the pinned roots' earlier name
     if as_json:
         emit_json(data)
     else:
-        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\ntrusted: "
-                  + ", ".join(ring.trusted.ids()))
+        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\npublic key: "
+                  f"{data['public']}\npinned root keys: " + ", ".join(ring.trusted.ids()))
 
 
 @app.command()
@@ -361,8 +365,9 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
               "--traces", help="Where failing trials' records (plan and observed schedule) "
               "are written, and where --replay reads them.")] = Path(".tether/chaos"),
           inject: Annotated[str | None, typer.Option(
-              "--inject", help="A deliberate bug of the simulated provider, to check that "
-              "chaos catches it: double_apply, blind_probe or overdue_apply.")] = None,
+              "--inject", help="A deliberate bug (of the simulated provider or the runtime), to "
+              "check that chaos catches it: double_apply, blind_probe, overdue_apply or "
+              "intent_after_dispatch.")] = None,
           trial_timeout: Annotated[float, typer.Option(
               "--trial-timeout", min=1.0, help="Seconds before a trial counts as hung.")] = 30.0,
           as_json: JsonOpt = False) -> None:
@@ -489,6 +494,18 @@ def _register_mcp() -> None:
 
 
 _register_mcp()
+
+
+def _register_keys() -> None:
+    from tether._cli.keys import register
+
+    register(keys_app, out, cli_errors, emit_json)
+    from tether._cli.verify import register as register_verify
+
+    register_verify(app, out, cli_errors, emit_json)
+
+
+_register_keys()
 
 
 def main() -> None:

@@ -9,9 +9,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from tether._core.documents import decode
+from tether._core.documents import ControlIntent, decode
 from tether._core.errors import ControlRefused
+from tether._core.model import ControlKind
 from tether._core.signing import TrustedKeys
+from tether._core.trust import bound
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 
@@ -49,11 +51,13 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
     ids = [r.id for r in rows]
     actions = await journal.actions(ids)
     intents = []
+    epochs = {r.id: r.epoch for r in rows}
     for d in ids:
         for c in await journal.controls(d):
             intents.append({"delegation": d, "seq": c.seq, "kind": c.kind.value,
                             "key_id": c.signed.key_id, "issuer": c.issuer,
-                            "accepted_at": c.accepted_at, "verified": _verify(trusted, c.signed),
+                            "accepted_at": c.accepted_at,
+                            "verified": _verify(trusted, c.signed, (d, c.seq, c.kind, epochs[d])),
                             "body": _body(c.signed.body)})
         for doc in await journal.documents(d):
             intents.append({"delegation": d, "seq": doc.seq, "kind": doc.type.upper(),
@@ -79,11 +83,17 @@ def _body(body: bytes) -> dict[str, Any]:
         return {"undecodable": str(exc)}
 
 
-def _verify(trusted: TrustedKeys | None, signed: Any) -> str:
+def _verify(trusted: TrustedKeys | None, signed: Any,
+            row: tuple[str, int, ControlKind, int] | None = None) -> str:
+    """ok, or REFUSED and why: an untrusted or bad signature, or (for an intent) a body that
+    names another row than the one it is attached to (a copy or a replay)."""
     if trusted is None:
         return "no trusted keys"
     try:
         trusted.verify_bytes(signed)
+        if row is not None:
+            intent = trusted.verify(signed, ControlIntent)
+            bound(intent, *row)
     except ControlRefused as exc:
         return f"REFUSED: {exc}"
     return "ok"

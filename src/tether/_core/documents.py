@@ -220,11 +220,79 @@ class NoEffectsReceipt(Document):
         )
 
 
-DOCUMENT_TYPES: dict[str, type[ControlIntent] | type[Acknowledgement] | type[NoEffectsReceipt]]
-DOCUMENT_TYPES = {
+KEY_OPS = ("root", "trust", "revoke")
+
+
+@dataclass(frozen=True)
+class KeyGrant(Document):
+    """An entry of a journal's key registry: its root (self-signed, written once), a key
+    trusted, or a key revoked, signed by a key the registry already trusts."""
+
+    TYPE: ClassVar[str] = "key"
+    KNOWN: ClassVar[tuple[str, ...]] = ("op", "key_id", "public", "label", "issued_at")
+
+    op: str
+    key_id: str
+    public: str  # base64 raw Ed25519 public key ("" for a revocation)
+    label: str
+    issued_at: float
+
+    def _fields(self) -> dict[str, Any]:
+        return {"op": self.op, "key_id": self.key_id, "public": self.public,
+                "label": self.label, "issued_at": self.issued_at}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> KeyGrant:
+        version, extra = _split(body, cls)
+        op = _str(body, "op")
+        if op not in KEY_OPS:
+            raise Malformed(f"unknown key registry operation {op!r}")
+        return cls(op=op, key_id=_str(body, "key_id"), public=_str(body, "public"),
+                   label=_str(body, "label"), issued_at=_float(body, "issued_at") or 0.0,
+                   version=version, extra=extra)
+
+
+@dataclass(frozen=True)
+class WorkOrder(Document):
+    """The delegating orchestrator's signature over queued work: what a worker may run."""
+
+    TYPE: ClassVar[str] = "work"
+    KNOWN: ClassVar[tuple[str, ...]] = (
+        "delegation", "task", "parent", "agent", "args", "surface", "issued_at",
+    )
+
+    delegation_id: str
+    task_id: str
+    parent_id: str | None
+    agent: str
+    args_digest: str  # sha256 of the canonical arguments
+    surface: tuple[str, ...]
+    issued_at: float
+
+    def _fields(self) -> dict[str, Any]:
+        return {"delegation": self.delegation_id, "task": self.task_id,
+                "parent": self.parent_id, "agent": self.agent, "args": self.args_digest,
+                "surface": list(self.surface), "issued_at": self.issued_at}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> WorkOrder:
+        version, extra = _split(body, cls)
+        parent = body.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            raise Malformed("field 'parent' must be a string or null")
+        return cls(delegation_id=_str(body, "delegation"), task_id=_str(body, "task"),
+                   parent_id=parent, agent=_str(body, "agent"), args_digest=_str(body, "args"),
+                   surface=_str_list(body, "surface"),
+                   issued_at=_float(body, "issued_at") or 0.0, version=version, extra=extra)
+
+
+AnyDocument = ControlIntent | Acknowledgement | NoEffectsReceipt | KeyGrant | WorkOrder
+DOCUMENT_TYPES: dict[str, type[AnyDocument]] = {
     ControlIntent.TYPE: ControlIntent,
     Acknowledgement.TYPE: Acknowledgement,
     NoEffectsReceipt.TYPE: NoEffectsReceipt,
+    KeyGrant.TYPE: KeyGrant,
+    WorkOrder.TYPE: WorkOrder,
 }
 
 
@@ -245,7 +313,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return value
 
 
-def decode(body: bytes) -> ControlIntent | Acknowledgement | NoEffectsReceipt:
+def decode(body: bytes) -> AnyDocument:
     value = parse_body(body)
     cls = DOCUMENT_TYPES.get(str(value.get("type")))
     if cls is None:

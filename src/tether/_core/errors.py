@@ -59,6 +59,24 @@ class UnknownKey(ControlRefused):
     code = "unknown_key"
 
 
+class Unbound(ControlRefused):
+    """A signed intent is attached to a row it does not name (copied or replayed)."""
+
+    code = "unbound"
+
+
+class ForgedRow(ControlRefused):
+    """A control row the journal's acceptance did not write holds the sequence asked for."""
+
+    code = "forged_row"
+
+
+class WorkRefused(ControlRefused):
+    """Queued work whose signature is missing, untrusted or does not match its row."""
+
+    code = "work_refused"
+
+
 class StaleSequence(ControlRefused):
     """The intent's sequence number is not last+1 (I4)."""
 

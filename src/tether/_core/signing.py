@@ -22,12 +22,14 @@ from tether._core.documents import (
     Acknowledgement,
     ControlIntent,
     Document,
+    KeyGrant,
     NoEffectsReceipt,
+    WorkOrder,
     decode,
 )
 from tether._core.errors import BadSignature, Malformed, UnknownKey
 
-D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt)
+D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder)
 
 
 def _raw_public(key: Ed25519PublicKey) -> bytes:
@@ -97,6 +99,13 @@ class TrustedKeys:
                 raise Malformed(f"trusted key id {kid} does not match its public key")
             keys.append(key)
         return cls(keys)
+
+    def plus(self, *keys: Ed25519PublicKey) -> TrustedKeys:
+        """These keys and ``keys``."""
+        return TrustedKeys([*self._keys.values(), *keys])
+
+    def public_b64(self, key_id: str) -> str:
+        return base64.b64encode(_raw_public(self._keys[key_id])).decode("ascii")
 
     def __contains__(self, key_id: object) -> bool:
         return key_id in self._keys

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
-from tether._core.errors import Malformed, UserError
+from tether._core.documents import Acknowledgement, ControlIntent, KeyGrant, NoEffectsReceipt
+from tether._core.errors import UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
-from tether._core.signing import Signed, TrustedKeys
+from tether._core.signing import Signed, SigningKey, TrustedKeys
+from tether._core.trust import Registry
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue
+from tether._journal import ops, queue, trustops
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -199,6 +200,9 @@ class Journal:
         return await self._write(ops.end_delegation, delegation_id, state, now, result, error,
                                  failure)
 
+    async def work_of(self, delegation_id: str) -> Signed | None:
+        return await self.peek(ops.work_of, delegation_id)
+
     async def bump_cancel(self, task_id: str, now: float, why: str) -> int:
         return await self._write(ops.bump_cancel, task_id, now, why)
 
@@ -209,29 +213,50 @@ class Journal:
         return await self._read(ops.tools_ran, root_id)
 
     # -- control ------------------------------------------------------------------------------
-    async def accept_control(self, signed: Signed, trusted: TrustedKeys, issuer: str,
+    async def accept_control(self, signed: Signed, pins: TrustedKeys, issuer: str,
                              now: float) -> tuple[ControlIntent, ControlRow]:
-        """Verify the signature (I5), then CAS, move and fence in one transaction."""
-        intent = trusted.verify(signed, ControlIntent)
-        row = await self._write(ops.accept_control, signed, intent, issuer, now)
-        return intent, row
+        """Verify the signature against the deployment's key registry as ``pins`` root it
+        (I5), then CAS, move and fence, all in one transaction."""
+
+        def op(db: Any) -> tuple[ControlIntent, ControlRow]:
+            intent = trustops.registry(db, pins).verify(signed, ControlIntent)
+            return intent, ops.accept_control(db, signed, intent, issuer, now)
+
+        return await self._write(op)
 
     async def sign_and_accept(self, delegation_id: str,
-                              make: Callable[[DelegationRow], Signed], trusted: TrustedKeys,
+                              make: Callable[[DelegationRow], Signed], pins: TrustedKeys,
                               issuer: str, now: float) -> tuple[ControlIntent, Signed]:
         """Read the delegation, sign the intent ``make`` builds from it (its epoch and next
-        sequence number), verify and accept it: one transaction, one round trip."""
+        sequence number), verify it against the deployment's key registry as ``pins`` root
+        it, and accept it: one transaction, one round trip. An untrusted signer changes
+        nothing."""
 
         def op(db: Any) -> tuple[ControlIntent, Signed]:
             signed = make(ops.get_delegation(db, delegation_id))
-            trusted.verify_bytes(signed)
-            intent = decode(signed.body)
-            if not isinstance(intent, ControlIntent):
-                raise Malformed("not a control intent")
+            intent = trustops.registry(db, pins).verify(signed, ControlIntent)
             ops.accept_control(db, signed, intent, issuer, now)
             return intent, signed
 
         return await self._write(op)
+
+    # -- the key registry ---------------------------------------------------------------------
+    async def registry(self, pins: TrustedKeys) -> Registry:
+        """The keys this journal's registry trusts, as a configuration pinning ``pins`` reads
+        it (read beside the writer: other processes' grants count at once)."""
+        return await self.peek(trustops.registry, pins)
+
+    async def genesis(self, signer: SigningKey, now: float) -> None:
+        """Record ``signer`` as the journal's root key if none is recorded yet."""
+        grant = KeyGrant("root", signer.key_id, signer.public_b64(), signer.label, now)
+        await self._write(trustops.genesis, signer.sign(grant), grant, now)
+
+    async def change_trust(self, signer: SigningKey, pins: TrustedKeys, op: str, key_id: str,
+                           public: str, label: str, now: float) -> Registry:
+        """Trust or revoke a key: an entry signed by ``signer``, accepted only if ``signer``
+        is trusted by the registry."""
+        grant = KeyGrant(op, key_id, public, label, now)
+        return await self._write(trustops.add, signer.sign(grant), grant, pins, now)
 
     async def controls_to_adopt(self, owner_id: str, after_id: int) -> list[ControlRow]:
         """Intents an owner must drain. SQLite commits in id order, so "after the last id seen"

@@ -17,6 +17,7 @@ from typing import Any
 
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
+    ForgedRow,
     InvalidTransition,
     NotFound,
     StaleEpoch,
@@ -143,11 +144,11 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
             )
     values = _values(new, epoch)
     if new.parent_id is None:
-        db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
-            _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
+            _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
             "JOIN tasks t ON t.id = p.task_id "
             "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch AND "
             f"{LEASED.format('p')} /*LOCK p, t*/",
@@ -168,7 +169,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
 
 _INSERT = (
     "INSERT INTO delegations (id, task_id, parent_id, epoch, attempt, agent, surface, args, "
-    "owner_id, state, created_at, updated_at, model, trace_id) "
+    "owner_id, state, created_at, updated_at, model, trace_id, work_body, work_key, work_sig) "
 )
 
 
@@ -177,6 +178,9 @@ def _values(new: NewDelegation, epoch: int) -> tuple[Any, ...]:
         new.id, new.task_id, new.parent_id, epoch, new.attempt, new.agent,
         dumps(list(new.surface)), dumps(new.args), new.owner_id, DelegationState.RUNNING.value,
         new.now, new.now, new.model, new.trace_id,
+        None if new.work is None else new.work.body,
+        None if new.work is None else new.work.key_id,
+        None if new.work is None else new.work.signature,
     )
 
 
@@ -192,7 +196,7 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
         if parent is None or parent[0]:
             raise FenceRefused(Begin.FENCED)
     cur = db.execute(
-        _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
+        _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
         "JOIN tasks t ON t.id = f.task_id "
         "WHERE f.id = ? AND f.state = 'FAILED' AND f.epoch = t.epoch AND NOT EXISTS "
         "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
@@ -204,6 +208,15 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
     event(db, new.now, "delegated", new.id, task=new.task_id, epoch=prior.epoch,
           attempt=new.attempt, parent=new.parent_id, agent=new.agent, retry_of=new.retry_of)
     return get_delegation(db, new.id)
+
+
+def work_of(db: Db, delegation_id: str) -> Signed | None:
+    """The signed work order a delegation carries, if any."""
+    row = db.execute("SELECT work_body, work_key, work_sig FROM delegations WHERE id = ?",
+                     (delegation_id,)).fetchone()
+    if row is None or row[0] is None or row[1] is None or row[2] is None:
+        return None
+    return Signed(bytes(row[0]), row[1], bytes(row[2]))
 
 
 def bump_cancel(db: Db, task_id: str, now: float, why: str) -> int:
@@ -295,6 +308,15 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         "WHERE id IN (SELECT id FROM sub) AND id <> ?",
         (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
     )
+    squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
+                          (intent.delegation_id, intent.seq)).fetchone()
+    if squatter is not None:
+        # The delegation's own sequence says this slot is free: a row the acceptance never
+        # wrote (forged, or left by a hand edit) holds it. Name it, change nothing.
+        raise ForgedRow(f"controls row {squatter[0]} holds sequence {intent.seq} of "
+                        f"delegation {intent.delegation_id}, whose accepted sequence is "
+                        f"{row.control_seq}: that row was not written by an accepted intent "
+                        "(forged or edited); remove it, then retry")
     cur = db.execute(
         "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
         "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

@@ -41,6 +41,8 @@ class NewDelegation:
     trace_id: str | None = None
     # Queued for a worker process (``tether worker``) instead of run by its creator.
     queued: bool = False
+    # The delegating process's signed work order (a WorkOrder): what a worker may run.
+    work: Signed | None = None
 
 
 @dataclass(frozen=True)

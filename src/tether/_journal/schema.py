@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -118,6 +118,22 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # "not applied" is final. NULL (older rows): started_at plus the default deadline.
     3: (
         """ALTER TABLE actions ADD COLUMN deadline_at REAL""",
+    ),
+    # Authentic control: the deployment's key registry (signed entries, one root), and the
+    # delegating orchestrator's signature over each delegation's work (docs/security.md).
+    4: (
+        """CREATE TABLE trust (
+            id INTEGER PRIMARY KEY,
+            op TEXT NOT NULL,
+            key_id TEXT NOT NULL,
+            body BLOB NOT NULL,
+            signer TEXT NOT NULL,
+            signature BLOB NOT NULL,
+            recorded_at REAL NOT NULL)""",
+        """CREATE UNIQUE INDEX trust_one_root ON trust(op) WHERE op = 'root'""",
+        """ALTER TABLE delegations ADD COLUMN work_body BLOB""",
+        """ALTER TABLE delegations ADD COLUMN work_key TEXT""",
+        """ALTER TABLE delegations ADD COLUMN work_sig BLOB""",
     ),
 }
 

@@ -8,9 +8,10 @@ call from the child's cancellation and records the receipt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
-import os
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from tether._core import values
@@ -27,8 +28,14 @@ if TYPE_CHECKING:
     from tether._runtime import ports
 
 UNSERIALIZABLE = values.UNSERIALIZABLE
-# Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
-FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
+
+# ``interceptor(tool, key, kwargs, journaled)`` wraps one journaled call; ``journaled(tool)``
+# runs the write-ahead path with the tool given. Installed only by code (the chaos harness
+# plants its deliberate bugs here); nothing reads this from the environment or a file, so no
+# deployment setting can switch write-ahead (I1) off.
+Journaled = Callable[[Tool], Awaitable[Any]]
+Interceptor = Callable[[Tool, str, dict[str, Any], Journaled], Awaitable[Any]]
+INTERCEPTORS: list[Interceptor] = []
 
 
 def args_json(kwargs: dict[str, Any]) -> str:
@@ -108,9 +115,19 @@ class Context:
         rt.calls += 1
         key = idempotency_key or f"{rt.row.task_id}:{found.name}:{ordinal}"
         args_hash = hashlib.sha256(encoded.encode()).hexdigest()
-        clock, journal = self._sup.clock, self._sup.journal
-        if "intent_after_dispatch" in FAULTS:  # breaks I1 on purpose
-            result = await found.fn(**kwargs, idempotency_key=key)
+
+        async def journaled(tool: Tool) -> Any:
+            return await self._journaled(tool, key, encoded, args_hash, order, kwargs)
+
+        call: Journaled = journaled
+        for outer in INTERCEPTORS:
+            call = _wrap(outer, found, key, kwargs, call)
+        return await call(found)
+
+    async def _journaled(self, found: Tool, key: str, encoded: str, args_hash: str, order: int,
+                         kwargs: dict[str, Any]) -> Any:
+        sup, rt = self._sup, self._rt
+        clock, journal = sup.clock, sup.journal
         while True:
             now = clock.wall()
             begun = await journal.begin_action(NewAction(
@@ -134,10 +151,6 @@ class Context:
                     "could not be recorded, so it cannot be replayed"
                 )
             return begun.result
-        if "intent_after_dispatch" in FAULTS:
-            journal.finish_action(begun.action_id, ActionState.COMPLETED, clock.wall(),
-                                  result=result)
-            return result
         if found.effect.side_effecting:
             rt.effects_started += 1
         sup.telemetry.actions.add(1, {"effect": found.effect.value, "tool": found.name})
@@ -189,6 +202,19 @@ class Context:
         self.check()
         run = await self._sup.start_child(self._rt, found, args, kwargs)
         return Handle.for_run(self._sup, run)
+
+
+def _wrap(outer: Interceptor, tool: Tool, key: str, kwargs: dict[str, Any],
+          inner: Journaled) -> Journaled:
+    async def call(t: Tool) -> Any:
+        return await outer(t, key, kwargs, inner)
+
+    return call
+
+
+def replaced(tool: Tool, fn: Callable[..., Awaitable[Any]]) -> Tool:
+    """The tool with another function: for interceptors."""
+    return dataclasses.replace(tool, fn=fn)
 
 
 def _forget(rt: ChildRuntime, action_id: str) -> Callable[[asyncio.Task[Any]], None]:

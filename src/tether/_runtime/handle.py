@@ -159,11 +159,11 @@ class Handle:
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
         if await self._is_queued():
-            new = await sup.journal.create_delegation(NewDelegation(
+            new = await sup.journal.create_delegation(sup.sign_work(NewDelegation(
                 id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
                 agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
                 now=sup.clock.wall(), redelegate_from_epoch=row.epoch, model=row.model,
-                queued=True))
+                queued=True)))
             return Handle(sup, new, queued=True)
         rt = self._run.current if self._run is not None else sup.runtime(self.id)
         if rt is None or row.parent_id is not None:

@@ -1,13 +1,20 @@
-"""Key files: the operator's signing key and the set of keys a journal trusts.
+"""Key files: this process's signing key and the root keys its configuration pins.
 
-Layout of a key directory (default: ``keys/`` beside the journal file):
-``signing.json`` holds the private key (mode 0600); ``trusted.json`` maps key ids to public keys.
+Layout of a key directory (default: ``keys/`` beside the journal file), mode 0700:
+``signing.json`` holds the private key and ``trusted.json`` maps the ids of the pinned root
+keys to their public keys, both mode 0600 whatever the umask. Files are written to a temporary
+file and renamed into place; creation is serialised by an advisory lock on ``.lock``, so
+several processes starting on one fresh journal end up sharing one key.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +22,82 @@ from tether._core.errors import ControlRefused, UserError
 from tether._core.signing import SigningKey, TrustedKeys
 
 
+def _fail(action: str, path: Path, exc: OSError) -> UserError:
+    return UserError(f"cannot {action} {path}: {exc.strerror or exc}")
+
+
+def private_dir(directory: Path) -> None:
+    """Create the key directory (and parents) with mode 0700, whatever the umask."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+    except FileExistsError as exc:
+        raise _fail("use as a key directory", directory, exc) from None
+    except OSError as exc:
+        raise _fail("create the key directory", directory, exc) from None
+
+
+def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
+    """Write ``text`` to ``path`` atomically with mode 0600: a temporary file, then a rename
+    (``os.replace``) or, when ``exclusive``, a hard link that fails if ``path`` exists.
+    Returns False when ``exclusive`` and the file was there already."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        raise _fail("write to", path.parent, exc) from None
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    except OSError as exc:
+        raise _fail("write", path, exc) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the key directory, held while keys are created."""
+    try:
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise _fail("lock", directory, exc) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _tighten(directory: Path, *files: Path) -> None:
+    """Key files written by an older tether followed the umask: make them private now (where
+    this process owns them; otherwise leave them, the owner's tools will)."""
+    for path, mode in ((directory, 0o700), *((f, 0o600) for f in files)):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, mode)
+
+
 @dataclass
 class KeyRing:
     signer: SigningKey
-    trusted: TrustedKeys
+    trusted: TrustedKeys  # the root keys this process's configuration pins
     directory: Path | None = None
 
     @classmethod
     def ephemeral(cls) -> KeyRing:
-        """A fresh key trusted only by this ring: for tests and one-process use."""
+        """A fresh key pinned only by this ring: for tests and one-process use."""
         signer = SigningKey.generate("ephemeral")
         return cls(signer, TrustedKeys([signer.public]))
 
@@ -40,28 +114,58 @@ class KeyRing:
             keys = TrustedKeys.from_b64(json.loads(trusted.read_text()))
         except (OSError, ValueError, KeyError, TypeError, ControlRefused) as exc:
             raise UserError(f"key files in {directory} are unreadable: {exc}") from None
+        _tighten(directory, signing, trusted)
         return cls(signer, keys, directory)
 
     @classmethod
-    def init(cls, directory: Path, label: str = "operator") -> KeyRing:
-        """Create a signing key and trust it. Refuses to overwrite an existing key."""
+    def init(cls, directory: Path, label: str = "operator",
+             pins: dict[str, str] | None = None) -> KeyRing:
+        """Create a signing key. The configuration pins ``pins`` (``{key_id: public}``) as
+        root keys, or, by default, the new key itself. Refuses to replace an existing key."""
+        private_dir(directory)
+        with _locked(directory):
+            return cls._create(directory, label, pins, replace=False)
+
+    @classmethod
+    def _create(cls, directory: Path, label: str, pins: dict[str, str] | None, *,
+                replace: bool) -> KeyRing:
         signing, trusted = directory / "signing.json", directory / "trusted.json"
         if signing.exists():
+            if replace:
+                return cls.load(directory)
             raise UserError(f"{signing} already exists; refusing to replace a signing key")
-        directory.mkdir(parents=True, exist_ok=True)
         signer = SigningKey.generate(label)
-        fd = os.open(signing, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"key_id": signer.key_id, "label": label, "private": signer.raw().hex()}, fh)
-        existing: dict[str, str] = {}
+        pinned: dict[str, str] = {}
         if trusted.exists():
-            existing = json.loads(trusted.read_text())
-        existing[signer.key_id] = signer.public_b64()
-        trusted.write_text(json.dumps(existing, indent=2, sort_keys=True))
-        return cls(signer, TrustedKeys.from_b64(existing), directory)
+            try:
+                pinned = dict(json.loads(trusted.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                raise UserError(f"{trusted} is unreadable: {exc}") from None
+        pinned.update(pins if pins is not None else {signer.key_id: signer.public_b64()})
+        ring = cls(signer, TrustedKeys.from_b64(pinned), directory)
+        # trusted.json first: whoever sees signing.json finds its pins beside it.
+        write_private(trusted, json.dumps(pinned, indent=2, sort_keys=True))
+        body = json.dumps({"key_id": signer.key_id, "label": label,
+                           "private": signer.raw().hex()})
+        if not write_private(signing, body, exclusive=True):
+            raise UserError(f"{signing} already exists; refusing to replace a signing key")
+        return ring
 
     @classmethod
     def load_or_init(cls, directory: Path) -> KeyRing:
         if (directory / "signing.json").exists():
             return cls.load(directory)
-        return cls.init(directory)
+        private_dir(directory)
+        with _locked(directory):
+            return cls._create(directory, "operator", None, replace=True)
+
+    def pin(self, key_id: str, public_b64: str) -> None:
+        """Pin another root key in this configuration (``tether keys pin``)."""
+        if self.directory is None:
+            raise UserError("an ephemeral key ring has no configuration to pin keys in")
+        trusted = self.directory / "trusted.json"
+        with _locked(self.directory):
+            pinned = dict(json.loads(trusted.read_text()))
+            pinned[key_id] = public_b64
+            self.trusted = TrustedKeys.from_b64(pinned)
+            write_private(trusted, json.dumps(pinned, indent=2, sort_keys=True))

@@ -15,8 +15,9 @@ from typing import Any, Protocol, TypeVar
 from tether._core.model import ControlKind, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.report import Report
+from tether._core.signing import TrustedKeys
 from tether._journal.journal import Journal
-from tether._journal.rows import DelegationRow
+from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.clock import Clock
 from tether._runtime.keys import KeyRing
 from tether._runtime.state import ChildRuntime, TaskRun
@@ -47,6 +48,8 @@ class Liveness(Journaled, Protocol):
 class Remote(Liveness, Protocol):
     """Waiting on work another process runs, and reconciling it if that process is gone."""
 
+    async def current_trust(self) -> TrustedKeys: ...
+
     @property
     def keys(self) -> KeyRing: ...
 
@@ -70,6 +73,8 @@ class Handles(Remote, Protocol):
     async def report(self, delegation_id: str) -> Report: ...
 
     def runtime(self, delegation_id: str) -> ChildRuntime | None: ...
+
+    def sign_work(self, new: NewDelegation) -> NewDelegation: ...
 
     async def launch(self, rt: ChildRuntime, args: Sequence[Any], kwargs: dict[str, Any],
                      policy: RedispatchPolicy) -> TaskRun: ...
@@ -115,6 +120,8 @@ class Drains(Journaled, Protocol):
 
     @property
     def keys(self) -> KeyRing: ...
+
+    async def current_trust(self) -> TrustedKeys: ...
 
 
 class Accounts(Liveness, Protocol):

@@ -84,7 +84,7 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
     """The delegation is not run by this process. Still queued: take it off the queue and
     settle it here (nothing ran). Claimed: wait for its owner to settle it, and reconcile it
     ourselves if the owner is gone or does not settle it in time."""
-    intent = sup.keys.trusted.verify(signed, ControlIntent)
+    intent = (await sup.current_trust()).verify(signed, ControlIntent)
     never = await settle_unclaimed(sup, delegation_id, intent.kind)
     if never is not None:
         return never

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -17,6 +18,7 @@ from tether._core import values
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
+    ControlRefused,
     ControlSignal,
     InvalidTransition,
     JournalError,
@@ -27,7 +29,8 @@ from tether._core.errors import (
 from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import Report
-from tether._core.signing import Signed
+from tether._core.signing import Signed, TrustedKeys
+from tether._core.trust import bound, work_order
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import ControlRow, DelegationRow, NewDelegation, OwnerRow
@@ -124,6 +127,7 @@ class Supervisor:
         self._accounts = Accounting(self, self._tools)
         self._background: set[asyncio.Task[Any]] = set()
         self._last_control = 0
+        self._refused: set[int] = set()  # control rows refused (journaled once)
         self._poll = control_poll
         self._open = False
         self._recover_on_start = recover
@@ -224,6 +228,10 @@ class Supervisor:
             now = self.clock.wall()
             await self.journal.register_owner(
                 OwnerRow(self.owner_id, os.getpid(), socket.gethostname(), now, now))
+            if self._keys.signer.key_id in self._keys.trusted:
+                # The first process on a fresh journal roots its key registry in its own key,
+                # if its configuration pins it (docs/security.md).
+                await self.journal.genesis(self._keys.signer, now)
             self._last_control = await self.journal.last_control_id()
             self._loop = asyncio.get_running_loop()
             self.journal.on_notify(self._notified)
@@ -310,7 +318,7 @@ class Supervisor:
             for row in rows:
                 self._last_control = max(self._last_control, row.id)
                 rt = self._runtimes.get(row.delegation_id)
-                if row.issuer != self.owner_id and rt is not None:
+                if row.issuer != self.owner_id and rt is not None and await self._admit(rt, row):
                     self._adopt(rt, row)
             beats += 1
             if beats % every == 0:
@@ -338,17 +346,25 @@ class Supervisor:
                             f"not {type(model).__name__}")
         if remote and redispatch is not None:
             raise UserError("a queued delegation follows its worker's re-dispatch policy")
-        row = await self.journal.create_delegation(NewDelegation(
+        new = NewDelegation(
             id=new_id("d"), task_id=task_id or new_id("t"), parent_id=None, attempt=1,
             agent=ag.name, surface=tuple(surface), args=payload, owner_id=self.owner_id,
             now=self.clock.wall(), model=model, queued=remote,
-        ))
+        )
+        row = await self.journal.create_delegation(self.sign_work(new) if remote else new)
         if remote:
             self._learn(surface.values())  # its probes serve reconciliation from here
             return Handle(self, row, queued=True)
         run = await self.launch(ChildRuntime(row, ag, surface), args, kwargs,
                                 redispatch or self.redispatch)
         return Handle.for_run(self, run)
+
+    def sign_work(self, new: NewDelegation) -> NewDelegation:
+        """Queued work carries this process's signature over what a worker is to run (agent,
+        arguments, surface, parent): a worker runs nothing the deployment did not sign."""
+        order = work_order(new.id, new.task_id, new.parent_id, new.agent, new.args,
+                           new.surface, new.now)
+        return dataclasses.replace(new, work=self.keys.signer.sign(order))
 
     async def start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
                           kwargs: dict[str, Any]) -> TaskRun:
@@ -546,8 +562,30 @@ class Supervisor:
 
     async def _adopt_latest(self, rt: ChildRuntime) -> None:
         controls = await self.journal.controls(rt.id)
-        if controls:
+        if controls and await self._admit(rt, controls[-1]):
             self._adopt(rt, controls[-1])
+
+    async def current_trust(self) -> TrustedKeys:
+        """The keys whose intents this process acts on: the journal's key registry as this
+        configuration's pins root it, and this process's own key (its acknowledgements)."""
+        registry = await self.journal.registry(self.keys.trusted)
+        return registry.keys.plus(self.keys.signer.public)
+
+    async def _admit(self, rt: ChildRuntime, row: ControlRow) -> bool:
+        """Whether to act on a control row another process wrote: signed by a key the
+        deployment trusts, and naming this very row (delegation, epoch, sequence, kind). A
+        refused row is journaled once and never acted on."""
+        if row.id in self._refused:
+            return False
+        try:
+            intent = (await self.current_trust()).verify(row.signed, ControlIntent)
+            bound(intent, row.delegation_id, row.seq, row.kind, rt.row.epoch)
+        except ControlRefused as exc:
+            self._refused.add(row.id)
+            self.journal.event(self.clock.wall(), "control_refused", rt.id, None,
+                               row=row.id, seq=row.seq, error=str(exc))
+            return False
+        return True
 
     def _adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
         """Drain for an intent another process wrote. Its acceptance time is wall-clock; the

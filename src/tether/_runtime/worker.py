@@ -22,9 +22,18 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tether._core.errors import AlreadyFinished, JournalError, LeaseLost, UserError
+from tether._core.documents import WorkOrder
+from tether._core.errors import (
+    AlreadyFinished,
+    ControlRefused,
+    JournalError,
+    LeaseLost,
+    UserError,
+    WorkRefused,
+)
 from tether._core.model import ControlKind, DelegationState, Policy, check_positive
 from tether._core.redispatch import RedispatchPolicy
+from tether._core.trust import check_work
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
@@ -113,6 +122,12 @@ class Worker:
         sup = self.supervisor
         await sup.__aenter__()
         try:
+            # A worker signs what it settles (terminates, acknowledgements): its key must be
+            # one the deployment trusts, or it would claim work it cannot account for.
+            registry = await sup.journal.registry(sup.keys.trusted)
+            if sup.keys.signer.key_id not in registry.keys:
+                why = registry.explain(sup.keys.signer.key_id)
+                raise UserError(f"this worker cannot serve: {why}")
             await self._check_clock()
             now, started = sup.clock.wall(), asyncio.get_running_loop().time()
             if not await sup.journal.renew_lease(sup.owner_id, now, self.lease):
@@ -277,8 +292,27 @@ class Worker:
         if not sup.abandoned:  # after a lost lease, whoever reconciles it says when it is done
             await sup.journal.queue_done(row.id, sup.clock.wall())
 
+    async def _check_work(self, row: DelegationRow) -> None:
+        """Queued work runs only if a key the deployment trusts signed exactly this row's
+        agent, arguments, surface and parent (a forged or altered queue entry does not)."""
+        sup = self.supervisor
+        signed = await sup.journal.work_of(row.id)
+        if signed is None:
+            raise WorkRefused(f"delegation {row.id} carries no signed work order")
+        registry = await sup.journal.registry(sup.keys.trusted)
+        order = registry.verify(signed, WorkOrder)
+        check_work(order, row.id, row.task_id, row.parent_id, row.agent, row.args, row.surface)
+
     async def _execute(self, row: DelegationRow) -> None:
         sup = self.supervisor
+        try:
+            await self._check_work(row)
+        except ControlRefused as exc:
+            why = f"refused: {exc}"
+            sup.journal.event(sup.clock.wall(), "work_refused", row.id, None, error=str(exc))
+            await sup.journal.set_state(row.id, DelegationState.FAILED, sup.clock.wall(),
+                                        failure="refused:work", error=why)
+            return
         agent = self.agents[row.agent]
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
         if tuple(surface) != row.surface:

@@ -1,0 +1,111 @@
+"""``tether verify [ID] [--json]``: check every signed record of the journal.
+
+It checks what is signed today: the key registry (rooted in the pinned root), every control
+intent (signer trusted, body naming its row), every acknowledgement and receipt (signer trusted,
+body naming its delegation and sequence) and every queued delegation's work order (signer
+trusted, body matching the row). Action rows, results and events are not signed yet, so their
+alteration is not detected here (docs/security.md, "Not yet").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, WorkOrder
+from tether._core.errors import ControlRefused
+from tether._core.trust import Registry, bound, check_work
+from tether._journal.journal import DEFAULT_URL, Journal
+from tether._journal.rows import DelegationRow
+from tether._runtime.keys import KeyRing
+
+
+async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
+                            problems: list[dict[str, Any]]) -> int:
+    checked = 0
+
+    def refused(record: str, exc: ControlRefused) -> None:
+        problems.append({"delegation": d.id, "record": record, "problem": str(exc)})
+
+    for c in await j.controls(d.id):
+        checked += 1
+        try:
+            bound(reg.verify(c.signed, ControlIntent), d.id, c.seq, c.kind, d.epoch)
+        except ControlRefused as exc:
+            refused(f"controls row {c.id} (sequence {c.seq})", exc)
+    for doc in await j.documents(d.id):
+        checked += 1
+        try:
+            body: Acknowledgement | NoEffectsReceipt = (
+                reg.verify(doc.signed, Acknowledgement) if doc.type == Acknowledgement.TYPE
+                else reg.verify(doc.signed, NoEffectsReceipt))
+            if (body.delegation_id, body.seq) != (d.id, doc.seq):
+                raise ControlRefused(f"signed for delegation {body.delegation_id} sequence "
+                                     f"{body.seq}: a copied or replayed {doc.type}")
+        except ControlRefused as exc:
+            refused(f"{doc.type} for sequence {doc.seq}", exc)
+    if await j.queue_entry(d.id) is not None:
+        checked += 1
+        work = await j.work_of(d.id)
+        try:
+            if work is None:
+                raise ControlRefused("queued without a signed work order")
+            order = reg.verify(work, WorkOrder)
+            check_work(order, d.id, d.task_id, d.parent_id, d.agent, d.args, d.surface)
+        except ControlRefused as exc:
+            refused("queued work", exc)
+    return checked
+
+
+async def verify_journal(j: Journal, ring: KeyRing | None,
+                         delegation_id: str | None) -> dict[str, Any]:
+    reg = await j.registry(ring.trusted if ring is not None else KeyRing.ephemeral().trusted)
+    problems: list[dict[str, Any]] = [
+        {"delegation": None, "record": "key registry", "problem": p} for p in reg.problems]
+    if reg.root is None or reg.root not in reg.pinned:
+        problems.append({"delegation": None, "record": "key registry",
+                         "problem": reg.explain("(any)")})
+    rows = await (j.subtree(delegation_id) if delegation_id else j.delegations())
+    checked = 0
+    for d in rows:
+        checked += await _check_delegation(j, reg, d, problems)
+    return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
+            "problems": problems, "ok": not problems}
+
+
+def register(app: typer.Typer, out: Console,
+             cli_errors: Callable[[Callable[..., None]], Callable[..., None]],
+             emit_json: Callable[[Any], None]) -> None:
+    @app.command("verify")
+    @cli_errors
+    def verify(delegation_id: Annotated[str | None, typer.Argument()] = None,
+               journal: Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURNAL",
+                                                    help="Journal URL.")] = DEFAULT_URL,
+               keys: Annotated[Path | None, typer.Option("--keys", help="Key directory.")]
+               = None,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+        """Check every signed record (registry, intents, acknowledgements, queued work);
+        exit 1 naming each one that fails."""
+
+        async def go() -> dict[str, Any]:
+            async with Journal(journal, create=False) as j:
+                directory = keys if keys is not None else j.keys_dir
+                ring = (await asyncio.to_thread(KeyRing.load, directory)
+                        if (directory / "signing.json").exists() else None)
+                return await verify_journal(j, ring, delegation_id)
+
+        data = asyncio.run(go())
+        if as_json:
+            emit_json(data)
+        else:
+            out.print(f"{data['records_checked']} signed records in {data['delegations']} "
+                      f"delegations checked; {len(data['problems'])} problem(s)")
+            for p in data["problems"]:
+                where = f"{p['delegation']}: " if p["delegation"] else ""
+                out.print(f"[red]{where}{p['record']}[/red]: {p['problem']}", highlight=False)
+        raise typer.Exit(0 if data["ok"] else 1)

@@ -1,0 +1,142 @@
+"""Who a deployment trusts: a journal's key registry read against a configuration's pins.
+
+The registry is a list of signed ``KeyGrant`` entries in the journal. Its first ``root`` entry
+is self-signed and written once, when the journal is first opened by a process whose key its
+configuration pins. A configuration believes the registry only if it pins that root: from it,
+each ``trust`` entry signed by an already trusted key adds a key, each ``revoke`` entry so
+signed removes one. An entry that does not verify is ignored and listed as a problem, so a
+process that can write the journal but holds no trusted key cannot add one.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from tether._core.documents import ControlIntent, KeyGrant, WorkOrder, decode, digest
+from tether._core.errors import ControlRefused, Malformed, Unbound, UnknownKey, WorkRefused
+from tether._core.model import ControlKind
+from tether._core.signing import D, Signed, TrustedKeys
+
+
+def _public(b64: str) -> Ed25519PublicKey:
+    try:
+        return Ed25519PublicKey.from_public_bytes(base64.b64decode(b64, validate=True))
+    except ValueError:
+        raise Malformed("not a base64 Ed25519 public key") from None
+
+
+@dataclass(frozen=True)
+class Registry:
+    """The keys a configuration trusts in one journal, and why others are not."""
+
+    keys: TrustedKeys
+    root: str | None  # the journal's root key id (None: no root recorded yet)
+    pinned: tuple[str, ...]  # the configuration's pinned root key ids
+    labels: dict[str, str] = field(default_factory=dict)
+    revoked: frozenset[str] = frozenset()
+    problems: tuple[str, ...] = ()  # registry entries that were ignored, and why
+
+    def explain(self, key_id: str) -> str:
+        """Why ``key_id`` is not trusted, in one sentence."""
+        if self.root is None:
+            return f"key {key_id} is not trusted: this journal has no root key yet"
+        if self.root not in self.pinned:
+            return (f"key {key_id} is not trusted: this journal's keys are rooted in key "
+                    f"{self.root}, which your configuration does not pin (it pins "
+                    f"{', '.join(self.pinned) or 'nothing'}); run 'tether keys pin'")
+        if key_id in self.revoked:
+            return f"key {key_id} was revoked in this journal"
+        return (f"key {key_id} is not trusted by this journal; a trusted key must run "
+                f"'tether keys trust {key_id}'")
+
+    def verify(self, signed: Signed, kind: type[D]) -> D:
+        if signed.key_id not in self.keys:
+            raise UnknownKey(self.explain(signed.key_id))
+        return self.keys.verify(signed, kind)
+
+
+def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Registry:
+    """Replay the registry ``entries`` (id order) from the root the configuration pins."""
+    trusted: dict[str, Ed25519PublicKey] = {}
+    labels: dict[str, str] = {}
+    revoked: set[str] = set()
+    problems: list[str] = []
+    root: str | None = None
+    for entry_id, signed in entries:
+        try:
+            grant = decode(signed.body)
+            if not isinstance(grant, KeyGrant):
+                raise Malformed("not a key registry entry")
+        except ControlRefused as exc:
+            problems.append(f"registry entry {entry_id}: {exc}")
+            continue
+        if grant.op == "root":
+            if root is not None:
+                problems.append(f"registry entry {entry_id}: a second root")
+                continue
+            try:
+                key = _public(grant.public)
+                TrustedKeys([key]).verify_bytes(signed)
+                if signed.key_id != grant.key_id:
+                    raise Malformed("a root entry must be signed by the root key itself")
+            except ControlRefused as exc:
+                problems.append(f"registry entry {entry_id} (root): {exc}")
+                continue
+            root = grant.key_id
+            if root in pins:
+                trusted[root], labels[root] = key, grant.label
+            continue
+        signer = trusted.get(signed.key_id)
+        try:
+            if signer is None:
+                raise UnknownKey(f"signed by key {signed.key_id}, which is not trusted")
+            TrustedKeys([signer]).verify_bytes(signed)
+            if grant.op == "trust":
+                key = _public(grant.public)
+                if TrustedKeys([key]).ids() != [grant.key_id]:
+                    raise Malformed("the key id does not match its public key")
+                trusted[grant.key_id], labels[grant.key_id] = key, grant.label
+                revoked.discard(grant.key_id)
+            elif grant.key_id == root:
+                raise Malformed("the root key cannot be revoked")
+            else:
+                trusted.pop(grant.key_id, None)
+                revoked.add(grant.key_id)
+        except ControlRefused as exc:
+            problems.append(f"registry entry {entry_id} ({grant.op} {grant.key_id}): {exc}")
+    return Registry(TrustedKeys(trusted.values()), root, tuple(pins.ids()), labels,
+                    frozenset(revoked), tuple(problems))
+
+
+def bound(intent: ControlIntent, delegation_id: str, seq: int, kind: ControlKind,
+          epoch: int) -> None:
+    """The signed body must name the row it is attached to (a copy or replay does not)."""
+    signed_as = (intent.delegation_id, intent.seq, intent.kind, intent.epoch)
+    row = (delegation_id, seq, kind, epoch)
+    if signed_as != row:
+        raise Unbound(
+            f"intent signed for delegation {intent.delegation_id} (epoch {intent.epoch}, "
+            f"sequence {intent.seq}, {intent.kind.value}) is attached to delegation "
+            f"{delegation_id} (epoch {epoch}, sequence {seq}, {kind.value}): a copied or "
+            "replayed intent"
+        )
+
+
+def work_order(delegation_id: str, task_id: str, parent_id: str | None, agent: str,
+               args: object, surface: Sequence[str], issued_at: float) -> WorkOrder:
+    return WorkOrder(delegation_id, task_id, parent_id, agent, digest(args), tuple(surface),
+                     issued_at)
+
+
+def check_work(order: WorkOrder, delegation_id: str, task_id: str, parent_id: str | None,
+               agent: str, args: object, surface: Sequence[str]) -> None:
+    """The signed work order must describe the row a worker is about to run."""
+    expected = work_order(delegation_id, task_id, parent_id, agent, args, surface,
+                          order.issued_at)
+    if expected != order:
+        raise WorkRefused(f"the signed work order of {delegation_id} does not match its row "
+                          "(agent, arguments, surface or parent were changed)")

@@ -1,0 +1,57 @@
+"""The key registry's operations, each run inside one transaction by a backend."""
+
+from __future__ import annotations
+
+from tether._core.documents import KeyGrant
+from tether._core.errors import UserError
+from tether._core.signing import Signed, TrustedKeys
+from tether._core.trust import Registry, effective
+from tether._journal.tables import Db, event
+
+
+def entries(db: Db) -> list[tuple[int, Signed]]:
+    rows = db.execute("SELECT id, body, signer, signature FROM trust ORDER BY id").fetchall()
+    return [(int(r[0]), Signed(bytes(r[1]), r[2], bytes(r[3]))) for r in rows]
+
+
+# Replaying the registry checks every entry's signature; it changes rarely, so the result is
+# remembered per (pins, entries): one small read per acceptance, no signature re-checked.
+_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...]], Registry] = {}
+
+
+def registry(db: Db, pins: TrustedKeys) -> Registry:
+    rows = tuple(entries(db))
+    key = (tuple(pins.ids()), rows)
+    found = _MEMO.get(key)
+    if found is None:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        found = _MEMO[key] = effective(pins, rows)
+    return found
+
+
+def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str = "") -> int:
+    cur = db.execute(
+        "INSERT INTO trust (op, key_id, body, signer, signature, recorded_at) "
+        f"VALUES (?, ?, ?, ?, ?, ?){conflict}",
+        (grant.op, grant.key_id, signed.body, signed.key_id, signed.signature, now))
+    return int(cur.rowcount)
+
+
+def genesis(db: Db, signed: Signed, grant: KeyGrant, now: float) -> None:
+    """Record the journal's root key, unless one is recorded already (first writer wins)."""
+    if _insert(db, grant, signed, now, " ON CONFLICT DO NOTHING") == 1:
+        event(db, now, "key_root", None, None, key=grant.key_id, label=grant.label)
+
+
+def add(db: Db, signed: Signed, grant: KeyGrant, pins: TrustedKeys, now: float) -> Registry:
+    """A ``trust`` or ``revoke`` entry, accepted only if its signer is trusted now."""
+    current = registry(db, pins)
+    current.verify(signed, KeyGrant)
+    if grant.op == "revoke" and grant.key_id == current.root:
+        raise UserError(f"key {grant.key_id} is this journal's root; it cannot be revoked")
+    if grant.op == "revoke" and grant.key_id not in current.keys:
+        raise UserError(f"key {grant.key_id} is not trusted by this journal; nothing to revoke")
+    _insert(db, grant, signed, now)
+    event(db, now, f"key_{grant.op}", None, None, key=grant.key_id, by=signed.key_id)
+    return registry(db, pins)

@@ -1,0 +1,89 @@
+"""Key files on disk: private whatever the umask, created atomically, safe when several
+processes start on one fresh journal at once; a bad key path is one line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+from pathlib import Path
+
+import tether
+from tests.test_cli import one_line_error
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_key_files_are_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        tether.KeyRing.init(tmp_path / "a" / "keys")
+        tether.KeyRing.load_or_init(tmp_path / "b")
+    finally:
+        os.umask(old)
+    for directory in (tmp_path / "a" / "keys", tmp_path / "b"):
+        assert mode(directory) == 0o700
+        assert mode(directory / "signing.json") == 0o600
+        assert mode(directory / "trusted.json") == 0o600
+        assert not [p for p in directory.iterdir() if p.name.startswith(".signing")]
+
+
+def test_loading_keys_an_older_tether_left_open_makes_them_private(tmp_path: Path) -> None:
+    tether.KeyRing.init(tmp_path / "keys")
+    for path, loose in ((tmp_path / "keys", 0o777), (tmp_path / "keys" / "trusted.json", 0o666),
+                        (tmp_path / "keys" / "signing.json", 0o644)):
+        os.chmod(path, loose)
+    tether.KeyRing.load(tmp_path / "keys")
+    assert mode(tmp_path / "keys") == 0o700
+    assert mode(tmp_path / "keys" / "trusted.json") == 0o600
+    assert mode(tmp_path / "keys" / "signing.json") == 0o600
+
+
+STARTER = r"""
+import sys, time
+from pathlib import Path
+import tether
+
+url, go = sys.argv[1], Path(sys.argv[2])
+print("ready", flush=True)
+deadline = time.monotonic() + 30
+while not go.exists() and time.monotonic() < deadline:
+    pass  # spin: all four leave the barrier within microseconds of each other
+
+# What a supervisor, worker or CLI does first with the journal's key directory. (The
+# journal's own schema creation is raced by tests of the journal.)
+print(tether.KeyRing.load_or_init(tether.Journal(url).keys_dir).signer.key_id, flush=True)
+"""
+
+
+async def test_four_processes_on_a_fresh_journal_share_one_key(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j' / 'journal.db'}"
+    (tmp_path / "j").mkdir()
+    go = tmp_path / "go"
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STARTER, url, str(go), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE) for _ in range(4)]
+    for proc in procs:
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
+    go.touch()
+    results = [await proc.communicate() for proc in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e.decode() for _, e in results]
+    ids = {out.decode().strip() for out, _ in results}
+    assert len(ids) == 1
+    keys = tmp_path / "j" / "keys"
+    assert tether.KeyRing.load(keys).signer.key_id in ids
+    assert mode(keys) == 0o700 and mode(keys / "trusted.json") == 0o600
+
+
+def test_keys_init_on_a_file_is_one_line(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    assert "not-a-dir" in one_line_error(["keys", "init", "--keys", str(a_file)])
+    assert "not-a-dir" in one_line_error(["keys", "init", "--keys", str(a_file / "keys")])
+    assert a_file.read_text() == "x"
+    # A place nobody can create a directory in, root included (procfs).
+    assert "/proc/tether-keys" in one_line_error(["keys", "init", "--keys", "/proc/tether-keys"])

@@ -1,0 +1,231 @@
+"""Trust anchors belong to the deployment: an intent from a key the journal's registry does not
+trust is refused at acceptance; a copied or replayed intent is never acted on; a forged row
+cannot block a legitimate recall with a raw database error. Both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tests.conftest import Shop
+from tests.test_cli import tether_cli
+from tether._core.documents import KeyGrant
+from tether._core.trust import bound, effective
+from tether._journal.journal import Journal
+
+
+async def raw(journal: Journal, sql: str, *params: Any) -> None:
+    """What a process with write access to the journal, and no trusted key, can do."""
+    await journal._write(lambda db: db.execute(sql, params))
+
+
+async def until(condition: Any, what: str, within: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not await condition():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def held(journal_url: str, shop: Shop) -> AsyncIterator[tuple[tether.Supervisor, Shop]]:
+    """A supervisor on the system clock (other processes take part) whose children wait at
+    their first read until the test opens ``shop.gate``."""
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        yield sup, shop
+        open_gate(shop)
+
+
+def open_gate(shop: Shop) -> None:
+    assert shop.gate is not None
+    shop.gate.set()
+
+
+def one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines[0]
+
+
+async def test_a_caller_with_its_own_keys_cannot_recall(
+        held: tuple[tether.Supervisor, Shop], journal_url: str, tmp_path: Path) -> None:
+    """Case 1: `keys init --keys OTHER` then `recall --keys OTHER` is refused at acceptance
+    with one line, and changes nothing: the child runs on and completes."""
+    sup, shop = held
+    child = await sup.delegate(shop.refund_agent, "T-1", tools=shop.tools)
+    other = str(tmp_path / "other")
+    code, _, err = await tether_cli("keys", "init", "--journal", journal_url, "--keys", other)
+    assert code == 0, err
+    code, _, err = await tether_cli("recall", child.id, "--journal", journal_url,
+                                    "--keys", other, "--no-wait")
+    assert code == 2
+    assert "not trusted" in one_error_line(err)
+    row = await sup.journal.get(child.id)
+    assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
+    assert await sup.journal.controls(child.id) == []
+    open_gate(shop)
+    assert (await child.result()).startswith("re_")
+    assert shop.pay.refund_count("T-1") == 1
+
+
+async def test_trusting_and_revoking_a_key_are_signed_journaled_operations(
+        held: tuple[tether.Supervisor, Shop], journal_url: str, tmp_path: Path) -> None:
+    sup, shop = held
+    other = tmp_path / "other"
+    ring = tether.KeyRing.init(other)
+    root = sup.keys.signer.public_b64()
+    # Trust needs a trusted signer: the other key cannot trust itself.
+    code, _, err = await tether_cli("keys", "trust", ring.signer.public_b64(), "--journal",
+                                    journal_url, "--keys", str(other))
+    assert code == 2 and "not trusted" in one_error_line(err)
+    # The journal's own key directory holds the root key (the supervisor's).
+    assert tether.KeyRing.load(sup.journal.keys_dir).signer.key_id == sup.keys.signer.key_id
+    code, _, err = await tether_cli("keys", "trust", ring.signer.public_b64(), "--label",
+                                    "operator 2", "--journal", journal_url)
+    assert code == 0, err
+    code, _, err = await tether_cli("keys", "pin", root, "--journal", journal_url,
+                                    "--keys", str(other))
+    assert code == 0, err
+    child = await sup.delegate(shop.refund_agent, "T-2", tools=shop.tools)
+    code, out, err = await tether_cli("recall", child.id, "--journal", journal_url,
+                                      "--keys", str(other), "--no-wait", "--json")
+    assert code == 0, err
+    assert json.loads(out)["accepted"] is True
+    open_gate(shop)
+    report = await child.report()
+    assert report.outcome is tether.DelegationState.RECALLED
+    code, out, err = await tether_cli("keys", "revoke", ring.signer.key_id, "--journal",
+                                      journal_url, "--json")
+    assert code == 0, err
+    assert ring.signer.key_id in json.loads(out)["revoked"]
+    shop.gate = asyncio.Event()
+    again = await sup.delegate(shop.refund_agent, "T-3", tools=shop.tools)
+    code, _, err = await tether_cli("recall", again.id, "--journal", journal_url,
+                                    "--keys", str(other), "--no-wait")
+    assert code == 2 and "revoked" in one_error_line(err)
+    assert (await sup.journal.get(again.id)).control_seq == 0
+    open_gate(shop)
+    await again.result()
+
+
+async def test_a_copied_intent_is_refused_and_never_acted_on(
+        held: tuple[tether.Supervisor, Shop], journal_url: str) -> None:
+    """Case 2: an operator's signed TERMINATE for X, copied into W's controls row (with W's
+    flags set as acceptance would), is shown REFUSED and the owner does not terminate W."""
+    sup, shop = held
+    x = await sup.delegate(shop.refund_agent, "X-1", tools=shop.tools)
+    w = await sup.delegate(shop.refund_agent, "W-1", tools=shop.tools)
+    await x.terminate("operator's own")
+    (signed,) = [c.signed for c in await sup.journal.controls(x.id)]
+    await raw(sup.journal, "UPDATE delegations SET control_seq = 1, state = 'TERMINATING', "
+              "fenced = 1 WHERE id = ?", w.id)
+    await raw(sup.journal, "INSERT INTO controls (delegation_id, seq, kind, body, key_id, "
+              "signature, accepted_at, issuer) VALUES (?, 1, 'TERMINATE', ?, ?, ?, 0, 'x')",
+              w.id, signed.body, signed.key_id, signed.signature)
+
+    rt = sup.runtime(w.id)
+    assert rt is not None
+
+    async def decided() -> bool:  # refused, or (the bug) acted on
+        await sup.journal.flush()
+        return rt.draining is not None or any(
+            e.kind == "control_refused" for e in await sup.journal.events([w.id]))
+
+    await until(decided, "the owner to decide on the copied intent")
+    assert rt.draining is None and rt.stop is None
+    assert (await sup.journal.get(w.id)).state is tether.DelegationState.TERMINATING
+    code, out, err = await tether_cli("show", w.id, "--journal", journal_url, "--json")
+    assert code == 0, err
+    (intent,) = json.loads(out)["intents"]
+    assert intent["verified"].startswith("REFUSED") and "copied or replayed" in intent["verified"]
+
+
+async def test_a_forged_row_at_the_next_sequence_is_named(
+        held: tuple[tether.Supervisor, Shop], journal_url: str) -> None:
+    """Case 5: a garbage controls row at seq+1 does not turn a legitimate recall into a raw
+    UNIQUE error: the error names the row, and nothing changed."""
+    sup, shop = held
+    child = await sup.delegate(shop.refund_agent, "F-1", tools=shop.tools)
+    await raw(sup.journal, "INSERT INTO controls (delegation_id, seq, kind, body, key_id, "
+              "signature, accepted_at, issuer) VALUES (?, 1, 'RECALL', ?, 'k', ?, 0, 'x')",
+              child.id, b"garbage", b"\0" * 64)
+    code, _, err = await tether_cli("recall", child.id, "--journal", journal_url, "--no-wait")
+    assert code == 2
+    line = one_error_line(err)
+    assert "UNIQUE" not in line and "unique" not in line
+    assert "controls row" in line and "sequence 1" in line
+    row = await sup.journal.get(child.id)
+    assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
+    open_gate(shop)
+    assert (await child.result()).startswith("re_")
+
+
+def test_a_replay_of_another_sequence_epoch_or_kind_is_unbound() -> None:
+    intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 2, 3, 5.0, "r", 1.0)
+    recall, terminate = tether.ControlKind.RECALL, tether.ControlKind.TERMINATE
+    bound(intent, "d1", 3, recall, 2)
+    for row in (("d2", 3, recall, 2), ("d1", 4, recall, 2), ("d1", 3, terminate, 2),
+                ("d1", 3, recall, 3)):
+        with pytest.raises(tether.ControlRefused, match="copied or replayed"):
+            bound(intent, *row)
+
+
+def test_the_registry_believes_only_entries_signed_by_trusted_keys() -> None:
+    root, friend, stranger = (tether.SigningKey.generate() for _ in range(3))
+
+    def grant(signer: tether.SigningKey, op: str, key: tether.SigningKey) -> tether.Signed:
+        public = key.public_b64() if op != "revoke" else ""
+        return signer.sign(KeyGrant(op, key.key_id, public, "", 1.0))
+
+    pins = tether.TrustedKeys([root.public])
+    entries = [grant(root, "root", root), grant(stranger, "trust", stranger),
+               grant(stranger, "root", stranger), grant(root, "trust", friend)]
+    reg = effective(pins, list(enumerate(entries)))
+    assert reg.root == root.key_id
+    assert set(reg.keys.ids()) == {root.key_id, friend.key_id}
+    assert len(reg.problems) == 2
+    # A configuration that pins another root trusts nothing here.
+    assert effective(tether.TrustedKeys([stranger.public]),
+                     list(enumerate(entries))).keys.ids() == []
+    revoked = effective(pins, list(enumerate([*entries, grant(friend, "revoke", root),
+                                              grant(root, "revoke", friend)])))
+    assert revoked.keys.ids() == [root.key_id] and friend.key_id in revoked.revoked
+
+
+async def test_verify_names_every_signed_record_that_fails(
+        held: tuple[tether.Supervisor, Shop], journal_url: str) -> None:
+    """`tether verify` passes a clean journal and exits 1 naming a copied intent, an altered
+    intent body and queued work whose arguments were rewritten."""
+    sup, shop = held
+    x = await sup.delegate(shop.refund_agent, "V-1", tools=shop.tools)
+    await x.terminate("clean")
+    queued = await sup.delegate(shop.refund_agent, "V-2", tools=shop.tools, remote=True)
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 0, (out, err)
+    clean = json.loads(out)
+    assert clean["ok"] and clean["records_checked"] >= 2
+    w = await sup.delegate(shop.refund_agent, "V-3", tools=shop.tools)
+    (signed,) = [c.signed for c in await sup.journal.controls(x.id)]
+    await raw(sup.journal, "INSERT INTO controls (delegation_id, seq, kind, body, key_id, "
+              "signature, accepted_at, issuer) VALUES (?, 1, 'TERMINATE', ?, ?, ?, 0, 'x')",
+              w.id, signed.body, signed.key_id, signed.signature)
+    await raw(sup.journal, "UPDATE controls SET body = ? WHERE delegation_id = ?",
+              signed.body.replace(b'"clean"', b'"dirty"'), x.id)
+    await raw(sup.journal, "UPDATE delegations SET args = ? WHERE id = ?",
+              '{"args":["V-2-other"],"kwargs":{}}', queued.id)
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1, (out, err)
+    found = {(p["delegation"], p["record"].split(" (")[0]): p["problem"]
+             for p in json.loads(out)["problems"]}
+    assert "does not verify" in found[(x.id, next(r for d, r in found if d == x.id))]
+    assert any(d == w.id and "copied or replayed" in p for (d, _), p in found.items())
+    assert "does not match" in found[(queued.id, "queued work")]
+    code, out, _ = await tether_cli("verify", w.id, "--journal", journal_url)
+    assert code == 1 and "controls row" in out
