@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
