@@ -28,12 +28,13 @@ class Stuck:
 
 
 async def stuck_payment(url: str, *, agent: str = "payer", tool: str = "charge",
-                        reason: str = "customer withdrew", order: str = "O-1") -> Stuck:
+                        reason: str = "customer withdrew", order: str = "O-1",
+                        deadline: float = 30.0) -> Stuck:
     """A delegation terminated with a payment in flight whose tool has no probe: the payment
     ends UNKNOWN and the delegation NEEDS_ATTENTION, as after a 3 a.m. incident."""
     entered = asyncio.Event()
 
-    @tether.tool(name=tool)
+    @tether.tool(name=tool, dispatch_deadline=deadline)
     async def charge(order_id: str, cents: int, *, idempotency_key: str) -> str:
         entered.set()
         await asyncio.Event().wait()

@@ -558,5 +558,14 @@ def _register_sim() -> None:
 _register_sim()
 
 
+def _register_ops() -> None:
+    from tether._cli import ops
+
+    ops.register(app, cli_errors)
+
+
+_register_ops()
+
+
 def main() -> None:
     app()

@@ -12,6 +12,7 @@ from rich.tree import Tree
 from tether._cli.safe import age, brief, id_column, print_table, safe, when
 from tether._core.documents import decode
 from tether._core.errors import ControlRefused
+from tether._core.resolution import decode_resolution
 from tether._core.signing import TrustedKeys
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
@@ -63,6 +64,7 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
                             "body": _body(doc.signed.body)})
     events = await journal.events(ids)
     return {
+        "decisions": await journal.resolutions(ids),
         "delegations": [r.to_json() for r in rows],
         "actions": [a.to_json() for a in actions],
         "intents": intents,
@@ -74,6 +76,8 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
 def _body(body: bytes) -> dict[str, Any]:
     """A body that no longer decodes is shown as such; its signature check says REFUSED."""
     try:
+        if b'"type":"resolution"' in body:
+            return decode_resolution(body).to_json()
         return decode(body).to_json()
     except ControlRefused as exc:
         return {"undecodable": str(exc)}
@@ -133,11 +137,14 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
         ok = i["verified"]
         body = i["body"]
         detail = body.get("reason") or (
-            f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "")
+            f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "") or (
+            f"{body['action']} {body['outcome']} by {body['operator']}: {body['note']}"
+            if body.get("type") == "resolution" else "")
         table.add_row(safe(i["delegation"]), str(i["seq"]), safe(i["kind"]), safe(i["key_id"]),
                       "[green]verified[/green]" if ok == "ok" else f"[red]{safe(ok)}[/red]",
                       when(i["accepted_at"]), safe(detail))
     print_table(console, table)
+    render_decisions(console, data.get("decisions", []))
     events = data["events"]
     table = Table(title="events")
     table.add_column("at (UTC)", no_wrap=True)
@@ -146,9 +153,34 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
     table.add_column("event", no_wrap=True)
     table.add_column("detail", overflow="fold", min_width=16)
     for e in events:
-        detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items() if v not in (None, ""))
+        detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items()
+                           if v not in (None, "") and k != "at")
         table.add_row(when(e["at"]), safe(e["action"] or e["delegation"] or ""),
                       safe(e["kind"]), safe(detail))
+    print_table(console, table)
+
+
+def render_decisions(console: Console, decisions: list[dict[str, Any]]) -> None:
+    """Who decided what and why, and every later fact that said otherwise."""
+    if not decisions:
+        return
+    table = Table(title="decisions by people (signed), and facts that contradict them")
+    table.add_column("at (UTC)", no_wrap=True)
+    id_column(table, "action", [d["action"] for d in decisions])
+    table.add_column("decision", no_wrap=True)
+    table.add_column("by", overflow="fold", min_width=8)
+    id_column(table, "key", [d.get("key_id", "") for d in decisions])
+    table.add_column("note", overflow="fold", min_width=16)
+    for d in decisions:
+        if d["kind"] == "resolved":
+            table.add_row(when(d["at"]), safe(d["action"]),
+                          f"{styled(d['old'])} -> {styled(d['outcome'])}",
+                          safe(d["operator"]), safe(d["key_id"]), safe(d["note"]))
+        else:
+            table.add_row(when(d["at"]), safe(d["action"]),
+                          f"[bold red]CONTRADICTED[/bold red] by {styled(d['new'])}", "", "",
+                          safe(f"decided {d['resolved']}; a later receipt says {d['new']}"
+                               + (f" (error: {d['error']})" if d.get("error") else "")))
     print_table(console, table)
 
 

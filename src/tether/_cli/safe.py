@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 
 def _visible(ch: str) -> str:
@@ -61,16 +62,20 @@ def age(ts: float | None, now: float) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def id_column(table: Table, header: str, values: list[str]) -> None:
+def id_column(table: Table, header: str, values: list[str] | None = None) -> None:
     """A column for ids and keys: never wrapped, never cut (ids of one process share a
-    prefix, so a cut id cannot be told from its neighbours)."""
-    width = max([len(header), *(len(plain(v)) for v in values)])
-    table.add_column(header, no_wrap=True, min_width=width, overflow="ignore")
+    prefix, so a cut id cannot be told from its neighbours). ``print_table`` sizes it."""
+    table.add_column(header, no_wrap=True, overflow="ignore")
 
 
 def print_table(console: Console, table: Table) -> None:
-    """Print ``table`` at least as wide as its id columns need: on a narrow terminal the
-    lines run on (the terminal wraps them whole) rather than cutting an id."""
+    """Print ``table`` with every unwrapped column (ids, keys, times, states) whole, even on a
+    narrow terminal: its lines then run on (the terminal wraps them) rather than cut an id."""
+    for column in table.columns:
+        if column.no_wrap:
+            cells = [Text.from_markup(c) if isinstance(c, str) else c for c in column.cells]
+            column.min_width = max([Text.from_markup(str(column.header)).cell_len,
+                                    *(c.cell_len for c in cells if isinstance(c, Text))])
     need = Measurement.get(console, console.options.update_width(100_000), table).minimum
     if need <= console.width:
         console.print(table)
@@ -87,4 +92,10 @@ def brief(evidence: dict[str, Any] | None) -> str:
     """Evidence as ``key=value`` pairs (the probe's time left out), unescaped."""
     if not evidence:
         return ""
-    return ", ".join(f"{k}={v}" for k, v in evidence.items() if k != "probed_at")
+    parts = []
+    for k, v in evidence.items():
+        if k == "resolution" and isinstance(v, dict):
+            parts.append(f"decided {v.get('outcome')} by {v.get('operator')}: {v.get('note')}")
+        elif k != "probed_at":
+            parts.append(f"{k}={v}")
+    return ", ".join(parts)

@@ -287,6 +287,20 @@ class Journal:
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)
 
+    # -- a person's decisions (``_journal.resolutions``) ----------------------------------------
+    async def resolve(self, signed: Signed, trusted: TrustedKeys, now: float) -> ActionRecord:
+        """Verify a signed Resolution (I5), then record it and re-settle, in one transaction."""
+        from tether._core.resolution import decode_resolution
+        from tether._journal.resolutions import resolve_action
+
+        trusted.verify_bytes(signed)
+        return await self._write(resolve_action, signed, decode_resolution(signed.body), now)
+
+    async def resolutions(self, delegation_ids: list[str]) -> list[dict[str, Any]]:
+        from tether._journal.resolutions import resolutions
+
+        return await self._read(resolutions, delegation_ids)
+
 
     # -- workers ------------------------------------------------------------------------------
     async def renew_lease(self, owner_id: str, now: float, lease: float) -> bool:

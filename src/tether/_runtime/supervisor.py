@@ -24,7 +24,7 @@ from tether._core.errors import (
 )
 from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
-from tether._core.report import Report
+from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
@@ -527,6 +527,18 @@ class Supervisor:
         UNKNOWN ones, as an ordinary journaled delegation with keys derived from the
         originals (so compensating twice is refused, not repeated)."""
         return await compensate(self, report, self._tools)
+
+    async def resolve(self, action_id: str, outcome: str, note: str, *,
+                      operator: str | None = None) -> ActionRecord:
+        """Record a person's decision on an action nobody could settle (UNKNOWN, or in doubt):
+        COMPLETED or NOT_APPLIED, signed with this supervisor's key, with ``operator`` (default
+        $TETHER_OPERATOR or the login name) and ``note``; its delegation re-settles. What
+        ``tether resolve`` does."""
+        from tether._runtime.resolve import resolve
+
+        await self.journal.flush()
+        return await resolve(self.journal, self.keys, action_id, outcome, note, operator,
+                             self.clock.wall())
 
     def handle_for(self, delegation_id: str) -> Handle:
         """A handle on any delegation in the journal, e.g. one listed by ``tether ls``."""
