@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
-from tether._cli.safe import plain, print_table, safe
+from tether._cli.safe import plain, safe
 from tether._core.documents import ControlIntent
 from tether._core.errors import AlreadyFinished, TetherError, UserError
 from tether._core.model import ControlKind, Policy, check_grace
@@ -97,25 +97,6 @@ def demo(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
 
     ok = run(run_demo(journal, as_json, out))
     raise typer.Exit(0 if ok else 1)
-
-
-@app.command("ls")
-@cli_errors
-def list_cmd(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
-             live: Annotated[bool, typer.Option("--live", help="Only live ones.")] = False,
-             ) -> None:
-    """List delegations."""
-    from tether._cli.render import delegation_table
-
-    async def go() -> list[Any]:
-        async with Journal(journal, create=False) as j:
-            return await j.delegations(live_only=live)
-
-    rows = run(go())
-    if as_json:
-        emit_json([r.to_json() for r in rows])
-    else:
-        print_table(out, delegation_table(rows))
 
 
 @app.command()

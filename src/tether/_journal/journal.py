@@ -15,7 +15,7 @@ from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue
+from tether._journal import ops, queue, triage
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -300,6 +300,14 @@ class Journal:
         from tether._journal.resolutions import resolutions
 
         return await self._read(resolutions, delegation_ids)
+
+    # -- the operator's triage (``_journal.triage``) --------------------------------------------
+    async def page(self, query: triage.DelegationQuery) -> list[DelegationRow]:
+        return await self._read(triage.page_delegations, query)
+
+    async def find_actions(self, query: triage.ActionQuery
+                           ) -> list[tuple[ActionRecord, str, str]]:
+        return await self._read(triage.find_actions, query)
 
 
     # -- workers ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -118,6 +118,14 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # "not applied" is final. NULL (older rows): started_at plus the default deadline.
     3: (
         """ALTER TABLE actions ADD COLUMN deadline_at REAL""",
+    ),
+    # The operator's triage (``tether ls`` filters, ``tether actions``): newest first, by
+    # state or agent, read through an index at any journal size.
+    4: (
+        """CREATE INDEX delegations_created ON delegations(created_at, id)""",
+        """CREATE INDEX delegations_state_created ON delegations(state, created_at, id)""",
+        """CREATE INDEX delegations_agent_created ON delegations(agent, created_at, id)""",
+        """CREATE INDEX actions_state_started ON actions(state, started_at, id)""",
     ),
 }
 
