@@ -26,6 +26,7 @@ from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
+from tether._runtime.logs import configure as configure_logs
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import owner_alive
 from tether._runtime.supervisor import Supervisor
@@ -46,6 +47,9 @@ JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURN
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
                                               "beside the journal).")]
+LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
+                                          "(logs go to stderr).")]
+LogFormatOpt = Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
 
 
 def cli_errors(fn: Callable[..., T]) -> Callable[..., T]:
@@ -347,6 +351,7 @@ def worker(
     stop_timeout: Annotated[float, typer.Option(
         "--stop-timeout", help="On SIGTERM, seconds to let running delegations finish before "
         "terminating them.")] = 30.0,
+    log_level: LogLevelOpt = "info", log_format: LogFormatOpt = "text",
 ) -> None:
     """Run queued delegations (``delegate(..., remote=True)``) in this process until SIGTERM or
     Ctrl-C. Exits 3 if the lease runs out (a long pause): its work is reconciled elsewhere."""
@@ -355,6 +360,7 @@ def worker(
     from tether._core.errors import LeaseLost
     from tether._runtime.worker import Worker, load_agents
 
+    configure_logs(log_level, log_format)
     found = load_agents(agents)
 
     async def go() -> None:
@@ -384,6 +390,7 @@ def mcp_proxy(
     policy: Annotated[Path | None, typer.Option(
         "--policy", help="JSON: {server: {trusted: bool, effects: {tool: EFFECT}}}.")] = None,
     journal: JournalOpt = DEFAULT_URL,
+    log_level: LogLevelOpt = "info", log_format: LogFormatOpt = "text",
 ) -> None:
     """Serve the upstream servers' tools over stdio, each call journaled and fenced; stop a
     session with `tether recall` / `tether terminate` (its delegation id is on stderr)."""
@@ -393,6 +400,7 @@ def mcp_proxy(
     except ModuleNotFoundError as exc:
         raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'") \
             from exc
+    configure_logs(log_level, log_format)
     servers = dict(parse_upstream(spec) for spec in upstream)
     if len(servers) != len(upstream):
         raise UserError("two --upstream options share a name")

@@ -27,6 +27,7 @@ from tether._core.errors import ControlSignal, UserError
 from tether._integrations.mcp_gateway import McpToolError, ServerPolicy, wrap_tools
 from tether._journal.journal import Journal
 from tether._runtime.gateway import Context
+from tether._runtime.logs import logger
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, Tool
 
@@ -133,6 +134,8 @@ async def serve(journal: str, upstreams: Mapping[str, list[str]],
         tools = tuple(tool for tool, _ in proxy.exposed.values())
         handle = await sup.delegate(Agent("mcp-proxy", proxy.session_agent, tools))
         # stdout is the MCP channel: tell the operator on stderr how to reach this session.
+        logger("proxy").info("session started as delegation %s", handle.id,
+                             extra={"delegation": handle.id, "upstreams": sorted(upstreams)})
         print(f"tether mcp-proxy: delegation {handle.id}; stop it with "
               f"`tether recall {handle.id} --grace SECONDS`", file=sys.stderr, flush=True)
         server: Server[Any] = Server("tether-mcp-proxy", on_list_tools=proxy.list_tools,

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
-from tether._core.errors import Malformed, UserError
+from tether._core.errors import ControlRefused, Malformed, UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, TrustedKeys
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from tether._journal.postgres import PostgresRunner
 
 T = TypeVar("T")
+log = logging.getLogger("tether.journal")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 
 
@@ -50,6 +52,11 @@ def sqlite_path(url: str) -> Path:
     if not path:
         raise UserError(f"journal URL {url!r} names no file")
     return Path(path)
+
+
+def _refused(exc: ControlRefused, issuer: str, delegation_id: str | None = None) -> None:
+    log.warning("intent refused: %s", exc, extra={
+        "delegation": delegation_id, "issuer": issuer, "refusal": type(exc).__name__})
 
 
 def _bind(fn: Callable[..., T], args: tuple[Any, ...], kw: dict[str, Any]) -> Callable[[Any], T]:
@@ -189,8 +196,12 @@ class Journal:
     async def accept_control(self, signed: Signed, trusted: TrustedKeys, issuer: str,
                              now: float) -> tuple[ControlIntent, ControlRow]:
         """Verify the signature (I5), then CAS, move and fence in one transaction."""
-        intent = trusted.verify(signed, ControlIntent)
-        row = await self._write(ops.accept_control, signed, intent, issuer, now)
+        try:
+            intent = trusted.verify(signed, ControlIntent)
+            row = await self._write(ops.accept_control, signed, intent, issuer, now)
+        except ControlRefused as exc:
+            _refused(exc, issuer)
+            raise
         return intent, row
 
     async def sign_and_accept(self, delegation_id: str,
@@ -208,7 +219,11 @@ class Journal:
             ops.accept_control(db, signed, intent, issuer, now)
             return intent, signed
 
-        return await self._write(op)
+        try:
+            return await self._write(op)
+        except ControlRefused as exc:
+            _refused(exc, issuer, delegation_id)
+            raise
 
     async def controls_to_adopt(self, owner_id: str, after_id: int) -> list[ControlRow]:
         """Intents an owner must drain. SQLite commits in id order, so "after the last id seen"
@@ -294,7 +309,13 @@ class Journal:
         from tether._journal.resolutions import resolve_action
 
         trusted.verify_bytes(signed)
-        return await self._write(resolve_action, signed, decode_resolution(signed.body), now)
+        res = decode_resolution(signed.body)
+        action = await self._write(resolve_action, signed, res, now)
+        log.info("%s resolved as %s by %s", res.action_id, res.outcome.value, res.operator,
+                 extra={"action": res.action_id, "delegation": res.delegation_id,
+                        "outcome": res.outcome.value, "operator": res.operator,
+                        "key_id": signed.key_id})
+        return action
 
     async def resolutions(self, delegation_ids: list[str]) -> list[dict[str, Any]]:
         from tether._journal.resolutions import resolutions

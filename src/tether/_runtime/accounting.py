@@ -20,12 +20,16 @@ from tether._core.outcome import UNSETTLED, PriorCall, holds_key
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
+from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report, deadline_of, probe_all, settle_subtree
 from tether._runtime.remote import owner_alive, settle_unclaimed
 from tether._runtime.tools import Tool
 
 if TYPE_CHECKING:
     from tether._runtime import ports
+
+
+log = logger("supervisor")
 
 
 class Accounting:
@@ -204,4 +208,8 @@ class Accounting:
         sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict="RECOVERED",
                           reason=reason)
         await sup.journal.flush()
-        return await build_report(sup.journal, row.id)
+        report = await build_report(sup.journal, row.id)
+        log.warning("recovered %s: %s; settled %s", row.id, reason, report.outcome.value,
+                    extra={"delegation": row.id, "outcome": report.outcome.value,
+                           "verdict": "RECOVERED"})
+        return report

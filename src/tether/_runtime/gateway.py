@@ -19,6 +19,7 @@ from tether._core.model import ActionState
 from tether._core.redispatch import UNRESTRICTED
 from tether._journal.rows import Begin, NewAction
 from tether._runtime.handle import Handle
+from tether._runtime.logs import logger
 from tether._runtime.state import ChildRuntime, new_id
 from tether._runtime.telemetry import end
 from tether._runtime.tools import Agent, Tool, surface_name
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 UNSERIALIZABLE = "__tether_unserializable__"
 # Deliberate bugs, switched on only to prove that `tether chaos` catches them. Never set in use.
 FAULTS = frozenset(os.environ.get("TETHER_FAULTS", "").split(",")) - {""}
+
+
+log = logger("supervisor")
 
 
 def args_json(kwargs: dict[str, Any]) -> str:
@@ -129,6 +133,9 @@ class Context:
             await self._sup.await_call(begun.action_id, key)
         if begun.status in (Begin.FENCED, Begin.STALE_EPOCH, Begin.LEASE_EXPIRED):
             # The journal's fence is the authority; our in-memory flag may not know yet.
+            log.info("call to %s refused: %s", found.name, begun.status.value,
+                     extra={"delegation": rt.id, "tool": found.name,
+                            "refusal": begun.status.value})
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
         if begun.status is Begin.REPLAY:
             journal.event(clock.wall(), "replay", rt.id, begun.action_id, key=key)

@@ -37,6 +37,7 @@ from tether._runtime.compensation import compensate
 from tether._runtime.gateway import UNSERIALIZABLE, Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
+from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 T = TypeVar("T")
+log = logger("supervisor")
 
 
 def _json_or_marker(value: Any) -> Any:
@@ -470,8 +472,11 @@ class Supervisor:
                 seq=row.control_seq + 1 if offered is None else offered, grace=grace,
                 reason=reason, issued_at=issued))
 
-        _, signed = await self.journal.sign_and_accept(delegation_id, make, self.keys.trusted,
-                                                       self.owner_id, issued)
+        intent, signed = await self.journal.sign_and_accept(
+            delegation_id, make, self.keys.trusted, self.owner_id, issued)
+        log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
+                 extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
+                        "reason": reason})
         rt = self._runtimes.get(delegation_id)
         if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
             rt.cut()  # cuts the recall's grace window short
