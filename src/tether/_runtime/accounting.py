@@ -68,7 +68,7 @@ class Accounting:
                 # Past its deadline nothing can apply any more: the next probe is final.
                 if action.state is ActionState.IN_DOUBT:
                     await probe_all(sup.journal, [action], self._tools, sup.clock,
-                                    sup.policy.probe_timeout)
+                                    sup.policy.probe_timeout, sup.telemetry.probed)
                     action = await sup.journal.action(action_id)
                 if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
                     raise KeyInUse(key, action_id, action.state.value)
@@ -127,7 +127,7 @@ class Accounting:
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout)
+                            sup.policy.probe_timeout, sup.telemetry.probed)
         await settle_subtree(sup.journal, root_id, sup.clock, fallback)
         await self._recheck_later(root_id, fallback)
 
@@ -177,7 +177,7 @@ class Accounting:
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout)
+                            sup.policy.probe_timeout, sup.telemetry.probed)
             roots = {a.delegation_id for a in doubtful}
             for root in roots:
                 row = await sup.journal.get(root)

@@ -56,6 +56,8 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
                       reason=reason)
     await sup.journal.flush()
     report = await build_report(sup.journal, rt.id)
+    if verdict is Verdict.GRACE_EXPIRED:
+        sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
     log_verdict(report, verdict.value, reason)
     return report
 

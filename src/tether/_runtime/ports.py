@@ -114,6 +114,9 @@ class Drains(Journaled, Protocol):
     def policy(self) -> Policy: ...
 
     @property
+    def telemetry(self) -> Telemetry: ...
+
+    @property
     def keys(self) -> KeyRing: ...
 
 
@@ -122,6 +125,9 @@ class Accounts(Liveness, Protocol):
 
     @property
     def keys(self) -> KeyRing: ...
+
+    @property
+    def telemetry(self) -> Telemetry: ...
 
     @property
     def control_poll(self) -> float: ...

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tether._core.documents import ControlIntent, canonical
 from tether._core.errors import (
     AlreadyFinished,
+    ControlRefused,
     ControlSignal,
     InvalidTransition,
     Recalled,
@@ -221,6 +222,7 @@ class Supervisor:
             for task in list(self._background):
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
+            self.telemetry.close()  # every span ends, those of calls still out IN_DOUBT
             await self.journal.close()
 
     @property
@@ -472,8 +474,14 @@ class Supervisor:
                 seq=row.control_seq + 1 if offered is None else offered, grace=grace,
                 reason=reason, issued_at=issued))
 
-        intent, signed = await self.journal.sign_and_accept(
-            delegation_id, make, self.keys.trusted, self.owner_id, issued)
+        try:
+            intent, signed = await self.journal.sign_and_accept(
+                delegation_id, make, self.keys.trusted, self.owner_id, issued)
+        except ControlRefused as exc:
+            self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
+                                           "error.type": type(exc).__name__})
+            raise
+        self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": True})
         log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
                  extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
                         "reason": reason})
