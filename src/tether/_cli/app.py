@@ -548,9 +548,10 @@ _register_sim()
 
 
 def _register_ops() -> None:
-    from tether._cli import ops
+    from tether._cli import ops, retention
 
     ops.register(app, cli_errors)
+    retention.register(app, cli_errors)
 
 
 _register_ops()

@@ -16,7 +16,7 @@ from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue, triage
+from tether._journal import ops, queue, retention, triage
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -329,6 +329,23 @@ class Journal:
     async def find_actions(self, query: triage.ActionQuery
                            ) -> list[tuple[ActionRecord, str, str]]:
         return await self._read(triage.find_actions, query)
+
+    # -- retention (``_journal.retention``) -----------------------------------------------------
+    async def roots(self, *, since: float | None, until: float | None, after: str | None,
+                    limit: int, settled_only: bool = False) -> list[str]:
+        return await self._read(lambda db: retention.roots(
+            db, since=since, until=until, after=after, limit=limit, settled_only=settled_only))
+
+    async def tree_records(self, root_id: str) -> list[dict[str, Any]]:
+        return await self._read(retention.tree_records, root_id)
+
+    async def prunable(self, root_ids: list[str], before: float, now: float) -> list[str]:
+        return await self._read(lambda db: [
+            r for r in root_ids if retention.tree_prunable(db, r, before, now) is not None])
+
+    async def prune(self, root_ids: list[str], before: float, now: float,
+                    archive: dict[str, Any] | None) -> dict[str, Any]:
+        return await self._write(retention.prune, root_ids, before, now, archive)
 
 
     # -- workers ------------------------------------------------------------------------------
