@@ -548,10 +548,11 @@ _register_sim()
 
 
 def _register_ops() -> None:
-    from tether._cli import ops, retention
+    from tether._cli import console, ops, retention
 
     ops.register(app, cli_errors)
     retention.register(app, cli_errors)
+    console.register(app, cli_errors)
 
 
 _register_ops()

@@ -330,6 +330,9 @@ class Journal:
                            ) -> list[tuple[ActionRecord, str, str]]:
         return await self._read(triage.find_actions, query)
 
+    async def last_event_id(self) -> int:
+        return await self.peek(triage.last_event_id)
+
     # -- retention (``_journal.retention``) -----------------------------------------------------
     async def roots(self, *, since: float | None, until: float | None, after: str | None,
                     limit: int, settled_only: bool = False) -> list[str]:

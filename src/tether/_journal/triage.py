@@ -80,3 +80,10 @@ def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
     rows = db.execute(sql, params).fetchall()
     width = len(_ACTION_COLS.split(","))
     return [(_action(r[:width]), r[width], r[width + 1]) for r in rows]
+
+
+def last_event_id(db: Db) -> int:
+    """The journal's newest event: it moves whenever anything is recorded (the console's
+    cue to push a fresh snapshot)."""
+    row = db.execute("SELECT COALESCE(MAX(id), 0) FROM events").fetchone()
+    return int(row[0])
