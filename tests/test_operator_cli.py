@@ -45,6 +45,11 @@ def test_markup_escapes_and_control_characters_pass_through_every_command(
         ["recall", stuck.delegation, "--reason", HOSTILE],
         ["terminate", stuck.delegation, "--reason", HOSTILE],
         ["show", HOSTILE], ["recall", HOSTILE], ["reconcile", HOSTILE], ["keys", "show"],
+        ["actions"], ["actions", "--state", "UNKNOWN"], ["ls", "--agent", HOSTILE],
+        ["ls", "--state", HOSTILE], ["actions", "--older-than", HOSTILE],
+        ["resolve", HOSTILE, "--as", "COMPLETED", "--note", HOSTILE],
+        ["resolve", stuck.action, "--as", HOSTILE, "--note", HOSTILE],
+        ["export"], ["prune", "--before", HOSTILE], ["prune", "--before", "0s", "--dry-run"],
     ]
     for args in commands:
         _, out, err = invoke(*args, "--journal", url)
@@ -61,6 +66,13 @@ def test_markup_escapes_and_control_characters_pass_through_every_command(
     assert code == 1 and "has no probe" in out and "pay[/bold]" in out, out
     _, _, err = invoke("recall", HOSTILE, "--journal", url)
     assert err.startswith("error:") and "pay[/bold]" in err
+    # A person's decision with a hostile name and note, then everything that shows it.
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", HOSTILE,
+                            "--by", HOSTILE, "--journal", url)
+    assert code == 0 and raw_controls(out + err) == [] and "pay[/bold]" in out, err
+    for args in (["show", stuck.delegation], ["actions", "--state", "COMPLETED"], ["export"]):
+        _, out, err = invoke(*args, "--journal", url)
+        assert raw_controls(out + err) == [], (args, out)
 
 
 def test_error_lines_keep_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
