@@ -132,3 +132,12 @@ def test_version() -> None:
 
     code, out, _ = invoke("--version")
     assert code == 0 and out.strip() == f"tether {version('tether')}"
+
+
+def test_keys_init_speaks_json(tmp_path: Path) -> None:
+    import json
+
+    code, out, _ = invoke("keys", "init", "--keys", str(tmp_path / "k"), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["signing"] and data["directory"] == str(tmp_path / "k")

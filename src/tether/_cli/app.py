@@ -313,10 +313,14 @@ def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
 
 @keys_app.command("init")
 @cli_errors
-def keys_init(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None) -> None:
+def keys_init(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              as_json: JsonOpt = False) -> None:
     """Create a signing key and trust it."""
     directory = key_dir(Journal(journal), keys)
     ring = KeyRing.init(directory)
+    if as_json:
+        emit_json({"directory": str(directory), "signing": ring.signer.key_id})
+        return
     out.print(f"signing key {safe(ring.signer.key_id)} written to {safe(directory)}",
               soft_wrap=True)
 
