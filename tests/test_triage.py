@@ -24,7 +24,6 @@ from tether._runtime.state import new_id
 from .operator_world import stuck_payment
 
 runner = CliRunner()
-NOW = time.time()
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -44,6 +43,7 @@ def listed(*args: str) -> list[dict[str, Any]]:
 async def fill(url: str, n: int) -> list[str]:
     """``n`` delegations one minute apart (the last one now), agents alternating; every third
     succeeded. Returns their ids, oldest first."""
+    now = time.time()
     ids = []
     async with tether.Journal(url, durable=False) as j:
         for i in range(n):
@@ -51,9 +51,9 @@ async def fill(url: str, n: int) -> list[str]:
             await j.create_delegation(NewDelegation(
                 id=did, task_id=new_id("t"), parent_id=None, attempt=1,
                 agent="pay" if i % 2 else "mail", surface=(), args={}, owner_id="o_x",
-                now=NOW - 60.0 * (n - 1 - i)))
+                now=now - 60.0 * (n - 1 - i)))
             if i % 3 == 0:
-                await j.set_state(did, DelegationState.SUCCEEDED, NOW)
+                await j.set_state(did, DelegationState.SUCCEEDED, now)
             ids.append(did)
     return ids
 
@@ -84,7 +84,7 @@ def test_ls_pages_newest_first_and_filters(tmp_path: Path) -> None:
     assert all(r["state"] == "RUNNING" and r["agent"] == "mail" for r in live) and live
     recent = listed("ls", "--since", "330s", "--journal", url)
     assert [r["id"] for r in recent] == newest[:6]
-    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(NOW - 330))
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time() - 330))
     assert listed("ls", "--since", since, "--journal", url) == recent
 
 
@@ -115,7 +115,7 @@ def test_ls_reads_through_an_index(tmp_path: Path) -> None:
             return conn.execute(sql, params)
 
     for query in (DelegationQuery(), DelegationQuery(states=("RUNNING",)),
-                  DelegationQuery(agent="pay"), DelegationQuery(since=NOW - 60)):
+                  DelegationQuery(agent="pay"), DelegationQuery(since=time.time() - 60)):
         plans.clear()
         page_delegations(Explain(), query)
         plan = " / ".join(plans)
