@@ -101,50 +101,64 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         )
         if cur.rowcount == 1:
             return outcome
-    row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions "
-                     "WHERE id = ?", (action_id,)).fetchone()
-    if row is None:
-        raise NotFound(f"no action {action_id!r} in this journal")
-    old = ActionState(row[0])
-    verdict = judge_receipt(old, outcome, from_probe=evidence is not None,
-                            fills_result=bool(row[2]) and result is not None)
-    decided = resolved_as(db, action_id)
-    if decided is not None and contradicts(decided, outcome):
-        # A fact after a person's decision says otherwise: both are kept, and a person must
-        # look again (``_core.resolution``).
-        event(db, now, CONTRADICTED, None, action_id, resolved=decided.value,
-              new=outcome.value, result=result, error=error, evidence=evidence)
+    while True:
+        row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions "
+                         "WHERE id = ?", (action_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no action {action_id!r} in this journal")
+        old = ActionState(row[0])
+        verdict = judge_receipt(old, outcome, from_probe=evidence is not None,
+                                fills_result=bool(row[2]) and result is not None)
+        decided = resolved_as(db, action_id)
+        contradicted = decided is not None and contradicts(decided, outcome)
         if verdict is Receipt.IGNORE:
-            resettle(db, row[1], now, "a receipt contradicts a person's decision",
-                     attention=True)
+            if contradicted:
+                _contradicted(db, now, action_id, row[1], decided, outcome, result, error,
+                              evidence)
+                return old
+            event(db, now, "outcome_ignored", None, action_id, old=old.value,
+                  new=outcome.value)
             return old
-    if verdict is Receipt.IGNORE:
-        event(db, now, "outcome_ignored", None, action_id, old=old.value, new=outcome.value)
-        return old
-    if old in KEY_FREE and outcome not in KEY_FREE and db.execute(
-            "SELECT 1 FROM actions WHERE idem_key = ? AND id <> ? AND state NOT IN "
-            "('FAILED', 'NOT_APPLIED')", (row[3], action_id)).fetchone() is not None:
-        # The key was used again after a final "not applied" (a provider that broke its
-        # dispatch deadline): the fact is kept as an event, never dropped, for a person.
-        event(db, now, "contradicting_receipt", None, action_id, old=old.value,
-              new=outcome.value, result=result, error=error, evidence=evidence)
-        resettle(db, row[1], now, "a receipt contradicts a final outcome", attention=True)
-        return old
-    late = verdict is Receipt.LATE
-    db.execute(
-        "UPDATE actions SET state = ?, result = COALESCE(?, result), error = COALESCE(?, error), "
-        "evidence = COALESCE(?, evidence), late = CASE WHEN ? THEN 1 ELSE late END, "
-        "ended_at = COALESCE(ended_at, ?) WHERE id = ? AND state = ?",
-        (outcome.value, None if result is None else dumps(result), error,
-         None if evidence is None else dumps(evidence), late, now, action_id, old.value),
-    )
+        if old in KEY_FREE and outcome not in KEY_FREE and db.execute(
+                "SELECT 1 FROM actions WHERE idem_key = ? AND id <> ? AND state NOT IN "
+                "('FAILED', 'NOT_APPLIED')", (row[3], action_id)).fetchone() is not None:
+            # The key was used again after a final "not applied" (a provider that broke its
+            # dispatch deadline): the fact is kept as an event, never dropped, for a person.
+            event(db, now, "contradicting_receipt", None, action_id, old=old.value,
+                  new=outcome.value, result=result, error=error, evidence=evidence)
+            resettle(db, row[1], now, "a receipt contradicts a final outcome", attention=True)
+            return old
+        late = verdict is Receipt.LATE
+        cur = db.execute(
+            "UPDATE actions SET state = ?, result = COALESCE(?, result), "
+            "error = COALESCE(?, error), evidence = COALESCE(?, evidence), "
+            "late = CASE WHEN ? THEN 1 ELSE late END, ended_at = COALESCE(ended_at, ?) "
+            "WHERE id = ? AND state = ?",
+            (outcome.value, None if result is None else dumps(result), error,
+             None if evidence is None else dumps(evidence), late, now, action_id, old.value),
+        )
+        if cur.rowcount == 1:
+            break
+        # Another process recorded an outcome between the read and this write (PostgreSQL):
+        # judge this one again against it. An action's state moves a few times at most.
     event(db, now, "late_receipt" if late else "outcome", None, action_id,
           old=old.value, new=outcome.value)
-    if decided is not None and contradicts(decided, outcome):
-        resettle(db, row[1], now, "a receipt contradicts a person's decision", attention=True)
+    if contradicted:
+        _contradicted(db, now, action_id, row[1], decided, outcome, result, error, evidence)
     elif late or evidence is not None:
         resettle(db, row[1], now, "late receipt" if late else "probe")
     return outcome
+
+
+def _contradicted(db: Db, now: float, action_id: str, delegation_id: str,
+                  decided: ActionState | None, outcome: ActionState, result: Any,
+                  error: str | None, evidence: dict[str, Any] | None) -> None:
+    """A fact after a person's decision says otherwise: both are kept, and a person must look
+    again (``_core.resolution``)."""
+    event(db, now, CONTRADICTED, None, action_id, resolved=None if decided is None
+          else decided.value, new=outcome.value, result=result, error=error, evidence=evidence)
+    resettle(db, delegation_id, now, "a receipt contradicts a person's decision",
+             attention=True)
 
 
 RESOLVED = "resolved"  # the event of a person's decision (``_journal.resolutions``)
@@ -164,6 +178,9 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     """Re-open a stopped delegation's accounting after a new fact about one of its actions:
     it moves to its settled state once nothing of it or of its subtree may still apply, and
     so may its ancestors. A running delegation settles when it ends."""
+    # The row is locked first (PostgreSQL), so that the facts below are read after any other
+    # process's re-settling of it has committed: a judgement on stale facts never lands.
+    db.execute("SELECT id FROM delegations d WHERE id = ? /*XLOCK d*/", (delegation_id,))
     row = get_delegation(db, delegation_id)
     mine = db.execute("SELECT state, evidence FROM actions WHERE delegation_id = ?",
                       (delegation_id,)).fetchall()

@@ -4,8 +4,10 @@ Every rule the invariants put on the journal (write-ahead I1, fence I2, sequence
 I4, subtree fence I10) is enforced here (the action operations in ``actions``), inside the
 transaction that changes the rows, never by a check in the caller followed by a write. Each
 function takes a DB-API connection whose ``execute`` accepts ``?`` placeholders. ``/*LOCK a, b*/``
-marks where PostgreSQL takes share locks on the rows a fence check reads (a comment to SQLite,
-whose writer is single).
+marks where PostgreSQL takes share locks on the rows a fence check reads, ``/*XLOCK a*/`` an
+exclusive lock on a row about to be judged and moved (comments to SQLite, whose writer is
+single). Every move of a row is a compare-and-set on what was read: PostgreSQL runs at READ
+COMMITTED, where two processes may read the same state before either writes.
 """
 
 from __future__ import annotations
@@ -260,20 +262,26 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                    accepted_at: float) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
     The signature was verified by the caller against the journal's trusted keys."""
-    row = get_delegation(db, intent.delegation_id)
-    if intent.seq != row.control_seq + 1:
-        raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
-    if intent.epoch != row.epoch:
-        raise StaleEpoch(row.task_id, intent.epoch, row.epoch)
     target = intent.kind.target
-    check_delegation_move(intent.delegation_id, row.state, target)
-    cur = db.execute(
-        "UPDATE delegations SET control_seq = ?, state = ?, fenced = 1, updated_at = ? "
-        "WHERE id = ? AND control_seq = ?",
-        (intent.seq, target.value, accepted_at, intent.delegation_id, row.control_seq),
-    )
-    if cur.rowcount != 1:  # another writer moved first (only possible across processes)
-        raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq + 1)
+    while True:
+        row = get_delegation(db, intent.delegation_id)
+        if intent.seq != row.control_seq + 1:
+            raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
+        if intent.epoch != row.epoch:
+            raise StaleEpoch(row.task_id, intent.epoch, row.epoch)
+        check_delegation_move(intent.delegation_id, row.state, target)
+        # Compare-and-set on the sequence and the state read: another process may have moved
+        # the row since (its child ended, another intent landed); then it is judged again
+        # against what that writer left, never overwritten. The sequence only grows and a
+        # state moves a bounded number of times, so this ends.
+        cur = db.execute(
+            "UPDATE delegations SET control_seq = ?, state = ?, fenced = 1, updated_at = ? "
+            "WHERE id = ? AND control_seq = ? AND state = ?",
+            (intent.seq, target.value, accepted_at, intent.delegation_id, row.control_seq,
+             row.state.value),
+        )
+        if cur.rowcount == 1:
+            break
     # A re-dispatch in preparation must see this request (I6), in the whole subtree: a child
     # waiting out its settle delay under a recalled parent must not fork again.
     db.execute(

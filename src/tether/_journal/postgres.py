@@ -29,15 +29,17 @@ from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 T = TypeVar("T")
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
+XLOCK = re.compile(r"/\*XLOCK ([^*]*)\*/")
 LISTEN_TICK = 0.25
 IDLE_IN_TRANSACTION_MS = 2000  # how often the listener thread checks that it should stop
 
 
 @functools.lru_cache(maxsize=1024)
 def translate(statement: str) -> str:
-    """'?' placeholders to psycopg's; lock markers to FOR SHARE, claim markers to
-    FOR UPDATE ... SKIP LOCKED (workers never wait on each other's claims)."""
+    """'?' placeholders to psycopg's; lock markers to FOR SHARE, exclusive ones to FOR UPDATE,
+    claim markers to FOR UPDATE ... SKIP LOCKED (workers never wait on each other's claims)."""
     statement = statement.replace("%", "%%").replace("?", "%s")
+    statement = XLOCK.sub(r"FOR UPDATE OF \1", statement)
     return SKIP.sub(r"FOR UPDATE OF \1 SKIP LOCKED", LOCK.sub(r"FOR SHARE OF \1", statement))
 
 

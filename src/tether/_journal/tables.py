@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from tether._core.errors import JournalCorrupt, NotFound
+from tether._core.errors import JournalCorrupt, JournalError, NotFound
 from tether._core.model import (
     ActionState,
     ControlKind,
@@ -137,18 +137,30 @@ def get_delegation(db: Db, delegation_id: str) -> DelegationRow:
 def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
               result: Any = None, error: str | None = None,
               failure: str | None = None) -> DelegationRow:
-    row = get_delegation(db, delegation_id)
-    if row.state is new:
-        return row
-    check_delegation_move(delegation_id, row.state, new)
-    db.execute(
-        "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
-        "error = COALESCE(?, error), failure = COALESCE(?, failure), "
-        "fenced = CASE WHEN ? THEN 1 ELSE fenced END, "
-        "ended_at = CASE WHEN ? THEN COALESCE(ended_at, ?) ELSE ended_at END WHERE id = ?",
-        (new.value, now, None if result is None else dumps(result), error, failure,
-         new.terminal, new.terminal, now, delegation_id),
-    )
-    event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
-    return get_delegation(db, delegation_id)
+    """Move a delegation, judged against the state it holds when written: a compare-and-set,
+    so that of two processes that read the same state (PostgreSQL, READ COMMITTED) the second
+    is judged again against what the first wrote, never overwrites it."""
+    for _ in range(_MOVE_TRIES):
+        row = get_delegation(db, delegation_id)
+        if row.state is new:
+            return row
+        check_delegation_move(delegation_id, row.state, new)
+        cur = db.execute(
+            "UPDATE delegations SET state = ?, updated_at = ?, result = COALESCE(?, result), "
+            "error = COALESCE(?, error), failure = COALESCE(?, failure), "
+            "fenced = CASE WHEN ? THEN 1 ELSE fenced END, "
+            "ended_at = CASE WHEN ? THEN COALESCE(ended_at, ?) ELSE ended_at END "
+            "WHERE id = ? AND state = ?",
+            (new.value, now, None if result is None else dumps(result), error, failure,
+             new.terminal, new.terminal, now, delegation_id, row.state.value),
+        )
+        if cur.rowcount == 1:
+            event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
+            return get_delegation(db, delegation_id)
+    raise JournalError(f"delegation {delegation_id} kept moving under this write; try again")
+
+
+# A row moves a bounded number of times in its life (RUNNING, RECALLING, TERMINATING, an end),
+# so a compare-and-set that keeps losing means something else is wrong.
+_MOVE_TRIES = 8
 

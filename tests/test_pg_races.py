@@ -1,0 +1,185 @@
+"""Writers in different processes racing on one delegation row (PostgreSQL at READ COMMITTED).
+
+SQLite serializes writers, so these interleavings exist only on PostgreSQL: two transactions
+read the same row, then update it one after the other. Each transition must be a
+compare-and-set on the state it was judged against, or the second writer silently overwrites
+the first (a recall accepted for a delegation that had just ended, which then nobody drains).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import tether
+from tether._journal.journal import Journal
+from tether._journal.rows import NewAction, NewDelegation
+
+from .conftest import PG_URL
+
+KEY = tether.SigningKey.generate()
+TRUSTED = tether.TrustedKeys([KEY.public])
+
+
+def _schema_of(url: str) -> str:
+    return url.split("schema=")[1].split("&")[0]
+
+
+async def _blocked(names: tuple[str, ...], expect: int) -> None:
+    """Until ``expect`` of the named connections wait for a lock (a condition, not a sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20.0
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = ANY(%s) "
+                "AND cardinality(pg_blocking_pids(pid)) > 0", (list(names),)).fetchone()
+            assert row is not None
+            if int(row[0]) >= expect:
+                return
+            assert loop.time() < deadline, "the writers never reached the locked row"
+            await asyncio.sleep(0.01)
+
+
+async def _race(url: str, first: Any, second: Any, *, table: str = "delegations",
+                row: str = "d1", setup: Any = None) -> tuple[Journal, list[Any]]:
+    """Run ``first(journal_a)`` and ``second(journal_b)`` so that both have read the row
+    before either writes it: a third connection holds the row lock until both wait on it.
+    ``first`` queues for the lock before ``second`` does, so it is granted the lock first."""
+    tag = uuid.uuid4().hex[:8]
+    names = (f"race_a_{tag}", f"race_b_{tag}")
+    ja = Journal(f"{url}&application_name={names[0]}")
+    jb = Journal(f"{url}&application_name={names[1]}")
+    await ja.open()
+    await jb.open()
+    await ja.create_delegation(NewDelegation(
+        id="d1", task_id="t1", parent_id=None, attempt=1, agent="agent", surface=("pay",),
+        args={}, owner_id="o", now=1.0))
+    if setup is not None:
+        await setup(ja)
+    schema = _schema_of(url)
+    with psycopg.connect(PG_URL) as holder:  # not autocommit: the lock lasts until commit
+        holder.execute(sql.SQL("SELECT id FROM {}.{} WHERE id = %s FOR UPDATE")
+                       .format(sql.Identifier(schema), sql.Identifier(table)), (row,))
+        a: Awaitable[Any] = asyncio.ensure_future(first(ja))
+        await _blocked(names[:1], 1)
+        b: Awaitable[Any] = asyncio.ensure_future(second(jb))
+        await _blocked(names, 2)
+        holder.commit()
+    results = list(await asyncio.gather(a, b, return_exceptions=True))
+    await jb.close()
+    return ja, results
+
+
+def _recall() -> tether.Signed:
+    return KEY.sign(tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0))
+
+
+async def test_a_recall_and_the_childs_own_end_cannot_both_win(pg_url: str) -> None:
+    """The child ends (SUCCEEDED) while another process's recall is accepted: exactly one
+    wins, and the row says which. Both winning left the delegation RECALLING with its owner
+    believing it had ended: a recall nobody drained."""
+    ja, (ended, accepted) = await _race(
+        pg_url,
+        lambda j: j.end_delegation("d1", tether.DelegationState.SUCCEEDED, 4.0, result=1),
+        lambda j: j.accept_control(_recall(), TRUSTED, "cli", 4.0))
+    try:
+        row = await ja.get("d1")
+        controls = await ja.controls("d1")
+        winners = [r for r in (ended, accepted) if not isinstance(r, BaseException)]
+        assert len(winners) == 1, (ended, accepted)
+        if isinstance(accepted, BaseException):
+            assert isinstance(accepted, tether.AlreadyFinished), accepted
+            assert row.state is tether.DelegationState.SUCCEEDED and controls == []
+        else:
+            assert isinstance(ended, tether.InvalidTransition), ended
+            assert row.state is tether.DelegationState.RECALLING and len(controls) == 1
+    finally:
+        await ja.close()
+
+
+async def test_two_ends_of_one_delegation_cannot_both_win(pg_url: str) -> None:
+    """Two writers ending one delegation differently (its owner, and a recovery that found
+    the owner gone): one state, judged against what the row held when it was written."""
+    ja, (one, two) = await _race(
+        pg_url,
+        lambda j: j.end_delegation("d1", tether.DelegationState.SUCCEEDED, 4.0, result=1),
+        lambda j: j.end_delegation("d1", tether.DelegationState.FAILED, 4.0, error="x"))
+    try:
+        row = await ja.get("d1")
+        winners = [r for r in (one, two) if not isinstance(r, BaseException)]
+        assert len(winners) == 1, (one, two)
+        loser = one if isinstance(one, BaseException) else two
+        assert isinstance(loser, tether.AlreadyFinished), loser
+        assert row.state is winners[0][0].state
+    finally:
+        await ja.close()
+
+
+@pytest.mark.parametrize("kinds", [("RECALL", "TERMINATE"), ("TERMINATE", "RECALL")])
+async def test_racing_intents_one_accepted_the_other_told_the_sequence(
+        pg_url: str, kinds: tuple[str, str]) -> None:
+    """Two processes offer sequence 1 at once: one is accepted, the other is refused with
+    the current sequence (I4), never both accepted."""
+    def intent(kind: str) -> tether.Signed:
+        k = tether.ControlKind(kind)
+        return KEY.sign(tether.ControlIntent(k, "d1", 0, 1, 5.0 if k is tether.ControlKind.RECALL
+                                             else None, "r", 3.0))
+
+    ja, results = await _race(
+        pg_url,
+        lambda j: j.accept_control(intent(kinds[0]), TRUSTED, "a", 4.0),
+        lambda j: j.accept_control(intent(kinds[1]), TRUSTED, "b", 4.0))
+    try:
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert len(refused) == 1, results
+        assert isinstance(refused[0], tether.StaleSequence), refused[0]
+        assert len(await ja.controls("d1")) == 1
+    finally:
+        await ja.close()
+
+
+async def _in_doubt(j: Journal) -> None:
+    await j.begin_action(NewAction(
+        id="a1", delegation_id="d1", epoch=0, ordinal=0, tool="pay",
+        effect=tether.Effect.EXTERNAL, args_json="{}", args_hash="h", idem_key="k1", now=2.0,
+        deadline_at=3.0))
+    await j.mark_in_doubt("d1", 2.5)
+
+
+async def _receipt(j: Journal) -> None:
+    j.finish_action("a1", tether.ActionState.COMPLETED, 5.0, result="paid")
+    await j.flush()
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+async def test_a_receipt_racing_a_probe_is_never_lost(pg_url: str, probe_first: bool) -> None:
+    """A probe answers "not applied" (past the call's deadline) while the executor's receipt
+    says it completed, from two processes at once. The receipt is a fact: whichever write
+    takes the row first, the action ends COMPLETED. Before, a probe that wrote first made the
+    receipt's compare-and-set match nothing, and the receipt vanished without a trace."""
+    async def probe(j: Journal) -> tether.ActionState:
+        return await j.settle_action("a1", tether.ActionState.NOT_APPLIED, 6.0,
+                                     evidence={"probe": "not found"})
+
+    first, second = (probe, _receipt) if probe_first else (_receipt, probe)
+    ja, results = await _race(pg_url, first, second, table="actions", row="a1",
+                              setup=_in_doubt)
+    try:
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        [action] = await ja.actions(["d1"])
+        assert action.state is tether.ActionState.COMPLETED, action
+        told = results[0] if probe_first else results[1]
+        # The probe's caller is told what the row holds when it returned, never a write that
+        # did not happen.
+        assert told in (tether.ActionState.NOT_APPLIED, tether.ActionState.COMPLETED)
+        if not probe_first:
+            assert told is tether.ActionState.COMPLETED
+    finally:
+        await ja.close()
