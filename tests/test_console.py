@@ -162,3 +162,53 @@ async def test_the_token_and_the_host_are_checked(tmp_path: Path) -> None:
         await stop(served)
     async with tether.Journal(url, create=False) as j:
         assert (await j.action(stuck.action)).state is tether.ActionState.UNKNOWN
+
+
+async def test_the_operators_story_in_the_browser(tmp_path: Path, browser: Browser) -> None:
+    """500 live delegations, one payment out: recall it by clicking, find it in the queue
+    UNKNOWN, resolve it by clicking, read the trail; the journal agrees."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    quiet, charging = asyncio.Event(), asyncio.Event()
+
+    @tether.tool(dispatch_deadline=1.0)  # no probe: the provider cannot be asked
+    async def charge(order_id: str, *, idempotency_key: str) -> str:
+        charging.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    @tether.agent(tools=[charge])
+    async def billing(ctx: tether.Context, order_id: str) -> None:
+        if order_id == "PAY":
+            await ctx.call(charge, order_id=order_id)
+        await quiet.wait()
+
+    async with tether.Supervisor(url, tools=[charge]) as sup:
+        for i in range(499):
+            await sup.delegate(billing, f"O-{i}")
+        payer = await sup.delegate(billing, "PAY")
+        await charging.wait()
+        served = await serve(url)
+        try:
+            page = await open_page(browser, served)
+            await page.get_by_test_id(f"grace-{payer.id}").fill("0.5")
+            await page.get_by_test_id(f"recall-{payer.id}").click()
+            await payer.wait()
+            (action,) = (await payer.report()).actions
+            queue = page.locator("#attention tbody")
+            await expect(queue).to_contain_text(action.id)
+            await expect(page.locator("#attention-count")).to_have_text("1")
+            await page.get_by_test_id(f"note-{action.id}").fill("bank statement: ch_5 paid")
+            await page.get_by_test_id(f"resolve-{action.id}").click()
+            await expect(page.locator("#attention-count")).to_have_text("0")
+            await page.get_by_role("link", name=payer.id).first.click()
+            detail = page.locator("#detail")
+            for text in ("RECALL", "verified", "UNKNOWN -> COMPLETED", "console operator",
+                         "bank statement: ch_5 paid", action.idempotency_key):
+                await expect(detail).to_contain_text(text)
+        finally:
+            await stop(served)
+        row = await sup.journal.get(payer.id)
+        live = await sup.journal.delegations(live_only=True)
+        quiet.set()
+    assert row.state is tether.DelegationState.RECONCILED
+    assert len(live) == 499
