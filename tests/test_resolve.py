@@ -92,6 +92,14 @@ async def test_a_later_receipt_that_contradicts_a_decision_is_kept_and_flagged(
         journal_url: str) -> None:
     stuck = await stuck_payment(journal_url, deadline=0.01)
     async with tether.Supervisor(journal_url, recover=False) as sup:
+        # "Not applied" only once the call can no longer apply: wait (bounded) for that.
+        deadline = (await sup.journal.action(stuck.action)).deadline_at
+        assert deadline is not None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 5
+        while sup.clock.wall() <= deadline:
+            assert loop.time() < give_up
+            await asyncio.sleep(0.005)
         action = await sup.resolve(stuck.action, "NOT_APPLIED", "not in the provider's ledger",
                                    operator="Grace")
         assert action.state is A.NOT_APPLIED

@@ -34,7 +34,7 @@ def invoke(*args: str) -> tuple[int, str, str]:
 async def paid(url: str, order: str) -> str:
     """A delegation that succeeded with one completed payment whose deadline has passed."""
 
-    @tether.tool(name="charge", dispatch_deadline=0.05)
+    @tether.tool(name="charge", dispatch_deadline=0.5)
     async def charge(order_id: str, *, idempotency_key: str) -> str:
         return f"ch-{order_id}"
 
@@ -84,7 +84,7 @@ def test_export_is_json_lines_with_verification(tmp_path: Path) -> None:
 def test_prune_removes_only_settled_trees_and_records_it(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
     done = asyncio.run(paid(url, "P-1"))
-    stuck = asyncio.run(stuck_payment(url, deadline=0.05))  # UNKNOWN: needs a person
+    stuck = asyncio.run(stuck_payment(url, deadline=0.5))  # UNKNOWN: needs a person
     running = asyncio.run(orphan(url))  # its owner died; nobody reconciled it yet
     past_deadlines(tmp_path / "j.db")
     archive = tmp_path / "archive.jsonl"
@@ -142,7 +142,7 @@ def test_what_may_be_pruned() -> None:
 
 
 async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> None:
-    @tether.tool(name="charge", dispatch_deadline=0.05)
+    @tether.tool(name="charge", dispatch_deadline=0.5)
     async def charge(order_id: str, *, idempotency_key: str) -> str:
         return f"ch-{order_id}"
 
