@@ -117,7 +117,7 @@ async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
 async def test_a_call_still_out_at_exit_ends_in_doubt(tmp_path: Path, otel: Otel) -> None:
     entered, release = asyncio.Event(), asyncio.Event()
 
-    @tether.tool(dispatch_deadline=0.5)
+    @tether.tool(dispatch_deadline=2.0)
     async def stubborn(*, idempotency_key: str) -> None:
         entered.set()
         try:
