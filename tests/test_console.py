@@ -170,7 +170,7 @@ async def test_the_operators_story_in_the_browser(tmp_path: Path, browser: Brows
     url = f"sqlite:///{tmp_path / 'j.db'}"
     quiet, charging = asyncio.Event(), asyncio.Event()
 
-    @tether.tool(dispatch_deadline=1.0)  # no probe: the provider cannot be asked
+    @tether.tool(dispatch_deadline=10.0)  # no probe: the provider cannot be asked
     async def charge(order_id: str, *, idempotency_key: str) -> str:
         charging.set()
         await asyncio.Event().wait()

@@ -28,7 +28,7 @@ async def test_one_payment_in_doubt_among_500(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     quiet, charging = asyncio.Event(), asyncio.Event()
 
-    @tether.tool(dispatch_deadline=1.0)  # the provider has no lookup: no probe
+    @tether.tool(dispatch_deadline=10.0)  # the provider has no lookup: no probe
     async def charge(order_id: str, cents: int, *, idempotency_key: str) -> str:
         charging.set()
         await asyncio.Event().wait()  # the provider never answers
