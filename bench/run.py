@@ -32,6 +32,9 @@ from typing import Any
 
 import tether
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_operator import operator_figures
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -391,6 +394,7 @@ def main() -> int:
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
         sims = [sim_throughput(1000 if q else 5000) for _ in range(1 if q else 3)]
         proxied = mcp_proxy_figures(d, 50 if q else 200)
+        operator = operator_figures(d, 20_000 if q else 100_000)
     figures["commit_s"] = stats(commit)
     figures["row_in_100_commit_s"] = stats(row100)
     figures["tether_action_s"] = stats(seq)
@@ -416,6 +420,7 @@ def main() -> int:
     figures["sim_trials_per_minute"] = stats(sims)
     if proxied is not None:
         figures["mcp_proxy_call_s"] = proxied
+    figures["operator"] = operator
     c_med = figures["commit_s"]["median"]
     per_action = figures["tether_action_s"]["median"]
     conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
@@ -455,6 +460,11 @@ def main() -> int:
         target("sim_throughput: `tether sim` trials per minute",
                figures["sim_trials_per_minute"]["median"], 10_000, "trials/min", "min",
                "every fault, one process"),
+        target(f"`tether ls` first page at {operator['delegations']:,} delegations",
+               operator["ls_first_page_s"] * 1000, 100.0, "ms", "max",
+               f"open, query, render; the whole process (interpreter start) takes "
+               f"{operator['ls_process_s'] * 1000:.0f} ms; journal "
+               f"{operator['journal_bytes_per_action']:.0f} bytes per action"),
     ]
     result = {"machine": machine(), "quick": q, "figures": figures, "targets": targets}
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2))
@@ -491,6 +501,10 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| DBOS {dbos['version']} sync steps/s | "
                      f"{dbos['sync_steps_per_s']:.4g} | | |")
         lines.append(f"| DBOS concurrent steps/s | {dbos['concurrent_steps_per_s']:.4g} | | |")
+    if "operator" in f:
+        o = f["operator"]
+        lines.append(f"| journal bytes per action ({o['delegations']:,} delegations of one "
+                     f"action) | {o['journal_bytes_per_action']:.0f} | | |")
     return "\n".join(lines) + "\n"
 
 

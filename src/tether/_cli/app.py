@@ -10,21 +10,25 @@ import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
+from tether._cli.safe import plain, safe
 from tether._core.documents import ControlIntent
 from tether._core.errors import AlreadyFinished, TetherError, UserError
 from tether._core.model import ControlKind, Policy, check_grace
 from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
+from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
+from tether._runtime.logs import configure as configure_logs
 from tether._runtime.reconcile import build_report
+from tether._runtime.remote import owner_alive
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, Tool
 
@@ -44,6 +48,9 @@ JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURN
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
                                               "beside the journal).")]
+LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
+                                          "(logs go to stderr).")]
+LogFormatOpt = Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
 
 
 def cli_errors(fn: Callable[..., T]) -> Callable[..., T]:
@@ -54,10 +61,25 @@ def cli_errors(fn: Callable[..., T]) -> Callable[..., T]:
         try:
             return fn(*args, **kwargs)
         except TetherError as exc:
-            err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {safe(exc)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        out.print(f"tether {version('tether')}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")]
+          = False) -> None:
+    """Recall, terminate and reconcile sub-agents with real side effects."""
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -80,25 +102,6 @@ def demo(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False) -> None:
 
     ok = run(run_demo(journal, as_json, out))
     raise typer.Exit(0 if ok else 1)
-
-
-@app.command("ls")
-@cli_errors
-def list_cmd(journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
-             live: Annotated[bool, typer.Option("--live", help="Only live ones.")] = False,
-             ) -> None:
-    """List delegations."""
-    from tether._cli.render import delegation_table
-
-    async def go() -> list[Any]:
-        async with Journal(journal, create=False) as j:
-            return await j.delegations(live_only=live)
-
-    rows = run(go())
-    if as_json:
-        emit_json([r.to_json() for r in rows])
-    else:
-        out.print(delegation_table(rows))
 
 
 @app.command()
@@ -166,6 +169,8 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
         budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
+        watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
+        next_look = loop.time() + 0.5
         while loop.time() < deadline:
             current = await j.get(delegation_id)
             # Settled, or drained by its owner with calls left in doubt (still in flight):
@@ -173,12 +178,29 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
             if current.state.terminal or await j.drained(delegation_id):
                 answer["report"] = (await build_report(j, delegation_id)).to_json()
                 return answer
+            if loop.time() >= next_look:  # a dead owner settles nothing: do not wait on it
+                next_look = loop.time() + 0.5
+                if not await owner_alive(watcher, current.owner_id):
+                    answer["waiting"] = (
+                        f"the owner of {delegation_id} ({current.owner_id}) is gone: nothing "
+                        f"settled it; run 'tether reconcile {delegation_id}'")
+                    return answer
             await asyncio.sleep(0.05)
         answer["waiting"] = (
             f"the owner of {delegation_id} has not settled it within {budget:g}s; if its "
-            "process is gone, run 'tether reconcile'"
+            f"process is gone, run 'tether reconcile {delegation_id}'"
         )
         return answer
+
+
+@dataclass(frozen=True)
+class _Watcher:
+    """What judging another owner's liveness needs (``remote.owner_alive``)."""
+
+    journal: Journal
+    clock: SystemClock
+    owner_id: str
+    policy: Policy
 
 
 def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: float | None,
@@ -192,15 +214,25 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     except AlreadyFinished as exc:
         raise UserError(f"nothing to {kind.value.lower()}: {exc} (a re-dispatch of its task, "
                         "if one was pending, is cancelled)") from None
+    # Exit 0 only when the delegation settled with nothing left for a person; 1 when it did
+    # not settle (its owner is gone or slow) or needs attention: a script must not take an
+    # accepted intent for a settled one.
+    settled = "report" in answer and answer["report"]["outcome"] not in ATTENTION
+    code = 0 if settled or not wait else 1
     if as_json:
         emit_json(answer)
-        return
-    out.print(f"{kind.value} accepted for {answer['delegation']} (sequence {answer['seq']}); "
-              "the journal's fence is closed.")
+        raise typer.Exit(code)
+    out.print(f"{kind.value} accepted for {safe(answer['delegation'])} (sequence "
+              f"{answer['seq']}); the journal's fence is closed.", soft_wrap=True)
     if "report" in answer:
         render_report(out, answer["report"])
     elif "waiting" in answer:
-        out.print(f"[yellow]{answer['waiting']}[/yellow]")
+        out.print(f"[yellow]{safe(answer['waiting'])}[/yellow]", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+# Outcomes a person must look at: a command that ends with one exits 1.
+ATTENTION = frozenset({"NEEDS_ATTENTION", "RECALLING", "TERMINATING", "RUNNING"})
 
 
 @app.command()
@@ -266,25 +298,34 @@ def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
         j = Journal(journal, create=False)
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
         async with Supervisor(j, keys=ring, tools=loaded, recover=False) as sup:
+            if delegation_id is not None:
+                await j.get(delegation_id)  # an unknown id is a mistake, not "nothing to do"
             return [r.to_json() for r in await sup.recover(delegation_id)]
 
     reports = run(go())
+    code = 1 if any(r["outcome"] in ATTENTION for r in reports) else 0
     if as_json:
         emit_json(reports)
-        return
+        raise typer.Exit(code)
     if not reports:
         out.print("Nothing to reconcile: no orphaned delegation and no action in doubt.")
     for report in reports:
         render_report(out, report)
+    raise typer.Exit(code)
 
 
 @keys_app.command("init")
 @cli_errors
-def keys_init(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None) -> None:
+def keys_init(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              as_json: JsonOpt = False) -> None:
     """Create a signing key and trust it."""
     directory = key_dir(Journal(journal), keys)
     ring = KeyRing.init(directory)
-    out.print(f"signing key {ring.signer.key_id} written to {directory}")
+    if as_json:
+        emit_json({"directory": str(directory), "signing": ring.signer.key_id})
+        return
+    out.print(f"signing key {safe(ring.signer.key_id)} written to {safe(directory)}",
+              soft_wrap=True)
 
 
 @keys_app.command("show")
@@ -300,8 +341,10 @@ def keys_show(journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     if as_json:
         emit_json(data)
     else:
-        out.print(f"keys in {directory}\nsigning key: {ring.signer.key_id}\npublic key: "
-                  f"{data['public']}\npinned root keys: " + ", ".join(ring.trusted.ids()))
+        for text in (f"keys in {directory}", f"signing key: {ring.signer.key_id}",
+                     f"public key: {data['public']}",
+                     "pinned root keys: " + ", ".join(ring.trusted.ids())):
+            out.print(safe(text), soft_wrap=True)
 
 
 @app.command()
@@ -317,6 +360,7 @@ def worker(
     stop_timeout: Annotated[float, typer.Option(
         "--stop-timeout", help="On SIGTERM, seconds to let running delegations finish before "
         "terminating them.")] = 30.0,
+    log_level: LogLevelOpt = "info", log_format: LogFormatOpt = "text",
 ) -> None:
     """Run queued delegations (``delegate(..., remote=True)``) in this process until SIGTERM or
     Ctrl-C. Exits 3 if the lease runs out (a long pause): its work is reconciled elsewhere."""
@@ -325,6 +369,7 @@ def worker(
     from tether._core.errors import LeaseLost
     from tether._runtime.worker import Worker, load_agents
 
+    configure_logs(log_level, log_format)
     found = load_agents(agents)
 
     async def go() -> None:
@@ -335,14 +380,14 @@ def worker(
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, w.stop)
-            print(f"worker {w.owner_id} ready: {', '.join(sorted(found))} on {j.location}",
-                  flush=True)
+            print(plain(f"worker {w.owner_id} ready: {', '.join(sorted(found))} on "
+                        f"{j.location}"), flush=True)
             await w.run()
 
     try:
         run(go())
     except LeaseLost as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {safe(exc)}", highlight=False, soft_wrap=True)
         raise typer.Exit(3) from None
 
 
@@ -407,11 +452,11 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
     backend = "" if journal is None else f" --journal {journal}"
     injected = "" if inject is None else f" --inject {inject}"
     for v in result["violations"][:20]:
-        out.print(f"[red]{v['class']}[/red] (fault {v['fault']}): {v['detail']} - replay "
-                  f"with: tether chaos --replay {v['trial_seed']}{backend}{injected}",
-                  highlight=False)
+        out.print(f"[red]{safe(v['class'])}[/red] (fault {safe(v['fault'])}): "
+                  f"{safe(v['detail'])} - replay with: tether chaos --replay "
+                  f"{v['trial_seed']}{safe(backend)}{safe(injected)}", highlight=False)
     for path in result["records"][:5]:
-        out.print(f"recorded: {path}", highlight=False)
+        out.print(f"recorded: {safe(path)}", highlight=False)
     if replay is not None:
         recorded = result["replay_of"]
         new = result["trials_detail"][0]["trace"]
@@ -421,21 +466,22 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
         side.add_column("recorded", overflow="fold")
         side.add_column("replayed", overflow="fold")
         for i in range(max(len(old), len(new))):
-            side.add_row(line(old[i]) if i < len(old) else "",
-                         line(new[i]) if i < len(new) else "")
+            side.add_row(safe(line(old[i])) if i < len(old) else "",
+                         safe(line(new[i])) if i < len(new) else "")
         out.print(side)
         if recorded is not None and (recorded["plan"].get("bug") or None) != inject:
-            out.print(f"note: recorded with --inject {recorded['plan'].get('bug') or 'nothing'}"
-                      f", replayed with --inject {inject or 'nothing'}", highlight=False)
+            out.print(safe(f"note: recorded with --inject "
+                           f"{recorded['plan'].get('bug') or 'nothing'}, replayed with --inject "
+                           f"{inject or 'nothing'}"), highlight=False)
         if recorded is None:
-            out.print(f"no record of trial {replay} in {traces}: the plan came from the seed "
+            out.print(f"no record of trial {replay} in {safe(traces)}: the plan came from the seed "
                       "alone and there is nothing to compare with", highlight=False)
         elif result["divergence"] is None:
             out.print("the two runs saw the same events in the same order", highlight=False)
         else:
             d = result["divergence"]
-            out.print(f"the runs part at event {d['index']}: recorded "
-                      f"{line(d['recorded'])!r}, replayed {line(d['replayed'])!r}",
+            out.print(safe(f"the runs part at event {d['index']}: recorded "
+                           f"{line(d['recorded'])!r}, replayed {line(d['replayed'])!r}"),
                       highlight=False)
     raise typer.Exit(1 if result["violations"] else 0)
 
@@ -506,6 +552,17 @@ def _register_keys() -> None:
 
 
 _register_keys()
+
+
+def _register_ops() -> None:
+    from tether._cli import console, ops, retention
+
+    ops.register(app, cli_errors)
+    retention.register(app, cli_errors)
+    console.register(app, cli_errors)
+
+
+_register_ops()
 
 
 def main() -> None:

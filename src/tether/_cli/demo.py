@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tether._cli.safe import safe
 from tether._core.errors import ControlRefused, DelegationError, InvalidTransition
 from tether._core.model import ActionState, Effect
 from tether._core.redispatch import CutReason, RedispatchPolicy, StreamCut
@@ -316,13 +317,14 @@ async def run_demo(journal_url: str, as_json: bool, console: Console) -> bool:
                 "tether outcome", "prevented"):
         table.add_column(col)
     for s in scenes:
-        table.add_row(f"({s.id}) {s.title}", f"[red]{s.naive.applied}[/red] / 1",
-                      f"[green]{s.tether.applied}[/green] / 1", s.outcome,
+        table.add_row(safe(f"({s.id}) {s.title}"), f"[red]{s.naive.applied}[/red] / 1",
+                      f"[green]{s.tether.applied}[/green] / 1", safe(s.outcome),
                       "[green]yes[/green]" if s.prevented else "[bold red]NO[/bold red]")
     console.print(table)
     for s in scenes:
         for name, passed in s.checks:
             console.print(f"  ({s.id}) {'[green]ok[/green]' if passed else '[red]FAIL[/red]'} "
-                          f"{name}")
-    console.print(f"journal: {location}  (try: tether ls, tether show {scenes[0].delegation})")
+                          f"{safe(name)}")
+    console.print(safe(f"journal: {location}  (try: tether ls, tether show "
+                       f"{scenes[0].delegation})"), soft_wrap=True)
     return ok

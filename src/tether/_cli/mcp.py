@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tether._core.errors import UserError
+from tether._runtime.logs import configure as configure_logs
 
 
 def mcp_proxy(
@@ -27,6 +28,10 @@ def mcp_proxy(
     journal: Annotated[str | None, typer.Option(
         "--journal", "-j", envvar="TETHER_JOURNAL", help="Journal URL (default: per user, "
         "$XDG_STATE_HOME/tether/journal.db or ~/.local/state/tether/journal.db).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
+                                           "(logs go to stderr).")] = "info",
+    log_format: Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
+    = "text",
 ) -> None:
     """Serve the upstream servers over stdio (or --http), each tool call journaled and fenced;
     stop a session with `tether recall` / `tether terminate` (its delegation id is on
@@ -38,6 +43,7 @@ def mcp_proxy(
     except ModuleNotFoundError as exc:
         raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'") \
             from exc
+    configure_logs(log_level, log_format)
     specs = upstream or []
     servers = dict(parse_upstream(spec) for spec in specs)
     if len(servers) != len(specs):

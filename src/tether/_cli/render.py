@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from tether._cli.safe import age, brief, id_column, print_table, safe, when
 from tether._core.documents import ControlIntent, decode
 from tether._core.errors import ControlRefused
 from tether._core.model import ControlKind
+from tether._core.resolution import decode_resolution
 from tether._core.signing import TrustedKeys
 from tether._core.trust import bound
 from tether._journal.journal import Journal
@@ -26,22 +28,21 @@ STATE_STYLE = {
 
 def styled(state: str) -> str:
     style = STATE_STYLE.get(state, "")
-    return f"[{style}]{state}[/{style}]" if style else state
+    return f"[{style}]{safe(state)}[/{style}]" if style else safe(state)
 
 
-def when(ts: float | None) -> str:
-    if ts is None:
-        return ""
-    return datetime.fromtimestamp(ts, UTC).strftime("%H:%M:%S.%f")[:-3]
-
-
-def delegation_table(rows: list[DelegationRow]) -> Table:
+def delegation_table(rows: list[DelegationRow], now: float | None = None) -> Table:
+    now = time.time() if now is None else now
     table = Table(title="delegations")
-    for col in ("id", "task", "parent", "epoch", "agent", "state", "seq", "updated"):
-        table.add_column(col)
+    id_column(table, "id", [r.id for r in rows])
+    id_column(table, "parent", [r.parent_id or "" for r in rows])
+    table.add_column("agent", overflow="fold", min_width=8)
+    table.add_column("state", no_wrap=True)
+    table.add_column("created (UTC)", no_wrap=True)
+    table.add_column("age", no_wrap=True, justify="right")
     for r in rows:
-        table.add_row(r.id, r.task_id, r.parent_id or "", str(r.epoch), r.agent,
-                      styled(r.state.value), str(r.control_seq), when(r.updated_at))
+        table.add_row(safe(r.id), safe(r.parent_id or ""), safe(r.agent), styled(r.state.value),
+                      when(r.created_at), age(r.created_at, now))
     return table
 
 
@@ -67,6 +68,7 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
                             "body": _body(doc.signed.body)})
     events = await journal.events(ids)
     return {
+        "decisions": await journal.resolutions(ids),
         "delegations": [r.to_json() for r in rows],
         "actions": [a.to_json() for a in actions],
         "intents": intents,
@@ -78,6 +80,8 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
 def _body(body: bytes) -> dict[str, Any]:
     """A body that no longer decodes is shown as such; its signature check says REFUSED."""
     try:
+        if b'"type":"resolution"' in body:
+            return decode_resolution(body).to_json()
         return decode(body).to_json()
     except ControlRefused as exc:
         return {"undecodable": str(exc)}
@@ -102,48 +106,105 @@ def _verify(trusted: TrustedKeys | None, signed: Any,
 def render_show(console: Console, data: dict[str, Any]) -> None:
     rows = data["delegations"]
     root = rows[0]
-    tree = Tree(f"[bold]{root['id']}[/bold] {root['agent']} {styled(root['state'])}")
+    now = time.time()
+
+    def label(r: dict[str, Any]) -> str:
+        return (f"{safe(r['id'])} {safe(r['agent'])} {styled(r['state'])} "
+                f"(created {when(r['created_at'])}, {age(r['created_at'], now)} ago)")
+
+    tree = Tree(f"[bold]{label(root)}[/bold]")
     nodes = {root["id"]: tree}
     for r in rows[1:]:
         parent = nodes.get(r["parent"], tree)
-        nodes[r["id"]] = parent.add(f"{r['id']} {r['agent']} {styled(r['state'])}")
+        nodes[r["id"]] = parent.add(label(r))
     console.print(tree)
+    acts = data["actions"]
     table = Table(title="actions")
-    for col in ("id", "delegation", "tool", "effect", "idempotency key", "state", "late",
-                "evidence"):
-        table.add_column(col, overflow="fold")
-    for a in data["actions"]:
-        table.add_row(a["id"], a["delegation"], a["tool"], a["effect"], a["idempotency_key"],
-                      styled(a["state"]), "late" if a["late"] else "",
-                      _brief(a["evidence"]))
-    console.print(table)
+    id_column(table, "id", [a["id"] for a in acts])
+    id_column(table, "delegation", [a["delegation"] for a in acts])
+    table.add_column("tool", overflow="fold", min_width=6)
+    table.add_column("effect", no_wrap=True)
+    id_column(table, "idempotency key", [a["idempotency_key"] for a in acts])
+    table.add_column("state", no_wrap=True)
+    table.add_column("started (UTC)", no_wrap=True)
+    table.add_column("evidence", overflow="fold", min_width=16)
+    for a in acts:
+        state = styled(a["state"]) + (" [yellow]late[/yellow]" if a["late"] else "")
+        table.add_row(safe(a["id"]), safe(a["delegation"]), safe(a["tool"]), safe(a["effect"]),
+                      safe(a["idempotency_key"]), state, when(a["started_at"]),
+                      safe(brief(a["evidence"])))
+    print_table(console, table)
+    intents = data["intents"]
     table = Table(title="signed intents and acknowledgements")
-    for col in ("delegation", "seq", "kind", "key", "signature", "detail"):
-        table.add_column(col, overflow="fold")
-    for i in data["intents"]:
+    id_column(table, "delegation", [i["delegation"] for i in intents])
+    table.add_column("seq", no_wrap=True, justify="right")
+    table.add_column("kind", no_wrap=True)
+    id_column(table, "key", [i["key_id"] for i in intents])
+    table.add_column("signature", overflow="fold", min_width=8)
+    table.add_column("at (UTC)", no_wrap=True)
+    table.add_column("detail", overflow="fold", min_width=16)
+    for i in intents:
         ok = i["verified"]
         body = i["body"]
         detail = body.get("reason") or (
-            f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "")
-        table.add_row(i["delegation"], str(i["seq"]), i["kind"], i["key_id"],
-                      "[green]verified[/green]" if ok == "ok" else f"[red]{ok}[/red]", detail)
-    console.print(table)
+            f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "") or (
+            f"{body['action']} {body['outcome']} by {body['operator']}: {body['note']}"
+            if body.get("type") == "resolution" else "")
+        table.add_row(safe(i["delegation"]), str(i["seq"]), safe(i["kind"]), safe(i["key_id"]),
+                      "[green]verified[/green]" if ok == "ok" else f"[red]{safe(ok)}[/red]",
+                      when(i["accepted_at"]), safe(detail))
+    print_table(console, table)
+    render_decisions(console, data.get("decisions", []))
+    events = data["events"]
+    table = Table(title="events")
+    table.add_column("at (UTC)", no_wrap=True)
+    id_column(table, "delegation / action", [e["action"] or e["delegation"] or ""
+                                             for e in events])
+    table.add_column("event", no_wrap=True)
+    table.add_column("detail", overflow="fold", min_width=16)
+    for e in events:
+        detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items()
+                           if v not in (None, "") and k != "at")
+        table.add_row(when(e["at"]), safe(e["action"] or e["delegation"] or ""),
+                      safe(e["kind"]), safe(detail))
+    print_table(console, table)
 
 
-def _brief(evidence: dict[str, Any] | None) -> str:
-    if not evidence:
-        return ""
-    return ", ".join(f"{k}={v}" for k, v in evidence.items() if k != "probed_at")
+def render_decisions(console: Console, decisions: list[dict[str, Any]]) -> None:
+    """Who decided what and why, and every later fact that said otherwise."""
+    if not decisions:
+        return
+    table = Table(title="decisions by people (signed), and facts that contradict them")
+    table.add_column("at (UTC)", no_wrap=True)
+    id_column(table, "action", [d["action"] for d in decisions])
+    table.add_column("decision", no_wrap=True)
+    table.add_column("by", overflow="fold", min_width=8)
+    id_column(table, "key", [d.get("key_id", "") for d in decisions])
+    table.add_column("note", overflow="fold", min_width=16)
+    for d in decisions:
+        if d["kind"] == "resolved":
+            table.add_row(when(d["at"]), safe(d["action"]),
+                          f"{styled(d['old'])} -> {styled(d['outcome'])}",
+                          safe(d["operator"]), safe(d["key_id"]), safe(d["note"]))
+        else:
+            table.add_row(when(d["at"]), safe(d["action"]),
+                          f"[bold red]CONTRADICTED[/bold red] by {styled(d['new'])}", "", "",
+                          safe(f"decided {d['resolved']}; a later receipt says {d['new']}"
+                               + (f" (error: {d['error']})" if d.get("error") else "")))
+    print_table(console, table)
 
 
 def render_report(console: Console, report: dict[str, Any], indent: str = "") -> None:
-    console.print(f"{indent}[bold]{report['delegation']}[/bold] ({report['agent']}): "
-                  f"{styled(report['outcome'])}"
-                  + (f" - {report['verdict']}: {report['reason']}" if report["verdict"] else ""))
+    console.print(f"{indent}[bold]{safe(report['delegation'])}[/bold] "
+                  f"({safe(report['agent'])}): {styled(report['outcome'])}"
+                  + (f" - {safe(report['verdict'])}: {safe(report['reason'])}"
+                     if report["verdict"] else ""), soft_wrap=True)
     for a in report["actions"]:
-        console.print(f"{indent}  {a['tool']} {a['idempotency_key']}: {styled(a['state'])}"
+        console.print(f"{indent}  {safe(a['tool'])} {safe(a['idempotency_key'])}: "
+                      f"{styled(a['state'])}"
                       + (" (late receipt)" if a["late"] else "")
-                      + (f" [{_brief(a['evidence'])}]" if a["evidence"] else ""))
+                      + (f" \\[{safe(brief(a['evidence']))}]" if a["evidence"] else ""),
+                      soft_wrap=True)
     for child in report["children"]:
         render_report(console, child, indent + "  ")
 
@@ -154,6 +215,6 @@ def trials_table(title: str, faults: dict[str, dict[str, Any]]) -> Table:
     for col in ("fault", "trials", "violations", "by class"):
         table.add_column(col)
     for name, row in faults.items():
-        table.add_row(name, str(row["trials"]), str(row["violations"]),
-                      " ".join(f"{k} {n}" for k, n in row["classes"].items()))
+        table.add_row(safe(name), str(row["trials"]), str(row["violations"]),
+                      safe(" ".join(f"{k} {n}" for k, n in row["classes"].items())))
     return table

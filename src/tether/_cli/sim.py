@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from tether._cli.render import trials_table
+from tether._cli.safe import safe
 from tether._core.errors import UserError
 
 out = Console()
@@ -89,8 +90,9 @@ def _summary(result: dict[str, Any], seed: int, chosen: tuple[str, ...],
     for v in result["violations"][:20]:
         active = v["faults"] or list(chosen)
         selection = "" if tuple(active) == FAULTS else f" --faults {','.join(active)}"
-        out.print(f"[red]{v['class']}[/red] (faults {v['fault']}): {v['detail']} - replay "
-                  f"with: tether sim --replay {v['trial_seed']}{selection}{extra}",
+        out.print(f"[red]{safe(v['class'])}[/red] (faults {safe(v['fault'])}): "
+                  f"{safe(v['detail'])} - replay with: tether sim --replay "
+                  f"{v['trial_seed']}{safe(selection)}{safe(extra)}",
                   highlight=False, soft_wrap=True)
     if len(result["violations"]) > 20:
         out.print(f"... and {len(result['violations']) - 20} more (--json lists them all)")

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tether._cli.safe import id_column, print_table, safe
 from tether._core.errors import NotFound
 from tether._core.forensics import ChildFacts, analyze
 from tether._journal.journal import Journal
@@ -41,19 +42,23 @@ async def timeline(journal: Journal, ident: str) -> dict[str, Any]:
 
 
 def render_timeline(console: Console, data: dict[str, Any]) -> None:
-    console.print(f"[bold]task {data['task']}[/bold]")
+    console.print(f"[bold]task {safe(data['task'])}[/bold]", soft_wrap=True)
     for a in data["attempts"]:
         life = "" if a["lifetime"] is None else f", {a['lifetime']:.3f}s"
-        console.print(f"  attempt {a['attempt']} (epoch {a['epoch']}): {a['delegation']} "
-                      f"{a['state']}{' - ' + a['failure'] if a['failure'] else ''}{life}")
+        failure = f" - {a['failure']}" if a["failure"] else ""
+        console.print(safe(f"  attempt {a['attempt']} (epoch {a['epoch']}): {a['delegation']} "
+                           f"{a['state']}{failure}{life}"), soft_wrap=True)
     table = Table(title="timeline")
-    for col in ("t (s)", "attempt", "delegation", "event", "detail"):
-        table.add_column(col, overflow="fold")
+    table.add_column("t (s)", no_wrap=True, justify="right")
+    table.add_column("attempt", no_wrap=True)
+    id_column(table, "delegation", [e["delegation"] or "" for e in data["events"]])
+    table.add_column("event", no_wrap=True)
+    table.add_column("detail", overflow="fold", min_width=16)
     for e in data["events"]:
         detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items() if v not in (None, ""))
-        table.add_row(f"{e['t']:.3f}", str(e["attempt"] or ""), e["delegation"] or "",
-                      e["kind"], detail)
-    console.print(table)
+        table.add_row(f"{e['t']:.3f}", str(e["attempt"] or ""), safe(e["delegation"] or ""),
+                      safe(e["kind"]), safe(detail))
+    print_table(console, table)
 
 
 def facts_of(rows: list[DelegationRow]) -> list[ChildFacts]:
@@ -77,16 +82,16 @@ async def forensics(journal: Journal, failure: str) -> dict[str, Any]:
 
 
 def render_forensics(console: Console, data: dict[str, Any]) -> None:
-    console.print(f"{data['failures']} {data['failure']} failures among {data['children']} "
+    console.print(f"{data['failures']} {safe(data['failure'])} failures among {data['children']} "
                   f"children (rate {data['failure_rate']:.2%}); median lifetime "
                   f"{data['median_lifetime']['failed']}s failed vs "
                   f"{data['median_lifetime']['all']}s all")
     for name, rows in data["dimensions"].items():
-        table = Table(title=f"by {name}")
+        table = Table(title=f"by {safe(name)}")
         for col in ("value", "failed", "all", "failed share", "base share", "enrichment"):
             table.add_column(col)
         for r in rows:
-            table.add_row(r["value"], str(r["failed"]), str(r["all"]),
+            table.add_row(safe(r["value"]), str(r["failed"]), str(r["all"]),
                           f"{r['failed_share']:.1%}", f"{r['base_share']:.1%}",
                           "-" if r["enrichment"] is None else f"{r['enrichment']:.2f}x")
         console.print(table)

@@ -23,6 +23,7 @@ from tether._core.errors import TetherError, UserError
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
+from tether._runtime.logs import logger
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
 
@@ -184,6 +185,8 @@ async def start_session(proxy: Proxy, sup: Supervisor, journal: str) -> Any:
     channel), with how to stop it."""
     proxy.sup = sup
     handle = await sup.delegate(Agent(proxy.name, proxy.session_agent, proxy.tools()))
+    logger("proxy").info("session started as delegation %s", handle.id,
+                         extra={"delegation": handle.id, "session": proxy.name})
     print(f"tether mcp-proxy: delegation {handle.id}; stop it with "
           f"`tether recall {handle.id} --grace SECONDS --journal {journal}`",
           file=sys.stderr, flush=True)

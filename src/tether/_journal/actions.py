@@ -23,6 +23,7 @@ from tether._core.outcome import (
     settle,
 )
 from tether._core.report import ActionRecord
+from tether._core.resolution import contradicts
 from tether._core.verdict import JournalFacts
 from tether._journal.rows import Begin, BeginResult, DelegationRow, NewAction, dumps, loads
 from tether._journal.tables import (
@@ -108,7 +109,13 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         old = ActionState(row[0])
         verdict = judge_receipt(old, outcome, from_probe=evidence is not None,
                                 fills_result=bool(row[2]) and result is not None)
+        decided = resolved_as(db, action_id)
+        contradicted = decided is not None and contradicts(decided, outcome)
         if verdict is Receipt.IGNORE:
+            if contradicted:
+                _contradicted(db, now, action_id, row[1], decided, outcome, result, error,
+                              evidence)
+                return old
             event(db, now, "outcome_ignored", None, action_id, old=old.value,
                   new=outcome.value)
             return old
@@ -136,9 +143,34 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         # judge this one again against it. An action's state moves a few times at most.
     event(db, now, "late_receipt" if late else "outcome", None, action_id,
           old=old.value, new=outcome.value)
-    if late or evidence is not None:
+    if contradicted:
+        _contradicted(db, now, action_id, row[1], decided, outcome, result, error, evidence)
+    elif late or evidence is not None:
         resettle(db, row[1], now, "late receipt" if late else "probe")
     return outcome
+
+
+def _contradicted(db: Db, now: float, action_id: str, delegation_id: str,
+                  decided: ActionState | None, outcome: ActionState, result: Any,
+                  error: str | None, evidence: dict[str, Any] | None) -> None:
+    """A fact after a person's decision says otherwise: both are kept, and a person must look
+    again (``_core.resolution``)."""
+    event(db, now, CONTRADICTED, None, action_id, resolved=None if decided is None
+          else decided.value, new=outcome.value, result=result, error=error, evidence=evidence)
+    resettle(db, delegation_id, now, "a receipt contradicts a person's decision",
+             attention=True)
+
+
+RESOLVED = "resolved"  # the event of a person's decision (``_journal.resolutions``)
+CONTRADICTED = "resolution_contradicted"  # a later fact that says otherwise
+
+
+def resolved_as(db: Db, action_id: str) -> ActionState | None:
+    """The latest decision a person recorded for the action, if any."""
+    row = db.execute(
+        "SELECT detail FROM events WHERE action_id = ? AND kind = ? ORDER BY id DESC LIMIT 1",
+        (action_id, RESOLVED)).fetchone()
+    return None if row is None else ActionState(loads(row[0])["outcome"])
 
 
 def resettle(db: Db, delegation_id: str, now: float, why: str, *,

@@ -3,19 +3,25 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from tether._core.documents import Acknowledgement, ControlIntent, KeyGrant, NoEffectsReceipt
-from tether._core.errors import UserError
+from tether._core.documents import (
+    Acknowledgement,
+    ControlIntent,
+    KeyGrant,
+    NoEffectsReceipt,
+)
+from tether._core.errors import ControlRefused, UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue, trustops
+from tether._journal import ops, queue, retention, triage, trustops
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -35,6 +41,7 @@ if TYPE_CHECKING:
     from tether._journal.postgres import PostgresRunner
 
 T = TypeVar("T")
+log = logging.getLogger("tether.journal")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 
@@ -51,6 +58,11 @@ def sqlite_path(url: str) -> Path:
     if not path:
         raise UserError(f"journal URL {url!r} names no file")
     return Path(path)
+
+
+def _refused(exc: ControlRefused, issuer: str, delegation_id: str | None = None) -> None:
+    log.warning("intent refused: %s", exc, extra={
+        "delegation": delegation_id, "issuer": issuer, "refusal": type(exc).__name__})
 
 
 def _bind(fn: Callable[..., T], args: tuple[Any, ...], kw: dict[str, Any]) -> Callable[[Any], T]:
@@ -222,7 +234,11 @@ class Journal:
             intent = trustops.registry(db, pins).verify(signed, ControlIntent)
             return intent, ops.accept_control(db, signed, intent, issuer, now)
 
-        return await self._write(op)
+        try:
+            return await self._write(op)
+        except ControlRefused as exc:
+            _refused(exc, issuer)
+            raise
 
     async def sign_and_accept(self, delegation_id: str,
                               make: Callable[[DelegationRow], Signed], pins: TrustedKeys,
@@ -238,7 +254,11 @@ class Journal:
             ops.accept_control(db, signed, intent, issuer, now)
             return intent, signed
 
-        return await self._write(op)
+        try:
+            return await self._write(op)
+        except ControlRefused as exc:
+            _refused(exc, issuer, delegation_id)
+            raise
 
     # -- the key registry ---------------------------------------------------------------------
     async def registry(self, pins: TrustedKeys) -> Registry:
@@ -334,6 +354,54 @@ class Journal:
 
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)
+
+    # -- a person's decisions (``_journal.resolutions``) ----------------------------------------
+    async def resolve(self, signed: Signed, trusted: TrustedKeys, now: float) -> ActionRecord:
+        """Verify a signed Resolution (I5), then record it and re-settle, in one transaction."""
+        from tether._core.resolution import decode_resolution
+        from tether._journal.resolutions import resolve_action
+
+        trusted.verify_bytes(signed)
+        res = decode_resolution(signed.body)
+        action = await self._write(resolve_action, signed, res, now)
+        log.info("%s resolved as %s by %s", res.action_id, res.outcome.value, res.operator,
+                 extra={"action": res.action_id, "delegation": res.delegation_id,
+                        "outcome": res.outcome.value, "operator": res.operator,
+                        "key_id": signed.key_id})
+        return action
+
+    async def resolutions(self, delegation_ids: list[str]) -> list[dict[str, Any]]:
+        from tether._journal.resolutions import resolutions
+
+        return await self._read(resolutions, delegation_ids)
+
+    # -- the operator's triage (``_journal.triage``) --------------------------------------------
+    async def page(self, query: triage.DelegationQuery) -> list[DelegationRow]:
+        return await self._read(triage.page_delegations, query)
+
+    async def find_actions(self, query: triage.ActionQuery
+                           ) -> list[tuple[ActionRecord, str, str]]:
+        return await self._read(triage.find_actions, query)
+
+    async def last_event_id(self) -> int:
+        return await self.peek(triage.last_event_id)
+
+    # -- retention (``_journal.retention``) -----------------------------------------------------
+    async def roots(self, *, since: float | None, until: float | None, after: str | None,
+                    limit: int, settled_only: bool = False) -> list[str]:
+        return await self._read(lambda db: retention.roots(
+            db, since=since, until=until, after=after, limit=limit, settled_only=settled_only))
+
+    async def tree_records(self, root_id: str) -> list[dict[str, Any]]:
+        return await self._read(retention.tree_records, root_id)
+
+    async def prunable(self, root_ids: list[str], before: float, now: float) -> list[str]:
+        return await self._read(lambda db: [
+            r for r in root_ids if retention.tree_prunable(db, r, before, now) is not None])
+
+    async def prune(self, root_ids: list[str], before: float, now: float,
+                    archive: dict[str, Any] | None) -> dict[str, Any]:
+        return await self._write(retention.prune, root_ids, before, now, archive)
 
 
     # -- workers ------------------------------------------------------------------------------

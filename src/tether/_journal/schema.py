@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -134,6 +134,14 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         """ALTER TABLE delegations ADD COLUMN work_body BLOB""",
         """ALTER TABLE delegations ADD COLUMN work_key TEXT""",
         """ALTER TABLE delegations ADD COLUMN work_sig BLOB""",
+    ),
+    # The operator's triage (``tether ls`` filters, ``tether actions``): newest first, by
+    # state or agent, read through an index at any journal size.
+    5: (
+        """CREATE INDEX delegations_created ON delegations(created_at, id)""",
+        """CREATE INDEX delegations_state_created ON delegations(state, created_at, id)""",
+        """CREATE INDEX delegations_agent_created ON delegations(agent, created_at, id)""",
+        """CREATE INDEX actions_state_started ON actions(state, started_at, id)""",
     ),
 }
 

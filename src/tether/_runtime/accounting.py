@@ -20,12 +20,16 @@ from tether._core.outcome import UNSETTLED, PriorCall, holds_key
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
+from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report, deadline_of, probe_all, settle_subtree
 from tether._runtime.remote import owner_alive, settle_unclaimed
 from tether._runtime.tools import Tool
 
 if TYPE_CHECKING:
     from tether._runtime import ports
+
+
+log = logger("supervisor")
 
 
 class Accounting:
@@ -64,7 +68,7 @@ class Accounting:
                 # Past its deadline nothing can apply any more: the next probe is final.
                 if action.state is ActionState.IN_DOUBT:
                     await probe_all(sup.journal, [action], self._tools, sup.clock,
-                                    sup.policy.probe_timeout)
+                                    sup.policy.probe_timeout, sup.telemetry.probed)
                     action = await sup.journal.action(action_id)
                 if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
                     raise KeyInUse(key, action_id, action.state.value)
@@ -123,7 +127,7 @@ class Accounting:
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout)
+                            sup.policy.probe_timeout, sup.telemetry.probed)
         await settle_subtree(sup.journal, root_id, sup.clock, fallback)
         await self._recheck_later(root_id, fallback)
 
@@ -173,7 +177,7 @@ class Accounting:
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout)
+                            sup.policy.probe_timeout, sup.telemetry.probed)
             roots = {a.delegation_id for a in doubtful}
             for root in roots:
                 row = await sup.journal.get(root)
@@ -204,4 +208,8 @@ class Accounting:
         sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict="RECOVERED",
                           reason=reason)
         await sup.journal.flush()
-        return await build_report(sup.journal, row.id)
+        report = await build_report(sup.journal, row.id)
+        log.warning("recovered %s: %s; settled %s", row.id, reason, report.outcome.value,
+                    extra={"delegation": row.id, "outcome": report.outcome.value,
+                           "verdict": "RECOVERED"})
+        return report

@@ -28,7 +28,7 @@ from tether._journal.ops import FenceRefused
 from tether._journal.rows import NewDelegation
 from tether._runtime.clock import first_of
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
-from tether._runtime.telemetry import HookEvent, end
+from tether._runtime.telemetry import ERROR_OUTCOMES, HookEvent
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
@@ -105,7 +105,9 @@ async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
 
 async def stop_hook(sup: ports.Attempts, rt: ChildRuntime, reason: str | None) -> None:
     row = rt.final if rt.final is not None and rt.stop is None else await sup.journal.get(rt.id)
-    end(rt.span, outcome=row.state.value, failure=row.failure)
+    sup.telemetry.finish(rt.span, row.state.value,
+                         row.failure if row.state.value in ERROR_OUTCOMES else None,
+                         failure=row.failure)
     if row.failure is not None:
         sup.telemetry.failed.add(1, {"attempt": rt.row.attempt, "reason": row.failure})
     await sup.run_hook("on_child_stop", HookEvent(
@@ -149,7 +151,8 @@ async def drive(sup: ports.Attempts, run: TaskRun, args: Sequence[Any],
             run.done.set_exception(exc)
         raise
     finally:
-        end(run.span)
+        last = run.attempts[-1].final if run.attempts else None
+        sup.telemetry.finish(run.span, None if last is None else last.state.value)
         # Accounted for: the supervisor forgets it (handles keep their own reference), so a
         # long-lived supervisor's memory does not grow with every delegation it ever ran.
         for attempt in run.attempts:

@@ -6,21 +6,26 @@ protocol (``_core.drain``); this module only carries it out.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from tether._core import drain as protocol
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
 from tether._core.errors import Recalled, Terminated
+from tether._core.model import DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._core.verdict import RecallInput, Verdict, evaluate_recall
 from tether._runtime.accounting import Accounting
 from tether._runtime.clock import first_of
+from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report
 from tether._runtime.state import ChildRuntime
 
 if TYPE_CHECKING:
     from tether._runtime import ports
+
+log = logger("supervisor")
 
 
 async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signed: Signed,
@@ -53,7 +58,21 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     sup.journal.event(sup.clock.wall(), "verdict", rt.id, verdict=verdict.value,
                       reason=reason)
     await sup.journal.flush()
-    return await build_report(sup.journal, rt.id)
+    report = await build_report(sup.journal, rt.id)
+    if verdict is Verdict.GRACE_EXPIRED:
+        sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
+    log_verdict(report, verdict.value, reason)
+    return report
+
+
+def log_verdict(report: Report, verdict: str, reason: str) -> None:
+    """A drain's end, for the operator: a warning when a person must look."""
+    attention = report.outcome is DelegationState.NEEDS_ATTENTION
+    log.log(logging.WARNING if attention else logging.INFO,
+            "delegation %s settled %s (%s: %s)", report.delegation_id, report.outcome.value,
+            verdict, reason, extra={"delegation": report.delegation_id,
+                                    "outcome": report.outcome.value, "verdict": verdict,
+                                    "unknown": [a.id for a in report.unknown]})
 
 
 async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,

@@ -19,8 +19,8 @@ from tether._core.model import ActionState
 from tether._core.redispatch import UNRESTRICTED
 from tether._journal.rows import Begin, NewAction
 from tether._runtime.handle import Handle
+from tether._runtime.logs import logger
 from tether._runtime.state import ChildRuntime, new_id
-from tether._runtime.telemetry import end
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
@@ -35,6 +35,9 @@ UNSERIALIZABLE = values.UNSERIALIZABLE
 Journaled = Callable[[Tool], Awaitable[Any]]
 Interceptor = Callable[[Tool, str, dict[str, Any], Journaled], Awaitable[Any]]
 INTERCEPTORS: list[Interceptor] = []
+
+
+log = logger("supervisor")
 
 
 def args_json(kwargs: dict[str, Any]) -> str:
@@ -100,7 +103,18 @@ class Context:
             # Not journaled as an action, but recorded: the journal can then prove that no
             # tool at all ran in an attempt (I6).
             sup.journal.event(sup.clock.wall(), "read", rt.id, None, tool=found.name)
-            return await found.fn(**kwargs)
+            span = sup.telemetry.action_span(rt.span, found.name, found.effect.value,
+                                             rt.row.task_id, rt.row.attempt)
+            try:
+                value = await found.fn(**kwargs)
+            except asyncio.CancelledError:
+                sup.telemetry.finish(span, "CANCELLED")
+                raise
+            except BaseException as exc:
+                sup.telemetry.finish(span, "FAILED", exc)
+                raise
+            sup.telemetry.finish(span, "COMPLETED")
+            return value
         try:
             encoded = args_json(kwargs)
         except UserError as exc:
@@ -141,6 +155,9 @@ class Context:
             await self._sup.await_call(begun.action_id, key)
         if begun.status in (Begin.FENCED, Begin.STALE_EPOCH, Begin.LEASE_EXPIRED):
             # The journal's fence is the authority; our in-memory flag may not know yet.
+            log.info("call to %s refused: %s", found.name, begun.status.value,
+                     extra={"delegation": rt.id, "tool": found.name,
+                            "refusal": begun.status.value})
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
         if begun.status is Begin.REPLAY:
             journal.event(clock.wall(), "replay", rt.id, begun.action_id, key=key)
@@ -164,30 +181,31 @@ class Context:
     async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any],
                    deadline_at: float) -> Any:
         journal, clock, rt = self._sup.journal, self._sup.clock, self._rt
-        span = self._sup.telemetry.action_span(rt.span, tool.name, tool.effect.value,
-                                               rt.row.task_id, rt.row.attempt)
-        span.set_attribute("tether.action", action_id)
+        telemetry = self._sup.telemetry
+        span = telemetry.action_span(rt.span, tool.name, tool.effect.value, rt.row.task_id,
+                                     rt.row.attempt, call_id=action_id)
         if clock.wall() >= deadline_at:
             # Paused between the intent and the send: past its deadline the call would break
             # the tool's promise that nothing applies later, so it is never sent.
             journal.finish_action(action_id, ActionState.FAILED, clock.wall(),
                                   error="dispatch deadline passed before the call was sent")
-            end(span, outcome=ActionState.FAILED.value)
+            telemetry.finish(span, ActionState.FAILED.value, "dispatch_deadline")
             raise ToolRejected(f"{tool.name}: dispatch deadline passed before the call was sent")
         try:
             result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:
             journal.finish_action(action_id, ActionState.FAILED, clock.wall(), error=str(exc))
-            end(span, outcome=ActionState.FAILED.value)
+            telemetry.finish(span, ActionState.FAILED.value, exc)
             raise
         except Exception as exc:  # it may have applied: reconciliation decides
             journal.finish_action(action_id, ActionState.IN_DOUBT, clock.wall(), error=repr(exc))
-            end(span, outcome=ActionState.IN_DOUBT.value)
+            telemetry.finish(span, ActionState.IN_DOUBT.value, exc)
             raise
         except asyncio.CancelledError:
-            end(span, outcome="CANCELLED")
+            # Cut while on its way: the journal holds it in doubt until a probe says.
+            telemetry.finish(span, ActionState.IN_DOUBT.value, "cancelled")
             raise
-        end(span, outcome=ActionState.COMPLETED.value)
+        telemetry.finish(span, ActionState.COMPLETED.value)
         journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(),
                               result=values.storable(result))
         return result

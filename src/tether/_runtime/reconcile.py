@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tether._core import values
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
@@ -69,7 +69,8 @@ def deadline_of(action: ActionRecord, tools: Mapping[str, Tool]) -> float:
 
 
 async def probe_all(journal: Journal, actions: list[ActionRecord],
-                    tools: Mapping[str, Tool], clock: Clock, limit: float) -> None:
+                    tools: Mapping[str, Tool], clock: Clock, limit: float,
+                    on_answer: Callable[[str], None] | None = None) -> None:
     """Probe each action and record the answer. A "not applied" before the call's dispatch
     deadline keeps it IN_DOUBT with the probe's evidence: it may still land."""
 
@@ -88,6 +89,8 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
                                      f"dispatch deadline ({max(0.0, deadline - now):.3g} s "
                                      "from now)")
         await journal.settle_action(action.id, state, now, evidence, answer.result)
+        if on_answer is not None:  # telemetry: probes and unknowns counted
+            on_answer(state.value)
 
     await asyncio.gather(*(one(a) for a in actions))
 

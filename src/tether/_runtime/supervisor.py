@@ -28,7 +28,7 @@ from tether._core.errors import (
 )
 from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
-from tether._core.report import Report
+from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.trust import bound, work_order
 from tether._journal.journal import DEFAULT_URL, Journal
@@ -42,6 +42,7 @@ from tether._runtime.compensation import compensate
 from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
+from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
 T = TypeVar("T")
+log = logger("supervisor")
 
 
 def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
@@ -269,6 +271,7 @@ class Supervisor:
             for task in list(self._background):
                 task.cancel()
             await asyncio.gather(*self._background, return_exceptions=True)
+            self.telemetry.close()  # every span ends, those of calls still out IN_DOUBT
             await self.journal.close()
 
     @property
@@ -543,8 +546,17 @@ class Supervisor:
                 seq=row.control_seq + 1 if offered is None else offered, grace=grace,
                 reason=reason, issued_at=issued))
 
-        _, signed = await self.journal.sign_and_accept(delegation_id, make, self.keys.trusted,
-                                                       self.owner_id, issued)
+        try:
+            intent, signed = await self.journal.sign_and_accept(
+                delegation_id, make, self.keys.trusted, self.owner_id, issued)
+        except ControlRefused as exc:
+            self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
+                                           "error.type": type(exc).__name__})
+            raise
+        self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": True})
+        log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
+                 extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
+                        "reason": reason})
         rt = self._runtimes.get(delegation_id)
         if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
             rt.cut()  # cuts the recall's grace window short
@@ -622,6 +634,18 @@ class Supervisor:
         UNKNOWN ones, as an ordinary journaled delegation with keys derived from the
         originals (so compensating twice is refused, not repeated)."""
         return await compensate(self, report, self._tools)
+
+    async def resolve(self, action_id: str, outcome: str, note: str, *,
+                      operator: str | None = None) -> ActionRecord:
+        """Record a person's decision on an action nobody could settle (UNKNOWN, or in doubt):
+        COMPLETED or NOT_APPLIED, signed with this supervisor's key, with ``operator`` (default
+        $TETHER_OPERATOR or the login name) and ``note``; its delegation re-settles. What
+        ``tether resolve`` does."""
+        from tether._runtime.resolve import resolve
+
+        await self.journal.flush()
+        return await resolve(self.journal, self.keys, action_id, outcome, note, operator,
+                             self.clock.wall())
 
     def handle_for(self, delegation_id: str) -> Handle:
         """A handle on any delegation in the journal, e.g. one listed by ``tether ls``."""

@@ -1,18 +1,29 @@
-"""OpenTelemetry spans and counters, and user hooks, keyed by task and attempt.
+"""OpenTelemetry spans, counters and duration histograms, and user hooks, keyed by task and
+attempt.
+
+Spans follow the OpenTelemetry GenAI semantic conventions for agents and tools: a delegation
+(in the orchestrator's trace) and each of its attempts (each its own trace, linked to the
+delegation and to the attempt before it) are ``invoke_agent {agent}``; each tool call, journaled
+or read-only, is ``execute_tool {tool}`` with ``gen_ai.tool.call.id`` the journaled action's id.
+``tether.*`` attributes carry what the conventions do not (task, attempt, effect, outcome). A
+span whose outcome is not success has status ERROR and ``error.type``; every span is ended,
+those still open when the supervisor closes with outcome IN_DOUBT.
 
 Only the OpenTelemetry API is a dependency: without an SDK installed and configured, every call
-here is a no-op. Each attempt is its own trace (a fresh child has a fresh trace id), linked to the
-delegation's span in the orchestrator's trace and to the attempt before it.
+here is a no-op.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
+from opentelemetry.trace import Status, StatusCode
 
 VERSION = "0.1.0"
 
@@ -40,6 +51,11 @@ class Hooks:
     on_redispatch: Hook | None = None  # right before a re-dispatched child is dispatched
 
 
+# Outcomes that are not a success: the span's status is ERROR and ``error.type`` says which.
+ERROR_OUTCOMES = frozenset({"FAILED", "IN_DOUBT", "UNKNOWN", "NEEDS_ATTENTION", "CANCELLED"})
+OPERATION = "gen_ai.operation.name"
+
+
 class Telemetry:
     def __init__(self, tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: metrics.MeterProvider | None = None) -> None:
@@ -53,27 +69,94 @@ class Telemetry:
             "tether.redispatch.decisions", unit="1", description="re-dispatch decisions")
         self.actions = meter.create_counter(
             "tether.actions", unit="1", description="journaled actions started")
+        self.intents = meter.create_counter(
+            "tether.intents", unit="1", description="control intents, accepted or refused")
+        self.probes = meter.create_counter(
+            "tether.probes", unit="1", description="probe answers, by resulting state")
+        self.unknowns = meter.create_counter(
+            "tether.actions.unknown", unit="1", description="actions left UNKNOWN by a probe")
+        self.grace_expiries = meter.create_counter(
+            "tether.grace.expired", unit="1", description="recalls whose grace window ended "
+            "with calls in flight")
+        self.tool_duration = meter.create_histogram(
+            "tether.tool.duration", unit="s", description="execute_tool spans, by outcome")
+        self.agent_duration = meter.create_histogram(
+            "tether.agent.duration", unit="s", description="invoke_agent spans, by outcome")
+        # Spans started and not yet ended, with what their duration is recorded under.
+        self._open: weakref.WeakKeyDictionary[trace.Span, tuple[float, dict[str, Any]]] = \
+            weakref.WeakKeyDictionary()
+
+    def _start(self, name: str, attributes: dict[str, Any], metric: dict[str, Any],
+               context: otel_context.Context | None = None,
+               links: list[trace.Link] | None = None) -> trace.Span:
+        span = self.tracer.start_span(name, context=context, attributes=attributes,
+                                      links=links)
+        if span.is_recording():
+            self._open[span] = (time.monotonic(), metric)
+        return span
 
     def delegation_span(self, task_id: str, agent: str) -> trace.Span:
         """In the caller's trace: the whole task, across attempts."""
-        return self.tracer.start_span("tether.delegation", attributes={
-            "tether.task": task_id, "tether.agent": agent})
+        return self._start(f"invoke_agent {agent}", {
+            OPERATION: "invoke_agent", "gen_ai.agent.name": agent, "tether.task": task_id},
+            {OPERATION: "invoke_agent", "gen_ai.agent.name": agent})
 
     def attempt_span(self, task_id: str, delegation_id: str, attempt: int, agent: str,
                      links: list[trace.Span]) -> trace.Span:
         """A new root: each attempt has its own trace id."""
-        return self.tracer.start_span(
-            "tether.attempt", context=otel_context.Context(),
-            attributes={"tether.task": task_id, "tether.delegation": delegation_id,
-                        "tether.attempt": attempt, "tether.agent": agent},
+        return self._start(
+            f"invoke_agent {agent}",
+            {OPERATION: "invoke_agent", "gen_ai.agent.name": agent,
+             "gen_ai.agent.id": delegation_id, "tether.task": task_id,
+             "tether.delegation": delegation_id, "tether.attempt": attempt,
+             "tether.agent": agent},
+            {OPERATION: "invoke_agent", "gen_ai.agent.name": agent},
+            context=otel_context.Context(),
             links=[trace.Link(s.get_span_context()) for s in links])
 
     def action_span(self, parent: trace.Span | None, tool: str, effect: str, task_id: str,
-                    attempt: int) -> trace.Span:
+                    attempt: int, call_id: str | None = None) -> trace.Span:
         ctx = trace.set_span_in_context(parent) if parent is not None else None
-        return self.tracer.start_span("tether.action", context=ctx, attributes={
+        attributes: dict[str, Any] = {
+            OPERATION: "execute_tool", "gen_ai.tool.name": tool, "gen_ai.tool.type": "function",
             "tether.tool": tool, "tether.effect": effect, "tether.task": task_id,
-            "tether.attempt": attempt})
+            "tether.attempt": attempt}
+        if call_id is not None:
+            attributes["gen_ai.tool.call.id"] = call_id
+            attributes["tether.action"] = call_id
+        return self._start(f"execute_tool {tool}", attributes,
+                           {OPERATION: "execute_tool", "gen_ai.tool.name": tool,
+                            "tether.effect": effect}, context=ctx)
+
+    def finish(self, span: trace.Span | None, outcome: str | None,
+               error: BaseException | str | None = None, **attributes: Any) -> None:
+        """End ``span`` with its outcome (status, ``error.type``) and record its duration."""
+        if span is None:
+            return
+        started = self._open.pop(span, None)
+        kind = end(span, outcome=outcome, error=error, **attributes)
+        if started is not None:
+            at, metric = started
+            labels = {**metric, "tether.outcome": outcome or "UNSET"}
+            if kind is not None:
+                labels["error.type"] = kind
+            histogram = (self.tool_duration if metric[OPERATION] == "execute_tool"
+                         else self.agent_duration)
+            histogram.record(time.monotonic() - at, labels)
+
+    def close(self) -> None:
+        """End every span still open (a call or attempt whose outcome is not known when the
+        supervisor closes): IN_DOUBT, which is what the journal holds for it."""
+        for span in list(self._open.keys()):
+            if span.is_recording():
+                self.finish(span, "IN_DOUBT", "in_doubt")
+            else:
+                self._open.pop(span, None)
+
+    def probed(self, state: str) -> None:
+        self.probes.add(1, {"tether.outcome": state})
+        if state == "UNKNOWN":
+            self.unknowns.add(1)
 
 
 def trace_id_of(span: trace.Span) -> str | None:
@@ -81,10 +164,30 @@ def trace_id_of(span: trace.Span) -> str | None:
     return format(ctx.trace_id, "032x") if ctx.is_valid else None
 
 
-def end(span: trace.Span | None, **attributes: Any) -> None:
-    if span is None:
-        return
+def error_type(outcome: str | None, error: BaseException | str | None) -> str | None:
+    """``error.type`` for an outcome: the exception's class, or the outcome itself."""
+    if isinstance(error, BaseException):
+        return type(error).__qualname__
+    if error is not None:
+        return error
+    if outcome in ERROR_OUTCOMES:
+        return outcome.lower() if outcome else None
+    return None
+
+
+def end(span: trace.Span | None, outcome: str | None = None,
+        error: BaseException | str | None = None, **attributes: Any) -> str | None:
+    """Set the outcome, status and ``error.type``, and end the span. Returns the error type."""
+    if span is None or not span.is_recording():
+        return None  # no SDK, or ended already (at the supervisor's close)
+    if outcome is not None:
+        span.set_attribute("tether.outcome", outcome)
     for key, value in attributes.items():
         if value is not None:
             span.set_attribute(f"tether.{key}", value)
+    kind = error_type(outcome, error)
+    if kind is not None:
+        span.set_attribute("error.type", kind)
+        span.set_status(Status(StatusCode.ERROR, outcome or kind))
     span.end()
+    return kind

@@ -39,10 +39,13 @@ from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
+from tether._runtime.logs import logger
 from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.telemetry import Hooks
 from tether._runtime.tools import Agent, check_surface
+
+log = logger("worker")
 
 
 def agents_by_name(found: object, where: str) -> dict[str, Agent]:
@@ -137,6 +140,9 @@ class Worker:
         except BaseException:
             await sup.__aexit__(None, None, None)
             raise
+        log.info("worker %s ready: %s", sup.owner_id, ", ".join(sorted(self.agents)),
+                 extra={"owner": sup.owner_id, "agents": sorted(self.agents),
+                        "lease": self.lease})
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -166,6 +172,8 @@ class Worker:
     def stop(self) -> None:
         """Stop claiming; ``run`` returns once the delegations it holds have ended, or after
         ``stop_timeout`` seconds, when leaving the worker terminates the rest."""
+        log.info("stopping: %d delegation(s) still running", len(self._running),
+                 extra={"owner": self.owner_id, "running": list(self._running)})
         self._stopping.set()
 
     async def run(self) -> None:
@@ -192,6 +200,9 @@ class Worker:
                 rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
                                                sup.clock.wall(), free)
                 for row in rows:
+                    log.info("claimed %s (%s)", row.id, row.agent,
+                             extra={"delegation": row.id, "agent": row.agent,
+                                    "owner": sup.owner_id})
                     self._start(row)
                 if rows:
                     continue  # there may be more waiting
@@ -254,6 +265,7 @@ class Worker:
                 raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
             if not ok or loop.time() - started > self.lease:
                 sup.abandon()
+                log.error("lease lost", extra={"owner": sup.owner_id})
                 raise LeaseLost(sup.owner_id)
             sup.lease_until = now + self.lease
             self._lease_ends = started + self.lease

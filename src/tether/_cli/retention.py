@@ -1,0 +1,181 @@
+"""``tether export`` (JSON Lines, every record with its verification status) and ``tether
+prune`` (whole settled trees only, archived first, the prune itself recorded)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import IO, Annotated, Any
+
+import typer
+
+from tether._cli.ops import JournalOpt, JsonOpt, KeysOpt, moment
+from tether._cli.safe import safe
+from tether._core.errors import ControlRefused, UserError
+from tether._core.signing import Signed, TrustedKeys
+from tether._journal.journal import DEFAULT_URL, Journal
+
+PAGE = 500  # trees read per round trip
+
+
+def verifier(trusted: TrustedKeys | None) -> Callable[[dict[str, Any]], str]:
+    """A record's verification status: signed ones are checked against the trusted keys."""
+
+    def status(record: dict[str, Any]) -> str:
+        if "signature" not in record:
+            return "unsigned"
+        if trusted is None:
+            return "no trusted keys"
+        try:
+            trusted.verify_bytes(Signed(record["body"].encode("utf-8"), record["key_id"],
+                                        base64.b64decode(record["signature"])))
+        except (ControlRefused, ValueError) as exc:
+            return f"REFUSED: {exc}"
+        return "ok"
+
+    return status
+
+
+async def _trusted(j: Journal, keys: Path | None) -> TrustedKeys | None:
+    from tether._runtime.keys import KeyRing
+
+    directory = keys or j.keys_dir
+    if not (directory / "signing.json").exists():
+        return None
+    return (await asyncio.to_thread(KeyRing.load, directory)).trusted
+
+
+async def _records(j: Journal, root_ids: list[str]) -> AsyncIterator[dict[str, Any]]:
+    for root in root_ids:
+        for record in await j.tree_records(root):
+            yield record
+
+
+async def _write(j: Journal, root_ids: list[str], sink: IO[bytes],
+                 status: Callable[[dict[str, Any]], str]) -> tuple[int, str]:
+    """JSON Lines to ``sink``; the number of records and the SHA-256 of the bytes written."""
+    digest, n = hashlib.sha256(), 0
+    async for record in _records(j, root_ids):
+        record["verified"] = status(record)
+        line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
+        sink.write(line)
+        digest.update(line)
+        n += 1
+    return n, digest.hexdigest()
+
+
+def export_cmd(
+    journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+    since: Annotated[str | None, typer.Option(
+        "--since", help="Trees created since: a duration ago (7d) or a date and time.")] = None,
+    until: Annotated[str | None, typer.Option(
+        "--until", help="Trees created before: a duration ago or a date and time.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write here instead of stdout.")] = None,
+) -> None:
+    """Every record of the delegation trees created in [--since, --until), as JSON Lines:
+    delegations, actions, signed intents and documents (with their exact bytes and whether
+    their signature verifies), and events."""
+    import sys
+
+    now = time.time()
+    lo = None if since is None else moment(since, "--since", now)
+    hi = None if until is None else moment(until, "--until", now)
+
+    async def go(sink: IO[bytes]) -> tuple[int, str]:
+        async with Journal(journal, create=False) as j:
+            status = verifier(await _trusted(j, keys))
+            total, after = 0, None
+            digest = hashlib.sha256()
+            while True:
+                page = await j.roots(since=lo, until=hi, after=after, limit=PAGE)
+                if not page:
+                    return total, digest.hexdigest()
+                n, _ = await _write(j, page, sink, status)
+                total += n
+                after = page[-1]
+
+    if output is None:
+        asyncio.run(go(sys.stdout.buffer))
+        sys.stdout.flush()
+        return
+    with output.open("wb") as fh:
+        asyncio.run(go(fh))
+
+
+def prune_cmd(
+    before: Annotated[str, typer.Option(
+        "--before", help="Prune trees that ended before: a duration ago (30d) or a date.")],
+    journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+    archive: Annotated[Path | None, typer.Option(
+        "--archive", help="First write what is pruned here (JSON Lines, as tether export); "
+        "its SHA-256 is recorded in the journal.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would go; change "
+                                          "nothing.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Remove whole delegation trees that are settled and ended before --before: never one
+    with anything running, in doubt, UNKNOWN or needing attention. The prune is recorded in
+    the journal (counts, cut-off, archive digest)."""
+    from tether._cli.app import emit_json, out
+
+    now = time.time()
+    cutoff = moment(before, "--before", now)
+    if archive is not None and archive.exists():
+        raise UserError(f"--archive {archive} exists; refusing to overwrite an archive")
+
+    async def go() -> dict[str, Any]:
+        async with Journal(journal, create=False) as j:
+            candidates: list[str] = []
+            after = None
+            while True:
+                page = await j.roots(since=None, until=cutoff, after=after, limit=PAGE,
+                                     settled_only=True)
+                if not page:
+                    break
+                candidates += await j.prunable(page, cutoff, now)
+                after = page[-1]
+            if dry_run:
+                return {"dry_run": True, "before": cutoff, "roots": len(candidates),
+                        "root_ids": candidates}
+            saved = None
+            if archive is not None and candidates:
+                status = verifier(await _trusted(j, keys))
+                with archive.open("xb") as fh:
+                    n, digest = await _write(j, candidates, fh, status)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                saved = {"path": str(archive), "sha256": digest, "records": n}
+            return await j.prune(candidates, cutoff, now, saved)
+
+    result = run(go())
+    if as_json:
+        emit_json(result)
+        return
+    if result.get("dry_run"):
+        out.print(f"would prune {result['roots']} tree(s) that ended before "
+                  f"{safe(time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(cutoff)))}Z",
+                  highlight=False)
+        return
+    kept = f"; {len(result['kept'])} changed since and kept" if result["kept"] else ""
+    out.print(safe(f"pruned {result['roots']} tree(s): {result['delegations']} delegation(s), "
+                   f"{result['actions']} action(s){kept}"), highlight=False)
+    if "archive" in result:
+        a = result["archive"]
+        out.print(safe(f"archive: {a['path']} ({a['records']} records, sha256 {a['sha256']})"),
+                  highlight=False, soft_wrap=True)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def register(app: typer.Typer, errors: Any) -> None:
+    app.command("export")(errors(export_cmd))
+    app.command("prune")(errors(prune_cmd))

@@ -1,0 +1,196 @@
+"""The console's server: JSON reads of the journal, a stream of snapshots (server-sent events)
+whenever the journal changes, and the operator's actions (recall, terminate, resolve) through
+the same signed paths as the CLI.
+
+Every request carries the access token printed at start (a query parameter for the page and
+the event stream, which browsers cannot give headers; the ``X-Tether-Token`` header for
+actions, which a cross-site form cannot set). On loopback, requests naming another host are
+refused (DNS rebinding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from tether._console.page import PAGE
+from tether._core.errors import TetherError
+from tether._core.model import ControlKind, Policy, check_grace
+from tether._journal.journal import Journal
+from tether._journal.triage import ActionQuery, DelegationQuery
+from tether._runtime.keys import KeyRing
+from tether._runtime.logs import logger
+
+log = logger("console")
+ATTENTION = ("UNKNOWN", "IN_DOUBT")
+
+
+@dataclass
+class Console:
+    journal_url: str
+    keys: Path | None
+    token: str
+    poll: float = 0.25  # how often the stream looks for a change in the journal
+
+    def authorized(self, request: Request) -> bool:
+        given = request.headers.get("x-tether-token") or request.query_params.get("token", "")
+        return secrets.compare_digest(given.encode(), self.token.encode())
+
+
+async def snapshot(j: Journal) -> dict[str, Any]:
+    """What the page shows live: the newest delegations and the needs-attention queue."""
+    rows = await j.page(DelegationQuery(limit=200))
+    queue = await j.find_actions(ActionQuery(states=ATTENTION, limit=200))
+    return {
+        "now": time.time(),
+        "delegations": [r.to_json() for r in rows],
+        "attention": [{**a.to_json(), "agent": agent, "delegation_state": state}
+                      for a, agent, state in queue],
+    }
+
+
+def build(console: Console, *, loopback: bool = True) -> Starlette:
+    journal = Journal(console.journal_url, create=False)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await journal.open()
+        try:
+            yield
+        finally:
+            await journal.close()
+
+    def guard(request: Request) -> Response | None:
+        if not console.authorized(request):
+            return JSONResponse({"error": "missing or wrong access token"}, status_code=401)
+        return None
+
+    async def page(request: Request) -> Response:
+        return guard(request) or HTMLResponse(PAGE)
+
+    async def delegations(request: Request) -> Response:
+        return guard(request) or JSONResponse(await snapshot(journal))
+
+    async def delegation(request: Request) -> Response:
+        from tether._cli.render import collect
+
+        denied = guard(request)
+        if denied:
+            return denied
+        ring = await asyncio.to_thread(_ring, journal, console.keys)
+        try:
+            data = await collect(journal, request.path_params["id"],
+                                 ring.trusted if ring else None)
+        except TetherError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+        return JSONResponse(data)
+
+    async def stream(request: Request) -> Response:
+        denied = guard(request)
+        if denied:
+            return denied
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            seen: int | None = None
+            while True:
+                version = await journal.last_event_id()
+                if version != seen:
+                    seen = version
+                    yield {"event": "snapshot",
+                           "data": _dumps({**await snapshot(journal), "version": version})}
+                await asyncio.sleep(console.poll)
+
+        return EventSourceResponse(events(), ping=15)
+
+    async def control(request: Request) -> Response:
+        from tether._cli.app import _send
+
+        denied = guard(request) or _actions_only(request)
+        if denied:
+            return denied
+        body = await _json(request)
+        kind = ControlKind.RECALL if request.path_params["verb"] == "recall" \
+            else ControlKind.TERMINATE
+        try:
+            grace = None
+            if kind is ControlKind.RECALL:
+                grace = check_grace(float(body.get("grace", 30.0)), Policy())
+            answer = await _send(console.journal_url, console.keys, request.path_params["id"],
+                                 kind, grace, str(body.get("reason", "")), wait=False)
+        except (TetherError, ValueError, TypeError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        log.info("%s accepted for %s from the console", kind.value, answer["delegation"],
+                 extra={"delegation": answer["delegation"], "kind": kind.value})
+        return JSONResponse(answer)
+
+    async def resolve(request: Request) -> Response:
+        from tether._runtime.resolve import resolve as record
+
+        denied = guard(request) or _actions_only(request)
+        if denied:
+            return denied
+        body = await _json(request)
+        try:
+            ring = await asyncio.to_thread(KeyRing.load, console.keys or journal.keys_dir)
+            action = await record(journal, ring, request.path_params["id"],
+                                  str(body.get("outcome", "")).upper(),
+                                  str(body.get("note", "")), body.get("by") or None,
+                                  time.time())
+        except TetherError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"action": action.to_json()})
+
+    routes = [
+        Route("/", page),
+        Route("/api/delegations", delegations),
+        Route("/api/delegations/{id}", delegation),
+        Route("/api/stream", stream),
+        Route("/api/delegations/{id}/{verb:str}", control, methods=["POST"]),
+        Route("/api/actions/{id}/resolve", resolve, methods=["POST"]),
+    ]
+    # On loopback, a request naming any other host is a DNS-rebinding attempt: refused.
+    hosts = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else ["*"]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
+
+
+def _actions_only(request: Request) -> Response | None:
+    """Actions need the header (a cross-site form can send a query string, not a header)."""
+    if request.headers.get("x-tether-token") is None:
+        return JSONResponse({"error": "actions need the X-Tether-Token header"}, status_code=401)
+    if request.path_params.get("verb", "recall") not in ("recall", "terminate"):
+        return JSONResponse({"error": "unknown action"}, status_code=404)
+    return None
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value, default=str)
+
+
+def _ring(journal: Journal, keys: Path | None) -> KeyRing | None:
+    directory = keys or journal.keys_dir
+    return KeyRing.load(directory) if (directory / "signing.json").exists() else None

@@ -1,0 +1,48 @@
+"""Retention: which delegations may leave the journal. Pure.
+
+A delegation tree may be pruned only when nothing in it can change any more and nothing in it
+needs a person: every node settled (and none NEEDS_ATTENTION), every action final (COMPLETED,
+FAILED or NOT_APPLIED; never PENDING, IN_DOUBT or UNKNOWN), every call past its dispatch
+deadline (so no late receipt can still arrive for it), and the whole tree ended before the
+cut-off. Anything else stays, however old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tether._core.model import ActionState, DelegationState
+
+FINAL_ACTIONS = frozenset({ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED})
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    state: DelegationState
+    ended_at: float | None
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    state: ActionState
+    deadline_at: float | None
+
+
+def prunable(nodes: Iterable[NodeFacts], calls: Iterable[CallFacts], *, before: float,
+             now: float) -> bool:
+    """Whether a tree (its root and every descendant, with all their actions) may be pruned."""
+    for node in nodes:
+        if not node.state.terminal or node.state is DelegationState.NEEDS_ATTENTION:
+            return False
+        if node.ended_at is None or node.ended_at >= before:
+            return False
+    for call in calls:
+        if call.state not in FINAL_ACTIONS:
+            return False
+        if call.deadline_at is None or call.deadline_at > now:
+            return False
+    return True
+
+
+__all__ = ["FINAL_ACTIONS", "CallFacts", "NodeFacts", "prunable"]

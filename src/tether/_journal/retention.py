@@ -1,0 +1,120 @@
+"""Journal operations for retention: the records of whole delegation trees (for ``tether
+export``), and pruning the trees ``_core.retention`` allows (for ``tether prune``)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tether._core.model import ActionState, DelegationState
+from tether._core.retention import CallFacts, NodeFacts, prunable
+from tether._journal.ops import actions, controls, documents, events, subtree
+from tether._journal.tables import SUBTREE, Db, event
+
+_SETTLED = tuple(s.value for s in DelegationState
+                 if s.terminal and s is not DelegationState.NEEDS_ATTENTION)
+
+
+def roots(db: Db, *, since: float | None, until: float | None, after: str | None,
+          limit: int, settled_only: bool = False) -> list[str]:
+    """Root delegations created in [since, until), oldest first, a page after ``after``."""
+    where: list[str] = ["parent_id IS NULL"]
+    params: list[Any] = []
+    if since is not None:
+        where.append("created_at >= ?")
+        params.append(since)
+    if until is not None:
+        where.append("created_at < ?")
+        params.append(until)
+    if settled_only:
+        where.append(f"state IN ({', '.join('?' * len(_SETTLED))})")
+        params.extend(_SETTLED)
+    if after is not None:
+        where.append("(created_at > (SELECT created_at FROM delegations WHERE id = ?) OR "
+                     "(created_at = (SELECT created_at FROM delegations WHERE id = ?) "
+                     "AND id > ?))")
+        params.extend((after, after, after))
+    rows = db.execute(f"SELECT id FROM delegations WHERE {' AND '.join(where)} "
+                      "ORDER BY created_at, id LIMIT ?", (*params, limit)).fetchall()
+    return [r[0] for r in rows]
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
+    """Every record of one tree, JSON-ready; signed ones with their exact bytes (body as
+    text, signature in base64) so that an archive can be verified on its own."""
+    rows = subtree(db, root_id)
+    ids = [r.id for r in rows]
+    out: list[dict[str, Any]] = [{"record": "delegation", **r.to_json()} for r in rows]
+    out += [{"record": "action", **a.to_json()} for a in actions(db, ids)]
+    for d in ids:
+        for c in controls(db, d):
+            out.append({"record": "control", "delegation": d, "seq": c.seq,
+                        "kind": c.kind.value, "issuer": c.issuer, "accepted_at": c.accepted_at,
+                        "key_id": c.signed.key_id, "body": c.signed.body.decode("utf-8"),
+                        "signature": _b64(c.signed.signature)})
+        for doc in documents(db, d):
+            out.append({"record": "document", "delegation": d, "seq": doc.seq,
+                        "type": doc.type, "recorded_at": doc.recorded_at,
+                        "key_id": doc.signed.key_id, "body": doc.signed.body.decode("utf-8"),
+                        "signature": _b64(doc.signed.signature)})
+    out += [{"record": "event", "id": e.id, "at": e.at, "kind": e.kind,
+             "delegation": e.delegation_id, "action": e.action_id, "detail": e.detail}
+            for e in events(db, ids)]
+    return out
+
+
+def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] | None:
+    """The tree's delegation ids if it may be pruned, else None."""
+    nodes = db.execute(f"{SUBTREE} SELECT d.id, d.state, d.ended_at FROM delegations d "
+                       "JOIN sub ON sub.id = d.id ORDER BY sub.depth", (root_id,)).fetchall()
+    ids = [n[0] for n in nodes]
+    calls = db.execute(
+        f"SELECT state, deadline_at FROM actions WHERE delegation_id IN "
+        f"({', '.join('?' * len(ids))})", ids).fetchall() if ids else []
+    ok = prunable([NodeFacts(DelegationState(n[1]), n[2]) for n in nodes],
+                  [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now)
+    return ids if ok and ids else None
+
+
+def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def prune(db: Db, root_ids: list[str], before: float, now: float,
+          archive: dict[str, Any] | None) -> dict[str, Any]:
+    """Delete the trees that may still be pruned (each re-checked here, in the transaction),
+    and record what went, and where its archive is, as a ``pruned`` event that stays."""
+    gone: list[str] = []
+    kept: list[str] = []
+    for root in root_ids:
+        ids = tree_prunable(db, root, before, now)
+        if ids is None:
+            kept.append(root)
+        else:
+            gone.extend(ids)
+    n_actions = 0
+    for part in _chunks(gone):
+        marks = ", ".join("?" * len(part))
+        acts = [r[0] for r in db.execute(
+            f"SELECT id FROM actions WHERE delegation_id IN ({marks})", part).fetchall()]
+        n_actions += len(acts)
+        for apart in _chunks(acts):
+            db.execute(f"DELETE FROM events WHERE action_id IN ({', '.join('?' * len(apart))})",
+                       apart)
+        db.execute(f"DELETE FROM events WHERE delegation_id IN ({marks})", part)
+        for table in ("actions", "controls", "documents", "queue"):
+            db.execute(f"DELETE FROM {table} WHERE delegation_id IN ({marks})", part)
+    # Deepest first (each tree's ids are parents before children), so that no row is ever
+    # left pointing at a deleted parent; the tasks stay (their ids are never handed out again).
+    for part in _chunks(gone[::-1], 10_000):
+        db.execute(f"DELETE FROM delegations WHERE id IN ({', '.join('?' * len(part))})", part)
+    summary = {"before": before, "roots": len(root_ids) - len(kept), "delegations": len(gone),
+               "actions": n_actions, "kept": kept, **({"archive": archive} if archive else {})}
+    event(db, now, "pruned", None, None, **summary)
+    return summary

@@ -1,0 +1,51 @@
+"""Recording a person's decision on an action (``tether resolve``, ``Supervisor.resolve``):
+sign a Resolution with the operator's key and name, and have the journal record it."""
+
+from __future__ import annotations
+
+import getpass
+import os
+
+from tether._core.errors import UserError
+from tether._core.model import ActionState
+from tether._core.report import ActionRecord
+from tether._core.resolution import DECISIONS, Resolution
+from tether._journal.journal import Journal
+from tether._runtime.keys import KeyRing
+
+
+def operator_name() -> str:
+    """Who is deciding, unless told: $TETHER_OPERATOR, else the login name."""
+    name = os.environ.get("TETHER_OPERATOR", "")
+    if name:
+        return name
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no login name (a container without a passwd entry)
+        return f"uid {os.getuid()}"
+
+
+def decision(value: ActionState | str) -> ActionState:
+    try:
+        outcome = ActionState(value)
+    except ValueError:
+        outcome = None
+    if outcome not in DECISIONS:
+        raise UserError(f"decide COMPLETED or NOT_APPLIED, not {value!r}")
+    assert outcome is not None
+    return outcome
+
+
+async def resolve(journal: Journal, keys: KeyRing, action_id: str, outcome: ActionState | str,
+                  note: str, operator: str | None, now: float) -> ActionRecord:
+    decided = decision(outcome)
+    if not isinstance(note, str) or not note.strip():
+        raise UserError("a decision needs a note saying why (--note)")
+    who = operator if operator is not None else operator_name()
+    if not isinstance(who, str) or not who.strip():
+        raise UserError("a decision needs the name of who decides (--by)")
+    action = await journal.action(action_id)
+    signed = keys.signer.sign(Resolution(
+        action_id=action.id, delegation_id=action.delegation_id, outcome=decided, note=note,
+        operator=who, issued_at=now))
+    return await journal.resolve(signed, keys.trusted, now)

@@ -1,0 +1,214 @@
+"""The web console in a real browser (Playwright driving the system's Chromium): the live tree,
+recall by clicking, the needs-attention queue resolved by clicking, each checked in the
+journal; and the access token, host check and HTML injection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from playwright.async_api import Browser, Page, async_playwright, expect
+
+import tether
+
+from .operator_world import stuck_payment
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("TETHER_CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-background-networking", "--disable-component-update",
+         "--disable-default-apps", "--disable-sync", "--no-first-run", "--mute-audio"]
+INJECTION = "<b>bold</b><img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>"
+
+
+@dataclass
+class Served:
+    url: str
+    base: str
+    proc: asyncio.subprocess.Process
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def serve(url: str) -> Served:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "console", "--port", "0", "--journal", url,
+        cwd=ROOT, env={**os.environ, "TETHER_OPERATOR": "console operator"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
+    assert line.startswith("tether console: http://127.0.0.1:"), line
+    address = line.removeprefix("tether console: ")
+    return Served(address, address.split("/?")[0], proc)
+
+
+async def stop(served: Served) -> None:
+    served.proc.terminate()
+    await served.proc.wait()
+
+
+async def open_page(browser: Browser, served: Served) -> Page:
+    page = await browser.new_page()
+    await page.goto(served.url)
+    await expect(page.locator("#status")).to_contain_text("live")
+    return page
+
+
+async def test_recall_by_clicking_reaches_the_journal(tmp_path: Path, browser: Browser) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    forever = asyncio.Event()
+
+    async def waiter(ctx: tether.Context) -> None:
+        await forever.wait()
+
+    async with tether.Supervisor(url) as sup:
+        handle = await sup.delegate(tether.Agent("waiter", waiter, ()))
+        served = await serve(url)
+        try:
+            page = await open_page(browser, served)
+            row = page.get_by_test_id(f"delegation-{handle.id}")
+            await expect(row).to_contain_text("RUNNING")
+            await page.get_by_test_id(f"grace-{handle.id}").fill("5")
+            await page.get_by_test_id(f"recall-{handle.id}").click()
+            await expect(page.locator("#message")).to_contain_text("RECALL accepted")
+            await handle.wait()
+            report = await handle.report()
+            # Pushed to the page, no reload: the tree shows it settled.
+            await expect(row).to_contain_text("RECALLED")
+        finally:
+            await stop(served)
+        controls = await sup.journal.controls(handle.id)
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert [(c.kind.value, c.seq) for c in controls] == [("RECALL", 1)]
+    assert controls[0].issuer.startswith("cli:")  # the CLI's signed path
+    assert controls[0].signed.key_id == tether.KeyRing.load(tmp_path / "keys").signer.key_id
+
+
+async def test_the_needs_attention_queue_resolved_by_clicking(tmp_path: Path,
+                                                              browser: Browser) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = await stuck_payment(url, agent=INJECTION)
+    served = await serve(url)
+    try:
+        page = await open_page(browser, served)
+        queue = page.locator("#attention tbody")
+        await expect(queue).to_contain_text(stuck.action)
+        await expect(queue).to_contain_text(stuck.key)
+        # Journal strings are text, never markup: shown as typed, nothing runs.
+        await expect(queue).to_contain_text(INJECTION)
+        assert await page.evaluate("window.pwned") is None
+        await page.get_by_test_id(f"outcome-{stuck.action}").select_option("COMPLETED")
+        await page.get_by_test_id(f"note-{stuck.action}").fill("provider shows ch_77")
+        await page.get_by_test_id(f"resolve-{stuck.action}").click()
+        await expect(page.locator("#message")).to_contain_text("resolved")
+        await expect(page.locator("#attention-count")).to_have_text("0")  # pushed
+        await page.get_by_role("link", name=stuck.delegation).first.click()
+        await expect(page.locator("#detail")).to_contain_text("console operator")
+        await expect(page.locator("#detail")).to_contain_text("provider shows ch_77")
+    finally:
+        await stop(served)
+    async with tether.Journal(url, create=False) as j:
+        action = await j.action(stuck.action)
+        row = await j.get(stuck.delegation)
+    assert action.state is tether.ActionState.COMPLETED
+    assert action.evidence is not None
+    assert action.evidence["resolution"]["operator"] == "console operator"
+    assert row.state is tether.DelegationState.RECONCILED
+
+
+async def test_the_token_and_the_host_are_checked(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = await stuck_payment(url)
+    served = await serve(url)
+
+    def fetch(path: str, headers: dict[str, str] | None = None,
+              data: bytes | None = None) -> int:
+        request = urllib.request.Request(served.base + path, data=data, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    token = served.url.split("token=")[1]
+    try:
+        assert await asyncio.to_thread(fetch, "/") == 401
+        assert await asyncio.to_thread(fetch, "/?token=wrong") == 401
+        assert await asyncio.to_thread(fetch, f"/?token={token}") == 200
+        assert await asyncio.to_thread(fetch, f"/?token={token}",
+                                       {"Host": "attacker.example"}) == 400
+        # An action with the token in the query string only (what a cross-site form could
+        # send) is refused, and changes nothing.
+        assert await asyncio.to_thread(
+            fetch, f"/api/actions/{stuck.action}/resolve?token={token}",
+            {"Content-Type": "application/json"},
+            b'{"outcome": "COMPLETED", "note": "forged"}') == 401
+    finally:
+        await stop(served)
+    async with tether.Journal(url, create=False) as j:
+        assert (await j.action(stuck.action)).state is tether.ActionState.UNKNOWN
+
+
+async def test_the_operators_story_in_the_browser(tmp_path: Path, browser: Browser) -> None:
+    """500 live delegations, one payment out: recall it by clicking, find it in the queue
+    UNKNOWN, resolve it by clicking, read the trail; the journal agrees."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    quiet, charging = asyncio.Event(), asyncio.Event()
+
+    @tether.tool(dispatch_deadline=10.0)  # no probe: the provider cannot be asked
+    async def charge(order_id: str, *, idempotency_key: str) -> str:
+        charging.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    @tether.agent(tools=[charge])
+    async def billing(ctx: tether.Context, order_id: str) -> None:
+        if order_id == "PAY":
+            await ctx.call(charge, order_id=order_id)
+        await quiet.wait()
+
+    async with tether.Supervisor(url, tools=[charge]) as sup:
+        for i in range(499):
+            await sup.delegate(billing, f"O-{i}")
+        payer = await sup.delegate(billing, "PAY")
+        await charging.wait()
+        served = await serve(url)
+        try:
+            page = await open_page(browser, served)
+            await page.get_by_test_id(f"grace-{payer.id}").fill("0.5")
+            await page.get_by_test_id(f"recall-{payer.id}").click()
+            await payer.wait()
+            (action,) = (await payer.report()).actions
+            queue = page.locator("#attention tbody")
+            await expect(queue).to_contain_text(action.id)
+            await expect(page.locator("#attention-count")).to_have_text("1")
+            await page.get_by_test_id(f"note-{action.id}").fill("bank statement: ch_5 paid")
+            await page.get_by_test_id(f"resolve-{action.id}").click()
+            await expect(page.locator("#attention-count")).to_have_text("0")
+            await page.get_by_role("link", name=payer.id).first.click()
+            detail = page.locator("#detail")
+            for text in ("RECALL", "verified", "UNKNOWN -> COMPLETED", "console operator",
+                         "bank statement: ch_5 paid", action.idempotency_key):
+                await expect(detail).to_contain_text(text)
+        finally:
+            await stop(served)
+        row = await sup.journal.get(payer.id)
+        live = await sup.journal.delegations(live_only=True)
+        quiet.set()
+    assert row.state is tether.DelegationState.RECONCILED
+    assert len(live) == 499

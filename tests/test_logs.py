@@ -1,0 +1,105 @@
+"""Logging: one standard logger per component, silent in a library unless configured, text or
+JSON lines (on stderr) in the CLI commands that run services."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import tether
+from tether._cli.app import app
+from tether._runtime.logs import configure
+
+from . import remote_agents
+from .operator_world import stuck_payment
+from .test_workers import Cluster, cluster, supervisor  # noqa: F401 (a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_components_log_intents_verdicts_and_refusals(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    caplog.set_level(logging.INFO, logger="tether")
+    stuck = asyncio.run(stuck_payment(url, reason="customer withdrew"))
+    by = {(r.name, r.levelno, r.getMessage()) for r in caplog.records}
+    assert ("tether.supervisor", logging.INFO,
+            f"TERMINATE accepted for {stuck.delegation} (sequence 1)") in by
+    (verdict,) = [r for r in caplog.records if "settled" in r.getMessage()]
+    assert verdict.levelno == logging.WARNING  # a person must look
+    assert verdict.__dict__["delegation"] == stuck.delegation
+    assert verdict.__dict__["unknown"] == [stuck.action]
+
+    async def stale() -> None:
+        async with tether.Supervisor(url, recover=False) as sup:
+            with contextlib.suppress(tether.TetherError):  # settled: nothing to recall
+                await sup.handle_for(stuck.delegation).recall(1.0, "again")
+
+    caplog.clear()
+    asyncio.run(stale())
+    refused = [r for r in caplog.records if r.name == "tether.journal"]
+    assert refused and refused[0].getMessage().startswith("intent refused")
+    assert refused[0].__dict__["delegation"] == stuck.delegation
+
+
+def test_json_lines_carry_the_fields(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    handler = configure("info", "json", stream)
+    try:
+        stuck = asyncio.run(stuck_payment(f"sqlite:///{tmp_path / 'j.db'}"))
+    finally:
+        logging.getLogger("tether").removeHandler(handler)
+        logging.getLogger("tether").setLevel(logging.NOTSET)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    accepted = next(x for x in lines if x["message"].startswith("TERMINATE accepted"))
+    assert accepted["logger"] == "tether.supervisor" and accepted["level"] == "INFO"
+    assert accepted["delegation"] == stuck.delegation and accepted["seq"] == 1
+    assert "time" in accepted
+
+
+async def test_the_library_is_silent_unless_configured(tmp_path: Path) -> None:
+    """A warning (a delegation needing attention) reaches no terminal of an application that
+    did not configure logging."""
+    code = ("import asyncio, sys; sys.path.insert(0, '.');"
+            "from tests.operator_world import stuck_payment;"
+            f"asyncio.run(stuck_payment('sqlite:///{tmp_path / 'j.db'}'))")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert out == b"" and err == b""
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--log-level", "loud"], "--log-level"),
+                                               (["--log-format", "xml"], "--log-format")])
+def test_bad_log_options_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["worker", "--agents", "tests.remote_agents:AGENTS",
+                                      "--journal", f"sqlite:///{tmp_path / 'j.db'}", *args])
+    assert result.exit_code == 2 and result.stderr.startswith("error:")
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+async def test_a_worker_logs_its_claims_as_json(cluster: Cluster) -> None:  # noqa: F811
+    async with supervisor(cluster.url) as sup:
+        proc = await cluster.worker("--log-format", "json")
+        handle = await sup.delegate(remote_agents.refunder, "L-1", remote=True)
+        await handle.result()
+    proc.send_signal(signal.SIGTERM)
+    assert await proc.wait() == 0
+    assert proc.stderr is not None
+    lines = [json.loads(line) for line in (await proc.stderr.read()).decode().splitlines()]
+    ready = next(x for x in lines if x["message"].startswith("worker "))
+    assert ready["logger"] == "tether.worker" and ready["agents"]
+    claim = next(x for x in lines if x["message"].startswith("claimed"))
+    assert claim["delegation"] == handle.id and claim["owner"] == ready["owner"]
+    assert any(x["message"].startswith("stopping") for x in lines)

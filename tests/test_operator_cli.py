@@ -1,0 +1,142 @@
+"""The CLI as an operator meets it: output that journal strings cannot subvert, ids that are
+never cut, dates on times, events in ``show``, exit codes that tell a script the truth."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+import unicodedata
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tether._cli.app import app
+
+from .operator_world import HOSTILE, orphan, stuck_payment
+
+runner = CliRunner()
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def raw_controls(text: str) -> list[str]:
+    """Control and format characters that reached the terminal (newlines and box drawing are
+    fine)."""
+    return [repr(ch) for ch in text
+            if unicodedata.category(ch) in ("Cc", "Cf") and ch != "\n"]
+
+
+def test_markup_escapes_and_control_characters_pass_through_every_command(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url, agent=HOSTILE, tool=HOSTILE, reason=HOSTILE))
+    commands = [
+        ["ls"], ["ls", "--live"], ["show", stuck.delegation], ["trace", "show", stuck.delegation],
+        ["trace", "analyze", "--failure", HOSTILE], ["reconcile", stuck.delegation],
+        ["recall", stuck.delegation, "--reason", HOSTILE],
+        ["terminate", stuck.delegation, "--reason", HOSTILE],
+        ["show", HOSTILE], ["recall", HOSTILE], ["reconcile", HOSTILE], ["keys", "show"],
+        ["actions"], ["actions", "--state", "UNKNOWN"], ["ls", "--agent", HOSTILE],
+        ["ls", "--state", HOSTILE], ["actions", "--older-than", HOSTILE],
+        ["resolve", HOSTILE, "--as", "COMPLETED", "--note", HOSTILE],
+        ["resolve", stuck.action, "--as", HOSTILE, "--note", HOSTILE],
+        ["export"], ["prune", "--before", HOSTILE], ["prune", "--before", "0s", "--dry-run"],
+    ]
+    for args in commands:
+        _, out, err = invoke(*args, "--journal", url)
+        assert raw_controls(out + err) == [], (args, out, err)
+        assert "Traceback" not in out + err
+    # What was typed is what is shown: the markup literally, the escapes visibly.
+    _, out, _ = invoke("show", stuck.delegation, "--journal", url)
+    assert "pay[/bold] [red]x[/red] [link=http://evil]y[/link]" in out
+    assert "\\x1b[31mred\\x1b[0m" in out and "\\u202e" in out
+    _, out, _ = invoke("ls", "--journal", url)
+    assert "pay[/bold]" in out
+    # The evidence of a probe (it names the tool, brackets and all) is not swallowed.
+    code, out, _ = invoke("reconcile", stuck.delegation, "--journal", url)
+    assert code == 1 and "has no probe" in out and "pay[/bold]" in out, out
+    _, _, err = invoke("recall", HOSTILE, "--journal", url)
+    assert err.startswith("error:") and "pay[/bold]" in err
+    # A person's decision with a hostile name and note, then everything that shows it.
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", HOSTILE,
+                            "--by", HOSTILE, "--journal", url)
+    assert code == 0 and raw_controls(out + err) == [] and "pay[/bold]" in out, err
+    for args in (["show", stuck.delegation], ["actions", "--state", "COMPLETED"], ["export"]):
+        _, out, err = invoke(*args, "--journal", url)
+        assert raw_controls(out + err) == [], (args, out)
+
+
+def test_error_lines_keep_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tether._integrations.mcp_proxy", None)
+    code, _, err = invoke("mcp-proxy", "--upstream", "a=b")
+    assert code == 2 and "pip install 'tether[mcp]'" in err, err
+    code, _, err = invoke("ls", "--journal", f"sqlite:///{tmp_path}/[mcp].db")
+    assert code == 2 and "[mcp].db" in err, err
+
+
+def test_show_prints_events_dated_times_and_whole_ids(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url, reason="customer withdrew"))
+    code, out, _ = invoke("show", stuck.delegation, "--journal", url)
+    assert code == 0
+    assert "events" in out
+    for kind in ("delegated", "control", "in_doubt", "verdict"):
+        assert re.search(rf"\b{kind}\b", out), kind
+    today = datetime.fromtimestamp(time.time(), UTC).strftime("%Y-%m-%d")
+    assert today in out
+    # At 80 columns every id and key is printed whole, on one line.
+    for ident in (stuck.delegation, stuck.action, stuck.key):
+        assert ident in out, ident
+    _, out, _ = invoke("ls", "--journal", url)
+    assert stuck.delegation in out and today in out
+
+
+def test_recall_of_a_dead_owners_delegation_exits_nonzero_at_once(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    code, out, _ = invoke("recall", delegation, "--grace", "5", "--journal", url)
+    assert code == 1, out
+    # Said as soon as the owner was found gone (not "has not settled it within" the budget).
+    assert "is gone" in out and f"tether reconcile {delegation}" in out
+    code, _, _ = invoke("terminate", delegation, "--journal", url, "--json")
+    assert code == 1
+
+
+def test_recall_that_ends_needing_attention_exits_nonzero(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, _ = invoke("reconcile", stuck.delegation, "--journal", url)
+    assert code == 1 and "NEEDS_ATTENTION" in out
+
+
+def test_reconcile_of_an_unknown_id_is_an_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    code, out, err = invoke("reconcile", "d_nobody", "--journal", url)
+    assert code == 2 and out == ""
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and "d_nobody" in err
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    code, out, _ = invoke("--version")
+    assert code == 0 and out.strip() == f"tether {version('tether')}"
+
+
+def test_keys_init_speaks_json(tmp_path: Path) -> None:
+    import json
+
+    code, out, _ = invoke("keys", "init", "--keys", str(tmp_path / "k"), "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["signing"] and data["directory"] == str(tmp_path / "k")

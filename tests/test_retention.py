@@ -1,0 +1,171 @@
+"""Retention: export as JSON Lines with verification status; prune only whole settled trees,
+archived first, the prune recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+import tether
+from tether._cli.app import app
+from tether._core.model import ActionState, DelegationState
+from tether._core.retention import CallFacts, NodeFacts, prunable
+
+from .operator_world import orphan, stuck_payment
+
+runner = CliRunner()
+S, A = DelegationState, ActionState
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+async def paid(url: str, order: str) -> str:
+    """A delegation that succeeded with one completed payment whose deadline has passed."""
+
+    @tether.tool(name="charge", dispatch_deadline=0.5)
+    async def charge(order_id: str, *, idempotency_key: str) -> str:
+        return f"ch-{order_id}"
+
+    async def payer(ctx: tether.Context) -> None:
+        await ctx.call(charge, order_id=order)
+
+    async with tether.Supervisor(url, tools=[charge]) as sup:
+        handle = await sup.delegate(payer, tools=[charge])
+        await handle.result()
+        return handle.id
+
+
+def past_deadlines(db: Path) -> None:
+    """Wait (polling, bounded) until every call's dispatch deadline has passed."""
+    (last,) = sqlite3.connect(db).execute("SELECT MAX(deadline_at) FROM actions").fetchone()
+    give_up = time.monotonic() + 5
+    while time.time() <= last:
+        assert time.monotonic() < give_up
+        time.sleep(0.01)
+
+
+def test_export_is_json_lines_with_verification(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, _ = invoke("export", "--journal", url)
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    kinds = {r["record"] for r in records}
+    assert kinds == {"delegation", "action", "control", "event"}
+    assert all("verified" in r for r in records)
+    (control,) = [r for r in records if r["record"] == "control"]
+    assert control["verified"] == "ok" and control["delegation"] == stuck.delegation
+    assert [r["id"] for r in records if r["record"] == "action"] == [stuck.action]
+    # A flipped bit in the stored signature shows in the export.
+    conn = sqlite3.connect(tmp_path / "j.db")
+    (sig,) = conn.execute("SELECT signature FROM controls").fetchone()
+    conn.execute("UPDATE controls SET signature = ?", (bytes([sig[0] ^ 1]) + sig[1:],))
+    conn.commit()
+    out_file = tmp_path / "out.jsonl"
+    assert invoke("export", "--journal", url, "--output", str(out_file))[0] == 0
+    (control,) = [json.loads(x) for x in out_file.read_text().splitlines()
+                  if json.loads(x)["record"] == "control"]
+    assert control["verified"].startswith("REFUSED")
+    assert invoke("export", "--journal", url, "--since", "1h", "--until", "30m")[1] == ""
+
+
+def test_prune_removes_only_settled_trees_and_records_it(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    done = asyncio.run(paid(url, "P-1"))
+    stuck = asyncio.run(stuck_payment(url, deadline=0.5))  # UNKNOWN: needs a person
+    running = asyncio.run(orphan(url))  # its owner died; nobody reconciled it yet
+    past_deadlines(tmp_path / "j.db")
+    archive = tmp_path / "archive.jsonl"
+    code, out, _ = invoke("prune", "--before", "0s", "--dry-run", "--journal", url, "--json")
+    assert code == 0 and json.loads(out)["root_ids"] == [done]
+    code, out, err = invoke("prune", "--before", "0s", "--archive", str(archive),
+                            "--journal", url, "--json")
+    assert code == 0, err
+    result: dict[str, Any] = json.loads(out)
+    assert (result["roots"], result["delegations"], result["actions"]) == (1, 1, 1)
+    assert result["archive"]["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest()
+    archived = [json.loads(x) for x in archive.read_text().splitlines()]
+    assert {r["delegation"] if r["record"] != "delegation" else r["id"]
+            for r in archived if r["record"] in ("delegation", "action")} == {done}
+    # What went is gone; the rest is untouched; the prune itself stays on record.
+    assert invoke("show", done, "--journal", url)[0] == 2
+    assert invoke("show", stuck.delegation, "--journal", url)[0] == 0
+    assert invoke("show", running, "--journal", url)[0] == 0
+    conn = sqlite3.connect(tmp_path / "j.db")
+    assert conn.execute("SELECT COUNT(*) FROM actions WHERE delegation_id = ?",
+                        (done,)).fetchone() == (0,)
+    (detail,) = conn.execute("SELECT detail FROM events WHERE kind = 'pruned'").fetchone()
+    assert json.loads(detail)["archive"]["sha256"] == result["archive"]["sha256"]
+    # Once a person settles the UNKNOWN payment, that tree may go too.
+    assert invoke("resolve", stuck.action, "--as", "NOT_APPLIED", "--note", "not in ledger",
+                  "--journal", url)[0] == 0
+    code, out, _ = invoke("prune", "--before", "0s", "--journal", url, "--json")
+    assert json.loads(out)["roots"] == 1
+    assert invoke("show", stuck.delegation, "--journal", url)[0] == 2
+
+
+def test_prune_mistakes_are_one_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(paid(url, "P-2"))
+    archive = tmp_path / "a.jsonl"
+    archive.write_text("keep me")
+    for args, message in ((["--before", "someday"], "--before"),
+                          (["--before", "0s", "--archive", str(archive)], "exists")):
+        code, out, err = invoke("prune", *args, "--journal", url)
+        assert code == 2 and out == "" and err.startswith("error:") and message in err
+    assert archive.read_text() == "keep me"
+
+
+def test_what_may_be_pruned() -> None:
+    done = [NodeFacts(S.SUCCEEDED, 5.0)]
+    final = [CallFacts(A.COMPLETED, 6.0)]
+    assert prunable(done, final, before=10, now=20)
+    assert not prunable([NodeFacts(S.NEEDS_ATTENTION, 5.0)], final, before=10, now=20)
+    assert not prunable([NodeFacts(S.RUNNING, None)], [], before=10, now=20)
+    assert not prunable(done, [CallFacts(A.UNKNOWN, 6.0)], before=10, now=20)
+    assert not prunable(done, [CallFacts(A.IN_DOUBT, 6.0)], before=10, now=20)
+    assert not prunable(done, [CallFacts(A.NOT_APPLIED, 30.0)], before=10, now=20)  # may land
+    assert not prunable([NodeFacts(S.SUCCEEDED, 15.0)], final, before=10, now=20)
+    assert not prunable([*done, NodeFacts(S.RECALLING, None)], final, before=10, now=20)
+
+
+async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> None:
+    @tether.tool(name="charge", dispatch_deadline=0.5)
+    async def charge(order_id: str, *, idempotency_key: str) -> str:
+        return f"ch-{order_id}"
+
+    @tether.agent(tools=[charge])
+    async def leaf(ctx: tether.Context) -> None:
+        await ctx.call(charge, order_id="N-1")
+
+    @tether.agent(tools=[leaf])
+    async def parent(ctx: tether.Context) -> None:
+        child = await ctx.delegate(leaf)
+        await child.result()
+
+    async with tether.Supervisor(journal_url, tools=[charge]) as sup:
+        handle = await sup.delegate(parent)
+        await handle.result()
+        j = sup.journal
+        await j.flush()
+        assert len(await j.subtree(handle.id)) == 2
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 5
+        while not await j.prunable([handle.id], time.time(), time.time()):
+            assert loop.time() < give_up, "deadlines never passed"
+            await asyncio.sleep(0.01)
+        result = await j.prune([handle.id], time.time(), time.time(), None)
+        assert (result["delegations"], result["actions"], result["kept"]) == (2, 1, [])
+        assert await j.roots(since=None, until=None, after=None, limit=10) == []
