@@ -57,10 +57,13 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
             event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
                   key=new.idem_key)
         return BeginResult(Begin(gate.value), new.id)
+    # The earlier uses of the key are read under a share lock (PostgreSQL): a late receipt
+    # that re-opens a NOT_APPLIED one (``finish_action``, which locks it first) either commits
+    # before this read, and the key replays, or waits for this intent, and then sees it.
     prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4]), r[5])
              for r in db.execute(
-                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions "
-                 "WHERE idem_key = ? ORDER BY started_at",
+                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions a "
+                 "WHERE idem_key = ? ORDER BY started_at /*LOCK a*/",
                  (new.idem_key,),
              ).fetchall()]
     decision = decide_key(new.tool, new.args_hash, prior, new.now)
@@ -101,8 +104,10 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         if cur.rowcount == 1:
             return outcome
     while True:
-        row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions "
-                         "WHERE id = ?", (action_id,)).fetchone()
+        # Locked (PostgreSQL) before it is judged: the check below for a new use of a freed
+        # key then reads every intent that took the key before this lock was granted.
+        row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions a "
+                         "WHERE id = ? /*XLOCK a*/", (action_id,)).fetchone()
         if row is None:
             raise NotFound(f"no action {action_id!r} in this journal")
         old = ActionState(row[0])
