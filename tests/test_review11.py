@@ -169,3 +169,55 @@ async def test_recovery_on_a_row_read_before_anothers_intent_still_settles(
                                      clock.wall())
     report = await sup.recover_delegation(row, "owner is gone")
     assert report.outcome.terminal, report
+
+
+async def test_settling_a_subtree_never_lands_a_judgement_on_stale_facts(
+        journal_url: str) -> None:
+    """A child ended with a call UNKNOWN (a probe could not tell). Its owner's accounting
+    settles the subtree: it reads the facts (UNKNOWN: NEEDS_ATTENTION), and before it writes,
+    another process's later probe finds the call COMPLETED and re-settles the delegation
+    RECONCILED. The accounting's NEEDS_ATTENTION, judged on the facts it had read, then
+    overwrote RECONCILED (a move the model allows for a contradicting receipt): the
+    delegation asked a person to look at a call whose outcome is known, and no later fact
+    would ever move it back. Whatever the order, it must end RECONCILED."""
+    from tether._runtime.reconcile import settle_subtree
+
+    j, other = Journal(journal_url), Journal(journal_url)  # two processes
+    await j.open()
+    await other.open()
+    try:
+        await j.create_delegation(_delegation("d1", "t1"))
+        await j.begin_action(_action("a1", "d1", 2.0))
+        await j.mark_in_doubt("d1", 2.5)
+        await j.settle_action("a1", tether.ActionState.UNKNOWN, 3.0,
+                              evidence={"probe": "UNKNOWN", "reason": "timed out"})
+        await j.end_delegation("d1", tether.DelegationState.SUCCEEDED, 4.0, result=1)
+        assert (await j.get("d1")).state is tether.DelegationState.SUCCEEDED
+
+        applied = False
+
+        async def later_probe() -> None:
+            nonlocal applied
+            if not applied:
+                applied = True
+                await other.settle_action("a1", tether.ActionState.COMPLETED, 5.0,
+                                          evidence={"probe": "COMPLETED"})
+
+        # The other process's probe commits right after this one's accounting read the facts.
+        read = j.actions
+
+        async def actions_then_probe(ids: list[str]) -> Any:
+            found = await read(ids)
+            await later_probe()
+            return found
+
+        j.actions = actions_then_probe  # type: ignore[method-assign,assignment]
+        await settle_subtree(j, "d1", _At(4.5), tether.DelegationState.TERMINATED)
+        await later_probe()  # where the accounting read nothing in between: after it
+        row = await j.get("d1")
+        [a1] = await j.actions(["d1"])
+        assert a1.state is tether.ActionState.COMPLETED
+        assert row.state is tether.DelegationState.RECONCILED, row.state
+    finally:
+        await other.close()
+        await j.close()

@@ -151,6 +151,21 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     """Re-open a stopped delegation's accounting after a new fact about one of its actions:
     it moves to its settled state once nothing of it or of its subtree may still apply, and
     so may its ancestors. A running delegation settles when it ends."""
+    row, new = _judge(db, delegation_id)
+    if attention and new.terminal and new not in (
+            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
+        new = DelegationState.NEEDS_ATTENTION
+    if new is not row.state:
+        event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
+              why=why)
+        row = set_state(db, delegation_id, new, now)
+    if row.parent_id is not None and row.state.terminal:
+        resettle(db, row.parent_id, now, f"child {delegation_id} settled")
+    return row
+
+
+def _judge(db: Db, delegation_id: str) -> tuple[DelegationRow, DelegationState]:
+    """A node and its settled state (``settle``), judged on the facts as they are now."""
     # The row is locked first (PostgreSQL), so that the facts below are read after any other
     # process's re-settling of it has committed: a judgement on stale facts never lands.
     db.execute("SELECT id FROM delegations d WHERE id = ? /*XLOCK d*/", (delegation_id,))
@@ -162,16 +177,19 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
                  row.state,
                  children_settled=all(DelegationState(c[0]).terminal for c in children))
-    if attention and new.terminal and new not in (
-            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
-        new = DelegationState.NEEDS_ATTENTION
-    if new is not row.state:
-        event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
-              why=why)
-        row = set_state(db, delegation_id, new, now)
-    if row.parent_id is not None and row.state.terminal:
-        resettle(db, row.parent_id, now, f"child {delegation_id} settled")
-    return row
+    return row, new
+
+
+def settle_tree(db: Db, root_id: str, now: float) -> None:
+    """Every node of a subtree, deepest first, to its settled state, each judged under its
+    lock on the facts as they are when it is written (never on facts read in an earlier
+    transaction, which another process's probe or receipt may have changed since)."""
+    ids = [r[0] for r in db.execute(f"{SUBTREE} SELECT id FROM sub ORDER BY depth DESC, id",
+                                    (root_id,)).fetchall()]
+    for delegation_id in ids:
+        row, new = _judge(db, delegation_id)
+        if new is not row.state:
+            set_state(db, delegation_id, new, now)
 
 
 def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
