@@ -140,11 +140,29 @@ class PostgresRunner(ThreadRunner):
     def _check_or_init(self, conn: psycopg.Connection[Any]) -> None:
         """Check, create or migrate the schema in one transaction under an advisory lock held
         per schema, so any number of processes starting at once on a fresh journal agree: the
-        first creates it, the others wait for its commit and find it made."""
+        first creates it, the others wait for its commit and find it made. A journal already
+        at this version (every reconnection) takes no lock: a process holding it for long (a
+        migration elsewhere, a process stopped in its first start) must not hold up every
+        reconnection of the fleet, which would wait on it with no bound."""
+        if self._current(conn):
+            return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
                          (f"tether.schema.{self.schema}",))
             self._check_or_init_locked(conn)
+
+    def _current(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the schema holds a tether journal at this version (then search_path is
+        set to it); anything else is decided under the lock."""
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
+            "AND table_name = 'tether_meta'", (self.schema,)).fetchone()
+        if found is None:
+            return False
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+        meta = dict(conn.execute("SELECT key, value FROM tether_meta "
+                                 "WHERE key IN ('app', 'schema_version')").fetchall())
+        return meta.get("app") == APP and meta.get("schema_version") == str(SCHEMA_VERSION)
 
     def _check_or_init_locked(self, conn: psycopg.Connection[Any]) -> None:
         names = {r[0] for r in conn.execute(
