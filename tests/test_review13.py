@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
 import psycopg
+import pytest
 
 from tests.conftest import PG_URL
-from tether._chaos.pgserver import terminate
+from tether._chaos.pgserver import PrivateServer, terminate
+from tether._core.errors import JournalError
+from tether._journal import postgres, schema
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
 
@@ -48,3 +52,52 @@ async def test_a_reconnection_does_not_wait_on_the_schema_lock(pg_url: str) -> N
             finally:
                 holder.execute("ROLLBACK")
         assert "o-locked" in {o.id for o in await journal.owners()}
+
+
+async def test_a_server_that_stops_answering_while_a_connection_is_set_up_fails_in_time(
+        private_pg: PrivateServer, private_url: str) -> None:
+    """The server pauses (a frozen host) after a reconnection's socket is open but before the
+    schema check on it has answered. The watchdog only watched batches, and the connection
+    being set up was nobody's: the write waited for ever. Now the check is cut after the stall
+    bound like a batch, and the write fails once the reconnection window is over."""
+    async with Journal(private_url) as journal:
+        await journal.flush()
+        runner = journal._runner
+        assert isinstance(runner, postgres.PostgresRunner)
+        journal.reconnect_within = 1.0
+        real = runner._check_or_init
+        paused = {"once": True}
+
+        def check_or_init(conn: Any) -> None:
+            if paused.pop("once", False):
+                private_pg.pause()
+            real(conn)
+
+        runner._check_or_init = check_or_init  # type: ignore[method-assign]
+        runner._conn.close()  # the connection breaks; the next write reconnects
+        try:
+            with pytest.raises(JournalError, match="could not reconnect"):
+                await asyncio.wait_for(journal.flush(), WITHIN)
+        finally:
+            await asyncio.to_thread(private_pg.resume)
+        await asyncio.wait_for(journal.flush(), WITHIN)  # and it recovers
+
+
+async def test_a_connection_lost_while_the_schema_is_created_is_a_journal_error(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server restart or a terminated backend while a first start creates the schema: the
+    open fails with a JournalError (one line on the command line), not a raw psycopg
+    exception, and nothing half-made is left: the next open creates the journal."""
+    real = schema.migrate
+
+    def migrate_then_cut(conn: Any, found: int, dialect: str) -> None:
+        real(conn, found, dialect)
+        conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+
+    monkeypatch.setattr(postgres, "migrate", migrate_then_cut)
+    with pytest.raises(JournalError):
+        await asyncio.wait_for(Journal(pg_url).open(), WITHIN)
+    monkeypatch.setattr(postgres, "migrate", real)
+    async with Journal(pg_url) as journal:
+        await journal.register_owner(OwnerRow("o-after", 1, "host", 1.0, 1.0))
+        assert [o.id for o in await journal.owners()] == ["o-after"]

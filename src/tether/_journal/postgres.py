@@ -131,11 +131,32 @@ class PostgresRunner(ThreadRunner):
             # and every other process's fence or reconciliation would wait on them for as long
             # as it sleeps. tether's transactions never wait between statements, so the server
             # may end any that does; its owner then finds its connection gone.
-            conn.execute(f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}")
+            self._bounded(conn, lambda: conn.execute(
+                f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}"))
+        except psycopg.Error as exc:  # lost while opening (a restart), or refused
+            conn.close()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise JournalError(f"journal at {self.shown}, while opening it: {first}") from None
         except BaseException:
             conn.close()
             raise
         return conn
+
+    def _bounded(self, conn: psycopg.Connection[Any], fn: Callable[[], T]) -> T:
+        """``fn()``, its connection cut if the server has not answered within the stall bound
+        (a paused host): the writer's watchdog only sees batches, not a connection being set
+        up, and a reconnection stuck here would leave every operation waiting for ever."""
+        timer = threading.Timer(self.stall_after(), lambda: self._cut(conn))
+        timer.daemon = True
+        timer.start()
+        try:
+            return fn()
+        finally:
+            timer.cancel()
+
+    def _cut(self, conn: psycopg.Connection[Any]) -> None:
+        with contextlib.suppress(Exception):
+            self.interrupt(conn)
 
     def _check_or_init(self, conn: psycopg.Connection[Any]) -> None:
         """Check, create or migrate the schema in one transaction under an advisory lock held
@@ -144,7 +165,9 @@ class PostgresRunner(ThreadRunner):
         at this version (every reconnection) takes no lock: a process holding it for long (a
         migration elsewhere, a process stopped in its first start) must not hold up every
         reconnection of the fleet, which would wait on it with no bound."""
-        if self._current(conn):
+        # Bounded: quick reads. The lock below is not: it may wait on another process's
+        # creation or migration for as long as that takes.
+        if self._bounded(conn, lambda: self._current(conn)):
             return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
