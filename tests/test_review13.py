@@ -4,7 +4,9 @@ each test here failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
 
@@ -101,3 +103,32 @@ async def test_a_connection_lost_while_the_schema_is_created_is_a_journal_error(
     async with Journal(pg_url) as journal:
         await journal.register_owner(OwnerRow("o-after", 1, "host", 1.0, 1.0))
         assert [o.id for o in await journal.owners()] == ["o-after"]
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
+async def test_a_journal_whose_write_ahead_log_is_deleted_stops_its_writes(
+        tmp_path: Path, suffix: str) -> None:
+    """Only the journal's -wal (or -shm) file removed under a running process (a clean-up by
+    hand): the file check saw the journal itself unchanged, and the process went on committing
+    into a log no other process reads, which a crash then lost along with everything it held
+    (the journal read back empty). Now the next transaction stops with a clear error."""
+    path = tmp_path / "j.db"
+    async with Journal(f"sqlite:///{path}") as journal:
+        await journal.register_owner(OwnerRow("before", 1, "host", 1.0, 1.0))
+        os.unlink(f"{path}{suffix}")
+        with pytest.raises(JournalError, match=f"{suffix} was deleted"):
+            await journal.register_owner(OwnerRow("after", 1, "host", 1.0, 1.0))
+
+
+async def test_a_second_process_opening_the_journal_leaves_its_sidecars_alone(
+        tmp_path: Path) -> None:
+    """No false alarm: another connection opening and closing the journal while this one
+    has it open (``tether ls`` beside a supervisor) keeps its -wal and -shm."""
+    path = tmp_path / "j.db"
+    async with Journal(f"sqlite:///{path}") as journal:
+        await journal.register_owner(OwnerRow("first", 1, "host", 1.0, 1.0))
+        for n in range(3):
+            async with Journal(f"sqlite:///{path}", create=False) as other:
+                await other.register_owner(OwnerRow(f"other-{n}", 1, "host", 1.0, 1.0))
+        await journal.register_owner(OwnerRow("last", 1, "host", 1.0, 1.0))
+        assert len(await journal.owners()) == 5
