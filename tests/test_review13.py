@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from tests.conftest import PG_URL
+from tests.test_reconnect import CutAroundCommit
 from tether._chaos.pgserver import PrivateServer, terminate
 from tether._core.errors import JournalError
 from tether._journal import postgres, schema
@@ -132,3 +133,34 @@ async def test_a_second_process_opening_the_journal_leaves_its_sidecars_alone(
                 await other.register_owner(OwnerRow(f"other-{n}", 1, "host", 1.0, 1.0))
         await journal.register_owner(OwnerRow("last", 1, "host", 1.0, 1.0))
         assert len(await journal.owners()) == 5
+
+
+async def test_a_commit_marker_lost_with_a_failover_is_made_again(pg_url: str) -> None:
+    """A failover to a standby that had not yet received the runner's commit marker (or a
+    restore from a backup) leaves no marker row; the runner still believed it had one, so its
+    stamp updated nothing and locked nothing, and a batch later lost after its COMMIT read back
+    "not committed" and ran twice. Each new connection now makes sure its marker is there."""
+    async with Journal(pg_url) as journal:
+        await journal._write(lambda db: db.execute("CREATE TABLE hits (n INTEGER)"))
+        runner = journal._runner
+        with psycopg.connect(PG_URL, autocommit=True) as conn:  # what the failover lost
+            conn.execute(f'DELETE FROM "{schema_of(pg_url)}".tether_meta '
+                         "WHERE key LIKE 'commit:%%'")
+        real_connect = runner.connect
+        cut = {"once": True}
+
+        def connect() -> Any:
+            conn = real_connect()
+            if cut.pop("once", False):
+                return CutAroundCommit(conn, after=True)
+            return conn
+
+        runner._conn.close()  # the failover: the connection breaks
+        runner.connect = connect  # type: ignore[method-assign]
+        answer = await asyncio.wait_for(journal._write(
+            lambda db: db.execute("INSERT INTO hits VALUES (1) RETURNING n").fetchone()[0]),
+            WITHIN)
+        assert answer == 1
+        count = await journal._read(lambda db: db.execute("SELECT count(*) FROM hits")
+                                    .fetchone()[0])
+        assert count == 1

@@ -140,6 +140,10 @@ class PostgresRunner(ThreadRunner):
         except BaseException:
             conn.close()
             raise
+        # A new connection may reach a server that lacks the marker (a failover to a standby
+        # it had not reached yet, a restore): it is made again before the next batch, whose
+        # stamp would otherwise update nothing and leave a lost COMMIT nothing to read back.
+        self._marked = False
         return conn
 
     def _bounded(self, conn: psycopg.Connection[Any], fn: Callable[[], T]) -> T:
@@ -229,7 +233,10 @@ class PostgresRunner(ThreadRunner):
     def committed(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = %s FOR UPDATE",
                            (self._mark_key,)).fetchone()
-        return row is not None and row[0] == str(self._mark)
+        if row is None:  # never guessed: without its marker, a batch cannot be told apart
+            raise JournalError(f"the commit marker {self._mark_key} is missing from the "
+                               f"journal at {self.shown}")
+        return bool(row[0] == str(self._mark))
 
     def is_lost(self, conn: Any, exc: BaseException) -> bool:
         if conn is None or conn.closed or conn.broken:
