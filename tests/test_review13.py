@@ -164,3 +164,35 @@ async def test_a_commit_marker_lost_with_a_failover_is_made_again(pg_url: str) -
         count = await journal._read(lambda db: db.execute("SELECT count(*) FROM hits")
                                     .fetchone()[0])
         assert count == 1
+
+
+async def test_once_the_reconnection_window_is_over_each_write_fails_at_once(
+        pg_url: str) -> None:
+    """The server stays down. The first write waits the reconnection window and fails; the
+    ones after it made a window of their own each (a supervisor settling five children on
+    SIGTERM with its server down was still running 100 s later). The window now runs from the
+    loss: later writes try to connect once and fail at once, until the server is back."""
+    async with Journal(pg_url) as journal:
+        await journal.flush()
+        runner = journal._runner
+        journal.reconnect_within = 0.5
+        real_connect = runner.connect
+        attempts = {"n": 0, "down": True}
+
+        def connect() -> Any:
+            attempts["n"] += 1
+            if attempts["down"]:
+                raise JournalError("cannot connect to the journal: connection refused")
+            return real_connect()
+
+        runner.connect = connect  # type: ignore[method-assign]
+        runner._conn.close()
+        with pytest.raises(JournalError, match="could not reconnect"):
+            await asyncio.wait_for(journal.flush(), WITHIN)
+        attempts["n"] = 0
+        for _ in range(3):
+            with pytest.raises(JournalError, match="could not reconnect"):
+                await asyncio.wait_for(journal.flush(), WITHIN)
+        assert attempts["n"] == 3  # one each
+        attempts["down"] = False  # back: the next write reconnects
+        await asyncio.wait_for(journal.flush(), WITHIN)

@@ -82,6 +82,7 @@ class ThreadRunner:
         self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
         self.stop_wait = STOP_WAIT
         self._busy_since: float | None = None  # when the batch on the wire was sent
+        self._lost_at: float | None = None  # when the connection was lost, until it is back
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -128,6 +129,7 @@ class ThreadRunner:
         self._loop = asyncio.get_running_loop()
         self._closing.clear()  # a journal may be opened again after it was closed
         self._dead = False
+        self._lost_at = None
         self._conn = await asyncio.to_thread(self.connect)
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
         self._thread.start()
@@ -233,7 +235,11 @@ class ThreadRunner:
         while True:
             if self._conn is None:  # lost earlier, or under this batch
                 if deadline is None:
-                    deadline = time.monotonic() + self.reconnect_within
+                    # The window runs from the loss, not from each batch: once it is over,
+                    # every later batch gets one attempt to connect and fails at once, rather
+                    # than each waiting a window of its own (a supervisor settling its
+                    # children on SIGTERM, with the server down, took batches x windows).
+                    deadline = (self._lost_at or time.monotonic()) + self.reconnect_within
                 if not self._reconnect(deadline):
                     self._fail(batch, self._gone(deadline))
                     return
@@ -285,6 +291,8 @@ class ThreadRunner:
                             f"{self.reconnect_within:g} s")
 
     def _drop(self) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -297,6 +305,7 @@ class ThreadRunner:
             try:
                 self._conn = self.connect()
                 self.reconnects += 1
+                self._lost_at = None
                 return True
             except Exception:
                 left = deadline - time.monotonic()
