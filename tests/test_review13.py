@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlparse
 import psycopg
 import pytest
 
+import tether
 from tests.conftest import PG_URL
 from tests.test_reconnect import CutAroundCommit
 from tether._chaos.pgserver import PrivateServer, terminate
@@ -196,3 +197,51 @@ async def test_once_the_reconnection_window_is_over_each_write_fails_at_once(
         assert attempts["n"] == 3  # one each
         attempts["down"] = False  # back: the next write reconnects
         await asyncio.wait_for(journal.flush(), WITHIN)
+
+
+async def test_a_receipt_lost_to_an_outage_does_not_leave_a_finished_child_pending(
+        pg_url: str) -> None:
+    """The journal goes away right after a tool applied; its receipt (a write posted without
+    waiting) fails with its batch once the reconnection window is over, and is gone. The
+    journal comes back before the child ends: the child ended SUCCEEDED with its action
+    PENDING for ever, which nothing reconciles (every action ends COMPLETED, FAILED or
+    IN_DOUBT). Receipts failed for want of a connection now run first once it is back."""
+    down = {"now": False}
+    restored = asyncio.Event()
+
+    @tether.tool(dispatch_deadline=600.0)
+    async def pay(order: str, *, idempotency_key: str) -> str:
+        runner = sup.journal._runner
+        down["now"] = True
+        runner._conn.close()  # the server goes away as the provider answers
+        return "paid " + order
+
+    async def agent(ctx: tether.Context) -> str:
+        paid: str = await ctx.call(pay, order="o-1")
+        await restored.wait()
+        return paid
+
+    async with tether.Supervisor(pg_url, tools=[pay], keys=tether.KeyRing.ephemeral()) as sup:
+        runner = sup.journal._runner
+        sup.journal.reconnect_within = 0.3
+        real_connect = runner.connect
+
+        def connect() -> Any:
+            if down["now"]:
+                raise JournalError("cannot connect to the journal: connection refused")
+            return real_connect()
+
+        runner.connect = connect  # type: ignore[method-assign]
+        child = await sup.delegate(agent, tools=[pay])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WITHIN
+        while not down["now"]:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)  # polling the child's progress, with a deadline
+        with pytest.raises(JournalError):  # queued after the receipt: it has failed too
+            await asyncio.wait_for(sup.journal.flush(), WITHIN)
+        down["now"] = False
+        restored.set()
+        assert await asyncio.wait_for(child.result(), WITHIN) == "paid o-1"
+        report = await sup.report(child.id)
+    assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED], report.actions

@@ -37,6 +37,7 @@ MAX_BATCH = 1024
 RETRIES = 8
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between reconnection attempts
 STOP_WAIT = 10.0  # how long closing waits for a thread stuck on a server that does not answer
+MAX_HELD = 10_000  # posted writes kept through an outage; beyond it, lost as to a crash
 
 
 @dataclass
@@ -83,6 +84,10 @@ class ThreadRunner:
         self.stop_wait = STOP_WAIT
         self._busy_since: float | None = None  # when the batch on the wire was sent
         self._lost_at: float | None = None  # when the connection was lost, until it is back
+        # Posted writes (receipts) whose batch failed for want of a connection: nobody waits
+        # for them, so nobody would write them again. They run first once it is back, so a
+        # child that ends after the outage does not end with its receipt missing.
+        self._held: list[Op] = []
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -241,8 +246,11 @@ class ThreadRunner:
                     # children on SIGTERM, with the server down, took batches x windows).
                     deadline = (self._lost_at or time.monotonic()) + self.reconnect_within
                 if not self._reconnect(deadline):
+                    self._hold(batch)
                     self._fail(batch, self._gone(deadline))
                     return
+            if self._held:  # what an outage left, before what came after it
+                batch[:0], self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
             try:
                 self._busy_since = time.monotonic()
                 try:
@@ -266,6 +274,7 @@ class ThreadRunner:
                 if lost.at_commit:
                     outcome = self._read_back(deadline)
                     if outcome is None:
+                        self._hold(batch)  # receipts are safe to write twice
                         self._fail(batch, JournalError(
                             f"lost the {self.where()} while committing, and could not read "
                             f"back within {self.reconnect_within:g} s whether the commit "
@@ -283,6 +292,12 @@ class ThreadRunner:
                     f"journal write failed: {exc}")
                 self._fail(batch, err)
                 return
+
+    def _hold(self, batch: list[Op]) -> None:
+        if self._closing.is_set():
+            return  # closing: lost as to a crash, settled by reconciliation
+        room = MAX_HELD - len(self._held)
+        self._held += [op for op in batch if op.future is None and op.write][:max(0, room)]
 
     def _gone(self, deadline: float) -> JournalError:
         if self._closing.is_set():
