@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -245,3 +246,53 @@ async def test_a_receipt_lost_to_an_outage_does_not_leave_a_finished_child_pendi
         assert await asyncio.wait_for(child.result(), WITHIN) == "paid o-1"
         report = await sup.report(child.id)
     assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED], report.actions
+
+
+class CutAt:
+    """A connection whose network fails at its first ``statement`` (mid-batch)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], statement: str) -> None:
+        self._conn = conn
+        self._statement = statement
+        self._cut = False
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == self._statement and not self._cut:
+            self._cut = True
+            self._conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return self._conn.execute(query, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+@pytest.mark.parametrize("statement", ["SAVEPOINT op", "RELEASE SAVEPOINT op"])
+async def test_a_connection_lost_at_a_savepoint_mid_batch_is_ridden_through(
+        pg_url: str, statement: str) -> None:
+    """Issue 13's first case, made exact: the connection breaks on the savepoint statements
+    between a batch's operations (where the writer thread used to die with futures pending).
+    Both operations of the batch commit exactly once; nothing waits for ever."""
+
+    async with Journal(pg_url) as journal:
+        await journal._write(lambda db: db.execute("CREATE TABLE hits (n INTEGER)"))
+        runner = journal._runner
+        real_connect = runner.connect
+        cut = {"once": True}
+
+        def connect() -> Any:
+            conn = real_connect()
+            return CutAt(conn, statement) if cut.pop("once", False) else conn
+
+        runner.connect = connect  # type: ignore[method-assign]
+        runner._conn.close()  # the next batch reconnects, on a connection that will break
+        hold = threading.Event()
+        blocker = journal._write(lambda db: hold.wait(WITHIN))  # keeps the writer busy ...
+        writes = [journal._write(lambda db, n=n: db.execute(
+            "INSERT INTO hits VALUES (?) RETURNING n", (n,)).fetchone()[0]) for n in (1, 2)]
+        hold.set()  # ... so that these two make one batch
+        assert await asyncio.wait_for(asyncio.gather(blocker, *writes), WITHIN) == [True, 1, 2]
+        rows = await journal._read(lambda db: db.execute(
+            "SELECT n FROM hits ORDER BY n").fetchall())
+        assert [r[0] for r in rows] == [1, 2]
+        assert runner.reconnects == 2  # once for the close, once for the cut
