@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import tether
 from tether._cli.app import app
-from tether._core.model import ActionState, DelegationState
+from tether._core.model import ActionState
 
 from .operator_world import stuck_payment
 
@@ -117,3 +117,85 @@ async def test_pruning_a_re_delegated_tasks_old_attempt_does_not_pay_twice(
         done = await j.prune(await j.prunable(roots, far, far), far, far, None)
         assert done["delegations"] == 2 and done["kept"] == []
     assert paid == [f"{first.task_id}:charge:0"]  # once
+
+
+# -- the console ----------------------------------------------------------------------------
+
+def _client(url: str, keys: Path | None = None) -> Any:
+    from starlette.testclient import TestClient
+
+    from tether._console.server import Console, build
+
+    app_ = build(Console(url, keys, "t" * 24))
+    return TestClient(app_, base_url="http://127.0.0.1")
+
+
+def test_console_actions_take_the_token_from_the_header_only(tmp_path: Path) -> None:
+    """Actions need the token in X-Tether-Token; an empty header with the token in the query
+    string (what a page that learnt the URL could send) must not pass for it."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    with _client(url) as client:
+        r = client.post(f"/api/actions/{stuck.action}/resolve?token={'t' * 24}",
+                        headers={"X-Tether-Token": ""},
+                        json={"outcome": "COMPLETED", "note": "forged", "by": "Mallory"})
+        assert r.status_code == 401, r.text
+        r = client.post(f"/api/delegations/{stuck.delegation}/terminate?token={'t' * 24}",
+                        headers={"X-Tether-Token": ""}, json={"reason": "forged"})
+        assert r.status_code == 401, r.text
+
+    async def state() -> ActionState:
+        async with tether.Journal(url, create=False) as j:
+            return (await j.action(stuck.action)).state
+
+    assert asyncio.run(state()) is A.UNKNOWN
+
+
+def test_console_verifies_signatures_as_tether_show_does(tmp_path: Path) -> None:
+    """A decision signed by an operator the registry trusts (granted by the root) is
+    'verified' in ``tether show``; the console must not call it REFUSED because the key is
+    not one of its configuration's pinned roots."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    root = tether.KeyRing.load(tmp_path / "keys")
+    ada = tmp_path / "ada"
+    assert invoke("keys", "init", "--keys", str(ada), "--journal", url)[0] == 0
+    public = json.loads(invoke("keys", "show", "--keys", str(ada), "--journal", url,
+                               "--json")[1])["public"]
+    assert invoke("keys", "trust", public, "--journal", url)[0] == 0
+    assert invoke("keys", "pin", root.signer.public_b64(), "--keys", str(ada),
+                  "--journal", url)[0] == 0
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "paid",
+                            "--by", "Ada", "--keys", str(ada), "--journal", url)
+    assert code == 0, (out, err)
+    shown = json.loads(invoke("show", stuck.delegation, "--journal", url, "--json")[1])
+    with _client(url) as client:
+        r = client.get(f"/api/delegations/{stuck.delegation}?token={'t' * 24}")
+        assert r.status_code == 200, r.text
+        served = r.json()
+    verdicts = [(i["kind"], i["verified"]) for i in shown["intents"]]
+    assert ("RESOLUTION", "ok") in verdicts
+    assert [(i["kind"], i["verified"]) for i in served["intents"]] == verdicts
+
+
+def test_console_on_a_public_address_warns(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host 0.0.0.0`` serves the journal and its buttons to the network over plain HTTP,
+    the token in the URL: said on stderr at start, not only in --help."""
+    import uvicorn
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    ran: list[Any] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(sockets))
+    code, out, err = invoke("console", "--host", "0.0.0.0", "--port", "0", "--journal", url)
+    assert code == 0 and ran, (out, err)
+    for socks in ran:
+        for sock in socks:
+            sock.close()
+    assert "warning:" in err and "0.0.0.0" in err, err
+    code, out, err = invoke("console", "--host", "127.0.0.1", "--port", "0", "--journal", url)
+    for socks in ran[1:]:
+        for sock in socks:
+            sock.close()
+    assert code == 0 and "warning" not in err, err

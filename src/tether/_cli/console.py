@@ -53,7 +53,14 @@ def console_cmd(
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/?token={secret}"
     print(f"tether console: {url}", flush=True)
-    app = build(Console(journal, keys, secret), loopback=host in LOOPBACK or _loopback(host))
+    loopback = host in LOOPBACK or _loopback(host)
+    if not loopback:
+        import sys
+
+        print(f"warning: the console listens on {host}, beyond this host, over plain HTTP: "
+              "anyone on the network who sees the token can recall, terminate and resolve; "
+              "prefer loopback and an SSH tunnel", file=sys.stderr, flush=True)
+    app = build(Console(journal, keys, secret), loopback=loopback)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on"))
     server.run(sockets=[sock])
