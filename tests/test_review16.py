@@ -199,3 +199,15 @@ def test_console_on_a_public_address_warns(tmp_path: Path,
         for sock in socks:
             sock.close()
     assert code == 0 and "warning" not in err, err
+
+
+# -- triage: a limit the database cannot hold ----------------------------------------------
+
+@pytest.mark.parametrize("command", ["ls", "actions"])
+def test_a_huge_limit_is_a_usage_error_not_a_traceback(tmp_path: Path, command: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    code, out, err = invoke(command, "--limit", str(2 ** 80), "--journal", url)
+    assert code == 2 and out == "" and "--limit" in err, (code, out, err)
+    code, out, _ = invoke(command, "--limit", str(2 ** 62), "--journal", url)
+    assert code in (0, 1) and ("charge" in out or "payer" in out), out
