@@ -211,3 +211,43 @@ def test_a_huge_limit_is_a_usage_error_not_a_traceback(tmp_path: Path, command: 
     assert code == 2 and out == "" and "--limit" in err, (code, out, err)
     code, out, _ = invoke(command, "--limit", str(2 ** 62), "--journal", url)
     assert code in (0, 1) and ("charge" in out or "payer" in out), out
+
+
+# -- keys registry: labels and ignored entries are journal text too ---------------------------
+
+def _raw_controls(text: str) -> list[str]:
+    import unicodedata
+
+    return [repr(ch) for ch in text if unicodedata.category(ch) in ("Cc", "Cf") and ch != "\n"]
+
+
+def test_keys_registry_prints_hostile_labels_and_entries_literally(tmp_path: Path) -> None:
+    """``tether keys registry`` (added with the trust registry, after the injection test was
+    written) printed labels and ignored entries as markup: a label ``[/bold]`` crashed it
+    (MarkupError), and a garbage registry row, which anyone with write access to the journal
+    may add (docs/security.md), sent its escape sequences to the operator's terminal."""
+    import sqlite3
+
+    from tether._core.documents import KeyGrant
+
+    from .operator_world import HOSTILE
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    other = tmp_path / "other"
+    assert invoke("keys", "init", "--keys", str(other), "--journal", url)[0] == 0
+    public = json.loads(invoke("keys", "show", "--keys", str(other), "--journal", url,
+                               "--json")[1])["public"]
+    assert invoke("keys", "trust", public, "--label", HOSTILE, "--journal", url)[0] == 0
+    # A forged entry: signed by a stranger, naming a hostile signer.
+    stranger = tether.KeyRing.ephemeral().signer
+    signed = stranger.sign(KeyGrant("trust", "k" * 16, public, "x", 1.0))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("INSERT INTO trust (op, key_id, body, signer, signature, recorded_at) "
+                   "VALUES (?, ?, ?, ?, ?, ?)",
+                   ("trust", "k" * 16, signed.body, HOSTILE, signed.signature, 2.0))
+    code, out, err = invoke("keys", "registry", "--journal", url)
+    assert code == 0, (out, err)
+    assert _raw_controls(out + err) == [], out
+    assert "pay[/bold] [red]x[/red]" in out and "\\x1b[31m" in out
+    assert out.count("pay[/bold]") == 2  # the label, and the ignored entry's signer
