@@ -251,3 +251,12 @@ def test_keys_registry_prints_hostile_labels_and_entries_literally(tmp_path: Pat
     assert _raw_controls(out + err) == [], out
     assert "pay[/bold] [red]x[/red]" in out and "\\x1b[31m" in out
     assert out.count("pay[/bold]") == 2  # the label, and the ignored entry's signer
+
+
+@pytest.mark.parametrize("host", ["bad\x00host", "\u202ehost[/bold]"])
+def test_console_with_an_unusable_host_is_one_error_line(tmp_path: Path, host: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    code, out, err = invoke("console", "--host", host, "--port", "0", "--journal", url)
+    assert code == 2 and out == "" and err.startswith("error:"), (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and _raw_controls(err) == []

@@ -82,6 +82,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except (TypeError, ValueError) as exc:  # a name the resolver cannot even encode
+        sock.close()
+        raise UserError(f"cannot listen on {host!r}: {exc}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
