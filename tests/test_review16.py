@@ -151,7 +151,7 @@ def test_console_actions_take_the_token_from_the_header_only(tmp_path: Path) -> 
     assert asyncio.run(state()) is A.UNKNOWN
 
 
-def test_console_verifies_signatures_as_tether_show_does(tmp_path: Path) -> None:
+def test_console_and_export_verify_signatures_as_tether_show_does(tmp_path: Path) -> None:
     """A decision signed by an operator the registry trusts (granted by the root) is
     'verified' in ``tether show``; the console must not call it REFUSED because the key is
     not one of its configuration's pinned roots."""
@@ -176,6 +176,11 @@ def test_console_verifies_signatures_as_tether_show_does(tmp_path: Path) -> None
     verdicts = [(i["kind"], i["verified"]) for i in shown["intents"]]
     assert ("RESOLUTION", "ok") in verdicts
     assert [(i["kind"], i["verified"]) for i in served["intents"]] == verdicts
+    # And so does tether export (the archive prune writes is the same).
+    code, out, _ = invoke("export", "--journal", url)
+    assert code == 0
+    signed = [r for r in map(json.loads, out.splitlines()) if "signature" in r]
+    assert len(signed) == len(verdicts) and all(r["verified"] == "ok" for r in signed), signed
 
 
 def test_console_on_a_public_address_warns(tmp_path: Path,
