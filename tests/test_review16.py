@@ -265,3 +265,51 @@ def test_console_with_an_unusable_host_is_one_error_line(tmp_path: Path, host: s
     code, out, err = invoke("console", "--host", host, "--port", "0", "--journal", url)
     assert code == 2 and out == "" and err.startswith("error:"), (code, out, err)
     assert len(err.strip().splitlines()) == 1 and _raw_controls(err) == []
+
+
+# -- resolve: two decisions on one delegation at once (PostgreSQL) ----------------------------
+
+async def test_two_decisions_in_one_delegation_at_once_are_both_recorded(pg_url: str) -> None:
+    """Each decision's document takes the delegation's next sequence number. Another process
+    deciding on another action of the same delegation holds number 1 in its open transaction;
+    this decision must wait for it and take number 2, not count the committed rows, take
+    number 1 too and fail on the unique index with a database error."""
+    import psycopg
+
+    stuck = await stuck_payment(pg_url)
+    base, _, query = pg_url.partition("?")
+    schema = dict(p.split("=", 1) for p in query.split("&"))["schema"]
+    other = await psycopg.AsyncConnection.connect(base, options=f"-c search_path={schema}")
+    try:
+        # The other resolver, mid-transaction: the delegation locked, its document written.
+        await other.execute("SELECT id FROM delegations WHERE id = %s FOR UPDATE",
+                            (stuck.delegation,))
+        await other.execute(
+            "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, "
+            "recorded_at) VALUES (%s, 1, 'resolution', %s, 'k', %s, 1)",
+            (stuck.delegation, b"{}", b"s"))
+        async with tether.Supervisor(pg_url, recover=False) as sup:
+            task = asyncio.create_task(sup.resolve(stuck.action, "COMPLETED", "paid",
+                                                   operator="Ada"))
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 20
+            while True:  # until this decision waits for the other transaction's lock
+                cur = await (await psycopg.AsyncConnection.connect(
+                    base, autocommit=True)).execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY("
+                    "pg_blocking_pids(pid))", (other.info.backend_pid,))
+                row = await cur.fetchone()
+                await cur.connection.close()
+                if row is not None and row[0] > 0:
+                    break
+                assert loop.time() < give_up and not task.done(), task
+                await asyncio.sleep(0.01)
+            await other.commit()
+            action = await task
+            assert action.state is A.COMPLETED
+            seqs = [r[0] async for r in await other.execute(
+                "SELECT seq FROM documents WHERE delegation_id = %s AND type = 'resolution' "
+                "ORDER BY seq", (stuck.delegation,))]
+            assert seqs == [1, 2]
+    finally:
+        await other.close()

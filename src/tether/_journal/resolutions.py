@@ -28,6 +28,10 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float) -> Actio
     """Record a verified decision: the action moves to the decided outcome with the decision
     in its evidence, and its delegation (and ancestors) re-settle."""
     action = get_action(db, res.action_id)
+    # The delegation's row locked first (PostgreSQL): decisions on its actions take its next
+    # document number one after another, and the action is read again after the wait.
+    db.execute("SELECT id FROM delegations d WHERE id = ? /*XLOCK d*/", (action.delegation_id,))
+    action = get_action(db, res.action_id)
     if action.delegation_id != res.delegation_id:
         raise Malformed(f"action {action.id} belongs to {action.delegation_id}, "
                         f"not {res.delegation_id}")
