@@ -313,3 +313,29 @@ async def test_two_decisions_in_one_delegation_at_once_are_both_recorded(pg_url:
             assert seqs == [1, 2]
     finally:
         await other.close()
+
+
+# -- logs: journal text reaches the terminal of a service command ---------------------------
+
+async def test_text_logs_show_control_characters_instead_of_sending_them(
+        tmp_path: Path) -> None:
+    """``tether worker``/``console``/``mcp-proxy`` log to stderr, a terminal. A reason, an
+    agent's name or a tool's error logged as text must not carry escape sequences, a bidi
+    override or a carriage return to it (nor forge a log line with a newline)."""
+    import io
+    import logging
+
+    from tether._runtime.logs import configure
+
+    from .operator_world import HOSTILE
+
+    stream = io.StringIO()
+    handler = configure("info", "text", stream)
+    try:
+        await stuck_payment(f"sqlite:///{tmp_path / 'j.db'}", reason=HOSTILE + "\nforged line")
+    finally:
+        logging.getLogger("tether").removeHandler(handler)
+    text = stream.getvalue()
+    assert "pay[/bold]" in text and "\\x1b[31m" in text, text
+    assert _raw_controls(text) == [], text
+    assert not any(line.startswith("forged") for line in text.splitlines()), text
