@@ -339,3 +339,33 @@ async def test_text_logs_show_control_characters_instead_of_sending_them(
     assert "pay[/bold]" in text and "\\x1b[31m" in text, text
     assert _raw_controls(text) == [], text
     assert not any(line.startswith("forged") for line in text.splitlines()), text
+
+
+# -- verify: a person's signed decision is a record like the others ------------------------
+
+def test_verify_checks_a_decision_instead_of_calling_it_malformed(tmp_path: Path) -> None:
+    """``tether verify`` ran every document through the child documents' decoder, so a
+    journal where a person resolved an action failed verification ("unknown document type
+    'resolution'") though nothing was wrong; and a decision copied onto another delegation
+    was not told from a genuine one."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "paid",
+                            "--by", "Ada", "--journal", url)
+    assert code == 0, (out, err)
+    code, out, _ = invoke("verify", "--journal", url, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["problems"] == [], report
+    # The same signed decision copied onto another delegation's documents.
+    other = asyncio.run(stuck_payment(url, order="O-2"))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, "
+                   "recorded_at) SELECT ?, seq, type, body, key_id, signature, recorded_at "
+                   "FROM documents WHERE delegation_id = ? AND type = 'resolution'",
+                   (other.delegation, stuck.delegation))
+    code, out, _ = invoke("verify", "--journal", url, "--json")
+    report = json.loads(out)
+    assert code == 1 and [p["delegation"] for p in report["problems"]] == [other.delegation]
+    assert "copied" in report["problems"][0]["problem"], report
