@@ -369,3 +369,7 @@ def test_verify_checks_a_decision_instead_of_calling_it_malformed(tmp_path: Path
     report = json.loads(out)
     assert code == 1 and [p["delegation"] for p in report["problems"]] == [other.delegation]
     assert "copied" in report["problems"][0]["problem"], report
+    # tether show says so too, instead of "verified".
+    shown = json.loads(invoke("show", other.delegation, "--journal", url, "--json")[1])
+    (copy,) = [i for i in shown["intents"] if i["kind"] == "RESOLUTION"]
+    assert copy["verified"].startswith("REFUSED") and "copied" in copy["verified"], copy
