@@ -373,3 +373,19 @@ def test_verify_checks_a_decision_instead_of_calling_it_malformed(tmp_path: Path
     shown = json.loads(invoke("show", other.delegation, "--journal", url, "--json")[1])
     (copy,) = [i for i in shown["intents"] if i["kind"] == "RESOLUTION"]
     assert copy["verified"].startswith("REFUSED") and "copied" in copy["verified"], copy
+
+
+def test_a_call_without_a_journaled_deadline_is_not_decided_not_applied_at_once(
+        tmp_path: Path) -> None:
+    """A row from before deadlines were journaled (schema v3) has none: a probe then waits
+    for its start plus the default dispatch deadline (``deadline_of``); a person deciding
+    "not applied" must wait as long, not be allowed at once (its start taken as deadline)."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("UPDATE actions SET deadline_at = NULL WHERE id = ?", (stuck.action,))
+    code, out, err = invoke("resolve", stuck.action, "--as", "NOT_APPLIED", "--note", "x",
+                            "--journal", url)
+    assert code == 2 and "may still apply" in err, (code, out, err)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tether._core.errors import Malformed, UserError
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.report import ActionRecord
 from tether._core.resolution import Resolution, judge_resolution
 from tether._core.signing import Signed
@@ -35,7 +36,10 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float) -> Actio
     if action.delegation_id != res.delegation_id:
         raise Malformed(f"action {action.id} belongs to {action.delegation_id}, "
                         f"not {res.delegation_id}")
-    deadline = action.deadline_at if action.deadline_at is not None else action.started_at
+    # A row older than schema v3 has no deadline: its start plus the default, as a probe
+    # judges it (``_runtime.reconcile.deadline_of`` for a tool it does not know).
+    deadline = action.deadline_at if action.deadline_at is not None else \
+        action.started_at + DEFAULT_DISPATCH_DEADLINE
     why = judge_resolution(action.state, res.outcome, deadline_at=deadline, now=now,
                            contradicted=_contradicted(db, action.id))
     if why is not None:
