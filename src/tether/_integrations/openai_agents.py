@@ -12,6 +12,7 @@ openai_agents_graph.py for the two links it reads to find them).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import json
@@ -45,8 +46,14 @@ EventFn = Callable[[StreamEvent], Any]
 
 
 def idempotency_key() -> str | None:
-    """Inside a function tool run through tether: the key to send to the outside world."""
-    return KEY.get()
+    """Inside a function tool run through tether: the key to send to the outside world. None
+    elsewhere, including in the tools of an agent run inside the tool, and in tasks the tool
+    spawns (read the key first, then hand it to them)."""
+    found = KEY.get()
+    if found is None:
+        return None
+    key, owner = found
+    return key if owner is None or owner is asyncio.current_task() else None
 
 
 @dataclass(frozen=True)
@@ -109,15 +116,23 @@ def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
     lead to each other's clones, never to the unmediated originals."""
     clones = {id(m): m.clone() for m in plan.members}
 
-    def tool(item: Any) -> Any:
+    def tool(item: Any, member: SdkAgent[Any]) -> Any:
         if id(item) in plan.tools:
             return _mediated(ctx, plan.tools[id(item)], item)
         if id(item) in plan.nested:
             return _nested(ctx, plan.nested[id(item)], item)
+        name = getattr(item, "name", None)
+        if isinstance(item, FunctionTool) or name not in plan.surface:
+            # Added to the agent after tether planned it: it would run unseen (fail closed).
+            raise UserError(f"tool {name or item!r} was added to agent {member.name} after "
+                            "tether planned it; build the tether agent again")
         return item  # a hosted tool granted by name
 
-    def handoff(item: Any) -> Any:
+    def handoff(item: Any, member: SdkAgent[Any]) -> Any:
         if isinstance(item, SdkAgent):
+            if id(item) not in clones:  # a handoff added after planning: fail closed
+                raise UserError(f"handoff to agent {item.name} was added to agent "
+                                f"{member.name} after tether planned it")
             return clones[id(item)]
         original = item.on_invoke_handoff
 
@@ -133,8 +148,8 @@ def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
 
     for member in plan.members:
         clone = clones[id(member)]
-        clone.tools = [tool(t) for t in member.tools]
-        clone.handoffs = [handoff(h) for h in member.handoffs]
+        clone.tools = [tool(t, member) for t in member.tools]
+        clone.handoffs = [handoff(h, member) for h in member.handoffs]
     return clones[id(plan.root)]
 
 

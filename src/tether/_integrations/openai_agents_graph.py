@@ -10,6 +10,7 @@ path to it, unless the operator grants a hosted tool by name: it then runs unsee
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -176,7 +177,11 @@ class Planner:
         return tool
 
 
-KEY: ContextVar[str | None] = ContextVar("tether_idempotency_key", default=None)
+# The key, and the task of the tool call it belongs to: an SDK run started inside the tool
+# (``Runner.run`` of another agent) runs its own tools in tasks of its own, which inherit the
+# variable but are not tether calls: they must not reuse this call's key.
+KEY: ContextVar[tuple[str, asyncio.Task[Any] | None] | None] = ContextVar(
+    "tether_idempotency_key", default=None)
 TOOL_CONTEXT: ContextVar[ToolContext[Any] | None] = ContextVar("tether_tool_context",
                                                                 default=None)
 
@@ -190,7 +195,8 @@ def gateway_fn(sdk: FunctionTool) -> ToolFn:
         context = TOOL_CONTEXT.get()
         if context is None:
             raise UserError(f"{sdk.name} runs only inside its Agents SDK run")
-        token = KEY.set(idempotency_key)
+        token = KEY.set((idempotency_key, asyncio.current_task())
+                        if idempotency_key is not None else None)
         try:
             return await raising.on_invoke_tool(context, json.dumps(arguments))
         finally:

@@ -1,0 +1,82 @@
+"""Adversarial review of the framework adapters and the MCP proxy: ways around the gateway
+that each test shows closed (I1, I7, I8)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from agents import Agent as SdkAgent
+from agents import Runner, function_tool, set_tracing_disabled
+from agents.testing import ScriptedModel, assistant_message, function_call
+
+import tether
+from tether.openai_agents import as_tether_agent, idempotency_key
+from tether.testing import PaymentService
+
+set_tracing_disabled(True)
+
+
+async def test_a_tool_added_to_the_agent_after_planning_never_runs_unmediated(
+        journal_url: str) -> None:
+    pay = PaymentService(latency=0.0)
+
+    @function_tool
+    async def lookup(order_id: str) -> str:
+        """Look an order up."""
+        return f"order {order_id}"
+
+    @function_tool
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        return await pay.refund(order_id, cents, idempotency_key=idempotency_key() or "none")
+
+    model = ScriptedModel([[function_call("refund", {"order_id": "A", "cents": 5},
+                                          call_id="c1")], [assistant_message("done")]])
+    sdk = SdkAgent(name="helper", tools=[lookup], model=model)
+    agent = as_tether_agent(sdk)
+    sdk.tools.append(refund)  # after tether planned the graph: it never saw this tool
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        with contextlib.suppress(tether.TetherError):
+            await handle.result()
+        report = await handle.report()
+    # Either refused, or journaled: never a refund the journal does not hold.
+    assert pay.refund_count("A") == len([a for a in report.actions if a.tool == "refund"])
+
+
+async def test_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
+        journal_url: str) -> None:
+    seen: list[str | None] = []
+
+    @function_tool
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        seen.append(idempotency_key())
+        return f"refunded {order_id}"
+
+    inner_model = ScriptedModel([
+        [function_call("refund", {"order_id": "X"}, call_id="i1"),
+         function_call("refund", {"order_id": "Y"}, call_id="i2")],
+        [assistant_message("inner done")]])
+    inner = SdkAgent(name="inner", tools=[refund], model=inner_model)
+
+    @function_tool
+    async def batch(orders: str) -> str:
+        """Refund a batch by running the refund agent (not an as_tool sub-agent)."""
+        seen.append(idempotency_key())
+        result = await Runner.run(inner, orders)
+        return str(result.final_output)
+
+    model = ScriptedModel([[function_call("batch", {"orders": "X,Y"}, call_id="c1")],
+                           [assistant_message("done")]])
+    agent = as_tether_agent(SdkAgent(name="outer", tools=[batch], model=model))
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund X and Y")
+        await handle.result()
+    outer, *inner_keys = seen
+    assert outer is not None
+    # The inner refunds are not tether calls: they must not be handed the outer call's key
+    # (the provider would deduplicate the second refund and lose it, as in issue 14 case 2).
+    assert outer not in inner_keys, seen
+
+
