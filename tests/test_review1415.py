@@ -3,7 +3,12 @@ that each test shows closed (I1, I7, I8)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import os
+import sys
+from pathlib import Path
 
 from agents import Agent as SdkAgent
 from agents import Runner, function_tool, set_tracing_disabled
@@ -12,6 +17,8 @@ from agents.testing import ScriptedModel, assistant_message, function_call
 import tether
 from tether.openai_agents import as_tether_agent, idempotency_key
 from tether.testing import PaymentService
+from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.test_mcp_proxy import proxy
 
 set_tracing_disabled(True)
 
@@ -80,3 +87,41 @@ async def test_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
     assert outer not in inner_keys, seen
 
 
+
+
+KEY_META = "io.tether/idempotency-key"
+
+
+async def test_mcp_a_retry_with_the_same_key_and_other_arguments_is_refused(
+        bank_env: Path, journal_url: str) -> None:
+    async with proxy(journal_url) as session:
+        first = await session.call_tool("pay", {"account": "S-1", "cents": 3},
+                                        meta={KEY_META: "order-9"})
+        other = await asyncio.wait_for(session.call_tool(
+            "pay", {"account": "S-1", "cents": 300}, meta={KEY_META: "order-9"}), 30)
+    assert not first.is_error
+    assert other.is_error and "order-9" in text(other), text(other)  # the Stripe rule
+    assert paid(bank_env, "S-1") == [("order-9", 3)]
+
+
+async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
+        bank_env: Path, tmp_path: Path) -> None:
+    """The upstream answered isError (applied, then failed): the client retries with the same
+    key, as a client should. Past the call's deadline, with no probe, the key is a person's to
+    reconcile: the client is told so in a tool error result, as for every other tether refusal,
+    not with a JSON-RPC error of code 0 (not a JSON-RPC code at all)."""
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"bank": {
+        "command": sys.executable, "args": ["-m", "tests.mcp_bank"],
+        "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
+        | {"PYTHONPATH": str(ROOT)},
+        "cwd": str(ROOT), "deadlines": {"pay": 1}}}}))
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--config", str(config)) as session:
+        first = await session.call_tool("pay", {"account": "flaky-2", "cents": 4},
+                                        meta={KEY_META: "order-10"})
+        assert first.is_error
+        again = await asyncio.wait_for(session.call_tool(
+            "pay", {"account": "flaky-2", "cents": 4}, meta={KEY_META: "order-10"}), 30)
+    assert again.is_error and "order-10" in text(again) and "reconciled" in text(again)

@@ -32,7 +32,13 @@ from mcp.server.session import ServerSession
 from mcp.shared.exceptions import MCPError
 
 from tether._core.documents import ControlIntent
-from tether._core.errors import ControlSignal, TetherError, ToolRejected, UserError
+from tether._core.errors import (
+    ControlSignal,
+    KeyInUse,
+    TetherError,
+    ToolRejected,
+    UserError,
+)
 from tether._core.model import ActionState, ControlKind
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.mcp_config import ProxyConfig
@@ -407,7 +413,9 @@ class Proxy:
             return exc.result
         except (UpstreamRejected, UpstreamFailed) as exc:
             raise exc.error from None
-        except (McpToolError, UserError, ToolRejected) as exc:
+        except (McpToolError, UserError, ToolRejected, KeyInUse) as exc:
+            # KeyInUse: a retry whose key belongs to a call in doubt past its deadline, which a
+            # person must reconcile; said like every other refusal, not as a JSON-RPC error.
             return error_result(str(exc))
         if isinstance(result, dict):  # the upstream's own result, as journaled
             return result
