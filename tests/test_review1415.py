@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import httpx2
 from agents import Agent as SdkAgent
 from agents import Runner, function_tool, set_tracing_disabled
 from agents.testing import ScriptedModel, assistant_message, function_call
@@ -19,6 +20,7 @@ from tether.openai_agents import as_tether_agent, idempotency_key
 from tether.testing import PaymentService
 from tests.mcp_helpers import ROOT, connect, paid, text
 from tests.test_mcp_proxy import proxy
+from tests.test_mcp_proxy_http import serving
 
 set_tracing_disabled(True)
 
@@ -125,3 +127,24 @@ async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
         again = await asyncio.wait_for(session.call_tool(
             "pay", {"account": "flaky-2", "cents": 4}, meta={KEY_META: "order-10"}), 30)
     assert again.is_error and "order-10" in text(again) and "reconciled" in text(again)
+
+
+async def test_mcp_http_on_any_loopback_address_refuses_a_foreign_host(
+        bank_env: Path, tmp_path: Path) -> None:
+    """DNS rebinding: a web page whose name resolves to the proxy's loopback address must not
+    reach it. 127.0.0.2 is loopback (accepted by --http) like 127.0.0.1."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with serving(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--http", "127.0.0.2:0", "--upstream",
+                       f"bank={sys.executable} -m tests.mcp_bank",
+                       ready="serving MCP at") as lines:
+        said = next(line for line in lines if "serving MCP at" in line)
+        url = said.split("serving MCP at ")[1].split()[0]
+        body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "page", "version": "1"}}}
+        async with httpx2.AsyncClient() as web:
+            answer = await web.post(url, json=body, headers={
+                "Host": "rebound.example", "Origin": "http://rebound.example",
+                "Accept": "application/json, text/event-stream"})
+    assert answer.status_code in (421, 403), answer.status_code
