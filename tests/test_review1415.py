@@ -148,3 +148,30 @@ async def test_mcp_http_on_any_loopback_address_refuses_a_foreign_host(
                 "Host": "rebound.example", "Origin": "http://rebound.example",
                 "Accept": "application/json, text/event-stream"})
     assert answer.status_code in (421, 403), answer.status_code
+
+
+def test_mcp_config_probes_do_not_shadow_modules_imported_later(tmp_path: Path) -> None:
+    """A config's probe is imported from the file's folder; that folder must not go first on
+    the import path for good, or any module the proxy imports later (uvicorn when serving
+    HTTP, the SDK's lazy imports) is taken from the folder instead."""
+    from tether._integrations.mcp_config import load_config
+
+    (tmp_path / "myprobes.py").write_text("async def landed(**_):\n    return None\n")
+    (tmp_path / "colorsys.py").write_text("SHADOWED = True\n")
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"bank": {
+        "command": "true", "probes": {"pay": "myprobes:landed"}}}}))
+    before = list(sys.path)
+    saved = sys.modules.pop("colorsys", None)
+    try:
+        loaded = load_config(config)
+        import colorsys
+
+        assert not hasattr(colorsys, "SHADOWED")
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("colorsys", None)
+        sys.modules.pop("myprobes", None)
+        if saved is not None:
+            sys.modules["colorsys"] = saved
+    assert loaded.policies["bank"].probes["pay"].__name__ == "landed"
