@@ -11,16 +11,17 @@ import sys
 from pathlib import Path
 
 import httpx2
+import pytest
 from agents import Agent as SdkAgent
 from agents import Runner, function_tool, set_tracing_disabled
 from agents.testing import ScriptedModel, assistant_message, function_call
 
 import tether
-from tether.openai_agents import as_tether_agent, idempotency_key
-from tether.testing import PaymentService
 from tests.mcp_helpers import ROOT, connect, paid, text
 from tests.test_mcp_proxy import proxy
-from tests.test_mcp_proxy_http import serving
+from tests.test_mcp_proxy_http import key_meta, serving
+from tether.openai_agents import as_tether_agent, idempotency_key
+from tether.testing import PaymentService
 
 set_tracing_disabled(True)
 
@@ -53,29 +54,38 @@ async def test_a_tool_added_to_the_agent_after_planning_never_runs_unmediated(
     assert pay.refund_count("A") == len([a for a in report.actions if a.tool == "refund"])
 
 
+@pytest.mark.parametrize("sync", [False, True], ids=["async-tools", "sync-tools"])
 async def test_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
-        journal_url: str) -> None:
+        journal_url: str, sync: bool) -> None:
     seen: list[str | None] = []
 
-    @function_tool
-    async def refund(order_id: str) -> str:
+    def refund_sync(order_id: str) -> str:
         """Refund an order."""
         seen.append(idempotency_key())
         return f"refunded {order_id}"
+
+    async def refund_async(order_id: str) -> str:
+        """Refund an order."""
+        return refund_sync(order_id)
 
     inner_model = ScriptedModel([
         [function_call("refund", {"order_id": "X"}, call_id="i1"),
          function_call("refund", {"order_id": "Y"}, call_id="i2")],
         [assistant_message("inner done")]])
+    refund = function_tool(refund_sync if sync else refund_async, name_override="refund")
     inner = SdkAgent(name="inner", tools=[refund], model=inner_model)
 
-    @function_tool
-    async def batch(orders: str) -> str:
+    def batch_sync(orders: str) -> str:
         """Refund a batch by running the refund agent (not an as_tool sub-agent)."""
         seen.append(idempotency_key())
-        result = await Runner.run(inner, orders)
-        return str(result.final_output)
+        return str(asyncio.run(Runner.run(inner, orders)).final_output)
 
+    async def batch_async(orders: str) -> str:
+        """Refund a batch by running the refund agent (not an as_tool sub-agent)."""
+        seen.append(idempotency_key())
+        return str((await Runner.run(inner, orders)).final_output)
+
+    batch = function_tool(batch_sync if sync else batch_async, name_override="batch")
     model = ScriptedModel([[function_call("batch", {"orders": "X,Y"}, call_id="c1")],
                            [assistant_message("done")]])
     agent = as_tether_agent(SdkAgent(name="outer", tools=[batch], model=model))
@@ -83,24 +93,20 @@ async def test_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
         handle = await sup.delegate(agent, "refund X and Y")
         await handle.result()
     outer, *inner_keys = seen
-    assert outer is not None
+    assert outer is not None and len(inner_keys) == 2  # the tool itself has its key
     # The inner refunds are not tether calls: they must not be handed the outer call's key
     # (the provider would deduplicate the second refund and lose it, as in issue 14 case 2).
     assert outer not in inner_keys, seen
 
 
 
-
-KEY_META = "io.tether/idempotency-key"
-
-
 async def test_mcp_a_retry_with_the_same_key_and_other_arguments_is_refused(
         bank_env: Path, journal_url: str) -> None:
     async with proxy(journal_url) as session:
         first = await session.call_tool("pay", {"account": "S-1", "cents": 3},
-                                        meta={KEY_META: "order-9"})
+                                        meta=key_meta("order-9"))
         other = await asyncio.wait_for(session.call_tool(
-            "pay", {"account": "S-1", "cents": 300}, meta={KEY_META: "order-9"}), 30)
+            "pay", {"account": "S-1", "cents": 300}, meta=key_meta("order-9")), 30)
     assert not first.is_error
     assert other.is_error and "order-9" in text(other), text(other)  # the Stripe rule
     assert paid(bank_env, "S-1") == [("order-9", 3)]
@@ -122,10 +128,10 @@ async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
     async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
                        "--config", str(config)) as session:
         first = await session.call_tool("pay", {"account": "flaky-2", "cents": 4},
-                                        meta={KEY_META: "order-10"})
+                                        meta=key_meta("order-10"))
         assert first.is_error
         again = await asyncio.wait_for(session.call_tool(
-            "pay", {"account": "flaky-2", "cents": 4}, meta={KEY_META: "order-10"}), 30)
+            "pay", {"account": "flaky-2", "cents": 4}, meta=key_meta("order-10")), 30)
     assert again.is_error and "order-10" in text(again) and "reconciled" in text(again)
 
 

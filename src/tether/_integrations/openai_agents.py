@@ -12,7 +12,6 @@ openai_agents_graph.py for the two links it reads to find them).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import inspect
 import json
@@ -38,7 +37,7 @@ from tether._core.errors import DelegationError, UserError
 from tether._core.model import Effect
 from tether._core.redispatch import CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
-from tether._integrations.openai_agents_graph import KEY, TOOL_CONTEXT, Plan, Planner
+from tether._integrations.openai_agents_graph import TOOL_CONTEXT, Plan, Planner, current_key
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, ProbeFn, Tool
 
@@ -49,11 +48,7 @@ def idempotency_key() -> str | None:
     """Inside a function tool run through tether: the key to send to the outside world. None
     elsewhere, including in the tools of an agent run inside the tool, and in tasks the tool
     spawns (read the key first, then hand it to them)."""
-    found = KEY.get()
-    if found is None:
-        return None
-    key, owner = found
-    return key if owner is None or owner is asyncio.current_task() else None
+    return current_key()
 
 
 @dataclass(frozen=True)
