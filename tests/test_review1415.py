@@ -181,3 +181,53 @@ def test_mcp_config_probes_do_not_shadow_modules_imported_later(tmp_path: Path) 
         if saved is not None:
             sys.modules["colorsys"] = saved
     assert loaded.policies["bank"].probes["pay"].__name__ == "landed"
+
+
+@pytest.mark.xfail(strict=True, reason="open finding: pydantic-ai's idempotency_key() is a "
+                   "plain ContextVar, inherited by an agent run started inside a tool")
+async def test_pydantic_ai_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
+        journal_url: str) -> None:
+    from pydantic_ai import Agent as PaiAgent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from tether.pydantic_ai import as_tether_agent as pai_agent
+    from tether.pydantic_ai import idempotency_key as pai_key
+
+    def scripted(*responses: ModelResponse) -> FunctionModel:
+        queue = list(responses)
+
+        def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            return queue.pop(0)
+
+        return FunctionModel(respond)
+
+    seen: list[str | None] = []
+    inner: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("refund", {"order_id": "X"}),
+                             ToolCallPart("refund", {"order_id": "Y"})]),
+        ModelResponse(parts=[TextPart("inner done")])), name="inner")
+
+    @inner.tool_plain
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        seen.append(pai_key())
+        return f"refunded {order_id}"
+
+    outer: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("batch", {"orders": "X,Y"})]),
+        ModelResponse(parts=[TextPart("done")])), name="outer")
+
+    @outer.tool_plain
+    async def batch(orders: str) -> str:
+        """Refund a batch by running the refund agent itself (not through delegate)."""
+        seen.append(pai_key())
+        return (await inner.run(orders)).output
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(pai_agent(outer), "refund X and Y")
+        await handle.result()
+        report = await handle.report()
+    first, *inner_keys = seen
+    assert first is not None and len(inner_keys) == 2, (seen, report.actions)
+    assert first not in inner_keys, seen
