@@ -15,10 +15,11 @@ import pytest
 from agents import Agent as SdkAgent
 from agents import Runner, function_tool, set_tracing_disabled
 from agents.testing import ScriptedModel, assistant_message, function_call
+from mcp.shared.exceptions import MCPError
 
 import tether
 from tests.mcp_helpers import ROOT, connect, paid, text
-from tests.test_mcp_proxy import proxy
+from tests.test_mcp_proxy import cli, proxy, session_delegation
 from tests.test_mcp_proxy_http import key_meta, serving
 from tether.openai_agents import as_tether_agent, idempotency_key
 from tether.testing import PaymentService
@@ -231,3 +232,26 @@ async def test_pydantic_ai_an_agent_run_inside_a_tool_does_not_inherit_the_outer
     first, *inner_keys = seen
     assert first is not None and len(inner_keys) == 2, (seen, report.actions)
     assert first not in inner_keys, seen
+
+
+async def test_mcp_a_terminated_session_does_not_pass_untrusted_reads_through(
+        tmp_path: Path) -> None:
+    """After `tether terminate`, an untrusted upstream (every tool EXTERNAL, fail closed) is
+    reached by no new request: its resources and prompts are code of that server too, and may
+    do anything when read."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    library = f"library={sys.executable} -m tests.mcp_library"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--upstream", library) as session:
+        await session.read_resource("library://catalog")
+        delegation = (await session_delegation(journal)).delegation_id
+        code, _, err = await cli("terminate", delegation, "--reason", "stop",
+                                 "--journal", journal)
+        assert code == 0, err
+        refused = await session.call_tool("shout", {"words": "hi"})
+        assert refused.is_error  # tools are fenced
+        with pytest.raises(MCPError) as refused_read:
+            await session.read_resource("library://catalog")
+        listed = await session.list_resources()  # listings still pass
+    assert "terminated by" in refused_read.value.error.message
+    assert listed.resources

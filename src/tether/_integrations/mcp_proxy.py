@@ -292,6 +292,13 @@ class Proxy:
         if not serving:
             raise MCPError(code=mcp_types.METHOD_NOT_FOUND, message="Method not found",
                            data=ctx.method)
+        signal = self._stop() if self.ctx is not None else None
+        if signal is not None and not ctx.method.endswith("/list") and \
+                any(not up.policy.trusted for up in serving):
+            # Fenced: an untrusted server's reads are its code too (its tools are EXTERNAL,
+            # fail closed), so none of its requests pass any more; listings still do.
+            raise MCPError(code=mcp_types.INVALID_REQUEST,
+                           message=await self._stopped(signal, "the request was not made"))
         if len(serving) == 1 or (ctx.method.endswith("/list") and "cursor" in params):
             return await forward(serving[0].session, ctx, ctx.method, params)
         if ctx.method.endswith("/list"):  # several upstreams: one page holding all of them
