@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -255,3 +256,16 @@ async def test_mcp_a_terminated_session_does_not_pass_untrusted_reads_through(
         listed = await session.list_resources()  # listings still pass
     assert "terminated by" in refused_read.value.error.message
     assert listed.resources
+
+
+async def test_mcp_a_malformed_client_key_is_refused_not_ignored(
+        bank_env: Path, journal_url: str) -> None:
+    """A client that sends a key tether cannot use (a number, an empty or a huge string) meant
+    to make its retries safe: ignoring it would pay a retry twice."""
+    async with proxy(journal_url) as session:
+        for bad in (12, "", "k" * 256):
+            meta: Any = {"io.tether/idempotency-key": bad}
+            with pytest.raises(MCPError) as refused:
+                await session.call_tool("pay", {"account": "K-1", "cents": 1}, meta=meta)
+            assert "idempotency-key" in refused.value.error.message
+    assert paid(bank_env, "K-1") == []

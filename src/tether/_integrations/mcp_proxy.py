@@ -124,6 +124,7 @@ class _Call:
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
+MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
 ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
 
 
@@ -396,7 +397,12 @@ class Proxy:
         out, wants = outgoing(params)
         meta = dict((out or {}).get("_meta") or {})
         key = meta.pop(KEY_META, None)
-        if not isinstance(key, str) or not key:
+        if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY):
+            # Ignored, it would leave the retries the client meant to make safe unsafe.
+            raise MCPError(code=mcp_types.INVALID_PARAMS,
+                           message=f"tether mcp-proxy: {KEY_META!r} in _meta must be a string "
+                           f"of 1 to {MAX_KEY} characters")
+        if key is None:
             key = self._next_key(tool)
         assert self.ctx is not None and self.sup is not None
         # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
