@@ -269,3 +269,43 @@ async def test_mcp_a_malformed_client_key_is_refused_not_ignored(
                 await session.call_tool("pay", {"account": "K-1", "cents": 1}, meta=meta)
             assert "idempotency-key" in refused.value.error.message
     assert paid(bank_env, "K-1") == []
+
+
+DYING = '''
+import os
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("dying")
+
+
+@server.tool()
+async def charge(cents: int) -> str:
+    with open(os.environ["DYING_LEDGER"], "a") as ledger:
+        ledger.write(f"{cents}\\n")
+    os._exit(1)  # applied, then the server dies before it answers
+
+
+if __name__ == "__main__":
+    server.run()
+'''
+
+
+async def test_mcp_a_call_after_the_upstream_died_is_not_a_false_alarm(tmp_path: Path) -> None:
+    """The call during which the upstream died is in doubt (it applied); the next call was
+    certainly never sent: FAILED, not one more UNKNOWN for a person to reconcile."""
+    server, ledger = tmp_path / "dying.py", tmp_path / "ledger"
+    server.write_text(DYING)
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--upstream", f"d={sys.executable} {server}",
+                       env={"DYING_LEDGER": str(ledger)}) as session:
+        with pytest.raises(MCPError):
+            await session.call_tool("charge", {"cents": 5})
+        after = await session.call_tool("charge", {"cents": 6})
+        async with tether.Journal(journal, create=False) as j:
+            (row,) = await j.delegations()
+            actions = await j.actions([row.id])
+    assert after.is_error and "not sent" in text(after)
+    assert ledger.read_text() == "5\n"
+    assert [(a.args["cents"], a.state) for a in actions] == [
+        (5, tether.ActionState.IN_DOUBT), (6, tether.ActionState.FAILED)]

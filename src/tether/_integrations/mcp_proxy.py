@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -126,6 +127,8 @@ class _Call:
 _CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
 MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
 ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
+# Upstream sessions whose connection closed (an upstream that exited): never reopened.
+_GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
 
 
 def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
@@ -136,6 +139,9 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
         mine = _CALL.get()
         if mine is not None and mine.cancelled:
             raise ToolRejected(f"{name}: the client cancelled the call before it was sent")
+        if session in _GONE:  # certainly not sent: not a call for a person to reconcile
+            raise ToolRejected(f"{name}: the upstream server's connection is closed; the call "
+                               "was not sent")
         meta = dict(mine.meta) if mine is not None else {}
         if idempotency_key:
             meta[KEY_META] = idempotency_key
@@ -157,6 +163,8 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
                                       "ran upstream") from None
             raise
         except MCPError as exc:
+            if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
+                _GONE.add(session)
             if exc.code in REJECTED_BEFORE_RUNNING:
                 raise UpstreamRejected(exc) from None
             raise UpstreamFailed(exc) from None
