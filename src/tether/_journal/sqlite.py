@@ -127,6 +127,9 @@ def identity(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+OPEN_PATIENCE = 30.0  # seconds
+
+
 def connect(path: Path, *, create: bool, synchronous: str,
             busy_timeout: float) -> sqlite3.Connection:
     """Open and validate a journal file; raises a JournalError and leaves the file untouched
@@ -146,8 +149,12 @@ def connect(path: Path, *, create: bool, synchronous: str,
     except sqlite3.Error as exc:
         raise _map_error(exc, path) from None
     try:
+        # Opening waits longer than an operation does: many processes starting on one fresh
+        # journal queue for its exclusive transaction and its switch to WAL one by one.
+        conn.execute(f"PRAGMA busy_timeout = {int(max(busy_timeout, OPEN_PATIENCE) * 1000)}")
         _check_or_init(conn, path, create)
         conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         # FULL: a commit survives power loss. NORMAL (durable=False) survives a process crash.
         # OFF is for measuring CPU cost only.
         conn.execute(f"PRAGMA synchronous={synchronous}")
