@@ -125,3 +125,41 @@ async def test_a_receipt_the_full_disk_refused_is_reconciled_never_claimed(
     final = await actions(url_on(disk))
     assert {a.idempotency_key for a in final if a.state is A.COMPLETED} == set(provider.applied)
     assert not [a for a in final if a.state in (A.PENDING, A.IN_DOUBT)]
+
+
+async def test_a_journal_turned_read_only_fails_the_call_before_its_tool_runs(
+        tmp_path: Path) -> None:
+    disk = JournalDisk(tmp_path, "journal_readonly").mount()
+    try:
+        provider = Provider()
+        [pay] = provider.tools()
+        sup: tether.Supervisor
+
+        async def child(ctx: tether.Context) -> str:
+            await ctx.call(pay, order_id="o", cents=1)
+            await sup.journal.flush()
+            disk.make_readonly()  # the kernel turns the file system read-only, files open
+            ref: str = await ctx.call(pay, order_id="o", cents=2)
+            return ref
+
+        keys = tether.KeyRing.load_or_init(tmp_path / "keys")
+        url = f"{url_on(disk)}?keys={tmp_path / 'keys'}"
+
+        async def run() -> None:
+            nonlocal sup
+            async with tether.Supervisor(url, keys=keys, tools=[pay]) as sup:
+                handle = await sup.delegate(child, tools=[pay])
+                await handle.result()
+
+        with pytest.raises(tether.JournalError, match="read-only or failing"):
+            await run()
+        assert len(provider.applied) == 1  # the second call's intent was never written
+        disk.clear()  # unmounted, checked, mounted read-write again
+        async with tether.Supervisor(url, keys=keys, tools=[pay], recover=False) as sup:
+            await sup.recover()
+        final = await actions(url)
+        assert {a.idempotency_key for a in final if a.state is A.COMPLETED} == \
+            set(provider.applied)
+        assert not [a for a in final if a.state in (A.PENDING, A.IN_DOUBT)]
+    finally:
+        disk.close()
