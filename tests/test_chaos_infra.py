@@ -1,6 +1,7 @@
 """`tether chaos` draws infrastructure faults on a private PostgreSQL server of its own: a
 restart (fast or immediate), terminated backends, a pause longer than a lease, each mid-trial.
-Every process rides through or gives up cleanly: no violation, no hung process."""
+Every process rides through or gives up cleanly: no violation, no hung process. On SQLite, the
+journal's own disk fills up or turns read-only mid-trial."""
 
 from __future__ import annotations
 
@@ -34,3 +35,36 @@ async def test_infrastructure_faults_need_postgresql() -> None:
     assert proc.returncode == 2
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: pg_restart"), lines
+
+
+DISK = ("disk_full", "journal_readonly")
+
+
+async def test_disk_faults_find_no_violation(tmp_path: Path) -> None:
+    """SQLite on a disk that fills up for a while, or turns read-only for good, mid-trial:
+    calls fail with a JournalError before their tool runs, no process hangs, and the fresh
+    supervisor (the disk back) reconciles the journal with the ledger."""
+    code, result, err = await chaos("--faults", ",".join(DISK), "--per-fault", "2",
+                                    "--seed", "5", "--traces", str(tmp_path))
+    assert code == 0, (err, result["violations"])
+    assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(DISK, 2)
+    assert "hung" not in result["outcomes"], result["outcomes"]
+    for record in result["trials_detail"]:
+        assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
+    assert chaos_mounts() == []  # every trial's disk unmounted
+
+
+def chaos_mounts() -> list[str]:
+    return [line for line in Path("/proc/mounts").read_text().splitlines()
+            if "tether-chaos" in line]
+
+
+async def test_disk_faults_need_sqlite(pg_url: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "chaos", "--faults", "disk_full", "--journal",
+        pg_url.split("?")[0], cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: disk_full"), lines

@@ -28,10 +28,12 @@ from typing import Any
 
 import tether
 from tether._chaos import trace as tracing
+from tether._chaos.disk import JournalDisk, check_can_mount
 from tether._chaos.ledger import Ledger, Network
 from tether._chaos.pgserver import PrivateServer
 from tether._chaos.plan import (
     ALL_FAULTS,
+    DISK_FAULTS,
     FAULTS,
     INFRA_FAULTS,
     LATE_APPLY_MAX,
@@ -39,7 +41,7 @@ from tether._chaos.plan import (
     make_plan,
     plans,
 )
-from tether._chaos.world import TOOL_DEADLINE, Trial, build
+from tether._chaos.world import ENV_DIR, ENV_PLAN, TOOL_DEADLINE, Trial, build
 from tether._core.report import ActionRecord
 from tether._journal.rows import ControlRow, DelegationRow, EventRow
 
@@ -91,6 +93,8 @@ def json_plan(plan: Plan) -> dict[str, Any]:
 def trial_url(directory: Path, base: str | None, plan: Plan) -> str:
     """The trial's own journal: a SQLite file in its folder, or a fresh PostgreSQL schema."""
     if base is None:
+        if plan.fault in DISK_FAULTS:  # the keys stay in the folder, off the journal's disk
+            return f"sqlite:///{directory / 'disk' / 'journal.db'}?keys={directory / 'keys'}"
         return f"sqlite:///{directory / 'journal.db'}"
     sep = "&" if "?" in base else "?"
     return f"{base}{sep}schema=chaos_{plan.seed}_{os.getpid()}&keys={directory / 'keys'}"
@@ -118,7 +122,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
 
 
 def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
-                     ledger: Ledger, server: PrivateServer | None = None) -> tuple[str, str]:
+                     ledger: Ledger, server: PrivateServer | None = None,
+                     disk: JournalDisk | None = None) -> tuple[str, str]:
     """('exited' | 'killed' | 'crashed' | 'hung', last words). The orchestrator leads a process
     group of its own: whatever it started and left behind is ended with it, by that group id."""
     log = directory / "orchestrator.log"
@@ -134,6 +139,8 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
             pause_orchestrator(proc, plan, directory, url, ledger, deadline)
         if plan.fault in INFRA_FAULTS and server is not None:
             infra_fault(proc, plan, server, ledger, deadline)
+        if disk is not None:
+            disk_fault(proc, plan, disk, ledger, deadline)
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
@@ -217,6 +224,67 @@ def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer
     finally:
         server.resume()
         ledger.note("harness", plan.fault, "", at=at, mode=plan.variant, took=time.time() - at)
+
+
+def disk_fault(proc: subprocess.Popen[bytes], plan: Plan, disk: JournalDisk, ledger: Ledger,
+               deadline: float) -> None:
+    """Fill the journal's disk for a while, or make it read-only for the rest of the trial,
+    once the children are delegated: every call must then fail before its tool runs, or go
+    through; no process may hang."""
+    while ledger.first_note("delegated") is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return
+        time.sleep(0.005)
+    start = ledger.first_note("delegated")
+    assert start is not None
+    time.sleep(max(0.0, start + plan.pause_after - time.time()))
+    if proc.poll() is not None:
+        return
+    at = time.time()
+    detail: dict[str, Any] = {}
+    try:
+        if plan.fault == "disk_full":
+            detail["filled"] = disk.fill()
+            time.sleep(plan.pause_for)
+        else:
+            disk.make_readonly()
+    finally:
+        if plan.fault == "disk_full":
+            disk.free()
+        ledger.note("harness", plan.fault, "", at=at, took=time.time() - at, **detail)
+
+
+def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
+                  within: float = 20.0) -> None:
+    """The disk repaired, the operator starts a worker again: it runs what stayed queued while
+    no worker could write the journal (nobody else may run it), then stops with SIGTERM."""
+    env = {**os.environ, ENV_DIR: str(directory), ENV_PLAN: plan.to_json()}
+    with (directory / "worker-after.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tether", "worker", "--journal", url, "--agents",
+             "tether._chaos.agents:AGENTS", "--lease", f"{plan.lease}", "--stop-timeout", "1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and proc.poll() is None:
+            if asyncio.run(_all_terminal(url)):
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = proc.wait(timeout=6.0)
+        except subprocess.TimeoutExpired:
+            code = None
+            ledger.note("harness", "helper_hung", "worker-after", pid=proc.pid, after=6.0)
+        ledger.note("harness", "fleet_resumed", "", code=code)
+    finally:
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def _all_terminal(url: str) -> bool:
+    async with tether.Journal(url, create=False) as j:
+        return all(r.state.terminal for r in await j.delegations())
 
 
 def recovery_policy(plan: Plan) -> tether.Policy:
@@ -336,22 +404,36 @@ def one_trial(plan: Plan, base: str | None = None, timeout: float = 30.0,
     with tempfile.TemporaryDirectory(prefix="tether-chaos-") as tmp:
         directory = Path(tmp)
         url = trial_url(directory, base, plan)
-        ledger = Ledger(directory / "ledger.db")
-        start = time.time()
-        network = Network(directory / "ledger.db", twice=plan.bug == "double_apply",
-                          overdue=plan.bug == "overdue_apply")
-        network.start()
+        # The journal alone on a small disk of its own; the ledger stays in the folder.
+        disk = JournalDisk(directory, plan.fault) if plan.fault in DISK_FAULTS else None
         try:
-            return _trial(plan, directory, url, ledger, network, start, timeout, server)
+            if disk is not None:
+                disk.mount()
+            ledger = Ledger(directory / "ledger.db")
+            start = time.time()
+            network = Network(directory / "ledger.db", twice=plan.bug == "double_apply",
+                              overdue=plan.bug == "overdue_apply")
+            network.start()
+            try:
+                return _trial(plan, directory, url, ledger, network, start, timeout, server,
+                              disk)
+            finally:
+                network.close()
+                ledger.close()
+                drop(url)
         finally:
-            network.close()
-            ledger.close()
-            drop(url)
+            if disk is not None:
+                disk.close()
 
 
 def _trial(plan: Plan, directory: Path, url: str, ledger: Ledger, network: Network,
-           start: float, timeout: float, server: PrivateServer | None = None) -> TrialResult:
-    outcome, error = run_orchestrator(directory, plan, url, timeout, ledger, server)
+           start: float, timeout: float, server: PrivateServer | None = None,
+           disk: JournalDisk | None = None) -> TrialResult:
+    outcome, error = run_orchestrator(directory, plan, url, timeout, ledger, server, disk)
+    if disk is not None:
+        disk.clear()  # the fault clears once the trial's processes are gone
+        if plan.remote and (directory / "keys" / "signing.json").exists():
+            fleet_resumes(directory, plan, url, ledger)
     if not (directory / "keys" / "signing.json").exists():
         # Killed before it opened the journal: nothing happened.
         return TrialResult(plan, outcome, [], tracing.collect(ledger, None, start), error)
@@ -397,6 +479,11 @@ def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
         chosen = [replace(p, bug=inject) for p in plans(seed, trials, faults, per_fault)]
     per_fault_counts: dict[str, Counter[str]] = {f: Counter() for f in ALL_FAULTS}
     server: PrivateServer | None = None
+    if any(p.fault in DISK_FAULTS for p in chosen):
+        if journal is not None:
+            raise tether.UserError(f"{', '.join(DISK_FAULTS)} are faults of a SQLite journal's "
+                                   "disk: leave --journal out")
+        check_can_mount()
     if any(p.fault in INFRA_FAULTS for p in chosen):
         if journal is None:
             raise tether.UserError(

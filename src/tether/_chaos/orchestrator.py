@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import tether
 from tether._chaos import faults
@@ -25,6 +26,7 @@ from tether._chaos.plan import Plan
 from tether._chaos.world import Trial, build, policy
 
 WORKER_AGENTS = "tether._chaos.agents:AGENTS"
+START_TRIES = 15  # a worker that cannot start is tried this many times, 0.2 s apart
 
 
 class Helpers:
@@ -37,6 +39,7 @@ class Helpers:
         self.paused: set[int] = set()
         self.stopping: set[int] = set()
         self._n = 0
+        self.gave_up = ""  # why the orchestrator stopped waiting for its workers
 
     async def spawn(self, role: str, *argv: str,
                     ready: str | None = None) -> asyncio.subprocess.Process:
@@ -123,8 +126,10 @@ class Workers:
         self.helpers = helpers
         self.current: asyncio.subprocess.Process | None = None
         self._watch: asyncio.Task[None] | None = None
+        self.main: asyncio.Task[Any] | None = None  # cancelled when the workers give up
 
     async def start(self) -> asyncio.subprocess.Process:
+        self.main = asyncio.current_task()
         self.current = await self.helpers.worker()
         self._watch = asyncio.create_task(self._keep())
         return self.current
@@ -138,12 +143,27 @@ class Workers:
                 return
             self.helpers.running.pop(proc.pid, None)
             self.helpers.trial.note("exit", "worker", pid=proc.pid, code=code)
-            self.current = await self.helpers.worker()
+            self.current = await self._restart()
+
+    async def _restart(self) -> asyncio.subprocess.Process:
+        """As a service manager would: a worker that cannot start (its journal's disk is full)
+        is tried again a moment later; after START_TRIES failures the orchestrator gives up
+        (its waits for the workers' results would never end) and exits with the reason."""
+        for _ in range(START_TRIES):
+            try:
+                return await self.helpers.worker()
+            except RuntimeError as exc:
+                self.helpers.trial.note("worker_start_failed", "worker", error=str(exc)[:200])
+                await asyncio.sleep(0.2)
+        self.helpers.gave_up = f"no worker could start, {START_TRIES} tries in a row"
+        if self.main is not None:
+            self.main.cancel()
+        raise RuntimeError(self.helpers.gave_up)
 
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._watch
         if self.current is not None:
             await self.helpers.stop(self.current)
@@ -155,6 +175,10 @@ async def run(directory: Path, plan: Plan, url: str) -> None:
     helpers = Helpers(trial, url)
     try:
         await orchestrate(trial, url, helpers)
+    except asyncio.CancelledError:
+        if helpers.gave_up:
+            raise RuntimeError(helpers.gave_up) from None
+        raise
     finally:
         await helpers.finish()
 

@@ -40,7 +40,13 @@ INFRA_FAULTS = (
     "pg_terminate",  # pg_terminate_backend on every client backend mid-trial
     "pg_pause",  # SIGSTOP the postmaster and its backends for longer than a lease
 )
-ALL_FAULTS = FAULTS + INFRA_FAULTS
+# Faults of the disk under a SQLite journal (tether._chaos.disk), drawn only when named too.
+DISK_FAULTS = (
+    "disk_full",  # the journal's file system fills up for a while, then has room again
+    "journal_readonly",  # the journal's file system turns read-only (an error) mid-trial
+)
+NAMED_ONLY = INFRA_FAULTS + DISK_FAULTS
+ALL_FAULTS = FAULTS + NAMED_ONLY
 
 # The provider applies a request at most this many seconds after the tool sent it, or never
 # (it drops what is older): the chaos refund tool declares it as its dispatch deadline. Plans
@@ -104,7 +110,7 @@ def plans(run_seed: int, trials: int, faults: tuple[str, ...] = FAULTS,
     chosen: list[Plan] = []
     wanted = {f: per_fault for f in faults} if per_fault is not None else None
     index = 0
-    infra = any(f in INFRA_FAULTS for f in faults)
+    infra = any(f in NAMED_ONLY for f in faults)
     while (len(chosen) < trials) if wanted is None else any(wanted.values()):
         seed = trial_seed(run_seed, index)
         # With an infrastructure fault named, the fault is drawn among those named.
@@ -142,7 +148,22 @@ def make_plan(seed: int, forced: str | None = None) -> Plan:
         plan = dataclasses.replace(plan, **_cross_process(fault, random.Random(f"{seed}:{fault}")))
     if fault in INFRA_FAULTS:
         plan = dataclasses.replace(plan, **_infra(fault, random.Random(f"{seed}:{fault}")))
+    if fault in DISK_FAULTS:
+        plan = dataclasses.replace(plan, **_disk(fault, random.Random(f"{seed}:{fault}")))
     return plan
+
+
+def _disk(fault: str, rng: random.Random) -> dict[str, Any]:
+    """Children on this process or on a `tether worker`; the disk fills up for a while (then has
+    room again) or turns read-only for good, once they are under way."""
+    lease = rng.choice([1.0, 2.0])
+    p: dict[str, Any] = {
+        "remote": rng.random() < 0.5, "lease": lease, "latency": rng.uniform(0.02, 0.15),
+        "children": rng.randint(1, 3), "refunds": rng.randint(1, 3),
+        "pause_after": rng.uniform(0.0, 0.3),
+        "pause_for": rng.uniform(0.2, 1.5) if fault == "disk_full" else 0.0,
+    }
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()}
 
 
 def _infra(fault: str, rng: random.Random) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tether._core.errors import IdempotencyConflict, KeyInUse, NotFound
-from tether._core.model import ActionState, DelegationState, Effect
+from tether._core.model import DELEGATION_TERMINAL, ActionState, DelegationState, Effect
 from tether._core.outcome import (
     KEY_FREE,
     ActionFacts,
@@ -245,6 +245,23 @@ def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
     if cur.rowcount == 1:
         event(db, now, "in_doubt", None, action_id, why=why)
     return cur.rowcount == 1
+
+
+def receipts_missing(db: Db, root_id: str | None) -> list[ActionRecord]:
+    """PENDING actions of settled delegations: their receipt was never written (a full or
+    read-only disk refused it) although their delegation went on and ended. Nobody will write
+    it now, so they are in doubt, for a probe to settle."""
+    terminal = ", ".join(f"'{s.value}'" for s in DELEGATION_TERMINAL)
+    where = (f"state = 'PENDING' AND delegation_id IN (SELECT id FROM delegations "
+             f"WHERE state IN ({terminal}))")
+    if root_id is None:
+        rows = db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE {where} "
+                          "ORDER BY started_at").fetchall()
+    else:
+        rows = db.execute(f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE {where} "
+                          "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
+                          (root_id,)).fetchall()
+    return [_action(r) for r in rows]
 
 
 def get_action(db: Db, action_id: str) -> ActionRecord:

@@ -327,6 +327,9 @@ class Journal:
         return await self._write(ops.finish_action, action_id, outcome, now, result,
                                  None, evidence)
 
+    async def receipts_missing(self, root_id: str | None = None) -> list[ActionRecord]:
+        return await self._read(ops.receipts_missing, root_id)
+
     async def settle_pending(self, action_id: str, now: float, why: str) -> bool:
         return await self._write(ops.action_in_doubt, action_id, now, why)
 

@@ -30,6 +30,12 @@ def _map_error(exc: sqlite3.Error, path: Path) -> JournalError:
                             "writable?)")
     if "readonly" in text:
         return JournalError(f"journal {path} is read-only ({text})")
+    if "disk is full" in text:
+        return JournalError(f"journal {path}: its disk is full ({text}); nothing of this "
+                            "operation was written")
+    if "disk I/O error" in text:
+        return JournalError(f"journal {path}: its disk refused a read or write ({text}); is "
+                            "its file system read-only or failing?")
     if "malformed" in text or "not a database" in text or "corrupt" in text:
         return JournalCorrupt(f"journal {path} is corrupted ({text})")
     return JournalError(f"journal {path}: {text}")

@@ -173,6 +173,11 @@ class Accounting:
                     continue
                 why = f"owner {row.owner_id} is gone"
                 reports.append(await self.recover_delegation(row, why))
+        for lost in await sup.journal.receipts_missing(delegation_id):
+            # Its delegation ended without its receipt (the disk refused it): in doubt now.
+            if sup.runtime(lost.delegation_id) is None and lost.id not in self._calls:
+                await sup.journal.settle_pending(lost.id, sup.clock.wall(),
+                                                 "its receipt was never recorded")
         doubtful = [a for a in await sup.journal.unsettled(delegation_id)
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
         if doubtful:

@@ -1,0 +1,162 @@
+"""A SQLite journal on a disk that fills up or turns read-only (a small file system of its own,
+mounted for the test: these tests need root, as the chaos disk faults do).
+
+Write-ahead holds: a call whose intent cannot be written fails with a JournalError before its
+tool runs. A receipt that cannot be written leaves its action for reconciliation, never
+claimed otherwise, and a fresh supervisor settles it once the disk is back."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether._chaos.disk import JournalDisk
+
+A = tether.ActionState
+
+
+class Provider:
+    """The outside world: what it applied, by key (never deduplicated)."""
+
+    def __init__(self) -> None:
+        self.applied: Counter[str] = Counter()
+        self.after_apply: list[object] = []
+
+    def tools(self) -> list[tether.Tool]:
+        async def lookup(order_id: str, cents: int, *,
+                         idempotency_key: str) -> tether.ProbeResult:
+            n = self.applied[idempotency_key]
+            return tether.ProbeResult(
+                tether.ProbeOutcome.COMPLETED if n else tether.ProbeOutcome.NOT_APPLIED, {"n": n})
+
+        @tether.tool(effect=tether.Effect.EXTERNAL, probe=lookup)
+        async def pay(order_id: str, cents: int, *, idempotency_key: str) -> str:
+            self.applied[idempotency_key] += 1
+            while self.after_apply:  # the disk changes just after the payment applied
+                hook = self.after_apply.pop()
+                assert callable(hook)
+                hook()
+            return f"ref-{idempotency_key}"
+
+        return [pay]
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[JournalDisk]:
+    d = JournalDisk(tmp_path, "disk_full").mount()
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+def url_on(disk: JournalDisk) -> str:
+    return f"sqlite:///{disk.path / 'journal.db'}"
+
+
+async def actions(url: str) -> list[tether.ActionRecord]:
+    async with tether.Journal(url, create=False) as j:
+        return await j.actions([r.id for r in await j.delegations()])
+
+
+async def test_a_full_disk_fails_the_call_before_its_tool_runs(disk: JournalDisk) -> None:
+    provider = Provider()
+    [pay] = provider.tools()
+    errors: list[str] = []
+    sup: tether.Supervisor
+
+    async def child(ctx: tether.Context) -> str:
+        await ctx.call(pay, order_id="o", cents=1)
+        await sup.journal.flush()  # its receipt is written
+        disk.fill()
+        try:
+            await ctx.call(pay, order_id="o", cents=2)
+        except tether.JournalError as exc:
+            errors.append(str(exc))
+        disk.free()
+        ref: str = await ctx.call(pay, order_id="o", cents=3)
+        return ref
+
+    async with tether.Supervisor(url_on(disk), keys=tether.KeyRing.ephemeral(),
+                                 tools=[pay]) as sup:
+        handle = await sup.delegate(child, tools=[pay])
+        await handle.result()
+    assert len(errors) == 1 and "full" in errors[0], errors
+    # The second payment's intent could not be written: it never reached the provider.
+    assert sorted(provider.applied) == sorted(
+        a.idempotency_key for a in await actions(url_on(disk)) if a.state is A.COMPLETED)
+    assert len(provider.applied) == 2 and set(provider.applied.values()) == {1}
+
+
+async def test_a_receipt_the_full_disk_refused_is_reconciled_never_claimed(
+        disk: JournalDisk, tmp_path: Path) -> None:
+    provider = Provider()
+    [pay] = provider.tools()
+    keys = tether.KeyRing.ephemeral()
+
+    async def child(ctx: tether.Context) -> str:
+        provider.after_apply.append(disk.fill)  # the first payment's receipt meets a full disk
+        first: str = await ctx.call(pay, order_id="o", cents=1)
+        with pytest.raises(tether.JournalError):
+            await ctx.call(pay, order_id="o", cents=2)
+        disk.free()
+        await ctx.call(pay, order_id="o", cents=3)
+        return first
+
+    async with tether.Supervisor(url_on(disk), keys=keys, tools=[pay]) as sup:
+        handle = await sup.delegate(child, tools=[pay])
+        await handle.result()
+        report = await handle.report()
+    first_key = next(iter(provider.applied))
+    states = {a.idempotency_key: a.state for a in await actions(url_on(disk))}
+    # Never "not applied" or "failed" for the payment that went through.
+    assert states[first_key] in (A.PENDING, A.IN_DOUBT, A.COMPLETED), states
+    assert first_key not in [a.idempotency_key for a in report.not_applied]
+    # A fresh supervisor, the disk back, settles it by asking the provider.
+    async with tether.Supervisor(url_on(disk), keys=keys, tools=[pay], recover=False) as sup:
+        await sup.recover()
+    final = await actions(url_on(disk))
+    assert {a.idempotency_key for a in final if a.state is A.COMPLETED} == set(provider.applied)
+    assert not [a for a in final if a.state in (A.PENDING, A.IN_DOUBT)]
+
+
+async def test_a_journal_turned_read_only_fails_the_call_before_its_tool_runs(
+        tmp_path: Path) -> None:
+    disk = JournalDisk(tmp_path, "journal_readonly").mount()
+    try:
+        provider = Provider()
+        [pay] = provider.tools()
+        sup: tether.Supervisor
+
+        async def child(ctx: tether.Context) -> str:
+            await ctx.call(pay, order_id="o", cents=1)
+            await sup.journal.flush()
+            disk.make_readonly()  # the kernel turns the file system read-only, files open
+            ref: str = await ctx.call(pay, order_id="o", cents=2)
+            return ref
+
+        keys = tether.KeyRing.load_or_init(tmp_path / "keys")
+        url = f"{url_on(disk)}?keys={tmp_path / 'keys'}"
+
+        async def run() -> None:
+            nonlocal sup
+            async with tether.Supervisor(url, keys=keys, tools=[pay]) as sup:
+                handle = await sup.delegate(child, tools=[pay])
+                await handle.result()
+
+        with pytest.raises(tether.JournalError, match="read-only or failing"):
+            await run()
+        assert len(provider.applied) == 1  # the second call's intent was never written
+        disk.clear()  # unmounted, checked, mounted read-write again
+        async with tether.Supervisor(url, keys=keys, tools=[pay], recover=False) as sup:
+            await sup.recover()
+        final = await actions(url)
+        assert {a.idempotency_key for a in final if a.state is A.COMPLETED} == \
+            set(provider.applied)
+        assert not [a for a in final if a.state in (A.PENDING, A.IN_DOUBT)]
+    finally:
+        disk.close()
