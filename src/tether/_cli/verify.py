@@ -18,7 +18,9 @@ import typer
 from rich.console import Console
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, WorkOrder
-from tether._core.errors import ControlRefused
+from tether._core.errors import ControlRefused, NotFound
+from tether._core.model import DelegationState
+from tether._core.resolution import Resolution, decode_resolution
 from tether._core.trust import Registry, bound, check_work
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
@@ -32,7 +34,13 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
     def refused(record: str, exc: ControlRefused) -> None:
         problems.append({"delegation": d.id, "record": record, "problem": str(exc)})
 
-    for c in await j.controls(d.id):
+    rows = await j.controls(d.id)
+    if d.control_seq and d.control_seq not in {c.seq for c in rows}:
+        problems.append({"delegation": d.id, "record": f"sequence {d.control_seq}",
+                         "problem": f"the delegation's accepted sequence is {d.control_seq} "
+                                    "but no controls row holds it (deleted, or the sequence "
+                                    "set by hand)"})
+    for c in rows:
         checked += 1
         try:
             bound(reg.verify(c.signed, ControlIntent), d.id, c.seq, c.kind, d.epoch)
@@ -41,6 +49,13 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
     for doc in await j.documents(d.id):
         checked += 1
         try:
+            if doc.type == Resolution.TYPE:  # a person's decision: names its delegation
+                reg.verify_bytes(doc.signed)
+                decided = decode_resolution(doc.signed.body)
+                if decided.delegation_id != d.id:
+                    raise ControlRefused(f"signed for delegation {decided.delegation_id}: a "
+                                         "copied or replayed resolution")
+                continue
             body: Acknowledgement | NoEffectsReceipt = (
                 reg.verify(doc.signed, Acknowledgement) if doc.type == Acknowledgement.TYPE
                 else reg.verify(doc.signed, NoEffectsReceipt))
@@ -62,6 +77,26 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
     return checked
 
 
+_CONTROLLED = frozenset({DelegationState.RECALLING, DelegationState.TERMINATING,
+                         DelegationState.RECALLED, DelegationState.TERMINATED})
+
+
+async def _unexplained_fence(j: Journal, d: DelegationRow) -> bool:
+    """Only an accepted intent (on the row or an ancestor, I10) fences a live delegation or
+    moves it to a recall's or terminate's states; a row that says so without one was edited."""
+    if d.state not in _CONTROLLED and not (d.fenced and not d.state.terminal):
+        return False
+    row: DelegationRow | None = d
+    while row is not None:
+        if row.control_seq and await j.controls(row.id):
+            return False
+        try:
+            row = await j.get(row.parent_id) if row.parent_id else None
+        except NotFound:  # its parent's row is gone: nothing explains the fence
+            return True
+    return True
+
+
 async def verify_journal(j: Journal, ring: KeyRing | None,
                          delegation_id: str | None) -> dict[str, Any]:
     reg = await j.registry(ring.trusted if ring is not None else KeyRing.ephemeral().trusted)
@@ -74,6 +109,11 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
     checked = 0
     for d in rows:
         checked += await _check_delegation(j, reg, d, problems)
+        if await _unexplained_fence(j, d):
+            problems.append({"delegation": d.id, "record": "fence",
+                             "problem": f"{d.state.value}{' and fenced' if d.fenced else ''} "
+                                        "with no accepted control intent on it or an "
+                                        "ancestor (set by hand?)"})
     return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
             "problems": problems, "ok": not problems}
 

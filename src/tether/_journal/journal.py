@@ -356,14 +356,20 @@ class Journal:
         return await self._read(ops.events, delegation_ids)
 
     # -- a person's decisions (``_journal.resolutions``) ----------------------------------------
-    async def resolve(self, signed: Signed, trusted: TrustedKeys, now: float) -> ActionRecord:
-        """Verify a signed Resolution (I5), then record it and re-settle, in one transaction."""
+    async def resolve(self, signed: Signed, pins: TrustedKeys, now: float) -> ActionRecord:
+        """Verify a signed Resolution against the deployment's key registry as ``pins`` root
+        it (I5: never against the caller's own pins alone), then record it and re-settle,
+        all in one transaction."""
         from tether._core.resolution import decode_resolution
         from tether._journal.resolutions import resolve_action
 
-        trusted.verify_bytes(signed)
         res = decode_resolution(signed.body)
-        action = await self._write(resolve_action, signed, res, now)
+
+        def op(db: Any) -> ActionRecord:
+            trustops.registry(db, pins).verify_bytes(signed)
+            return resolve_action(db, signed, res, now)
+
+        action = await self._write(op)
         log.info("%s resolved as %s by %s", res.action_id, res.outcome.value, res.operator,
                  extra={"action": res.action_id, "delegation": res.delegation_id,
                         "outcome": res.outcome.value, "operator": res.operator,

@@ -50,6 +50,9 @@ def add(db: Db, signed: Signed, grant: KeyGrant, pins: TrustedKeys, now: float) 
     current.verify(signed, KeyGrant)
     if grant.op == "revoke" and grant.key_id == current.root:
         raise UserError(f"key {grant.key_id} is this journal's root; it cannot be revoked")
+    if grant.op == "trust" and grant.key_id in current.revoked:
+        raise UserError(f"key {grant.key_id} was revoked in this journal; a revoked key is "
+                        "never trusted again: make a new key ('tether keys init') and trust it")
     if grant.op == "revoke" and grant.key_id not in current.keys:
         raise UserError(f"key {grant.key_id} is not trusted by this journal; nothing to revoke")
     _insert(db, grant, signed, now)
