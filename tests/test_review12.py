@@ -130,3 +130,33 @@ async def test_verify_names_a_fence_no_accepted_intent_explains(journal_url: str
     assert code == 1, out + err
     named = {p["delegation"] for p in json.loads(out)["problems"]}
     assert {a.id, b.id} <= named
+
+
+async def test_rows_of_the_wrong_type_are_named_not_a_traceback(tmp_path: Path) -> None:
+    """SQLite columns take any type: a registry entry, a work order or a document written by
+    hand as text crashed every reader of it with a bare TypeError (`tether keys registry`,
+    `verify`, `show`, and every acceptance, which reads the registry). A registry entry is
+    now ignored and listed like any entry that does not verify; the others are one error
+    line naming the row."""
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with tether.Supervisor(url, tools=[pay]) as sup:
+        queued = await sup.delegate(payer, f"G-{uuid.uuid4().hex[:6]}", 1, remote=True)
+        await raw(sup.journal, "INSERT INTO trust (op, key_id, body, signer, signature, "
+                  "recorded_at) VALUES ('trust', 'k', 'text', 's', 'sig', 0)")
+        code, out, err = await tether_cli("keys", "registry", "--journal", url)
+        assert code == 0, err
+        assert "ignored: registry entry 2" in out
+        # Acceptance still works: the garbage entry is ignored, not fatal.
+        report = await queued.terminate("before anyone claims it")
+        assert report.outcome is tether.DelegationState.TERMINATED
+        await raw(sup.journal, "UPDATE delegations SET work_body = 'text' WHERE id = ?",
+                  queued.id)
+        code, _, err = await tether_cli("verify", "--journal", url)
+        assert code == 2 and "table delegations" in one_error_line(err), err
+        await raw(sup.journal, "UPDATE delegations SET work_body = NULL WHERE id = ?",
+                  queued.id)
+        await raw(sup.journal, "INSERT INTO documents (delegation_id, seq, type, body, key_id, "
+                  "signature, recorded_at) VALUES (?, 1, 'ack', 'text', 'k', 7, 0)", queued.id)
+        for args in (("verify",), ("show", queued.id)):
+            code, _, err = await tether_cli(*args, "--journal", url)
+            assert code == 2 and "table documents" in one_error_line(err), (args, err)

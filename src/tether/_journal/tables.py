@@ -113,10 +113,25 @@ def event(db: Db, at: float, what: str, delegation_id: str | None = None,
 
 
 
+def blob(value: Any) -> bytes:
+    """A BLOB column's bytes. ``bytes(text)`` would raise a bare TypeError deep in a read (a
+    hand-written row in SQLite, whose columns take any type), and ``bytes(n)`` would make n
+    zero bytes: anything but bytes is a TypeError the row decoders turn into JournalCorrupt."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"a {type(value).__name__} where signed bytes belong")
+
+
+def signed_of(body: Any, key_id: Any, signature: Any) -> Signed:
+    if not isinstance(key_id, str):
+        raise TypeError(f"a {type(key_id).__name__} where a key id belongs")
+    return Signed(blob(body), key_id, blob(signature))
+
+
 def _control_row(r: Any) -> ControlRow:
     return ControlRow(
         id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
-        signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
+        signed=signed_of(r[4], r[5], r[6]), accepted_at=r[7], issuer=r[8],
     )
 
 
