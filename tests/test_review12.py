@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -160,3 +161,47 @@ async def test_rows_of_the_wrong_type_are_named_not_a_traceback(tmp_path: Path) 
         for args in (("verify",), ("show", queued.id)):
             code, _, err = await tether_cli(*args, "--journal", url)
             assert code == 2 and "table documents" in one_error_line(err), (args, err)
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: nothing outside the journal remembers the "
+                   "registry's length, so deleting its last entries is undetectable (see "
+                   "docs/security.md, 'Not yet')")
+async def test_deleting_a_revocation_does_not_trust_the_key_again(
+        journal_url: str, tmp_path: Path) -> None:
+    """Deleting rows is meant to be denial of service (keys lose trust). Deleting a revocation
+    makes a key gain it: the leaked key is trusted again, and nothing lists a problem."""
+    async with tether.Supervisor(journal_url) as sup:
+        leaked = tether.KeyRing.init(tmp_path / "leaked")
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
+                                       leaked.signer.key_id, leaked.signer.public_b64(), "", 1.0)
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "revoke",
+                                       leaked.signer.key_id, "", "", 2.0)
+        await raw(sup.journal, "DELETE FROM trust WHERE op = 'revoke'")
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert leaked.signer.key_id not in reg.keys or reg.problems
+
+
+def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    """`keys/.lock` was opened with O_CREAT through symbolic links: whoever could plant one
+    made every tether process create (as its user, root in a container) the file it names."""
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    (keys / ".lock").symlink_to(elsewhere)
+    with pytest.raises(tether.UserError, match="cannot lock"):
+        tether.KeyRing.init(keys)
+    assert not elsewhere.exists()
+
+
+def test_keys_in_a_directory_another_user_owns_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key directory another user created first (a shared working directory) is theirs to
+    rewrite: `trusted.json` there pins whatever root they like, whatever its mode."""
+    keys = tmp_path / "keys"
+    tether.KeyRing.init(keys)
+    uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    with pytest.raises(tether.UserError, match="belongs to user"):
+        tether.KeyRing.load(keys)
+    with pytest.raises(tether.UserError, match="belongs to user"):
+        tether.KeyRing.init(tmp_path / "keys")
