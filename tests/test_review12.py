@@ -205,3 +205,23 @@ def test_keys_in_a_directory_another_user_owns_are_refused(
         tether.KeyRing.load(keys)
     with pytest.raises(tether.UserError, match="belongs to user"):
         tether.KeyRing.init(tmp_path / "keys")
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: liveness is read from rows the intruder "
+                   "can write; a trusted process then signs the stop (see the report)")
+async def test_an_owner_declared_dead_by_hand_is_not_terminated_by_a_trusted_recovery(
+        journal_url: str, shop: Shop) -> None:
+    """A confused deputy: the intruder deletes the live owner's row in `owners`. The next
+    supervisor to start (recover=True, the default) or `tether reconcile` takes the owner for
+    dead and signs a TERMINATE with its trusted key; the live owner admits it (trusted, bound
+    to the row) and stops its child. The stop is on record as a crash recovery, signed by a
+    trusted key: `tether verify` finds nothing wrong."""
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        child = await sup.delegate(shop.refund_agent, "D-1", tools=shop.tools)
+        await raw(sup.journal, "DELETE FROM owners WHERE id = ?", sup.owner_id)
+        async with tether.Supervisor(journal_url, tools=shop.tools, keys=sup.keys):
+            pass
+        open_gate(shop)
+        report = await child.report()
+    assert report.outcome is tether.DelegationState.SUCCEEDED, report
