@@ -2,9 +2,11 @@
 
 It checks what is signed today: the key registry (rooted in the pinned root), every control
 intent (signer trusted, body naming its row), every acknowledgement and receipt (signer trusted,
-body naming its delegation and sequence) and every queued delegation's work order (signer
-trusted, body matching the row). Action rows, results and events are not signed yet, so their
-alteration is not detected here (docs/security.md, "Not yet").
+body naming its delegation and sequence), every person's decision (signer trusted, body naming
+its delegation) and every queued delegation's work order (signer trusted, body matching the
+row); and that each fence or accepted sequence has the accepted intent that explains it.
+Action rows, results and events are not signed yet, so their alteration is not detected here,
+nor is a genuine record restored after it was superseded (docs/security.md, "Not yet").
 """
 
 from __future__ import annotations
