@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import tether
 from tests.conftest import Shop
 from tests.operator_world import stuck_payment
-from tests.test_cli import tether_cli
+from tests.test_cli import ROOT, tether_cli
 from tests.test_signed_work import PAY, ended, pay, payer
 from tests.test_trust import one_error_line, open_gate, raw
 
@@ -225,3 +226,40 @@ async def test_an_owner_declared_dead_by_hand_is_not_terminated_by_a_trusted_rec
         open_gate(shop)
         report = await child.report()
     assert report.outcome is tether.DelegationState.SUCCEEDED, report
+
+
+async def cli_within(seconds: float, *args: str) -> tuple[int, str, str]:
+    """tether_cli, killed (and the test failed) if it hangs."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", *args, cwd=ROOT, env={**os.environ},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), seconds)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"tether {' '.join(args)} hung") from None
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_a_parent_id_edited_into_a_cycle_is_named_not_a_hang(journal_url: str) -> None:
+    """The subtree query recursed without bound: one row made its own parent hung `tether
+    show`, `tether verify ID`, and any recall's fence inside its transaction (so the journal's
+    writer, and the process, with it)."""
+
+    @tether.agent(tools=[])
+    async def idle(ctx: tether.Context) -> int:
+        return 1
+
+    async with tether.Supervisor(journal_url) as sup:
+        h = await sup.delegate(idle)
+        await h.result()
+        await raw(sup.journal, "UPDATE delegations SET parent_id = id WHERE id = ?", h.id)
+    # In other processes, killed if they hang (in this one a hang would take the test along).
+    for args in (("show", h.id), ("verify", h.id), ("verify",)):
+        code, out, err = await cli_within(60, *args, "--journal", journal_url)
+        if args == ("verify",):
+            assert code in (0, 1), out + err  # the whole journal: read row by row
+        else:
+            assert code == 2 and "its own ancestor" in one_error_line(err), (args, err)

@@ -89,7 +89,9 @@ async def _unexplained_fence(j: Journal, d: DelegationRow) -> bool:
     if d.state not in _CONTROLLED and not (d.fenced and not d.state.terminal):
         return False
     row: DelegationRow | None = d
-    while row is not None:
+    seen: set[str] = set()
+    while row is not None and row.id not in seen:  # a parent_id edited into a cycle ends
+        seen.add(row.id)
         if row.control_seq and await j.controls(row.id):
             return False
         try:

@@ -19,6 +19,7 @@ from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ForgedRow,
     InvalidTransition,
+    JournalCorrupt,
     NotFound,
     StaleEpoch,
     StaleSequence,
@@ -109,7 +110,14 @@ def subtree(db: Db, root_id: str) -> list[DelegationRow]:
         "ORDER BY sub.depth, d.created_at, d.id",
         (root_id,),
     ).fetchall()
-    return [_delegation(r) for r in rows]
+    found = [_delegation(r) for r in rows]
+    seen: set[str] = set()
+    for row in found:
+        if row.id in seen:
+            raise JournalCorrupt(f"row {row.id!r} of table delegations is corrupted: it is its "
+                                 "own ancestor (its parent_id, or an ancestor's, was edited)")
+        seen.add(row.id)
+    return found
 
 
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:

@@ -42,9 +42,14 @@ class Db(Protocol):
 LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "
           "AND o.lease_until <= ?)")
 
-SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
+# Bounded: a parent_id edited into a cycle (a row its own ancestor) would otherwise recurse for
+# ever, hanging `tether show` and every recall's fence in its transaction. No real tree nests
+# this deep; ``subtree`` names a row met twice as corrupt.
+MAX_DEPTH = 1000
+SUBTREE = f"""WITH RECURSIVE sub(id, depth) AS (
     SELECT id, 0 FROM delegations WHERE id = ?
-    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
+    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id
+    WHERE sub.depth < {MAX_DEPTH})"""
 
 _DELEGATION_COLS = (
     "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
