@@ -74,7 +74,7 @@ async def test_a_worker_refuses_work_nobody_trusted_signed(journal_url: str,
     assert "no signed work order" in rows[-2].error
     assert "does not match" in rows[-1].error
     assert PAY.refund_count(f"H-1{run}") == 1
-    assert all(PAY.refund_count(o) == 0 for o in ("X-0", "X-4", "F-1", "A-1"))
+    assert all(PAY.refund_count(f"{o}{run}") == 0 for o in ("X-0", "X-4", "F-1", "A-1"))
 
 
 async def test_a_worker_whose_key_is_not_trusted_does_not_start(journal_url: str) -> None:

@@ -2,9 +2,11 @@
 
 It checks what is signed today: the key registry (rooted in the pinned root), every control
 intent (signer trusted, body naming its row), every acknowledgement and receipt (signer trusted,
-body naming its delegation and sequence) and every queued delegation's work order (signer
-trusted, body matching the row). Action rows, results and events are not signed yet, so their
-alteration is not detected here (docs/security.md, "Not yet").
+body naming its delegation and sequence), every person's decision (signer trusted, body naming
+its delegation) and every queued delegation's work order (signer trusted, body matching the
+row); and that each fence or accepted sequence has the accepted intent that explains it.
+Action rows, results and events are not signed yet, so their alteration is not detected here,
+nor is a genuine record restored after it was superseded (docs/security.md, "Not yet").
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import typer
 from rich.console import Console
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, WorkOrder
-from tether._core.errors import ControlRefused, UnknownKey
+from tether._core.errors import ControlRefused, NotFound, UnknownKey
+from tether._core.model import DelegationState
 from tether._core.resolution import Resolution, decode_resolution
 from tether._core.trust import Registry, bound, check_work
 from tether._journal.journal import DEFAULT_URL, Journal
@@ -33,7 +36,13 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
     def refused(record: str, exc: ControlRefused) -> None:
         problems.append({"delegation": d.id, "record": record, "problem": str(exc)})
 
-    for c in await j.controls(d.id):
+    rows = await j.controls(d.id)
+    if d.control_seq and d.control_seq not in {c.seq for c in rows}:
+        problems.append({"delegation": d.id, "record": f"sequence {d.control_seq}",
+                         "problem": f"the delegation's accepted sequence is {d.control_seq} "
+                                    "but no controls row holds it (deleted, or the sequence "
+                                    "set by hand)"})
+    for c in rows:
         checked += 1
         try:
             bound(reg.verify(c.signed, ControlIntent), d.id, c.seq, c.kind, d.epoch)
@@ -75,6 +84,28 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
     return checked
 
 
+_CONTROLLED = frozenset({DelegationState.RECALLING, DelegationState.TERMINATING,
+                         DelegationState.RECALLED, DelegationState.TERMINATED})
+
+
+async def _unexplained_fence(j: Journal, d: DelegationRow) -> bool:
+    """Only an accepted intent (on the row or an ancestor, I10) fences a live delegation or
+    moves it to a recall's or terminate's states; a row that says so without one was edited."""
+    if d.state not in _CONTROLLED and not (d.fenced and not d.state.terminal):
+        return False
+    row: DelegationRow | None = d
+    seen: set[str] = set()
+    while row is not None and row.id not in seen:  # a parent_id edited into a cycle ends
+        seen.add(row.id)
+        if row.control_seq and await j.controls(row.id):
+            return False
+        try:
+            row = await j.get(row.parent_id) if row.parent_id else None
+        except NotFound:  # its parent's row is gone: nothing explains the fence
+            return True
+    return True
+
+
 async def verify_journal(j: Journal, ring: KeyRing | None,
                          delegation_id: str | None) -> dict[str, Any]:
     reg = await j.registry(ring.trusted if ring is not None else KeyRing.ephemeral().trusted)
@@ -87,6 +118,11 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
     checked = 0
     for d in rows:
         checked += await _check_delegation(j, reg, d, problems)
+        if await _unexplained_fence(j, d):
+            problems.append({"delegation": d.id, "record": "fence",
+                             "problem": f"{d.state.value}{' and fenced' if d.fenced else ''} "
+                                        "with no accepted control intent on it or an "
+                                        "ancestor (set by hand?)"})
     return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
             "problems": problems, "ok": not problems}
 

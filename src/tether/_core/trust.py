@@ -67,6 +67,12 @@ class Registry:
             raise UnknownKey(self.explain(signed.key_id))
         return self.keys.verify(signed, kind)
 
+    def verify_bytes(self, signed: Signed) -> None:
+        """The signature alone, by a trusted key (documents decoded elsewhere)."""
+        if signed.key_id not in self.keys:
+            raise UnknownKey(self.explain(signed.key_id))
+        self.keys.verify_bytes(signed)
+
 
 def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Registry:
     """Replay the registry ``entries`` (id order) from the root the configuration pins."""
@@ -105,11 +111,15 @@ def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Regis
                 raise UnknownKey(f"signed by key {signed.key_id}, which is not trusted")
             TrustedKeys([signer]).verify_bytes(signed)
             if grant.op == "trust":
+                if grant.key_id in revoked:
+                    # Sticky: otherwise a copy of the key's old grant (genuinely signed),
+                    # appended after its revocation, would trust a leaked key again.
+                    raise Malformed("that key was revoked earlier in this registry; a "
+                                    "revoked key is never trusted again (make a new key)")
                 key = _public(grant.public)
                 if TrustedKeys([key]).ids() != [grant.key_id]:
                     raise Malformed("the key id does not match its public key")
                 trusted[grant.key_id], labels[grant.key_id] = key, grant.label
-                revoked.discard(grant.key_id)
             elif grant.key_id == root:
                 raise Malformed("the root key cannot be revoked")
             else:

@@ -19,6 +19,7 @@ from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ForgedRow,
     InvalidTransition,
+    JournalCorrupt,
     NotFound,
     StaleEpoch,
     StaleSequence,
@@ -61,7 +62,9 @@ from tether._journal.tables import (
     Db,
     _action,
     _control,
+    _decoded,
     _delegation,
+    signed_of,
 )
 from tether._journal.tables import event as event
 from tether._journal.tables import get_delegation as get_delegation
@@ -109,7 +112,14 @@ def subtree(db: Db, root_id: str) -> list[DelegationRow]:
         "ORDER BY sub.depth, d.created_at, d.id",
         (root_id,),
     ).fetchall()
-    return [_delegation(r) for r in rows]
+    found = [_delegation(r) for r in rows]
+    seen: set[str] = set()
+    for row in found:
+        if row.id in seen:
+            raise JournalCorrupt(f"row {row.id!r} of table delegations is corrupted: it is its "
+                                 "own ancestor (its parent_id, or an ancestor's, was edited)")
+        seen.add(row.id)
+    return found
 
 
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
@@ -214,11 +224,16 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
 
 def work_of(db: Db, delegation_id: str) -> Signed | None:
     """The signed work order a delegation carries, if any."""
-    row = db.execute("SELECT work_body, work_key, work_sig FROM delegations WHERE id = ?",
+    row = db.execute("SELECT id, work_body, work_key, work_sig FROM delegations WHERE id = ?",
                      (delegation_id,)).fetchone()
-    if row is None or row[0] is None or row[1] is None or row[2] is None:
+    if row is None or row[1] is None or row[2] is None or row[3] is None:
         return None
-    return Signed(bytes(row[0]), row[1], bytes(row[2]))
+    return _work(row)
+
+
+_work = _decoded("delegations", lambda r: signed_of(r[1], r[2], r[3]))
+_document = _decoded("documents", lambda r: DocumentRow(
+    r[1], r[2], r[3], signed_of(r[4], r[5], r[6]), r[7]))
 
 
 def bump_cancel(db: Db, task_id: str, now: float, why: str) -> int:
@@ -368,12 +383,11 @@ def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Si
 
 def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
     rows = db.execute(
-        "SELECT delegation_id, seq, type, body, key_id, signature, recorded_at FROM documents "
-        "WHERE delegation_id = ? ORDER BY id",
+        "SELECT id, delegation_id, seq, type, body, key_id, signature, recorded_at "
+        "FROM documents WHERE delegation_id = ? ORDER BY id",
         (delegation_id,),
     ).fetchall()
-    return [DocumentRow(r[0], r[1], r[2], Signed(bytes(r[3]), r[4], bytes(r[5])), r[6])
-            for r in rows]
+    return [_document(r) for r in rows]
 
 
 

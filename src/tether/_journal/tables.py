@@ -42,9 +42,14 @@ class Db(Protocol):
 LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "
           "AND o.lease_until <= ?)")
 
-SUBTREE = """WITH RECURSIVE sub(id, depth) AS (
+# Bounded: a parent_id edited into a cycle (a row its own ancestor) would otherwise recurse for
+# ever, hanging `tether show` and every recall's fence in its transaction. No real tree nests
+# this deep; ``subtree`` names a row met twice as corrupt.
+MAX_DEPTH = 1000
+SUBTREE = f"""WITH RECURSIVE sub(id, depth) AS (
     SELECT id, 0 FROM delegations WHERE id = ?
-    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id)"""
+    UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id
+    WHERE sub.depth < {MAX_DEPTH})"""
 
 _DELEGATION_COLS = (
     "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
@@ -113,10 +118,25 @@ def event(db: Db, at: float, what: str, delegation_id: str | None = None,
 
 
 
+def blob(value: Any) -> bytes:
+    """A BLOB column's bytes. ``bytes(text)`` would raise a bare TypeError deep in a read (a
+    hand-written row in SQLite, whose columns take any type), and ``bytes(n)`` would make n
+    zero bytes: anything but bytes is a TypeError the row decoders turn into JournalCorrupt."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"a {type(value).__name__} where signed bytes belong")
+
+
+def signed_of(body: Any, key_id: Any, signature: Any) -> Signed:
+    if not isinstance(key_id, str):
+        raise TypeError(f"a {type(key_id).__name__} where a key id belongs")
+    return Signed(blob(body), key_id, blob(signature))
+
+
 def _control_row(r: Any) -> ControlRow:
     return ControlRow(
         id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
-        signed=Signed(bytes(r[4]), r[5], bytes(r[6])), accepted_at=r[7], issuer=r[8],
+        signed=signed_of(r[4], r[5], r[6]), accepted_at=r[7], issuer=r[8],
     )
 
 

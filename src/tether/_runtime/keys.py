@@ -30,11 +30,21 @@ def private_dir(directory: Path) -> None:
     """Create the key directory (and parents) with mode 0700, whatever the umask."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _owned(directory)
         os.chmod(directory, 0o700)
     except FileExistsError as exc:
         raise _fail("use as a key directory", directory, exc) from None
     except OSError as exc:
         raise _fail("create the key directory", directory, exc) from None
+
+
+def _owned(directory: Path) -> None:
+    """Keys live only in a directory this user owns: one that another user created first (in
+    a shared working directory, say) would let them replace the pinned roots, even at 0700."""
+    owner = directory.stat().st_uid
+    if owner != os.geteuid():
+        raise UserError(f"key directory {directory} belongs to user {owner}, not to this "
+                        f"user ({os.geteuid()}): refusing to keep or read keys there")
 
 
 def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
@@ -70,7 +80,8 @@ def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
 def _locked(directory: Path) -> Iterator[None]:
     """An exclusive advisory lock on the key directory, held while keys are created."""
     try:
-        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        # Never through a symbolic link: that would create or open a file elsewhere.
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise _fail("lock", directory, exc) from None
     try:
@@ -106,6 +117,7 @@ class KeyRing:
         signing, trusted = directory / "signing.json", directory / "trusted.json"
         if not signing.exists():
             raise UserError(f"no signing key in {directory}; run 'tether keys init'")
+        _owned(directory)
         try:
             data = json.loads(signing.read_text())
             signer = SigningKey.from_raw(bytes.fromhex(data["private"]), data.get("label", ""))
