@@ -103,3 +103,25 @@ async def test_a_worker_logs_its_claims_as_json(cluster: Cluster) -> None:  # no
     claim = next(x for x in lines if x["message"].startswith("claimed"))
     assert claim["delegation"] == handle.id and claim["owner"] == ready["owner"]
     assert any(x["message"].startswith("stopping") for x in lines)
+
+
+def test_configuring_again_replaces_and_follows_the_current_stderr(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service command run twice in one process (tests, an embedding application) logs each
+    line once, to the stderr of the moment: never to a stream an earlier run swapped in and
+    closed (the logging module would print a "Logging error" traceback there instead)."""
+    root = logging.getLogger("tether")
+    before = list(root.handlers)
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", first)
+        configure("info", "text")
+        first.close()
+        second = io.StringIO()
+        monkeypatch.setattr(sys, "stderr", second)
+        configure("info", "text")
+        logging.getLogger("tether.supervisor").info("once")
+        assert second.getvalue().count("once") == 1
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)

@@ -56,6 +56,25 @@ def _visible(value: object) -> str:
         if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text)
 
 
+_OURS = "_tether_configured"
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not to the stream it was
+    when configured (a test runner or an embedding application may swap and close it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> logging.Handler:
     """What the service commands (worker, mcp-proxy, console) call: tether's loggers to
     ``stream`` (stderr: stdout may be a protocol) at ``level``, as text or JSON lines."""
@@ -63,7 +82,8 @@ def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> log
         raise UserError(f"--log-level {level!r}: expected one of {', '.join(LEVELS)}")
     if fmt.lower() not in FORMATS:
         raise UserError(f"--log-format {fmt!r}: expected text or json")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler: logging.StreamHandler[Any] = (
+        logging.StreamHandler(stream) if stream is not None else _Stderr())
     if fmt.lower() == "json":
         from pythonjsonlogger.json import JsonFormatter
 
@@ -73,6 +93,9 @@ def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> log
     else:
         handler.setFormatter(_Fields("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger(ROOT)
+    for previous in [h for h in root.handlers if getattr(h, _OURS, False)]:
+        root.removeHandler(previous)  # configured again: replace, never log each line twice
+    setattr(handler, _OURS, True)
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler
