@@ -111,7 +111,7 @@ async def test_mcp_a_retry_with_the_same_key_and_other_arguments_is_refused(
             "pay", {"account": "S-1", "cents": 300}, meta=key_meta("order-9")), 30)
     assert not first.is_error
     assert other.is_error and "order-9" in text(other), text(other)  # the Stripe rule
-    assert paid(bank_env, "S-1") == [("order-9", 3)]
+    assert paid(bank_env, "S-1") == [("client:order-9", 3)]
 
 
 async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
