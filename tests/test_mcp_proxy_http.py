@@ -107,11 +107,31 @@ async def test_each_http_session_is_a_delegation_and_a_retry_replays(
                                     meta=key_meta("order-77"))
     assert {"pay", "balance"} <= names
     assert text(first) == text(again) == "paid 3 to R-1" and not again.is_error
-    assert paid(bank_env, "R-1") == [("order-77", 3)]  # applied once
+    # Applied once, under the key in the client's namespace: what the upstream dedupes on.
+    assert paid(bank_env, "R-1") == [("client:order-77", 3)]
     found = await reports(journal)
     assert len(found) == 2  # one delegation per MCP session
     assert [(a.tool, a.state, a.idempotency_key) for r in found for a in r.actions] == [
-        ("bank.pay", A.COMPLETED, "order-77")]
+        ("bank.pay", A.COMPLETED, "client:order-77")]  # the client's own namespace
+
+
+async def test_a_client_key_never_takes_over_another_sessions_automatic_key(
+        bank_env: Path, tmp_path: Path) -> None:
+    """Task ids are visible (`tether ls`), so another session's next automatic key can be
+    guessed: a client that sends it in ``_meta`` must not make that session's genuine call
+    replay and never run."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with proxy_http(journal) as url, http_client(url) as victim:
+        await victim.list_tools()
+        (mine,) = await until(journal, lambda rs: len(rs) == 1)
+        async with http_client(url) as other:
+            stolen = await other.call_tool("pay", {"account": "R-9", "cents": 5},
+                                           meta=key_meta(f"{mine.task_id}:bank.pay:mcp0"))
+        genuine = await victim.call_tool("pay", {"account": "R-9", "cents": 5})
+    assert not stolen.is_error and not genuine.is_error
+    # Both calls ran, in the journal and at the bank (which dedupes on the key it is sent).
+    assert sorted(key for key, _ in paid(bank_env, "R-9")) == [
+        f"client:{mine.task_id}:bank.pay:mcp0", f"{mine.task_id}:bank.pay:mcp0"]
 
 
 async def test_a_call_cancelled_over_http_is_cancelled_upstream_and_reconciled(

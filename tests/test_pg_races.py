@@ -9,6 +9,7 @@ the first (a recall accepted for a delegation that had just ended, which then no
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable
 from typing import Any
@@ -182,5 +183,63 @@ async def test_a_receipt_racing_a_probe_is_never_lost(pg_url: str, probe_first: 
         assert told in (tether.ActionState.NOT_APPLIED, tether.ActionState.COMPLETED)
         if not probe_first:
             assert told is tether.ActionState.COMPLETED
+    finally:
+        await ja.close()
+
+
+async def _final_tree(j: Journal) -> None:
+    """d1 SUCCEEDED, past every deadline: a1 NOT_APPLIED (its key freed), a2 the key's
+    next use, COMPLETED. A receipt saying a1 completed contradicts a2: a person must look."""
+    def call(action_id: str, ordinal: int, now: float) -> NewAction:
+        return NewAction(id=action_id, delegation_id="d1", epoch=0, ordinal=ordinal, tool="pay",
+                         effect=tether.Effect.EXTERNAL, args_json="{}", args_hash="h",
+                         idem_key="k1", now=now, deadline_at=3.0)
+
+    await j.begin_action(call("a1", 0, 2.0))
+    await j.mark_in_doubt("d1", 2.5)
+    await j.settle_action("a1", tether.ActionState.NOT_APPLIED, 4.0, evidence={"probe": "no"})
+    await j.begin_action(call("a2", 1, 4.5))
+    j.finish_action("a2", tether.ActionState.COMPLETED, 4.6, result="paid")
+    await j.end_delegation("d1", tether.DelegationState.SUCCEEDED, 5.0)
+    assert await j.prunable(["d1"], 10.0, 10.0) == ["d1"]
+
+
+async def _prune(j: Journal) -> dict[str, Any]:
+    return await j.prune(["d1"], 10.0, 10.0, None)
+
+
+def _events(url: str, kind: str) -> list[Any]:
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        return conn.execute(sql.SQL("SELECT action_id, detail FROM {}.events WHERE kind = %s")
+                            .format(sql.Identifier(_schema_of(url))), (kind,)).fetchall()
+
+
+async def test_a_receipt_committed_while_a_prune_checks_keeps_its_tree(pg_url: str) -> None:
+    """The receipt takes the action first: the prune must judge the tree on it (a person must
+    now look), never delete it and the receipt with it."""
+    ja, results = await _race(pg_url, _receipt, _prune, table="actions", row="a1",
+                              setup=_final_tree)
+    try:
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert results[1]["kept"] == ["d1"], results[1]
+        row = await ja.get("d1")
+        assert row.state is tether.DelegationState.NEEDS_ATTENTION
+        assert [a for a, _ in _events(pg_url, "contradicting_receipt")] == ["a1"]
+    finally:
+        await ja.close()
+
+
+async def test_a_receipt_for_an_action_pruned_meanwhile_is_kept_as_an_event(
+        pg_url: str) -> None:
+    """The prune takes the action first and deletes it: the receipt that waited finds no
+    action, and is recorded as an event with its outcome instead of dropped in the writer."""
+    ja, results = await _race(pg_url, _prune, _receipt, table="actions", row="a1",
+                              setup=_final_tree)
+    try:
+        assert not [r for r in results if isinstance(r, BaseException)], results
+        assert results[0]["delegations"] == 1
+        [(action, detail)] = _events(pg_url, "receipt_for_pruned_action")
+        assert action == "a1" and json.loads(detail)["outcome"] == "COMPLETED", detail
+        assert json.loads(detail)["result"] == "paid", detail
     finally:
         await ja.close()

@@ -111,7 +111,7 @@ async def test_mcp_a_retry_with_the_same_key_and_other_arguments_is_refused(
             "pay", {"account": "S-1", "cents": 300}, meta=key_meta("order-9")), 30)
     assert not first.is_error
     assert other.is_error and "order-9" in text(other), text(other)  # the Stripe rule
-    assert paid(bank_env, "S-1") == [("order-9", 3)]
+    assert paid(bank_env, "S-1") == [("client:order-9", 3)]
 
 
 async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
@@ -185,8 +185,6 @@ def test_mcp_config_probes_do_not_shadow_modules_imported_later(tmp_path: Path) 
     assert loaded.policies["bank"].probes["pay"].__name__ == "landed"
 
 
-@pytest.mark.xfail(strict=True, reason="open finding: pydantic-ai's idempotency_key() is a "
-                   "plain ContextVar, inherited by an agent run started inside a tool")
 async def test_pydantic_ai_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
         journal_url: str) -> None:
     from pydantic_ai import Agent as PaiAgent
@@ -233,6 +231,60 @@ async def test_pydantic_ai_an_agent_run_inside_a_tool_does_not_inherit_the_outer
     first, *inner_keys = seen
     assert first is not None and len(inner_keys) == 2, (seen, report.actions)
     assert first not in inner_keys, seen
+
+
+async def test_pydantic_ai_a_sync_tool_has_its_key_and_an_inner_sync_tool_has_none(
+        journal_url: str) -> None:
+    """A sync tool runs in pydantic-ai's worker thread: it gets its own call's key there; a sync
+    tool of an agent run inside an async tool (another worker thread) gets none."""
+    from pydantic_ai import Agent as PaiAgent
+    from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
+    from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+    from tether.pydantic_ai import as_tether_agent as pai_agent
+    from tether.pydantic_ai import idempotency_key as pai_key
+
+    def scripted(*responses: ModelResponse) -> FunctionModel:
+        queue = list(responses)
+
+        def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            return queue.pop(0)
+
+        return FunctionModel(respond)
+
+    seen: dict[str, str | None] = {}
+    inner: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("refund", {"order_id": "X"})]),
+        ModelResponse(parts=[TextPart("inner done")])), name="inner")
+
+    @inner.tool_plain
+    def refund(order_id: str) -> str:
+        """Refund an order."""
+        seen["inner"] = pai_key()
+        return f"refunded {order_id}"
+
+    outer: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("note", {"text": "hi"}),
+                             ToolCallPart("batch", {"orders": "X"})]),
+        ModelResponse(parts=[TextPart("done")])), name="outer")
+
+    @outer.tool_plain
+    def note(text: str) -> str:
+        """Write a note (sync: runs in a worker thread)."""
+        seen["note"] = pai_key()
+        return "noted"
+
+    @outer.tool_plain
+    async def batch(orders: str) -> str:
+        """Run the refund agent itself."""
+        seen["batch"] = pai_key()
+        return (await inner.run(orders)).output
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(pai_agent(outer), "note and refund")
+        await handle.result()
+    assert seen["note"] is not None and seen["batch"] is not None, seen
+    assert seen["note"] != seen["batch"] and seen["inner"] is None, seen
 
 
 async def test_mcp_a_terminated_session_does_not_pass_untrusted_reads_through(

@@ -12,6 +12,10 @@ A client that cancels a call (``notifications/cancelled``, or a dropped HTTP str
 cancellation sent on upstream; the action is then in doubt and probed, never taken as done.
 A client may carry its own idempotency key in the request's ``_meta``
 (``io.tether/idempotency-key``): a retry with the same key replays the journaled outcome.
+Client keys live in a namespace of their own, ``client:<key>``: journaled, sent upstream and
+given to the tool's probe so. No client can then name another session's automatic key
+(``<task id>:<tool>:mcpN``), in the journal or at an upstream that dedupes on the key, and
+make that session's genuine call replay; the client's own retries still agree everywhere.
 """
 
 from __future__ import annotations
@@ -126,6 +130,8 @@ class _Call:
 
 _CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
 MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
+# Where client keys are journaled; automatic keys start with a task id ("t..."), never this.
+CLIENT_KEYS = "client:"
 ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
 # Upstream sessions whose connection closed (an upstream that exited): never reopened.
 _GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
@@ -410,8 +416,7 @@ class Proxy:
             raise MCPError(code=mcp_types.INVALID_PARAMS,
                            message=f"tether mcp-proxy: {KEY_META!r} in _meta must be a string "
                            f"of 1 to {MAX_KEY} characters")
-        if key is None:
-            key = self._next_key(tool)
+        key = self._next_key(tool) if key is None else CLIENT_KEYS + key
         assert self.ctx is not None and self.sup is not None
         # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
         forwarded = {k: v for k, v in (out or {}).items() if k not in ("task", "_meta")}

@@ -13,7 +13,9 @@ ceiling, never re-dispatched. A model call that fails in transit raises ``Stream
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from pydantic_ai.messages import ModelResponse, TextPart, ToolReturnPart
 from pydantic_ai.tools import RunContext
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
+from pydantic_ai.toolsets.function import FunctionToolsetTool
 from pydantic_core import to_jsonable_python
 
 from tether._core.errors import ControlSignal, ToolRejected, UserError
@@ -45,14 +48,39 @@ from tether._runtime.tools import Agent, ProbeFn, Tool
 EventFn = Callable[[Any], Any]
 _Call = tuple[AbstractToolset[Any], str, dict[str, Any], RunContext[Any], ToolsetTool[Any]]
 
-_KEY: ContextVar[str | None] = ContextVar("tether_pydantic_ai_key", default=None)
+_KEY: ContextVar[_KeyFrame | None] = ContextVar("tether_pydantic_ai_key", default=None)
 _BINDING: ContextVar[_Binding | None] = ContextVar("tether_pydantic_ai_binding", default=None)
 _CALL: ContextVar[_Call | None] = ContextVar("tether_pydantic_ai_call", default=None)
 
 
 def idempotency_key() -> str | None:
-    """Inside a tool run through tether: the key to send to the outside world."""
-    return _KEY.get()
+    """Inside a tool run through tether: the key to send to the outside world. None elsewhere,
+    including in the tools of an agent run inside the tool, and in tasks or threads the tool
+    spawns (read the key first, then hand it to them)."""
+    frame = _KEY.get()
+    if frame is None:
+        return None
+    try:
+        task: object = asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread: a sync tool in pydantic-ai's worker
+        if frame.sync and frame.thread is None:
+            frame.thread = threading.get_ident()  # the first thread to ask is the tool's own
+        return frame.key if frame.thread == threading.get_ident() else None
+    return frame.key if task is frame.task else None
+
+
+@dataclass(eq=False)
+class _KeyFrame:
+    """One tether call's key, and where its tool function runs: pydantic-ai awaits an async
+    tool in the task that calls the toolset (ours), and runs a sync one in a worker thread
+    (or, threads disabled, in that task). An agent run started inside the tool runs its own
+    tools in tasks (and threads) of its own, which inherit the variable but are not tether
+    calls: they must not reuse this call's key."""
+
+    key: str
+    task: object
+    sync: bool
+    thread: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +149,9 @@ def _gateway_fn(name: str) -> Callable[..., Any]:
         if current is None:
             raise UserError(f"{name} runs only inside its pydantic-ai run")
         wrapped, tool_name, args, run_ctx, tool = current
-        token = _KEY.set(idempotency_key)
+        frame = None if idempotency_key is None else _KeyFrame(
+            idempotency_key, asyncio.current_task(), sync=not _is_async(tool))
+        token = _KEY.set(frame)
         try:
             return await wrapped.call_tool(tool_name, args, run_ctx, tool)
         except (ModelRetry, CallDeferred, ApprovalRequired) as exc:
@@ -131,6 +161,18 @@ def _gateway_fn(name: str) -> Callable[..., Any]:
 
     run.__name__ = name
     return run
+
+
+def _is_async(tool: ToolsetTool[Any]) -> bool:
+    """Whether pydantic-ai awaits the tool's function (else runs it in a worker thread); a
+    wrapper's tool holds the function toolset's as ``source_tool`` (async when unknown)."""
+    while True:
+        if isinstance(tool, FunctionToolsetTool):
+            return tool.is_async
+        source = getattr(tool, "source_tool", None)
+        if not isinstance(source, ToolsetTool):
+            return True
+        tool = source
 
 
 def _function_tools(agent: PaiAgent[Any, Any]) -> list[str]:

@@ -110,7 +110,11 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions a "
                          "WHERE id = ? /*XLOCK a*/", (action_id,)).fetchone()
         if row is None:
-            raise NotFound(f"no action {action_id!r} in this journal")
+            # Pruned (``tether prune``) after the tree was final, or never here: the fact is
+            # kept as an event, never dropped, for a person to see.
+            event(db, now, "receipt_for_pruned_action", None, action_id, outcome=outcome.value,
+                  result=result, error=error, evidence=evidence)
+            return outcome
         old = ActionState(row[0])
         verdict = judge_receipt(old, outcome, from_probe=evidence is not None,
                                 fills_result=bool(row[2]) and result is not None)

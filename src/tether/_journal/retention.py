@@ -83,16 +83,25 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] 
     family = [r[0] for r in db.execute(
         "SELECT id FROM delegations WHERE task_id = ? AND parent_id IS NULL "
         "ORDER BY created_at, id", (task[0],)).fetchall()]
-    nodes = [n for root in family for n in db.execute(
-        f"{SUBTREE} SELECT d.id, d.state, d.ended_at FROM delegations d "
-        "JOIN sub ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall()]
-    ids = [n[0] for n in nodes]
-    calls = db.execute(
-        f"SELECT state, deadline_at FROM actions WHERE delegation_id IN "
-        f"({', '.join('?' * len(ids))})", ids).fetchall() if ids else []
+    ids = [n[0] for root in family for n in db.execute(
+        f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub ON sub.id = d.id "
+        "ORDER BY sub.depth", (root,)).fetchall()]
+    if not ids:
+        return None
+    # Locked (PostgreSQL) before they are judged, actions first as a receipt locks them (its
+    # action, then its delegations): a receipt that commits first is read here, and one that
+    # comes later waits for the prune and finds its action gone (``finish_action``). Unlocked,
+    # a receipt committed between this check and the delete went with the tree.
+    marks = ", ".join("?" * len(ids))
+    calls = db.execute(f"SELECT state, deadline_at FROM actions a WHERE delegation_id IN "
+                       f"({marks}) ORDER BY id /*XLOCK a*/", ids).fetchall()
+    states = {r[0]: (r[1], r[2]) for r in db.execute(
+        f"SELECT id, state, ended_at FROM delegations d WHERE id IN ({marks}) "
+        "ORDER BY id /*XLOCK d*/", ids).fetchall()}
+    nodes = [(i, *states[i]) for i in ids if i in states]
     ok = prunable([NodeFacts(DelegationState(n[1]), n[2]) for n in nodes],
                   [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now)
-    return ids if ok and ids else None
+    return ids if ok and len(nodes) == len(ids) else None
 
 
 def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
