@@ -464,6 +464,9 @@ async def test_a_cli_cancel_in_the_settle_delay_stops_the_redispatch(
         handle = await sup.delegate(cut_then_succeed, tools=[read_file])
         first = handle.id
         await clock.sleeping(1, at_least=REDISPATCH.settle_delay)
+        # The delay is the test's to end: while the CLI process starts (seconds, on a loaded
+        # machine) the loop idles, and autojump would end the delay before the cancel lands.
+        clock.autojump(None)
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tether", *command, first, "--reason", "from the shell",
             "--journal", journal_url, "--json", cwd=ROOT,
@@ -471,6 +474,7 @@ async def test_a_cli_cancel_in_the_settle_delay_stops_the_redispatch(
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await asyncio.wait_for(cli.communicate(), 30.0)
         clock.advance(REDISPATCH.settle_delay)
+        clock.autojump(1.0)
         outcome: Any = (await asyncio.gather(handle.result(), return_exceptions=True))[0]
         rows = await attempts_of(sup, handle)
     assert rows == [(1, "FAILED")], (
