@@ -58,10 +58,13 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
             event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
                   key=new.idem_key)
         return BeginResult(Begin(gate.value), new.id)
+    # The earlier uses of the key are read under a share lock (PostgreSQL): a late receipt
+    # that re-opens a NOT_APPLIED one (``finish_action``, which locks it first) either commits
+    # before this read, and the key replays, or waits for this intent, and then sees it.
     prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4]), r[5])
              for r in db.execute(
-                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions "
-                 "WHERE idem_key = ? ORDER BY started_at",
+                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions a "
+                 "WHERE idem_key = ? ORDER BY started_at /*LOCK a*/",
                  (new.idem_key,),
              ).fetchall()]
     decision = decide_key(new.tool, new.args_hash, prior, new.now)
@@ -102,8 +105,10 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
         if cur.rowcount == 1:
             return outcome
     while True:
-        row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions "
-                         "WHERE id = ?", (action_id,)).fetchone()
+        # Locked (PostgreSQL) before it is judged: the check below for a new use of a freed
+        # key then reads every intent that took the key before this lock was granted.
+        row = db.execute("SELECT state, delegation_id, result IS NULL, idem_key FROM actions a "
+                         "WHERE id = ? /*XLOCK a*/", (action_id,)).fetchone()
         if row is None:
             raise NotFound(f"no action {action_id!r} in this journal")
         old = ActionState(row[0])
@@ -178,6 +183,21 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     """Re-open a stopped delegation's accounting after a new fact about one of its actions:
     it moves to its settled state once nothing of it or of its subtree may still apply, and
     so may its ancestors. A running delegation settles when it ends."""
+    row, new = _judge(db, delegation_id)
+    if attention and new.terminal and new not in (
+            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
+        new = DelegationState.NEEDS_ATTENTION
+    if new is not row.state:
+        event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
+              why=why)
+        row = set_state(db, delegation_id, new, now)
+    if row.parent_id is not None and row.state.terminal:
+        resettle(db, row.parent_id, now, f"child {delegation_id} settled")
+    return row
+
+
+def _judge(db: Db, delegation_id: str) -> tuple[DelegationRow, DelegationState]:
+    """A node and its settled state (``settle``), judged on the facts as they are now."""
     # The row is locked first (PostgreSQL), so that the facts below are read after any other
     # process's re-settling of it has committed: a judgement on stale facts never lands.
     db.execute("SELECT id FROM delegations d WHERE id = ? /*XLOCK d*/", (delegation_id,))
@@ -189,16 +209,19 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
                  row.state,
                  children_settled=all(DelegationState(c[0]).terminal for c in children))
-    if attention and new.terminal and new not in (
-            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
-        new = DelegationState.NEEDS_ATTENTION
-    if new is not row.state:
-        event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
-              why=why)
-        row = set_state(db, delegation_id, new, now)
-    if row.parent_id is not None and row.state.terminal:
-        resettle(db, row.parent_id, now, f"child {delegation_id} settled")
-    return row
+    return row, new
+
+
+def settle_tree(db: Db, root_id: str, now: float) -> None:
+    """Every node of a subtree, deepest first, to its settled state, each judged under its
+    lock on the facts as they are when it is written (never on facts read in an earlier
+    transaction, which another process's probe or receipt may have changed since)."""
+    ids = [r[0] for r in db.execute(f"{SUBTREE} SELECT id FROM sub ORDER BY depth DESC, id",
+                                    (root_id,)).fetchall()]
+    for delegation_id in ids:
+        row, new = _judge(db, delegation_id)
+        if new is not row.state:
+            set_state(db, delegation_id, new, now)
 
 
 def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:

@@ -205,6 +205,10 @@ class Journal:
         return await self._write(ops.set_state, delegation_id, state, now, result, error,
                                  failure)
 
+    async def settle_tree(self, root_id: str, now: float) -> None:
+        """Every node of the subtree, deepest first, to its settled state, in one transaction."""
+        await self._write(ops.settle_tree, root_id, now)
+
     async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,
                              result: Any = None, error: str | None = None,
                              failure: str | None = None

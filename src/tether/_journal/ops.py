@@ -38,6 +38,7 @@ from tether._journal.actions import finish_action as finish_action
 from tether._journal.actions import get_action as get_action
 from tether._journal.actions import mark_in_doubt as mark_in_doubt
 from tether._journal.actions import resettle as resettle
+from tether._journal.actions import settle_tree as settle_tree
 from tether._journal.actions import unsettled_actions as unsettled_actions
 from tether._journal.rows import (
     Begin,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether._core import drain
 from tether._core.documents import ControlIntent
-from tether._core.errors import KeyInUse
+from tether._core.errors import InvalidTransition, KeyInUse, StaleSequence
 from tether._core.model import ActionState, ControlKind, DelegationState
 from tether._core.outcome import UNSETTLED, PriorCall, holds_key
 from tether._core.report import Report
@@ -198,11 +198,20 @@ class Accounting:
             await self.account(row.id, DelegationState.TERMINATED)
             await sup.journal.flush()
             return await build_report(sup.journal, row.id)
-        if row.state in (DelegationState.RUNNING,):
+        while row.state is DelegationState.RUNNING:
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
                                    None, f"recovery: {reason}", sup.clock.wall())
-            await sup.journal.accept_control(sup.keys.signer.sign(intent), sup.keys.trusted,
-                                             sup.owner_id, sup.clock.wall())
+            try:
+                await sup.journal.accept_control(sup.keys.signer.sign(intent),
+                                                 sup.keys.trusted, sup.owner_id,
+                                                 sup.clock.wall())
+            except (StaleSequence, InvalidTransition):
+                # The row was read before another process moved it (its recall, a second
+                # recovery, the child's own end): it is fenced or ended all the same, so the
+                # recovery goes on with what it holds now, never hands the race to its caller.
+                row = await sup.journal.get(row.id)
+            else:
+                break
         await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
         await self.account(row.id, DelegationState.TERMINATED)
         sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict="RECOVERED",

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 
 from tether._core import values
 from tether._core.model import ActionState, DelegationState, ProbeOutcome
-from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, ActionFacts, judge_probe, settle
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, judge_probe
 from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
@@ -98,19 +98,12 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
 async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
                          fallback: DelegationState) -> None:
     """Move every node (deepest first) to its settled state (``_core.outcome.settle``). A node
-    with a call that may still apply keeps its state until that call is settled."""
-    rows = await journal.subtree(root_id)
-    acts = await journal.actions([r.id for r in rows])
-    states: dict[str, DelegationState] = {}
-    for row in reversed(rows):
-        mine = [ActionFacts(a.state, bool(a.evidence)) for a in acts
-                if a.delegation_id == row.id]
-        children = [states.get(r.id, r.state) for r in rows if r.parent_id == row.id]
-        new = settle(row.state, mine, fallback,
-                     children_settled=all(c.terminal for c in children))
-        states[row.id] = new
-        if new is not row.state:
-            await journal.set_state(row.id, new, clock.wall())
+    with a call that may still apply keeps its state until that call is settled. Judged in the
+    journal, under each row's lock, on the facts as they are when it moves: another process's
+    probe or receipt may land between any read here and a write. (``fallback`` is where a
+    running node would end; ``settle`` never ends a RUNNING node, so it decides nothing.)"""
+    del fallback
+    await journal.settle_tree(root_id, clock.wall())
 
 
 async def build_report(journal: Journal, root_id: str) -> Report:
