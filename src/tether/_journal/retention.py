@@ -68,7 +68,8 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] | None:
+def tree_prunable(db: Db, root_id: str, before: float, now: float,
+                  tolerance: float) -> list[str] | None:
     """The tree's delegation ids if it may be pruned, else None."""
     nodes = db.execute(f"{SUBTREE} SELECT d.id, d.state, d.ended_at FROM delegations d "
                        "JOIN sub ON sub.id = d.id ORDER BY sub.depth", (root_id,)).fetchall()
@@ -77,7 +78,8 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] 
         f"SELECT state, deadline_at FROM actions WHERE delegation_id IN "
         f"({', '.join('?' * len(ids))})", ids).fetchall() if ids else []
     ok = prunable([NodeFacts(DelegationState(n[1]), n[2]) for n in nodes],
-                  [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now)
+                  [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now,
+                  tolerance=tolerance)
     return ids if ok and ids else None
 
 
@@ -87,13 +89,13 @@ def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
 
 
 def prune(db: Db, root_ids: list[str], before: float, now: float,
-          archive: dict[str, Any] | None) -> dict[str, Any]:
+          archive: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
     """Delete the trees that may still be pruned (each re-checked here, in the transaction),
     and record what went, and where its archive is, as a ``pruned`` event that stays."""
     gone: list[str] = []
     kept: list[str] = []
     for root in root_ids:
-        ids = tree_prunable(db, root, before, now)
+        ids = tree_prunable(db, root, before, now, tolerance)
         if ids is None:
             kept.append(root)
         else:
