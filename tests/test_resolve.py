@@ -91,13 +91,15 @@ def test_resolve_refuses_mistakes_with_one_line(tmp_path: Path) -> None:
 async def test_a_later_receipt_that_contradicts_a_decision_is_kept_and_flagged(
         journal_url: str) -> None:
     stuck = await stuck_payment(journal_url, deadline=0.01)
-    async with tether.Supervisor(journal_url, recover=False) as sup:
-        # "Not applied" only once the call can no longer apply: wait (bounded) for that.
+    async with tether.Supervisor(journal_url, recover=False,
+                                 policy=tether.Policy(clock_tolerance=0.05)) as sup:
+        # "Not applied" only once the call can no longer apply (its deadline plus the clock
+        # tolerance): wait (bounded) for that.
         deadline = (await sup.journal.action(stuck.action)).deadline_at
         assert deadline is not None
         loop = asyncio.get_running_loop()
         give_up = loop.time() + 5
-        while sup.clock.wall() <= deadline:
+        while sup.clock.wall() <= deadline + sup.policy.clock_tolerance:
             assert loop.time() < give_up
             await asyncio.sleep(0.005)
         action = await sup.resolve(stuck.action, "NOT_APPLIED", "not in the provider's ledger",

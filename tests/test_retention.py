@@ -48,12 +48,17 @@ async def paid(url: str, order: str) -> str:
 
 
 def past_deadlines(db: Path) -> None:
-    """Wait (polling, bounded) until every call's dispatch deadline has passed."""
+    """Wait (polling, bounded) until every call's dispatch deadline has passed, then age the
+    rows by the clock tolerance that ``tether prune`` allows past it (as if another host's
+    clock had written them that far behind), rather than wait for it in real time."""
     (last,) = sqlite3.connect(db).execute("SELECT MAX(deadline_at) FROM actions").fetchone()
     give_up = time.monotonic() + 5
     while time.time() <= last:
         assert time.monotonic() < give_up
         time.sleep(0.01)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE actions SET deadline_at = deadline_at - ?",
+                     (tether.Policy().clock_tolerance,))
 
 
 def test_export_is_json_lines_with_verification(tmp_path: Path) -> None:
