@@ -151,3 +151,21 @@ def test_tether_reconcile_on_a_host_whose_clock_is_off_is_one_error_line(
     err = result.stderr
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
     assert "clock is +3600" in err and "NTP" in err, err
+
+
+@pytest.mark.parametrize("command", [
+    ["resolve", "a_x", "--as", "NOT_APPLIED", "--note", "n", "--by", "p"],
+    ["prune", "--before", "0s"]])
+def test_commands_that_judge_deadlines_check_this_hosts_clock(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch, command: list[str]) -> None:
+    async def prepare() -> None:
+        async with tether.Supervisor(pg_url, recover=False):
+            pass
+
+    asyncio.run(prepare())
+    monkeypatch.setattr(SystemClock, "wall", lambda self: time.time() - 3600.0)
+    result = runner.invoke(app, [*command, "--journal", pg_url])
+    assert result.exit_code == 2 and result.stdout == "", (result.stdout, result.stderr)
+    err = result.stderr
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert "clock is -3600" in err, err

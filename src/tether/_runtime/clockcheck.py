@@ -14,7 +14,7 @@ import time
 
 from tether._core.errors import ClockSkew
 from tether._journal.journal import Journal
-from tether._runtime.clock import Clock
+from tether._runtime.clock import Clock, SystemClock
 
 
 def is_virtual(clock: Clock) -> bool:
@@ -47,4 +47,10 @@ async def check_clock(journal: Journal, clock: Clock, limit: float, what: str) -
         raise ClockSkew(offset, limit, what)
 
 
-__all__ = ["check_clock", "clock_offset", "is_virtual"]
+async def check_host_clock(journal: Journal, what: str) -> None:
+    """For a command that judges deadlines on this host's clock without a supervisor (``tether
+    resolve``, ``tether prune``): within half the journal's clock tolerance of the server's."""
+    await check_clock(journal, SystemClock(), journal.clock_tolerance / 2, what)
+
+
+__all__ = ["check_clock", "check_host_clock", "clock_offset", "is_virtual"]
