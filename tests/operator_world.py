@@ -68,5 +68,6 @@ async def orphan(url: str) -> str:
         row = await j.create_delegation(NewDelegation(
             id="d_orphan", task_id="t_orphan", parent_id=None, attempt=1, agent="gone",
             surface=(), args={}, owner_id=owner, now=now))
-        tether.KeyRing.load_or_init(j.keys_dir)
+        ring = tether.KeyRing.load_or_init(j.keys_dir)
+        await j.genesis(ring.signer, now)  # the journal's root, as a supervisor records it
         return row.id

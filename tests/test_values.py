@@ -102,11 +102,11 @@ async def test_big_integers_round_trip_through_a_local_delegation(journal_url: s
 
 async def test_a_queued_task_gives_the_same_result_as_a_local_one(journal_url: str) -> None:
     agent = tether.Agent("echo", echo, ())
-    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
+    keys = tether.KeyRing.ephemeral()  # the worker trusts the key the journal is rooted in
+    async with tether.Supervisor(journal_url, keys=keys) as sup:
         local = await (await sup.delegate(agent, BIG, tag={"k": [1.5, None]})).result()
         queued = await sup.delegate(agent, BIG, tag={"k": [1.5, None]}, remote=True)
-        async with tether.Worker(journal_url, [agent], poll=0.01,
-                                 keys=tether.KeyRing.ephemeral()) as worker:
+        async with tether.Worker(journal_url, [agent], poll=0.01, keys=keys) as worker:
             running = asyncio.ensure_future(worker.run())
             remote = await queued.result()
             worker.stop()
@@ -122,13 +122,13 @@ async def test_a_result_that_cannot_be_stored_fails_the_task_everywhere(
         return {"when": {1, 2}}
 
     agent = tether.Agent("odd", body, ())
-    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
+    keys = tether.KeyRing.ephemeral()  # the worker trusts the key the journal is rooted in
+    async with tether.Supervisor(journal_url, keys=keys) as sup:
         local = await sup.delegate(agent)
         with pytest.raises(tether.DelegationError, match="cannot be stored"):
             await local.result()
         queued = await sup.delegate(agent, remote=True)
-        async with tether.Worker(journal_url, [agent], poll=0.01,
-                                 keys=tether.KeyRing.ephemeral()) as worker:
+        async with tether.Worker(journal_url, [agent], poll=0.01, keys=keys) as worker:
             running = asyncio.ensure_future(worker.run())
             with pytest.raises(tether.DelegationError, match="cannot be stored"):
                 await queued.result()

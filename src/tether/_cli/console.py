@@ -53,7 +53,14 @@ def console_cmd(
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/?token={secret}"
     print(f"tether console: {url}", flush=True)
-    app = build(Console(journal, keys, secret), loopback=host in LOOPBACK or _loopback(host))
+    loopback = host in LOOPBACK or _loopback(host)
+    if not loopback:
+        import sys
+
+        print(f"warning: the console listens on {host}, beyond this host, over plain HTTP: "
+              "anyone on the network who sees the token can recall, terminate and resolve; "
+              "prefer loopback and an SSH tunnel", file=sys.stderr, flush=True)
+    app = build(Console(journal, keys, secret), loopback=loopback)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on"))
     server.run(sockets=[sock])
@@ -75,6 +82,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except (TypeError, ValueError) as exc:  # a name the resolver cannot even encode
+        sock.close()
+        raise UserError(f"cannot listen on {host!r}: {exc}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

@@ -13,6 +13,7 @@ import typer
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.console import Console
 
+from tether._cli.safe import safe
 from tether._core.errors import UserError
 from tether._core.signing import key_id_of
 from tether._core.trust import Registry
@@ -111,11 +112,14 @@ def register(keys_app: typer.Typer, out: Console,
         if as_json:
             emit_json(data)
             return
-        out.print(f"root: {data['root'] or 'none'} (pinned here: "
+        out.print(f"root: {safe(data['root'] or 'none')} (pinned here: "
                   f"{'yes' if data['root'] in data['pinned'] else 'NO'})")
+        # Labels and ignored entries are journal text (a garbage row is anyone's to write):
+        # printed literally, never as markup or escape sequences.
         for kid in data["trusted"]:
-            out.print(f"trusted: {kid} {data['labels'].get(kid, '')}".rstrip())
+            out.print(safe(f"trusted: {kid} {data['labels'].get(kid, '')}".rstrip()),
+                      highlight=False)
         for kid in data["revoked"]:
-            out.print(f"revoked: {kid}")
+            out.print(safe(f"revoked: {kid}"), highlight=False)
         for problem in data["problems"]:
-            out.print(f"[yellow]ignored: {problem}[/yellow]", highlight=False)
+            out.print(f"[yellow]ignored: {safe(problem)}[/yellow]", highlight=False)

@@ -25,7 +25,9 @@ KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (def
                                               "beside the journal).")]
 
 
-LimitOpt = Annotated[int, typer.Option("--limit", min=0, help="At most this many rows (0: all).")]
+# Bounded: a database's LIMIT is a 64-bit integer (a larger one was a traceback).
+LimitOpt = Annotated[int, typer.Option("--limit", min=0, max=2 ** 62,
+                                       help="At most this many rows (0: all).")]
 AgentOpt = Annotated[str | None, typer.Option("--agent", help="Only this agent's.")]
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 

@@ -61,11 +61,15 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
                             "verified": _verify(trusted, c.signed, (d, c.seq, c.kind, epochs[d])),
                             "body": _body(c.signed.body)})
         for doc in await journal.documents(d):
+            body = _body(doc.signed.body)
+            verified = _verify(trusted, doc.signed)
+            if verified == "ok" and body.get("delegation", d) != d:  # a copy (tether verify)
+                verified = (f"REFUSED: signed for delegation {body['delegation']}: a copied "
+                            f"or replayed {doc.type}")
             intents.append({"delegation": d, "seq": doc.seq, "kind": doc.type.upper(),
                             "key_id": doc.signed.key_id, "issuer": "child",
-                            "accepted_at": doc.recorded_at,
-                            "verified": _verify(trusted, doc.signed),
-                            "body": _body(doc.signed.body)})
+                            "accepted_at": doc.recorded_at, "verified": verified,
+                            "body": body})
     events = await journal.events(ids)
     return {
         "decisions": await journal.resolutions(ids),

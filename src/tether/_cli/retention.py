@@ -48,7 +48,10 @@ async def _trusted(j: Journal, keys: Path | None) -> TrustedKeys | None:
     directory = keys or j.keys_dir
     if not (directory / "signing.json").exists():
         return None
-    return (await asyncio.to_thread(KeyRing.load, directory)).trusted
+    # The journal's key registry as this configuration roots it, as ``tether show`` reads it
+    # (a granted operator's key is not one of the pins).
+    ring = await asyncio.to_thread(KeyRing.load, directory)
+    return (await j.registry(ring.trusted)).keys
 
 
 async def _records(j: Journal, root_ids: list[str]) -> AsyncIterator[dict[str, Any]]:

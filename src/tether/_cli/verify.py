@@ -18,7 +18,8 @@ import typer
 from rich.console import Console
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, WorkOrder
-from tether._core.errors import ControlRefused
+from tether._core.errors import ControlRefused, UnknownKey
+from tether._core.resolution import Resolution, decode_resolution
 from tether._core.trust import Registry, bound, check_work
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
@@ -40,6 +41,18 @@ async def _check_delegation(j: Journal, reg: Registry, d: DelegationRow,
             refused(f"controls row {c.id} (sequence {c.seq})", exc)
     for doc in await j.documents(d.id):
         checked += 1
+        if doc.type == Resolution.TYPE:  # a person's decision: a document of its own
+            try:
+                if doc.signed.key_id not in reg.keys:
+                    raise UnknownKey(reg.explain(doc.signed.key_id))
+                reg.keys.verify_bytes(doc.signed)
+                res = decode_resolution(doc.signed.body)
+                if res.delegation_id != d.id:
+                    raise ControlRefused(f"signed for delegation {res.delegation_id}: a "
+                                         "copied or replayed resolution")
+            except ControlRefused as exc:
+                refused(f"resolution {doc.seq}", exc)
+            continue
         try:
             body: Acknowledgement | NoEffectsReceipt = (
                 reg.verify(doc.signed, Acknowledgement) if doc.type == Acknowledgement.TYPE

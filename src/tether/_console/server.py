@@ -93,8 +93,10 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
             return denied
         ring = await asyncio.to_thread(_ring, journal, console.keys)
         try:
-            data = await collect(journal, request.path_params["id"],
-                                 ring.trusted if ring else None)
+            # Verified against the journal's key registry as this configuration roots it, as
+            # ``tether show`` does (a granted operator's key is not one of the pins).
+            trusted = (await journal.registry(ring.trusted)).keys if ring else None
+            data = await collect(journal, request.path_params["id"], trusted)
         except TetherError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
         return JSONResponse(data)
@@ -169,8 +171,9 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
 
 
 def _actions_only(request: Request) -> Response | None:
-    """Actions need the header (a cross-site form can send a query string, not a header)."""
-    if request.headers.get("x-tether-token") is None:
+    """Actions need the header (a cross-site form can send a query string, not a header);
+    the query string's token does not stand in for an empty one."""
+    if not request.headers.get("x-tether-token"):
         return JSONResponse({"error": "actions need the X-Tether-Token header"}, status_code=401)
     if request.path_params.get("verb", "recall") not in ("recall", "terminate"):
         return JSONResponse({"error": "unknown action"}, status_code=404)

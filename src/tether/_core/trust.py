@@ -11,13 +11,22 @@ process that can write the journal but holds no trusted key cannot add one.
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from tether._core import values
 from tether._core.documents import ControlIntent, KeyGrant, WorkOrder, decode, digest
-from tether._core.errors import ControlRefused, Malformed, Unbound, UnknownKey, WorkRefused
+from tether._core.errors import (
+    ControlRefused,
+    Malformed,
+    Unbound,
+    UnknownKey,
+    UserError,
+    WorkRefused,
+)
 from tether._core.model import ControlKind
 from tether._core.signing import D, Signed, TrustedKeys
 
@@ -126,10 +135,22 @@ def bound(intent: ControlIntent, delegation_id: str, seq: int, kind: ControlKind
         )
 
 
+def args_digest(args: object) -> str:
+    """What a work order signs of a task's arguments. RFC 8785 refuses integers beyond 2**53,
+    which tether stores exactly (``values``): such arguments are digested in the stored
+    encoding instead (its own prefix keeps the two apart), so a task that runs here also runs
+    through a worker, and every digest that RFC 8785 could make stays what it was."""
+    try:
+        return digest(args)
+    except UserError:
+        stored = values.dumps(args)  # refuses what cannot be stored, as delegate() does
+        return hashlib.sha256(b"tether-values\0" + stored.encode()).hexdigest()
+
+
 def work_order(delegation_id: str, task_id: str, parent_id: str | None, agent: str,
                args: object, surface: Sequence[str], issued_at: float) -> WorkOrder:
-    return WorkOrder(delegation_id, task_id, parent_id, agent, digest(args), tuple(surface),
-                     issued_at)
+    return WorkOrder(delegation_id, task_id, parent_id, agent, args_digest(args),
+                     tuple(surface), issued_at)
 
 
 def check_work(order: WorkOrder, delegation_id: str, task_id: str, parent_id: str | None,

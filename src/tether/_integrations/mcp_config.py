@@ -9,6 +9,7 @@ given with ``--upstream``), is still read.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -82,14 +83,20 @@ def _check(path: Path, data: Any) -> None:
 
 
 def import_probe(spec: str, base: Path, where: str) -> ProbeFn:
-    """``module:attr``, imported with the config file's folder on the import path."""
+    """``module:attr``, imported with the config file's folder first on the import path for
+    the import only: left there, it would shadow every module the proxy imports later."""
     module, _, attr = spec.partition(":")
-    if str(base) not in sys.path:
+    added = str(base) not in sys.path
+    if added:
         sys.path.insert(0, str(base))
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
         raise UserError(f"{where}: cannot import probe {spec!r}: {exc}") from None
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(str(base))
     if not inspect.iscoroutinefunction(fn):
         raise UserError(f"{where}: probe {spec!r} must be an async function")
     probe: ProbeFn = fn

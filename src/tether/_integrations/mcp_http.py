@@ -25,6 +25,7 @@ from typing import Any
 from mcp import types as mcp_types
 from mcp.server.context import ServerRequestContext
 from mcp.server.session import ServerSession
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
@@ -56,6 +57,15 @@ def parse_listen(spec: str) -> tuple[str, int]:
         raise UserError(f"--http {spec!r}: the proxy has no authentication of its own, so it "
                         "serves on a loopback address only (127.0.0.1, ::1 or localhost)")
     return host, int(port)
+
+
+def guard(host: str) -> TransportSecuritySettings:
+    """DNS-rebinding protection on whichever loopback address is served: the SDK enables it
+    only for 127.0.0.1, ::1 and localhost, not 127.0.0.2 or an expanded IPv6 form."""
+    shown = f"[{host}]" if ":" in host else host
+    hosts = sorted({f"{shown}:*", "127.0.0.1:*", "localhost:*", "[::1]:*"})
+    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+                                     allowed_origins=[f"http://{h}" for h in hosts])
 
 
 STATELESS = "(2026-07-28 clients, sessionless)"
@@ -136,7 +146,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             sessions = HttpSessions(journal, config, sup)
             server = build_server(template, sessions.resolve)
             await probe.aclose()
-            app = server.streamable_http_app(host=host)
+            app = server.streamable_http_app(host=host, transport_security=guard(host))
 
             class Web(uvicorn.Server):
                 async def startup(self, sockets: Any = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -32,7 +33,13 @@ from mcp.server.session import ServerSession
 from mcp.shared.exceptions import MCPError
 
 from tether._core.documents import ControlIntent
-from tether._core.errors import ControlSignal, TetherError, ToolRejected, UserError
+from tether._core.errors import (
+    ControlSignal,
+    KeyInUse,
+    TetherError,
+    ToolRejected,
+    UserError,
+)
 from tether._core.model import ActionState, ControlKind
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.mcp_config import ProxyConfig
@@ -118,7 +125,10 @@ class _Call:
 
 
 _CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
+MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
 ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
+# Upstream sessions whose connection closed (an upstream that exited): never reopened.
+_GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
 
 
 def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
@@ -129,6 +139,9 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
         mine = _CALL.get()
         if mine is not None and mine.cancelled:
             raise ToolRejected(f"{name}: the client cancelled the call before it was sent")
+        if session in _GONE:  # certainly not sent: not a call for a person to reconcile
+            raise ToolRejected(f"{name}: the upstream server's connection is closed; the call "
+                               "was not sent")
         meta = dict(mine.meta) if mine is not None else {}
         if idempotency_key:
             meta[KEY_META] = idempotency_key
@@ -150,6 +163,8 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
                                       "ran upstream") from None
             raise
         except MCPError as exc:
+            if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
+                _GONE.add(session)
             if exc.code in REJECTED_BEFORE_RUNNING:
                 raise UpstreamRejected(exc) from None
             raise UpstreamFailed(exc) from None
@@ -286,6 +301,13 @@ class Proxy:
         if not serving:
             raise MCPError(code=mcp_types.METHOD_NOT_FOUND, message="Method not found",
                            data=ctx.method)
+        signal = self._stop() if self.ctx is not None else None
+        if signal is not None and not ctx.method.endswith("/list") and \
+                any(not up.policy.trusted for up in serving):
+            # Fenced: an untrusted server's reads are its code too (its tools are EXTERNAL,
+            # fail closed), so none of its requests pass any more; listings still do.
+            raise MCPError(code=mcp_types.INVALID_REQUEST,
+                           message=await self._stopped(signal, "the request was not made"))
         if len(serving) == 1 or (ctx.method.endswith("/list") and "cursor" in params):
             return await forward(serving[0].session, ctx, ctx.method, params)
         if ctx.method.endswith("/list"):  # several upstreams: one page holding all of them
@@ -383,7 +405,12 @@ class Proxy:
         out, wants = outgoing(params)
         meta = dict((out or {}).get("_meta") or {})
         key = meta.pop(KEY_META, None)
-        if not isinstance(key, str) or not key:
+        if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_KEY):
+            # Ignored, it would leave the retries the client meant to make safe unsafe.
+            raise MCPError(code=mcp_types.INVALID_PARAMS,
+                           message=f"tether mcp-proxy: {KEY_META!r} in _meta must be a string "
+                           f"of 1 to {MAX_KEY} characters")
+        if key is None:
             key = self._next_key(tool)
         assert self.ctx is not None and self.sup is not None
         # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
@@ -407,7 +434,9 @@ class Proxy:
             return exc.result
         except (UpstreamRejected, UpstreamFailed) as exc:
             raise exc.error from None
-        except (McpToolError, UserError, ToolRejected) as exc:
+        except (McpToolError, UserError, ToolRejected, KeyInUse) as exc:
+            # KeyInUse: a retry whose key belongs to a call in doubt past its deadline, which a
+            # person must reconcile; said like every other refusal, not as a JSON-RPC error.
             return error_result(str(exc))
         if isinstance(result, dict):  # the upstream's own result, as journaled
             return result

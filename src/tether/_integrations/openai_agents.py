@@ -37,7 +37,7 @@ from tether._core.errors import DelegationError, UserError
 from tether._core.model import Effect
 from tether._core.redispatch import CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
-from tether._integrations.openai_agents_graph import KEY, TOOL_CONTEXT, Plan, Planner
+from tether._integrations.openai_agents_graph import TOOL_CONTEXT, Plan, Planner, current_key
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, ProbeFn, Tool
 
@@ -45,8 +45,10 @@ EventFn = Callable[[StreamEvent], Any]
 
 
 def idempotency_key() -> str | None:
-    """Inside a function tool run through tether: the key to send to the outside world."""
-    return KEY.get()
+    """Inside a function tool run through tether: the key to send to the outside world. None
+    elsewhere, including in the tools of an agent run inside the tool, and in tasks the tool
+    spawns (read the key first, then hand it to them)."""
+    return current_key()
 
 
 @dataclass(frozen=True)
@@ -109,15 +111,23 @@ def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
     lead to each other's clones, never to the unmediated originals."""
     clones = {id(m): m.clone() for m in plan.members}
 
-    def tool(item: Any) -> Any:
+    def tool(item: Any, member: SdkAgent[Any]) -> Any:
         if id(item) in plan.tools:
             return _mediated(ctx, plan.tools[id(item)], item)
         if id(item) in plan.nested:
             return _nested(ctx, plan.nested[id(item)], item)
+        name = getattr(item, "name", None)
+        if isinstance(item, FunctionTool) or name not in plan.surface:
+            # Added to the agent after tether planned it: it would run unseen (fail closed).
+            raise UserError(f"tool {name or item!r} was added to agent {member.name} after "
+                            "tether planned it; build the tether agent again")
         return item  # a hosted tool granted by name
 
-    def handoff(item: Any) -> Any:
+    def handoff(item: Any, member: SdkAgent[Any]) -> Any:
         if isinstance(item, SdkAgent):
+            if id(item) not in clones:  # a handoff added after planning: fail closed
+                raise UserError(f"handoff to agent {item.name} was added to agent "
+                                f"{member.name} after tether planned it")
             return clones[id(item)]
         original = item.on_invoke_handoff
 
@@ -133,8 +143,8 @@ def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
 
     for member in plan.members:
         clone = clones[id(member)]
-        clone.tools = [tool(t) for t in member.tools]
-        clone.handoffs = [handoff(h) for h in member.handoffs]
+        clone.tools = [tool(t, member) for t in member.tools]
+        clone.handoffs = [handoff(h, member) for h in member.handoffs]
     return clones[id(plan.root)]
 
 

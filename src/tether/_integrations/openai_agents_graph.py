@@ -10,7 +10,11 @@ path to it, unless the operator grants a hosted tool by name: it then runs unsee
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import json
+import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -55,8 +59,58 @@ def raising_copy(sdk: FunctionTool) -> FunctionTool:
         fn = sdk.__wrapped__  # the function given to @function_tool
     except AttributeError:
         return sdk
-    return function_tool(fn, name_override=sdk.name, description_override=sdk.description,
-                         failure_error_function=None, strict_mode=sdk.strict_json_schema)
+    return function_tool(owned(fn), name_override=sdk.name,
+                         description_override=sdk.description, failure_error_function=None,
+                         strict_mode=sdk.strict_json_schema)
+
+
+@dataclass(eq=False)
+class KeyFrame:
+    """One tether call's key, and where its function runs (its task, or for a sync function
+    the SDK's worker thread): an agent run started inside the function runs its own tools
+    elsewhere, in contexts that inherit the variable but are not tether calls."""
+
+    key: str
+    where: object = None
+
+
+def here() -> object:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no event loop in this thread: a sync tool in the SDK's worker
+        return ("thread", threading.get_ident())
+
+
+def owned(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, recording where it runs in its call's KeyFrame (signature and hints kept)."""
+
+    def claim() -> None:
+        frame = KEY.get()
+        if frame is not None and frame.where is None:
+            frame.where = here()
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            claim()
+            return await fn(*args, **kwargs)
+
+        return run_async
+
+    @functools.wraps(fn)
+    def run_sync(*args: Any, **kwargs: Any) -> Any:
+        claim()
+        return fn(*args, **kwargs)
+
+    return run_sync
+
+
+def current_key() -> str | None:
+    """The key of the tether call whose own function is running here, else None."""
+    frame = KEY.get()
+    if frame is None or (frame.where is not None and frame.where != here()):
+        return None
+    return frame.key
 
 
 @dataclass(eq=False)
@@ -176,7 +230,7 @@ class Planner:
         return tool
 
 
-KEY: ContextVar[str | None] = ContextVar("tether_idempotency_key", default=None)
+KEY: ContextVar[KeyFrame | None] = ContextVar("tether_idempotency_key", default=None)
 TOOL_CONTEXT: ContextVar[ToolContext[Any] | None] = ContextVar("tether_tool_context",
                                                                 default=None)
 
@@ -190,7 +244,7 @@ def gateway_fn(sdk: FunctionTool) -> ToolFn:
         context = TOOL_CONTEXT.get()
         if context is None:
             raise UserError(f"{sdk.name} runs only inside its Agents SDK run")
-        token = KEY.set(idempotency_key)
+        token = KEY.set(KeyFrame(idempotency_key) if idempotency_key is not None else None)
         try:
             return await raising.on_invoke_tool(context, json.dumps(arguments))
         finally:

@@ -15,7 +15,7 @@ from tether._core.documents import (
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, UserError
+from tether._core.errors import ControlRefused, UnknownKey, UserError
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
@@ -363,14 +363,24 @@ class Journal:
         return await self._read(ops.events, delegation_ids)
 
     # -- a person's decisions (``_journal.resolutions``) ----------------------------------------
-    async def resolve(self, signed: Signed, trusted: TrustedKeys, now: float) -> ActionRecord:
-        """Verify a signed Resolution (I5), then record it and re-settle, in one transaction."""
-        from tether._core.resolution import decode_resolution
+    async def resolve(self, signed: Signed, pins: TrustedKeys, now: float) -> ActionRecord:
+        """Verify a signed Resolution against the journal's key registry as ``pins`` root it
+        (I5, as for a control intent: a key that merely pins itself is not believed), then
+        record it and re-settle, in one transaction."""
+        from tether._core.resolution import Resolution, decode_resolution
         from tether._journal.resolutions import resolve_action
 
-        trusted.verify_bytes(signed)
-        res = decode_resolution(signed.body)
-        action = await self._write(resolve_action, signed, res, now, self.clock_tolerance)
+        tolerance = self.clock_tolerance
+
+        def op(db: Any) -> tuple[Resolution, ActionRecord]:
+            reg = trustops.registry(db, pins)
+            if signed.key_id not in reg.keys:
+                raise UnknownKey(reg.explain(signed.key_id))
+            reg.keys.verify_bytes(signed)
+            res = decode_resolution(signed.body)
+            return res, resolve_action(db, signed, res, now, tolerance)
+
+        res, action = await self._write(op)
         log.info("%s resolved as %s by %s", res.action_id, res.outcome.value, res.operator,
                  extra={"action": res.action_id, "delegation": res.delegation_id,
                         "outcome": res.outcome.value, "operator": res.operator,

@@ -131,20 +131,65 @@ class PostgresRunner(ThreadRunner):
             # and every other process's fence or reconciliation would wait on them for as long
             # as it sleeps. tether's transactions never wait between statements, so the server
             # may end any that does; its owner then finds its connection gone.
-            conn.execute(f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}")
+            self._bounded(conn, lambda: conn.execute(
+                f"SET idle_in_transaction_session_timeout = {IDLE_IN_TRANSACTION_MS}"))
+        except psycopg.Error as exc:  # lost while opening (a restart), or refused
+            conn.close()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise JournalError(f"journal at {self.shown}, while opening it: {first}") from None
         except BaseException:
             conn.close()
             raise
+        # A new connection may reach a server that lacks the marker (a failover to a standby
+        # it had not reached yet, a restore): it is made again before the next batch, whose
+        # stamp would otherwise update nothing and leave a lost COMMIT nothing to read back.
+        self._marked = False
         return conn
+
+    def _bounded(self, conn: psycopg.Connection[Any], fn: Callable[[], T]) -> T:
+        """``fn()``, its connection cut if the server has not answered within the stall bound
+        (a paused host): the writer's watchdog only sees batches, not a connection being set
+        up, and a reconnection stuck here would leave every operation waiting for ever."""
+        timer = threading.Timer(self.stall_after(), lambda: self._cut(conn))
+        timer.daemon = True
+        timer.start()
+        try:
+            return fn()
+        finally:
+            timer.cancel()
+
+    def _cut(self, conn: psycopg.Connection[Any]) -> None:
+        with contextlib.suppress(Exception):
+            self.interrupt(conn)
 
     def _check_or_init(self, conn: psycopg.Connection[Any]) -> None:
         """Check, create or migrate the schema in one transaction under an advisory lock held
         per schema, so any number of processes starting at once on a fresh journal agree: the
-        first creates it, the others wait for its commit and find it made."""
+        first creates it, the others wait for its commit and find it made. A journal already
+        at this version (every reconnection) takes no lock: a process holding it for long (a
+        migration elsewhere, a process stopped in its first start) must not hold up every
+        reconnection of the fleet, which would wait on it with no bound."""
+        # Bounded: quick reads. The lock below is not: it may wait on another process's
+        # creation or migration for as long as that takes.
+        if self._bounded(conn, lambda: self._current(conn)):
+            return
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
                          (f"tether.schema.{self.schema}",))
             self._check_or_init_locked(conn)
+
+    def _current(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the schema holds a tether journal at this version (then search_path is
+        set to it); anything else is decided under the lock."""
+        found = conn.execute(
+            "SELECT 1 FROM information_schema.tables WHERE table_schema = %s "
+            "AND table_name = 'tether_meta'", (self.schema,)).fetchone()
+        if found is None:
+            return False
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+        meta = dict(conn.execute("SELECT key, value FROM tether_meta "
+                                 "WHERE key IN ('app', 'schema_version')").fetchall())
+        return meta.get("app") == APP and meta.get("schema_version") == str(SCHEMA_VERSION)
 
     def _check_or_init_locked(self, conn: psycopg.Connection[Any]) -> None:
         names = {r[0] for r in conn.execute(
@@ -188,7 +233,10 @@ class PostgresRunner(ThreadRunner):
     def committed(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = %s FOR UPDATE",
                            (self._mark_key,)).fetchone()
-        return row is not None and row[0] == str(self._mark)
+        if row is None:  # never guessed: without its marker, a batch cannot be told apart
+            raise JournalError(f"the commit marker {self._mark_key} is missing from the "
+                               f"journal at {self.shown}")
+        return bool(row[0] == str(self._mark))
 
     def is_lost(self, conn: Any, exc: BaseException) -> bool:
         if conn is None or conn.closed or conn.broken:

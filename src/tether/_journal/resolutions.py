@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tether._core.errors import Malformed, UserError
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.report import ActionRecord
 from tether._core.resolution import Resolution, judge_resolution
 from tether._core.signing import Signed
@@ -29,10 +30,17 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
     """Record a verified decision: the action moves to the decided outcome with the decision
     in its evidence, and its delegation (and ancestors) re-settle."""
     action = get_action(db, res.action_id)
+    # The delegation's row locked first (PostgreSQL): decisions on its actions take its next
+    # document number one after another, and the action is read again after the wait.
+    db.execute("SELECT id FROM delegations d WHERE id = ? /*XLOCK d*/", (action.delegation_id,))
+    action = get_action(db, res.action_id)
     if action.delegation_id != res.delegation_id:
         raise Malformed(f"action {action.id} belongs to {action.delegation_id}, "
                         f"not {res.delegation_id}")
-    deadline = action.deadline_at if action.deadline_at is not None else action.started_at
+    # A row older than schema v3 has no deadline: its start plus the default, as a probe
+    # judges it (``_runtime.reconcile.deadline_of`` for a tool it does not know).
+    deadline = action.deadline_at if action.deadline_at is not None else \
+        action.started_at + DEFAULT_DISPATCH_DEADLINE
     why = judge_resolution(action.state, res.outcome, deadline_at=deadline, now=now,
                            tolerance=tolerance, contradicted=_contradicted(db, action.id))
     if why is not None:

@@ -70,9 +70,23 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
 
 def tree_prunable(db: Db, root_id: str, before: float, now: float,
                   tolerance: float) -> list[str] | None:
-    """The tree's delegation ids if it may be pruned, else None."""
-    nodes = db.execute(f"{SUBTREE} SELECT d.id, d.state, d.ended_at FROM delegations d "
-                       "JOIN sub ON sub.id = d.id ORDER BY sub.depth", (root_id,)).fetchall()
+    """The tree's delegation ids if it may be pruned, else None.
+
+    A task's idempotency keys (``task:tool:n``) are shared by all its attempts: a re-delegated
+    attempt replays the receipts its predecessors recorded (I7). So a root goes only with
+    every other attempt of its task (all roots of that task id, each with its subtree), and
+    only if all of them may go: pruning one attempt while another may still call would have
+    the journal forget a payment and run it again."""
+    task = db.execute("SELECT task_id FROM delegations WHERE id = ? AND parent_id IS NULL",
+                      (root_id,)).fetchone()
+    if task is None:
+        return None
+    family = [r[0] for r in db.execute(
+        "SELECT id FROM delegations WHERE task_id = ? AND parent_id IS NULL "
+        "ORDER BY created_at, id", (task[0],)).fetchall()]
+    nodes = [n for root in family for n in db.execute(
+        f"{SUBTREE} SELECT d.id, d.state, d.ended_at FROM delegations d "
+        "JOIN sub ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall()]
     ids = [n[0] for n in nodes]
     calls = db.execute(
         f"SELECT state, deadline_at FROM actions WHERE delegation_id IN "
@@ -94,12 +108,14 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
     and record what went, and where its archive is, as a ``pruned`` event that stays."""
     gone: list[str] = []
     kept: list[str] = []
+    seen: set[str] = set()  # a task's other attempts go with the first of them listed
     for root in root_ids:
         ids = tree_prunable(db, root, before, now, tolerance)
         if ids is None:
             kept.append(root)
         else:
-            gone.extend(ids)
+            gone.extend(i for i in ids if i not in seen)
+            seen.update(ids)
     n_actions = 0
     for part in _chunks(gone):
         marks = ", ".join("?" * len(part))

@@ -37,6 +37,7 @@ MAX_BATCH = 1024
 RETRIES = 8
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between reconnection attempts
 STOP_WAIT = 10.0  # how long closing waits for a thread stuck on a server that does not answer
+MAX_HELD = 10_000  # posted writes kept through an outage; beyond it, lost as to a crash
 
 
 @dataclass
@@ -82,6 +83,11 @@ class ThreadRunner:
         self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
         self.stop_wait = STOP_WAIT
         self._busy_since: float | None = None  # when the batch on the wire was sent
+        self._lost_at: float | None = None  # when the connection was lost, until it is back
+        # Posted writes (receipts) whose batch failed for want of a connection: nobody waits
+        # for them, so nobody would write them again. They run first once it is back, so a
+        # child that ends after the outage does not end with its receipt missing.
+        self._held: list[Op] = []
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -128,6 +134,7 @@ class ThreadRunner:
         self._loop = asyncio.get_running_loop()
         self._closing.clear()  # a journal may be opened again after it was closed
         self._dead = False
+        self._lost_at = None
         self._conn = await asyncio.to_thread(self.connect)
         self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
         self._thread.start()
@@ -233,10 +240,17 @@ class ThreadRunner:
         while True:
             if self._conn is None:  # lost earlier, or under this batch
                 if deadline is None:
-                    deadline = time.monotonic() + self.reconnect_within
+                    # The window runs from the loss, not from each batch: once it is over,
+                    # every later batch gets one attempt to connect and fails at once, rather
+                    # than each waiting a window of its own (a supervisor settling its
+                    # children on SIGTERM, with the server down, took batches x windows).
+                    deadline = (self._lost_at or time.monotonic()) + self.reconnect_within
                 if not self._reconnect(deadline):
+                    self._hold(batch)
                     self._fail(batch, self._gone(deadline))
                     return
+            if self._held:  # what an outage left, before what came after it
+                batch[:0], self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
             try:
                 self._busy_since = time.monotonic()
                 try:
@@ -260,6 +274,7 @@ class ThreadRunner:
                 if lost.at_commit:
                     outcome = self._read_back(deadline)
                     if outcome is None:
+                        self._hold(batch)  # receipts are safe to write twice
                         self._fail(batch, JournalError(
                             f"lost the {self.where()} while committing, and could not read "
                             f"back within {self.reconnect_within:g} s whether the commit "
@@ -278,6 +293,12 @@ class ThreadRunner:
                 self._fail(batch, err)
                 return
 
+    def _hold(self, batch: list[Op]) -> None:
+        if self._closing.is_set():
+            return  # closing: lost as to a crash, settled by reconciliation
+        room = MAX_HELD - len(self._held)
+        self._held += [op for op in batch if op.future is None and op.write][:max(0, room)]
+
     def _gone(self, deadline: float) -> JournalError:
         if self._closing.is_set():
             return JournalError(f"{self.where()} closed while reconnecting")
@@ -285,6 +306,8 @@ class ThreadRunner:
                             f"{self.reconnect_within:g} s")
 
     def _drop(self) -> None:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
@@ -297,6 +320,7 @@ class ThreadRunner:
             try:
                 self._conn = self.connect()
                 self.reconnects += 1
+                self._lost_at = None
                 return True
             except Exception:
                 left = deadline - time.monotonic()

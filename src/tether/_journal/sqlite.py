@@ -18,6 +18,7 @@ from tether._journal.runner import ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+SIDECARS = ("-wal", "-shm")  # what SQLite keeps beside the journal in WAL mode
 
 
 def _map_error(exc: sqlite3.Error, path: Path) -> JournalError:
@@ -171,6 +172,7 @@ class SqliteRunner(ThreadRunner):
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._identity: tuple[int, int] | None = None
+        self._sidecars: dict[str, tuple[int, int] | None] = {}
         self._where = path
 
     def connect(self) -> sqlite3.Connection:
@@ -179,6 +181,8 @@ class SqliteRunner(ThreadRunner):
         conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
         self._identity = identity(self._where)
+        self._sidecars = {suffix: identity(Path(f"{self._where}{suffix}"))
+                          for suffix in SIDECARS}
         return conn
 
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
@@ -193,6 +197,21 @@ class SqliteRunner(ThreadRunner):
             raise JournalError(
                 f"journal {self.path} was {what} while this process had it open; "
                 "stopping instead of writing to a file nobody can read")
+        # Its write-ahead log and shared index likewise: SQLite keeps neither away from a
+        # connection that is open, so one deleted or replaced under it was removed by hand, and
+        # every commit since lands in a log that no other process reads and that a crash loses
+        # (with what it held before).
+        for suffix, known in self._sidecars.items():
+            side = identity(Path(f"{self._where}{suffix}"))
+            if known is None:  # not made yet when the connection opened
+                self._sidecars[suffix] = side
+            elif side != known:
+                conn.execute("ROLLBACK")
+                what = "deleted" if side is None else "replaced by another file"
+                raise JournalError(
+                    f"the journal's {'write-ahead log' if suffix == '-wal' else 'shared index'}"
+                    f" {self.path}{suffix} was {what} while this process had it open: what "
+                    "it committed since is in no file another process reads; stopping")
 
     def map_error(self, exc: Exception) -> Exception:
         return _map_error(exc, self.path) if isinstance(exc, sqlite3.Error) else exc

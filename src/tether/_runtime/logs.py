@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import unicodedata
 from typing import Any
 
 from tether._core.errors import UserError
@@ -35,9 +36,24 @@ class _Fields(logging.Formatter):
         "message", "asctime", "taskName"}
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        # The message and the fields carry journal text (reasons, names, a tool's errors) to
+        # a terminal: control characters are shown, not sent (no escape sequence, no forged
+        # line). A traceback keeps its lines.
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = _visible(record.getMessage()), None
+        line = super().format(copy)
         extra = {k: v for k, v in record.__dict__.items() if k not in self._PLAIN}
-        return line + "".join(f" {k}={v}" for k, v in extra.items())
+        return line + "".join(f" {_visible(k)}={_visible(v)}" for k, v in extra.items())
+
+
+def _visible(value: object) -> str:
+    """``value`` as text with control and format characters as escape codes."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable():
+        return text
+    return "".join(
+        (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        if unicodedata.category(ch) in ("Cc", "Cf") else ch for ch in text)
 
 
 def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> logging.Handler:
