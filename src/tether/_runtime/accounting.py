@@ -151,6 +151,10 @@ class Accounting:
             await self._sup.clock.sleep(at - self._sup.clock.wall())
         finally:
             self._rechecks.discard(root_id)
+        if self._sup.presumed_dead():
+            # Its lease ran out, or its clock was found off the server's: it judges nothing
+            # any more; whoever reconciles its delegations probes them.
+            return
         await self.account(root_id, fallback)
 
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
