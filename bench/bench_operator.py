@@ -54,7 +54,7 @@ def fill(path: Path, n: int) -> None:
             ops.begin_action(conn, NewAction(
                 id=aid, delegation_id=did, epoch=0, ordinal=0, tool="pay",
                 effect=Effect.EXTERNAL, args_json=json.dumps({"order": f"order-{i}"}),
-                args_hash=f"{i:064x}", idem_key=f"t{i}:pay:0", now=now, deadline_at=now + 30))
+                args_hash=f"{i:064x}", idem_key=f"t{i}:pay:0", now=now, deadline_at=now + 30), 5.0)
             ops.finish_action(conn, aid, ActionState.COMPLETED, now + 0.01, f"ref-{i}")
             ops.set_state(conn, did, DelegationState.SUCCEEDED, now + 0.02)
         conn.execute("COMMIT")

@@ -65,11 +65,13 @@ async def test_a_config_file_names_env_cwd_probes_prefix_and_session(
         call.cancel()  # cancelled upstream, then probed with the config's probe
         assert await asyncio.wait_for(cancelled, 30) == "hold-5"
         twin = await session.call_tool("twin_pay", {"account": "T-1", "cents": 2})
-        # Before its dispatch deadline the bank's "no entry" means "not applied yet"; the
-        # session's end probes it again, past the deadline, when the answer is final.
+        # Before its dispatch deadline (plus the clock tolerance: another host's clock may
+        # have written it) the bank's "no entry" means "not applied yet"; the session's end
+        # probes it again, past both, when the answer is final.
         cut = await probed(journal, "bank.pay")
         assert cut.state is A.IN_DOUBT and cut.deadline_at is not None
-        await asyncio.sleep(max(0.0, cut.deadline_at - time.time()))
+        final = cut.deadline_at + tether.Policy().clock_tolerance
+        await asyncio.sleep(max(0.0, final - time.time()))
     assert {"pay", "twin_pay", "balance", "twin_balance", "whereami"} <= names
     assert where is not None and where["cwd"] == str(tmp_path / "shelf")
     assert "LIBRARY_MODE" in where["env"] and "SECRET_TOKEN" not in where["env"]
@@ -77,7 +79,8 @@ async def test_a_config_file_names_env_cwd_probes_prefix_and_session(
     report = await delegation(journal)
     assert report.agent == "billing-agent"
     states = {(a.tool, a.state) for a in report.actions}
-    # The cancelled payment: probed past its deadline, proved not applied (the bank's ledger).
+    # The cancelled payment: probed past its deadline and the clock tolerance, proved not
+    # applied (the bank's ledger).
     assert ("bank.pay", A.NOT_APPLIED) in states and ("twin.pay", A.COMPLETED) in states
     assert report.outcome is tether.DelegationState.RECONCILED
     assert paid(bank_env, "hold-5") == []

@@ -192,7 +192,7 @@ class JournalRules(RuleBasedStateMachine):
                         2.0, 32.0)
         prior = [(a, v) for a, v in self.model.actions.items() if v[1] == key]
         try:
-            result = self.tx(lambda db: ops.begin_action(db, new))
+            result = self.tx(lambda db: ops.begin_action(db, new, 5.0))
         except tether.IdempotencyConflict:
             assert self.model.live(did)
             assert any(v[2] != digest for _, v in prior)

@@ -33,6 +33,9 @@ from .honest_agents import Provider
 A = tether.ActionState
 S = tether.DelegationState
 T = TypeVar("T")
+# The supervisors' clock tolerance: a call's dispatch deadline is judged passed this long after
+# it (another host's clock wrote it). Small, so that the scenarios' timings stay short.
+TOLERANCE = 0.25
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -49,8 +52,8 @@ async def supervising(url: str, clock: VirtualClock, keys: tether.KeyRing | None
                       jump_on_close: bool = True) -> AsyncIterator[tether.Supervisor]:
     """A supervisor on ``clock``. Leaving it turns autojump on (closing waits a bounded while,
     on its clock, for calls still running), unless the test needs time to stand still."""
-    async with tether.Supervisor(url, clock=clock, keys=keys, tools=tools,
-                                 recover=recover) as sup:
+    async with tether.Supervisor(url, clock=clock, keys=keys, tools=tools, recover=recover,
+                                 policy=tether.Policy(clock_tolerance=TOLERANCE)) as sup:
         try:
             yield sup
         finally:
@@ -415,7 +418,7 @@ async def test_terminate_after_a_recall_left_calls_running_cuts_them_here(
                                   "the terminate of our own recalled delegation")
         assert held.cancelled == [f"{child.task_id}:pay:0"], "the call left running was not cut"
         assert terminated.verdict == "TERMINATE", f"{terminated.verdict}: {terminated.reason}"
-        vclock.advance(5.0)  # t = 5.3, past the cut call's deadline: its probe is final
+        vclock.advance(5.0)  # t = 5.3, past the deadline + tolerance (5.25): the probe is final
         final = await eventually(lambda: sup.report(child.id), lambda r: r.outcome.terminal,
                                  "the delegation to settle here at the call's deadline")
         said = await verdicts(sup.journal, [child.id])
@@ -453,7 +456,7 @@ async def test_a_redelegated_child_waits_on_an_earlier_call_at_most_until_its_de
         again = await child.redelegate()
         result = asyncio.ensure_future(again.result())
         await within(waiting.wait(), 5.0, "the re-delegated child to wait on the first call")
-        await run_clock(vclock, result, step=0.05, limit=2.0)  # the deadline is at t = 1.0
+        await run_clock(vclock, result, step=0.05, limit=2.0)  # final at t = 1.0 + TOLERANCE
         assert result.done(), (
             f"at t = {vclock.now():g}, well past the first call's deadline (t = 1), the "
             f"re-delegated child still waits on that call (its client gives up at t = 1000)")
@@ -489,12 +492,13 @@ async def test_a_completed_receipt_after_a_completed_probe_fills_in_the_result(
         assert [a.state for a in report.actions] == [A.IN_DOUBT]
         vclock.advance(0.2)  # t = 0.5: applied; the reply is on its way
         await within(vclock.sleeping(1, at_least=4.9), 5.0, "the provider to apply the payment")
-        vclock.advance(1.6)  # t = 2.1: the owner probes again at the deadline (t = 2.0)
+        # t = 2.3: the owner probes again at the deadline plus the tolerance (t = 2.25)
+        vclock.advance(1.8)
         probed = await eventually(lambda: sup.report(child.id),
                                   lambda r: r.actions[0].state is A.COMPLETED,
                                   "the re-probe at the deadline")
         assert probed.actions[0].result is None
-        vclock.advance(3.5)  # t = 5.6: the executor's receipt (t = 5.5), with the result
+        vclock.advance(3.3)  # t = 5.6: the executor's receipt (t = 5.5), with the result
         final = await eventually(lambda: sup.report(child.id),
                                  lambda r: r.actions[0].result is not None,
                                  "the executor's receipt to fill in the result", seconds=3.0)
@@ -522,7 +526,7 @@ async def test_a_call_left_not_applied_yet_by_a_failed_child_is_reprobed_at_its_
                                  lambda r: bool(r.actions and r.actions[0].evidence),
                                  "the owner's probe of the call")
         assert first.actions[0].state is A.IN_DOUBT  # not applied *yet*
-        vclock.advance(5.5)  # past the call's dispatch deadline (t = 5)
+        vclock.advance(5.5)  # past the call's dispatch deadline + tolerance (t = 5.25)
         final = await eventually(lambda: sup.report(child.id),
                                  lambda r: r.actions[0].state is not A.IN_DOUBT,
                                  "the live supervisor to probe again at the deadline")
@@ -563,7 +567,7 @@ async def test_a_late_receipt_contradicting_a_final_not_applied_is_kept_and_flag
         await within(entered.wait(), 5.0, "the first payment to be sent")
         report = await recall_mid_call(first, vclock, sleepers=1)
         assert [x.state for x in report.actions] == [A.IN_DOUBT]
-        vclock.advance(1.0)  # past the deadline: the owner's re-probe is final
+        vclock.advance(1.0)  # past the deadline + tolerance: the owner's re-probe is final
         await eventually(lambda: a.report(first.id),
                          lambda r: r.actions[0].state is A.NOT_APPLIED,
                          "the final NOT_APPLIED at the deadline")
@@ -692,7 +696,7 @@ async def test_a_key_whose_earlier_call_is_unknown_fails_past_its_deadline(
         assert not result.done(), (
             f"before the earlier call's deadline the child must wait, not end: "
             f"{result.exception()!r}")
-        await run_clock(vclock, result, step=0.05, limit=2.0)  # the deadline is at t = 1.0
+        await run_clock(vclock, result, step=0.05, limit=2.0)  # final at t = 1.0 + TOLERANCE
         assert result.done(), f"at t = {vclock.now():g} the re-delegated child still waits"
         failure = result.exception()
     assert isinstance(failure, tether.DelegationError), failure

@@ -131,7 +131,7 @@ def fence_waits_for_insert(actor: psycopg.Connection[tuple[object, ...]],
     actor.execute("BEGIN")
     begun = ops.begin_action(PgDb(actor, "tether_test"), NewAction(
         "a1", "d1", 0, 0, "pay", tether.Effect.EXTERNAL, args,
-        hashlib.sha256(args.encode()).hexdigest(), "k1", 2.0, 32.0))
+        hashlib.sha256(args.encode()).hexdigest(), "k1", 2.0, 32.0), 5.0)
     assert begun.status is Begin.STARTED  # not committed yet
     key = tether.SigningKey.from_raw(bytes(32))
     intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0)

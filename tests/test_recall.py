@@ -94,8 +94,11 @@ async def test_not_applied_is_final_once_the_dispatch_deadline_passed(
     await clock.sleeping(2)
     clock.advance(2.0)
     assert (await recall).actions[0].state is A.IN_DOUBT
-    await clock.sleeping(1, at_least=27.0)  # the re-probe waits for the deadline
-    clock.advance(28.0)
+    # The re-probe waits for the deadline plus the clock tolerance (another host's clock may
+    # have written it).
+    tolerance = sup.policy.clock_tolerance
+    await clock.sleeping(1, at_least=27.0 + tolerance)
+    clock.advance(28.0 + tolerance)
     for _ in range(50):
         later = await child.report()
         if later.outcome.terminal:
@@ -261,7 +264,8 @@ async def test_a_recall_from_another_process_ends_its_grace_window(
     Taken as is, the elapsed time read zero and a hanging action held the recall forever."""
     entered = Countdown(1)
 
-    # Past its 4 s dispatch deadline the hanging call can no longer apply.
+    # Past its 4 s dispatch deadline (plus the policy's 0.5 s clock tolerance, inside the 5 s
+    # grace) the hanging call can no longer apply.
     @tether.tool(probe=pay.lookup, dispatch_deadline=4.0)
     async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
         entered.tick()
@@ -270,7 +274,8 @@ async def test_a_recall_from_another_process_ends_its_grace_window(
     async def agent(ctx: tether.Context) -> None:
         await ctx.call(hang, order_id="F-1", cents=1)
 
-    policy = tether.Policy(probe_timeout=1.0, ack_timeout=1.0)  # only the grace is 5 s
+    policy = tether.Policy(probe_timeout=1.0, ack_timeout=1.0,  # only the grace is 5 s
+                           clock_tolerance=0.5)
     async with tether.Supervisor(journal_url, clock=clock, keys=keys, policy=policy) as sup:
         waiter = events_of(sup)
         child = await sup.delegate(agent, tools=[hang])

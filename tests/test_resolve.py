@@ -91,13 +91,15 @@ def test_resolve_refuses_mistakes_with_one_line(tmp_path: Path) -> None:
 async def test_a_later_receipt_that_contradicts_a_decision_is_kept_and_flagged(
         journal_url: str) -> None:
     stuck = await stuck_payment(journal_url, deadline=0.01)
-    async with tether.Supervisor(journal_url, recover=False) as sup:
-        # "Not applied" only once the call can no longer apply: wait (bounded) for that.
+    async with tether.Supervisor(journal_url, recover=False,
+                                 policy=tether.Policy(clock_tolerance=0.05)) as sup:
+        # "Not applied" only once the call can no longer apply (its deadline plus the clock
+        # tolerance): wait (bounded) for that.
         deadline = (await sup.journal.action(stuck.action)).deadline_at
         assert deadline is not None
         loop = asyncio.get_running_loop()
         give_up = loop.time() + 5
-        while sup.clock.wall() <= deadline:
+        while sup.clock.wall() <= deadline + sup.policy.clock_tolerance:
             assert loop.time() < give_up
             await asyncio.sleep(0.005)
         action = await sup.resolve(stuck.action, "NOT_APPLIED", "not in the provider's ledger",
@@ -158,20 +160,25 @@ async def test_a_decision_signed_by_an_untrusted_key_is_refused(journal_url: str
 def test_who_may_decide_what() -> None:
     # Nothing to decide for an action in flight or settled; "not applied" only past the
     # deadline; after a contradiction, only what the facts allow.
-    assert judge_resolution(A.UNKNOWN, A.COMPLETED, deadline_at=10, now=5) is None
-    assert judge_resolution(A.IN_DOUBT, A.COMPLETED, deadline_at=10, now=5) is None
+    assert judge_resolution(A.UNKNOWN, A.COMPLETED, tolerance=2, deadline_at=10, now=5) is None
+    assert judge_resolution(A.IN_DOUBT, A.COMPLETED, tolerance=2, deadline_at=10, now=5) is None
     assert "may still apply" in str(judge_resolution(A.UNKNOWN, A.NOT_APPLIED,
-                                                     deadline_at=10, now=5))
-    assert judge_resolution(A.UNKNOWN, A.NOT_APPLIED, deadline_at=10, now=10) is None
-    assert "in flight" in str(judge_resolution(A.PENDING, A.COMPLETED, deadline_at=0, now=1))
+                                                     tolerance=2, deadline_at=10, now=5))
+    # The deadline was written on another clock: "not applied" only past it plus the tolerance.
+    assert "may still apply" in str(judge_resolution(A.UNKNOWN, A.NOT_APPLIED, tolerance=2,
+                                                     deadline_at=10, now=11))
+    assert judge_resolution(A.UNKNOWN, A.NOT_APPLIED, tolerance=2, deadline_at=10,
+                            now=12) is None
+    assert "in flight" in str(judge_resolution(A.PENDING, A.COMPLETED, tolerance=2,
+                                               deadline_at=0, now=1))
     assert "already settled" in str(judge_resolution(A.COMPLETED, A.COMPLETED,
-                                                     deadline_at=0, now=1))
-    assert judge_resolution(A.COMPLETED, A.COMPLETED, deadline_at=0, now=1,
+                                                     tolerance=2, deadline_at=0, now=1))
+    assert judge_resolution(A.COMPLETED, A.COMPLETED, tolerance=2, deadline_at=0, now=1,
                             contradicted=True) is None
-    assert "cannot undo" in str(judge_resolution(A.COMPLETED, A.NOT_APPLIED, deadline_at=0,
-                                                 now=1, contradicted=True))
+    assert "cannot undo" in str(judge_resolution(A.COMPLETED, A.NOT_APPLIED, tolerance=2,
+                                                 deadline_at=0, now=1, contradicted=True))
     assert "COMPLETED or NOT_APPLIED" in str(judge_resolution(A.UNKNOWN, A.FAILED,
-                                                              deadline_at=0, now=1))
+                                                              tolerance=2, deadline_at=0, now=1))
     assert contradicts(A.NOT_APPLIED, A.COMPLETED) and contradicts(A.COMPLETED, A.FAILED)
     assert not contradicts(A.NOT_APPLIED, A.FAILED) and not contradicts(A.COMPLETED,
                                                                         A.COMPLETED)

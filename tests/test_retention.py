@@ -48,12 +48,17 @@ async def paid(url: str, order: str) -> str:
 
 
 def past_deadlines(db: Path) -> None:
-    """Wait (polling, bounded) until every call's dispatch deadline has passed."""
+    """Wait (polling, bounded) until every call's dispatch deadline has passed, then age the
+    rows by the clock tolerance that ``tether prune`` allows past it (as if another host's
+    clock had written them that far behind), rather than wait for it in real time."""
     (last,) = sqlite3.connect(db).execute("SELECT MAX(deadline_at) FROM actions").fetchone()
     give_up = time.monotonic() + 5
     while time.time() <= last:
         assert time.monotonic() < give_up
         time.sleep(0.01)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE actions SET deadline_at = deadline_at - ?",
+                     (tether.Policy().clock_tolerance,))
 
 
 def test_export_is_json_lines_with_verification(tmp_path: Path) -> None:
@@ -131,14 +136,19 @@ def test_prune_mistakes_are_one_line(tmp_path: Path) -> None:
 def test_what_may_be_pruned() -> None:
     done = [NodeFacts(S.SUCCEEDED, 5.0)]
     final = [CallFacts(A.COMPLETED, 6.0)]
-    assert prunable(done, final, before=10, now=20)
-    assert not prunable([NodeFacts(S.NEEDS_ATTENTION, 5.0)], final, before=10, now=20)
-    assert not prunable([NodeFacts(S.RUNNING, None)], [], before=10, now=20)
-    assert not prunable(done, [CallFacts(A.UNKNOWN, 6.0)], before=10, now=20)
-    assert not prunable(done, [CallFacts(A.IN_DOUBT, 6.0)], before=10, now=20)
-    assert not prunable(done, [CallFacts(A.NOT_APPLIED, 30.0)], before=10, now=20)  # may land
-    assert not prunable([NodeFacts(S.SUCCEEDED, 15.0)], final, before=10, now=20)
-    assert not prunable([*done, NodeFacts(S.RECALLING, None)], final, before=10, now=20)
+    assert prunable(done, final, before=10, now=20, tolerance=2)
+    assert not prunable([NodeFacts(S.NEEDS_ATTENTION, 5.0)], final, before=10, now=20, tolerance=2)
+    assert not prunable([NodeFacts(S.RUNNING, None)], [], before=10, now=20, tolerance=2)
+    assert not prunable(done, [CallFacts(A.UNKNOWN, 6.0)], before=10, now=20, tolerance=2)
+    assert not prunable(done, [CallFacts(A.IN_DOUBT, 6.0)], before=10, now=20, tolerance=2)
+    assert not prunable(done, [CallFacts(A.NOT_APPLIED, 30.0)], before=10, now=20,
+                        tolerance=2)  # may land
+    # Its deadline was written on another host's clock: it may land until the tolerance past it.
+    assert not prunable(done, [CallFacts(A.NOT_APPLIED, 19.0)], before=10, now=20, tolerance=2)
+    assert prunable(done, [CallFacts(A.NOT_APPLIED, 17.0)], before=10, now=20, tolerance=2)
+    assert not prunable([NodeFacts(S.SUCCEEDED, 15.0)], final, before=10, now=20, tolerance=2)
+    assert not prunable([*done, NodeFacts(S.RECALLING, None)], final, before=10, now=20,
+                        tolerance=2)
 
 
 async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> None:
@@ -155,7 +165,9 @@ async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> 
         child = await ctx.delegate(leaf)
         await child.result()
 
-    async with tether.Supervisor(journal_url, tools=[charge]) as sup:
+    # A small clock tolerance: the deadline passes for retention within a real second.
+    async with tether.Supervisor(journal_url, tools=[charge],
+                                 policy=tether.Policy(clock_tolerance=0.1)) as sup:
         handle = await sup.delegate(parent)
         await handle.result()
         j = sup.journal

@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 
 import psycopg
-import pytest
 from psycopg import sql
 
 import tether
@@ -106,8 +105,6 @@ class _At:
         await asyncio.sleep(0)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a dispatch deadline is written on the executor's "
-                   "clock and judged on the prober's (see the review's report)")
 async def test_a_dispatch_deadline_is_judged_on_the_clock_it_was_written_on(
         pg_url: str) -> None:
     """A worker whose clock runs 2 s behind the journal server's is within what it tolerates

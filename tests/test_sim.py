@@ -85,7 +85,7 @@ def test_a_trials_active_faults_replay_from_its_own_list() -> None:
 
 @pytest.mark.parametrize(("seed", "fix", "found"), [
     (168, "attempt_fence", {"ghost"}),  # a cut child re-dispatched after its parent's terminate
-    (18429, "queued_fenced", {"stuck"}),  # recalled in the queue, its issuer crashed
+    (41197, "queued_fenced", {"stuck"}),  # recalled in the queue, its issuer crashed
     (34270, "probe_time", {"dishonest", "duplicate"}),  # probe asked before the deadline
 ])
 def test_defects_found_replay_and_their_fixes_remove_them(seed: int, fix: str,
@@ -113,14 +113,30 @@ def test_probe_not_applied_taken_as_final_is_caught(monkeypatch: pytest.MonkeyPa
     original = outcome.judge_probe
 
     def final(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
-              now: float) -> ActionState:
+              now: float, tolerance: float) -> ActionState:
         if answer is ProbeOutcome.NOT_APPLIED:
             return ActionState.NOT_APPLIED  # ignores the dispatch deadline
-        return original(answer, voided=voided, deadline_at=deadline_at, now=now)
+        return original(answer, voided=voided, deadline_at=deadline_at, now=now,
+                        tolerance=tolerance)
 
     found = broken_run(monkeypatch, outcome, "judge_probe", final,
                        ("late_apply", "reply_lost", "race"))
     assert found.get("dishonest", 0) > 0 and found.get("duplicate", 0) > 0, found
+
+
+def test_judging_deadlines_without_the_clock_tolerance_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deadlines are written on the executor's clock and judged on the prober's, each within
+    CLOCK_BOUND of the true time: judged without the tolerance, a probe's "not yet" on a clock
+    running ahead is taken as final while the request can still land."""
+    original = outcome.may_still_apply
+
+    def exact(*, deadline_at: float, now: float, tolerance: float) -> bool:
+        return original(deadline_at=deadline_at, now=now, tolerance=0.0)
+
+    found = broken_run(monkeypatch, outcome, "may_still_apply", exact,
+                       ("clock", "late_apply"), trials=3000)
+    assert found.get("dishonest", 0) + found.get("duplicate", 0) > 0, found
 
 
 def test_a_gate_that_ignores_the_fence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,8 +158,9 @@ def test_keys_freed_while_in_doubt_are_caught(monkeypatch: pytest.MonkeyPatch) -
     live = (ActionState.PENDING, ActionState.IN_DOUBT, ActionState.UNKNOWN)
 
     def free(tool: str, args_hash: str, prior: Sequence[outcome.PriorCall],
-             now: float) -> outcome.KeyDecision:
-        return original(tool, args_hash, [p for p in prior if p.state not in live], now)
+             now: float, tolerance: float) -> outcome.KeyDecision:
+        return original(tool, args_hash, [p for p in prior if p.state not in live], now,
+                        tolerance)
 
     found = broken_run(monkeypatch, outcome, "decide_key", free,
                        ("late_apply", "reply_lost", "race"))
@@ -167,9 +184,10 @@ def test_completed_keys_not_replayed_are_caught(monkeypatch: pytest.MonkeyPatch)
     original = outcome.decide_key
 
     def forgetful(tool: str, args_hash: str, prior: Sequence[outcome.PriorCall],
-                  now: float) -> outcome.KeyDecision:
+                  now: float, tolerance: float) -> outcome.KeyDecision:
         return original(tool, args_hash,
-                        [p for p in prior if p.state is not ActionState.COMPLETED], now)
+                        [p for p in prior if p.state is not ActionState.COMPLETED], now,
+                        tolerance)
 
     found = broken_run(monkeypatch, outcome, "decide_key", forgetful, ("race",))
     assert found.get("duplicate", 0) > 0, found

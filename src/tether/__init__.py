@@ -4,6 +4,7 @@ from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsRece
 from tether._core.errors import (
     AlreadyFinished,
     BadSignature,
+    ClockSkew,
     ControlRefused,
     ControlSignal,
     DelegationError,
@@ -82,6 +83,7 @@ __all__ = [
     "BadSignature",
     "CeilingReached",
     "Clock",
+    "ClockSkew",
     "Code",
     "Context",
     "ControlIntent",

@@ -33,6 +33,7 @@ from tether._chaos.ledger import Ledger, Network
 from tether._chaos.pgserver import PrivateServer
 from tether._chaos.plan import (
     ALL_FAULTS,
+    CLOCK_TOLERANCE,
     DISK_FAULTS,
     FAULTS,
     INFRA_FAULTS,
@@ -288,7 +289,9 @@ async def _all_terminal(url: str) -> bool:
 
 
 def recovery_policy(plan: Plan) -> tether.Policy:
-    return tether.Policy(lease=plan.lease) if plan.lease > 0 else tether.Policy()
+    if plan.lease > 0:
+        return tether.Policy(lease=plan.lease, clock_tolerance=CLOCK_TOLERANCE)
+    return tether.Policy(clock_tolerance=CLOCK_TOLERANCE)
 
 
 async def recover(directory: Path, url: str, plan: Plan, who: str = "recovery") -> int:
@@ -451,10 +454,12 @@ def _trial(plan: Plan, directory: Path, url: str, ledger: Ledger, network: Netwo
     if TOOL_DEADLINE and not extra and any(
             a.state in (tether.ActionState.PENDING, tether.ActionState.IN_DOUBT)
             for a in snap.actions):
-        # "Not applied yet" until the tool's dispatch deadline: reconcile again past it.
+        # "Not applied yet" until the tool's dispatch deadline and the clock tolerance:
+        # reconcile again past both.
         last = max(a.started_at for a in snap.actions)
-        time.sleep(max(0.0, last + LATE_APPLY_MAX + 0.1 - time.time()))
-        ledger.note("harness", "reconcile_again", "", reason="past the dispatch deadline")
+        time.sleep(max(0.0, last + LATE_APPLY_MAX + CLOCK_TOLERANCE + 0.1 - time.time()))
+        ledger.note("harness", "reconcile_again", "",
+                    reason="past the dispatch deadline and the clock tolerance")
         with contextlib.suppress(tether.TetherError):
             asyncio.run(recover(directory, url, plan))
         snap = asyncio.run(snapshot(url))

@@ -55,6 +55,10 @@ LATE_APPLY_MAX = 1.0
 # Requests expire this much before LATE_APPLY_MAX after the tool's first line, which runs
 # just after the intent: the slack keeps "applied within LATE_APPLY_MAX of the intent" true.
 DEADLINE_SLACK = 0.05
+# The supervisors' clock tolerance (``Policy.clock_tolerance``). Every process of a trial runs
+# on this host, against a local server: one clock, so a small tolerance is safe and keeps the
+# wait for a final "not applied" short.
+CLOCK_TOLERANCE = 0.5
 
 # Deliberate bugs of the simulated world, switched on with `tether chaos --inject`, to prove
 # that the harness catches what they break. They live here, never in the runtime.

@@ -16,7 +16,7 @@ from typing import Any
 
 import tether
 from tether._chaos.ledger import Ledger
-from tether._chaos.plan import DEADLINE_SLACK, LATE_APPLY_MAX, Plan
+from tether._chaos.plan import CLOCK_TOLERANCE, DEADLINE_SLACK, LATE_APPLY_MAX, Plan
 
 ENV_DIR = "TETHER_CHAOS_DIR"
 ENV_PLAN = "TETHER_CHAOS_PLAN"
@@ -186,5 +186,7 @@ def build(trial: Trial) -> tuple[tether.Tool, tether.Tool, tether.Agent]:
 def policy(plan: Plan) -> tether.Policy:
     """The supervisors' bounds; a cross-process trial's lease is short, like its workers'."""
     if plan.lease > 0:
-        return tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0, lease=plan.lease)
-    return tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0)
+        return tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0, lease=plan.lease,
+                             clock_tolerance=CLOCK_TOLERANCE)
+    return tether.Policy(ack_timeout=0.5, probe_timeout=0.2, max_grace=5.0,
+                         clock_tolerance=CLOCK_TOLERANCE)

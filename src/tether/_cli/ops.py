@@ -198,11 +198,14 @@ def resolve_cmd(
     """Record a person's decision on an action in doubt or UNKNOWN, signed with your key; its
     delegation is settled again. A later receipt that says otherwise is kept and flagged."""
     from tether._cli.app import emit_json, out
+    from tether._runtime.clockcheck import check_host_clock
     from tether._runtime.keys import KeyRing
     from tether._runtime.resolve import resolve
 
     async def go() -> dict[str, Any]:
         async with Journal(journal, create=False) as j:
+            # "Not applied" is judged against the call's deadline on this host's clock.
+            await check_host_clock(j, "tether resolve cannot judge dispatch deadlines")
             ring = await asyncio.to_thread(KeyRing.load, keys or j.keys_dir)
             action = await resolve(j, ring, action_id, outcome.upper(), note, by, time.time())
             row = await j.get(action.delegation_id)

@@ -127,6 +127,7 @@ def prune_cmd(
     with anything running, in doubt, UNKNOWN or needing attention. The prune is recorded in
     the journal (counts, cut-off, archive digest)."""
     from tether._cli.app import emit_json, out
+    from tether._runtime.clockcheck import check_host_clock
 
     now = time.time()
     cutoff = moment(before, "--before", now)
@@ -135,6 +136,8 @@ def prune_cmd(
 
     async def go() -> dict[str, Any]:
         async with Journal(journal, create=False) as j:
+            # Calls are prunable only past their deadlines, judged on this host's clock.
+            await check_host_clock(j, "tether prune cannot judge dispatch deadlines")
             candidates: list[str] = []
             after = None
             while True:

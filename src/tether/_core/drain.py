@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from tether._core.model import ControlKind, DelegationState
-from tether._core.outcome import may_still_apply
+from tether._core.outcome import final_at
 from tether._core.verdict import RecallDecision, Verdict
 
 
@@ -82,15 +82,15 @@ def ending(verdict: Verdict, *, killed: bool) -> Ending:
     )
 
 
-def recheck_at(deadlines: Iterable[float], now: float) -> float | None:
-    """When to probe calls left in doubt again: at the first dispatch deadline still ahead (a
-    live call's own receipt may settle it sooner). ``now`` if one is already past: its next
-    probe is final. None when there is nothing left to probe."""
-    times = list(deadlines)
+def recheck_at(deadlines: Iterable[float], now: float, tolerance: float) -> float | None:
+    """When to probe calls left in doubt again: when the first of them can no longer apply,
+    its dispatch deadline plus the clock tolerance (a live call's own receipt may settle it
+    sooner), never earlier: a probe before it could only say "not yet" again. ``now`` if one
+    is already past it: its next probe is final. None when there is nothing left to probe."""
+    times = [final_at(t, tolerance) for t in deadlines]
     if not times:
         return None
-    ahead = [t for t in times if may_still_apply(deadline_at=t, now=now)]
-    return min(ahead) if len(ahead) == len(times) else now
+    return max(now, min(times))
 
 
 __all__ = ["Ending", "GraceStep", "Stop", "ending", "grace_step", "recheck_at",

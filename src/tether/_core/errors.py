@@ -163,6 +163,19 @@ class LeaseLost(JournalError):
         self.why = why
 
 
+class ClockSkew(JournalError):
+    """This host's wall clock is further off the journal server's than the policy's clock
+    tolerance allows: dispatch deadlines it writes or judges could be misjudged, so the
+    process refuses to start (or stops); nothing was changed by the refusal."""
+
+    def __init__(self, offset: float, limit: float, what: str) -> None:
+        super().__init__(f"{what}: this host's clock is {offset:+.1f} s off the journal "
+                         f"server's, more than the {limit:g} s it may be (half the policy's "
+                         "clock_tolerance); sync it with NTP")
+        self.offset = offset
+        self.limit = limit
+
+
 class DelegationError(TetherError):
     """A delegated child failed; the fields say which and why."""
 

@@ -139,6 +139,10 @@ class ProbeOutcome(StrEnum):
         return ActionState(self.value)
 
 
+# Seconds by which two processes' wall clocks may differ (``Policy.clock_tolerance``).
+DEFAULT_CLOCK_TOLERANCE = 5.0
+
+
 @dataclass(frozen=True)
 class Policy:
     """Bounds the supervisor enforces. Grace above ``max_grace`` is refused, not clamped."""
@@ -147,9 +151,14 @@ class Policy:
     ack_timeout: float = 5.0  # how long to wait for a child's acknowledgement of a recall
     probe_timeout: float = 10.0
     lease: float = 30.0  # an owner whose heartbeat is older than this is presumed dead
+    # The most two processes' wall clocks may differ: a call's dispatch deadline, written on
+    # its executor's clock, is judged passed only this much after it on any other. A process
+    # on a shared journal (PostgreSQL) whose clock is more than half of it off the server's
+    # refuses to run (docs/design.md, "The outcome model").
+    clock_tolerance: float = DEFAULT_CLOCK_TOLERANCE
 
     def __post_init__(self) -> None:
-        for name in ("max_grace", "ack_timeout", "probe_timeout", "lease"):
+        for name in ("max_grace", "ack_timeout", "probe_timeout", "lease", "clock_tolerance"):
             value = getattr(self, name)
             if not _positive_finite(value):
                 raise UserError(f"policy {name} must be a positive finite number, got {value!r}")

@@ -3,8 +3,13 @@ fact about it. Pure: the journal's operations, the runtime and the simulator all
 
 Final means final. A probe's "not applied" is final only when the call can no longer apply:
 the probe voided the key at the provider, or the tool's dispatch deadline, journaled with the
-intent, has passed. Until then the action stays IN_DOUBT, "not applied yet", and is probed
-again at the deadline.
+intent, has passed by more than the clock tolerance. Until then the action stays IN_DOUBT,
+"not applied yet", and is probed again then.
+
+The deadline is written on the executor's clock and judged on the judge's: every judgement adds
+the clock tolerance T, and every process on a shared journal checks that its clock is within
+T/2 of the journal server's (the runtime's ``clockcheck``), so any two are within T of each
+other and "past deadline + T on my clock" implies "past the deadline on the writer's".
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from tether._core.model import ActionState, DelegationState, ProbeOutcome, action_may_move
+from tether._core.model import (
+    DEFAULT_CLOCK_TOLERANCE,
+    ActionState,
+    DelegationState,
+    ProbeOutcome,
+    action_may_move,
+)
 
 # Seconds after an intent within which a dispatched call may still apply at the provider
 # (a request in the network, a provider's queue). A tool declares its own; this is the default.
@@ -28,21 +39,28 @@ KEY_FREE = frozenset({_A.FAILED, _A.NOT_APPLIED})
 UNSETTLED = frozenset({_A.PENDING, _A.IN_DOUBT})
 
 
-def may_still_apply(*, deadline_at: float, now: float) -> bool:
+def may_still_apply(*, deadline_at: float, now: float, tolerance: float) -> bool:
     """Can this call still apply? Until its dispatch deadline it can, whatever is known of its
     executor: a task that raised, was cancelled or whose process died may have left its
-    request in the network. The tool's deadline is its promise that nothing applies later."""
-    return now < deadline_at
+    request in the network. The tool's deadline is its promise that nothing applies later.
+    ``deadline_at`` was written on its executor's clock and ``now`` read on the judge's: the
+    call may still apply until ``tolerance`` (the most two clocks may differ) past it."""
+    return now < final_at(deadline_at, tolerance)
+
+
+def final_at(deadline_at: float, tolerance: float) -> float:
+    """The first time, on any process's clock, at which the call surely can no longer apply."""
+    return deadline_at + tolerance
 
 
 def judge_probe(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
-                now: float) -> ActionState:
+                now: float, tolerance: float) -> ActionState:
     """The state a probe's answer moves an in-doubt action to."""
     if answer is ProbeOutcome.COMPLETED:
         return _A.COMPLETED
     if answer is ProbeOutcome.UNKNOWN:
         return _A.UNKNOWN
-    if voided or not may_still_apply(deadline_at=deadline_at, now=now):
+    if voided or not may_still_apply(deadline_at=deadline_at, now=now, tolerance=tolerance):
         return _A.NOT_APPLIED
     return _A.IN_DOUBT  # not applied *yet*: probed again after the deadline
 
@@ -88,12 +106,12 @@ class PriorCall:
     deadline_at: float | None = None  # None: an older journal's row (its tool's deadline)
 
 
-def holds_key(call: PriorCall, now: float) -> bool:
+def holds_key(call: PriorCall, now: float, tolerance: float) -> bool:
     """An UNKNOWN earlier call still holds its key for others to wait on until its deadline:
     its own receipt may still come (then it replays), or the next probe may be final."""
     return call.state in UNSETTLED or (
         call.state is _A.UNKNOWN and call.deadline_at is not None
-        and may_still_apply(deadline_at=call.deadline_at, now=now))
+        and may_still_apply(deadline_at=call.deadline_at, now=now, tolerance=tolerance))
 
 
 class KeyVerdict(StrEnum):
@@ -111,7 +129,7 @@ class KeyDecision:
 
 
 def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall],
-               now: float) -> KeyDecision:
+               now: float, tolerance: float) -> KeyDecision:
     """A probe never frees a key that may still be live: only FAILED and a final NOT_APPLIED do.
     A re-delegated child reaching a key still in flight or in doubt waits for it; an UNKNOWN
     one is a person's to decide once its deadline has passed."""
@@ -122,7 +140,7 @@ def decide_key(tool: str, args_hash: str, prior: Sequence[PriorCall],
     for call in prior:
         if call.state is _A.COMPLETED:
             return KeyDecision(KeyVerdict.REPLAY, call)
-        if holds_key(call, now):
+        if holds_key(call, now, tolerance):
             waiting = call
         elif call.state is _A.UNKNOWN:
             return KeyDecision(KeyVerdict.UNKNOWN, call)
@@ -222,6 +240,7 @@ def settle(state: DelegationState, actions: Iterable[ActionFacts],
 
 
 __all__ = [
+    "DEFAULT_CLOCK_TOLERANCE",
     "DEFAULT_DISPATCH_DEADLINE",
     "KEY_FREE",
     "UNSETTLED",
@@ -233,6 +252,7 @@ __all__ = [
     "PriorCall",
     "Receipt",
     "decide_key",
+    "final_at",
     "holds_key",
     "judge_gate",
     "judge_probe",

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from tether._core.documents import Document, _float, _split, _str, parse_body
 from tether._core.errors import Malformed
 from tether._core.model import ActionState, action_may_move
-from tether._core.outcome import may_still_apply
+from tether._core.outcome import final_at, may_still_apply
 
 _A = ActionState
 # What a person may decide: the call applied, or it did not (and never will).
@@ -73,7 +73,7 @@ def decode_resolution(body: bytes) -> Resolution:
 
 
 def judge_resolution(state: ActionState, decided: ActionState, *, deadline_at: float,
-                     now: float, contradicted: bool = False) -> str | None:
+                     now: float, tolerance: float, contradicted: bool = False) -> str | None:
     """None when a person may record ``decided`` for an action in ``state``; otherwise why not.
 
     Only an outcome nobody established (IN_DOUBT or UNKNOWN) is a person's to decide, and a
@@ -87,9 +87,10 @@ def judge_resolution(state: ActionState, decided: ActionState, *, deadline_at: f
         return ("the call is still in flight: its executor will report it; stop its "
                 "delegation first (tether terminate) to have it probed")
     if decided is _A.NOT_APPLIED and state in (_A.IN_DOUBT, _A.UNKNOWN) and may_still_apply(
-            deadline_at=deadline_at, now=now):
-        return (f"the call may still apply for {deadline_at - now:.3g} s (its dispatch "
-                "deadline): decide NOT_APPLIED after that, or COMPLETED now")
+            deadline_at=deadline_at, now=now, tolerance=tolerance):
+        return (f"the call may still apply for {final_at(deadline_at, tolerance) - now:.3g} s "
+                "(its dispatch deadline and the clock tolerance): decide NOT_APPLIED after "
+                "that, or COMPLETED now")
     if state in (_A.IN_DOUBT, _A.UNKNOWN):
         return None
     if contradicted and (state is decided or action_may_move(state, decided)):

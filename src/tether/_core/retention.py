@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tether._core.model import ActionState, DelegationState
+from tether._core.outcome import may_still_apply
 
 FINAL_ACTIONS = frozenset({ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED})
 
@@ -30,7 +31,7 @@ class CallFacts:
 
 
 def prunable(nodes: Iterable[NodeFacts], calls: Iterable[CallFacts], *, before: float,
-             now: float) -> bool:
+             now: float, tolerance: float) -> bool:
     """Whether a tree (its root and every descendant, with all their actions) may be pruned."""
     for node in nodes:
         if not node.state.terminal or node.state is DelegationState.NEEDS_ATTENTION:
@@ -40,7 +41,8 @@ def prunable(nodes: Iterable[NodeFacts], calls: Iterable[CallFacts], *, before: 
     for call in calls:
         if call.state not in FINAL_ACTIONS:
             return False
-        if call.deadline_at is None or call.deadline_at > now:
+        if call.deadline_at is None or may_still_apply(deadline_at=call.deadline_at, now=now,
+                                                        tolerance=tolerance):
             return False
     return True
 

@@ -501,7 +501,7 @@ class Proxy:
                     if a.idempotency_key == key]
         if doubtful:
             await probe_all(sup.journal, doubtful, {tool.name: tool}, sup.clock,
-                            sup.policy.probe_timeout)
+                            sup.policy.probe_timeout, tolerance=sup.policy.clock_tolerance)
         await sup.journal.flush()
 
     async def settle_background(self) -> None:

@@ -37,7 +37,7 @@ from tether._journal.tables import (
 )
 
 
-def begin_action(db: Db, new: NewAction) -> BeginResult:
+def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
     """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
     The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
     intent accepted for the delegation cannot commit between the check and the insert."""
@@ -67,7 +67,7 @@ def begin_action(db: Db, new: NewAction) -> BeginResult:
                  "WHERE idem_key = ? ORDER BY started_at /*LOCK a*/",
                  (new.idem_key,),
              ).fetchall()]
-    decision = decide_key(new.tool, new.args_hash, prior, new.now)
+    decision = decide_key(new.tool, new.args_hash, prior, new.now, tolerance)
     found = decision.prior
     if decision.verdict is KeyVerdict.CONFLICT:
         assert found is not None

@@ -16,7 +16,7 @@ from tether._core.documents import (
     NoEffectsReceipt,
 )
 from tether._core.errors import ControlRefused, UnknownKey, UserError
-from tether._core.model import ActionState, DelegationState
+from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
@@ -76,6 +76,9 @@ class Journal:
     def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
                  busy_timeout: float | None = None) -> None:
         self.url = url
+        # Added to every dispatch deadline judged in a transaction (a key's earlier use, a
+        # person's decision, retention): the supervisor sets its policy's.
+        self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE
         try:
             query = parse_qs(urlparse(url).query)
         except ValueError as exc:  # e.g. an unclosed "[" in the host
@@ -313,7 +316,7 @@ class Journal:
 
     # -- actions ------------------------------------------------------------------------------
     async def begin_action(self, new: NewAction) -> BeginResult:
-        return await self._write(ops.begin_action, new)
+        return await self._write(ops.begin_action, new, self.clock_tolerance)
 
     def finish_action(self, action_id: str, outcome: ActionState, now: float, result: Any = None,
                       error: str | None = None) -> None:
@@ -370,13 +373,15 @@ class Journal:
         from tether._core.resolution import Resolution, decode_resolution
         from tether._journal.resolutions import resolve_action
 
+        tolerance = self.clock_tolerance
+
         def op(db: Any) -> tuple[Resolution, ActionRecord]:
             reg = trustops.registry(db, pins)
             if signed.key_id not in reg.keys:
                 raise UnknownKey(reg.explain(signed.key_id))
             reg.keys.verify_bytes(signed)
             res = decode_resolution(signed.body)
-            return res, resolve_action(db, signed, res, now)
+            return res, resolve_action(db, signed, res, now, tolerance)
 
         res, action = await self._write(op)
         log.info("%s resolved as %s by %s", res.action_id, res.outcome.value, res.operator,
@@ -412,11 +417,13 @@ class Journal:
 
     async def prunable(self, root_ids: list[str], before: float, now: float) -> list[str]:
         return await self._read(lambda db: [
-            r for r in root_ids if retention.tree_prunable(db, r, before, now) is not None])
+            r for r in root_ids
+            if retention.tree_prunable(db, r, before, now, self.clock_tolerance) is not None])
 
     async def prune(self, root_ids: list[str], before: float, now: float,
                     archive: dict[str, Any] | None) -> dict[str, Any]:
-        return await self._write(retention.prune, root_ids, before, now, archive)
+        return await self._write(retention.prune, root_ids, before, now, archive,
+                                 self.clock_tolerance)
 
 
     # -- workers ------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ def _contradicted(db: Db, action_id: str) -> bool:
     return row is not None and row[1] is not None and (row[0] is None or row[1] > row[0])
 
 
-def resolve_action(db: Db, signed: Signed, res: Resolution, now: float) -> ActionRecord:
+def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
+                   tolerance: float) -> ActionRecord:
     """Record a verified decision: the action moves to the decided outcome with the decision
     in its evidence, and its delegation (and ancestors) re-settle."""
     action = get_action(db, res.action_id)
@@ -41,7 +42,7 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float) -> Actio
     deadline = action.deadline_at if action.deadline_at is not None else \
         action.started_at + DEFAULT_DISPATCH_DEADLINE
     why = judge_resolution(action.state, res.outcome, deadline_at=deadline, now=now,
-                           contradicted=_contradicted(db, action.id))
+                           tolerance=tolerance, contradicted=_contradicted(db, action.id))
     if why is not None:
         raise UserError(f"cannot resolve {action.id} as {res.outcome.value}: {why}")
     decision = {"outcome": res.outcome.value, "operator": res.operator, "key_id": signed.key_id,

@@ -68,7 +68,8 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
     return out
 
 
-def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] | None:
+def tree_prunable(db: Db, root_id: str, before: float, now: float,
+                  tolerance: float) -> list[str] | None:
     """The tree's delegation ids if it may be pruned, else None.
 
     A task's idempotency keys (``task:tool:n``) are shared by all its attempts: a re-delegated
@@ -100,7 +101,8 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float) -> list[str] 
         "ORDER BY id /*XLOCK d*/", ids).fetchall()}
     nodes = [(i, *states[i]) for i in ids if i in states]
     ok = prunable([NodeFacts(DelegationState(n[1]), n[2]) for n in nodes],
-                  [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now)
+                  [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now,
+                  tolerance=tolerance)
     return ids if ok and len(nodes) == len(ids) else None
 
 
@@ -110,14 +112,14 @@ def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
 
 
 def prune(db: Db, root_ids: list[str], before: float, now: float,
-          archive: dict[str, Any] | None) -> dict[str, Any]:
+          archive: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
     """Delete the trees that may still be pruned (each re-checked here, in the transaction),
     and record what went, and where its archive is, as a ``pruned`` event that stays."""
     gone: list[str] = []
     kept: list[str] = []
     seen: set[str] = set()  # a task's other attempts go with the first of them listed
     for root in root_ids:
-        ids = tree_prunable(db, root, before, now)
+        ids = tree_prunable(db, root, before, now, tolerance)
         if ids is None:
             kept.append(root)
         else:

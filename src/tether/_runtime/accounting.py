@@ -16,7 +16,7 @@ from tether._core import drain
 from tether._core.documents import ControlIntent
 from tether._core.errors import InvalidTransition, KeyInUse, StaleSequence
 from tether._core.model import ActionState, ControlKind, DelegationState
-from tether._core.outcome import UNSETTLED, PriorCall, holds_key
+from tether._core.outcome import UNSETTLED, PriorCall, final_at, holds_key
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
@@ -55,20 +55,24 @@ class Accounting:
     async def await_call(self, action_id: str, key: str) -> None:
         """Wait until an earlier action with idempotency key ``key`` has an outcome that lets
         a new call with the key decide (replay, run again, or fail): at most until the earlier
-        call's dispatch deadline, after which a probe's answer is final."""
+        call's dispatch deadline (plus the clock tolerance: another process's clock wrote it),
+        after which a probe's answer is final."""
         sup = self._sup
+        tolerance = sup.policy.clock_tolerance
         while True:
             action = await sup.journal.action(action_id)
             deadline = deadline_of(action, self._tools)
+            final = final_at(deadline, tolerance)
             now = sup.clock.wall()
             if not holds_key(PriorCall(action.id, action.tool, "", action.state,
-                                       deadline_at=deadline), now):
+                                       deadline_at=deadline), now, tolerance):
                 return
-            if now >= deadline:
+            if now >= final:
                 # Past its deadline nothing can apply any more: the next probe is final.
                 if action.state is ActionState.IN_DOUBT:
                     await probe_all(sup.journal, [action], self._tools, sup.clock,
-                                    sup.policy.probe_timeout, sup.telemetry.probed)
+                                    sup.policy.probe_timeout, sup.telemetry.probed,
+                                    tolerance=tolerance)
                     action = await sup.journal.action(action_id)
                 if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
                     raise KeyInUse(key, action_id, action.state.value)
@@ -77,7 +81,7 @@ class Accounting:
             # This process runs it: its receipt is posted before the task ends. Otherwise
             # another process's progress is polled. Either way, at most until the deadline.
             waits = [task] if task is not None else [sup.wake(sup.control_poll)]
-            await first_of(sup.clock, min(deadline - now, sup.policy.lease), *waits)
+            await first_of(sup.clock, min(final - now, sup.policy.lease), *waits)
             if task is not None and task.done():
                 await sup.journal.flush()
 
@@ -127,7 +131,8 @@ class Accounting:
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout, sup.telemetry.probed)
+                            sup.policy.probe_timeout, sup.telemetry.probed,
+                            tolerance=sup.policy.clock_tolerance)
         await settle_subtree(sup.journal, root_id, sup.clock, fallback)
         await self._recheck_later(root_id, fallback)
 
@@ -136,7 +141,7 @@ class Accounting:
         open_calls = [a for a in await sup.journal.unsettled(root_id)
                       if a.state is ActionState.IN_DOUBT]
         at = drain.recheck_at((deadline_of(a, self._tools) for a in open_calls),
-                              sup.clock.wall())
+                              sup.clock.wall(), sup.policy.clock_tolerance)
         if at is not None and sup.is_open and root_id not in self._rechecks:
             self._rechecks.add(root_id)
             sup.spawn(self._recheck(root_id, fallback, at))
@@ -146,6 +151,10 @@ class Accounting:
             await self._sup.clock.sleep(at - self._sup.clock.wall())
         finally:
             self._rechecks.discard(root_id)
+        if self._sup.presumed_dead():
+            # Its lease ran out, or its clock was found off the server's: it judges nothing
+            # any more; whoever reconciles its delegations probes them.
+            return
         await self.account(root_id, fallback)
 
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
@@ -182,7 +191,8 @@ class Accounting:
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout, sup.telemetry.probed)
+                            sup.policy.probe_timeout, sup.telemetry.probed,
+                            tolerance=sup.policy.clock_tolerance)
             roots = {a.delegation_id for a in doubtful}
             for root in roots:
                 row = await sup.journal.get(root)

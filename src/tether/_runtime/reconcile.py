@@ -8,8 +8,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from tether._core import values
-from tether._core.model import ActionState, DelegationState, ProbeOutcome
-from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, judge_probe
+from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState, ProbeOutcome
+from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, final_at, judge_probe
 from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
@@ -70,9 +70,11 @@ def deadline_of(action: ActionRecord, tools: Mapping[str, Tool]) -> float:
 
 async def probe_all(journal: Journal, actions: list[ActionRecord],
                     tools: Mapping[str, Tool], clock: Clock, limit: float,
-                    on_answer: Callable[[str], None] | None = None) -> None:
+                    on_answer: Callable[[str], None] | None = None, *,
+                    tolerance: float = DEFAULT_CLOCK_TOLERANCE) -> None:
     """Probe each action and record the answer. A "not applied" before the call's dispatch
-    deadline keeps it IN_DOUBT with the probe's evidence: it may still land."""
+    deadline plus ``tolerance`` (the most this clock and the executor's, which wrote the
+    deadline, may differ) keeps it IN_DOUBT with the probe's evidence: it may still land."""
 
     async def one(action: ActionRecord) -> None:
         # Judged at the time the probe was sent: an answer that comes back after the deadline
@@ -82,12 +84,13 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
         now = clock.wall()
         deadline = deadline_of(action, tools)
         state = judge_probe(answer.outcome, voided=answer.voided, deadline_at=deadline,
-                            now=sent)
+                            now=sent, tolerance=tolerance)
         evidence = {**answer.evidence, "probe": answer.outcome.value, "probed_at": now}
         if state is ActionState.IN_DOUBT:
+            left = max(0.0, final_at(deadline, tolerance) - now)
             evidence["not_final"] = (f"not applied yet: the call may still apply until its "
-                                     f"dispatch deadline ({max(0.0, deadline - now):.3g} s "
-                                     "from now)")
+                                     f"dispatch deadline, plus {tolerance:g} s of clock "
+                                     f"tolerance ({left:.3g} s from now)")
         await journal.settle_action(action.id, state, now, evidence, answer.result)
         if on_answer is not None:  # telemetry: probes and unknowns counted
             on_answer(state.value)

@@ -18,6 +18,7 @@ from tether._core import values
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
+    ClockSkew,
     ControlRefused,
     ControlSignal,
     InvalidTransition,
@@ -38,6 +39,7 @@ from tether._runtime import draining
 from tether._runtime.accounting import Accounting
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
+from tether._runtime.clockcheck import check_clock
 from tether._runtime.compensation import compensate
 from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
@@ -121,6 +123,8 @@ class Supervisor:
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
         self.policy = policy or Policy()
+        # Deadlines judged inside the journal's transactions allow the same clock tolerance.
+        self.journal.clock_tolerance = self.policy.clock_tolerance
         self._keys = keys
         self._tools: dict[str, Tool] = {}
         self._learn(check_surface(tools, "Supervisor(tools=...)").values())
@@ -224,6 +228,10 @@ class Supervisor:
     async def __aenter__(self) -> Supervisor:
         await self.journal.open()
         try:
+            # Before anything is written: a host whose clock is off the server's by more than
+            # half the tolerance would misjudge others' dispatch deadlines (``clockcheck``).
+            await check_clock(self.journal, self.clock, self.policy.clock_tolerance / 2,
+                              "this process cannot use the journal")
             if self._keys is None:
                 self._keys = await asyncio.to_thread(KeyRing.load_or_init,
                                                      self.journal.keys_dir)
@@ -326,6 +334,22 @@ class Supervisor:
             beats += 1
             if beats % every == 0:
                 self.journal.heartbeat(self.owner_id, self.clock.wall())
+                await self._recheck_clock()
+
+    async def _recheck_clock(self) -> None:
+        """At each heartbeat: a clock that drifted off the server's (or was set wrong) since
+        this process started stops it, as a lost lease stops a worker: its children stop, and
+        whoever reconciles its delegations settles them on clocks that can be trusted."""
+        try:
+            await check_clock(self.journal, self.clock, self.policy.clock_tolerance / 2,
+                              f"orchestrator {self.owner_id} stopped")
+        except ClockSkew as exc:
+            log.error("%s", exc, extra={"owner": self.owner_id, "offset": exc.offset})
+            self.journal.event(self.clock.wall(), "clock_skew", None, None,
+                               owner=self.owner_id, offset=exc.offset, limit=exc.limit)
+            self.abandon()
+        except JournalError:
+            pass  # the journal is away: checked again at the next heartbeat
 
     # -- delegation -----------------------------------------------------------------------------
     async def delegate(self, agent: Agent | AgentFn, /, *args: Any,

@@ -25,6 +25,7 @@ from typing import Any
 from tether._core.documents import WorkOrder
 from tether._core.errors import (
     AlreadyFinished,
+    ClockSkew,
     ControlRefused,
     JournalError,
     LeaseLost,
@@ -37,6 +38,7 @@ from tether._core.trust import check_work
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
+from tether._runtime.clockcheck import check_clock
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import logger
@@ -123,7 +125,10 @@ class Worker:
 
     async def __aenter__(self) -> Worker:
         sup = self.supervisor
-        await sup.__aenter__()
+        try:
+            await sup.__aenter__()
+        except ClockSkew as exc:  # checked on opening, like any process on the journal
+            raise LeaseLost(sup.owner_id, _skewed(exc)) from None
         try:
             # A worker signs what it settles (terminates, acknowledgements): its key must be
             # one the deployment trusts, or it would claim work it cannot account for.
@@ -272,22 +277,21 @@ class Worker:
             await self._check_clock()
 
     async def _check_clock(self) -> None:
-        """Leases are written on this host's clock and judged on the database server's: a
-        worker whose clock is off by a quarter of its lease or more stops rather than risk
-        acting after others presumed it dead (or being presumed dead while it works)."""
+        """Leases are written on this host's clock and judged on the database server's, and
+        so are dispatch deadlines (``clockcheck``): a worker whose clock is off by a quarter of
+        its lease, or half the policy's clock tolerance, stops rather than risk acting after
+        others presumed it dead (or being presumed dead while it works), or writing deadlines
+        that others judge passed too soon."""
         sup = self.supervisor
+        limit = min(self.lease / 4, sup.policy.clock_tolerance / 2)
         try:
-            server = await sup.journal.server_time()
+            await check_clock(sup.journal, sup.clock, limit, f"worker {sup.owner_id}")
+        except ClockSkew as exc:
+            sup.abandon()
+            raise LeaseLost(sup.owner_id, _skewed(exc)) from None
         except JournalError as exc:
             sup.abandon()
             raise LeaseLost(sup.owner_id, f"cannot read the journal's clock ({exc})") from None
-        if server is None:
-            return  # SQLite: every process shares this host's clock
-        off = sup.clock.wall() - server
-        if abs(off) >= self.lease / 4:
-            sup.abandon()
-            raise LeaseLost(sup.owner_id, f"its clock is {off:+.1f} s off the journal server's, "
-                            f"a quarter of its {self.lease:g} s lease or more (sync it with NTP)")
 
     async def _run_one(self, row: DelegationRow) -> None:
         sup = self.supervisor
@@ -352,6 +356,12 @@ class Worker:
                 await sup.issue_control(delegation_id, ControlKind.TERMINATE, None, why)
         else:
             await sup.recover_delegation(row, why)
+
+
+def _skewed(exc: ClockSkew) -> str:
+    return (f"its clock is {exc.offset:+.1f} s off the journal server's, more than the "
+            f"{exc.limit:g} s it may be (a quarter of its lease, half the policy's "
+            "clock_tolerance; sync it with NTP)")
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

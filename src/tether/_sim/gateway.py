@@ -24,7 +24,7 @@ from tether._core.errors import (
     ToolRejected,
 )
 from tether._core.model import ActionState, DelegationState, Effect
-from tether._core.outcome import UNSETTLED, PriorCall, holds_key
+from tether._core.outcome import UNSETTLED, PriorCall, final_at, holds_key
 from tether._core.redispatch import CutReason, StreamCut
 from tether._journal.rows import Begin
 from tether._sim.journal import FenceRefused, NewAction
@@ -150,13 +150,15 @@ def await_call(sup: Supervisor, action_id: str, key: str) -> Step:
     """``Supervisor.await_call``: until the earlier call's outcome lets a new one decide, at
     most until its dispatch deadline, after which a probe's answer is final."""
     journal = sup.journal
+    tolerance = sup.policy.clock_tolerance
     while True:
         action = journal.actions[action_id]
+        final = final_at(action.deadline_at, tolerance)
         now = sup.wall()
         if not holds_key(PriorCall(action.id, action.tool, "", action.state,
-                                   deadline_at=action.deadline_at), now):
+                                   deadline_at=action.deadline_at), now, tolerance):
             return
-        if now >= action.deadline_at:
+        if now >= final:
             if action.state is _A.IN_DOUBT:
                 yield from sup.probe_all([action])
             if action.state in UNSETTLED or action.state is _A.UNKNOWN:
@@ -165,7 +167,7 @@ def await_call(sup: Supervisor, action_id: str, key: str) -> Step:
         # This process runs it (its receipt comes before it ends), else poll: either way at
         # most until the deadline.
         proc = sup.calls.get(action_id)
-        wait = min(action.deadline_at - now, sup.policy.lease, sup.env.knobs.poll)
+        wait = min(final - now, sup.policy.lease, sup.env.knobs.poll)
         yield (proc.done if proc is not None else sup.host.notify, wait)
 
 

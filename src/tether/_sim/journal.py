@@ -31,6 +31,7 @@ from tether._core.model import ActionState, ControlKind, DelegationState, Effect
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.verdict import JournalFacts
 from tether._journal.rows import Begin
+from tether._sim.world import CLOCK_TOLERANCE
 
 _A = ActionState
 _S = DelegationState
@@ -398,7 +399,7 @@ class Journal:
             return Begin(gate.value), new.id, None
         prior = [outcome.PriorCall(a.id, a.tool, a.args_hash, a.state, a.result, a.deadline_at)
                  for a in self.by_key.get(new.key, ())]
-        decision = outcome.decide_key(new.tool, new.args_hash, prior, new.now)
+        decision = outcome.decide_key(new.tool, new.args_hash, prior, new.now, CLOCK_TOLERANCE)
         found = decision.prior
         verdict = decision.verdict
         if verdict is outcome.KeyVerdict.CONFLICT:

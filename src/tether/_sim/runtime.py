@@ -372,7 +372,8 @@ class Supervisor:
 
     def recheck_later(self, root_id: str, fallback: DelegationState) -> None:
         open_calls = [a for a in self.journal.unsettled(root_id) if a.state is _A.IN_DOUBT]
-        at = drain.recheck_at((a.deadline_at for a in open_calls), self.wall())
+        at = drain.recheck_at((a.deadline_at for a in open_calls), self.wall(),
+                              self.policy.clock_tolerance)
         if at is not None and root_id not in self.rechecks and self.host.alive:
             self.rechecks.add(root_id)
             self.spawn(f"recheck:{root_id}", self._recheck(root_id, fallback, at))
@@ -390,7 +391,8 @@ class Supervisor:
             if "probe_time" in self.journal.fixes:
                 now = asked  # what the provider's answer can speak for
             state = outcome.judge_probe(answer.outcome, voided=answer.voided,
-                                        deadline_at=action.deadline_at, now=now)
+                                        deadline_at=action.deadline_at, now=now,
+                                        tolerance=self.policy.clock_tolerance)
             self.sched.note(f"probe {action.id} ({action.key}): {answer.outcome.value}"
                             f"{' voided' if answer.voided else ''} {answer.why} -> {state.value}")
             if action.state in (_A.IN_DOUBT, _A.UNKNOWN):

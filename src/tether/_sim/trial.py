@@ -24,7 +24,7 @@ from tether._sim.journal import FIXES, Journal
 from tether._sim.judge import CLASSES, SIM_CLASSES, Violation, judge
 from tether._sim.runtime import Env, Spec, Supervisor
 from tether._sim.sched import Host, OutOfSteps, Sched, Step
-from tether._sim.world import FAULTS, Provider, active_faults, knobs
+from tether._sim.world import CLOCK_TOLERANCE, FAULTS, Provider, active_faults, knobs
 
 STEP_BUDGET = 40_000
 HORIZON = 120.0  # virtual seconds for the orchestrators to finish
@@ -94,7 +94,7 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *, trace: bool = Fa
     signer, trusted = keys()
     k = knobs(rng, on)
     policy = Policy(max_grace=5.0, ack_timeout=0.5, probe_timeout=rng.choice((0.3, 1.0)),
-                    lease=k.lease)
+                    lease=k.lease, clock_tolerance=CLOCK_TOLERANCE)
     retry_safe = frozenset({"lookup", "pay"} if k.retry_safe_pay else {"lookup"})
     env = Env(sched, Journal(trusted), Provider(sched, rng, reply_loss=k.reply_loss), k, signer,
               trusted, policy, RedispatchPolicy(retry_safe, 1, k.settle_delay))
@@ -204,7 +204,7 @@ def _final_recovery(env: Env) -> None:
     deadlines = [a.deadline_at for a in journal.actions.values()]
     leases = [o.lease_until or 0.0 for o in journal.owners.values()]
     end = max([sched.now, env.provider.last_arrival, *deadlines, *leases]) \
-        + env.policy.lease + 1.0
+        + env.policy.lease + env.policy.clock_tolerance + 1.0
     sched.run(horizon=end)
     sched.now = max(sched.now, end)
     host = Host("final")

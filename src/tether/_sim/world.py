@@ -29,13 +29,18 @@ FAULTS = (
     "stream_cut",  # children whose model stream is cut: re-dispatch decided by decide_redispatch
 )
 
+# The simulated policy's clock tolerance (``Policy.clock_tolerance``): every judgement of a
+# dispatch deadline adds it, since another host's clock wrote the deadline.
+CLOCK_TOLERANCE = 1.0
 # Every host's wall clock stays within this many seconds of the journal server's (the true
-# time). Workers enforce a bound of a quarter of their lease against the server (Worker's
-# clock check); the simulator keeps every clock inside the tighter CLOCK_BOUND, below it.
-CLOCK_BOUND = 0.1
+# time): the bound every real process enforces against the server (``clockcheck``: half the
+# tolerance; workers also a quarter of their lease, far above it here).
+CLOCK_BOUND = CLOCK_TOLERANCE / 2
 # The simulated tool asks its provider to refuse a request this long before the dispatch
-# deadline it journals: the request's expiry and the prober's clock may each be CLOCK_BOUND off.
-DEADLINE_MARGIN = 2 * CLOCK_BOUND
+# deadline it journals. The provider judges the expiry on the true time, at most CLOCK_BOUND
+# after the executor's deadline; a probe is final only at deadline + CLOCK_TOLERANCE on the
+# prober's clock, at least CLOCK_BOUND after it in true time: no margin is needed.
+DEADLINE_MARGIN = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -158,5 +163,5 @@ def active_faults(seed: int, selected: tuple[str, ...]) -> tuple[str, ...]:
                  and random.Random(f"{seed}:{f}").random() < 0.5)
 
 
-__all__ = ["CLOCK_BOUND", "DEADLINE_MARGIN", "FAULTS", "Application", "Knobs", "Provider",
-           "Request", "active_faults", "knobs"]
+__all__ = ["CLOCK_BOUND", "CLOCK_TOLERANCE", "DEADLINE_MARGIN", "FAULTS", "Application",
+           "Knobs", "Provider", "Request", "active_faults", "knobs"]
