@@ -176,3 +176,34 @@ def test_plans_follow_from_the_seed_and_old_records_still_load() -> None:
            if k in ("seed", "fault", "children", "refunds", "latency", "reply",
                     "control_after", "grace", "kill_after", "kill_nth", "probe_mode")}
     assert Plan.from_json(json.dumps(old)).late == 0.0  # a record from before the new fields
+
+
+def test_a_hung_orchestrator_leaves_its_threads_stacks(tmp_path: Path) -> None:
+    """Before a hung trial's orchestrator is killed it is asked for every thread's stack
+    (faulthandler on SIGUSR1), so that the record says where it waited."""
+    import subprocess
+    import sys
+    import time
+
+    from tether._chaos.harness import _stacks_of
+
+    log = tmp_path / "orchestrator.log"
+    script = ("import faulthandler, signal, sys, time\n"
+              "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+              "print('ready', flush=True)\n"
+              "def waiting_here():\n"
+              "    time.sleep(60)\n"
+              "waiting_here()\n")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"ready" not in log.read_bytes():  # a condition, polled with a bound
+            assert time.monotonic() < deadline, "the process never started"
+            time.sleep(0.02)
+        stacks = _stacks_of(proc, log)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "waiting_here" in stacks and "ready" not in stacks, stacks

@@ -122,6 +122,18 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     return True
 
 
+def _stacks_of(proc: subprocess.Popen[bytes], log: Path) -> str:
+    """A hung orchestrator's threads, as faulthandler writes them on SIGUSR1 (its log's tail)."""
+    size = log.stat().st_size if log.exists() else 0
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and (log.stat().st_size if log.exists() else 0) == size:
+        time.sleep(0.05)  # another process writing its dump: polled, bounded
+    time.sleep(0.2)  # the rest of the dump
+    return log.read_bytes()[size:].decode(errors="replace")[-6000:]
+
+
 def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
                      ledger: Ledger, server: PrivateServer | None = None,
                      disk: JournalDisk | None = None) -> tuple[str, str]:
@@ -147,10 +159,11 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
     finally:
         # First end them all: a process stopped inside a write to the ledger holds its lock.
         _signal_group(proc.pid, signal.SIGCONT)
+        stacks = _stacks_of(proc, log) if code is None else ""
         leftover = _signal_group(proc.pid, signal.SIGKILL) and code is not None
         proc.wait()
         if code is None:
-            ledger.note("harness", "hung", "orchestrator", after=timeout)
+            ledger.note("harness", "hung", "orchestrator", after=timeout, stacks=stacks)
         elif leftover:
             ledger.note("harness", "leftover", "", pgid=proc.pid)
     if code is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -345,4 +346,7 @@ async def wait_all_terminal(url: str, within: float) -> None:
 
 
 if __name__ == "__main__":
+    # A hung trial is asked for every thread's stack (SIGUSR1) before it is killed: the
+    # harness keeps them in the trial's record, so that a hang says where it waited.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(run(Path(sys.argv[1]), Plan.from_json(sys.argv[2]), sys.argv[3]))
