@@ -176,18 +176,25 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
     return "exited", ""
 
 
-def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Path, url: str,
-                       ledger: Ledger, deadline: float) -> None:
-    """SIGSTOP the orchestrator once its children are delegated, for longer than its lease;
-    meanwhile another process reconciles it as soon as its owner may be presumed dead."""
+def _fault_time(proc: subprocess.Popen[bytes], plan: Plan, ledger: Ledger,
+                deadline: float) -> bool:
+    """Wait until ``plan.pause_after`` past the orchestrator's "delegated" note; False if it
+    ended (or the trial's deadline passed) first."""
     while ledger.first_note("delegated") is None:
         if proc.poll() is not None or time.monotonic() > deadline:
-            return
+            return False
         time.sleep(0.005)
     start = ledger.first_note("delegated")
     assert start is not None
     time.sleep(max(0.0, start + plan.pause_after - time.time()))
-    if proc.poll() is not None:
+    return proc.poll() is None
+
+
+def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Path, url: str,
+                       ledger: Ledger, deadline: float) -> None:
+    """SIGSTOP the orchestrator once its children are delegated, for longer than its lease;
+    meanwhile another process reconciles it as soon as its owner may be presumed dead."""
+    if not _fault_time(proc, plan, ledger, deadline):
         return
     os.kill(proc.pid, signal.SIGSTOP)
     stopped = time.time()
@@ -245,14 +252,7 @@ def disk_fault(proc: subprocess.Popen[bytes], plan: Plan, disk: JournalDisk, led
     """Fill the journal's disk for a while, or make it read-only for the rest of the trial,
     once the children are delegated: every call must then fail before its tool runs, or go
     through; no process may hang."""
-    while ledger.first_note("delegated") is None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return
-        time.sleep(0.005)
-    start = ledger.first_note("delegated")
-    assert start is not None
-    time.sleep(max(0.0, start + plan.pause_after - time.time()))
-    if proc.poll() is not None:
+    if not _fault_time(proc, plan, ledger, deadline):
         return
     at = time.time()
     detail: dict[str, Any] = {}
