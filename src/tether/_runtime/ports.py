@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 from tether._core.model import ControlKind, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.report import Report
-from tether._core.signing import TrustedKeys
+from tether._core.signing import Signed, TrustedKeys
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.clock import Clock
@@ -149,3 +149,23 @@ class Accounts(Liveness, Protocol):
     def runtime(self, delegation_id: str) -> ChildRuntime | None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]: ...
+
+
+class Adopts(Liveness, Protocol):
+    """Acting on intents other processes wrote (``adoption.Adoption``), and the heartbeat."""
+
+    @property
+    def control_poll(self) -> float: ...
+
+    async def wake(self, at_most: float) -> None: ...
+
+    def presumed_dead(self) -> bool: ...
+
+    def abandon(self) -> None: ...
+
+    def runtime(self, delegation_id: str) -> ChildRuntime | None: ...
+
+    async def current_trust(self) -> TrustedKeys: ...
+
+    def start_drain(self, rt: ChildRuntime, signed: Signed,
+                    accepted_at: float) -> asyncio.Future[Report]: ...

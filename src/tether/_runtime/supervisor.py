@@ -14,15 +14,12 @@ import socket
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tether._core import values
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
-    ClockSkew,
     ControlRefused,
     ControlSignal,
     InvalidTransition,
-    JournalError,
     Recalled,
     TetherError,
     UserError,
@@ -31,12 +28,14 @@ from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed, TrustedKeys
-from tether._core.trust import bound, work_order
+from tether._core.trust import work_order
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
-from tether._journal.rows import ControlRow, DelegationRow, NewDelegation, OwnerRow
+from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
 from tether._runtime import draining
 from tether._runtime.accounting import Accounting
+from tether._runtime.adoption import Adoption
+from tether._runtime.arguments import check_result, check_supervisor, child_payload, unstorable
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.clockcheck import check_clock
@@ -60,50 +59,6 @@ T = TypeVar("T")
 log = logger("supervisor")
 
 
-def _payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
-    payload = {"args": list(args), "kwargs": kwargs}
-    try:
-        values.check(payload)
-    except UserError as exc:
-        raise UserError(f"arguments to {what} cannot be serialized: {exc}") from None
-    return payload
-
-
-def _unstorable(value: Any, agent: str) -> UserError | None:
-    """A result is kept only if the journal gives it back unchanged, so a task's result is
-    the same wherever it ran (here, or in a worker whose result is read from the journal);
-    otherwise the child fails with this UserError (its actions are accounted for as always)."""
-    try:
-        values.check(value)
-    except UserError as exc:
-        return UserError(f"the result of {agent} cannot be stored: {exc}")
-    return None
-
-
-def _check_result(value: Any, agent: str) -> None:
-    bad = _unstorable(value, agent)
-    if bad is not None:
-        raise bad
-
-
-def _check_arguments(journal: object, clock: object, keys: object, policy: object,
-                     redispatch: object, tools: object) -> None:
-    """A mistake in the constructor's arguments is a UserError naming the argument, not an
-    AttributeError from deep inside later."""
-    if not isinstance(journal, str | Journal):
-        raise UserError(f"journal must be a URL or a tether.Journal, not {type(journal).__name__}")
-    if clock is not None and not all(callable(getattr(clock, name, None))
-                                     for name in ("now", "wall", "sleep")):
-        raise UserError("clock must have now(), wall() and sleep() (tether.testing.VirtualClock, "
-                        f"say), not {type(clock).__name__}")
-    for name, value, kind in (("keys", keys, KeyRing), ("policy", policy, Policy),
-                              ("redispatch", redispatch, RedispatchPolicy)):
-        if value is not None and not isinstance(value, kind):
-            raise UserError(f"{name} must be a tether.{kind.__name__}, not {type(value).__name__}")
-    if isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
-        raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
-
-
 class Supervisor:
     """Holds the journal and the keys, and every child this process runs.
 
@@ -118,7 +73,7 @@ class Supervisor:
                  tracer_provider: TracerProvider | None = None,
                  meter_provider: MeterProvider | None = None,
                  handle_signals: bool = False) -> None:
-        _check_arguments(journal, clock, keys, policy, redispatch, tools)
+        check_supervisor(journal, clock, keys, policy, redispatch, tools)
         self.journal = journal if isinstance(journal, Journal) else Journal(journal,
                                                                              durable=durable)
         self.clock: Clock = clock or SystemClock()
@@ -132,8 +87,7 @@ class Supervisor:
         self._runtimes: dict[str, ChildRuntime] = {}
         self._accounts = Accounting(self, self._tools)
         self._background: set[asyncio.Task[Any]] = set()
-        self._last_control = 0
-        self._refused: set[int] = set()  # control rows refused (journaled once)
+        self._adoption = Adoption(self)  # intents other processes write for our children
         self._poll = control_poll
         self._open = False
         self._recover_on_start = recover
@@ -242,11 +196,11 @@ class Supervisor:
                 # The first process on a fresh journal roots its key registry in its own key,
                 # if its configuration pins it (docs/security.md).
                 await self.journal.genesis(self._keys.signer, now)
-            self._last_control = await self.journal.last_control_id()
+            self._adoption.last_control = await self.journal.last_control_id()
             self._loop = asyncio.get_running_loop()
             self.journal.on_notify(self._notified)
             self._open = True
-            self.spawn(self._watch())
+            self.spawn(self._adoption.watch())
             if self._recover_on_start:
                 await self.recover()
             self._stopping.enter()
@@ -313,44 +267,6 @@ class Supervisor:
             self.journal.event(self.clock.wall(), "supervisor_error", None, None,
                                task=task.get_name(), error=repr(exc))
 
-    async def _watch(self) -> None:
-        """Learn of control intents written by other processes (``tether recall``) and keep
-        this owner's heartbeat. Real time: this is a poll loop, not a deadline."""
-        beats = 0
-        every = max(1, int(self.policy.lease / 3 / self._poll))
-        while True:
-            await self.wake(self._poll)
-            if self.presumed_dead():
-                continue  # whoever reconciles our delegations settles them, not us
-            try:
-                rows = await self.journal.controls_to_adopt(self.owner_id, self._last_control)
-            except JournalError:
-                continue  # the journal is away longer than it reconnects for: poll again
-            for row in rows:
-                self._last_control = max(self._last_control, row.id)
-                rt = self._runtimes.get(row.delegation_id)
-                if row.issuer != self.owner_id and rt is not None and await self._admit(rt, row):
-                    self._adopt(rt, row)
-            beats += 1
-            if beats % every == 0:
-                self.journal.heartbeat(self.owner_id, self.clock.wall())
-                await self._recheck_clock()
-
-    async def _recheck_clock(self) -> None:
-        """At each heartbeat: a clock that drifted off the server's (or was set wrong) since
-        this process started stops it, as a lost lease stops a worker: its children stop, and
-        whoever reconciles its delegations settles them on clocks that can be trusted."""
-        try:
-            await check_clock(self.journal, self.clock, self.policy.clock_tolerance / 2,
-                              f"orchestrator {self.owner_id} stopped")
-        except ClockSkew as exc:
-            log.error("%s", exc, extra={"owner": self.owner_id, "offset": exc.offset})
-            self.journal.event(self.clock.wall(), "clock_skew", None, None,
-                               owner=self.owner_id, offset=exc.offset, limit=exc.limit)
-            self.abandon()
-        except JournalError:
-            pass  # the journal is away: checked again at the next heartbeat
-
     # -- delegation -----------------------------------------------------------------------------
     async def delegate(self, agent: Agent | AgentFn, /, *args: Any,
                        tools: Iterable[Tool | Agent | str] | None = None,
@@ -365,7 +281,7 @@ class Supervisor:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         ag = as_agent(agent, tools)
         surface = check_surface(ag.tools, f"delegation of {ag.name}")
-        payload = _payload(args, kwargs, ag.name)
+        payload = child_payload(args, kwargs, ag.name)
         if task_id is not None and (not isinstance(task_id, str) or not task_id):
             raise UserError("task_id must be a non-empty string")
         if model is not None and not isinstance(model, str):
@@ -397,7 +313,7 @@ class Supervisor:
                           kwargs: dict[str, Any]) -> TaskRun:
         """A grandchild of ``parent`` (``Context.delegate``), unless the journal fences it."""
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
-        payload = _payload(args, kwargs, agent.name)
+        payload = child_payload(args, kwargs, agent.name)
         n = parent.ordinals[agent.grant]
         try:
             row = await self.journal.create_delegation(NewDelegation(
@@ -481,14 +397,14 @@ class Supervisor:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
-            _check_result(value, rt.agent.name)
+            check_result(value, rt.agent.name)
             ending = (DelegationState.SUCCEEDED, value, None, None)
             outcome: tuple[bool, Any] = (True, value)
         except ControlSignal as signal:
             if rt.stop is None and rt.draining is None and not self.presumed_dead():
                 # The journal fenced it before this process heard of the intent (a recall
                 # from another shell): drain it now, or nobody would settle it.
-                await self._adopt_latest(rt)
+                await self._adoption.latest(rt)
             return False, signal
         except asyncio.CancelledError:
             if rt.stop is None:
@@ -496,7 +412,7 @@ class Supervisor:
             return False, rt.stop  # stopped by a recall or terminate, not by our caller
         except StreamCut as cut:
             salvaged = cut.partial.to_json() if cut.partial.usable else None
-            bad = None if salvaged is None else _unstorable(salvaged, rt.agent.name)
+            bad = None if salvaged is None else unstorable(salvaged, rt.agent.name)
             if bad is not None:  # raised here, no other handler of this try would see it
                 ending = (DelegationState.FAILED, None, f"UserError: {bad}", ending_of(bad)[1])
                 outcome = (False, bad)
@@ -539,7 +455,7 @@ class Supervisor:
             # A control intent was accepted first (RECALLING cannot become SUCCEEDED). If it
             # came from another process and the poll has not seen it yet, drain it now: the
             # journal says it must be settled, and nobody else here will.
-            await self._adopt_latest(rt)
+            await self._adoption.latest(rt)
             return
         if doubtful:  # a tool raised: it may have applied; ask the outside world
             await self._accounts.account(rt.id, state)  # and again at its deadline
@@ -594,12 +510,7 @@ class Supervisor:
                 # running): settle it here, cutting those calls if this is a terminate.
                 return await self._accounts.settle_here(delegation_id, kind)
             return await settle_elsewhere(self, delegation_id, signed)
-        return await asyncio.shield(self._start_drain(rt, signed, self.clock.now()))
-
-    async def _adopt_latest(self, rt: ChildRuntime) -> None:
-        controls = await self.journal.controls(rt.id)
-        if controls and await self._admit(rt, controls[-1]):
-            self._adopt(rt, controls[-1])
+        return await asyncio.shield(self.start_drain(rt, signed, self.clock.now()))
 
     async def current_trust(self) -> TrustedKeys:
         """The keys whose intents this process acts on: the journal's key registry as this
@@ -607,32 +518,7 @@ class Supervisor:
         registry = await self.journal.registry(self.keys.trusted)
         return registry.keys.plus(self.keys.signer.public)
 
-    async def _admit(self, rt: ChildRuntime, row: ControlRow) -> bool:
-        """Whether to act on a control row another process wrote: signed by a key the
-        deployment trusts, and naming this very row (delegation, epoch, sequence, kind). A
-        refused row is journaled once and never acted on."""
-        if row.id in self._refused:
-            return False
-        try:
-            intent = (await self.current_trust()).verify(row.signed, ControlIntent)
-            bound(intent, row.delegation_id, row.seq, row.kind, rt.row.epoch)
-        except ControlRefused as exc:
-            self._refused.add(row.id)
-            self.journal.event(self.clock.wall(), "control_refused", rt.id, None,
-                               row=row.id, seq=row.seq, error=str(exc))
-            return False
-        return True
-
-    def _adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
-        """Drain for an intent another process wrote. Its acceptance time is wall-clock; the
-        grace window runs on ``clock.now()``, so it is converted, not taken as is."""
-        if rt.draining is None:
-            elapsed = max(0.0, self.clock.wall() - row.accepted_at)
-            self._start_drain(rt, row.signed, self.clock.now() - elapsed)
-        elif row.kind is ControlKind.TERMINATE:
-            rt.cut()  # a terminate from elsewhere cuts a recall's grace window short
-
-    def _start_drain(self, rt: ChildRuntime, signed: Signed,
+    def start_drain(self, rt: ChildRuntime, signed: Signed,
                      accepted_at: float) -> asyncio.Future[Report]:
         rt.draining = self.spawn(draining.drain(self, self._accounts, rt, signed, accepted_at))
         self._notify("drain", rt.id)

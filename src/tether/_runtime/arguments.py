@@ -1,0 +1,59 @@
+"""Checks of what a user hands the supervisor: its constructor's arguments, a child's
+arguments and a child's result. A mistake is a ``UserError`` naming what is wrong, raised
+where the user made it, not an ``AttributeError`` from deep inside later."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tether._core import values
+from tether._core.errors import UserError
+from tether._core.model import Policy
+from tether._core.redispatch import RedispatchPolicy
+from tether._journal.journal import Journal
+from tether._runtime.keys import KeyRing
+
+
+def child_payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
+    """A child's arguments as the journal keeps them."""
+    data = {"args": list(args), "kwargs": kwargs}
+    try:
+        values.check(data)
+    except UserError as exc:
+        raise UserError(f"arguments to {what} cannot be serialized: {exc}") from None
+    return data
+
+
+def unstorable(value: Any, agent: str) -> UserError | None:
+    """A result is kept only if the journal gives it back unchanged, so a task's result is
+    the same wherever it ran (here, or in a worker whose result is read from the journal);
+    otherwise the child fails with this UserError (its actions are accounted for as always)."""
+    try:
+        values.check(value)
+    except UserError as exc:
+        return UserError(f"the result of {agent} cannot be stored: {exc}")
+    return None
+
+
+def check_result(value: Any, agent: str) -> None:
+    bad = unstorable(value, agent)
+    if bad is not None:
+        raise bad
+
+
+def check_supervisor(journal: object, clock: object, keys: object, policy: object,
+                     redispatch: object, tools: object) -> None:
+    """The supervisor's constructor arguments."""
+    if not isinstance(journal, str | Journal):
+        raise UserError(f"journal must be a URL or a tether.Journal, not {type(journal).__name__}")
+    if clock is not None and not all(callable(getattr(clock, name, None))
+                                     for name in ("now", "wall", "sleep")):
+        raise UserError("clock must have now(), wall() and sleep() (tether.testing.VirtualClock, "
+                        f"say), not {type(clock).__name__}")
+    for name, value, kind in (("keys", keys, KeyRing), ("policy", policy, Policy),
+                              ("redispatch", redispatch, RedispatchPolicy)):
+        if value is not None and not isinstance(value, kind):
+            raise UserError(f"{name} must be a tether.{kind.__name__}, not {type(value).__name__}")
+    if isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
+        raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")
