@@ -84,3 +84,57 @@ def test_every_thread_writes_through_its_own_connection(tmp_path: Path) -> None:
         assert ledger.first_note("b") is not None
     finally:
         ledger.close()
+
+
+SLOW_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("CREATE TABLE IF NOT EXISTS trace (n INTEGER PRIMARY KEY, at REAL NOT NULL, "
+           "who TEXT NOT NULL, what TEXT NOT NULL, key TEXT NOT NULL DEFAULT '', "
+           "detail TEXT NOT NULL DEFAULT '{}')")
+db.execute("BEGIN IMMEDIATE")
+db.execute("INSERT INTO trace (at, who, what) VALUES (0, 'worker', 'writing')")
+print("locked", flush=True)
+time.sleep(0.2)  # the write is still open when the SIGSTOP comes
+db.execute("COMMIT")
+"""
+
+
+async def test_a_worker_paused_inside_a_ledger_write_is_resumed(tmp_path: Path) -> None:
+    """``pause_worker``: the worker may be stopped inside its write to the ledger. Noting the
+    SIGSTOP then waits for that lock, which only the SIGCONT releases: the SIGCONT must not
+    wait behind the note (a trial once hung there until the harness gave up on it)."""
+    import asyncio
+
+    from tether._chaos.orchestrator import Helpers
+    from tether._chaos.plan import Plan
+    from tether._chaos.world import Trial
+
+    plan = Plan(seed=1, fault="pause_worker", children=1, refunds=1, latency=0.0, reply=0.0,
+                control_after=0.0, grace=0.5, kill_after=0.0, kill_nth=0, probe_mode="ok")
+    trial = Trial(tmp_path, plan, "orchestrator")
+    # A stopped writer is waited for this long, then the note fails: short, so that a SIGCONT
+    # that never comes fails the test instead of hanging it.
+    trial.ledger.close()
+    trial.ledger = Ledger(tmp_path / "ledger.db", give_up=5.0)
+    helpers = Helpers(trial, "sqlite:///unused")
+    worker = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SLOW_HOLDER, str(tmp_path / "ledger.db"),
+        stdout=asyncio.subprocess.PIPE)
+    try:
+        assert worker.stdout is not None
+        assert (await worker.stdout.readline()).strip() == b"locked"
+        timer = helpers.pause(worker, 0.3)
+        await asyncio.to_thread(timer.join)
+        assert await asyncio.wait_for(worker.wait(), 10.0) == 0
+        # Both are noted, in the order they were sent (the trace sorts by time: the SIGSTOP's
+        # note may commit after the SIGCONT's, having waited for the worker's lock).
+        assert [detail.get("sig") for _, _, what, _, detail in sorted(trial.ledger.notes())
+                if what == "signal"] == ["SIGSTOP", "SIGCONT"]
+        assert helpers.paused == set()
+    finally:
+        if worker.returncode is None:
+            worker.send_signal(signal.SIGCONT)
+            worker.kill()
+            await worker.wait()
+        trial.ledger.close()

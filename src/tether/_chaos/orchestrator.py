@@ -77,6 +77,16 @@ class Helpers:
             self.paused.discard(proc.pid)
         self.trial.note("signal", role, sig=sig.name, pid=proc.pid)
 
+    def pause(self, proc: asyncio.subprocess.Process, seconds: float) -> threading.Timer:
+        """SIGSTOP ``proc``, and SIGCONT it ``seconds`` later from a thread. The SIGCONT is
+        scheduled before the stop is sent and noted: the process may be stopped inside a write
+        to the ledger, and noting the stop then waits for that lock, which only the SIGCONT
+        releases (the event loop waits too)."""
+        timer = threading.Timer(seconds, self.resume, (proc.pid,))
+        timer.start()
+        self.signal(proc, signal.SIGSTOP)
+        return timer
+
     def resume(self, pid: int) -> None:
         """SIGCONT, from any thread."""
         with contextlib.suppress(ProcessLookupError):
@@ -250,11 +260,7 @@ async def control(trial: Trial, helpers: Helpers, workers: Workers,
         await asyncio.sleep(plan.pause_after)
         worker = workers.current
         assert worker is not None
-        helpers.signal(worker, signal.SIGSTOP)
-        # From a thread, not the event loop: the loop may be waiting for a ledger lock that the
-        # stopped worker holds.
-        timer = threading.Timer(plan.pause_for, helpers.resume, (worker.pid,))
-        timer.start()
+        timer = helpers.pause(worker, plan.pause_for)
         await results(handles)
         await asyncio.to_thread(timer.join)
         return
