@@ -121,3 +121,65 @@ async def test_an_owner_probes_again_at_the_deadline_after_a_probe_failed(
     assert [a.state for a in final.actions] == [A.NOT_APPLIED]
     assert final.outcome is S.RECONCILED
     assert held.applied == {}
+
+
+# -- two processes reaching one key at once (PostgreSQL) -----------------------------------------
+
+# The first intent for the key stops after its insert, before its commit, until the test lets
+# it go (a trigger waiting on an advisory lock the test holds).
+STALL = (
+    """CREATE FUNCTION stall_first_use() RETURNS trigger AS $$
+    BEGIN
+        IF NEW.idem_key = 'order-K' THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+        RETURN NEW;
+    END $$ LANGUAGE plpgsql""",
+    """CREATE TRIGGER stall_first_use AFTER INSERT ON actions
+        FOR EACH ROW EXECUTE FUNCTION stall_first_use()""",
+)
+
+
+def _waiting(kind: str) -> int:
+    """Backends waiting for a lock of this kind (advisory, transactionid)."""
+    import psycopg
+
+    from .conftest import PG_URL
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        row = conn.execute("SELECT COUNT(*) FROM pg_locks WHERE locktype = %s AND NOT granted",
+                           (kind,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_two_processes_reaching_one_key_at_once_wait_and_replay(
+        pg_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """Two orchestrators' children use the same idempotency key (same arguments) at the same
+    moment: the second reads the key while the first's intent is written but not committed.
+    The journal must not fail the second with a raw unique-index error; it waits for the first
+    call's outcome and replays it (the provider applies the key once)."""
+    import psycopg
+
+    from .conftest import PG_URL
+    from .test_outcome_edges import run_sql
+
+    held = Held()
+    async with supervising(pg_url, vclock, keys, [held.tool]) as first, \
+            supervising(pg_url, vclock, keys, [held.tool]) as second:
+        for statement in STALL:
+            run_sql(pg_url, statement)
+        with psycopg.connect(PG_URL, autocommit=True) as gate:
+            gate.execute("SELECT pg_advisory_lock(4242)")
+            a = await first.delegate(payer(held.tool, key="order-K"), tools=[held.tool])
+            await eventually(lambda: asyncio.to_thread(_waiting, "advisory"), lambda n: n == 1,
+                             "the first intent to be written and held before its commit")
+            b = await second.delegate(payer(held.tool, key="order-K"), tools=[held.tool])
+            await eventually(lambda: asyncio.to_thread(_waiting, "transactionid"),
+                             lambda n: n == 1, "the second intent to wait on the first's")
+            gate.execute("SELECT pg_advisory_unlock(4242)")
+        await within(held.entered.wait(), 5.0, "the first call to be sent")
+        second_result = asyncio.ensure_future(b.result())
+        held.release.set()
+        first_value = await within(a.result(), 5.0, "the first child's result")
+        second_value = await within(second_result, 10.0, "the second child's replay")
+    assert held.sent == ["order-K"]
+    assert second_value == first_value == held.applied["order-K"]
