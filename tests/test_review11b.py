@@ -18,6 +18,7 @@ from .test_outcome_edges import (
     eventually,
     payer,
     reaches_key,
+    recall_mid_call,
     run_clock,
     spy_waits,
     supervising,
@@ -183,3 +184,35 @@ async def test_two_processes_reaching_one_key_at_once_wait_and_replay(
         second_value = await within(second_result, 10.0, "the second child's replay")
     assert held.sent == ["order-K"]
     assert second_value == first_value == held.applied["order-K"]
+
+
+# -- a late "it did not apply" from the executor ------------------------------------------------
+
+async def test_a_late_rejection_settles_a_call_nobody_could_probe(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """A recall's grace ends with the call still running; the tool has no probe, so the call is
+    UNKNOWN and the delegation NEEDS_ATTENTION. Then the provider rejects it: the executor's
+    receipt says, with certainty, that it did not apply (ToolRejected). A fence refuses new
+    intents, never receipts, and a late receipt re-opens the accounting: the action is FAILED
+    (late) and the delegation RECONCILED, not left before a person for ever."""
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        entered.set()
+        await release.wait()
+        raise tether.ToolRejected("card declined")
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay")(pay)
+    async with supervising(journal_url, vclock, keys, [tool]) as sup:
+        child = await sup.delegate(payer(tool), tools=[tool])
+        await within(entered.wait(), 5.0, "the payment to be sent")
+        report = await recall_mid_call(child, vclock, sleepers=1)
+        assert [a.state for a in report.actions] == [A.UNKNOWN]
+        assert report.outcome is S.NEEDS_ATTENTION
+        release.set()
+        final = await eventually(lambda: sup.report(child.id),
+                                 lambda r: r.actions[0].state is not A.UNKNOWN,
+                                 "the executor's late rejection to be recorded", seconds=3.0)
+    (action,) = final.actions
+    assert (action.state, action.late) == (A.FAILED, True)
+    assert final.outcome is S.RECONCILED

@@ -88,7 +88,8 @@ class Receipt(StrEnum):
 def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool,
                   fills_result: bool = False) -> Receipt:
     """A fence refuses new intents, never receipts: an executor's outcome is recorded whenever
-    it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN; nothing overrides
+    it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN, the tool's certain
+    rejection (FAILED) an IN_DOUBT or UNKNOWN; nothing overrides
     COMPLETED or FAILED. ``fills_result``: the executor's COMPLETED receipt carries the result
     a probe that found the call applied could not tell; it is kept (late)."""
     if old is _A.COMPLETED and new is _A.COMPLETED and fills_result and not from_probe:
