@@ -44,11 +44,16 @@ _ACTION_MOVES: dict[ActionState, frozenset[ActionState]] = {
     ActionState.PENDING: frozenset(
         {ActionState.COMPLETED, ActionState.FAILED, ActionState.IN_DOUBT}
     ),
+    # The executor's late receipt settles an action in doubt either way: it applied
+    # (COMPLETED), or the tool said with certainty that it did not (FAILED, ToolRejected).
     ActionState.IN_DOUBT: frozenset(
-        {ActionState.COMPLETED, ActionState.NOT_APPLIED, ActionState.UNKNOWN}
+        {ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED, ActionState.UNKNOWN}
     ),
-    # UNKNOWN may be settled by a later probe; a late receipt may prove NOT_APPLIED wrong.
-    ActionState.UNKNOWN: frozenset({ActionState.COMPLETED, ActionState.NOT_APPLIED}),
+    # UNKNOWN may be settled by a later probe or a late receipt; a late receipt may prove
+    # NOT_APPLIED wrong.
+    ActionState.UNKNOWN: frozenset(
+        {ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED}
+    ),
     ActionState.NOT_APPLIED: frozenset({ActionState.COMPLETED}),
     ActionState.COMPLETED: frozenset(),
     ActionState.FAILED: frozenset(),

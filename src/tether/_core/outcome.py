@@ -65,6 +65,18 @@ def judge_probe(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
     return _A.IN_DOUBT  # not applied *yet*: probed again after the deadline
 
 
+def probe_again(state: ActionState, *, deadline_at: float, probed_at: float | None,
+                tolerance: float, can_probe: bool) -> bool:
+    """Whether an action is to be probed again once its call can no longer apply (at
+    ``final_at``): IN_DOUBT always ("not applied yet"); UNKNOWN when the probe that could not
+    tell (it failed, it timed out) answered while the call could still apply, and the tool has
+    a probe: at the deadline an answer is final. When unsure, keep checking."""
+    if state is _A.IN_DOUBT:
+        return True
+    return state is _A.UNKNOWN and can_probe and (probed_at is None or may_still_apply(
+        deadline_at=deadline_at, now=probed_at, tolerance=tolerance))
+
+
 class Receipt(StrEnum):
     """What the journal does with a new outcome for an action."""
 
@@ -76,7 +88,8 @@ class Receipt(StrEnum):
 def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool,
                   fills_result: bool = False) -> Receipt:
     """A fence refuses new intents, never receipts: an executor's outcome is recorded whenever
-    it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN; nothing overrides
+    it arrives. A COMPLETED fact overrides NOT_APPLIED or UNKNOWN, the tool's certain
+    rejection (FAILED) an IN_DOUBT or UNKNOWN; nothing overrides
     COMPLETED or FAILED. ``fills_result``: the executor's COMPLETED receipt carries the result
     a probe that found the call applied could not tell; it is kept (late)."""
     if old is _A.COMPLETED and new is _A.COMPLETED and fills_result and not from_probe:
@@ -260,5 +273,6 @@ __all__ = [
     "may_still_apply",
     "natural_end",
     "owner_alive",
+    "probe_again",
     "settle",
 ]

@@ -39,6 +39,7 @@ from tether._journal.runner import BACKOFF_FIRST, BACKOFF_MAX, Retry, ThreadRunn
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
 T = TypeVar("T")
+LIVE_KEY = "actions_live_key"  # the partial unique index on live idempotency keys
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
 XLOCK = re.compile(r"/\*XLOCK ([^*]*)\*/")
@@ -355,6 +356,10 @@ class PostgresRunner(ThreadRunner):
 
     def map_error(self, exc: Exception) -> Exception:
         if isinstance(exc, errors.DeadlockDetected | errors.SerializationFailure):
+            return Retry(str(exc))
+        if isinstance(exc, errors.UniqueViolation) and exc.diag.constraint_name == LIVE_KEY:
+            # Another process's intent took the key after this one read it free (its insert
+            # was not committed yet): run again, and the key's rule (wait, replay) decides.
             return Retry(str(exc))
         if isinstance(exc, psycopg.OperationalError):
             return JournalError(f"lost the journal at {self.shown}: {exc}")

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 from tether._core import drain
 from tether._core.documents import ControlIntent
 from tether._core.errors import InvalidTransition, KeyInUse, StaleSequence
-from tether._core.model import ActionState, ControlKind, DelegationState
-from tether._core.outcome import UNSETTLED, PriorCall, final_at, holds_key
-from tether._core.report import Report
+from tether._core.model import ControlKind, DelegationState
+from tether._core.outcome import PriorCall, final_at, holds_key, probe_again
+from tether._core.report import ActionRecord, Report
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
 from tether._runtime.logs import logger
@@ -64,19 +64,18 @@ class Accounting:
             deadline = deadline_of(action, self._tools)
             final = final_at(deadline, tolerance)
             now = sup.clock.wall()
+            if now >= final and self._probe_again(action):
+                # Past its deadline nothing can apply any more: the next probe is final (also
+                # for an UNKNOWN whose probe failed while the call could still apply).
+                await probe_all(sup.journal, [action], self._tools, sup.clock,
+                                sup.policy.probe_timeout, sup.telemetry.probed,
+                                tolerance=tolerance)
+                action = await sup.journal.action(action_id)
             if not holds_key(PriorCall(action.id, action.tool, "", action.state,
                                        deadline_at=deadline), now, tolerance):
-                return
+                return  # the journal decides again: replay, run, or an UNKNOWN's KeyInUse
             if now >= final:
-                # Past its deadline nothing can apply any more: the next probe is final.
-                if action.state is ActionState.IN_DOUBT:
-                    await probe_all(sup.journal, [action], self._tools, sup.clock,
-                                    sup.policy.probe_timeout, sup.telemetry.probed,
-                                    tolerance=tolerance)
-                    action = await sup.journal.action(action_id)
-                if action.state in UNSETTLED or action.state is ActionState.UNKNOWN:
-                    raise KeyInUse(key, action_id, action.state.value)
-                return
+                raise KeyInUse(key, action_id, action.state.value)
             task = self._calls.get(action_id)
             # This process runs it: its receipt is posted before the task ends. Otherwise
             # another process's progress is polled. Either way, at most until the deadline.
@@ -84,6 +83,14 @@ class Accounting:
             await first_of(sup.clock, min(final - now, sup.policy.lease), *waits)
             if task is not None and task.done():
                 await sup.journal.flush()
+
+    def _probe_again(self, action: ActionRecord) -> bool:
+        tool = self._tools.get(action.tool)
+        probed_at = (action.evidence or {}).get("probed_at")
+        return probe_again(action.state, deadline_at=deadline_of(action, self._tools),
+                           probed_at=probed_at if isinstance(probed_at, int | float) else None,
+                           tolerance=self._sup.policy.clock_tolerance,
+                           can_probe=tool is not None and tool.probe is not None)
 
     async def settle_here(self, root_id: str, kind: ControlKind) -> Report:
         """A control intent for a delegation this process owns but no longer tracks: its code
@@ -138,8 +145,7 @@ class Accounting:
 
     async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:
         sup = self._sup
-        open_calls = [a for a in await sup.journal.unsettled(root_id)
-                      if a.state is ActionState.IN_DOUBT]
+        open_calls = [a for a in await sup.journal.unsettled(root_id) if self._probe_again(a)]
         at = drain.recheck_at((deadline_of(a, self._tools) for a in open_calls),
                               sup.clock.wall(), sup.policy.clock_tolerance)
         if at is not None and sup.is_open and root_id not in self._rechecks:
