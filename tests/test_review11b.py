@@ -216,3 +216,47 @@ async def test_a_late_rejection_settles_a_call_nobody_could_probe(
     (action,) = final.actions
     assert (action.state, action.late) == (A.FAILED, True)
     assert final.outcome is S.RECONCILED
+
+
+class HangsOnce(Held):
+    """A held provider whose first probe hangs (its API never answers), after which it
+    answers from its ledger."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.probing = asyncio.Event()
+        self.probes = 0
+        super().__init__(**kw)
+
+    async def lookup(self, order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        self.probes += 1
+        if self.probes == 1:
+            self.probing.set()
+            await asyncio.Event().wait()  # cut by the probe timeout
+        return await super().lookup(order_id, idempotency_key=idempotency_key)
+
+
+async def test_a_probe_asked_before_the_deadline_that_times_out_after_it_is_asked_again(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """The probe after a terminate is sent while the cut call may still apply, and times out
+    only after the deadline: UNKNOWN, answered past the deadline. What it could not tell was
+    asked about a time the call could still apply, so the owner asks again (the next answer is
+    final), instead of leaving the delegation NEEDS_ATTENTION for a person."""
+    held = HangsOnce(dispatch_deadline=1.0)
+    async with supervising(journal_url, vclock, keys, [held.tool]) as sup:
+        child = await sup.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        sent = vclock.now()
+        stopping = asyncio.ensure_future(child.terminate(reason="kill it"))
+        await within(held.probing.wait(), 5.0, "the probe to be sent")
+        assert vclock.now() - sent < 1.0  # asked while the call could still apply
+        timeout = sup.policy.probe_timeout
+        vclock.advance(timeout + 1.0)  # the probe times out well past the deadline
+        report = await within(stopping, 5.0, "the terminate")
+        assert [a.state for a in report.actions] == [A.UNKNOWN]
+        final = await eventually(lambda: sup.report(child.id),
+                                 lambda r: r.actions[0].state is not A.UNKNOWN,
+                                 "the owner to probe the call again")
+    assert [a.state for a in final.actions] == [A.NOT_APPLIED]
+    assert final.outcome is S.RECONCILED
+    assert held.probes == 2
+    assert held.applied == {}

@@ -86,7 +86,7 @@ def test_a_trials_active_faults_replay_from_its_own_list() -> None:
 @pytest.mark.parametrize(("seed", "fix", "found"), [
     (168, "attempt_fence", {"ghost"}),  # a cut child re-dispatched after its parent's terminate
     (41197, "queued_fenced", {"stuck"}),  # recalled in the queue, its issuer crashed
-    (34270, "probe_time", {"dishonest", "duplicate"}),  # probe asked before the deadline
+    (114217, "probe_time", {"dishonest", "lost"}),  # probe asked before the deadline
 ])
 def test_defects_found_replay_and_their_fixes_remove_them(seed: int, fix: str,
                                                            found: set[str]) -> None:

@@ -89,13 +89,13 @@ def print_table(console: Console, table: Table) -> None:
 
 
 def brief(evidence: dict[str, Any] | None) -> str:
-    """Evidence as ``key=value`` pairs (the probe's time left out), unescaped."""
+    """Evidence as ``key=value`` pairs (the probe's times left out), unescaped."""
     if not evidence:
         return ""
     parts = []
     for k, v in evidence.items():
         if k == "resolution" and isinstance(v, dict):
             parts.append(f"decided {v.get('outcome')} by {v.get('operator')}: {v.get('note')}")
-        elif k != "probed_at":
+        elif k not in ("probed_at", "asked_at"):
             parts.append(f"{k}={v}")
     return ", ".join(parts)

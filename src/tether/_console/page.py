@@ -51,7 +51,7 @@ function ago(ts, now) {
 function when(ts) { return ts ? new Date(ts * 1000).toISOString().replace("T", " ") : ""; }
 function brief(ev) {
   if (!ev) return "";
-  return Object.entries(ev).filter(([k]) => k !== "probed_at").map(([k, v]) =>
+  return Object.entries(ev).filter(([k]) => k !== "probed_at" && k !== "asked_at").map(([k, v]) =>
     k === "resolution" ? "decided " + v.outcome + " by " + v.operator + ": " + v.note
                        : k + "=" + (typeof v === "object" ? JSON.stringify(v) : v)).join(", ");
 }

@@ -65,16 +65,18 @@ def judge_probe(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
     return _A.IN_DOUBT  # not applied *yet*: probed again after the deadline
 
 
-def probe_again(state: ActionState, *, deadline_at: float, probed_at: float | None,
+def probe_again(state: ActionState, *, deadline_at: float, asked_at: float | None,
                 tolerance: float, can_probe: bool) -> bool:
     """Whether an action is to be probed again once its call can no longer apply (at
     ``final_at``): IN_DOUBT always ("not applied yet"); UNKNOWN when the probe that could not
-    tell (it failed, it timed out) answered while the call could still apply, and the tool has
-    a probe: at the deadline an answer is final. When unsure, keep checking."""
+    tell (it failed, it timed out) was asked while the call could still apply, and the tool
+    has a probe: at the deadline an answer is final. When unsure, keep checking. (Asked, not
+    answered: a probe sent before the deadline that times out after it spoke of a moment the
+    call could still apply.)"""
     if state is _A.IN_DOUBT:
         return True
-    return state is _A.UNKNOWN and can_probe and (probed_at is None or may_still_apply(
-        deadline_at=deadline_at, now=probed_at, tolerance=tolerance))
+    return state is _A.UNKNOWN and can_probe and (asked_at is None or may_still_apply(
+        deadline_at=deadline_at, now=asked_at, tolerance=tolerance))
 
 
 class Receipt(StrEnum):

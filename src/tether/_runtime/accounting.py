@@ -86,9 +86,10 @@ class Accounting:
 
     def _probe_again(self, action: ActionRecord) -> bool:
         tool = self._tools.get(action.tool)
-        probed_at = (action.evidence or {}).get("probed_at")
+        evidence = action.evidence or {}
+        asked_at = evidence.get("asked_at", evidence.get("probed_at"))
         return probe_again(action.state, deadline_at=deadline_of(action, self._tools),
-                           probed_at=probed_at if isinstance(probed_at, int | float) else None,
+                           asked_at=asked_at if isinstance(asked_at, int | float) else None,
                            tolerance=self._sup.policy.clock_tolerance,
                            can_probe=tool is not None and tool.probe is not None)
 

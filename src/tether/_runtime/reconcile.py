@@ -85,7 +85,8 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
         deadline = deadline_of(action, tools)
         state = judge_probe(answer.outcome, voided=answer.voided, deadline_at=deadline,
                             now=sent, tolerance=tolerance)
-        evidence = {**answer.evidence, "probe": answer.outcome.value, "probed_at": now}
+        evidence = {**answer.evidence, "probe": answer.outcome.value, "asked_at": sent,
+                    "probed_at": now}
         if state is ActionState.IN_DOUBT:
             left = max(0.0, final_at(deadline, tolerance) - now)
             evidence["not_final"] = (f"not applied yet: the call may still apply until its "

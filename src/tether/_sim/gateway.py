@@ -24,7 +24,7 @@ from tether._core.errors import (
     ToolRejected,
 )
 from tether._core.model import ActionState, DelegationState, Effect
-from tether._core.outcome import UNSETTLED, PriorCall, final_at, holds_key
+from tether._core.outcome import PriorCall, final_at, holds_key
 from tether._core.redispatch import CutReason, StreamCut
 from tether._journal.rows import Begin
 from tether._sim.journal import FenceRefused, NewAction
@@ -155,15 +155,16 @@ def await_call(sup: Supervisor, action_id: str, key: str) -> Step:
         action = journal.actions[action_id]
         final = final_at(action.deadline_at, tolerance)
         now = sup.wall()
+        if now >= final and sup.probe_again(action):
+            # Past its deadline nothing can apply any more: the next probe is final (also for
+            # an UNKNOWN whose probe failed while the call could still apply).
+            yield from sup.probe_all([action])
+            action = journal.actions[action_id]
         if not holds_key(PriorCall(action.id, action.tool, "", action.state,
                                    deadline_at=action.deadline_at), now, tolerance):
-            return
+            return  # the journal decides again: replay, run, or an UNKNOWN's KeyInUse
         if now >= final:
-            if action.state is _A.IN_DOUBT:
-                yield from sup.probe_all([action])
-            if action.state in UNSETTLED or action.state is _A.UNKNOWN:
-                raise KeyInUse(key, action_id, action.state.value)
-            return
+            raise KeyInUse(key, action_id, action.state.value)
         # This process runs it (its receipt comes before it ends), else poll: either way at
         # most until the deadline.
         proc = sup.calls.get(action_id)

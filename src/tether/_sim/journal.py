@@ -73,6 +73,7 @@ class ARow:
     state: ActionState = _A.PENDING
     result: Any = None
     probed: bool = False
+    asked_at: float | None = None  # when the last probe recorded was sent
     late: bool = False
 
 
@@ -424,7 +425,7 @@ class Journal:
         self.reads[delegation_id] = self.reads.get(delegation_id, 0) + 1
 
     def finish_action(self, action_id: str, new: ActionState, now: float, result: Any = None,
-                      probed: bool = False) -> ActionState:
+                      probed: bool = False, asked_at: float | None = None) -> ActionState:
         """An executor's receipt, or (``probed``) a probe's answer. A fence refuses intents,
         never receipts: a late receipt is kept, flagged, and re-opens the accounting."""
         action = self.actions[action_id]
@@ -440,6 +441,8 @@ class Journal:
             action.result = result
         action.late = action.late or late
         action.probed = action.probed or probed
+        if probed:
+            action.asked_at = asked_at
         if late or probed:
             self.resettle(action.delegation_id, now)
         return new

@@ -371,12 +371,18 @@ class Supervisor:
         self.recheck_later(root_id, fallback)
 
     def recheck_later(self, root_id: str, fallback: DelegationState) -> None:
-        open_calls = [a for a in self.journal.unsettled(root_id) if a.state is _A.IN_DOUBT]
+        open_calls = [a for a in self.journal.unsettled(root_id) if self.probe_again(a)]
         at = drain.recheck_at((a.deadline_at for a in open_calls), self.wall(),
                               self.policy.clock_tolerance)
         if at is not None and root_id not in self.rechecks and self.host.alive:
             self.rechecks.add(root_id)
             self.spawn(f"recheck:{root_id}", self._recheck(root_id, fallback, at))
+
+    def probe_again(self, action: ARow) -> bool:
+        """``Accounting._probe_again``: the simulated payment tool always has a probe."""
+        return outcome.probe_again(action.state, deadline_at=action.deadline_at,
+                                   asked_at=action.asked_at,
+                                   tolerance=self.policy.clock_tolerance, can_probe=True)
 
     def _recheck(self, root_id: str, fallback: DelegationState, at: float) -> Step:
         yield max(0.0, at - self.wall())
@@ -396,7 +402,7 @@ class Supervisor:
             self.sched.note(f"probe {action.id} ({action.key}): {answer.outcome.value}"
                             f"{' voided' if answer.voided else ''} {answer.why} -> {state.value}")
             if action.state in (_A.IN_DOUBT, _A.UNKNOWN):
-                self.journal.finish_action(action.id, state, now, probed=True)
+                self.journal.finish_action(action.id, state, now, probed=True, asked_at=asked)
 
     def probe_one(self, action: ARow) -> Step:
         """Never guesses: a probe that raises or outlasts the probe timeout is UNKNOWN."""
