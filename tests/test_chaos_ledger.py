@@ -138,3 +138,60 @@ async def test_a_worker_paused_inside_a_ledger_write_is_resumed(tmp_path: Path) 
             worker.kill()
             await worker.wait()
         trial.ledger.close()
+
+
+EXCLUSIVE_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA locking_mode=EXCLUSIVE")  # kept after the write: no other reader either
+db.execute("INSERT INTO trace (at, who, what) VALUES (0, 'orchestrator', 'writing')")
+print("locked", flush=True)
+release = time.time() + float(sys.argv[2])
+while time.time() < release:  # wall time: a SIGSTOP before it holds the lock until SIGCONT
+    time.sleep(0.01)
+db.close()
+"""
+
+
+def test_a_paused_orchestrator_is_resumed_while_the_reconciler_waits_for_its_lock(
+        tmp_path: Path) -> None:
+    """``pause_orchestrator``: the orchestrator may be stopped holding a lock of the ledger
+    that the reconciler (run meanwhile) waits for. The SIGCONT must come when the pause ends,
+    not once the reconciler is done: a trial once waited 120 s there (the ledger gave up)."""
+    import asyncio
+
+    import tether
+    from tether._chaos.harness import pause_orchestrator
+    from tether._chaos.plan import Plan
+
+    keys = tether.KeyRing.load_or_init(tmp_path / "keys")
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+
+    async def make_journal() -> None:
+        async with tether.Supervisor(url, keys=keys, recover=False):
+            pass
+
+    asyncio.run(make_journal())
+    Ledger(tmp_path / "ledger.db").close()  # the trial's ledger, its tables made
+    harness = Ledger(tmp_path / "harness.db")  # the harness's own notes, never locked here
+    harness.note("orchestrator", "delegated")
+    plan = Plan(seed=1, fault="pause_orchestrator", children=1, refunds=1, latency=0.0,
+                reply=0.0, control_after=0.0, grace=0.5, kill_after=0.0, kill_nth=0,
+                probe_mode="ok", lease=1.0, pause_after=0.0, pause_for=4.0)
+    holder = subprocess.Popen([sys.executable, "-c", EXCLUSIVE_HOLDER,
+                               str(tmp_path / "ledger.db"), "3.0"], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == b"locked"
+        began = time.monotonic()
+        pause_orchestrator(holder, plan, tmp_path, url, harness, time.monotonic() + 60.0)
+        took = time.monotonic() - began
+        assert holder.wait(10.0) == 0
+        assert took < plan.pause_for + 20.0, f"resumed only after {took:.0f} s"
+        assert [d.get("sig") for _, _, what, _, d in harness.notes() if what == "signal"] == [
+            "SIGSTOP", "SIGCONT"]
+    finally:
+        holder.send_signal(signal.SIGCONT)
+        holder.kill()
+        holder.communicate()
+        harness.close()

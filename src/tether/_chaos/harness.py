@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -201,8 +202,19 @@ def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Pat
     # Noted once it runs again: stopped inside a write to the ledger, it holds its lock.
     notes: list[tuple[float, str, str, dict[str, Any]]] = [
         (stopped, "signal", "orchestrator", {"sig": "SIGSTOP", "pid": proc.pid})]
+
+    def resume() -> None:
+        os.kill(proc.pid, signal.SIGCONT)
+        notes.append((time.time(), "signal", "orchestrator",
+                      {"sig": "SIGCONT", "pid": proc.pid}))
+
+    # The SIGCONT comes when the pause ends, whatever the reconciler is doing: it may be
+    # waiting for a lock of the ledger that the stopped orchestrator holds, and only the
+    # SIGCONT releases it (a trial once waited there until the ledger gave up, 120 s).
+    end = stopped + plan.pause_for
+    timer = threading.Timer(plan.pause_for, resume)
+    timer.start()
     try:
-        end = stopped + plan.pause_for
         time.sleep(max(0.0, stopped + 0.6 * plan.lease - time.time()))
         while time.time() < end - 0.05:
             try:
@@ -213,12 +225,9 @@ def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Pat
             if settled:
                 break
             time.sleep(0.1)
-        time.sleep(max(0.0, end - time.time()))
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        notes.append((time.time(), "signal", "orchestrator",
-                      {"sig": "SIGCONT", "pid": proc.pid}))
-        for at, what, key, detail in notes:
+        timer.join()
+        for at, what, key, detail in sorted(notes, key=lambda n: n[0]):
             ledger.note("harness", what, key, at=at, **detail)
 
 
