@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shlex
 import weakref
 from collections import Counter
@@ -63,6 +64,7 @@ from tether._integrations.mcp_relay import (
     outgoing,
     progress_relay,
 )
+from tether._integrations.mcp_tasks import TASKS, TaskBook, is_task, offers_tasks, outcome
 from tether._runtime.gateway import Context
 from tether._runtime.reconcile import probe_all
 from tether._runtime.supervisor import Supervisor
@@ -137,8 +139,18 @@ ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take
 _GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
 
 
-def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
-    """The function the gateway runs for one upstream tool: the client's request, forwarded."""
+def _upstream_error(exc: MCPError, session: ClientSession) -> Exception:
+    if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
+        _GONE.add(session)
+    if exc.code in REJECTED_BEFORE_RUNNING:
+        return UpstreamRejected(exc)
+    return UpstreamFailed(exc)
+
+
+def _forwarder(session: ClientSession, spec: mcp_types.Tool,
+               book: TaskBook | None = None) -> ToolFn:
+    """The function the gateway runs for one upstream tool: the client's request, forwarded.
+    With a ``book``, an upstream's task handle is journaled and waited on (``mcp_tasks``)."""
     name = spec.name
 
     async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
@@ -169,18 +181,35 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
                                       "ran upstream") from None
             raise
         except MCPError as exc:
-            if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
-                _GONE.add(session)
-            if exc.code in REJECTED_BEFORE_RUNNING:
-                raise UpstreamRejected(exc) from None
-            raise UpstreamFailed(exc) from None
+            raise _upstream_error(exc, session) from None
         result = res.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if book is not None and is_task(result):
+            result = await _await_task(book, result, idempotency_key, mine, name)
         if result.get("isError"):
             raise UpstreamErrorResult(result)
         return result
 
     call.__name__ = name
     return call
+
+
+async def _await_task(book: TaskBook, handle: dict[str, Any], key: str | None,
+                      mine: _Call | None, name: str) -> dict[str, Any]:
+    """The call became a task upstream: its id journaled, then its outcome read."""
+    task_id = str(handle["taskId"])
+    try:
+        if key:
+            await book.record(key, task_id)
+        task = await book.wait(handle)
+        return outcome(task)
+    except asyncio.CancelledError:
+        book.cancel(task_id)  # as notifications/cancelled is sent for an ordinary call
+        if mine is not None and mine.cancelled:
+            raise ClientCancelled(f"{name}: the client cancelled the call while its task "
+                                  "ran upstream") from None
+        raise
+    except MCPError as exc:  # the task failed (its error), or tasks/get did
+        raise _upstream_error(exc, book.session) from None
 
 
 @dataclass(eq=False)
@@ -190,6 +219,7 @@ class Upstream:
     policy: ServerPolicy
     prefix: str = ""
     tools: dict[str, tuple[Tool, mcp_types.Tool]] = field(default_factory=dict)
+    book: TaskBook | None = None  # the upstream answers calls with tasks (``mcp_tasks``)
 
     @property
     def capabilities(self) -> mcp_types.ServerCapabilities:
@@ -219,20 +249,42 @@ class Proxy:
         self._roots: asyncio.Future[Any] | None = None
 
     # -- upstreams ------------------------------------------------------------------------------
-    def session_for(self, read: Any, write: Any) -> ClientSession:
+    def session_for(self, read: Any, write: Any, tasks: bool = False) -> ClientSession:
         relay = self.relay
         return ClientSession(read, write, sampling_callback=relay.sampling,
                              elicitation_callback=relay.elicitation,
-                             list_roots_callback=relay.roots, message_handler=relay.notification)
+                             list_roots_callback=relay.roots, message_handler=relay.notification,
+                             extensions={TASKS: {}} if tasks else None)
 
     async def add_upstream(self, name: str, session: ClientSession) -> None:
-        up = Upstream(name, session, self.policies[name], self.specs[name].prefix)
+        spec = self.specs[name]
+        up = Upstream(name, session, self.policies[name], spec.prefix)
+        if spec.tasks and offers_tasks(session):
+            up.book = TaskBook(name, session, self.sup)
         self.upstreams.append(up)
         if up.capabilities.tools is not None:
             await self._load_tools(up)
 
+    def attach(self, sup: Supervisor) -> None:
+        """The supervisor that journals this session's calls (and reads their tasks)."""
+        self.sup = sup
+        for up in self.upstreams:
+            if up.book is not None:
+                up.book.sup = sup
+
+    def journaled_tools(self) -> list[Tool]:
+        return [t for t, _, _ in self.exposed.values()]
+
     async def _load_tools(self, up: Upstream) -> None:
-        found = await wrap_tools(up.session, up.policy, make=_forwarder)
+        book = up.book
+
+        def make(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
+            return _forwarder(session, spec, book)
+
+        found = await wrap_tools(up.session, up.policy, make=make)
+        if book is not None:  # each call's task, if it became one, is its probe's answer
+            found = [(dataclasses.replace(t, probe=book.probe(t.name, t.probe)), s)
+                     for t, s in found]
         fresh: dict[str, tuple[Tool, mcp_types.Tool]] = {}
         for tool, spec in found:
             shown = spec.model_copy(update={"name": up.prefix + spec.name})
@@ -374,6 +426,9 @@ class Proxy:
     async def session_agent(self, ctx: Context) -> None:
         """The delegation's body: it lives as long as the client session."""
         self.ctx = ctx
+        for up in self.upstreams:
+            if up.book is not None:
+                up.book.delegation_id = ctx.delegation_id
         self.ready.set()
         await self.closed.wait()
 
