@@ -99,13 +99,14 @@ class HttpSessions:
             if not start or ctx.method == "initialize":
                 return None
             found = self.sessions[key] = _Session(ctx.session)
-            found.task = asyncio.ensure_future(self._run(found))
+            found.task = asyncio.ensure_future(self._run(found, key is STATELESS))
             if key is not STATELESS:
                 connection.exit_stack.push_async_callback(self._ended, key)
         return await asyncio.shield(found.ready)
 
-    async def _run(self, session: _Session) -> None:
+    async def _run(self, session: _Session, shared: bool = False) -> None:
         proxy = Proxy(self.config)
+        proxy.shared = shared
         proxy.client = session.client  # known before the upstreams connect (and ask for roots)
         try:
             async with AsyncExitStack() as stack:

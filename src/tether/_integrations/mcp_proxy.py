@@ -26,7 +26,7 @@ import dataclasses
 import shlex
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,7 +243,11 @@ class Proxy:
         self.ready = asyncio.Event()  # the delegation's body runs: calls may pass
         self.relay = ClientRelay(self._client, self._refresh_tools)
         self.client: ServerSession | None = None  # the client's session, once it is known
+        # Sessionless (2026-07-28) HTTP clients share this proxy: what an upstream asks or
+        # says goes only to the one client request that is waiting on that upstream.
+        self.shared = False
         self._in_flight: dict[int, ServerRequestContext[Any]] = {}
+        self._waiting: dict[ClientSession, dict[int, ServerRequestContext[Any]]] = {}
         self._ordinals: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
         self._roots: asyncio.Future[Any] | None = None
@@ -251,10 +255,13 @@ class Proxy:
     # -- upstreams ------------------------------------------------------------------------------
     def session_for(self, read: Any, write: Any, tasks: bool = False) -> ClientSession:
         relay = self.relay
-        return ClientSession(read, write, sampling_callback=relay.sampling,
-                             elicitation_callback=relay.elicitation,
-                             list_roots_callback=relay.roots, message_handler=relay.notification,
-                             extensions={TASKS: {}} if tasks else None)
+        handler, known_as = relay.notifications()
+        session = ClientSession(read, write, sampling_callback=relay.sampling,
+                                elicitation_callback=relay.elicitation,
+                                list_roots_callback=relay.roots, message_handler=handler,
+                                extensions={TASKS: {}} if tasks else None)
+        known_as(session)
+        return session
 
     async def add_upstream(self, name: str, session: ClientSession) -> None:
         spec = self.specs[name]
@@ -313,9 +320,17 @@ class Proxy:
         return (*(t for t, _, _ in self.exposed.values()), UNRESTRICTED)
 
     # -- the client -----------------------------------------------------------------------------
-    def _client(self) -> tuple[ServerSession, Any] | None:
+    def _client(self, origin: ClientSession | None = None) -> tuple[ServerSession, Any] | None:
         """Where to send what an upstream asks: the latest client request in flight (its
-        stream), else the client's session."""
+        stream), else the client's session. Shared by sessionless clients, the one client
+        request waiting on that upstream, or nobody: a request of another client may be the
+        latest, and which of two waiting requests an upstream's message belongs to cannot be
+        told (stdio carries no link between them), so it is refused rather than guessed."""
+        if self.shared:
+            waiting = list(self._waiting.get(origin, {}).values()) if origin else []
+            if len(waiting) != 1:
+                return None
+            return waiting[0].session, waiting[0].request_id
         if self._in_flight:
             request = list(self._in_flight.values())[-1]
             return request.session, request.request_id
@@ -367,7 +382,8 @@ class Proxy:
             raise MCPError(code=mcp_types.INVALID_REQUEST,
                            message=await self._stopped(signal, "the request was not made"))
         if len(serving) == 1 or (ctx.method.endswith("/list") and "cursor" in params):
-            return await forward(serving[0].session, ctx, ctx.method, params)
+            with self.waiting_on(serving[0], ctx):
+                return await forward(serving[0].session, ctx, ctx.method, params)
         if ctx.method.endswith("/list"):  # several upstreams: one page holding all of them
             return await self._merge(ctx, serving, params)
         if ctx.method == "logging/setLevel":
@@ -377,11 +393,22 @@ class Proxy:
         failure: MCPError | None = None
         for up in serving:  # the first upstream that knows the resource, prompt or reference
             try:
-                return await forward(up.session, ctx, ctx.method, params)
+                with self.waiting_on(up, ctx):
+                    return await forward(up.session, ctx, ctx.method, params)
             except MCPError as exc:
                 failure = exc
         assert failure is not None
         raise failure
+
+    @contextlib.contextmanager
+    def waiting_on(self, up: Upstream, ctx: ServerRequestContext[Any]) -> Iterator[None]:
+        """``ctx`` waits on a request to ``up``: what ``up`` asks meanwhile may be its."""
+        waiting = self._waiting.setdefault(up.session, {})
+        waiting[id(ctx)] = ctx
+        try:
+            yield
+        finally:
+            waiting.pop(id(ctx), None)
 
     async def _merge(self, ctx: ServerRequestContext[Any], serving: list[Upstream],
                      params: dict[str, Any]) -> dict[str, Any]:
@@ -478,7 +505,8 @@ class Proxy:
         call = _Call(request, forwarded, meta, wants)
         _CALL.set(call)  # copied into the action's task with this context
         try:
-            result = await self.ctx.call(tool, idempotency_key=key, **arguments)
+            with self.waiting_on(found[2], request):
+                result = await self.ctx.call(tool, idempotency_key=key, **arguments)
         except ControlSignal as signal:  # recalled or terminated: no new work
             return error_result(await self._stopped(signal, "the call was not made"))
         except asyncio.CancelledError:
