@@ -176,9 +176,14 @@ class Journal:
         self._pg.listen(callback)
         return True
 
-    async def flush(self) -> None:
-        """Wait until everything queued before now is committed."""
-        await self._write(lambda db: None)
+    async def flush(self, durable: bool = True) -> None:
+        """Wait until everything queued before now is committed. ``durable=False``: committed
+        so as to survive a crash of this process, not necessarily of the machine, until the
+        next durable commit (SQLite ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit
+        = off`` for that commit; the same when the journal is not durable anyway)."""
+        fut = self._runner.submit(lambda db: None, write=True, relaxed=not durable)
+        assert fut is not None
+        await fut
 
     # -- owners and delegations -------------------------------------------------------------
     async def register_owner(self, owner: OwnerRow) -> None:
