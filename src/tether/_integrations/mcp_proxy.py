@@ -467,13 +467,17 @@ class Proxy:
     async def call_tool(self, ctx: ServerRequestContext[Any], _: RawParams) -> dict[str, Any]:
         answer = await self._call(ctx)
         # The client acts on what it is told, so the journal holds the call's outcome before
-        # the client hears it: what a client saw paid is never left for a probe to find. (A
-        # read-only call has no outcome to hold.)
+        # the client hears it: a proxy that dies after answering leaves what its client saw
+        # paid recorded, never for a probe to find. (A read-only call has no outcome to hold.)
+        # Committed, not yet synced to disk: a crash of this process cannot lose it, and the
+        # next durable commit (the next intent) syncs it. Only a machine that loses power in
+        # between can lose it; the durable intent then leaves the call in doubt and probed,
+        # as for any receipt never written: never a false outcome (docs/performance.md).
         name = (ctx.params or {}).get("name")
         found = self.exposed.get(name) if isinstance(name, str) else None
         if found is None or found[0].effect.journaled:
             assert self.sup is not None
-            await self.sup.journal.flush()
+            await self.sup.journal.flush(durable=False)
         return answer
 
     async def _call(self, request: ServerRequestContext[Any]) -> dict[str, Any]:
