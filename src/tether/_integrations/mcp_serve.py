@@ -23,6 +23,7 @@ from tether._core.errors import TetherError, UserError
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
+from tether._integrations.mcp_stdio import loop_stdio
 from tether._integrations.mcp_tasks import connect as connect_tasks
 from tether._runtime.logs import logger
 from tether._runtime.supervisor import Supervisor
@@ -225,8 +226,11 @@ async def serve_stdio(journal: str, config: ProxyConfig) -> None:
             await sup.recover()
             handle = await start_session(proxy, sup, journal)
             server = build_server(proxy, resolve)
-            async with stdio_server() as (read, write):
-                await server.run(read, write, server.create_initialization_options())
+            async with loop_stdio() as pipes:
+                # Read and written on the event loop where they are pipes (``mcp_stdio``).
+                wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
+                async with wire as (read, write):
+                    await server.run(read, write, server.create_initialization_options())
             await end_session(proxy, handle)
     except BaseExceptionGroup as group:  # an upstream that failed, inside the SDK's groups
         raise one_line(group) from None
