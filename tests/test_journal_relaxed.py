@@ -47,3 +47,25 @@ async def test_a_relaxed_flush_commits_without_waiting_for_the_disk(
         await j.flush(durable=False)
     # SQLite: 1 is NORMAL, 2 FULL. PostgreSQL: the transaction's synchronous_commit.
     assert seen == (["1", "2", "1"] if sqlite else ["off", "on", "off"])
+
+
+async def test_relaxed_posts_ride_a_commit_that_does_not_wait_for_the_disk(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal whose posted writes are relaxed (the MCP proxy's): a batch of posted writes
+    alone commits without waiting for the disk, and one with a durable waiter stays durable."""
+    async with tether.Journal(journal_url) as j:
+        j.relaxed_posts = True
+        runner: Any = j._runner
+        relaxed: list[bool] = []
+        relax = runner.relax
+
+        def watched(conn: Any, value: bool) -> None:
+            relaxed.append(value)
+            relax(conn, value)
+
+        monkeypatch.setattr(runner, "relax", watched)
+        j.event(0.0, "posted")
+        await j.flush(durable=False)
+        await j.flush()
+    assert relaxed[-1] is False  # the durable flush
+    assert set(relaxed[:-1]) == {True}  # the post, alone or with the relaxed flush

@@ -275,6 +275,9 @@ class Proxy:
     def attach(self, sup: Supervisor) -> None:
         """The supervisor that journals this session's calls (and reads their tasks)."""
         self.sup = sup
+        # A receipt posted alone would otherwise take a durable commit of its own just before
+        # the relaxed flush that answering waits for (``call_tool``).
+        sup.journal.relaxed_posts = True
         for up in self.upstreams:
             if up.book is not None:
                 up.book.sup = sup
