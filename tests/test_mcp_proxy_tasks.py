@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 import tether
-from tests.mcp_helpers import connect, paid, text
+from tests.mcp_helpers import ROOT, connect, paid, text
 from tests.remote_agents import listen_gate, open_gate
 from tests.test_mcp_proxy_http import reports, serving, until
 
@@ -97,6 +98,7 @@ async def test_a_task_the_proxy_died_waiting_on_is_settled_by_the_next_proxy(
             with pytest.raises(MCPError, match="Connection closed"):
                 await call
         open_gate("release")  # the task completes upstream, with nobody waiting on it
+
         async def applied() -> bool:
             return bool(paid(bank_env, "hold-1"))
 
@@ -111,6 +113,69 @@ async def test_a_task_the_proxy_died_waiting_on_is_settled_by_the_next_proxy(
     assert action.result["content"] == [{"type": "text", "text": "paid 9 to hold-1"}]
     assert action.evidence is not None and action.evidence["status"] == "completed"
     assert paid(bank_env, "hold-1") == [(action.idempotency_key, 9)]
+
+
+@asynccontextmanager
+async def http_proxy(path: Path, journal: str) -> AsyncIterator[tuple[str, Any]]:
+    """`tether mcp-proxy --http` on a free port: its URL, and its process (to kill)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "mcp-proxy", "--config", str(path), "--journal",
+        journal, "--http", "127.0.0.1:0", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stderr is not None
+    url: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def read() -> None:
+        assert proc.stderr is not None
+        async for raw in proc.stderr:
+            line = raw.decode()
+            if "serving MCP at " in line and not url.done():
+                url.set_result(line.split("serving MCP at ")[1].split()[0])
+
+    reader = asyncio.ensure_future(read())
+    try:
+        yield await asyncio.wait_for(url, 60), proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        reader.cancel()
+
+
+async def test_an_http_proxy_that_died_is_settled_by_the_next_one(
+        bank_env: Path, journal_url: str, tmp_path: Path) -> None:
+    """As above, for `tether mcp-proxy --http`: its recovery, before it serves, asks the
+    upstream about the task the dead proxy's call became."""
+    async with tasks_bank() as url:
+        path = config(tmp_path, url)
+        started = await listen_gate("started")
+        async with http_proxy(path, journal_url) as (at, proc), \
+                streamable_http_client(at) as (read, write), \
+                ClientSession(read, write) as session:
+            await session.initialize()
+            call = asyncio.ensure_future(session.call_tool(
+                "pay", {"account": "hold-3", "cents": 7}))
+            await started
+            await eventually(lambda: task_events(journal_url))
+            proc.kill()  # the cut
+            await proc.wait()
+            await asyncio.wait({call}, timeout=30)
+            assert call.done()
+            call.cancel()
+        open_gate("release")
+
+        async def applied() -> bool:
+            return bool(paid(bank_env, "hold-3"))
+
+        await eventually(applied)
+        (before,) = await reports(journal_url)
+        async with http_proxy(path, journal_url):  # serving: its recovery is done
+            pass
+    assert [a.state for a in before.actions] == [A.PENDING]
+    dead = next(r for r in await reports(journal_url) if r.delegation_id == before.delegation_id)
+    (action,) = dead.actions
+    assert action.state is A.COMPLETED, action.evidence
+    assert action.result["content"] == [{"type": "text", "text": "paid 7 to hold-3"}]
 
 
 @pytest.mark.parametrize("probed", [False, True])

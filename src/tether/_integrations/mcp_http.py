@@ -143,7 +143,15 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             template = Proxy(config)  # the upstreams' capabilities, and the config checked
             probe = await stack.enter_async_context(AsyncExitStack())
             await connect_upstreams(template, probe)
-            sup = await stack.enter_async_context(Supervisor(journal))
+            # What an earlier proxy on this journal left in doubt when it died, settled with
+            # the upstreams' tools (their probes, their tasks) while the template's sessions
+            # are open; by a supervisor of its own, whose tools (those sessions') the sessions'
+            # supervisor would otherwise keep in place of each session's own.
+            async with Supervisor(journal, tools=template.journaled_tools(),
+                                  recover=False) as recovering:
+                template.attach(recovering)
+                await recovering.recover()
+            sup = await stack.enter_async_context(Supervisor(journal, recover=False))
             sessions = HttpSessions(journal, config, sup)
             server = build_server(template, sessions.resolve)
             await probe.aclose()
