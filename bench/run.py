@@ -354,7 +354,9 @@ def mcp_target(proxied: dict[str, Any] | None, commit: float) -> dict[str, Any]:
         (journaled - direct - commit) * 1000, 1.0, "ms", "max",
         f"{proxied['direct']['n']} echo calls: direct {direct * 1000:.2f} ms, journaled "
         f"{journaled * 1000:.2f} ms (p95 {proxied['journaled']['p95'] * 1000:.2f}), read-only "
-        f"{proxied['read_only']['p50'] * 1000:.2f} ms")
+        f"{proxied['read_only']['p50'] * 1000:.2f} ms"
+        + (f"; proxy CPU per journaled call {proxied['journaled']['proxy_cpu'] * 1000:.2f} ms"
+           if "proxy_cpu" in proxied["journaled"] else ""))
 
 
 def main() -> int:

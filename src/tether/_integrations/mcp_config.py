@@ -1,6 +1,6 @@
 """The ``tether mcp-proxy`` configuration file: the ``mcpServers`` JSON that MCP hosts already
 use (command, args, env, cwd, url), with tether's keys beside the standard ones (trusted,
-effects, probes as ``module:attr``, deadlines, a tool-name prefix) and the session's name.
+effects, probes as ``module:attr``, deadlines, a tool-name prefix, tasks) and the session's name.
 ``mcp_proxy.schema.json`` beside this module is its JSON Schema; every mistake is one line.
 
 The older form, ``{"git": {"trusted": true, "effects": {...}}}`` (policies only, the servers
@@ -42,6 +42,7 @@ class UpstreamSpec:
     cwd: str | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     prefix: str = ""
+    tasks: bool = False  # use its tasks extension (``mcp_tasks``), on the 2026-07-28 wire
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def load_config(path: Path) -> ProxyConfig:
         upstreams[name] = UpstreamSpec(
             name, command, entry.get("url"), dict(entry.get("env", {})),
             str((base / cwd).resolve()) if cwd else None, dict(entry.get("headers", {})),
-            entry.get("prefix", ""))
+            entry.get("prefix", ""), entry.get("tasks", False))
         policies[name] = ServerPolicy(
             name, entry.get("trusted", False),
             {tool: Effect(value.upper()) for tool, value in entry.get("effects", {}).items()},

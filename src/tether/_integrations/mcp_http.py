@@ -99,13 +99,14 @@ class HttpSessions:
             if not start or ctx.method == "initialize":
                 return None
             found = self.sessions[key] = _Session(ctx.session)
-            found.task = asyncio.ensure_future(self._run(found))
+            found.task = asyncio.ensure_future(self._run(found, key is STATELESS))
             if key is not STATELESS:
                 connection.exit_stack.push_async_callback(self._ended, key)
         return await asyncio.shield(found.ready)
 
-    async def _run(self, session: _Session) -> None:
+    async def _run(self, session: _Session, shared: bool = False) -> None:
         proxy = Proxy(self.config)
+        proxy.shared = shared
         proxy.client = session.client  # known before the upstreams connect (and ask for roots)
         try:
             async with AsyncExitStack() as stack:
@@ -142,7 +143,15 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             template = Proxy(config)  # the upstreams' capabilities, and the config checked
             probe = await stack.enter_async_context(AsyncExitStack())
             await connect_upstreams(template, probe)
-            sup = await stack.enter_async_context(Supervisor(journal))
+            # What an earlier proxy on this journal left in doubt when it died, settled with
+            # the upstreams' tools (their probes, their tasks) while the template's sessions
+            # are open; by a supervisor of its own, whose tools (those sessions') the sessions'
+            # supervisor would otherwise keep in place of each session's own.
+            async with Supervisor(journal, tools=template.journaled_tools(),
+                                  recover=False) as recovering:
+                template.attach(recovering)
+                await recovering.recover()
+            sup = await stack.enter_async_context(Supervisor(journal, recover=False))
             sessions = HttpSessions(journal, config, sup)
             server = build_server(template, sessions.resolve)
             await probe.aclose()

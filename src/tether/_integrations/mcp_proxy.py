@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shlex
 import weakref
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ from tether._integrations.mcp_relay import (
     outgoing,
     progress_relay,
 )
+from tether._integrations.mcp_tasks import TASKS, TaskBook, is_task, offers_tasks, outcome
 from tether._runtime.gateway import Context
 from tether._runtime.reconcile import probe_all
 from tether._runtime.supervisor import Supervisor
@@ -137,8 +139,18 @@ ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take
 _GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
 
 
-def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
-    """The function the gateway runs for one upstream tool: the client's request, forwarded."""
+def _upstream_error(exc: MCPError, session: ClientSession) -> Exception:
+    if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
+        _GONE.add(session)
+    if exc.code in REJECTED_BEFORE_RUNNING:
+        return UpstreamRejected(exc)
+    return UpstreamFailed(exc)
+
+
+def _forwarder(session: ClientSession, spec: mcp_types.Tool,
+               book: TaskBook | None = None) -> ToolFn:
+    """The function the gateway runs for one upstream tool: the client's request, forwarded.
+    With a ``book``, an upstream's task handle is journaled and waited on (``mcp_tasks``)."""
     name = spec.name
 
     async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
@@ -169,18 +181,35 @@ def _forwarder(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
                                       "ran upstream") from None
             raise
         except MCPError as exc:
-            if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
-                _GONE.add(session)
-            if exc.code in REJECTED_BEFORE_RUNNING:
-                raise UpstreamRejected(exc) from None
-            raise UpstreamFailed(exc) from None
+            raise _upstream_error(exc, session) from None
         result = res.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if book is not None and is_task(result):
+            result = await _await_task(book, result, idempotency_key, mine, name)
         if result.get("isError"):
             raise UpstreamErrorResult(result)
         return result
 
     call.__name__ = name
     return call
+
+
+async def _await_task(book: TaskBook, handle: dict[str, Any], key: str | None,
+                      mine: _Call | None, name: str) -> dict[str, Any]:
+    """The call became a task upstream: its id journaled, then its outcome read."""
+    task_id = str(handle["taskId"])
+    try:
+        if key:
+            await book.record(key, task_id)
+        task = await book.wait(handle)
+        return outcome(task)
+    except asyncio.CancelledError:
+        book.cancel(task_id)  # as notifications/cancelled is sent for an ordinary call
+        if mine is not None and mine.cancelled:
+            raise ClientCancelled(f"{name}: the client cancelled the call while its task "
+                                  "ran upstream") from None
+        raise
+    except MCPError as exc:  # the task failed (its error), or tasks/get did
+        raise _upstream_error(exc, book.session) from None
 
 
 @dataclass(eq=False)
@@ -190,6 +219,7 @@ class Upstream:
     policy: ServerPolicy
     prefix: str = ""
     tools: dict[str, tuple[Tool, mcp_types.Tool]] = field(default_factory=dict)
+    book: TaskBook | None = None  # the upstream answers calls with tasks (``mcp_tasks``)
 
     @property
     def capabilities(self) -> mcp_types.ServerCapabilities:
@@ -213,26 +243,58 @@ class Proxy:
         self.ready = asyncio.Event()  # the delegation's body runs: calls may pass
         self.relay = ClientRelay(self._client, self._refresh_tools)
         self.client: ServerSession | None = None  # the client's session, once it is known
+        # Sessionless (2026-07-28) HTTP clients share this proxy: what an upstream asks or
+        # says goes only to the one client request that is waiting on that upstream.
+        self.shared = False
         self._in_flight: dict[int, ServerRequestContext[Any]] = {}
+        self._waiting: dict[ClientSession, dict[int, ServerRequestContext[Any]]] = {}
         self._ordinals: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
         self._roots: asyncio.Future[Any] | None = None
 
     # -- upstreams ------------------------------------------------------------------------------
-    def session_for(self, read: Any, write: Any) -> ClientSession:
+    def session_for(self, read: Any, write: Any, tasks: bool = False) -> ClientSession:
         relay = self.relay
-        return ClientSession(read, write, sampling_callback=relay.sampling,
-                             elicitation_callback=relay.elicitation,
-                             list_roots_callback=relay.roots, message_handler=relay.notification)
+        handler, known_as = relay.notifications()
+        session = ClientSession(read, write, sampling_callback=relay.sampling,
+                                elicitation_callback=relay.elicitation,
+                                list_roots_callback=relay.roots, message_handler=handler,
+                                extensions={TASKS: {}} if tasks else None)
+        known_as(session)
+        return session
 
     async def add_upstream(self, name: str, session: ClientSession) -> None:
-        up = Upstream(name, session, self.policies[name], self.specs[name].prefix)
+        spec = self.specs[name]
+        up = Upstream(name, session, self.policies[name], spec.prefix)
+        if spec.tasks and offers_tasks(session):
+            up.book = TaskBook(name, session, self.sup)
         self.upstreams.append(up)
         if up.capabilities.tools is not None:
             await self._load_tools(up)
 
+    def attach(self, sup: Supervisor) -> None:
+        """The supervisor that journals this session's calls (and reads their tasks)."""
+        self.sup = sup
+        # A receipt posted alone would otherwise take a durable commit of its own just before
+        # the relaxed flush that answering waits for (``call_tool``).
+        sup.journal.relaxed_posts = True
+        for up in self.upstreams:
+            if up.book is not None:
+                up.book.sup = sup
+
+    def journaled_tools(self) -> list[Tool]:
+        return [t for t, _, _ in self.exposed.values()]
+
     async def _load_tools(self, up: Upstream) -> None:
-        found = await wrap_tools(up.session, up.policy, make=_forwarder)
+        book = up.book
+
+        def make(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
+            return _forwarder(session, spec, book)
+
+        found = await wrap_tools(up.session, up.policy, make=make)
+        if book is not None:  # each call's task, if it became one, is its probe's answer
+            found = [(dataclasses.replace(t, probe=book.probe(t.name, t.probe)), s)
+                     for t, s in found]
         fresh: dict[str, tuple[Tool, mcp_types.Tool]] = {}
         for tool, spec in found:
             shown = spec.model_copy(update={"name": up.prefix + spec.name})
@@ -261,9 +323,17 @@ class Proxy:
         return (*(t for t, _, _ in self.exposed.values()), UNRESTRICTED)
 
     # -- the client -----------------------------------------------------------------------------
-    def _client(self) -> tuple[ServerSession, Any] | None:
+    def _client(self, origin: ClientSession | None = None) -> tuple[ServerSession, Any] | None:
         """Where to send what an upstream asks: the latest client request in flight (its
-        stream), else the client's session."""
+        stream), else the client's session. Shared by sessionless clients, the one client
+        request waiting on that upstream, or nobody: a request of another client may be the
+        latest, and which of two waiting requests an upstream's message belongs to cannot be
+        told (stdio carries no link between them), so it is refused rather than guessed."""
+        if self.shared:
+            waiting = list(self._waiting.get(origin, {}).values()) if origin else []
+            if len(waiting) != 1:
+                return None
+            return waiting[0].session, waiting[0].request_id
         if self._in_flight:
             request = list(self._in_flight.values())[-1]
             return request.session, request.request_id
@@ -315,7 +385,8 @@ class Proxy:
             raise MCPError(code=mcp_types.INVALID_REQUEST,
                            message=await self._stopped(signal, "the request was not made"))
         if len(serving) == 1 or (ctx.method.endswith("/list") and "cursor" in params):
-            return await forward(serving[0].session, ctx, ctx.method, params)
+            with self.waiting_on(serving[0], ctx):
+                return await forward(serving[0].session, ctx, ctx.method, params)
         if ctx.method.endswith("/list"):  # several upstreams: one page holding all of them
             return await self._merge(ctx, serving, params)
         if ctx.method == "logging/setLevel":
@@ -325,11 +396,22 @@ class Proxy:
         failure: MCPError | None = None
         for up in serving:  # the first upstream that knows the resource, prompt or reference
             try:
-                return await forward(up.session, ctx, ctx.method, params)
+                with self.waiting_on(up, ctx):
+                    return await forward(up.session, ctx, ctx.method, params)
             except MCPError as exc:
                 failure = exc
         assert failure is not None
         raise failure
+
+    @contextlib.contextmanager
+    def waiting_on(self, up: Upstream, ctx: ServerRequestContext[Any]) -> Iterator[None]:
+        """``ctx`` waits on a request to ``up``: what ``up`` asks meanwhile may be its."""
+        waiting = self._waiting.setdefault(up.session, {})
+        waiting[id(ctx)] = ctx
+        try:
+            yield
+        finally:
+            waiting.pop(id(ctx), None)
 
     async def _merge(self, ctx: ServerRequestContext[Any], serving: list[Upstream],
                      params: dict[str, Any]) -> dict[str, Any]:
@@ -374,6 +456,9 @@ class Proxy:
     async def session_agent(self, ctx: Context) -> None:
         """The delegation's body: it lives as long as the client session."""
         self.ctx = ctx
+        for up in self.upstreams:
+            if up.book is not None:
+                up.book.delegation_id = ctx.delegation_id
         self.ready.set()
         await self.closed.wait()
 
@@ -385,13 +470,17 @@ class Proxy:
     async def call_tool(self, ctx: ServerRequestContext[Any], _: RawParams) -> dict[str, Any]:
         answer = await self._call(ctx)
         # The client acts on what it is told, so the journal holds the call's outcome before
-        # the client hears it: what a client saw paid is never left for a probe to find. (A
-        # read-only call has no outcome to hold.)
+        # the client hears it: a proxy that dies after answering leaves what its client saw
+        # paid recorded, never for a probe to find. (A read-only call has no outcome to hold.)
+        # Committed, not yet synced to disk: a crash of this process cannot lose it, and the
+        # next durable commit (the next intent) syncs it. Only a machine that loses power in
+        # between can lose it; the durable intent then leaves the call in doubt and probed,
+        # as for any receipt never written: never a false outcome (docs/performance.md).
         name = (ctx.params or {}).get("name")
         found = self.exposed.get(name) if isinstance(name, str) else None
         if found is None or found[0].effect.journaled:
             assert self.sup is not None
-            await self.sup.journal.flush()
+            await self.sup.journal.flush(durable=False)
         return answer
 
     async def _call(self, request: ServerRequestContext[Any]) -> dict[str, Any]:
@@ -423,7 +512,8 @@ class Proxy:
         call = _Call(request, forwarded, meta, wants)
         _CALL.set(call)  # copied into the action's task with this context
         try:
-            result = await self.ctx.call(tool, idempotency_key=key, **arguments)
+            with self.waiting_on(found[2], request):
+                result = await self.ctx.call(tool, idempotency_key=key, **arguments)
         except ControlSignal as signal:  # recalled or terminated: no new work
             return error_result(await self._stopped(signal, "the call was not made"))
         except asyncio.CancelledError:

@@ -16,7 +16,7 @@ from typing import Any
 
 from mcp import ClientSession
 from mcp import types as mcp_types
-from mcp.client.session import ClientRequestContext, IncomingMessage
+from mcp.client.session import ClientRequestContext, IncomingMessage, MessageHandlerFnT
 from mcp.server.context import ServerRequestContext
 from mcp.server.session import ServerSession
 from mcp.shared.dispatcher import ProgressFnT
@@ -82,7 +82,9 @@ async def forward(session: ClientSession, ctx: ServerRequestContext[Any], method
     return result.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-ClientFinder = Callable[[], tuple[ServerSession, Any] | None]
+# Where to send what one upstream session (None: unknown) asks or says: a client's session
+# and the request it relates to, or None when there is no client to send it to.
+ClientFinder = Callable[[ClientSession | None], tuple[ServerSession, Any] | None]
 
 
 class ClientRelay:
@@ -98,16 +100,17 @@ class ClientRelay:
         self.roots_refused: set[ClientSession] = set()
         self.roots_answered: dict[ClientSession, asyncio.Event] = {}
 
-    def _target(self, what: str) -> tuple[ServerSession, Any]:
-        found = self._client()
+    def _target(self, what: str, origin: ClientSession) -> tuple[ServerSession, Any]:
+        found = self._client(origin)
         if found is None:
             raise MCPError(code=mcp_types.INVALID_REQUEST,
-                           message=f"{what}: no client is connected to the proxy")
+                           message=f"{what}: no client of the proxy can be asked (none is "
+                           "connected, or the request cannot be told apart from others')")
         return found
 
-    async def _ask(self, what: str, request: mcp_types.ServerRequest,
+    async def _ask(self, what: str, origin: ClientSession, request: mcp_types.ServerRequest,
                    result: type[Any]) -> Any:
-        session, related = self._target(what)
+        session, related = self._target(what, origin)
         try:
             return await session.send_request(
                 request, result, metadata=ServerMessageMetadata(related_request_id=related))
@@ -119,28 +122,39 @@ class ClientRelay:
         request = mcp_types.CreateMessageRequest(params=params)
         kind = (mcp_types.CreateMessageResultWithTools if params.tools or params.tool_choice
                 else mcp_types.CreateMessageResult)
-        return await self._ask("sampling", request, kind)
+        return await self._ask("sampling", context.session, request, kind)
 
     async def elicitation(self, context: ClientRequestContext,
                           params: mcp_types.ElicitRequestParams) -> Any:
-        return await self._ask("elicitation", mcp_types.ElicitRequest(params=params),
-                               mcp_types.ElicitResult)
+        return await self._ask("elicitation", context.session,
+                               mcp_types.ElicitRequest(params=params), mcp_types.ElicitResult)
 
     async def roots(self, context: ClientRequestContext) -> Any:
-        if self._client() is None:
+        if self._client(context.session) is None:
             self.roots_refused.add(context.session)
-        answer = await self._ask("roots", mcp_types.ListRootsRequest(),
+        answer = await self._ask("roots", context.session, mcp_types.ListRootsRequest(),
                                  mcp_types.ListRootsResult)
         if (event := self.roots_answered.get(context.session)) is not None:
             event.set()
         return answer
 
-    async def notification(self, message: IncomingMessage) -> None:
+    def notifications(self) -> tuple[MessageHandlerFnT, Callable[[ClientSession], None]]:
+        """A message handler for one upstream session, and how to tell it which session it
+        is (the session is built with its handler)."""
+        origin: list[ClientSession] = []
+
+        async def handle(message: IncomingMessage) -> None:
+            await self.notification(message, origin[0] if origin else None)
+
+        return handle, origin.append
+
+    async def notification(self, message: IncomingMessage,
+                           origin: ClientSession | None = None) -> None:
         if isinstance(message, Exception):
             return  # a transport fault of an upstream: its requests fail on their own
         if isinstance(message, mcp_types.ToolListChangedNotification) and self._on_tools_changed:
             await self._on_tools_changed()
-        found = self._client()
+        found = self._client(origin)
         if found is None:
             return
         session, related = found

@@ -23,6 +23,8 @@ from tether._core.errors import TetherError, UserError
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
+from tether._integrations.mcp_stdio import loop_stdio
+from tether._integrations.mcp_tasks import connect as connect_tasks
 from tether._runtime.logs import logger
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
@@ -166,8 +168,9 @@ async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack) -> None:
         what = spec.url or spec.command[0]
         try:
             read, write = await open_upstream(spec, stack)
-            session = await stack.enter_async_context(proxy.session_for(read, write))
-            await session.initialize()
+            session = await stack.enter_async_context(
+                proxy.session_for(read, write, tasks=spec.tasks))
+            await (connect_tasks(session) if spec.tasks else session.initialize())
             await proxy.add_upstream(name, session)
         except TetherError:
             raise
@@ -183,7 +186,7 @@ async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack) -> None:
 async def start_session(proxy: Proxy, sup: Supervisor, journal: str) -> Any:
     """The client session's delegation; its id goes to stderr (stdout may be the MCP
     channel), with how to stop it."""
-    proxy.sup = sup
+    proxy.attach(sup)
     handle = await sup.delegate(Agent(proxy.name, proxy.session_agent, proxy.tools()))
     logger("proxy").info("session started as delegation %s", handle.id,
                          extra={"delegation": handle.id, "session": proxy.name})
@@ -215,11 +218,19 @@ async def serve_stdio(journal: str, config: ProxyConfig) -> None:
     try:
         async with AsyncExitStack() as stack:
             await connect_upstreams(proxy, stack)
-            sup = await stack.enter_async_context(Supervisor(journal))
+            # The upstreams' tools (their probes, and the tasks their calls became) settle
+            # what an earlier proxy on this journal left in doubt when it died.
+            sup = await stack.enter_async_context(
+                Supervisor(journal, tools=proxy.journaled_tools(), recover=False))
+            proxy.attach(sup)
+            await sup.recover()
             handle = await start_session(proxy, sup, journal)
             server = build_server(proxy, resolve)
-            async with stdio_server() as (read, write):
-                await server.run(read, write, server.create_initialization_options())
+            async with loop_stdio() as pipes:
+                # Read and written on the event loop where they are pipes (``mcp_stdio``).
+                wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
+                async with wire as (read, write):
+                    await server.run(read, write, server.create_initialization_options())
             await end_session(proxy, handle)
     except BaseExceptionGroup as group:  # an upstream that failed, inside the SDK's groups
         raise one_line(group) from None

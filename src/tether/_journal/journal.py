@@ -76,6 +76,10 @@ class Journal:
     def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
                  busy_timeout: float | None = None) -> None:
         self.url = url
+        # Posted writes (receipts, events) commit without waiting for the disk when nobody in
+        # their batch waits for a durable commit (``flush(durable=False)``'s terms): the MCP
+        # proxy's, whose receipts are flushed that way before its client hears of them.
+        self.relaxed_posts = False
         # Added to every dispatch deadline judged in a transaction (a key's earlier use, a
         # person's decision, retention): the supervisor sets its policy's.
         self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE
@@ -158,7 +162,8 @@ class Journal:
 
     def _post(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
         """Queue a write without waiting for its commit: it rides the next batch."""
-        self._runner.submit(_bind(fn, args, kw), write=True, wait=False)
+        self._runner.submit(_bind(fn, args, kw), write=True, wait=False,
+                            relaxed=self.relaxed_posts)
 
     async def peek(self, fn: Callable[..., T], *args: Any) -> T:
         """A read of other processes' committed work. On PostgreSQL it runs on a pooled
@@ -176,9 +181,14 @@ class Journal:
         self._pg.listen(callback)
         return True
 
-    async def flush(self) -> None:
-        """Wait until everything queued before now is committed."""
-        await self._write(lambda db: None)
+    async def flush(self, durable: bool = True) -> None:
+        """Wait until everything queued before now is committed. ``durable=False``: committed
+        so as to survive a crash of this process, not necessarily of the machine, until the
+        next durable commit (SQLite ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit
+        = off`` for that commit; the same when the journal is not durable anyway)."""
+        fut = self._runner.submit(lambda db: None, write=True, relaxed=not durable)
+        assert fut is not None
+        await fut
 
     # -- owners and delegations -------------------------------------------------------------
     async def register_owner(self, owner: OwnerRow) -> None:

@@ -111,6 +111,7 @@ class PostgresRunner(ThreadRunner):
     def __init__(self, url: str, *, create: bool = True) -> None:
         super().__init__()
         self._mark_key = f"commit:{uuid.uuid4().hex}"  # this runner's commit marker
+        self._relaxed = False  # the next write batch commits asynchronously (``relax``)
         self._mark = 0
         self._marked = False
         self.conninfo, self.schema, self.shown = split_url(url)
@@ -217,6 +218,9 @@ class PostgresRunner(ThreadRunner):
         conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
         migrate(conn, 0, "postgresql")
 
+    def relax(self, conn: psycopg.Connection[Any], relaxed: bool) -> None:
+        self._relaxed = relaxed
+
     def begin(self, conn: psycopg.Connection[Any], write: bool) -> None:
         if not write:
             conn.execute("BEGIN")
@@ -228,8 +232,11 @@ class PostgresRunner(ThreadRunner):
             self._marked = True
         self._mark += 1
         # One round trip, as BEGIN alone (literals: a hex id and an integer).
+        # A relaxed commit returns before its WAL is flushed: the server has it (a crash of
+        # this process loses nothing); the next synchronous commit flushes it with its own.
+        relax = "; SET LOCAL synchronous_commit TO off" if self._relaxed else ""
         conn.execute(f"BEGIN; UPDATE tether_meta SET value = '{self._mark}' "
-                     f"WHERE key = '{self._mark_key}'")
+                     f"WHERE key = '{self._mark_key}'{relax}")
 
     def committed(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = %s FOR UPDATE",

@@ -45,6 +45,10 @@ class Op:
     fn: Callable[[Any], Any]
     write: bool
     future: asyncio.Future[Any] | None
+    # Its caller needs the commit to survive a crash of this process, not of the machine:
+    # a batch of such operations (and posted ones) commits without waiting for the disk
+    # (``relax``); the next durable commit makes it durable too (the same log, in order).
+    relaxed: bool = False
 
 
 Done = list[tuple[Op, Any, Exception | None]]
@@ -101,6 +105,9 @@ class ThreadRunner:
 
     def begin(self, conn: Any, write: bool) -> None:
         raise NotImplementedError
+
+    def relax(self, conn: Any, relaxed: bool) -> None:
+        """Before ``begin``: whether the next commit may skip waiting for the disk."""
 
     def db(self, conn: Any) -> Any:
         """What operations receive: a connection whose execute takes '?' placeholders."""
@@ -170,8 +177,8 @@ class ThreadRunner:
                      if op.future is not None])
             await asyncio.to_thread(self.close, None)
 
-    def submit(self, fn: Callable[[Any], T], *, write: bool,
-               wait: bool = True) -> asyncio.Future[T] | None:
+    def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
+               relaxed: bool = False) -> asyncio.Future[T] | None:
         if self._thread is None or self._loop is None:
             raise JournalError("journal is not open")
         future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
@@ -180,7 +187,7 @@ class ThreadRunner:
                 if future is None:
                     return None  # a posted write to a journal already lost: as after a crash
                 raise JournalError(f"{self.where()} is no longer available")
-            self._queue.put(Op(fn, write, future))
+            self._queue.put(Op(fn, write, future, relaxed))
         return future
 
     def _drain(self) -> list[Op]:
@@ -350,6 +357,7 @@ class ThreadRunner:
         db = self.db(conn)
         write = any(op.write for op in batch)
         try:
+            self.relax(conn, relaxed_batch(batch))
             self.begin(conn, write)
         except Exception as exc:
             if self.is_lost(conn, exc):
@@ -407,6 +415,13 @@ class ThreadRunner:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
             self._loop.call_soon_threadsafe(_settle, waiting)
+
+
+def relaxed_batch(batch: list[Op]) -> bool:
+    """Durable unless someone asked for less and nobody waiting asked for more (posted
+    operations wait for no commit, so they ride either kind)."""
+    return any(op.relaxed for op in batch) and \
+        all(op.relaxed or op.future is None for op in batch)
 
 
 def _settle(done: Done) -> None:

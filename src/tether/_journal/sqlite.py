@@ -187,16 +187,26 @@ class SqliteRunner(ThreadRunner):
         self._identity: tuple[int, int] | None = None
         self._sidecars: dict[str, tuple[int, int] | None] = {}
         self._where = path
+        self._level = synchronous  # the connection's synchronous setting now (``relax``)
 
     def connect(self) -> sqlite3.Connection:
         # Absolute as of now: a process that changes directory later still checks this file.
         self._where = Path(os.path.abspath(self.path))
         conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
+        self._level = self._synchronous
         self._identity = identity(self._where)
         self._sidecars = {suffix: identity(Path(f"{self._where}{suffix}"))
                           for suffix in SIDECARS}
         return conn
+
+    def relax(self, conn: sqlite3.Connection, relaxed: bool) -> None:
+        # WAL: NORMAL writes the log without syncing it at commit, which a process crash
+        # does not lose; the next FULL commit syncs the log file, earlier frames with it.
+        level = "NORMAL" if relaxed and self._synchronous == "FULL" else self._synchronous
+        if level != self._level:
+            conn.execute(f"PRAGMA synchronous={level}")
+            self._level = level
 
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")

@@ -1,0 +1,71 @@
+"""A commit only this process's crash must not lose (``Journal.flush(durable=False)``, the MCP
+proxy's receipt before it answers) skips waiting for the disk; any batch in which someone waits
+for a durable commit (an intent) stays durable."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import tether
+from tether._journal.runner import Op, relaxed_batch
+
+
+def _op(*, relaxed: bool = False, waits: bool = True) -> Op:
+    future: asyncio.Future[Any] | None = None
+    if waits:
+        future = asyncio.get_running_loop().create_future()
+    return Op(lambda db: None, True, future, relaxed)
+
+
+async def test_a_batch_is_relaxed_only_when_nobody_waiting_needs_durability() -> None:
+    assert relaxed_batch([_op(relaxed=True)])
+    assert relaxed_batch([_op(waits=False), _op(relaxed=True)])  # a posted receipt rides it
+    assert not relaxed_batch([_op(relaxed=True), _op()])  # an intent in the batch: durable
+    assert not relaxed_batch([_op(waits=False)])  # posted writes alone: durable, as before
+    assert not relaxed_batch([_op()])
+
+
+async def test_a_relaxed_flush_commits_without_waiting_for_the_disk(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with tether.Journal(journal_url) as j:
+        runner: Any = j._runner
+        seen: list[str] = []
+        begin = runner.begin
+        sqlite = journal_url.startswith("sqlite")
+
+        def watched(conn: Any, write: bool) -> None:
+            begin(conn, write)
+            query = "PRAGMA synchronous" if sqlite else "SHOW synchronous_commit"
+            seen.append(str(conn.execute(query).fetchone()[0]))
+
+        monkeypatch.setattr(runner, "begin", watched)
+        await j.flush(durable=False)
+        await j.flush()
+        await j.flush(durable=False)
+    # SQLite: 1 is NORMAL, 2 FULL. PostgreSQL: the transaction's synchronous_commit.
+    assert seen == (["1", "2", "1"] if sqlite else ["off", "on", "off"])
+
+
+async def test_relaxed_posts_ride_a_commit_that_does_not_wait_for_the_disk(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal whose posted writes are relaxed (the MCP proxy's): a batch of posted writes
+    alone commits without waiting for the disk, and one with a durable waiter stays durable."""
+    async with tether.Journal(journal_url) as j:
+        j.relaxed_posts = True
+        runner: Any = j._runner
+        relaxed: list[bool] = []
+        relax = runner.relax
+
+        def watched(conn: Any, value: bool) -> None:
+            relaxed.append(value)
+            relax(conn, value)
+
+        monkeypatch.setattr(runner, "relax", watched)
+        j.event(0.0, "posted")
+        await j.flush(durable=False)
+        await j.flush()
+    assert relaxed[-1] is False  # the durable flush
+    assert set(relaxed[:-1]) == {True}  # the post, alone or with the relaxed flush
