@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.serialization import (
 
 from tether._core.documents import (
     Acknowledgement,
+    ChainSeal,
     ControlIntent,
     Document,
     KeyGrant,
@@ -29,7 +30,8 @@ from tether._core.documents import (
 )
 from tether._core.errors import BadSignature, Malformed, UnknownKey
 
-D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder)
+D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder,
+            ChainSeal)
 
 
 def _raw_public(key: Ed25519PublicKey) -> bytes:

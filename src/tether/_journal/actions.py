@@ -34,6 +34,7 @@ from tether._journal.tables import (
     event,
     get_delegation,
     set_state,
+    touch,
 )
 
 
@@ -87,6 +88,7 @@ def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
         (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
          new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
     )
+    touch(db, "actions", new.id)
     return BeginResult(Begin.STARTED, new.id)
 
 
@@ -103,6 +105,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
             (outcome.value, None if result is None else dumps(result), error, now, action_id),
         )
         if cur.rowcount == 1:
+            touch(db, "actions", action_id)
             return outcome
     while True:
         # Locked (PostgreSQL) before it is judged: the check below for a new use of a freed
@@ -147,6 +150,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
              None if evidence is None else dumps(evidence), late, now, action_id, old.value),
         )
         if cur.rowcount == 1:
+            touch(db, "actions", action_id)
             break
         # Another process recorded an outcome between the read and this write (PostgreSQL):
         # judge this one again against it. An action's state moves a few times at most.
@@ -236,8 +240,10 @@ def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
     ).fetchall()
     ids = [r[0] for r in rows]
     for action_id in ids:
-        db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
-                   (action_id,))
+        cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? "
+                         "AND state = 'PENDING'", (action_id,))
+        if cur.rowcount == 1:
+            touch(db, "actions", action_id)
         event(db, now, "in_doubt", None, action_id)
     return ids
 
@@ -247,6 +253,7 @@ def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
     cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
                      (action_id,))
     if cur.rowcount == 1:
+        touch(db, "actions", action_id)
         event(db, now, "in_doubt", None, action_id, why=why)
     return cur.rowcount == 1
 

@@ -4,24 +4,26 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
+from tether._core.chain import ChainVerdict, judge
 from tether._core.documents import (
     Acknowledgement,
     ControlIntent,
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, UnknownKey, UserError
+from tether._core.errors import ControlRefused, Tampered, UnknownKey, UserError
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue, retention, triage, trustops
+from tether._journal import chainops, ops, queue, retention, triage, trustops
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -94,6 +96,7 @@ class Journal:
 
             runner = PostgresRunner(url, create=create)
             self._runner: ThreadRunner = runner
+            self._chain(runner)
             self._pg: PostgresRunner | None = runner
             self.path = Path(".tether") / "postgresql"
             self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
@@ -117,6 +120,13 @@ class Journal:
         self._pg = None
         self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
                                     busy_timeout=busy_timeout)
+        self._chain(self._runner)
+
+    def _chain(self, runner: ThreadRunner) -> None:
+        # Whose key seals this process's writes (docs/security.md): the supervisor's, the
+        # worker's or the CLI's. None: the chain is kept, unsealed, and `tether verify` says so.
+        self.signer: SigningKey | None = None
+        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, self.signer, time.time())
 
     @property
     def reconnect_within(self) -> float:
@@ -394,6 +404,31 @@ class Journal:
         from tether._journal.resolutions import resolutions
 
         return await self._read(resolutions, delegation_ids)
+
+    # -- the tamper-evident chain (``_core.chain``) -------------------------------------------
+    async def chain_verdicts(self, delegation_ids: list[str], pins: TrustedKeys
+                             ) -> list[ChainVerdict]:
+        """Each delegation's records judged against its sealed chain, the seals against the
+        journal's registry as ``pins`` root it; read in one transaction."""
+
+        def op(db: Any) -> list[ChainVerdict]:
+            reg = trustops.registry(db, pins)
+            return [judge(d, *chainops.read(db, d), reg) for d in delegation_ids]
+
+        return await self._read(op)
+
+    async def untampered(self, delegation_ids: list[str], pins: TrustedKeys,
+                         doing: str) -> None:
+        """Tampered, naming every record that fails, if any of these delegations' records
+        fail verification: what reconciliation and re-delegation check before acting."""
+        bad = [v for v in await self.chain_verdicts(delegation_ids, pins) if not v.ok]
+        if not bad:
+            return
+        named = {v.delegation_id: [p.record for p in v.problems] for v in bad}
+        shown = "; ".join(f"{d}: {', '.join(recs)}" for d, recs in named.items())
+        raise Tampered(f"refusing to {doing}: records of {len(bad)} delegation(s) fail "
+                       f"verification against their signed chain ({shown}); run 'tether "
+                       "verify' to see each, and decide by hand", named)
 
     # -- the operator's triage (``_journal.triage``) --------------------------------------------
     async def page(self, query: triage.DelegationQuery) -> list[DelegationRow]:

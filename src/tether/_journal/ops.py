@@ -65,6 +65,7 @@ from tether._journal.tables import (
     _decoded,
     _delegation,
     signed_of,
+    touch,
 )
 from tether._journal.tables import event as event
 from tether._journal.tables import get_delegation as get_delegation
@@ -157,6 +158,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     values = _values(new, epoch)
     if new.parent_id is None:
         db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        touch(db, "delegations", new.id)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
@@ -168,6 +170,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
         )
         if cur.rowcount != 1:
             raise FenceRefused(Begin.FENCED)
+        touch(db, "delegations", new.id)
     if new.queued:
         db.execute("INSERT INTO queue (delegation_id, task_id, agent, enqueued_at) "
                    "VALUES (?, ?, ?, ?)", (new.id, new.task_id, new.agent, new.now))
@@ -217,6 +220,7 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
     )
     if cur.rowcount != 1:
         raise InvalidTransition(prior.id, prior.state.value, "re-dispatched")
+    touch(db, "delegations", new.id)
     event(db, new.now, "delegated", new.id, task=new.task_id, epoch=prior.epoch,
           attempt=new.attempt, parent=new.parent_id, agent=new.agent, retry_of=new.retry_of)
     return get_delegation(db, new.id)
@@ -311,6 +315,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
              row.state.value),
         )
         if cur.rowcount == 1:
+            touch(db, "delegations", intent.delegation_id)
             break
     # A re-dispatch in preparation must see this request (I6), in the whole subtree: a child
     # waiting out its settle delay under a recalled parent must not fork again.
@@ -319,12 +324,13 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
         (intent.delegation_id,))
     # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
-    db.execute(
+    for (fenced_id,) in db.execute(
         f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
         "WHEN state IN ('RUNNING', 'RECALLING') THEN ? ELSE state END "
-        "WHERE id IN (SELECT id FROM sub) AND id <> ?",
+        "WHERE id IN (SELECT id FROM sub) AND id <> ? RETURNING id",
         (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
-    )
+    ).fetchall():
+        touch(db, "delegations", fenced_id)
     squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
                           (intent.delegation_id, intent.seq)).fetchone()
     if squatter is not None:
@@ -334,12 +340,13 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                         f"delegation {intent.delegation_id}, whose accepted sequence is "
                         f"{row.control_seq}: that row was not written by an accepted intent "
                         "(forged or edited); remove it, then retry")
-    cur = db.execute(
+    inserted = db.execute(
         "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
-        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (intent.delegation_id, intent.seq, intent.kind.value, signed.body, signed.key_id,
          signed.signature, accepted_at, issuer),
-    )
+    ).fetchone()
+    touch(db, "controls", inserted[0])
     event(db, accepted_at, "control", intent.delegation_id, kind=intent.kind.value,
           seq=intent.seq, grace=intent.grace, reason=intent.reason, issuer=issuer)
     # Wakes the owner at once where the backend can (LISTEN/NOTIFY, delivered on commit);
@@ -373,11 +380,12 @@ def last_control_id(db: Db) -> int:
 
 def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Signed,
                     now: float) -> None:
-    db.execute(
+    inserted = db.execute(
         "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (delegation_id, seq, type_, signed.body, signed.key_id, signed.signature, now),
-    )
+    ).fetchone()
+    touch(db, "documents", inserted[0])
     event(db, now, type_, delegation_id, seq=seq)
 
 

@@ -18,6 +18,7 @@ from tether._journal.tables import (
     _delegation,
     event,
     get_delegation,
+    touch,
 )
 
 
@@ -75,6 +76,7 @@ def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
         )
         if cur.rowcount != 1:
             continue
+        touch(db, "delegations", delegation_id)
         db.execute("UPDATE queue SET claimed_by = ?, claimed_at = ? WHERE delegation_id = ?",
                    (owner_id, now, delegation_id))
         event(db, now, "claimed", delegation_id, None, worker=owner_id)

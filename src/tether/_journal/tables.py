@@ -109,12 +109,24 @@ _delegation = _decoded("delegations", _delegation_row)
 _action = _decoded("actions", _action_row)
 
 
+def touch(db: Db, table: str, pk: Any) -> None:
+    """Note a record this transaction wrote (and holds locked until it commits), for the
+    writer to chain and seal before its COMMIT (``chainops.seal``). A connection that does not
+    collect (a read, a migration) ignores it."""
+    dirty = getattr(db, "dirty", None)
+    if dirty is not None:
+        dirty.append((table, pk))
+
+
 def event(db: Db, at: float, what: str, delegation_id: str | None = None,
           action_id: str | None = None, /, **detail: Any) -> None:
-    db.execute(
-        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?)",
+    row = db.execute(
+        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?) "
+        "RETURNING id",
         (delegation_id, action_id, at, what, dumps(detail)),
-    )
+    ).fetchone()
+    if delegation_id is not None or action_id is not None:
+        touch(db, "events", row[0])
 
 
 
@@ -175,6 +187,7 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
              new.terminal, new.terminal, now, delegation_id, row.state.value),
         )
         if cur.rowcount == 1:
+            touch(db, "delegations", delegation_id)
             event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
             return get_delegation(db, delegation_id)
     raise JournalError(f"delegation {delegation_id} kept moving under this write; try again")

@@ -1,0 +1,128 @@
+"""The chain's reads and writes (``_core.chain`` decides what they mean).
+
+``seal`` runs at the end of every write transaction, before its COMMIT, over the records the
+transaction's operations wrote (``tables.touch``): it appends one entry per record to its
+delegation's chain, moves each head under a row lock (PostgreSQL: two processes appending to
+one delegation queue on its head, so a chain never forks; heads are locked in id order, and
+a transaction takes no other lock after them), and signs the Merkle root of the moved heads
+once. ``read`` gathers what ``chain.judge`` needs for one delegation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tether._core import chain
+from tether._core.documents import ChainSeal
+from tether._core.signing import Signed, SigningKey
+from tether._journal.tables import Db, blob
+
+_HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
+         "WHERE delegation_id = ?")
+
+
+def _row(db: Db, table: str, pk: Any) -> Any:
+    return db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id = ?",
+                      (pk,)).fetchone()
+
+
+def _action_owner(db: Db, action_id: Any) -> str | None:
+    found = db.execute("SELECT delegation_id FROM actions WHERE id = ?",
+                       (action_id,)).fetchone()
+    return None if found is None else str(found[0])
+
+
+def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
+         now: float) -> None:
+    """Chain and seal what this transaction wrote (see the module's docstring)."""
+    records: dict[str, dict[str, str]] = {}  # delegation -> record -> content (last wins)
+    for table, pk in dict.fromkeys(dirty):
+        row = _row(db, table, pk)
+        if row is None:  # written and removed again in this transaction
+            continue
+        owner = chain.owner_of(table, row)
+        if owner is None and table == "events" and row[2] is not None:
+            owner = _action_owner(db, row[2])
+        if owner is not None:
+            records.setdefault(owner, {})[chain.record(table, pk)] = chain.content_hash(row)
+    moved: list[tuple[str, int, str, bool]] = []
+    for delegation_id in sorted(records):
+        db.execute("INSERT INTO chain_heads (delegation_id, length, hash) VALUES (?, 0, '') "
+                   "ON CONFLICT DO NOTHING", (delegation_id,))
+        head = db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone()
+        length, tip, legacy = int(head[0]), str(head[1]), bool(head[2])
+        top = db.execute("SELECT MAX(seq) FROM chain WHERE delegation_id = ?",
+                         (delegation_id,)).fetchone()[0]
+        if (top or 0) != length:
+            # Its head was deleted or rolled back by hand: appending would hide that. Leave
+            # it as it is, for ``tether verify`` to name.
+            continue
+        for rec, content in records[delegation_id].items():
+            length += 1
+            tip = chain.entry_hash(tip, delegation_id, length, rec, content)
+            db.execute("INSERT INTO chain (delegation_id, seq, record, content, hash) "
+                       "VALUES (?, ?, ?, ?, ?)", (delegation_id, length, rec, content, tip))
+        moved.append((delegation_id, length, tip, legacy))
+    if not moved:
+        return
+    if signer is None:
+        for delegation_id, length, tip, _ in moved:
+            db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
+                       "signer = NULL, signature = NULL WHERE delegation_id = ?",
+                       (length, tip, delegation_id))
+        return
+    root, paths = chain.merkle([chain.leaf(*m) for m in moved])
+    signed = signer.sign(ChainSeal(root, len(moved), now))
+    for (delegation_id, length, tip, _), path in zip(moved, paths, strict=True):
+        db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, "
+                   "signer = ?, signature = ? WHERE delegation_id = ?",
+                   (length, tip, chain.encode_path(path), signed.body, signed.key_id,
+                    signed.signature, delegation_id))
+
+
+def _head(found: Any) -> chain.Head:
+    seal = None
+    if found[4] is not None and found[5] is not None and found[6] is not None:
+        try:
+            seal = Signed(blob(found[4]), str(found[5]), blob(found[6]))
+        except TypeError:  # written by hand as text: verifies under no key
+            seal = Signed(b"", str(found[5]), b"")
+    return chain.Head(int(found[0]), str(found[1]), bool(found[2]),
+                      None if found[3] is None else str(found[3]), seal)
+
+
+def read(db: Db, delegation_id: str
+         ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
+    """One delegation's head, entries, and the hash of every row that is its record now or
+    that its chain names."""
+    found = db.execute(_HEAD, (delegation_id,)).fetchone()
+    entries = [chain.Entry(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in db.execute(
+        "SELECT seq, record, content, hash FROM chain WHERE delegation_id = ? ORDER BY seq",
+        (delegation_id,)).fetchall()]
+    rows: dict[str, str] = {}
+    mine = {
+        "delegations": "id = ?",
+        "actions": "delegation_id = ?",
+        "controls": "delegation_id = ?",
+        "documents": "delegation_id = ?",
+        "events": "delegation_id = ? OR (delegation_id IS NULL AND action_id IN "
+                  "(SELECT id FROM actions WHERE delegation_id = ?))",
+    }
+    for table, where in mine.items():
+        params = (delegation_id,) * where.count("?")
+        for r in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE {where}",
+                            params).fetchall():
+            rows[chain.record(table, r[0])] = chain.content_hash(r)
+    for rec in {e.record for e in entries} - set(rows):
+        # Named by the chain but no longer the delegation's (moved to another by hand), or
+        # gone: read it where it is, if anywhere.
+        kind, _, pk = rec.partition(" ")
+        named = chain.TABLE.get(kind)
+        if named is None:
+            continue
+        elsewhere = _row(db, named, int(pk) if named in ("controls", "documents", "events")
+                         and pk.isdigit() else pk)
+        if elsewhere is not None:
+            rows[rec] = chain.content_hash(elsewhere)
+    return (None if found is None else _head(found)), entries, rows
