@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -135,7 +136,7 @@ ATTACKS: dict[str, Attack] = {
 }
 
 
-async def verify_json(url: str, *args: str) -> tuple[int, dict[str, object]]:
+async def verify_json(url: str, *args: str) -> tuple[int, dict[str, Any]]:
     code, out, err = await tether_cli("verify", *args, "--journal", url, "--json")
     assert code in (0, 1), out + err
     return code, json.loads(out)
@@ -165,6 +166,25 @@ async def test_tampering_is_named_by_verify_and_refused_by_reconcile(
         assert record in line, line
     async with Journal(journal_url) as j:
         assert (await j.action(s.stuck)).evidence == stuck_before.evidence
+
+
+async def test_an_alteration_the_writer_then_writes_over_is_still_named(
+        journal_url: str) -> None:
+    """The writer chains a row as it commits it: a row altered by hand and then written by a
+    legitimate process (here a person's decision on the stuck charge, whose amount was
+    changed first) would be sealed as that process's own, unless the chain also keeps the
+    row as its writer found it."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await raw(j, "UPDATE actions SET args = replace(args, '1250', '125000') WHERE id = ?",
+                  s.stuck)
+    code, _, err = await tether_cli("resolve", s.stuck, "--as", "COMPLETED", "--note",
+                                    "bank statement", "--by", "alice", "--journal", journal_url)
+    assert code == 0, err
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    named = [p for p in data["problems"] if p["record"] == f"action {s.stuck}"]
+    assert named and "altered before chain entry" in named[0]["problem"], data
 
 
 @pytest.mark.parametrize("attack", ["flipped_state", "rewritten_result", "inserted_action",

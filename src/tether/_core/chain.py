@@ -87,9 +87,10 @@ def content_hash(row: Sequence[Any]) -> str:
     return hashlib.sha256(canonical([_plain(v) for v in row])).hexdigest()
 
 
-def entry_hash(prev: str, delegation_id: str, seq: int, rec: str, content: str) -> str:
-    return hashlib.sha256(canonical(
-        {"d": delegation_id, "n": seq, "r": rec, "c": content, "p": prev})).hexdigest()
+def entry_hash(prev: str, delegation_id: str, seq: int, rec: str, content: str,
+               found: str) -> str:
+    return hashlib.sha256(canonical({"d": delegation_id, "n": seq, "r": rec, "c": content,
+                                     "f": found, "p": prev})).hexdigest()
 
 
 def leaf(delegation_id: str, length: int, head: str, legacy: bool) -> str:
@@ -161,9 +162,13 @@ class Head:
 
 @dataclass(frozen=True)
 class Entry:
+    """One record as a commit wrote it (``content``), and as that commit found it before
+    writing (``found``: "" for a row it inserted)."""
+
     seq: int
     record: str
     content: str
+    found: str
     hash: str
 
 
@@ -228,13 +233,22 @@ def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
             "since the chain was introduced has one)")))
         verdict.unchained = sorted(rows)
         return verdict
-    prev, latest = "", {}
+    prev, latest = "", dict[str, str]()
     for n, entry in enumerate(sorted(entries, key=lambda e: e.seq), start=1):
         if entry.seq != n or entry_hash(prev, delegation_id, entry.seq, entry.record,
-                                        entry.content) != entry.hash:
+                                        entry.content, entry.found) != entry.hash:
             verdict.problems.append(Problem("chain", (
                 f"chain entry {entry.seq} does not follow entry {n - 1} (entries were "
                 "deleted, inserted or edited)")))
+        was = latest.get(entry.record)
+        if entry.found != (was or "") and not (was is None and head.legacy):
+            # The writer updated a row that was not what the chain last recorded: altered by
+            # hand in between (and then written over, which would otherwise hide it).
+            verdict.problems.append(Problem(entry.record, (
+                f"altered before chain entry {entry.seq}: the row its writer found was not "
+                "the one committed and sealed before" if was is not None else
+                f"inserted before chain entry {entry.seq}: its writer found a row no entry "
+                "records")))
         prev = entry.hash
         latest[entry.record] = entry.content
     _check_head(verdict, head, prev, len(entries), registry)

@@ -31,6 +31,7 @@ from tether._journal.tables import (
     SUBTREE,
     Db,
     _action,
+    before,
     event,
     get_delegation,
     set_state,
@@ -97,6 +98,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
     """Record an outcome: an executor's receipt, or a probe's answer (with ``evidence``). A
     fence refuses new intents, never receipts: a receipt for an action already declared in
     doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
+    before(db, "actions", action_id)
     if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
         # The common case, a receipt for a PENDING action: one statement.
         cur = db.execute(
@@ -240,6 +242,7 @@ def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
     ).fetchall()
     ids = [r[0] for r in rows]
     for action_id in ids:
+        before(db, "actions", action_id)
         cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? "
                          "AND state = 'PENDING'", (action_id,))
         if cur.rowcount == 1:
@@ -250,6 +253,7 @@ def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
 
 def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
     """One PENDING action declared in doubt (its executor is going away with it running)."""
+    before(db, "actions", action_id)
     cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
                      (action_id,))
     if cur.rowcount == 1:

@@ -36,7 +36,9 @@ def _action_owner(db: Db, action_id: Any) -> str | None:
 def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
          now: float) -> None:
     """Chain and seal what this transaction wrote (see the module's docstring)."""
-    records: dict[str, dict[str, str]] = {}  # delegation -> record -> content (last wins)
+    pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
+    # delegation -> record -> (content, the row as this transaction found it); last wins
+    records: dict[str, dict[str, tuple[str, str]]] = {}
     for table, pk in dict.fromkeys(dirty):
         row = _row(db, table, pk)
         if row is None:  # written and removed again in this transaction
@@ -45,7 +47,8 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
         if owner is None and table == "events" and row[2] is not None:
             owner = _action_owner(db, row[2])
         if owner is not None:
-            records.setdefault(owner, {})[chain.record(table, pk)] = chain.content_hash(row)
+            records.setdefault(owner, {})[chain.record(table, pk)] = (
+                chain.content_hash(row), pre.get((table, pk), ""))
     moved: list[tuple[str, int, str, bool]] = []
     for delegation_id in sorted(records):
         db.execute("INSERT INTO chain_heads (delegation_id, length, hash) VALUES (?, 0, '') "
@@ -58,11 +61,12 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
             # Its head was deleted or rolled back by hand: appending would hide that. Leave
             # it as it is, for ``tether verify`` to name.
             continue
-        for rec, content in records[delegation_id].items():
+        for rec, (content, found) in records[delegation_id].items():
             length += 1
-            tip = chain.entry_hash(tip, delegation_id, length, rec, content)
-            db.execute("INSERT INTO chain (delegation_id, seq, record, content, hash) "
-                       "VALUES (?, ?, ?, ?, ?)", (delegation_id, length, rec, content, tip))
+            tip = chain.entry_hash(tip, delegation_id, length, rec, content, found)
+            db.execute("INSERT INTO chain (delegation_id, seq, record, content, pre, hash) "
+                       "VALUES (?, ?, ?, ?, ?, ?)",
+                       (delegation_id, length, rec, content, found, tip))
         moved.append((delegation_id, length, tip, legacy))
     if not moved:
         return
@@ -97,9 +101,10 @@ def read(db: Db, delegation_id: str
     """One delegation's head, entries, and the hash of every row that is its record now or
     that its chain names."""
     found = db.execute(_HEAD, (delegation_id,)).fetchone()
-    entries = [chain.Entry(int(r[0]), str(r[1]), str(r[2]), str(r[3])) for r in db.execute(
-        "SELECT seq, record, content, hash FROM chain WHERE delegation_id = ? ORDER BY seq",
-        (delegation_id,)).fetchall()]
+    entries = [chain.Entry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
+               for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
+                                   "WHERE delegation_id = ? ORDER BY seq",
+                                   (delegation_id,)).fetchall()]
     rows: dict[str, str] = {}
     mine = {
         "delegations": "id = ?",

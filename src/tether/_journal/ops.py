@@ -64,6 +64,7 @@ from tether._journal.tables import (
     _control,
     _decoded,
     _delegation,
+    before,
     signed_of,
     touch,
 )
@@ -297,6 +298,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
     The signature was verified by the caller against the journal's trusted keys."""
     target = intent.kind.target
+    before(db, "delegations", intent.delegation_id)
     while True:
         row = get_delegation(db, intent.delegation_id)
         if intent.seq != row.control_seq + 1:
@@ -324,6 +326,9 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
         (intent.delegation_id,))
     # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
+    for (below,) in db.execute(f"{SUBTREE} SELECT id FROM sub WHERE id <> ? ORDER BY id",
+                               (intent.delegation_id, intent.delegation_id)).fetchall():
+        before(db, "delegations", below)
     for (fenced_id,) in db.execute(
         f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
         "WHEN state IN ('RUNNING', 'RECALLING') THEN ? ELSE state END "

@@ -16,6 +16,7 @@ from tether._journal.tables import (
     Db,
     _control,
     _delegation,
+    before,
     event,
     get_delegation,
     touch,
@@ -70,6 +71,7 @@ def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
     claimed = []
     for (delegation_id,) in rows:
         # Re-checked by the update itself: a recall that committed meanwhile wins.
+        before(db, "delegations", delegation_id)
         cur = db.execute(
             "UPDATE delegations SET owner_id = ?, updated_at = ? WHERE id = ? AND fenced = 0",
             (owner_id, now, delegation_id),

@@ -13,7 +13,7 @@ from tether._core.resolution import Resolution, judge_resolution
 from tether._core.signing import Signed
 from tether._journal.actions import CONTRADICTED, RESOLVED, get_action, resettle
 from tether._journal.rows import dumps, loads
-from tether._journal.tables import Db, event, touch
+from tether._journal.tables import Db, before, event, touch
 
 
 def _contradicted(db: Db, action_id: str) -> bool:
@@ -48,6 +48,7 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
     decision = {"outcome": res.outcome.value, "operator": res.operator, "key_id": signed.key_id,
                 "note": res.note, "at": now}
     evidence = {**(action.evidence or {}), "resolution": decision}
+    before(db, "actions", action.id)
     cur = db.execute(
         "UPDATE actions SET state = ?, evidence = ?, ended_at = COALESCE(ended_at, ?) "
         "WHERE id = ? AND state = ?",

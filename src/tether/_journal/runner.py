@@ -60,6 +60,9 @@ class Tx:
         self.inner = inner
         self.execute = inner.execute
         self.dirty: list[tuple[str, Any]] = []
+        # Each updated record's row as this transaction found it, read under its lock before
+        # the first write (``tables.before``): the chain keeps it beside the row written.
+        self.pre: dict[tuple[str, Any], str] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -153,6 +153,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             seq INTEGER NOT NULL,
             record TEXT NOT NULL,
             content TEXT NOT NULL,
+            pre TEXT NOT NULL,
             hash TEXT NOT NULL,
             PRIMARY KEY (delegation_id, seq))""",
         """CREATE TABLE chain_heads (

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from tether._core import chain
 from tether._core.errors import JournalCorrupt, JournalError, NotFound
 from tether._core.model import (
     ActionState,
@@ -116,6 +117,20 @@ def touch(db: Db, table: str, pk: Any) -> None:
     dirty = getattr(db, "dirty", None)
     if dirty is not None:
         dirty.append((table, pk))
+        db.pre.setdefault((table, pk), "")  # type: ignore[attr-defined]  # inserted: none
+
+
+def before(db: Db, table: str, pk: Any) -> None:
+    """Before this transaction first updates a record: read its row as committed, under its
+    lock (PostgreSQL), for the chain to keep its hash with the new entry. A row altered by
+    hand since its last entry is then told apart from the writer's own update of it, instead
+    of being sealed as if the writer had written it (``chain.judge``)."""
+    pre = getattr(db, "pre", None)
+    if pre is None or (table, pk) in pre:
+        return
+    row = db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} x WHERE id = ? /*XLOCK x*/",
+                     (pk,)).fetchone()
+    pre[(table, pk)] = "" if row is None else chain.content_hash(row)
 
 
 def event(db: Db, at: float, what: str, delegation_id: str | None = None,
@@ -172,6 +187,7 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
     """Move a delegation, judged against the state it holds when written: a compare-and-set,
     so that of two processes that read the same state (PostgreSQL, READ COMMITTED) the second
     is judged again against what the first wrote, never overwrites it."""
+    before(db, "delegations", delegation_id)
     for _ in range(_MOVE_TRIES):
         row = get_delegation(db, delegation_id)
         if row.state is new:
