@@ -133,7 +133,7 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
                 grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
     async with Journal(journal_url, create=False) as j:
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
-        j.signer = ring.signer  # this process's writes are sealed with its key
+        j.seal_with(ring.signer, ring.trusted)  # this process's writes are sealed with its key
         # A recall offers the next sequence as read now, so that the loser of two racing
         # recalls is told the current sequence (I4); a terminate takes the next one whatever
         # came before it (it cuts a recall's grace window short).

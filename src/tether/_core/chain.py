@@ -197,6 +197,27 @@ class ChainVerdict:
         return {p.record for p in self.problems}
 
 
+def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | None:
+    """Why ``head`` is not sealed by a key ``registry`` trusts (None: it is). A writer checks
+    this before it extends a chain another process sealed: sealing over a head rewritten by
+    hand would make that rewrite its own."""
+    if head.seal is None or head.path is None:
+        if head.legacy and head.length == 0:
+            return None
+        return ("the chain's head is not sealed (written by a process without a signing key, "
+                "or its seal was removed)")
+    try:
+        seal = registry.verify(head.seal, ChainSeal)
+        root = fold(leaf(delegation_id, head.length, head.hash, head.legacy),
+                    _decode_path(head.path))
+        if root != seal.root:
+            raise Malformed("the head is not the one its seal signed (its length, hash or "
+                            "legacy mark was changed, or a seal copied from elsewhere)")
+    except ControlRefused as exc:
+        return f"the chain's seal: {exc}"
+    return None
+
+
 def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
                 registry: Registry) -> None:
     d = verdict.delegation_id
@@ -205,21 +226,11 @@ def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
             f"the chain holds {length} entries ending in {tip[:12] or '(none)'} but its head "
             f"says {head.length} ending in {head.hash[:12] or '(none)'}: entries were "
             "deleted, inserted or edited")))
-    if head.seal is None or head.path is None:
-        if not (head.legacy and head.length == 0 and length == 0):
-            verdict.problems.append(Problem("chain", (
-                "the chain's head is not sealed (written by a process without a signing "
-                "key, or its seal was removed)")))
-        return
-    try:
-        seal = registry.verify(head.seal, ChainSeal)
-        root = fold(leaf(d, head.length, head.hash, head.legacy), _decode_path(head.path))
-        if root != seal.root:
-            raise Malformed("the head is not the one its seal signed (its length, hash or "
-                            "legacy mark was changed, or a seal copied from elsewhere)")
+    problem = seal_problem(d, head, registry)
+    if problem is not None:
+        verdict.problems.append(Problem("chain", problem))
+    elif head.seal is not None:
         verdict.sealed_by = head.seal.key_id
-    except ControlRefused as exc:
-        verdict.problems.append(Problem("chain", f"the chain's seal: {exc}"))
 
 
 def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],

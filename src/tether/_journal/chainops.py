@@ -15,7 +15,8 @@ from typing import Any
 
 from tether._core import chain
 from tether._core.documents import ChainSeal
-from tether._core.signing import Signed, SigningKey
+from tether._core.signing import Signed, SigningKey, TrustedKeys
+from tether._journal import trustops
 from tether._journal.tables import Db, blob
 
 _HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
@@ -33,9 +34,38 @@ def _action_owner(db: Db, action_id: Any) -> str | None:
     return None if found is None else str(found[0])
 
 
-def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
-         now: float) -> None:
+class Sealer:
+    """One process's side of the chain: its key, the pins its registry is read from, and the
+    heads it sealed itself (those it extends without checking their seal again)."""
+
+    MEMO = 100_000
+
+    def __init__(self) -> None:
+        self.signer: SigningKey | None = None
+        self.pins: TrustedKeys | None = None
+        self.own: dict[str, tuple[int, str]] = {}
+
+    def trusts(self, db: Db, delegation_id: str, head: chain.Head) -> bool:
+        """Whether to extend ``head``: sealed by this process, or by a key the registry (as
+        this process's pins root it) trusts. A chain whose head fails is left as it is, for
+        ``tether verify`` to name, never sealed over."""
+        if head.length == 0 and not head.legacy and head.seal is None:
+            return True  # a new delegation's head, made in this transaction
+        if self.own.get(delegation_id) == (head.length, head.hash):
+            return True
+        if self.pins is None:
+            return head.seal is None and head.legacy and head.length == 0
+        return chain.seal_problem(delegation_id, head, trustops.registry(db, self.pins)) is None
+
+    def sealed(self, delegation_id: str, length: int, tip: str) -> None:
+        if len(self.own) >= self.MEMO:
+            self.own.clear()
+        self.own[delegation_id] = (length, tip)
+
+
+def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
     """Chain and seal what this transaction wrote (see the module's docstring)."""
+    signer = sealer.signer
     pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
     # delegation -> record -> (content, the row as this transaction found it); last wins
     records: dict[str, dict[str, tuple[str, str]]] = {}
@@ -53,13 +83,13 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
     for delegation_id in sorted(records):
         db.execute("INSERT INTO chain_heads (delegation_id, length, hash) VALUES (?, 0, '') "
                    "ON CONFLICT DO NOTHING", (delegation_id,))
-        head = db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone()
-        length, tip, legacy = int(head[0]), str(head[1]), bool(head[2])
+        head = _head(db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone())
+        length, tip, legacy = head.length, head.hash, head.legacy
         top = db.execute("SELECT MAX(seq) FROM chain WHERE delegation_id = ?",
                          (delegation_id,)).fetchone()[0]
-        if (top or 0) != length:
-            # Its head was deleted or rolled back by hand: appending would hide that. Leave
-            # it as it is, for ``tether verify`` to name.
+        if (top or 0) != length or not sealer.trusts(db, delegation_id, head):
+            # Its head was deleted, rolled back or rewritten by hand: appending would hide
+            # that. Leave it as it is, for ``tether verify`` to name.
             continue
         for rec, (content, found) in records[delegation_id].items():
             length += 1
@@ -83,6 +113,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], signer: SigningKey | None,
                    "signer = ?, signature = ? WHERE delegation_id = ?",
                    (length, tip, chain.encode_path(path), signed.body, signed.key_id,
                     signed.signature, delegation_id))
+        sealer.sealed(delegation_id, length, tip)
 
 
 def _head(found: Any) -> chain.Head:

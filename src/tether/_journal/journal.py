@@ -123,10 +123,20 @@ class Journal:
         self._chain(self._runner)
 
     def _chain(self, runner: ThreadRunner) -> None:
-        # Whose key seals this process's writes (docs/security.md): the supervisor's, the
-        # worker's or the CLI's. None: the chain is kept, unsealed, and `tether verify` says so.
-        self.signer: SigningKey | None = None
-        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, self.signer, time.time())
+        self._sealer = sealer = chainops.Sealer()
+        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, time.time())
+
+    @property
+    def signer(self) -> SigningKey | None:
+        """Whose key seals this process's writes (docs/security.md): the supervisor's, the
+        worker's or the CLI's. None: the chain is kept, unsealed, and `tether verify` says
+        so. Set with ``seal_with``."""
+        return self._sealer.signer
+
+    def seal_with(self, signer: SigningKey, pins: TrustedKeys) -> None:
+        """Seal this process's writes with ``signer``; extend another process's chain only if
+        its seal verifies against the registry as ``pins`` root it."""
+        self._sealer.signer, self._sealer.pins = signer, pins
 
     @property
     def reconnect_within(self) -> float:
