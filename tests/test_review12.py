@@ -10,6 +10,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,15 +86,15 @@ async def test_verify_accepts_a_trusted_operators_resolution(journal_url: str) -
     assert json.loads(out)["problems"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a signed work order is valid for ever; a "
-                   "rolled-back journal replays it (see the review's report)")
 async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback(
         journal_url: str) -> None:
     """The orchestrator queues a payment and recalls it before any worker claims it: the
     report says nothing ran. A process with write access (no key) puts the rows back as they
     were before the recall (fenced 0, the controls row gone, the queue entry unclaimed): the
-    signed work order is genuine, so a worker claims it and pays. An action caused, and the
-    ghost action tether exists to prevent."""
+    signed work order is genuine, so a worker claimed it and paid. An action caused, and the
+    ghost action tether exists to prevent. Now the worker checks the delegation's chain: the
+    row differs from its sealed entry and the controls row is gone, so the work is refused.
+    (A rollback of the chain and its sealed head along with the rows is the next test.)"""
     order = f"R-{uuid.uuid4().hex[:6]}"
     deployment = tether.KeyRing.ephemeral()
     async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
@@ -103,6 +104,54 @@ async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback
         await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
         await raw(sup.journal, "UPDATE delegations SET state = 'RUNNING', fenced = 0, "
                   "control_seq = 0 WHERE id = ?", h.id)
+        await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
+                  "done_at = NULL WHERE delegation_id = ?", h.id)
+        async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
+            serving = asyncio.create_task(worker.run())
+            await ended(sup.journal, [h.id])
+            worker.stop()
+            await serving
+    assert PAY.refund_count(order) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a work order is valid for ever, and a "
+                   "rollback of the rows together with the delegation's chain and sealed head "
+                   "restores a genuine earlier state; nothing outside the journal remembers "
+                   "the later one (docs/security.md, 'Not yet')")
+async def test_queued_work_is_not_run_after_a_rollback_of_its_chain_too(
+        journal_url: str) -> None:
+    """The same rollback by an intruder who also saved the delegation's chain head before the
+    recall and restores it (deleting the later entries and events): every record and the
+    head's seal are genuine, as they were before the recall."""
+    from tether._core.chain import COLUMNS
+
+    order = f"R-{uuid.uuid4().hex[:6]}"
+    deployment = tether.KeyRing.ephemeral()
+    cols = COLUMNS["delegations"].split(", ")
+    async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
+        h = await sup.delegate(payer, order, 100, remote=True)
+        await sup.journal.flush()
+
+        def snapshot(db: Any) -> tuple[Any, Any, Any]:
+            run = db.execute
+            return (run(f"SELECT {COLUMNS['delegations']} FROM delegations WHERE id = ?",
+                        (h.id,)).fetchone(),
+                    run("SELECT length, hash, path, seal, signer, signature FROM chain_heads "
+                        "WHERE delegation_id = ?", (h.id,)).fetchone(),
+                    run("SELECT MAX(id) FROM events").fetchone()[0])
+
+        row, head, last_event = await sup.journal._read(snapshot)
+        report = await h.recall(1.0, "changed my mind")
+        assert report.outcome is tether.DelegationState.RECALLED
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
+        await raw(sup.journal, f"UPDATE delegations SET {', '.join(f'{c} = ?' for c in cols)} "
+                  "WHERE id = ?", *row, h.id)
+        await raw(sup.journal, "DELETE FROM chain WHERE delegation_id = ? AND seq > ?",
+                  h.id, head[0])
+        await raw(sup.journal, "UPDATE chain_heads SET length = ?, hash = ?, path = ?, "
+                  "seal = ?, signer = ?, signature = ? WHERE delegation_id = ?", *head, h.id)
+        await raw(sup.journal, "DELETE FROM events WHERE id > ? AND delegation_id = ?",
+                  last_event, h.id)
         await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
                   "done_at = NULL WHERE delegation_id = ?", h.id)
         async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
