@@ -213,13 +213,12 @@ async def test_rows_of_the_wrong_type_are_named_not_a_traceback(tmp_path: Path) 
             assert code == 2 and "table documents" in one_error_line(err), (args, err)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: nothing outside the journal remembers the "
-                   "registry's length, so deleting its last entries is undetectable (see "
-                   "docs/security.md, 'Not yet')")
 async def test_deleting_a_revocation_does_not_trust_the_key_again(
         journal_url: str, tmp_path: Path) -> None:
     """Deleting rows is meant to be denial of service (keys lose trust). Deleting a revocation
-    makes a key gain it: the leaked key is trusted again, and nothing lists a problem."""
+    made a key gain it: the leaked key was trusted again, and nothing listed a problem. Now a
+    configuration remembers the registry it read (``registry.json`` beside its keys): a
+    shorter one is named as rolled back, and a key it saw revoked stays revoked."""
     async with tether.Supervisor(journal_url) as sup:
         leaked = tether.KeyRing.init(tmp_path / "leaked")
         await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
@@ -228,7 +227,19 @@ async def test_deleting_a_revocation_does_not_trust_the_key_again(
                                        leaked.signer.key_id, "", "", 2.0)
         await raw(sup.journal, "DELETE FROM trust WHERE op = 'revoke'")
         reg = await sup.journal.registry(sup.keys.trusted)
-        assert leaked.signer.key_id not in reg.keys or reg.problems
+        assert leaked.signer.key_id not in reg.keys
+        assert any("rolled back" in p for p in reg.problems), reg.problems
+        # The leaked key's holder, under a configuration of its own that never read the
+        # revocation, gets a grant of its own into the journal: the deployment ignores it.
+        leaked.pin(sup.keys.signer.key_id, sup.keys.signer.public_b64())
+        third = tether.KeyRing.ephemeral().signer
+        await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust", third.key_id,
+                                       third.public_b64(), "", 3.0)
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert {leaked.signer.key_id, third.key_id}.isdisjoint(reg.keys.ids()), reg
+    # Another process of the same configuration (its key directory) remembers it too.
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1 and "rolled back" in out, out + err
 
 
 def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path: Path) -> None:

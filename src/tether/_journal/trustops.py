@@ -27,17 +27,23 @@ def _entry(r: Any) -> Signed:
 
 # Replaying the registry checks every entry's signature; it changes rarely, so the result is
 # remembered per (pins, entries): one small read per acceptance, no signature re-checked.
-_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...]], Registry] = {}
+_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...], object], Registry] = {}
 
 
 def registry(db: Db, pins: TrustedKeys) -> Registry:
+    """The registry as ``pins`` root it, checked against what their configuration remembers
+    of it (``pins.memory``), which a registry read whole and genuine then advances."""
     rows = tuple(entries(db))
-    key = (tuple(pins.ids()), rows)
+    memory = pins.memory
+    seen = None if memory is None else memory.seen
+    key = (tuple(pins.ids()), rows, None if memory is None else (id(memory), memory.version))
     found = _MEMO.get(key)
     if found is None:
         if len(_MEMO) > 64:
             _MEMO.clear()
-        found = _MEMO[key] = effective(pins, rows)
+        found = _MEMO[key] = effective(pins, rows, seen)
+    if memory is not None and found.anchor is not None and found.mark is not None:
+        memory.advance(found.anchor, found.mark)
     return found
 
 
