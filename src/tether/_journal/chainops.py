@@ -81,23 +81,29 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
                 chain.content_hash(row), pre.get((table, pk), ""))
     moved: list[tuple[str, int, str, bool]] = []
     for delegation_id in sorted(records):
-        db.execute("INSERT INTO chain_heads (delegation_id, length, hash) VALUES (?, 0, '') "
-                   "ON CONFLICT DO NOTHING", (delegation_id,))
-        head = _head(db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone())
-        length, tip, legacy = head.length, head.hash, head.legacy
-        top = db.execute("SELECT MAX(seq) FROM chain WHERE delegation_id = ?",
-                         (delegation_id,)).fetchone()[0]
-        if (top or 0) != length or not sealer.trusts(db, delegation_id, head):
-            # Its head was deleted, rolled back or rewritten by hand: appending would hide
-            # that. Leave it as it is, for ``tether verify`` to name.
+        found_head = db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone()
+        if found_head is None:
+            # A delegation this transaction created (nobody else can see it yet); or one
+            # whose head was deleted by hand, whose entries then refuse the appends below.
+            db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
+                       "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
+            head = chain.Head(0, "", False, None, None)
+        else:
+            head = _head(found_head)
+        if not sealer.trusts(db, delegation_id, head):
+            # Its head was rewritten by hand: sealing over it would make that the writer's
+            # own. Leave it as it is, for ``tether verify`` to name.
             continue
+        length, tip = head.length, head.hash
         for rec, (content, found) in records[delegation_id].items():
             length += 1
             tip = chain.entry_hash(tip, delegation_id, length, rec, content, found)
-            db.execute("INSERT INTO chain (delegation_id, seq, record, content, pre, hash) "
-                       "VALUES (?, ?, ?, ?, ?, ?)",
-                       (delegation_id, length, rec, content, found, tip))
-        moved.append((delegation_id, length, tip, legacy))
+            if db.execute("INSERT INTO chain (delegation_id, seq, record, content, pre, hash) "
+                          "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                          (delegation_id, length, rec, content, found, tip)).rowcount != 1:
+                break  # entries beyond the head: it was rolled back by hand; leave it so
+        else:
+            moved.append((delegation_id, length, tip, head.legacy))
     if not moved:
         return
     if signer is None:
