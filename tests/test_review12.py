@@ -269,7 +269,9 @@ def test_keys_in_a_directory_another_user_owns_are_refused(
 
 
 @pytest.mark.xfail(strict=True, reason="not fixed: liveness is read from rows the intruder "
-                   "can write; a trusted process then signs the stop (see the report)")
+                   "can write (the owners table is not chained, and an older genuine "
+                   "heartbeat restored reads as dead); a trusted process then signs the stop "
+                   "(docs/security.md, 'Not yet')")
 async def test_an_owner_declared_dead_by_hand_is_not_terminated_by_a_trusted_recovery(
         journal_url: str, shop: Shop) -> None:
     """A confused deputy: the intruder deletes the live owner's row in `owners`. The next

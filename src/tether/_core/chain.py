@@ -68,27 +68,25 @@ def owner_of(table: str, row: Sequence[Any]) -> str | None:
 
 
 def _plain(value: object) -> object:
-    """A column's value as JSON carries it: bytes as ``["b", hex]`` (a text column never holds
-    a list). Numbers keep their type: a column reads back the same way every time."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return ["b", bytes(value).hex()]
-    if value is None or isinstance(value, str | int | float):
-        return value
-    return ["?", type(value).__name__, str(value)]
+    """A column's value, the same however the driver hands it over (bytes or a buffer)."""
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    return value
+
+
+_KEEP = frozenset({str, int, float, bytes, type(None)})
 
 
 def _hash(*parts: object) -> str:
-    # Not RFC 8785 (nothing here is signed or read by anyone else): a fixed JSON encoding of
-    # scalars and lists, which is several times cheaper on the per-action path.
-    return hashlib.sha256(json.dumps(parts, separators=(",", ":"), ensure_ascii=False,
-                                     allow_nan=True).encode()).hexdigest()
-
-
-_SCALARS = frozenset({str, int, float, type(None)})
+    # Not RFC 8785 (nothing here is signed or read by anyone else): the ``repr`` of each
+    # scalar (str, int, float, bytes, None), NUL-separated; a repr never holds a raw NUL.
+    # Several times cheaper than JSON on the per-action path. A column reads back with the
+    # same type every time, so the same row always hashes the same.
+    return hashlib.sha256("\0".join(map(repr, parts)).encode()).hexdigest()
 
 
 def content_hash(row: Sequence[Any]) -> str:
-    return _hash("row", [v if type(v) in _SCALARS else _plain(v) for v in row])
+    return _hash("row", *[v if type(v) in _KEEP else _plain(v) for v in row])
 
 
 def entry_hash(prev: str, delegation_id: str, seq: int, rec: str, content: str,

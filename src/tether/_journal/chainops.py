@@ -63,14 +63,52 @@ class Sealer:
         self.own[delegation_id] = (length, tip)
 
 
+_CHUNK = 500  # rows per statement (SQLite allows 32766 parameters)
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[i:i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+
+
+def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]:
+    """The rows named, read a table at a time."""
+    by_table: dict[str, list[Any]] = {}
+    for table, pk in keys:
+        by_table.setdefault(table, []).append(pk)
+    found: dict[tuple[str, Any], Any] = {}
+    for table, pks in by_table.items():
+        for part in _chunks(pks):
+            for row in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id IN "
+                                  f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+                found[(table, row[0])] = row
+    return found
+
+
+def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
+    """Insert the planned entries; False (and nothing inserted) if any was there already."""
+    db.execute("SAVEPOINT chain")
+    inserted = 0
+    for part in _chunks(plan):
+        inserted += db.execute(
+            "INSERT INTO chain (delegation_id, seq, record, content, pre, hash) VALUES "
+            f"{', '.join(['(?, ?, ?, ?, ?, ?)'] * len(part))} ON CONFLICT DO NOTHING",
+            tuple(v for entry in part for v in entry)).rowcount
+    if inserted != len(plan):
+        db.execute("ROLLBACK TO SAVEPOINT chain")
+    db.execute("RELEASE SAVEPOINT chain")
+    return inserted == len(plan)
+
+
 def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
     """Chain and seal what this transaction wrote (see the module's docstring)."""
     signer = sealer.signer
     pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
+    keys = list(dict.fromkeys(dirty))
+    rows = _rows(db, keys)
     # delegation -> record -> (content, the row as this transaction found it); last wins
     records: dict[str, dict[str, tuple[str, str]]] = {}
-    for table, pk in dict.fromkeys(dirty):
-        row = _row(db, table, pk)
+    for table, pk in keys:
+        row = rows.get((table, pk))
         if row is None:  # written and removed again in this transaction
             continue
         owner = chain.owner_of(table, row)
@@ -79,17 +117,24 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
         if owner is not None:
             records.setdefault(owner, {})[chain.record(table, pk)] = (
                 chain.content_hash(row), pre.get((table, pk), ""))
-    moved: list[tuple[str, int, str, bool]] = []
-    for delegation_id in sorted(records):
-        found_head = db.execute(_HEAD + " /*XLOCK h*/", (delegation_id,)).fetchone()
-        if found_head is None:
+    ids = sorted(records)
+    heads: dict[str, chain.Head] = {}
+    for part in _chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
+        for found_head in db.execute(
+                "SELECT length, hash, legacy, path, seal, signer, signature, delegation_id "
+                f"FROM chain_heads h WHERE delegation_id IN ({', '.join('?' * len(part))}) "
+                "ORDER BY delegation_id /*XLOCK h*/", tuple(part)).fetchall():
+            heads[str(found_head[7])] = _head(found_head)
+    plan: list[tuple[Any, ...]] = []
+    ends: dict[str, tuple[int, str, bool]] = {}
+    for delegation_id in ids:
+        head = heads.get(delegation_id)
+        if head is None:
             # A delegation this transaction created (nobody else can see it yet); or one
             # whose head was deleted by hand, whose entries then refuse the appends below.
             db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
                        "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
             head = chain.Head(0, "", False, None, None)
-        else:
-            head = _head(found_head)
         if not sealer.trusts(db, delegation_id, head):
             # Its head was rewritten by hand: sealing over it would make that the writer's
             # own. Leave it as it is, for ``tether verify`` to name.
@@ -98,12 +143,15 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
         for rec, (content, found) in records[delegation_id].items():
             length += 1
             tip = chain.entry_hash(tip, delegation_id, length, rec, content, found)
-            if db.execute("INSERT INTO chain (delegation_id, seq, record, content, pre, hash) "
-                          "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                          (delegation_id, length, rec, content, found, tip)).rowcount != 1:
-                break  # entries beyond the head: it was rolled back by hand; leave it so
-        else:
-            moved.append((delegation_id, length, tip, head.legacy))
+            plan.append((delegation_id, length, rec, content, found, tip))
+        ends[delegation_id] = (length, tip, head.legacy)
+    if plan and not _entries(db, plan):
+        # Entries beyond some head: rolled back by hand. Append chain by chain, leaving any
+        # such chain as it is.
+        for delegation_id in list(ends):
+            if not _entries(db, [e for e in plan if e[0] == delegation_id]):
+                del ends[delegation_id]
+    moved = [(d, *ends[d]) for d in ids if d in ends]
     if not moved:
         return
     if signer is None:
