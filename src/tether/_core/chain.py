@@ -244,10 +244,12 @@ def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
             "since the chain was introduced has one)")))
         verdict.unchained = sorted(rows)
         return verdict
-    prev, latest = "", dict[str, str]()
+    prev, latest, broken = "", dict[str, str](), False
     for n, entry in enumerate(sorted(entries, key=lambda e: e.seq), start=1):
-        if entry.seq != n or entry_hash(prev, delegation_id, entry.seq, entry.record,
-                                        entry.content, entry.found) != entry.hash:
+        if not broken and (entry.seq != n or entry_hash(
+                prev, delegation_id, entry.seq, entry.record, entry.content,
+                entry.found) != entry.hash):
+            broken = True  # every later entry then fails too: the first break is named
             verdict.problems.append(Problem("chain", (
                 f"chain entry {entry.seq} does not follow entry {n - 1} (entries were "
                 "deleted, inserted or edited)")))
