@@ -66,6 +66,25 @@ async def scene(url: str) -> Scene:
     return Scene(child.id, done.id, stuck.id, control.id)
 
 
+async def before_the_chain(j: Journal, root: tether.KeyRing) -> None:
+    """Turn a journal back into one that schema 5 wrote (no chain tables; a root registry
+    entry without the "chained" mark, signed by ``root``): opened again, it is upgraded, and
+    its delegations' records are unchained, as an old journal's are."""
+    from tether._core.documents import KeyGrant, decode
+
+    await raw(j, "DROP TABLE chain")
+    await raw(j, "DROP TABLE chain_heads")
+    await raw(j, "UPDATE tether_meta SET value = '5' WHERE key = 'schema_version'")
+    body = await j._read(lambda db: db.execute(
+        "SELECT body FROM trust WHERE op = 'root'").fetchone()[0])
+    grant = decode(bytes(body))
+    assert isinstance(grant, KeyGrant) and grant.extra == {"chained": True}
+    signed = root.signer.sign(KeyGrant(grant.op, grant.key_id, grant.public, grant.label,
+                                       grant.issued_at))
+    await raw(j, "UPDATE trust SET body = ?, signature = ? WHERE op = 'root'",
+              signed.body, signed.signature)
+
+
 Attack = Callable[[Journal, Scene], Awaitable[str]]  # does it; returns the record to be named
 
 
@@ -339,10 +358,8 @@ async def test_a_journal_from_before_the_chain_opens_and_its_records_are_unchain
     """A journal at schema 5 (no chain) opens; its delegations' records are listed as
     unchained, not failures; delegations written after the upgrade are chained."""
     old = await scene(journal_url)
-    async with Journal(journal_url) as j:  # back to schema 5: the chain's tables gone
-        await raw(j, "DROP TABLE chain")
-        await raw(j, "DROP TABLE chain_heads")
-        await raw(j, "UPDATE tether_meta SET value = '5' WHERE key = 'schema_version'")
+    async with Journal(journal_url) as j:
+        await before_the_chain(j, tether.KeyRing.load(j.keys_dir))
     new = await scene(journal_url)  # opening migrates to 6
     code, data = await verify_json(journal_url)
     assert (code, data["problems"]) == (0, []), data
@@ -351,6 +368,24 @@ async def test_a_journal_from_before_the_chain_opens_and_its_records_are_unchain
         await flip(j, new)
     code, data = await verify_json(journal_url)
     assert code == 1 and {p["delegation"] for p in data["problems"]} == {new.delegation}
+
+
+async def test_a_chained_journals_delegation_cannot_be_passed_off_as_unchained(
+        journal_url: str) -> None:
+    """Covering tracks by downgrade: the chain's entries deleted and its head replaced by an
+    unsealed one marked legacy, as the upgrade makes for delegations older than the chain. In
+    a journal chained from the start (its signed root entry says so) that is named."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await flip(j, s)
+        await raw(j, "DELETE FROM chain WHERE delegation_id = ?", s.delegation)
+        await raw(j, "UPDATE chain_heads SET length = 0, hash = '', legacy = 1, path = NULL, "
+                  "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
+                  s.delegation)
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    assert any(p["delegation"] == s.delegation and "chained from the start" in p["problem"]
+               for p in data["problems"]), data
 
 
 async def test_pruned_delegations_take_their_chain_along(journal_url: str) -> None:

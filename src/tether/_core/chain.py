@@ -201,6 +201,9 @@ def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | No
     """Why ``head`` is not sealed by a key ``registry`` trusts (None: it is). A writer checks
     this before it extends a chain another process sealed: sealing over a head rewritten by
     hand would make that rewrite its own."""
+    if head.legacy and registry.chained:
+        return ("the chain's head is marked as older than the chain, in a journal whose root "
+                "entry says every delegation was chained from the start (marked by hand)")
     if head.seal is None or head.path is None:
         if head.legacy and head.length == 0:
             return None

@@ -51,6 +51,7 @@ class Registry:
     revoked: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()  # registry entries that were ignored, and why
     anchor: str | None = None  # the digest of the root entry: which journal's registry
+    chained: bool = False  # its signed root entry says no delegation predates the chain
     mark: RegistryMark | None = None  # what a configuration remembers of it (registrymark)
 
     def explain(self, key_id: str) -> str:
@@ -110,6 +111,7 @@ def _replay(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]],
     problems: list[str] = []
     root: str | None = None
     anchor: str | None = None
+    chained = False
     for entry_id, signed in entries:
         try:
             grant = decode(signed.body)
@@ -132,6 +134,7 @@ def _replay(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]],
                 continue
             root = grant.key_id
             anchor = _digest([(entry_id, signed)])
+            chained = grant.extra.get("chained") is True
             if root in pins:
                 trusted[root], labels[root] = key, grant.label
             continue
@@ -158,7 +161,7 @@ def _replay(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]],
         except ControlRefused as exc:
             problems.append(f"registry entry {entry_id} ({grant.op} {grant.key_id}): {exc}")
     return Registry(TrustedKeys(trusted.values()), root, tuple(pins.ids()), labels,
-                    frozenset(revoked), tuple(problems), anchor,
+                    frozenset(revoked), tuple(problems), anchor, chained,
                     RegistryMark(len(entries), _digest(entries), tuple(sorted(revoked))))
 
 

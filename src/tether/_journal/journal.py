@@ -296,8 +296,7 @@ class Journal:
 
     async def genesis(self, signer: SigningKey, now: float) -> None:
         """Record ``signer`` as the journal's root key if none is recorded yet."""
-        grant = KeyGrant("root", signer.key_id, signer.public_b64(), signer.label, now)
-        await self._write(trustops.genesis, signer.sign(grant), grant, now)
+        await self._write(trustops.genesis, signer, now)
 
     async def change_trust(self, signer: SigningKey, pins: TrustedKeys, op: str, key_id: str,
                            public: str, label: str, now: float) -> Registry:

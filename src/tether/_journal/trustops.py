@@ -6,7 +6,7 @@ from typing import Any
 
 from tether._core.documents import KeyGrant
 from tether._core.errors import UserError
-from tether._core.signing import Signed, TrustedKeys
+from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry, effective
 from tether._journal.tables import Db, event, signed_of
 
@@ -55,9 +55,16 @@ def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str =
     return int(cur.rowcount)
 
 
-def genesis(db: Db, signed: Signed, grant: KeyGrant, now: float) -> None:
-    """Record the journal's root key, unless one is recorded already (first writer wins)."""
-    if _insert(db, grant, signed, now, " ON CONFLICT DO NOTHING") == 1:
+def genesis(db: Db, signer: SigningKey, now: float) -> None:
+    """Record the journal's root key, unless one is recorded already (first writer wins).
+    A journal with no delegation older than its chain says so in its signed root entry
+    (``chained``): a chain head marked legacy is then never believed (``_core.chain``)."""
+    if db.execute("SELECT 1 FROM trust WHERE op = 'root'").fetchone() is not None:
+        return
+    legacy = db.execute("SELECT 1 FROM chain_heads WHERE legacy = 1 LIMIT 1").fetchone()
+    grant = KeyGrant("root", signer.key_id, signer.public_b64(), signer.label, now,
+                     extra={} if legacy else {"chained": True})
+    if _insert(db, grant, signer.sign(grant), now, " ON CONFLICT DO NOTHING") == 1:
         event(db, now, "key_root", None, None, key=grant.key_id, label=grant.label)
 
 
