@@ -223,6 +223,10 @@ class Journal:
     async def subtree(self, root_id: str) -> list[DelegationRow]:
         return await self._read(ops.subtree, root_id)
 
+    async def kin(self, ids: list[str]) -> list[str]:
+        """``ops.kin``: the delegations whose records a new attempt or epoch of these replays."""
+        return await self._read(ops.kin, ids)
+
     async def set_state(self, delegation_id: str, state: DelegationState, now: float,
                         result: Any = None, error: str | None = None,
                         failure: str | None = None) -> DelegationRow:

@@ -124,6 +124,33 @@ def subtree(db: Db, root_id: str) -> list[DelegationRow]:
     return found
 
 
+def kin(db: Db, ids: Iterable[str]) -> list[str]:
+    """``ids``, their subtrees, and every delegation (with its subtree) that shares a task id
+    with any of them: the records whose idempotency keys (``task:tool:n``) a new attempt or
+    epoch of these tasks replays, or reuses when they read as not applied. Those of an earlier
+    epoch are not in the re-delegated one's subtree (a replay adds no row), so checking that
+    subtree alone would believe a first epoch's COMPLETED refund flipped to NOT_APPLIED."""
+    found: dict[str, None] = dict.fromkeys(ids)
+    tasks: set[str] = set()
+    todo = list(found)
+    while todo:
+        for start in todo:
+            for r in db.execute(f"{SUBTREE} SELECT d.id, d.task_id FROM delegations d "
+                                "JOIN sub ON sub.id = d.id", (start,)).fetchall():
+                found.setdefault(str(r[0]))
+                tasks.add(str(r[1]))
+        more = [str(r[0]) for part in _chunked(sorted(tasks)) for r in db.execute(
+            f"SELECT id FROM delegations WHERE task_id IN ({', '.join('?' * len(part))})",
+            tuple(part)).fetchall()]
+        todo = [d for d in dict.fromkeys(more) if d not in found]
+        found.update(dict.fromkeys(todo))
+    return list(found)
+
+
+def _chunked(items: list[str], size: int = 500) -> list[list[str]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), a
     re-dispatch of a failed attempt, or a child under a parent that is neither fenced nor stale

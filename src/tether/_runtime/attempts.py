@@ -88,9 +88,10 @@ async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
     ending, _ = ending_of(value)
     await sup.journal.flush()
     surface, agents, known = surface_facts(rt)
-    subtree = [r.id for r in await sup.journal.subtree(rt.id)]
+    # The next attempt replays by key what every attempt and epoch of the task recorded.
+    kin = await sup.journal.kin([rt.id])
     tampered = tuple(f"{v.delegation_id}: {p.record}" for v in await sup.journal.chain_verdicts(
-        subtree, sup.keys.trusted) for p in v.problems)
+        kin, sup.keys.trusted) for p in v.problems)
     facts = AttemptFacts(
         ending=ending,
         partial_usable=isinstance(value, Partial),

@@ -322,7 +322,8 @@ class Worker:
         # A genuine order on a row put back by hand (a recall undone: its control row
         # deleted, the fence lifted) is run only if the delegation's records verify.
         try:
-            await sup.journal.untampered([row.id], sup.keys.trusted, f"run {row.id}")
+            await sup.journal.untampered(await sup.journal.kin([row.id]), sup.keys.trusted,
+                                         f"run {row.id}")
         except Tampered as exc:
             raise WorkRefused(str(exc)) from None
 
