@@ -3,13 +3,17 @@ to the journal and no trusted key, and a misconfigured operator. Both backends."
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
+from typing import Any
 
 import pytest
 
 import tether
 from tests.test_chain import PAY, refund
 from tests.test_trust import raw
+from tether._journal.journal import Journal
 
 
 async def test_redelegation_refuses_when_an_earlier_epoch_holding_the_key_was_tampered(
@@ -37,3 +41,68 @@ async def test_redelegation_refuses_when_an_earlier_epoch_holding_the_key_was_ta
             await second.redelegate()
         assert f"action {done.id}" in str(refused.value)
     assert PAY.refund_count(order) == 1
+
+
+async def test_a_chain_read_while_its_writer_commits_is_no_false_alarm(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader (`tether verify`, `show`, a worker's check) reads a delegation's head, then its
+    entries and rows, in several statements. Its owner commits between them: on PostgreSQL at
+    READ COMMITTED each statement sees the newer commit, and entries beyond the head read
+    first, or rows newer than the entries, were named as tampering (consumers then refuse a
+    delegation nobody touched)."""
+    from tether._journal import chainops
+
+    order = f"V-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=1)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        assert await h.result() == "ok"
+    loop = asyncio.get_running_loop()
+    async with Journal(journal_url) as reader, Journal(journal_url) as writer:
+        keys = tether.KeyRing.load(reader.keys_dir)
+        writer.seal_with(keys.signer, keys.trusted)
+        fired: list[int] = []
+
+        async def commit(n: int) -> None:
+            writer.event(time.time(), "note", h.id, None, n=n)
+            await writer.flush()
+
+        real = chainops.read
+
+        def racing(db: Any, delegation_id: str) -> Any:
+            class Between:
+                """Runs the reader's statements; the owner commits once after the first."""
+
+                def execute(self, statement: str, params: Any = ()) -> Any:
+                    cur = db.execute(statement, params)
+                    if not fired:
+                        fired.append(1)
+                        rows = cur.fetchall()
+                        asyncio.run_coroutine_threadsafe(commit(1), loop).result(30)
+                        return _Rows(rows)
+                    return cur
+
+            return real(Between(), delegation_id)
+
+        monkeypatch.setattr(chainops, "read", racing)
+        (verdict,) = await reader.chain_verdicts([h.id], keys.trusted)
+        assert fired
+        assert verdict.ok, verdict.problems
+        monkeypatch.setattr(chainops, "read", real)
+        (after,) = await reader.chain_verdicts([h.id], keys.trusted)
+        assert after.ok, after.problems
+
+
+class _Rows:
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+    def fetchone(self) -> Any:
+        return self.rows[0] if self.rows else None
+
+    def fetchall(self) -> list[Any]:
+        return self.rows

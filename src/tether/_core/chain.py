@@ -67,7 +67,7 @@ def owner_of(table: str, row: Sequence[Any]) -> str | None:
     return None if value is None else str(value)
 
 
-def _plain(value: object) -> object:
+def plain(value: object) -> object:
     """A column's value, the same however the driver hands it over (bytes or a buffer)."""
     if isinstance(value, bytearray | memoryview):
         return bytes(value)
@@ -86,7 +86,7 @@ def _hash(*parts: object) -> str:
 
 
 def content_hash(row: Sequence[Any]) -> str:
-    return _hash("row", *[v if type(v) in _KEEP else _plain(v) for v in row])
+    return _hash("row", *[v if type(v) in _KEEP else plain(v) for v in row])
 
 
 def entry_hash(prev: str, delegation_id: str, seq: int, rec: str, content: str,

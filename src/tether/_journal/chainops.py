@@ -181,11 +181,35 @@ def _head(found: Any) -> chain.Head:
                       None if found[3] is None else str(found[3]), seal)
 
 
+_SETTLE = 20  # reads of a delegation its writers keep moving, before its head is locked
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (None if a is None else tuple(map(chain.plain, a))) == (
+        None if b is None else tuple(map(chain.plain, b)))
+
+
 def read(db: Db, delegation_id: str
          ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
     """One delegation's head, entries, and the hash of every row that is its record now or
-    that its chain names."""
-    found = db.execute(_HEAD, (delegation_id,)).fetchone()
+    that its chain names: as of one moment. On PostgreSQL a read runs at READ COMMITTED (or
+    inside a write batch), where each statement sees what committed before it: a writer that
+    commits between the head and the rows would read as entries beyond the head or rows
+    newer than their entries, a false alarm. Every commit that writes a record moves its
+    head, so the head is read again after the rest: unchanged, the rest is of its moment;
+    moved, the read is done again, and at last under a share lock on the head (which a writer
+    takes exclusively before it commits). SQLite's read transaction is a snapshot already."""
+    for attempt in range(_SETTLE + 1):
+        lock = " /*LOCK h*/" if attempt == _SETTLE else ""
+        found = db.execute(_HEAD + lock, (delegation_id,)).fetchone()
+        got = _read_at(db, delegation_id, found)
+        if lock or _same(found, db.execute(_HEAD, (delegation_id,)).fetchone()):
+            return got
+    raise AssertionError("unreachable")
+
+
+def _read_at(db: Db, delegation_id: str, found: Any
+             ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
     entries = [chain.Entry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
                for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
                                    "WHERE delegation_id = ? ORDER BY seq",
