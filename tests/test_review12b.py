@@ -4,15 +4,18 @@ to the journal and no trusted key, and a misconfigured operator. Both backends."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tether
 from tests.test_chain import PAY, refund
-from tests.test_trust import raw
+from tests.test_cli import tether_cli
+from tests.test_trust import one_error_line, raw
 from tether._journal.journal import Journal
 
 
@@ -106,3 +109,40 @@ class _Rows:
 
     def fetchall(self) -> list[Any]:
         return self.rows
+
+
+GARBAGE = {
+    "head_length_text": "UPDATE chain_heads SET length = 'abc' WHERE delegation_id = ?",
+    "head_path_nested": "UPDATE chain_heads SET path = '" + "[" * 5000 + "]" * 5000
+                        + "' WHERE delegation_id = ?",
+    "entry_seq_text": "UPDATE chain SET seq = 'x' WHERE seq = 1 AND delegation_id = ?",
+    "entry_record_huge": "UPDATE chain SET record = 'event 99999999999999999999999' "
+                         "WHERE seq = 1 AND delegation_id = ?",
+}
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+async def test_garbage_in_the_chain_is_named_not_a_traceback(tmp_path: Path,
+                                                             garbage: str) -> None:
+    """SQLite columns take any type (PostgreSQL's are typed: this cannot be written there):
+    a chain head or entry written by hand as text, a path nested thousands deep, a record
+    naming a row id no integer column holds, crashed `verify`, `show` and `reconcile` with
+    a traceback. Each is a named problem (verify exits 1) and a refusal (one error line)."""
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    order = f"G-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=1)
+        return "ok"
+
+    async with tether.Supervisor(url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        assert await h.result() == "ok"
+        await raw(sup.journal, GARBAGE[garbage], h.id)
+    code, out, err = await tether_cli("verify", "--journal", url, "--json")
+    assert code == 1, out + err
+    assert h.id in {p["delegation"] for p in json.loads(out)["problems"]}, out
+    code, out, err = await tether_cli("show", h.id, "--journal", url)
+    assert code == 0 and "TAMPERED" in out, out + err
+    code, out, err = await tether_cli("reconcile", h.id, "--journal", url)
+    assert code == 2 and "fail verification" in one_error_line(err), out + err

@@ -135,15 +135,20 @@ def encode_path(path: list[list[str]]) -> str:
     return json.dumps(path, separators=(",", ":"))
 
 
+_PATH_MAX = 64  # levels: 2**64 heads in one seal
+
+
 def _decode_path(text: str) -> list[list[str]]:
     try:
+        if len(text) > _PATH_MAX * 80:  # before parsing: no deep nesting, no huge text
+            raise ValueError
         path = json.loads(text)
         if not isinstance(path, list) or not all(
                 isinstance(p, list) and len(p) == 2 and p[0] in ("L", "R")
                 and isinstance(p[1], str) and len(p[1]) == 64 and bytes.fromhex(p[1])
                 for p in path):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         raise Malformed("the head's path to its seal is not a list of hashes") from None
     return path
 
@@ -158,6 +163,7 @@ class Head:
     legacy: bool
     path: str | None
     seal: Signed | None
+    problem: str | None = None  # its row, or one of its entries' rows, is malformed
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,8 @@ def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | No
     """Why ``head`` is not sealed by a key ``registry`` trusts (None: it is). A writer checks
     this before it extends a chain another process sealed: sealing over a head rewritten by
     hand would make that rewrite its own."""
+    if head.problem is not None:
+        return head.problem
     if head.legacy and registry.chained:
         return ("the chain's head is marked as older than the chain, in a journal whose root "
                 "entry says every delegation was chained from the start (marked by hand)")
@@ -224,6 +232,9 @@ def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | No
 def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
                 registry: Registry) -> None:
     d = verdict.delegation_id
+    if head.problem is not None:
+        verdict.problems.append(Problem("chain", head.problem))
+        return
     if (head.length, head.hash) != (length, tip):
         verdict.problems.append(Problem("chain", (
             f"the chain holds {length} entries ending in {tip[:12] or '(none)'} but its head "

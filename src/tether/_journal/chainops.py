@@ -10,6 +10,7 @@ once. ``read`` gathers what ``chain.judge`` needs for one delegation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,8 @@ class Sealer:
         """Whether to extend ``head``: sealed by this process, or by a key the registry (as
         this process's pins root it) trusts. A chain whose head fails is left as it is, for
         ``tether verify`` to name, never sealed over."""
+        if head.problem is not None:
+            return False
         if head.length == 0 and not head.legacy and head.seal is None:
             return True  # a new delegation's head, made in this transaction
         if self.own.get(delegation_id) == (head.length, head.hash):
@@ -171,6 +174,12 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
 
 
 def _head(found: Any) -> chain.Head:
+    if not (type(found[0]) is int and isinstance(found[1], str)
+            and type(found[2]) is int and (found[3] is None or isinstance(found[3], str))
+            and (found[5] is None or isinstance(found[5], str))):
+        # SQLite columns take any type: written by hand. Named, never a crash.
+        return chain.Head(0, "", False, None, None, problem=(
+            "the chain's head row is malformed (a column of the wrong type: written by hand)"))
     seal = None
     if found[4] is not None and found[5] is not None and found[6] is not None:
         try:
@@ -210,10 +219,13 @@ def read(db: Db, delegation_id: str
 
 def _read_at(db: Db, delegation_id: str, found: Any
              ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
-    entries = [chain.Entry(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
-               for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
-                                   "WHERE delegation_id = ? ORDER BY seq",
-                                   (delegation_id,)).fetchall()]
+    entries, bad = [], None
+    for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
+                        "WHERE delegation_id = ? ORDER BY seq", (delegation_id,)).fetchall():
+        if type(r[0]) is int and all(isinstance(v, str) for v in r[1:]):
+            entries.append(chain.Entry(r[0], r[1], r[2], r[3], r[4]))
+        elif bad is None:
+            bad = f"chain entry {r[0]!r} is malformed (a column of the wrong type: written by hand)"
     rows: dict[str, str] = {}
     mine = {
         "delegations": "id = ?",
@@ -235,8 +247,15 @@ def _read_at(db: Db, delegation_id: str, found: Any
         named = chain.TABLE.get(kind)
         if named is None:
             continue
-        elsewhere = _row(db, named, int(pk) if named in ("controls", "documents", "events")
-                         and pk.isdigit() else pk)
+        if named in ("controls", "documents", "events"):
+            if not (pk.isascii() and pk.isdigit() and len(pk) < 19):
+                continue  # no such row can exist: it reads as deleted
+            elsewhere = _row(db, named, int(pk))
+        else:
+            elsewhere = _row(db, named, pk)
         if elsewhere is not None:
             rows[rec] = chain.content_hash(elsewhere)
-    return (None if found is None else _head(found)), entries, rows
+    head = None if found is None else _head(found)
+    if head is not None and bad is not None and head.problem is None:
+        head = dataclasses.replace(head, problem=bad)
+    return head, entries, rows
