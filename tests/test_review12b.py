@@ -146,3 +146,28 @@ async def test_garbage_in_the_chain_is_named_not_a_traceback(tmp_path: Path,
     assert code == 0 and "TAMPERED" in out, out + err
     code, out, err = await tether_cli("reconcile", h.id, "--journal", url)
     assert code == 2 and "fail verification" in one_error_line(err), out + err
+
+
+async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
+        journal_url: str) -> None:
+    """`tether verify` lists the delegations, then reads their chains: a `tether prune` that
+    commits in between takes whole trees with their chains (nothing of them is left). A
+    delegation gone entirely reads as pruned, not as "no chain head (deleted by hand)"."""
+    order = f"P-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=1)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        assert await h.result() == "ok"
+        listed = [d.id for d in await sup.journal.delegations()]  # verify's listing
+        await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
+    code, out, err = await tether_cli("prune", "--before", "0s", "--journal", journal_url,
+                                      "--json")
+    assert code == 0 and json.loads(out)["delegations"] == 1, out + err
+    async with Journal(journal_url) as j:
+        keys = tether.KeyRing.load(j.keys_dir)
+        (verdict,) = await j.chain_verdicts(listed, keys.trusted)
+    assert verdict.ok, verdict.problems

@@ -252,6 +252,8 @@ def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
     """Judge one delegation's records (``rows``: record to the hash of its row now, every
     row that belongs to the delegation and every row its chain names) against its chain."""
     verdict = ChainVerdict(delegation_id)
+    if head is None and not entries and not rows:
+        return verdict  # gone as a whole, chain and all: pruned since it was listed
     if head is None:
         verdict.problems.append(Problem("chain", (
             "the delegation has no chain head (deleted by hand; every delegation written "
