@@ -171,3 +171,34 @@ async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
         keys = tether.KeyRing.load(j.keys_dir)
         (verdict,) = await j.chain_verdicts(listed, keys.trusted)
     assert verdict.ok, verdict.problems
+
+
+async def test_a_forged_receipt_under_a_key_a_call_will_use_is_not_replayed(
+        journal_url: str) -> None:
+    """An intruder writes a COMPLETED action, with a result of its own, under the key a
+    coming call will use (an explicit key, or ``task:tool:n``): the journal replays the
+    earliest live use of a key, so the call returned the forged result, nothing was paid and
+    the agent believed it had been. A replay is believed only from records that verify."""
+    order = f"F-{uuid.uuid4().hex[:6]}"
+
+    async def first(ctx: tether.Context) -> str:
+        return str(await ctx.call(refund, order_id=order, cents=100))
+
+    async def victim(ctx: tether.Context) -> str:
+        return str(await ctx.call(refund, order_id=order, cents=100,
+                                  idempotency_key=f"again-{order}"))
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("first", first, (refund,)), tools=[refund])
+        await h.result()
+        (done,) = (await h.report()).actions
+        await raw(sup.journal, "INSERT INTO actions (id, delegation_id, ordinal, tool, effect, "
+                  "args, args_hash, idem_key, state, result, started_at) SELECT 'a_forged', "
+                  "delegation_id, 9, tool, effect, args, args_hash, ?, 'COMPLETED', "
+                  "'\"re_forged\"', started_at FROM actions WHERE id = ?",
+                  f"again-{order}", done.id)
+        v = await sup.delegate(tether.Agent("victim", victim, (refund,)), tools=[refund])
+        with pytest.raises(tether.DelegationError) as failed:
+            await v.result()
+        assert "fail verification" in str(failed.value), failed.value
+        assert "action a_forged" in str(failed.value), failed.value
