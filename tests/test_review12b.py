@@ -202,3 +202,38 @@ async def test_a_forged_receipt_under_a_key_a_call_will_use_is_not_replayed(
             await v.result()
         assert "fail verification" in str(failed.value), failed.value
         assert "action a_forged" in str(failed.value), failed.value
+
+
+async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole(
+        journal_url: str) -> None:
+    """The first epoch, which holds the COMPLETED refund, deleted with its chain: it reads as
+    pruned, yet `tether prune` only ever removes a task's epochs together. The second epoch's
+    signed row says epoch 1: a task whose epochs have a gap lost one by hand, and re-delegating
+    it would pay the refund again."""
+    order = f"W-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=100)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        first = await sup.delegate(tether.Agent("refunder", once, (refund,)), tools=[refund])
+        assert await first.result() == "ok"
+        second = await first.redelegate()
+        assert await second.result() == "ok"
+        for sql in ("DELETE FROM events WHERE delegation_id = ? OR (delegation_id IS NULL "
+                    "AND action_id IN (SELECT id FROM actions WHERE delegation_id = ?))",
+                    "DELETE FROM actions WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM controls WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM documents WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM chain WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
+            await raw(sup.journal, sql, first.id, first.id)
+        with pytest.raises(tether.JournalError, match="fail verification") as refused:
+            await second.redelegate()
+        assert "epoch 0" in str(refused.value)
+    assert PAY.refund_count(order) == 1
+    code, out, _ = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1 and {"delegation": f"task {second.task_id}", "record": "epoch 0"} in [
+        {k: p[k] for k in ("delegation", "record")} for p in json.loads(out)["problems"]], out

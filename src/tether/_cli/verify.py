@@ -135,6 +135,11 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
         if v.unchained:
             unchained.append({"delegation": v.delegation_id, "records": len(v.unchained)})
         chained += 1
+    for task, missing in (await j.epoch_gaps([d.id for d in rows])).items():
+        problems.extend({"delegation": f"task {task}", "record": f"epoch {n}",
+                         "problem": "the task's later epochs are here but no delegation at "
+                                    "this epoch (deleted as a whole by hand; a prune removes "
+                                    "a task's epochs together)"} for n in missing)
     return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
             "chains_checked": chained, "unchained": unchained,
             "problems": problems, "ok": not problems}

@@ -437,16 +437,23 @@ class Journal:
 
         return await self._read(op)
 
+    async def epoch_gaps(self, delegation_ids: list[str]) -> dict[str, list[int]]:
+        """``ops.epoch_gaps``: tasks of these delegations with an epoch deleted as a whole."""
+        return await self._read(ops.epoch_gaps, delegation_ids)
+
     async def untampered(self, delegation_ids: list[str], pins: TrustedKeys,
                          doing: str) -> None:
         """Tampered, naming every record that fails, if any of these delegations' records
         fail verification: what reconciliation and re-delegation check before acting."""
         bad = [v for v in await self.chain_verdicts(delegation_ids, pins) if not v.ok]
-        if not bad:
+        gaps = await self.epoch_gaps(delegation_ids)
+        if not bad and not gaps:
             return
         named = {v.delegation_id: [p.record for p in v.problems] for v in bad}
+        named.update({f"task {t}": [f"epoch {n} (deleted as a whole)" for n in missing]
+                      for t, missing in gaps.items()})
         shown = "; ".join(f"{d}: {', '.join(recs)}" for d, recs in named.items())
-        raise Tampered(f"refusing to {doing}: records of {len(bad)} delegation(s) fail "
+        raise Tampered(f"refusing to {doing}: records of {len(named)} delegation(s) fail "
                        f"verification against their signed chain ({shown}); run 'tether "
                        "verify' to see each, and decide by hand", named)
 

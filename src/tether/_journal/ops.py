@@ -147,6 +147,25 @@ def kin(db: Db, ids: Iterable[str]) -> list[str]:
     return list(found)
 
 
+def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
+    """The tasks of ``ids`` whose delegations skip an epoch, and the epochs missing. Every
+    epoch move inserts its delegation in the same transaction, and `tether prune` removes a
+    task's epochs together: a gap is an epoch deleted as a whole by hand, chain and all (the
+    one record that held a key's COMPLETED call, which would then be paid again)."""
+    tasks = sorted({str(r[0]) for part in _chunked(sorted(set(ids))) for r in db.execute(
+        f"SELECT task_id FROM delegations WHERE id IN ({', '.join('?' * len(part))})",
+        tuple(part)).fetchall()})
+    seen: dict[str, set[int]] = {}
+    for part in _chunked(tasks):
+        for task, epoch in db.execute(
+                "SELECT task_id, epoch FROM delegations WHERE task_id IN "
+                f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+            if type(epoch) is int and 0 <= epoch < 1 << 20:
+                seen.setdefault(str(task), set()).add(epoch)
+    return {t: sorted(set(range(max(e) + 1)) - e) for t, e in seen.items()
+            if len(e) != max(e) + 1}
+
+
 def _chunked(items: list[str], size: int = 500) -> list[list[str]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
