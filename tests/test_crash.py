@@ -128,6 +128,7 @@ async def test_owner_dead_during_a_recall_is_settled_as_recalled(tmp_path: Path)
     url = f"sqlite:///{tmp_path / 'j.db'}"
     keys = tether.KeyRing.ephemeral()
     async with tether.Journal(url) as journal:
+        journal.seal_with(keys.signer, keys.trusted)  # the dead owner's key sealed its writes
         await journal.genesis(keys.signer, 0.0)
         await journal.register_owner(OwnerRow("o_gone", 0, "elsewhere", 0.0, 0.0))
         await journal.create_delegation(NewDelegation("d1", "t1", None, 1, "a", (), {},

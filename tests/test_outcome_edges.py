@@ -23,6 +23,7 @@ import pytest
 from psycopg import sql
 
 import tether
+from tests.test_chain import before_the_chain
 from tether._cli.app import _send
 from tether._core.model import ControlKind
 from tether.testing import VirtualClock
@@ -604,6 +605,8 @@ async def test_a_row_without_a_deadline_uses_its_tools_dispatch_deadline(
         with pytest.raises(tether.DelegationError):
             await within(child.result(), 5.0, "the child to fail")
         await sup.journal.flush()
+    async with tether.Journal(journal_url) as j:  # a journal from before the chain,
+        await before_the_chain(j, keys)  # whose rows are not chained,
     run_sql(journal_url, "UPDATE actions SET deadline_at = NULL")  # as schema v2 left it
     assert run_sql(journal_url, "SELECT deadline_at FROM actions") == [(None,)]
     vclock.advance(60.0)  # twice the default deadline, a minute into the tool's hour

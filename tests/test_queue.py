@@ -182,7 +182,10 @@ async def test_a_queued_task_outlives_the_process_that_queued_it(journal_url: st
 async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: Journal,
                                                                       journal_url: str) -> None:
     """What `tether reconcile` runs: a delegation claimed by a worker whose lease ended (at
-    t=15, long ago for the wall clock) is terminated and its pending action put in doubt."""
+    t=15, long ago for the wall clock) is terminated and its pending action put in doubt.
+    The worker's writes are sealed with its key, as a worker's are: reconciliation refuses a
+    delegation whose records nobody trusted sealed (docs/security.md, "The chain")."""
+    journal.seal_with(KEY, TRUSTED)
     await journal.create_delegation(queued("d1"))
     assert await journal.renew_lease("w1", 10.0, 5.0)
     assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1

@@ -10,6 +10,7 @@ import os
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,15 +86,15 @@ async def test_verify_accepts_a_trusted_operators_resolution(journal_url: str) -
     assert json.loads(out)["problems"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: a signed work order is valid for ever; a "
-                   "rolled-back journal replays it (see the review's report)")
 async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback(
         journal_url: str) -> None:
     """The orchestrator queues a payment and recalls it before any worker claims it: the
     report says nothing ran. A process with write access (no key) puts the rows back as they
     were before the recall (fenced 0, the controls row gone, the queue entry unclaimed): the
-    signed work order is genuine, so a worker claims it and pays. An action caused, and the
-    ghost action tether exists to prevent."""
+    signed work order is genuine, so a worker claimed it and paid. An action caused, and the
+    ghost action tether exists to prevent. Now the worker checks the delegation's chain: the
+    row differs from its sealed entry and the controls row is gone, so the work is refused.
+    (A rollback of the chain and its sealed head along with the rows is the next test.)"""
     order = f"R-{uuid.uuid4().hex[:6]}"
     deployment = tether.KeyRing.ephemeral()
     async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
@@ -103,6 +104,54 @@ async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback
         await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
         await raw(sup.journal, "UPDATE delegations SET state = 'RUNNING', fenced = 0, "
                   "control_seq = 0 WHERE id = ?", h.id)
+        await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
+                  "done_at = NULL WHERE delegation_id = ?", h.id)
+        async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
+            serving = asyncio.create_task(worker.run())
+            await ended(sup.journal, [h.id])
+            worker.stop()
+            await serving
+    assert PAY.refund_count(order) == 0
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a work order is valid for ever, and a "
+                   "rollback of the rows together with the delegation's chain and sealed head "
+                   "restores a genuine earlier state; nothing outside the journal remembers "
+                   "the later one (docs/security.md, 'Not yet')")
+async def test_queued_work_is_not_run_after_a_rollback_of_its_chain_too(
+        journal_url: str) -> None:
+    """The same rollback by an intruder who also saved the delegation's chain head before the
+    recall and restores it (deleting the later entries and events): every record and the
+    head's seal are genuine, as they were before the recall."""
+    from tether._core.chain import COLUMNS
+
+    order = f"R-{uuid.uuid4().hex[:6]}"
+    deployment = tether.KeyRing.ephemeral()
+    cols = COLUMNS["delegations"].split(", ")
+    async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
+        h = await sup.delegate(payer, order, 100, remote=True)
+        await sup.journal.flush()
+
+        def snapshot(db: Any) -> tuple[Any, Any, Any]:
+            run = db.execute
+            return (run(f"SELECT {COLUMNS['delegations']} FROM delegations WHERE id = ?",
+                        (h.id,)).fetchone(),
+                    run("SELECT length, hash, path, seal, signer, signature FROM chain_heads "
+                        "WHERE delegation_id = ?", (h.id,)).fetchone(),
+                    run("SELECT MAX(id) FROM events").fetchone()[0])
+
+        row, head, last_event = await sup.journal._read(snapshot)
+        report = await h.recall(1.0, "changed my mind")
+        assert report.outcome is tether.DelegationState.RECALLED
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
+        await raw(sup.journal, f"UPDATE delegations SET {', '.join(f'{c} = ?' for c in cols)} "
+                  "WHERE id = ?", *row, h.id)
+        await raw(sup.journal, "DELETE FROM chain WHERE delegation_id = ? AND seq > ?",
+                  h.id, head[0])
+        await raw(sup.journal, "UPDATE chain_heads SET length = ?, hash = ?, path = ?, "
+                  "seal = ?, signer = ?, signature = ? WHERE delegation_id = ?", *head, h.id)
+        await raw(sup.journal, "DELETE FROM events WHERE id > ? AND delegation_id = ?",
+                  last_event, h.id)
         await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
                   "done_at = NULL WHERE delegation_id = ?", h.id)
         async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
@@ -164,13 +213,12 @@ async def test_rows_of_the_wrong_type_are_named_not_a_traceback(tmp_path: Path) 
             assert code == 2 and "table documents" in one_error_line(err), (args, err)
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: nothing outside the journal remembers the "
-                   "registry's length, so deleting its last entries is undetectable (see "
-                   "docs/security.md, 'Not yet')")
 async def test_deleting_a_revocation_does_not_trust_the_key_again(
         journal_url: str, tmp_path: Path) -> None:
     """Deleting rows is meant to be denial of service (keys lose trust). Deleting a revocation
-    makes a key gain it: the leaked key is trusted again, and nothing lists a problem."""
+    made a key gain it: the leaked key was trusted again, and nothing listed a problem. Now a
+    configuration remembers the registry it read (``registry.json`` beside its keys): a
+    shorter one is named as rolled back, and a key it saw revoked stays revoked."""
     async with tether.Supervisor(journal_url) as sup:
         leaked = tether.KeyRing.init(tmp_path / "leaked")
         await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
@@ -179,7 +227,19 @@ async def test_deleting_a_revocation_does_not_trust_the_key_again(
                                        leaked.signer.key_id, "", "", 2.0)
         await raw(sup.journal, "DELETE FROM trust WHERE op = 'revoke'")
         reg = await sup.journal.registry(sup.keys.trusted)
-        assert leaked.signer.key_id not in reg.keys or reg.problems
+        assert leaked.signer.key_id not in reg.keys
+        assert any("rolled back" in p for p in reg.problems), reg.problems
+        # The leaked key's holder, under a configuration of its own that never read the
+        # revocation, gets a grant of its own into the journal: the deployment ignores it.
+        leaked.pin(sup.keys.signer.key_id, sup.keys.signer.public_b64())
+        third = tether.KeyRing.ephemeral().signer
+        await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust", third.key_id,
+                                       third.public_b64(), "", 3.0)
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert {leaked.signer.key_id, third.key_id}.isdisjoint(reg.keys.ids()), reg
+    # Another process of the same configuration (its key directory) remembers it too.
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1 and "rolled back" in out, out + err
 
 
 def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path: Path) -> None:
@@ -209,7 +269,9 @@ def test_keys_in_a_directory_another_user_owns_are_refused(
 
 
 @pytest.mark.xfail(strict=True, reason="not fixed: liveness is read from rows the intruder "
-                   "can write; a trusted process then signs the stop (see the report)")
+                   "can write (the owners table is not chained, and an older genuine "
+                   "heartbeat restored reads as dead); a trusted process then signs the stop "
+                   "(docs/security.md, 'Not yet')")
 async def test_an_owner_declared_dead_by_hand_is_not_terminated_by_a_trusted_recovery(
         journal_url: str, shop: Shop) -> None:
     """A confused deputy: the intruder deletes the live owner's row in `owners`. The next

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import tether
-from tests.conftest import Shop
+from tests.conftest import Shop, settled
 from tests.test_cli import tether_cli
 from tether._core.documents import KeyGrant
 from tether._core.trust import bound, effective
@@ -99,7 +99,9 @@ async def test_trusting_and_revoking_a_key_are_signed_journaled_operations(
     assert code == 0, err
     assert json.loads(out)["accepted"] is True
     open_gate(shop)
-    report = await child.report()
+    # The drain ends when the child's call has finished: wait for it (a report right after
+    # the gate opens may still read RECALLING on a loaded machine).
+    report = await settled(sup, child.id)
     assert report.outcome is tether.DelegationState.RECALLED
     code, out, err = await tether_cli("keys", "revoke", ring.signer.key_id, "--journal",
                                       journal_url, "--json")

@@ -116,7 +116,7 @@ def show(delegation_id: str, journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt
             ring = await asyncio.to_thread(_load_keys_or_none, key_dir(j, keys))
             # Verified against the journal's key registry as this configuration roots it.
             trusted = (await j.registry(ring.trusted)).keys if ring else None
-            return await collect(j, delegation_id, trusted)
+            return await collect(j, delegation_id, trusted, ring.trusted if ring else None)
 
     data = run(go())
     if as_json:
@@ -133,6 +133,7 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
                 grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
     async with Journal(journal_url, create=False) as j:
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
+        j.seal_with(ring.signer, ring.trusted)  # this process's writes are sealed with its key
         # A recall offers the next sequence as read now, so that the loser of two racing
         # recalls is told the current sequence (I4); a terminate takes the next one whatever
         # came before it (it cuts a recall's grace window short).

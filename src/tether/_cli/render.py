@@ -46,10 +46,16 @@ def delegation_table(rows: list[DelegationRow], now: float | None = None) -> Tab
     return table
 
 
-async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -> dict[str, Any]:
-    """Everything ``tether show`` prints, as JSON-ready data. Signatures are verified here."""
+async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None,
+                  pins: TrustedKeys | None = None) -> dict[str, Any]:
+    """Everything ``tether show`` prints, as JSON-ready data. Signatures are verified here,
+    and (given the configuration's ``pins``) every record against its delegation's chain."""
     rows = await journal.subtree(root_id)
     ids = [r.id for r in rows]
+    tampered = [] if pins is None else [
+        {"delegation": v.delegation_id, "record": p.record, "problem": p.problem}
+        for v in await journal.chain_verdicts(ids, pins) for p in v.problems]
+    marks = {t["record"]: t["problem"].split(":")[0] for t in tampered}
     actions = await journal.actions(ids)
     intents = []
     epochs = {r.id: r.epoch for r in rows}
@@ -73,12 +79,25 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None) -
     events = await journal.events(ids)
     return {
         "decisions": await journal.resolutions(ids),
-        "delegations": [r.to_json() for r in rows],
-        "actions": [a.to_json() for a in actions],
+        "delegations": [{**r.to_json(), **_mark(marks, f"delegation {r.id}")} for r in rows],
+        "actions": [{**a.to_json(), **_mark(marks, f"action {a.id}")} for a in actions],
         "intents": intents,
         "events": [{"at": e.at, "kind": e.kind, "delegation": e.delegation_id,
-                    "action": e.action_id, "detail": e.detail} for e in events],
+                    "action": e.action_id, "detail": e.detail,
+                    **_mark(marks, f"event {e.id}")} for e in events],
+        "chain": "not checked (no keys)" if pins is None else
+                 "ok" if not tampered else "TAMPERED",
+        "tampered": tampered,
     }
+
+
+def _mark(marks: dict[str, str], record: str) -> dict[str, str]:
+    """A record that fails its chain: ``{"tampered": "altered" | "inserted"}``."""
+    return {"tampered": marks[record]} if record in marks else {}
+
+
+def _flag(r: dict[str, Any]) -> str:
+    return f" [bold red]TAMPERED ({safe(r['tampered'])})[/bold red]" if "tampered" in r else ""
 
 
 def _body(body: bytes) -> dict[str, Any]:
@@ -114,7 +133,8 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
 
     def label(r: dict[str, Any]) -> str:
         return (f"{safe(r['id'])} {safe(r['agent'])} {styled(r['state'])} "
-                f"(created {when(r['created_at'])}, {age(r['created_at'], now)} ago)")
+                f"(created {when(r['created_at'])}, {age(r['created_at'], now)} ago)"
+                f"{_flag(r)}")
 
     tree = Tree(f"[bold]{label(root)}[/bold]")
     nodes = {root["id"]: tree}
@@ -133,7 +153,7 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
     table.add_column("started (UTC)", no_wrap=True)
     table.add_column("evidence", overflow="fold", min_width=16)
     for a in acts:
-        state = styled(a["state"]) + (" [yellow]late[/yellow]" if a["late"] else "")
+        state = styled(a["state"]) + (" [yellow]late[/yellow]" if a["late"] else "") + _flag(a)
         table.add_row(safe(a["id"]), safe(a["delegation"]), safe(a["tool"]), safe(a["effect"]),
                       safe(a["idempotency_key"]), state, when(a["started_at"]),
                       safe(brief(a["evidence"])))
@@ -170,8 +190,12 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
         detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items()
                            if v not in (None, "") and k != "at")
         table.add_row(when(e["at"]), safe(e["action"] or e["delegation"] or ""),
-                      safe(e["kind"]), safe(detail))
+                      safe(e["kind"]) + _flag(e), safe(detail))
     print_table(console, table)
+    for t in data.get("tampered", []):  # deleted records have no row above to mark
+        console.print(f"[bold red]TAMPERED[/bold red] {safe(t['delegation'])}: "
+                      f"{safe(t['record'])}: {safe(t['problem'])}", highlight=False,
+                      soft_wrap=True)
 
 
 def render_decisions(console: Console, decisions: list[dict[str, Any]]) -> None:

@@ -5,8 +5,11 @@ intent (signer trusted, body naming its row), every acknowledgement and receipt 
 body naming its delegation and sequence), every person's decision (signer trusted, body naming
 its delegation) and every queued delegation's work order (signer trusted, body matching the
 row); and that each fence or accepted sequence has the accepted intent that explains it.
-Action rows, results and events are not signed yet, so their alteration is not detected here,
-nor is a genuine record restored after it was superseded (docs/security.md, "Not yet").
+It also reads every delegation's chain (``_core.chain``): an action, a control row, a
+document, an event or the delegation's own row altered, inserted or deleted by hand is named,
+and so is a chain whose entries or sealed head were edited. Records older than the chain are
+listed as unchained. A genuine earlier state restored as a whole (rows, chain and head rolled
+back together) is not detected (docs/security.md, "Not yet").
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ async def _unexplained_fence(j: Journal, d: DelegationRow) -> bool:
 
 async def verify_journal(j: Journal, ring: KeyRing | None,
                          delegation_id: str | None) -> dict[str, Any]:
-    reg = await j.registry(ring.trusted if ring is not None else KeyRing.ephemeral().trusted)
+    pins = ring.trusted if ring is not None else KeyRing.ephemeral().trusted
+    reg = await j.registry(pins)
     problems: list[dict[str, Any]] = [
         {"delegation": None, "record": "key registry", "problem": p} for p in reg.problems]
     if reg.root is None or reg.root not in reg.pinned:
@@ -123,7 +127,21 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
                              "problem": f"{d.state.value}{' and fenced' if d.fenced else ''} "
                                         "with no accepted control intent on it or an "
                                         "ancestor (set by hand?)"})
+    unchained: list[dict[str, Any]] = []
+    chained = 0
+    for v in await j.chain_verdicts([d.id for d in rows], pins):
+        problems.extend({"delegation": v.delegation_id, "record": p.record,
+                         "problem": p.problem} for p in v.problems)
+        if v.unchained:
+            unchained.append({"delegation": v.delegation_id, "records": len(v.unchained)})
+        chained += 1
+    for task, missing in (await j.epoch_gaps([d.id for d in rows])).items():
+        problems.extend({"delegation": f"task {task}", "record": f"epoch {n}",
+                         "problem": "the task's later epochs are here but no delegation at "
+                                    "this epoch (deleted as a whole by hand; a prune removes "
+                                    "a task's epochs together)"} for n in missing)
     return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
+            "chains_checked": chained, "unchained": unchained,
             "problems": problems, "ok": not problems}
 
 
@@ -138,8 +156,9 @@ def register(app: typer.Typer, out: Console,
                keys: Annotated[Path | None, typer.Option("--keys", help="Key directory.")]
                = None,
                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
-        """Check every signed record (registry, intents, acknowledgements, queued work);
-        exit 1 naming each one that fails."""
+        """Check every signed record (registry, intents, acknowledgements, queued work) and
+        every delegation's chain (actions, results, events); exit 1 naming each record that
+        fails."""
 
         async def go() -> dict[str, Any]:
             async with Journal(journal, create=False) as j:
@@ -152,8 +171,12 @@ def register(app: typer.Typer, out: Console,
         if as_json:
             emit_json(data)
         else:
-            out.print(f"{data['records_checked']} signed records in {data['delegations']} "
-                      f"delegations checked; {len(data['problems'])} problem(s)")
+            out.print(f"{data['records_checked']} signed records and {data['chains_checked']} "
+                      f"chains in {data['delegations']} delegations checked; "
+                      f"{len(data['problems'])} problem(s)")
+            for u in data["unchained"]:
+                out.print(f"{u['delegation']}: {u['records']} record(s) written before the "
+                          "journal was chained (unchained, not checked)", highlight=False)
             for p in data["problems"]:
                 where = f"{p['delegation']}: " if p["delegation"] else ""
                 out.print(f"[red]{where}{p['record']}[/red]: {p['problem']}", highlight=False)

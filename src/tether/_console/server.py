@@ -96,7 +96,8 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
             # Verified against the journal's key registry as this configuration roots it, as
             # ``tether show`` does (a granted operator's key is not one of the pins).
             trusted = (await journal.registry(ring.trusted)).keys if ring else None
-            data = await collect(journal, request.path_params["id"], trusted)
+            data = await collect(journal, request.path_params["id"], trusted,
+                                 ring.trusted if ring else None)
         except TetherError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
         return JSONResponse(data)

@@ -286,8 +286,32 @@ class WorkOrder(Document):
                    issued_at=_float(body, "issued_at") or 0.0, version=version, extra=extra)
 
 
-AnyDocument = ControlIntent | Acknowledgement | NoEffectsReceipt | KeyGrant | WorkOrder
+@dataclass(frozen=True)
+class ChainSeal(Document):
+    """A writing process's signature over one commit's chain heads: the root of a Merkle tree
+    whose leaves are the heads that commit moved (``_core.chain``)."""
+
+    TYPE: ClassVar[str] = "seal"
+    KNOWN: ClassVar[tuple[str, ...]] = ("root", "heads", "sealed_at")
+
+    root: str
+    heads: int
+    sealed_at: float
+
+    def _fields(self) -> dict[str, Any]:
+        return {"root": self.root, "heads": self.heads, "sealed_at": self.sealed_at}
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> ChainSeal:
+        version, extra = _split(body, cls)
+        return cls(root=_str(body, "root"), heads=_int(body, "heads", minimum=1),
+                   sealed_at=_float(body, "sealed_at") or 0.0, version=version, extra=extra)
+
+
+AnyDocument = (ControlIntent | Acknowledgement | NoEffectsReceipt | KeyGrant | WorkOrder
+               | ChainSeal)
 DOCUMENT_TYPES: dict[str, type[AnyDocument]] = {
+    ChainSeal.TYPE: ChainSeal,
     ControlIntent.TYPE: ControlIntent,
     Acknowledgement.TYPE: Acknowledgement,
     NoEffectsReceipt.TYPE: NoEffectsReceipt,

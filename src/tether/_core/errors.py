@@ -152,6 +152,16 @@ class SchemaTooNew(JournalError):
         self.supported = supported
 
 
+class Tampered(JournalError):
+    """A delegation's records fail verification against its signed chain (altered, inserted
+    or deleted by hand): reconciliation and re-delegation refuse to act on them; a person
+    decides (``tether verify`` names each record)."""
+
+    def __init__(self, message: str, problems: dict[str, list[str]]) -> None:
+        super().__init__(message)
+        self.problems = problems  # delegation id -> the records that fail
+
+
 class LeaseLost(JournalError):
     """A worker's lease ran out before it could renew it (a long pause, a lost network): others
     may already have presumed it dead and reconciled its work, so it stops at once."""

@@ -79,6 +79,7 @@ class Code(StrEnum):
     CANCELLED_BEFORE_DELAY = "cancelled_before_delay"
     CANCELLED_DURING_DELAY = "cancelled_during_delay"
     CANCELLED_DURING_FORK = "cancelled_during_fork"
+    RECORDS_TAMPERED = "records_tampered"  # the journal's facts fail their chain
 
     @property
     def redispatch(self) -> bool:
@@ -129,6 +130,9 @@ class AttemptFacts:
     known_tools: frozenset[str]  # names that resolve to a declared tool
     generation_at_start: int  # the task's cancel generation when the attempt started
     generation_now: int
+    # Records of the attempt's subtree that fail verification against their chain: the
+    # journal's "no side effect" cannot be believed (an action row deleted by hand).
+    tampered: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,10 @@ def decide_redispatch(facts: AttemptFacts, policy: RedispatchPolicy) -> Redispat
                       Code.CANCELLED_BEFORE_DELAY)
     if moved is not None:
         return moved
+    if facts.tampered:
+        return RedispatchDecision(Code.RECORDS_TAMPERED, (
+            f"the journal's records fail verification ({', '.join(facts.tampered)}): its "
+            "count of side effects cannot be believed"))
     if facts.side_effects_started:
         return RedispatchDecision(Code.SIDE_EFFECT_STARTED,
                                   f"{facts.side_effects_started} side-effecting action(s)")

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.serialization import (
 
 from tether._core.documents import (
     Acknowledgement,
+    ChainSeal,
     ControlIntent,
     Document,
     KeyGrant,
@@ -28,8 +29,10 @@ from tether._core.documents import (
     decode,
 )
 from tether._core.errors import BadSignature, Malformed, UnknownKey
+from tether._core.registrymark import RegistryMemory
 
-D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder)
+D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder,
+            ChainSeal)
 
 
 def _raw_public(key: Ed25519PublicKey) -> bytes:
@@ -80,8 +83,12 @@ class TrustedKeys:
 
     _MEMO = 8192  # verified documents remembered; a recall re-checks the same ones often
 
-    def __init__(self, keys: Iterable[Ed25519PublicKey] = ()) -> None:
+    def __init__(self, keys: Iterable[Ed25519PublicKey] = (),
+                 memory: RegistryMemory | None = None) -> None:
         self._keys: dict[str, Ed25519PublicKey] = {key_id_of(k): k for k in keys}
+        # What this configuration has seen of journals' key registries (``registrymark``):
+        # pins carry it to every reading of a registry they root.
+        self.memory = memory
         # Signed -> decoded document. The key set is fixed at construction, so a document that
         # verified once verifies again: remembering it changes no answer.
         self._verified: OrderedDict[Signed, Document] = OrderedDict()

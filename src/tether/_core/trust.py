@@ -11,8 +11,9 @@ process that can write the journal but holds no trusted key cannot add one.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -28,6 +29,7 @@ from tether._core.errors import (
     WorkRefused,
 )
 from tether._core.model import ControlKind
+from tether._core.registrymark import RegistryMark, entries_digest
 from tether._core.signing import D, Signed, TrustedKeys
 
 
@@ -48,6 +50,9 @@ class Registry:
     labels: dict[str, str] = field(default_factory=dict)
     revoked: frozenset[str] = frozenset()
     problems: tuple[str, ...] = ()  # registry entries that were ignored, and why
+    anchor: str | None = None  # the digest of the root entry: which journal's registry
+    chained: bool = False  # its signed root entry says no delegation predates the chain
+    mark: RegistryMark | None = None  # what a configuration remembers of it (registrymark)
 
     def explain(self, key_id: str) -> str:
         """Why ``key_id`` is not trusted, in one sentence."""
@@ -74,13 +79,39 @@ class Registry:
         self.keys.verify_bytes(signed)
 
 
-def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Registry:
-    """Replay the registry ``entries`` (id order) from the root the configuration pins."""
+def _digest(entries: Sequence[tuple[int, Signed]]) -> str:
+    return entries_digest([(i, s.body, s.key_id, s.signature) for i, s in entries])
+
+
+def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]],
+              seen: Callable[[str], RegistryMark | None] | None = None) -> Registry:
+    """Replay the registry ``entries`` (id order) from the root the configuration pins.
+    ``seen``: what the configuration remembers of this journal's registry (by its anchor). A
+    registry that does not begin with the entries remembered was rolled back by hand: that is
+    named, and it is replayed again without the keys the configuration saw revoked (nor what
+    they signed), so that deleting a revocation never trusts a key again."""
+    found = _replay(pins, entries, frozenset())
+    known = None if found.anchor is None or seen is None else seen(found.anchor)
+    if known is None or (len(entries) >= known.length
+                         and _digest(entries[:known.length]) == known.digest):
+        return found
+    again = _replay(pins, entries, frozenset(known.revoked) - {found.root})
+    return dataclasses.replace(again, mark=None, problems=(
+        f"the key registry was rolled back: this configuration read {known.length} entries "
+        f"of it before, and the journal now holds {len(entries)} that do not begin with "
+        "those (entries deleted or rewritten by hand); keys it saw revoked stay revoked",
+        *again.problems))
+
+
+def _replay(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]],
+            banned: frozenset[str]) -> Registry:
     trusted: dict[str, Ed25519PublicKey] = {}
     labels: dict[str, str] = {}
-    revoked: set[str] = set()
+    revoked: set[str] = set(banned)
     problems: list[str] = []
     root: str | None = None
+    anchor: str | None = None
+    chained = False
     for entry_id, signed in entries:
         try:
             grant = decode(signed.body)
@@ -102,6 +133,8 @@ def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Regis
                 problems.append(f"registry entry {entry_id} (root): {exc}")
                 continue
             root = grant.key_id
+            anchor = _digest([(entry_id, signed)])
+            chained = grant.extra.get("chained") is True
             if root in pins:
                 trusted[root], labels[root] = key, grant.label
             continue
@@ -128,7 +161,8 @@ def effective(pins: TrustedKeys, entries: Sequence[tuple[int, Signed]]) -> Regis
         except ControlRefused as exc:
             problems.append(f"registry entry {entry_id} ({grant.op} {grant.key_id}): {exc}")
     return Registry(TrustedKeys(trusted.values()), root, tuple(pins.ids()), labels,
-                    frozenset(revoked), tuple(problems))
+                    frozenset(revoked), tuple(problems), anchor, chained,
+                    RegistryMark(len(entries), _digest(entries), tuple(sorted(revoked))))
 
 
 def bound(intent: ControlIntent, delegation_id: str, seq: int, kind: ControlKind,

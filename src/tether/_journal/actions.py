@@ -31,9 +31,11 @@ from tether._journal.tables import (
     SUBTREE,
     Db,
     _action,
+    before,
     event,
     get_delegation,
     set_state,
+    touch,
 )
 
 
@@ -87,6 +89,7 @@ def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
         (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
          new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
     )
+    touch(db, "actions", new.id)
     return BeginResult(Begin.STARTED, new.id)
 
 
@@ -95,6 +98,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
     """Record an outcome: an executor's receipt, or a probe's answer (with ``evidence``). A
     fence refuses new intents, never receipts: a receipt for an action already declared in
     doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
+    before(db, "actions", action_id)
     if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
         # The common case, a receipt for a PENDING action: one statement.
         cur = db.execute(
@@ -103,6 +107,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
             (outcome.value, None if result is None else dumps(result), error, now, action_id),
         )
         if cur.rowcount == 1:
+            touch(db, "actions", action_id)
             return outcome
     while True:
         # Locked (PostgreSQL) before it is judged: the check below for a new use of a freed
@@ -147,6 +152,7 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
              None if evidence is None else dumps(evidence), late, now, action_id, old.value),
         )
         if cur.rowcount == 1:
+            touch(db, "actions", action_id)
             break
         # Another process recorded an outcome between the read and this write (PostgreSQL):
         # judge this one again against it. An action's state moves a few times at most.
@@ -236,17 +242,22 @@ def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
     ).fetchall()
     ids = [r[0] for r in rows]
     for action_id in ids:
-        db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
-                   (action_id,))
+        before(db, "actions", action_id)
+        cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? "
+                         "AND state = 'PENDING'", (action_id,))
+        if cur.rowcount == 1:
+            touch(db, "actions", action_id)
         event(db, now, "in_doubt", None, action_id)
     return ids
 
 
 def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
     """One PENDING action declared in doubt (its executor is going away with it running)."""
+    before(db, "actions", action_id)
     cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
                      (action_id,))
     if cur.rowcount == 1:
+        touch(db, "actions", action_id)
         event(db, now, "in_doubt", None, action_id, why=why)
     return cur.rowcount == 1
 

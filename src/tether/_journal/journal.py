@@ -3,25 +3,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
+from tether._core.chain import ChainVerdict, judge
 from tether._core.documents import (
     Acknowledgement,
     ControlIntent,
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, UnknownKey, UserError
+from tether._core.errors import ControlRefused, Tampered, UnknownKey, UserError
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._core.verdict import JournalFacts
-from tether._journal import ops, queue, retention, triage, trustops
+from tether._journal import chainops, ops, queue, retention, triage, trustops
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -98,6 +101,7 @@ class Journal:
 
             runner = PostgresRunner(url, create=create)
             self._runner: ThreadRunner = runner
+            self._chain(runner)
             self._pg: PostgresRunner | None = runner
             self.path = Path(".tether") / "postgresql"
             self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
@@ -121,6 +125,23 @@ class Journal:
         self._pg = None
         self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
                                     busy_timeout=busy_timeout)
+        self._chain(self._runner)
+
+    def _chain(self, runner: ThreadRunner) -> None:
+        self._sealer = sealer = chainops.Sealer()
+        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, time.time())
+
+    @property
+    def signer(self) -> SigningKey | None:
+        """Whose key seals this process's writes (docs/security.md): the supervisor's, the
+        worker's or the CLI's. None: the chain is kept, unsealed, and `tether verify` says
+        so. Set with ``seal_with``."""
+        return self._sealer.signer
+
+    def seal_with(self, signer: SigningKey, pins: TrustedKeys) -> None:
+        """Seal this process's writes with ``signer``; extend another process's chain only if
+        its seal verifies against the registry as ``pins`` root it."""
+        self._sealer.signer, self._sealer.pins = signer, pins
 
     @property
     def reconnect_within(self) -> float:
@@ -212,6 +233,10 @@ class Journal:
     async def subtree(self, root_id: str) -> list[DelegationRow]:
         return await self._read(ops.subtree, root_id)
 
+    async def kin(self, ids: list[str]) -> list[str]:
+        """``ops.kin``: the delegations whose records a new attempt or epoch of these replays."""
+        return await self._read(ops.kin, ids)
+
     async def set_state(self, delegation_id: str, state: DelegationState, now: float,
                         result: Any = None, error: str | None = None,
                         failure: str | None = None) -> DelegationRow:
@@ -285,8 +310,7 @@ class Journal:
 
     async def genesis(self, signer: SigningKey, now: float) -> None:
         """Record ``signer`` as the journal's root key if none is recorded yet."""
-        grant = KeyGrant("root", signer.key_id, signer.public_b64(), signer.label, now)
-        await self._write(trustops.genesis, signer.sign(grant), grant, now)
+        await self._write(trustops.genesis, signer, now)
 
     async def change_trust(self, signer: SigningKey, pins: TrustedKeys, op: str, key_id: str,
                            public: str, label: str, now: float) -> Registry:
@@ -404,6 +428,44 @@ class Journal:
         from tether._journal.resolutions import resolutions
 
         return await self._read(resolutions, delegation_ids)
+
+    # -- the tamper-evident chain (``_core.chain``) -------------------------------------------
+    async def chain_verdicts(self, delegation_ids: list[str], pins: TrustedKeys
+                             ) -> list[ChainVerdict]:
+        """Each delegation's records judged against its sealed chain, the seals against the
+        journal's registry as ``pins`` root it; read in one transaction."""
+
+        own = self._sealer.signer
+
+        def op(db: Any) -> list[ChainVerdict]:
+            reg = trustops.registry(db, pins)
+            if own is not None and own.key_id not in reg.keys:
+                # A process believes its own seals (a worker whose key the registry does
+                # not trust yet): nobody else can make them. `tether verify` still names them.
+                reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
+            return [judge(d, *chainops.read(db, d), reg) for d in delegation_ids]
+
+        return await self._read(op)
+
+    async def epoch_gaps(self, delegation_ids: list[str]) -> dict[str, list[int]]:
+        """``ops.epoch_gaps``: tasks of these delegations with an epoch deleted as a whole."""
+        return await self._read(ops.epoch_gaps, delegation_ids)
+
+    async def untampered(self, delegation_ids: list[str], pins: TrustedKeys,
+                         doing: str) -> None:
+        """Tampered, naming every record that fails, if any of these delegations' records
+        fail verification: what reconciliation and re-delegation check before acting."""
+        bad = [v for v in await self.chain_verdicts(delegation_ids, pins) if not v.ok]
+        gaps = await self.epoch_gaps(delegation_ids)
+        if not bad and not gaps:
+            return
+        named = {v.delegation_id: [p.record for p in v.problems] for v in bad}
+        named.update({f"task {t}": [f"epoch {n} (deleted as a whole)" for n in missing]
+                      for t, missing in gaps.items()})
+        shown = "; ".join(f"{d}: {', '.join(recs)}" for d, recs in named.items())
+        raise Tampered(f"refusing to {doing}: records of {len(named)} delegation(s) fail "
+                       f"verification against their signed chain ({shown}); run 'tether "
+                       "verify' to see each, and decide by hand", named)
 
     # -- the operator's triage (``_journal.triage``) --------------------------------------------
     async def page(self, query: triage.DelegationQuery) -> list[DelegationRow]:

@@ -64,7 +64,9 @@ from tether._journal.tables import (
     _control,
     _decoded,
     _delegation,
+    before,
     signed_of,
+    touch,
 )
 from tether._journal.tables import event as event
 from tether._journal.tables import get_delegation as get_delegation
@@ -122,6 +124,52 @@ def subtree(db: Db, root_id: str) -> list[DelegationRow]:
     return found
 
 
+def kin(db: Db, ids: Iterable[str]) -> list[str]:
+    """``ids``, their subtrees, and every delegation (with its subtree) that shares a task id
+    with any of them: the records whose idempotency keys (``task:tool:n``) a new attempt or
+    epoch of these tasks replays, or reuses when they read as not applied. Those of an earlier
+    epoch are not in the re-delegated one's subtree (a replay adds no row), so checking that
+    subtree alone would believe a first epoch's COMPLETED refund flipped to NOT_APPLIED."""
+    found: dict[str, None] = dict.fromkeys(ids)
+    tasks: set[str] = set()
+    todo = list(found)
+    while todo:
+        for start in todo:
+            for r in db.execute(f"{SUBTREE} SELECT d.id, d.task_id FROM delegations d "
+                                "JOIN sub ON sub.id = d.id", (start,)).fetchall():
+                found.setdefault(str(r[0]))
+                tasks.add(str(r[1]))
+        more = [str(r[0]) for part in _chunked(sorted(tasks)) for r in db.execute(
+            f"SELECT id FROM delegations WHERE task_id IN ({', '.join('?' * len(part))})",
+            tuple(part)).fetchall()]
+        todo = [d for d in dict.fromkeys(more) if d not in found]
+        found.update(dict.fromkeys(todo))
+    return list(found)
+
+
+def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
+    """The tasks of ``ids`` whose delegations skip an epoch, and the epochs missing. Every
+    epoch move inserts its delegation in the same transaction, and `tether prune` removes a
+    task's epochs together: a gap is an epoch deleted as a whole by hand, chain and all (the
+    one record that held a key's COMPLETED call, which would then be paid again)."""
+    tasks = sorted({str(r[0]) for part in _chunked(sorted(set(ids))) for r in db.execute(
+        f"SELECT task_id FROM delegations WHERE id IN ({', '.join('?' * len(part))})",
+        tuple(part)).fetchall()})
+    seen: dict[str, set[int]] = {}
+    for part in _chunked(tasks):
+        for task, epoch in db.execute(
+                "SELECT task_id, epoch FROM delegations WHERE task_id IN "
+                f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+            if type(epoch) is int and 0 <= epoch < 1 << 20:
+                seen.setdefault(str(task), set()).add(epoch)
+    return {t: sorted(set(range(max(e) + 1)) - e) for t, e in seen.items()
+            if len(e) != max(e) + 1}
+
+
+def _chunked(items: list[str], size: int = 500) -> list[list[str]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), a
     re-dispatch of a failed attempt, or a child under a parent that is neither fenced nor stale
@@ -157,6 +205,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     values = _values(new, epoch)
     if new.parent_id is None:
         db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        touch(db, "delegations", new.id)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
@@ -168,6 +217,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
         )
         if cur.rowcount != 1:
             raise FenceRefused(Begin.FENCED)
+        touch(db, "delegations", new.id)
     if new.queued:
         db.execute("INSERT INTO queue (delegation_id, task_id, agent, enqueued_at) "
                    "VALUES (?, ?, ?, ?)", (new.id, new.task_id, new.agent, new.now))
@@ -217,6 +267,7 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
     )
     if cur.rowcount != 1:
         raise InvalidTransition(prior.id, prior.state.value, "re-dispatched")
+    touch(db, "delegations", new.id)
     event(db, new.now, "delegated", new.id, task=new.task_id, epoch=prior.epoch,
           attempt=new.attempt, parent=new.parent_id, agent=new.agent, retry_of=new.retry_of)
     return get_delegation(db, new.id)
@@ -293,6 +344,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
     The signature was verified by the caller against the journal's trusted keys."""
     target = intent.kind.target
+    before(db, "delegations", intent.delegation_id)
     while True:
         row = get_delegation(db, intent.delegation_id)
         if intent.seq != row.control_seq + 1:
@@ -311,6 +363,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
              row.state.value),
         )
         if cur.rowcount == 1:
+            touch(db, "delegations", intent.delegation_id)
             break
     # A re-dispatch in preparation must see this request (I6), in the whole subtree: a child
     # waiting out its settle delay under a recalled parent must not fork again.
@@ -319,12 +372,16 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
         (intent.delegation_id,))
     # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
-    db.execute(
+    for (below,) in db.execute(f"{SUBTREE} SELECT id FROM sub WHERE id <> ? ORDER BY id",
+                               (intent.delegation_id, intent.delegation_id)).fetchall():
+        before(db, "delegations", below)
+    for (fenced_id,) in db.execute(
         f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
         "WHEN state IN ('RUNNING', 'RECALLING') THEN ? ELSE state END "
-        "WHERE id IN (SELECT id FROM sub) AND id <> ?",
+        "WHERE id IN (SELECT id FROM sub) AND id <> ? RETURNING id",
         (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
-    )
+    ).fetchall():
+        touch(db, "delegations", fenced_id)
     squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
                           (intent.delegation_id, intent.seq)).fetchone()
     if squatter is not None:
@@ -334,12 +391,13 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                         f"delegation {intent.delegation_id}, whose accepted sequence is "
                         f"{row.control_seq}: that row was not written by an accepted intent "
                         "(forged or edited); remove it, then retry")
-    cur = db.execute(
+    inserted = db.execute(
         "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
-        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (intent.delegation_id, intent.seq, intent.kind.value, signed.body, signed.key_id,
          signed.signature, accepted_at, issuer),
-    )
+    ).fetchone()
+    touch(db, "controls", inserted[0])
     event(db, accepted_at, "control", intent.delegation_id, kind=intent.kind.value,
           seq=intent.seq, grace=intent.grace, reason=intent.reason, issuer=issuer)
     # Wakes the owner at once where the backend can (LISTEN/NOTIFY, delivered on commit);
@@ -373,11 +431,12 @@ def last_control_id(db: Db) -> int:
 
 def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Signed,
                     now: float) -> None:
-    db.execute(
+    inserted = db.execute(
         "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (delegation_id, seq, type_, signed.body, signed.key_id, signed.signature, now),
-    )
+    ).fetchone()
+    touch(db, "documents", inserted[0])
     event(db, now, type_, delegation_id, seq=seq)
 
 

@@ -16,8 +16,10 @@ from tether._journal.tables import (
     Db,
     _control,
     _delegation,
+    before,
     event,
     get_delegation,
+    touch,
 )
 
 
@@ -69,12 +71,14 @@ def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
     claimed = []
     for (delegation_id,) in rows:
         # Re-checked by the update itself: a recall that committed meanwhile wins.
+        before(db, "delegations", delegation_id)
         cur = db.execute(
             "UPDATE delegations SET owner_id = ?, updated_at = ? WHERE id = ? AND fenced = 0",
             (owner_id, now, delegation_id),
         )
         if cur.rowcount != 1:
             continue
+        touch(db, "delegations", delegation_id)
         db.execute("UPDATE queue SET claimed_by = ?, claimed_at = ? WHERE delegation_id = ?",
                    (owner_id, now, delegation_id))
         event(db, now, "claimed", delegation_id, None, worker=owner_id)

@@ -13,7 +13,7 @@ from tether._core.resolution import Resolution, judge_resolution
 from tether._core.signing import Signed
 from tether._journal.actions import CONTRADICTED, RESOLVED, get_action, resettle
 from tether._journal.rows import dumps, loads
-from tether._journal.tables import Db, event
+from tether._journal.tables import Db, before, event, touch
 
 
 def _contradicted(db: Db, action_id: str) -> bool:
@@ -48,19 +48,22 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
     decision = {"outcome": res.outcome.value, "operator": res.operator, "key_id": signed.key_id,
                 "note": res.note, "at": now}
     evidence = {**(action.evidence or {}), "resolution": decision}
+    before(db, "actions", action.id)
     cur = db.execute(
         "UPDATE actions SET state = ?, evidence = ?, ended_at = COALESCE(ended_at, ?) "
         "WHERE id = ? AND state = ?",
         (res.outcome.value, dumps(evidence), now, action.id, action.state.value))
     if cur.rowcount != 1:  # another writer moved it first (only possible across processes)
         raise UserError(f"action {action.id} changed while it was being resolved; try again")
+    touch(db, "actions", action.id)
     seq = db.execute("SELECT COUNT(*) FROM documents WHERE delegation_id = ? AND type = ?",
                      (action.delegation_id, Resolution.TYPE)).fetchone()[0] + 1
-    db.execute(
+    doc = db.execute(
         "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
         (action.delegation_id, seq, Resolution.TYPE, signed.body, signed.key_id,
-         signed.signature, now))
+         signed.signature, now)).fetchone()
+    touch(db, "documents", doc[0])
     event(db, now, RESOLVED, action.delegation_id, action.id, old=action.state.value,
           **decision)
     resettle(db, action.delegation_id, now, f"resolved by {res.operator}")

@@ -135,7 +135,9 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
             db.execute(f"DELETE FROM events WHERE action_id IN ({', '.join('?' * len(apart))})",
                        apart)
         db.execute(f"DELETE FROM events WHERE delegation_id IN ({marks})", part)
-        for table in ("actions", "controls", "documents", "queue"):
+        # A pruned delegation goes with its chain (docs/security.md: prune is a trusted
+        # operation; the `pruned` event says what went).
+        for table in ("actions", "controls", "documents", "queue", "chain", "chain_heads"):
             db.execute(f"DELETE FROM {table} WHERE delegation_id IN ({marks})", part)
     # Deepest first (each tree's ids are parents before children), so that no row is ever
     # left pointing at a deleted parent; the tasks stay (their ids are never handed out again).

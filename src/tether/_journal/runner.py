@@ -52,6 +52,24 @@ class Op:
 
 
 Done = list[tuple[Op, Any, Exception | None]]
+# Called at the end of a write batch, before its COMMIT, with the records it wrote.
+Sealer = Callable[[Any, list[tuple[str, Any]]], None]
+
+
+class Tx:
+    """What a write batch's operations receive: the backend's connection, plus the records
+    they wrote (``tables.touch``), for the sealer to chain before the COMMIT."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.execute = inner.execute
+        self.dirty: list[tuple[str, Any]] = []
+        # Each updated record's row as this transaction found it, read under its lock before
+        # the first write (``tables.before``): the chain keeps it beside the row written.
+        self.pre: dict[tuple[str, Any], str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 class Retry(Exception):
@@ -92,6 +110,7 @@ class ThreadRunner:
         # for them, so nobody would write them again. They run first once it is back, so a
         # child that ends after the outage does not end with its receipt missing.
         self._held: list[Op] = []
+        self.sealer: Sealer | None = None  # set by the Journal (``chainops.seal``)
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -354,8 +373,9 @@ class ThreadRunner:
 
     def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
         done: Done = []
-        db = self.db(conn)
         write = any(op.write for op in batch)
+        db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
+        dirty: list[tuple[str, Any]] | None = getattr(db, "dirty", None)
         try:
             self.relax(conn, relaxed_batch(batch))
             self.begin(conn, write)
@@ -371,9 +391,12 @@ class ThreadRunner:
             for op in batch:
                 if not alone:
                     conn.execute("SAVEPOINT op")
+                mark = 0 if dirty is None else len(dirty)
                 try:
                     value = op.fn(db)
                 except Exception as exc:  # refused or failed: undo this operation only
+                    if dirty is not None:
+                        del dirty[mark:]  # what it wrote is rolled back with it
                     if self.is_lost(conn, exc):
                         raise
                     mapped = self.map_error(exc)
@@ -390,6 +413,22 @@ class ThreadRunner:
                     if not alone:
                         conn.execute("RELEASE SAVEPOINT op")
                     done.append((op, value, None))
+            if dirty:
+                assert self.sealer is not None
+                try:
+                    self.sealer(db, dirty)
+                except Exception as exc:
+                    if self.is_lost(conn, exc):
+                        raise
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK")
+                    mapped = self.map_error(exc)
+                    if isinstance(mapped, Retry):
+                        raise mapped from None
+                    # Nothing of the batch commits unsealed: every operation fails with it.
+                    err = mapped if isinstance(mapped, JournalError) else JournalError(
+                        f"the journal could not chain this batch's records: {exc!r}")
+                    return [(op, None, err) for op in batch]
         except Retry:
             raise
         except Exception as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 APP = "tether"
 
 # MIGRATIONS[n] brings a journal from version n-1 to n. Each runs in one transaction.
@@ -142,6 +142,31 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         """CREATE INDEX delegations_state_created ON delegations(state, created_at, id)""",
         """CREATE INDEX delegations_agent_created ON delegations(agent, created_at, id)""",
         """CREATE INDEX actions_state_started ON actions(state, started_at, id)""",
+    ),
+    # The tamper-evident journal (``_core.chain``): each delegation's chain of entries, one
+    # per record a commit wrote, and its head, sealed by the writer's signature over a Merkle
+    # root of the heads that commit moved. Delegations older than this version get a head
+    # marked legacy: their records written before it are "unchained", not failures.
+    6: (
+        """CREATE TABLE chain (
+            delegation_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            record TEXT NOT NULL,
+            content TEXT NOT NULL,
+            pre TEXT NOT NULL,
+            hash TEXT NOT NULL,
+            PRIMARY KEY (delegation_id, seq))""",
+        """CREATE TABLE chain_heads (
+            delegation_id TEXT PRIMARY KEY,
+            length INTEGER NOT NULL,
+            hash TEXT NOT NULL,
+            legacy INTEGER NOT NULL DEFAULT 0,
+            path TEXT,
+            seal BLOB,
+            signer TEXT,
+            signature BLOB)""",
+        """INSERT INTO chain_heads (delegation_id, length, hash, legacy)
+            SELECT id, 0, '', 1 FROM delegations""",
     ),
 }
 

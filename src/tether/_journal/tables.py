@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from tether._core import chain
 from tether._core.errors import JournalCorrupt, JournalError, NotFound
 from tether._core.model import (
     ActionState,
@@ -109,12 +110,38 @@ _delegation = _decoded("delegations", _delegation_row)
 _action = _decoded("actions", _action_row)
 
 
+def touch(db: Db, table: str, pk: Any) -> None:
+    """Note a record this transaction wrote (and holds locked until it commits), for the
+    writer to chain and seal before its COMMIT (``chainops.seal``). A connection that does not
+    collect (a read, a migration) ignores it."""
+    dirty = getattr(db, "dirty", None)
+    if dirty is not None:
+        dirty.append((table, pk))
+        db.pre.setdefault((table, pk), "")  # type: ignore[attr-defined]  # inserted: none
+
+
+def before(db: Db, table: str, pk: Any) -> None:
+    """Before this transaction first updates a record: read its row as committed, under its
+    lock (PostgreSQL), for the chain to keep its hash with the new entry. A row altered by
+    hand since its last entry is then told apart from the writer's own update of it, instead
+    of being sealed as if the writer had written it (``chain.judge``)."""
+    pre = getattr(db, "pre", None)
+    if pre is None or (table, pk) in pre:
+        return
+    row = db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} x WHERE id = ? /*XLOCK x*/",
+                     (pk,)).fetchone()
+    pre[(table, pk)] = "" if row is None else chain.content_hash(row)
+
+
 def event(db: Db, at: float, what: str, delegation_id: str | None = None,
           action_id: str | None = None, /, **detail: Any) -> None:
-    db.execute(
-        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?)",
+    row = db.execute(
+        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?) "
+        "RETURNING id",
         (delegation_id, action_id, at, what, dumps(detail)),
-    )
+    ).fetchone()
+    if delegation_id is not None or action_id is not None:
+        touch(db, "events", row[0])
 
 
 
@@ -160,6 +187,7 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
     """Move a delegation, judged against the state it holds when written: a compare-and-set,
     so that of two processes that read the same state (PostgreSQL, READ COMMITTED) the second
     is judged again against what the first wrote, never overwrites it."""
+    before(db, "delegations", delegation_id)
     for _ in range(_MOVE_TRIES):
         row = get_delegation(db, delegation_id)
         if row.state is new:
@@ -175,6 +203,7 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
              new.terminal, new.terminal, now, delegation_id, row.state.value),
         )
         if cur.rowcount == 1:
+            touch(db, "delegations", delegation_id)
             event(db, now, "state", delegation_id, old=row.state.value, new=new.value)
             return get_delegation(db, delegation_id)
     raise JournalError(f"delegation {delegation_id} kept moving under this write; try again")

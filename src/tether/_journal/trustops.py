@@ -6,7 +6,7 @@ from typing import Any
 
 from tether._core.documents import KeyGrant
 from tether._core.errors import UserError
-from tether._core.signing import Signed, TrustedKeys
+from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry, effective
 from tether._journal.tables import Db, event, signed_of
 
@@ -27,17 +27,23 @@ def _entry(r: Any) -> Signed:
 
 # Replaying the registry checks every entry's signature; it changes rarely, so the result is
 # remembered per (pins, entries): one small read per acceptance, no signature re-checked.
-_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...]], Registry] = {}
+_MEMO: dict[tuple[tuple[str, ...], tuple[tuple[int, Signed], ...], object], Registry] = {}
 
 
 def registry(db: Db, pins: TrustedKeys) -> Registry:
+    """The registry as ``pins`` root it, checked against what their configuration remembers
+    of it (``pins.memory``), which a registry read whole and genuine then advances."""
     rows = tuple(entries(db))
-    key = (tuple(pins.ids()), rows)
+    memory = pins.memory
+    seen = None if memory is None else memory.seen
+    key = (tuple(pins.ids()), rows, None if memory is None else (id(memory), memory.version))
     found = _MEMO.get(key)
     if found is None:
         if len(_MEMO) > 64:
             _MEMO.clear()
-        found = _MEMO[key] = effective(pins, rows)
+        found = _MEMO[key] = effective(pins, rows, seen)
+    if memory is not None and found.anchor is not None and found.mark is not None:
+        memory.advance(found.anchor, found.mark)
     return found
 
 
@@ -49,9 +55,16 @@ def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str =
     return int(cur.rowcount)
 
 
-def genesis(db: Db, signed: Signed, grant: KeyGrant, now: float) -> None:
-    """Record the journal's root key, unless one is recorded already (first writer wins)."""
-    if _insert(db, grant, signed, now, " ON CONFLICT DO NOTHING") == 1:
+def genesis(db: Db, signer: SigningKey, now: float) -> None:
+    """Record the journal's root key, unless one is recorded already (first writer wins).
+    A journal with no delegation older than its chain says so in its signed root entry
+    (``chained``): a chain head marked legacy is then never believed (``_core.chain``)."""
+    if db.execute("SELECT 1 FROM trust WHERE op = 'root'").fetchone() is not None:
+        return
+    legacy = db.execute("SELECT 1 FROM chain_heads WHERE legacy = 1 LIMIT 1").fetchone()
+    grant = KeyGrant("root", signer.key_id, signer.public_b64(), signer.label, now,
+                     extra={} if legacy else {"chained": True})
+    if _insert(db, grant, signer.sign(grant), now, " ON CONFLICT DO NOTHING") == 1:
         event(db, now, "key_root", None, None, key=grant.key_id, label=grant.label)
 
 

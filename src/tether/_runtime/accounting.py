@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from tether._core import drain
 from tether._core.documents import ControlIntent
-from tether._core.errors import InvalidTransition, KeyInUse, StaleSequence
+from tether._core.errors import (
+    InvalidTransition,
+    KeyInUse,
+    NotFound,
+    StaleSequence,
+    Tampered,
+)
 from tether._core.model import ControlKind, DelegationState
 from tether._core.outcome import PriorCall, final_at, holds_key, probe_again
 from tether._core.report import ActionRecord, Report
@@ -167,6 +173,11 @@ class Accounting:
     async def recover(self, delegation_id: str | None = None) -> list[Report]:
         """``Supervisor.recover``: delegations whose owner is dead, then actions in doubt."""
         sup = self._sup
+        if delegation_id is not None:  # named by a person: a refusal is their answer
+            with contextlib.suppress(NotFound):  # an unknown id has nothing to reconcile
+                tree = [r.id for r in await sup.journal.subtree(delegation_id)]
+                await sup.journal.untampered(tree, sup.keys.trusted,
+                                             f"reconcile {delegation_id}")
         live = await sup.journal.delegations(live_only=True)
         by_id = {r.id: r for r in live}
         reports = []
@@ -176,6 +187,8 @@ class Accounting:
             if delegation_id is not None and row.id != delegation_id:
                 continue
             if not await owner_alive(sup, row.owner_id):
+                if await self._refused(row.id):
+                    continue
                 entry = await sup.journal.queue_entry(row.id)
                 if entry is not None and entry.claimed_by is None:
                     # Queued: it waits for a worker, whoever queued it; unless it was fenced
@@ -196,6 +209,8 @@ class Accounting:
                                                  "its receipt was never recorded")
         doubtful = [a for a in await sup.journal.unsettled(delegation_id)
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
+        refused = {d: await self._refused(d) for d in {a.delegation_id for a in doubtful}}
+        doubtful = [a for a in doubtful if not refused[a.delegation_id]]
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
                             sup.policy.probe_timeout, sup.telemetry.probed,
@@ -208,6 +223,20 @@ class Accounting:
                 if all(r.delegation_id != root for r in reports):
                     reports.append(await build_report(sup.journal, root))
         return reports
+
+    async def _refused(self, delegation_id: str) -> bool:
+        """Whether the records of ``delegation_id`` (and its subtree) fail their chain: then
+        recovery leaves it alone, says so, and a person decides (``tether verify``)."""
+        sup = self._sup
+        try:
+            await sup.journal.untampered([r.id for r in await sup.journal.subtree(
+                delegation_id)], sup.keys.trusted, f"reconcile {delegation_id}")
+        except Tampered as exc:
+            log.error("%s", exc, extra={"delegation": delegation_id})
+            sup.journal.event(sup.clock.wall(), "reconcile_refused", delegation_id, None,
+                              why=str(exc))
+            return True
+        return False
 
     async def recover_delegation(self, row: DelegationRow, reason: str) -> Report:
         """Settle a delegation nobody here runs and whose owner is gone (or cannot settle it):

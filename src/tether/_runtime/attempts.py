@@ -88,6 +88,10 @@ async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
     ending, _ = ending_of(value)
     await sup.journal.flush()
     surface, agents, known = surface_facts(rt)
+    # The next attempt replays by key what every attempt and epoch of the task recorded.
+    kin = await sup.journal.kin([rt.id])
+    tampered = tuple(f"{v.delegation_id}: {p.record}" for v in await sup.journal.chain_verdicts(
+        kin, sup.keys.trusted) for p in v.problems)
     facts = AttemptFacts(
         ending=ending,
         partial_usable=isinstance(value, Partial),
@@ -97,6 +101,7 @@ async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
         surface=surface, agents=agents, known_tools=known,
         generation_at_start=rt.generation,
         generation_now=await sup.journal.cancel_generation(run.task_id),
+        tampered=tampered,
     )
     decision = decide_redispatch(facts, run.policy)
     await record(sup, rt, decision, "attempt_ended")

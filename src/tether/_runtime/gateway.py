@@ -52,6 +52,7 @@ class Context:
     def __init__(self, supervisor: ports.Calls, runtime: ChildRuntime) -> None:
         self._sup = supervisor
         self._rt = runtime
+        self._believed: set[str] = set()  # delegations whose records a replay verified
 
     @property
     def delegation_id(self) -> str:
@@ -160,6 +161,14 @@ class Context:
                             "refusal": begun.status.value})
             raise rt.stop or Fenced(rt.id, f"journal refused {found.name}: {begun.status.value}")
         if begun.status is Begin.REPLAY:
+            # A replay believes another record's result: only if its delegation's records
+            # verify (an intruder's COMPLETED row under a coming key would otherwise be paid
+            # for by nobody, and believed). Once per delegation and child.
+            owner = (await journal.action(begun.action_id)).delegation_id
+            if owner not in self._believed:
+                await journal.untampered([owner], sup.keys.trusted,
+                                         f"replay action {begun.action_id} for key {key!r}")
+                self._believed.add(owner)
             journal.event(clock.wall(), "replay", rt.id, begun.action_id, key=key)
             if isinstance(begun.result, dict) and UNSERIALIZABLE in begun.result:
                 raise UserError(

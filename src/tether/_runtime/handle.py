@@ -158,6 +158,11 @@ class Handle:
         row = await sup.journal.get(self.id)
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
+        # The new epoch replays completed calls by their idempotency keys and trusts what the
+        # old ones' records say (every epoch of the task, and of its children's tasks): never
+        # on records that fail their chain (Tampered).
+        await sup.journal.untampered(await sup.journal.kin([self.id]), sup.keys.trusted,
+                                     f"re-delegate {self.id}")
         if await self._is_queued():
             new = await sup.journal.create_delegation(sup.sign_work(NewDelegation(
                 id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,

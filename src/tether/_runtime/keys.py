@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tether._core.errors import ControlRefused, UserError
+from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
 
 
@@ -106,6 +107,10 @@ class KeyRing:
     trusted: TrustedKeys  # the root keys this process's configuration pins
     directory: Path | None = None
 
+    def __post_init__(self) -> None:
+        if self.trusted.memory is None:
+            self.trusted.memory = _memory(self.directory)
+
     @classmethod
     def ephemeral(cls) -> KeyRing:
         """A fresh key pinned only by this ring: for tests and one-process use."""
@@ -179,5 +184,39 @@ class KeyRing:
         with _locked(self.directory):
             pinned = dict(json.loads(trusted.read_text()))
             pinned[key_id] = public_b64
-            self.trusted = TrustedKeys.from_b64(pinned)
+            memory, self.trusted = self.trusted.memory, TrustedKeys.from_b64(pinned)
+            self.trusted.memory = memory
             write_private(trusted, json.dumps(pinned, indent=2, sort_keys=True))
+
+
+REGISTRY = "registry.json"  # what this configuration has seen of journals' key registries
+
+
+def _memory(directory: Path | None) -> RegistryMemory:
+    """The configuration's memory of key registries (``_core.registrymark``), read from and
+    written to ``registry.json`` in its key directory (in memory only for an ephemeral ring)."""
+    if directory is None:
+        return RegistryMemory()
+    path = directory / REGISTRY
+
+    def read() -> dict[str, RegistryMark]:
+        if not path.exists():
+            return {}
+        try:
+            return {k: RegistryMark.from_json(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{path} is unreadable: {exc}") from None
+
+    def save(marks: dict[str, RegistryMark]) -> None:
+        with _locked(directory):
+            merged = read()
+            for anchor, mark in marks.items():
+                known = merged.get(anchor)
+                if known is None or known.length <= mark.length:
+                    revoked = set(mark.revoked) | set(known.revoked if known else ())
+                    merged[anchor] = RegistryMark(mark.length, mark.digest,
+                                                  tuple(sorted(revoked)))
+            write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
+                                           indent=2, sort_keys=True))
+
+    return RegistryMemory(read(), save)

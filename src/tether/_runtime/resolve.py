@@ -45,6 +45,8 @@ async def resolve(journal: Journal, keys: KeyRing, action_id: str, outcome: Acti
     if not isinstance(who, str) or not who.strip():
         raise UserError("a decision needs the name of who decides (--by)")
     action = await journal.action(action_id)
+    if journal.signer is None:  # this process's writes are sealed with its key
+        journal.seal_with(keys.signer, keys.trusted)
     signed = keys.signer.sign(Resolution(
         action_id=action.id, delegation_id=action.delegation_id, outcome=decided, note=note,
         operator=who, issued_at=now))

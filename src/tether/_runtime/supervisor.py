@@ -189,6 +189,8 @@ class Supervisor:
             if self._keys is None:
                 self._keys = await asyncio.to_thread(KeyRing.load_or_init,
                                                      self.journal.keys_dir)
+            if self.journal.signer is None:  # this process's writes are sealed with its key
+                self.journal.seal_with(self._keys.signer, self._keys.trusted)
             now = self.clock.wall()
             await self.journal.register_owner(
                 OwnerRow(self.owner_id, os.getpid(), socket.gethostname(), now, now))

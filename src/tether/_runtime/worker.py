@@ -29,6 +29,7 @@ from tether._core.errors import (
     ControlRefused,
     JournalError,
     LeaseLost,
+    Tampered,
     UserError,
     WorkRefused,
 )
@@ -318,6 +319,13 @@ class Worker:
         registry = await sup.journal.registry(sup.keys.trusted)
         order = registry.verify(signed, WorkOrder)
         check_work(order, row.id, row.task_id, row.parent_id, row.agent, row.args, row.surface)
+        # A genuine order on a row put back by hand (a recall undone: its control row
+        # deleted, the fence lifted) is run only if the delegation's records verify.
+        try:
+            await sup.journal.untampered(await sup.journal.kin([row.id]), sup.keys.trusted,
+                                         f"run {row.id}")
+        except Tampered as exc:
+            raise WorkRefused(str(exc)) from None
 
     async def _execute(self, row: DelegationRow) -> None:
         sup = self.supervisor

@@ -1,0 +1,298 @@
+"""The tamper-evident journal: each delegation's records form a hash chain, its head sealed.
+
+A delegation's records are its own row, its actions, its control rows, its documents (acks,
+receipts, decisions) and its events. Every commit that writes one of them appends an *entry*
+to the delegation's chain per record written: the record's key, the hash of its row as
+committed, and the hash of the entry before. The chain's *head* (its length and last hash) is
+a leaf of a Merkle tree over every head that commit moved; the writing process signs the
+tree's root once per commit (a ``ChainSeal``), so the cost of a signature is shared by the
+whole batch. A head keeps its path to the root beside the signed seal.
+
+Reading it back (``judge``): the head's seal must be signed by a key the registry trusts and
+its path must lead from this head to the seal's root; the entries must link, 1..length, to the
+head's hash; each record's row must hash to its latest entry. So a row altered by hand (a
+state flipped, a result or reason rewritten) differs from its entry, a row inserted by hand
+has none, a row deleted by hand leaves its entry without a row, and an entry deleted or edited
+breaks the links to the signed head. What a chain cannot show is a rollback of everything
+together (rows, entries and head) to a genuine earlier state: docs/security.md, "Not yet".
+
+Pure: no I/O. The journal layer reads the rows and writes the entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tether._core.documents import ChainSeal
+from tether._core.errors import ControlRefused, Malformed
+from tether._core.signing import Signed
+from tether._core.trust import Registry
+
+# The columns of each chained table, in the order their rows are hashed. Every column: a
+# record's whole row is what the writer committed.
+COLUMNS: dict[str, str] = {
+    "delegations": (
+        "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, "
+        "fenced, control_seq, created_at, updated_at, result, error, failure, model, "
+        "trace_id, ended_at, work_body, work_key, work_sig"),
+    "actions": (
+        "id, delegation_id, ordinal, tool, effect, args, args_hash, idem_key, state, result, "
+        "error, evidence, late, started_at, ended_at, deadline_at"),
+    "controls": (
+        "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"),
+    "documents": (
+        "id, delegation_id, seq, type, body, key_id, signature, recorded_at"),
+    "events": "id, delegation_id, action_id, at, kind, detail",
+}
+# What a record is called in a chain, and in a report: "action a-1", "event 17".
+KIND = {"delegations": "delegation", "actions": "action", "controls": "control",
+        "documents": "document", "events": "event"}
+TABLE = {v: k for k, v in KIND.items()}
+
+
+def record(table: str, pk: object) -> str:
+    return f"{KIND[table]} {pk}"
+
+
+def owner_of(table: str, row: Sequence[Any]) -> str | None:
+    """The delegation whose chain a row belongs to (None: an event only an action names,
+    which the reader resolves; or no delegation at all)."""
+    if table == "delegations":
+        return str(row[0])
+    value = row[1]
+    return None if value is None else str(value)
+
+
+def plain(value: object) -> object:
+    """A column's value, the same however the driver hands it over (bytes or a buffer)."""
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    return value
+
+
+_KEEP = frozenset({str, int, float, bytes, type(None)})
+
+
+def _hash(*parts: object) -> str:
+    # Not RFC 8785 (nothing here is signed or read by anyone else): the ``repr`` of each
+    # scalar (str, int, float, bytes, None), NUL-separated; a repr never holds a raw NUL.
+    # Several times cheaper than JSON on the per-action path. A column reads back with the
+    # same type every time, so the same row always hashes the same.
+    return hashlib.sha256("\0".join(map(repr, parts)).encode()).hexdigest()
+
+
+def content_hash(row: Sequence[Any]) -> str:
+    return _hash("row", *[v if type(v) in _KEEP else plain(v) for v in row])
+
+
+def entry_hash(prev: str, delegation_id: str, seq: int, rec: str, content: str,
+               found: str) -> str:
+    return _hash("entry", delegation_id, seq, rec, content, found, prev)
+
+
+def leaf(delegation_id: str, length: int, head: str, legacy: bool) -> str:
+    return _hash("head", delegation_id, length, head, int(legacy))
+
+
+def _node(left: str, right: str) -> str:
+    return hashlib.sha256(b"\1" + bytes.fromhex(left) + bytes.fromhex(right)).hexdigest()
+
+
+def merkle(leaves: Sequence[str]) -> tuple[str, list[list[list[str]]]]:
+    """The root over ``leaves`` and each leaf's path to it: ``[side, sibling]`` pairs, side
+    "L" when the sibling is on the left. An odd node out is carried up unchanged."""
+    if not leaves:
+        raise ValueError("no leaves")
+    paths: list[list[list[str]]] = [[] for _ in leaves]
+    level = [(h, [i]) for i, h in enumerate(leaves)]
+    while len(level) > 1:
+        up = []
+        for k in range(0, len(level) - 1, 2):
+            (lh, li), (rh, ri) = level[k], level[k + 1]
+            for i in li:
+                paths[i].append(["R", rh])
+            for i in ri:
+                paths[i].append(["L", lh])
+            up.append((_node(lh, rh), li + ri))
+        if len(level) % 2:
+            up.append(level[-1])
+        level = up
+    return level[0][0], paths
+
+
+def fold(start: str, path: Iterable[Sequence[str]]) -> str:
+    node = start
+    for side, sibling in path:
+        node = _node(sibling, node) if side == "L" else _node(node, sibling)
+    return node
+
+
+def encode_path(path: list[list[str]]) -> str:
+    return json.dumps(path, separators=(",", ":"))
+
+
+_PATH_MAX = 64  # levels: 2**64 heads in one seal
+
+
+def _decode_path(text: str) -> list[list[str]]:
+    try:
+        if len(text) > _PATH_MAX * 80:  # before parsing: no deep nesting, no huge text
+            raise ValueError
+        path = json.loads(text)
+        if not isinstance(path, list) or not all(
+                isinstance(p, list) and len(p) == 2 and p[0] in ("L", "R")
+                and isinstance(p[1], str) and len(p[1]) == 64 and bytes.fromhex(p[1])
+                for p in path):
+            raise ValueError
+    except (ValueError, RecursionError):
+        raise Malformed("the head's path to its seal is not a list of hashes") from None
+    return path
+
+
+@dataclass(frozen=True)
+class Head:
+    """A delegation's chain head as stored. ``seal`` None: never sealed (a head made by the
+    upgrade for a delegation older than the chain, or written by a process with no key)."""
+
+    length: int
+    hash: str
+    legacy: bool
+    path: str | None
+    seal: Signed | None
+    problem: str | None = None  # its row, or one of its entries' rows, is malformed
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One record as a commit wrote it (``content``), and as that commit found it before
+    writing (``found``: "" for a row it inserted)."""
+
+    seq: int
+    record: str
+    content: str
+    found: str
+    hash: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    record: str
+    problem: str
+
+
+@dataclass
+class ChainVerdict:
+    """What reading one delegation's chain found. ``problems``: altered, inserted or deleted
+    records and a broken chain or seal. ``unchained``: records written before the chain
+    existed (a delegation older than the upgrade), which are not failures."""
+
+    delegation_id: str
+    problems: list[Problem] = field(default_factory=list)
+    unchained: list[str] = field(default_factory=list)
+    sealed_by: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def named(self) -> set[str]:
+        return {p.record for p in self.problems}
+
+
+def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | None:
+    """Why ``head`` is not sealed by a key ``registry`` trusts (None: it is). A writer checks
+    this before it extends a chain another process sealed: sealing over a head rewritten by
+    hand would make that rewrite its own."""
+    if head.problem is not None:
+        return head.problem
+    if head.legacy and registry.chained:
+        return ("the chain's head is marked as older than the chain, in a journal whose root "
+                "entry says every delegation was chained from the start (marked by hand)")
+    if head.seal is None or head.path is None:
+        if head.legacy and head.length == 0:
+            return None
+        return ("the chain's head is not sealed (written by a process without a signing key, "
+                "or its seal was removed)")
+    try:
+        seal = registry.verify(head.seal, ChainSeal)
+        root = fold(leaf(delegation_id, head.length, head.hash, head.legacy),
+                    _decode_path(head.path))
+        if root != seal.root:
+            raise Malformed("the head is not the one its seal signed (its length, hash or "
+                            "legacy mark was changed, or a seal copied from elsewhere)")
+    except ControlRefused as exc:
+        return f"the chain's seal: {exc}"
+    return None
+
+
+def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
+                registry: Registry) -> None:
+    d = verdict.delegation_id
+    if head.problem is not None:
+        verdict.problems.append(Problem("chain", head.problem))
+        return
+    if (head.length, head.hash) != (length, tip):
+        verdict.problems.append(Problem("chain", (
+            f"the chain holds {length} entries ending in {tip[:12] or '(none)'} but its head "
+            f"says {head.length} ending in {head.hash[:12] or '(none)'}: entries were "
+            "deleted, inserted or edited")))
+    problem = seal_problem(d, head, registry)
+    if problem is not None:
+        verdict.problems.append(Problem("chain", problem))
+    elif head.seal is not None:
+        verdict.sealed_by = head.seal.key_id
+
+
+def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
+          rows: Mapping[str, str], registry: Registry) -> ChainVerdict:
+    """Judge one delegation's records (``rows``: record to the hash of its row now, every
+    row that belongs to the delegation and every row its chain names) against its chain."""
+    verdict = ChainVerdict(delegation_id)
+    if head is None and not entries and not rows:
+        return verdict  # gone as a whole, chain and all: pruned since it was listed
+    if head is None:
+        verdict.problems.append(Problem("chain", (
+            "the delegation has no chain head (deleted by hand; every delegation written "
+            "since the chain was introduced has one)")))
+        verdict.unchained = sorted(rows)
+        return verdict
+    prev, latest, broken = "", dict[str, str](), False
+    for n, entry in enumerate(sorted(entries, key=lambda e: e.seq), start=1):
+        if not broken and (entry.seq != n or entry_hash(
+                prev, delegation_id, entry.seq, entry.record, entry.content,
+                entry.found) != entry.hash):
+            broken = True  # every later entry then fails too: the first break is named
+            verdict.problems.append(Problem("chain", (
+                f"chain entry {entry.seq} does not follow entry {n - 1} (entries were "
+                "deleted, inserted or edited)")))
+        was = latest.get(entry.record)
+        if entry.found != (was or "") and not (was is None and head.legacy):
+            # The writer updated a row that was not what the chain last recorded: altered by
+            # hand in between (and then written over, which would otherwise hide it).
+            verdict.problems.append(Problem(entry.record, (
+                f"altered before chain entry {entry.seq}: the row its writer found was not "
+                "the one committed and sealed before" if was is not None else
+                f"inserted before chain entry {entry.seq}: its writer found a row no entry "
+                "records")))
+        prev = entry.hash
+        latest[entry.record] = entry.content
+    _check_head(verdict, head, prev, len(entries), registry)
+    for rec, content in sorted(rows.items()):
+        if rec not in latest:
+            if head.legacy:
+                verdict.unchained.append(rec)
+            else:
+                verdict.problems.append(Problem(rec, (
+                    "inserted: this row is in no entry of the delegation's chain (written "
+                    "by hand)")))
+        elif latest[rec] != content:
+            verdict.problems.append(Problem(rec, (
+                "altered: this row differs from what its writer committed and sealed")))
+    for rec in sorted(set(latest) - set(rows)):
+        verdict.problems.append(Problem(rec, (
+            "deleted: the chain records this row but it is gone from the journal")))
+    return verdict

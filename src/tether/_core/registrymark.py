@@ -1,0 +1,66 @@
+"""What a configuration remembers of each journal's key registry: how long it was and what
+its entries hashed to when last read, and which keys it saw revoked. Kept outside the journal
+(beside the configuration's keys), so that deleting a registry's last entries (a revocation,
+say) cannot make a configuration that saw them trust a revoked key again (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tether._core.documents import canonical
+
+
+@dataclass(frozen=True)
+class RegistryMark:
+    length: int  # entries read
+    digest: str  # of those entries, in id order
+    revoked: tuple[str, ...] = ()  # keys seen revoked
+
+    def to_json(self) -> dict[str, Any]:
+        return {"length": self.length, "digest": self.digest, "revoked": list(self.revoked)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RegistryMark:
+        length, digest, revoked = data["length"], data["digest"], data.get("revoked", [])
+        if not (isinstance(length, int) and isinstance(digest, str) and isinstance(revoked, list)
+                and all(isinstance(k, str) for k in revoked)):
+            raise ValueError("not a registry mark")
+        return cls(length, digest, tuple(sorted(revoked)))
+
+
+def entries_digest(rows: Sequence[tuple[int, bytes, str, bytes]]) -> str:
+    """A hash chain over registry rows (id, body, signer, signature)."""
+    tip = ""
+    for entry_id, body, signer, signature in rows:
+        tip = hashlib.sha256(canonical([tip, entry_id, body.hex(), signer,
+                                        signature.hex()])).hexdigest()
+    return tip
+
+
+class RegistryMemory:
+    """Marks by journal (the digest of its root entry). ``save`` persists them (the key ring's
+    ``registry.json``); None keeps them in this process only."""
+
+    def __init__(self, marks: Mapping[str, RegistryMark] | None = None,
+                 save: Callable[[dict[str, RegistryMark]], None] | None = None) -> None:
+        self._marks = dict(marks or {})
+        self._save = save
+        self.version = 0  # moves with every mark remembered (readers memoize on it)
+
+    def seen(self, anchor: str) -> RegistryMark | None:
+        return self._marks.get(anchor)
+
+    def advance(self, anchor: str, mark: RegistryMark) -> None:
+        """Remember a longer registry (a shorter one is a rollback: never remembered)."""
+        known = self._marks.get(anchor)
+        if known is not None and known.length >= mark.length and \
+                set(mark.revoked) <= set(known.revoked):
+            return
+        self._marks[anchor] = mark
+        self.version += 1
+        if self._save is not None:
+            self._save(dict(self._marks))

@@ -1,0 +1,261 @@
+"""The chain's reads and writes (``_core.chain`` decides what they mean).
+
+``seal`` runs at the end of every write transaction, before its COMMIT, over the records the
+transaction's operations wrote (``tables.touch``): it appends one entry per record to its
+delegation's chain, moves each head under a row lock (PostgreSQL: two processes appending to
+one delegation queue on its head, so a chain never forks; heads are locked in id order, and
+a transaction takes no other lock after them), and signs the Merkle root of the moved heads
+once. ``read`` gathers what ``chain.judge`` needs for one delegation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tether._core import chain
+from tether._core.documents import ChainSeal
+from tether._core.signing import Signed, SigningKey, TrustedKeys
+from tether._journal import trustops
+from tether._journal.tables import Db, blob
+
+_HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
+         "WHERE delegation_id = ?")
+
+
+def _row(db: Db, table: str, pk: Any) -> Any:
+    return db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id = ?",
+                      (pk,)).fetchone()
+
+
+def _action_owner(db: Db, action_id: Any) -> str | None:
+    found = db.execute("SELECT delegation_id FROM actions WHERE id = ?",
+                       (action_id,)).fetchone()
+    return None if found is None else str(found[0])
+
+
+class Sealer:
+    """One process's side of the chain: its key, the pins its registry is read from, and the
+    heads it sealed itself (those it extends without checking their seal again)."""
+
+    MEMO = 100_000
+
+    def __init__(self) -> None:
+        self.signer: SigningKey | None = None
+        self.pins: TrustedKeys | None = None
+        self.own: dict[str, tuple[int, str]] = {}
+
+    def trusts(self, db: Db, delegation_id: str, head: chain.Head) -> bool:
+        """Whether to extend ``head``: sealed by this process, or by a key the registry (as
+        this process's pins root it) trusts. A chain whose head fails is left as it is, for
+        ``tether verify`` to name, never sealed over."""
+        if head.problem is not None:
+            return False
+        if head.length == 0 and not head.legacy and head.seal is None:
+            return True  # a new delegation's head, made in this transaction
+        if self.own.get(delegation_id) == (head.length, head.hash):
+            return True
+        if self.pins is None:
+            return head.seal is None and head.legacy and head.length == 0
+        return chain.seal_problem(delegation_id, head, trustops.registry(db, self.pins)) is None
+
+    def sealed(self, delegation_id: str, length: int, tip: str) -> None:
+        if len(self.own) >= self.MEMO:
+            self.own.clear()
+        self.own[delegation_id] = (length, tip)
+
+
+_CHUNK = 500  # rows per statement (SQLite allows 32766 parameters)
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[i:i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+
+
+def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]:
+    """The rows named, read a table at a time."""
+    by_table: dict[str, list[Any]] = {}
+    for table, pk in keys:
+        by_table.setdefault(table, []).append(pk)
+    found: dict[tuple[str, Any], Any] = {}
+    for table, pks in by_table.items():
+        for part in _chunks(pks):
+            for row in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id IN "
+                                  f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+                found[(table, row[0])] = row
+    return found
+
+
+def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
+    """Insert the planned entries; False (and nothing inserted) if any was there already."""
+    db.execute("SAVEPOINT chain")
+    inserted = 0
+    for part in _chunks(plan):
+        inserted += db.execute(
+            "INSERT INTO chain (delegation_id, seq, record, content, pre, hash) VALUES "
+            f"{', '.join(['(?, ?, ?, ?, ?, ?)'] * len(part))} ON CONFLICT DO NOTHING",
+            tuple(v for entry in part for v in entry)).rowcount
+    if inserted != len(plan):
+        db.execute("ROLLBACK TO SAVEPOINT chain")
+    db.execute("RELEASE SAVEPOINT chain")
+    return inserted == len(plan)
+
+
+def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
+    """Chain and seal what this transaction wrote (see the module's docstring)."""
+    signer = sealer.signer
+    pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
+    keys = list(dict.fromkeys(dirty))
+    rows = _rows(db, keys)
+    # delegation -> record -> (content, the row as this transaction found it); last wins
+    records: dict[str, dict[str, tuple[str, str]]] = {}
+    for table, pk in keys:
+        row = rows.get((table, pk))
+        if row is None:  # written and removed again in this transaction
+            continue
+        owner = chain.owner_of(table, row)
+        if owner is None and table == "events" and row[2] is not None:
+            owner = _action_owner(db, row[2])
+        if owner is not None:
+            records.setdefault(owner, {})[chain.record(table, pk)] = (
+                chain.content_hash(row), pre.get((table, pk), ""))
+    ids = sorted(records)
+    heads: dict[str, chain.Head] = {}
+    for part in _chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
+        for found_head in db.execute(
+                "SELECT length, hash, legacy, path, seal, signer, signature, delegation_id "
+                f"FROM chain_heads h WHERE delegation_id IN ({', '.join('?' * len(part))}) "
+                "ORDER BY delegation_id /*XLOCK h*/", tuple(part)).fetchall():
+            heads[str(found_head[7])] = _head(found_head)
+    plan: list[tuple[Any, ...]] = []
+    ends: dict[str, tuple[int, str, bool]] = {}
+    for delegation_id in ids:
+        head = heads.get(delegation_id)
+        if head is None:
+            # A delegation this transaction created (nobody else can see it yet); or one
+            # whose head was deleted by hand, whose entries then refuse the appends below.
+            db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
+                       "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
+            head = chain.Head(0, "", False, None, None)
+        if not sealer.trusts(db, delegation_id, head):
+            # Its head was rewritten by hand: sealing over it would make that the writer's
+            # own. Leave it as it is, for ``tether verify`` to name.
+            continue
+        length, tip = head.length, head.hash
+        for rec, (content, found) in records[delegation_id].items():
+            length += 1
+            tip = chain.entry_hash(tip, delegation_id, length, rec, content, found)
+            plan.append((delegation_id, length, rec, content, found, tip))
+        ends[delegation_id] = (length, tip, head.legacy)
+    if plan and not _entries(db, plan):
+        # Entries beyond some head: rolled back by hand. Append chain by chain, leaving any
+        # such chain as it is.
+        for delegation_id in list(ends):
+            if not _entries(db, [e for e in plan if e[0] == delegation_id]):
+                del ends[delegation_id]
+    moved = [(d, *ends[d]) for d in ids if d in ends]
+    if not moved:
+        return
+    if signer is None:
+        for delegation_id, length, tip, _ in moved:
+            db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
+                       "signer = NULL, signature = NULL WHERE delegation_id = ?",
+                       (length, tip, delegation_id))
+        return
+    root, paths = chain.merkle([chain.leaf(*m) for m in moved])
+    signed = signer.sign(ChainSeal(root, len(moved), now))
+    for (delegation_id, length, tip, _), path in zip(moved, paths, strict=True):
+        db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, "
+                   "signer = ?, signature = ? WHERE delegation_id = ?",
+                   (length, tip, chain.encode_path(path), signed.body, signed.key_id,
+                    signed.signature, delegation_id))
+        sealer.sealed(delegation_id, length, tip)
+
+
+def _head(found: Any) -> chain.Head:
+    if not (type(found[0]) is int and isinstance(found[1], str)
+            and type(found[2]) is int and (found[3] is None or isinstance(found[3], str))
+            and (found[5] is None or isinstance(found[5], str))):
+        # SQLite columns take any type: written by hand. Named, never a crash.
+        return chain.Head(0, "", False, None, None, problem=(
+            "the chain's head row is malformed (a column of the wrong type: written by hand)"))
+    seal = None
+    if found[4] is not None and found[5] is not None and found[6] is not None:
+        try:
+            seal = Signed(blob(found[4]), str(found[5]), blob(found[6]))
+        except TypeError:  # written by hand as text: verifies under no key
+            seal = Signed(b"", str(found[5]), b"")
+    return chain.Head(int(found[0]), str(found[1]), bool(found[2]),
+                      None if found[3] is None else str(found[3]), seal)
+
+
+_SETTLE = 20  # reads of a delegation its writers keep moving, before its head is locked
+
+
+def _same(a: Any, b: Any) -> bool:
+    return (None if a is None else tuple(map(chain.plain, a))) == (
+        None if b is None else tuple(map(chain.plain, b)))
+
+
+def read(db: Db, delegation_id: str
+         ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
+    """One delegation's head, entries, and the hash of every row that is its record now or
+    that its chain names: as of one moment. On PostgreSQL a read runs at READ COMMITTED (or
+    inside a write batch), where each statement sees what committed before it: a writer that
+    commits between the head and the rows would read as entries beyond the head or rows
+    newer than their entries, a false alarm. Every commit that writes a record moves its
+    head, so the head is read again after the rest: unchanged, the rest is of its moment;
+    moved, the read is done again, and at last under a share lock on the head (which a writer
+    takes exclusively before it commits). SQLite's read transaction is a snapshot already."""
+    for attempt in range(_SETTLE + 1):
+        lock = " /*LOCK h*/" if attempt == _SETTLE else ""
+        found = db.execute(_HEAD + lock, (delegation_id,)).fetchone()
+        got = _read_at(db, delegation_id, found)
+        if lock or _same(found, db.execute(_HEAD, (delegation_id,)).fetchone()):
+            return got
+    raise AssertionError("unreachable")
+
+
+def _read_at(db: Db, delegation_id: str, found: Any
+             ) -> tuple[chain.Head | None, list[chain.Entry], dict[str, str]]:
+    entries, bad = [], None
+    for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
+                        "WHERE delegation_id = ? ORDER BY seq", (delegation_id,)).fetchall():
+        if type(r[0]) is int and all(isinstance(v, str) for v in r[1:]):
+            entries.append(chain.Entry(r[0], r[1], r[2], r[3], r[4]))
+        elif bad is None:
+            bad = f"chain entry {r[0]!r} is malformed (a column of the wrong type: written by hand)"
+    rows: dict[str, str] = {}
+    mine = {
+        "delegations": "id = ?",
+        "actions": "delegation_id = ?",
+        "controls": "delegation_id = ?",
+        "documents": "delegation_id = ?",
+        "events": "delegation_id = ? OR (delegation_id IS NULL AND action_id IN "
+                  "(SELECT id FROM actions WHERE delegation_id = ?))",
+    }
+    for table, where in mine.items():
+        params = (delegation_id,) * where.count("?")
+        for r in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE {where}",
+                            params).fetchall():
+            rows[chain.record(table, r[0])] = chain.content_hash(r)
+    for rec in {e.record for e in entries} - set(rows):
+        # Named by the chain but no longer the delegation's (moved to another by hand), or
+        # gone: read it where it is, if anywhere.
+        kind, _, pk = rec.partition(" ")
+        named = chain.TABLE.get(kind)
+        if named is None:
+            continue
+        if named in ("controls", "documents", "events"):
+            if not (pk.isascii() and pk.isdigit() and len(pk) < 19):
+                continue  # no such row can exist: it reads as deleted
+            elsewhere = _row(db, named, int(pk))
+        else:
+            elsewhere = _row(db, named, pk)
+        if elsewhere is not None:
+            rows[rec] = chain.content_hash(elsewhere)
+    head = None if found is None else _head(found)
+    if head is not None and bad is not None and head.problem is None:
+        head = dataclasses.replace(head, problem=bad)
+    return head, entries, rows

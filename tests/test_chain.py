@@ -1,0 +1,434 @@
+"""The tamper-evident journal (docs/security.md): a process with write access to the journal but
+no trusted key alters, inserts or deletes records (an action's state or result, an intent's
+reason, an event); `tether verify` names each, `tether show` marks it, and reconciliation and
+re-delegation refuse to act on the delegation. Both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+import tether
+from tests.test_cli import tether_cli
+from tests.test_trust import one_error_line, raw
+from tether._core.redispatch import AttemptFacts, Ending, RedispatchPolicy, decide_redispatch
+from tether._journal.journal import Journal
+from tether.testing import PaymentService
+
+PAY = PaymentService(latency=0.0)
+
+
+@tether.tool(effect=tether.Effect.EXTERNAL, probe=PAY.lookup)
+async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+    return await PAY.refund(order_id, cents, idempotency_key=idempotency_key)
+
+
+@dataclass
+class Scene:
+    delegation: str
+    done: str  # a COMPLETED refund
+    stuck: str  # a charge left UNKNOWN (its tool has no probe)
+    control_event: int  # the event that journaled the TERMINATE and its reason
+
+
+async def scene(url: str) -> Scene:
+    """A delegation that refunded once, then was terminated with a charge in flight: its
+    charge ends UNKNOWN, so `tether reconcile` has work to do on it."""
+    entered = asyncio.Event()
+    order = f"C-{uuid.uuid4().hex[:6]}"
+
+    @tether.tool(name="charge")
+    async def charge(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        entered.set()
+        await asyncio.Event().wait()
+        return "never"
+
+    async def worker(ctx: tether.Context) -> None:
+        await ctx.call(refund, order_id=order, cents=100)
+        await ctx.call(charge, order_id=order, cents=1250)
+
+    async with tether.Supervisor(url, tools=[refund, charge]) as sup:
+        child = await sup.delegate(tether.Agent("payer", worker, (refund, charge)),
+                                   tools=[refund, charge])
+        await entered.wait()
+        report = await child.terminate("customer withdrew")
+        done, stuck = report.actions
+        assert (done.state, stuck.state) == (tether.ActionState.COMPLETED,
+                                             tether.ActionState.UNKNOWN), report
+        (control,) = [e for e in await sup.journal.events([child.id]) if e.kind == "control"]
+    return Scene(child.id, done.id, stuck.id, control.id)
+
+
+async def before_the_chain(j: Journal, root: tether.KeyRing) -> None:
+    """Turn a journal back into one that schema 5 wrote (no chain tables; a root registry
+    entry without the "chained" mark, signed by ``root``): opened again, it is upgraded, and
+    its delegations' records are unchained, as an old journal's are."""
+    from tether._core.documents import KeyGrant, decode
+
+    await raw(j, "DROP TABLE chain")
+    await raw(j, "DROP TABLE chain_heads")
+    await raw(j, "UPDATE tether_meta SET value = '5' WHERE key = 'schema_version'")
+    body = await j._read(lambda db: db.execute(
+        "SELECT body FROM trust WHERE op = 'root'").fetchone()[0])
+    grant = decode(bytes(body))
+    assert isinstance(grant, KeyGrant) and grant.extra == {"chained": True}
+    signed = root.signer.sign(KeyGrant(grant.op, grant.key_id, grant.public, grant.label,
+                                       grant.issued_at))
+    await raw(j, "UPDATE trust SET body = ?, signature = ? WHERE op = 'root'",
+              signed.body, signed.signature)
+
+
+Attack = Callable[[Journal, Scene], Awaitable[str]]  # does it; returns the record to be named
+
+
+async def flip(j: Journal, s: Scene) -> str:
+    await raw(j, "UPDATE actions SET state = 'NOT_APPLIED' WHERE id = ?", s.done)
+    return f"action {s.done}"
+
+
+async def rewrite_result(j: Journal, s: Scene) -> str:
+    await raw(j, "UPDATE actions SET result = ? WHERE id = ?", '"re_forged"', s.done)
+    return f"action {s.done}"
+
+
+async def rewrite_reason(j: Journal, s: Scene) -> str:
+    await raw(j, "UPDATE events SET detail = replace(detail, 'customer withdrew', "
+              "'fraud suspected') WHERE id = ?", s.control_event)
+    return f"event {s.control_event}"
+
+
+async def rewrite_delegation(j: Journal, s: Scene) -> str:
+    await raw(j, "UPDATE delegations SET state = 'SUCCEEDED', error = NULL WHERE id = ?",
+              s.delegation)
+    return f"delegation {s.delegation}"
+
+
+async def insert_action(j: Journal, s: Scene) -> str:
+    await raw(j, "INSERT INTO actions (id, delegation_id, ordinal, tool, effect, args, "
+              "args_hash, idem_key, state, result, started_at) SELECT 'a_forged', "
+              "delegation_id, 9, tool, effect, args, args_hash, 'k_forged', 'COMPLETED', "
+              "result, started_at FROM actions WHERE id = ?", s.done)
+    return "action a_forged"
+
+
+async def delete_action(j: Journal, s: Scene) -> str:
+    await raw(j, "DELETE FROM actions WHERE id = ?", s.done)
+    return f"action {s.done}"
+
+
+async def delete_event(j: Journal, s: Scene) -> str:
+    await raw(j, "DELETE FROM events WHERE id = ?", s.control_event)
+    return f"event {s.control_event}"
+
+
+async def delete_chain_tail(j: Journal, s: Scene) -> str:
+    """Covering tracks: the row and its last chain entries deleted together."""
+    await raw(j, "DELETE FROM chain WHERE delegation_id = ? AND seq > (SELECT MAX(seq) - 3 "
+              "FROM chain WHERE delegation_id = ?)", s.delegation, s.delegation)
+    return "chain"
+
+
+async def reseal(j: Journal, s: Scene) -> str:
+    """Covering tracks: flip the state, then chain and seal it again with a key of one's
+    own, exactly as the journal would."""
+    from tether._journal import chainops
+
+    class Anything(chainops.Sealer):  # the intruder's own code extends any head
+        def trusts(self, db: Any, delegation_id: str, head: Any) -> bool:
+            return True
+
+    await raw(j, "UPDATE actions SET state = 'NOT_APPLIED' WHERE id = ?", s.done)
+    intruder = Anything()
+    intruder.signer = tether.KeyRing.ephemeral().signer
+    await j._write(lambda db: chainops.seal(db, [("actions", s.done)], intruder, time.time()))
+    return "chain"
+
+
+async def rewrite_chain(j: Journal, s: Scene) -> str:
+    """Covering tracks in the chain itself: flip the state, rewrite the action's entries to
+    match, and re-link every later entry and the head's hash (the seal cannot be redone)."""
+    from tether._core import chain
+
+    await raw(j, "UPDATE actions SET state = 'NOT_APPLIED' WHERE id = ?", s.done)
+
+    def rewrite(db: Any) -> None:
+        (row,) = db.execute(f"SELECT {chain.COLUMNS['actions']} FROM actions WHERE id = ?",
+                            (s.done,)).fetchall()
+        forged = chain.content_hash(row)
+        entries = db.execute("SELECT seq, record, content, pre FROM chain WHERE "
+                             "delegation_id = ? ORDER BY seq", (s.delegation,)).fetchall()
+        last = max(seq for seq, rec, _, _ in entries if rec == f"action {s.done}")
+        prev = ""
+        for seq, rec, content, pre in entries:
+            if seq == last:
+                content = forged
+            prev = chain.entry_hash(prev, s.delegation, seq, rec, content, pre)
+            db.execute("UPDATE chain SET content = ?, pre = ?, hash = ? WHERE "
+                       "delegation_id = ? AND seq = ?", (content, pre, prev, s.delegation, seq))
+        db.execute("UPDATE chain_heads SET hash = ? WHERE delegation_id = ?",
+                   (prev, s.delegation))
+
+    await j._write(rewrite)
+    return "chain"
+
+
+ATTACKS: dict[str, Attack] = {
+    "flipped_state": flip, "rewritten_result": rewrite_result,
+    "rewritten_reason": rewrite_reason, "rewritten_delegation": rewrite_delegation,
+    "inserted_action": insert_action, "deleted_action": delete_action,
+    "deleted_event": delete_event, "deleted_chain_tail": delete_chain_tail,
+    "resealed_by_intruder": reseal, "rewritten_chain": rewrite_chain,
+}
+
+
+async def verify_json(url: str, *args: str) -> tuple[int, dict[str, Any]]:
+    code, out, err = await tether_cli("verify", *args, "--journal", url, "--json")
+    assert code in (0, 1), out + err
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+async def test_tampering_is_named_by_verify_and_refused_by_reconcile(
+        journal_url: str, attack: str) -> None:
+    s = await scene(journal_url)
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+    async with Journal(journal_url) as j:
+        record = await ATTACKS[attack](j, s)
+        stuck_before = await j.action(s.stuck)
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    assert {"delegation": s.delegation, "record": record} in [
+        {k: p[k] for k in ("delegation", "record")} for p in data["problems"]], data
+    code, data = await verify_json(journal_url, s.delegation)  # one subtree: the same
+    assert code == 1 and any(p["record"] == record for p in data["problems"]), data
+    # Reconciliation refuses to act on it: one error line naming the record; nothing probed.
+    code, out, err = await tether_cli("reconcile", s.delegation, "--journal", journal_url)
+    assert code == 2, out + err
+    line = one_error_line(err)
+    assert "fail verification" in line and s.delegation in line, line
+    if record != "chain":
+        assert record in line, line
+    async with Journal(journal_url) as j:
+        assert (await j.action(s.stuck)).evidence == stuck_before.evidence
+
+
+async def test_an_alteration_the_writer_then_writes_over_is_still_named(
+        journal_url: str) -> None:
+    """The writer chains a row as it commits it: a row altered by hand and then written by a
+    legitimate process (here a person's decision on the stuck charge, whose amount was
+    changed first) would be sealed as that process's own, unless the chain also keeps the
+    row as its writer found it."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await raw(j, "UPDATE actions SET args = replace(args, '1250', '125000') WHERE id = ?",
+                  s.stuck)
+    code, _, err = await tether_cli("resolve", s.stuck, "--as", "COMPLETED", "--note",
+                                    "bank statement", "--by", "alice", "--journal", journal_url)
+    assert code == 0, err
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    named = [p for p in data["problems"] if p["record"] == f"action {s.stuck}"]
+    assert named and "altered before chain entry" in named[0]["problem"], data
+
+
+async def test_a_rewritten_chain_is_not_sealed_over_by_the_next_writer(
+        journal_url: str) -> None:
+    """An intruder who rewrites the chain to match an altered row cannot seal it; the next
+    legitimate writer (a person's decision, in another process) must not seal it either,
+    or the rewrite would pass as that writer's own."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await rewrite_chain(j, s)
+    code, _, err = await tether_cli("resolve", s.stuck, "--as", "COMPLETED", "--note",
+                                    "bank statement", "--by", "alice", "--journal", journal_url)
+    assert code == 0, err
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    assert any(p["record"] == "chain" and "seal" in p["problem"]
+               for p in data["problems"]), data
+
+
+@pytest.mark.parametrize("attack", ["flipped_state", "rewritten_result", "inserted_action",
+                                    "deleted_action", "deleted_event", "resealed_by_intruder"])
+async def test_show_marks_what_verify_names(journal_url: str, attack: str) -> None:
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        record = await ATTACKS[attack](j, s)
+    code, out, err = await tether_cli("show", s.delegation, "--journal", journal_url, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["chain"] == "TAMPERED"
+    assert record in {t["record"] for t in data["tampered"]}, data["tampered"]
+    if record.startswith("action ") and attack != "deleted_action":
+        (marked,) = [a for a in data["actions"] if f"action {a['id']}" == record]
+        assert marked["tampered"] in ("altered", "inserted")
+    code, out, err = await tether_cli("show", s.delegation, "--journal", journal_url)
+    assert code == 0 and "TAMPERED" in out, out + err
+
+
+@pytest.mark.parametrize("attack", ["flipped_state", "rewritten_result", "deleted_action",
+                                    "inserted_action", "deleted_event"])
+async def test_redelegation_refuses_a_tampered_delegation(journal_url: str,
+                                                          attack: str) -> None:
+    """Re-delegating replays the old epoch's completed calls by their keys and believes its
+    records: a refund whose row was flipped to NOT_APPLIED (or deleted) would be paid again."""
+    order = f"R-{uuid.uuid4().hex[:6]}"
+
+    async def twice(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=100)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("refunder", twice, (refund,)), tools=[refund])
+        assert await h.result() == "ok"
+        (done,) = (await h.report()).actions
+        control = [e for e in await sup.journal.events([h.id]) if e.kind == "state"][-1]
+        record = await ATTACKS[attack](sup.journal, Scene(h.id, done.id, "", control.id))
+        with pytest.raises(tether.JournalError, match="fail verification") as refused:
+            await h.redelegate()
+        assert record in str(refused.value)
+        assert [r.id for r in await sup.journal.delegations()] == [h.id]  # nothing new
+    assert PAY.refund_count(order) == 1
+
+
+async def test_an_untouched_journal_verifies_clean(journal_url: str) -> None:
+    """No false alarms: recalls, terminates, nested children, receipts, a person's decision
+    and re-delegation, by several processes (the CLI's intents), all verify."""
+    s = await scene(journal_url)
+    code, _, err = await tether_cli("resolve", s.stuck, "--as", "COMPLETED", "--note",
+                                    "bank statement", "--by", "alice", "--journal", journal_url)
+    assert code == 0, err
+    order = f"N-{uuid.uuid4().hex[:6]}"
+
+    @tether.agent(tools=[refund])
+    async def inner(ctx: tether.Context) -> str:
+        return str(await ctx.call(refund, order_id=order, cents=5))
+
+    async def outer(ctx: tether.Context) -> str:
+        return str(await (await ctx.delegate(inner)).result())
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(outer, tools=[inner])
+        await h.result()
+        again = await h.redelegate()
+        await again.result()
+        code, out, err = await tether_cli("reconcile", again.id, "--journal", journal_url)
+        assert code == 0, out + err
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"], data["unchained"]) == (0, [], []), data
+    assert data["chains_checked"] == data["delegations"] >= 4
+
+
+async def test_two_writers_on_one_delegation_never_fork_its_chain(journal_url: str) -> None:
+    """Two processes (two journals, two connections) append to one delegation's chain at
+    once: each head move waits for the other's (a row lock on PostgreSQL), never forks."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        keys = tether.KeyRing.load(j.keys_dir)  # the deployment's, as its processes load it
+
+    async def write(n: int) -> None:
+        async with Journal(journal_url) as j:
+            j.seal_with(keys.signer, keys.trusted)
+            for i in range(40):
+                j.event(time.time(), "note", s.delegation, None, writer=n, i=i)
+                if i % 5 == 0:
+                    await j.flush()
+            await j.flush()
+
+    await asyncio.gather(write(1), write(2), write(3))
+    async with Journal(journal_url) as j:
+        (verdict,) = await j.chain_verdicts([s.delegation], keys.trusted)
+        notes = [e for e in await j.events([s.delegation]) if e.kind == "note"]
+    assert len(notes) == 120
+    assert verdict.ok, verdict
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+async def test_a_journal_from_before_the_chain_opens_and_its_records_are_unchained(
+        journal_url: str) -> None:
+    """A journal at schema 5 (no chain) opens; its delegations' records are listed as
+    unchained, not failures; delegations written after the upgrade are chained."""
+    old = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await before_the_chain(j, tether.KeyRing.load(j.keys_dir))
+    new = await scene(journal_url)  # opening migrates to 6
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+    assert [u["delegation"] for u in data["unchained"]] == [old.delegation], data
+    async with Journal(journal_url) as j:
+        await flip(j, new)
+    code, data = await verify_json(journal_url)
+    assert code == 1 and {p["delegation"] for p in data["problems"]} == {new.delegation}
+
+
+async def test_a_chained_journals_delegation_cannot_be_passed_off_as_unchained(
+        journal_url: str) -> None:
+    """Covering tracks by downgrade: the chain's entries deleted and its head replaced by an
+    unsealed one marked legacy, as the upgrade makes for delegations older than the chain. In
+    a journal chained from the start (its signed root entry says so) that is named."""
+    s = await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await flip(j, s)
+        await raw(j, "DELETE FROM chain WHERE delegation_id = ?", s.delegation)
+        await raw(j, "UPDATE chain_heads SET length = 0, hash = '', legacy = 1, path = NULL, "
+                  "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
+                  s.delegation)
+    code, data = await verify_json(journal_url)
+    assert code == 1, data
+    assert any(p["delegation"] == s.delegation and "chained from the start" in p["problem"]
+               for p in data["problems"]), data
+
+
+async def test_pruned_delegations_take_their_chain_along(journal_url: str) -> None:
+    """`tether prune` removes whole settled trees: their chains go with them, so nothing is
+    left for `tether verify` to call deleted."""
+    order = f"P-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> None:
+        await ctx.call(refund, order_id=order, cents=1)
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        await h.result()
+        # Aged by hand past the deadline and clock tolerance prune waits for (as the
+        # retention tests do): an alteration, and the tree it is in goes with the prune.
+        await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
+    code, out, err = await tether_cli("prune", "--before", "0s", "--journal", journal_url,
+                                      "--json")
+    assert code == 0 and json.loads(out)["delegations"] == 1, out + err
+    async with Journal(journal_url) as j:
+        left = await j._read(lambda db: db.execute(
+            "SELECT (SELECT COUNT(*) FROM chain WHERE delegation_id = ?) + (SELECT COUNT(*) "
+            "FROM chain_heads WHERE delegation_id = ?)", (h.id, h.id)).fetchone()[0])
+    assert left == 0
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+def test_a_merkle_path_leads_each_head_to_the_signed_root() -> None:
+    from tether._core.chain import fold, merkle
+
+    leaves = [f"{i:064x}" for i in range(1, 8)]
+    root, paths = merkle(leaves)
+    assert all(fold(leaf, path) == root for leaf, path in zip(leaves, paths, strict=True))
+    assert fold(leaves[0], paths[1]) != root
+
+
+def test_redispatch_never_believes_tampered_records() -> None:
+    """I6(b) reads the journal's count of side effects: with records that fail their chain
+    (an action row deleted by hand reads as "no side effect"), a cut is not re-dispatched."""
+    facts = AttemptFacts(ending=Ending.STREAM_CUT, partial_usable=False, attempt=1,
+                         side_effects_started=0, tools_ran=0, surface=(), agents={},
+                         known_tools=frozenset(), generation_at_start=0, generation_now=0)
+    assert decide_redispatch(facts, RedispatchPolicy()).redispatch
+    bad = AttemptFacts(**{**facts.__dict__, "tampered": ("d-1: chain",)})
+    assert decide_redispatch(bad, RedispatchPolicy()).code.value == "records_tampered"
