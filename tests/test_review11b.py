@@ -6,6 +6,7 @@ test advances it, events and gates), and judges by the provider's own ledger.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -260,3 +261,52 @@ async def test_a_probe_asked_before_the_deadline_that_times_out_after_it_is_aske
     assert final.outcome is S.RECONCILED
     assert held.probes == 2
     assert held.applied == {}
+
+
+async def test_a_child_cut_while_it_adopts_its_own_fence_ends_with_an_error_not_cancelled(
+        journal_url: str, keys: tether.KeyRing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process terminates a child (the journal fences it) before its owner hears of
+    it; the child's next call is refused, and the child adopts the intent itself. If the
+    owner's watch loop adopts the same intent meanwhile, its drain cuts the child while the
+    child stands in that handler. The caller of ``result()`` must get the task's failure (a
+    TetherError), never a bare ``asyncio.CancelledError`` (seen in chaos: the orchestrator
+    crashed on it after a pause)."""
+    from tether._runtime.adoption import Adoption
+
+    gate = asyncio.Event()
+    paid: list[str] = []
+
+    @tether.tool(effect=tether.Effect.EXTERNAL, name="pay")
+    async def pay(order_id: str, *, idempotency_key: str) -> str:
+        paid.append(idempotency_key)
+        return "ok"
+
+    async def agent(ctx: tether.Context) -> str:
+        await gate.wait()
+        return str(await ctx.call(pay, order_id="L-1"))
+
+    latest = Adoption.latest
+
+    async def adopted_by_both(self: Adoption, rt: Any) -> None:
+        # The watch loop adopts the same intent while the child looks it up: its drain cuts.
+        waiting = asyncio.ensure_future(latest(self, rt))
+        await asyncio.sleep(0)
+        rt.cut()
+        await waiting
+
+    monkeypatch.setattr(Adoption, "latest", adopted_by_both)
+    # The owner polls for others' intents once an hour: it learns of the terminate only
+    # through its child.
+    async with tether.Supervisor(journal_url, keys=keys, tools=[pay], control_poll=3600.0) \
+            as owner, tether.Supervisor(journal_url, keys=keys, tools=[pay]) as other:
+        child = await owner.delegate(agent, tools=[pay])
+        stopping = asyncio.ensure_future(other.handle_for(child.id).terminate("from elsewhere"))
+        await eventually(lambda: owner.journal.get(child.id), lambda row: row.fenced,
+                         "the journal to fence the child")
+        gate.set()
+        with pytest.raises(tether.TetherError):
+            await within(child.result(), 10.0, "the child's result")
+        stopping.cancel()
+        with contextlib.suppress(BaseException):
+            await stopping
+    assert paid == []

@@ -127,7 +127,15 @@ async def drive(sup: ports.Attempts, run: TaskRun, args: Sequence[Any],
     try:
         while True:
             assert rt.task is not None
-            ok, value = await rt.task
+            try:
+                ok, value = await rt.task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if rt.stop is None or (me is not None and me.cancelling()):
+                    raise  # the supervisor is closing
+                # A cut reached the child where it stood outside its handlers: stopped, and
+                # its drain settles it; the task's caller gets its failure, not a cancel.
+                ok, value = False, rt.stop
             if rt.draining is not None:
                 await asyncio.gather(rt.draining, return_exceptions=True)
             stopped = rt.stop is not None

@@ -406,8 +406,13 @@ class Supervisor:
             if rt.stop is None and rt.draining is None and not self.presumed_dead():
                 # The journal fenced it before this process heard of the intent (a recall
                 # from another shell): drain it now, or nobody would settle it.
-                await self._adoption.latest(rt)
-            return False, signal
+                try:
+                    await self._adoption.latest(rt)
+                except asyncio.CancelledError:
+                    if rt.stop is None:
+                        raise
+                    # The watch loop adopted it too, and its drain cut us here: stopped.
+            return False, rt.stop or signal
         except asyncio.CancelledError:
             if rt.stop is None:
                 raise
