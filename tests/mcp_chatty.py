@@ -1,10 +1,13 @@
 """An MCP server (the SDK's server API, over stdio) whose tool, once the test lets it go, logs
 and asks its client for sampling, each naming the call it belongs to: which client receives
 them tells whether a proxy keeps its clients apart. ``tagged(tag)`` waits on the named pipes
-``started-TAG`` / ``release-TAG`` in TETHER_TEST_GATES."""
+``started-TAG`` / ``release-TAG`` in TETHER_TEST_GATES. ``stubborn(tag)`` does the same, but
+goes on after its client cancels the call (cancellation is advisory), saying ``cancelled-TAG``
+when told and ``done-TAG`` once it has logged and asked."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import warnings
@@ -22,6 +25,21 @@ server = MCPServer("chatty")
 
 @server.tool(annotations=ToolAnnotations(read_only_hint=True))
 async def tagged(tag: str, ctx: Context) -> str:
+    return await chat(tag, ctx)
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def stubborn(tag: str, ctx: Context) -> str:
+    job = asyncio.ensure_future(chat(tag, ctx))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        open_gate(f"cancelled-{tag}", tag)
+        job.add_done_callback(lambda _: open_gate(f"done-{tag}", tag))
+        raise
+
+
+async def chat(tag: str, ctx: Context) -> str:
     release = await listen_gate(f"release-{tag}")
     open_gate(f"started-{tag}", tag)
     await release

@@ -5,6 +5,7 @@ for a durable commit (an intent) stays durable."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -69,3 +70,64 @@ async def test_relaxed_posts_ride_a_commit_that_does_not_wait_for_the_disk(
         await j.flush()
     assert relaxed[-1] is False  # the durable flush
     assert set(relaxed[:-1]) == {True}  # the post, alone or with the relaxed flush
+
+
+async def test_an_intent_in_one_batch_with_relaxed_writes_commits_durably(
+        journal_url: str, keys: tether.KeyRing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MCP proxy's journal (relaxed posts, a relaxed flush before each answer): a relaxed
+    receipt and a relaxed flush queued with the next call's write-ahead intent ride its batch,
+    and the batch waits for the disk (I1). Read inside the intent's own transaction."""
+    from tether._journal import ops
+
+    sqlite = journal_url.startswith("sqlite")
+    seen: list[str] = []
+    begin_action = ops.begin_action
+
+    def watched(db: Any, *args: Any) -> Any:
+        seen.append(str(db.execute("PRAGMA synchronous" if sqlite
+                                   else "SHOW synchronous_commit").fetchone()[0]))
+        return begin_action(db, *args)
+
+    monkeypatch.setattr(ops, "begin_action", watched)
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def echo(n: int, idempotency_key: str) -> int:
+        return n
+
+    async with tether.Supervisor(journal_url, keys=keys) as sup:
+        sup.journal.relaxed_posts = True
+        runner: Any = sup.journal._runner
+        submit = runner.submit
+        intent_queued = asyncio.Event()
+
+        def watch(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False) -> Any:
+            future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+            if write and wait and not relaxed:
+                intent_queued.set()
+            return future
+
+        async def agent(ctx: tether.Context) -> None:
+            # The writer busy with a batch, while a relaxed receipt, a relaxed flush and an
+            # intent are queued behind it: they are drained as one batch.
+            running, hold = threading.Event(), threading.Event()
+
+            def blocker(db: Any) -> None:
+                running.set()
+                hold.wait(30)
+
+            busy = submit(blocker, write=True)
+            await asyncio.to_thread(running.wait, 30)  # the batch before is on the writer
+            sup.journal.event(sup.clock.wall(), "receipt-like")
+            flushed = asyncio.ensure_future(sup.journal.flush(durable=False))
+            monkeypatch.setattr(runner, "submit", watch)
+            call = asyncio.ensure_future(ctx.call(echo, n=1))
+            await intent_queued.wait()
+            monkeypatch.setattr(runner, "submit", submit)
+            hold.set()
+            await busy
+            await flushed
+            assert await call == 1
+
+        child = await sup.delegate(agent, tools=[echo])
+        await child.result()
+    assert seen == (["2"] if sqlite else ["on"]), seen

@@ -80,3 +80,35 @@ async def test_an_upstreams_messages_during_one_clients_call_never_reach_another
     assert "for A" not in " ".join(map(str, b.logs)) + " ".join(b.prompts), (b.logs, b.prompts)
     assert "for B" not in " ".join(map(str, a.logs)) + " ".join(a.prompts), (a.logs, a.prompts)
     assert text(answer_a).startswith("A:") and text(answer_b).startswith("B:")
+
+
+async def test_a_cancelled_call_the_upstream_goes_on_with_never_reaches_another_client(
+        bank_env: Path, tmp_path: Path) -> None:
+    """Cancellation is advisory: an upstream may go on with a call its client cancelled, and
+    log and ask for sampling for it later. Another client's request, alone in waiting on that
+    upstream by then, must not be sent what belongs to the cancelled call."""
+    from mcp import Client
+
+    make_gates(bank_env.parent / "gates", "started-A", "release-A", "cancelled-A", "done-A",
+               "started-B", "release-B")
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    a, b = Seen(), Seen()
+    async with chatty_proxy(journal) as url, \
+            Client(url, logging_callback=a.logging, sampling_callback=a.sampling) as one, \
+            Client(url, logging_callback=b.logging, sampling_callback=b.sampling) as two:
+        started_a, cancelled_a = await listen_gate("started-A"), await listen_gate("cancelled-A")
+        call_a = asyncio.ensure_future(one.call_tool("stubborn", {"tag": "A"}))
+        await started_a
+        call_a.cancel()
+        assert await asyncio.wait_for(cancelled_a, 30) == "A"  # told; its work goes on
+        started_b = await listen_gate("started-B")
+        call_b = asyncio.ensure_future(two.call_tool("tagged", {"tag": "B"}))
+        await started_b  # B's request alone waits on the upstream
+        done_a = await listen_gate("done-A")
+        open_gate("release-A")  # the cancelled call logs and asks for sampling now
+        assert await asyncio.wait_for(done_a, 30) == "A"
+        open_gate("release-B")
+        answer_b = await asyncio.wait_for(call_b, 30)
+    assert b.logs == ["log for B"], b.logs
+    assert "for A" not in " ".join(map(str, b.logs)) + " ".join(b.prompts), (b.logs, b.prompts)
+    assert text(answer_b).startswith("B:")

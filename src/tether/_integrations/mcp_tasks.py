@@ -46,6 +46,7 @@ from mcp.shared.exceptions import MCPError
 from tether._core.model import ProbeOutcome
 from tether._integrations.mcp_gateway import REJECTED_BEFORE_RUNNING, McpToolError
 from tether._integrations.mcp_relay import RawRequest, RawResult
+from tether._runtime.gateway import ACTION
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import ProbeFn, ProbeResult
 
@@ -94,34 +95,42 @@ class TaskBook:
     session: ClientSession
     sup: Supervisor | None = None  # set when the proxy's supervisor is up
     delegation_id: str | None = None  # the session's delegation, once it runs
-    known: dict[str, str] = field(default_factory=dict)  # idempotency key -> task id
+    known: dict[str, str] = field(default_factory=dict)  # action id -> task id
     _cancels: set[asyncio.Task[Any]] = field(default_factory=set)
 
     async def record(self, key: str, task_id: str) -> None:
         """Journaled and flushed before the proxy waits on the task: a proxy that dies after
-        this leaves the next one on the journal a task to ask about."""
-        self.known[key] = task_id
+        this leaves the next one on the journal a task to ask about. Named by the action the
+        call is (``ACTION``), not only its key: a key used again, after a call with it did not
+        apply, must not be settled by the earlier call's task."""
+        action = ACTION.get()
+        if action is None:  # not a journaled call: there is nothing to settle by it
+            return
+        self.known[action] = task_id
         if self.sup is None:
             return
-        self.sup.journal.event(self.sup.clock.wall(), EVENT, self.delegation_id, None,
+        self.sup.journal.event(self.sup.clock.wall(), EVENT, self.delegation_id, action,
                                key=key, task=task_id, upstream=self.upstream)
         await self.sup.journal.flush()
 
     async def lookup(self, key: str) -> str | None:
-        if key in self.known:
-            return self.known[key]
+        """The task the call in doubt under ``key`` became: of that very action (in memory,
+        else journaled with its id), or None (then the operator's probe, else UNKNOWN)."""
         if self.sup is None:
             return None
         journal = self.sup.journal
-        roots = sorted({a.delegation_id for a in await journal.unsettled()
-                        if a.idempotency_key == key})
-        found = None
-        for event in await journal.events(roots) if roots else []:
-            detail = event.detail
-            if event.kind == EVENT and detail.get("key") == key and \
-                    detail.get("upstream") == self.upstream:
-                found = detail.get("task")
-        return found if isinstance(found, str) else None
+        actions = [a for a in await journal.unsettled() if a.idempotency_key == key]
+        found = {self.known[a.id] for a in actions if a.id in self.known}
+        if not found and actions:
+            ids = {a.id for a in actions}
+            for event in await journal.events(sorted({a.delegation_id for a in actions})):
+                detail = event.detail
+                if event.kind == EVENT and event.action_id in ids and \
+                        detail.get("key") == key and detail.get("upstream") == self.upstream \
+                        and isinstance(detail.get("task"), str):
+                    found.add(detail["task"])
+        # Two tasks for one call in doubt: which one answers for it cannot be told.
+        return found.pop() if len(found) == 1 else None
 
     async def get(self, task_id: str) -> dict[str, Any]:
         answer = await self.session.send_request(

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from tether._core import values
@@ -35,6 +36,10 @@ UNSERIALIZABLE = values.UNSERIALIZABLE
 Journaled = Callable[[Tool], Awaitable[Any]]
 Interceptor = Callable[[Tool, str, dict[str, Any], Journaled], Awaitable[Any]]
 INTERCEPTORS: list[Interceptor] = []
+# The journaled action a tool function runs for (set in its own task, around the call): what
+# a tool that journals facts of its own about the call (the MCP proxy's task ids) names them by,
+# since one idempotency key may be used again once an earlier call with it did not apply.
+ACTION: ContextVar[str | None] = ContextVar("tether_action", default=None)
 
 
 log = logger("supervisor")
@@ -200,6 +205,7 @@ class Context:
                                   error="dispatch deadline passed before the call was sent")
             telemetry.finish(span, ActionState.FAILED.value, "dispatch_deadline")
             raise ToolRejected(f"{tool.name}: dispatch deadline passed before the call was sent")
+        ACTION.set(action_id)  # this task's own context: the action's, to its end
         try:
             result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:
