@@ -30,6 +30,17 @@ async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
     return await PAY.refund(order_id, cents, idempotency_key=idempotency_key)
 
 
+def one_refund(prefix: str, cents: int = 1) -> tuple[str, tether.Agent]:
+    """A fresh order, and an agent that refunds it once and returns "ok"."""
+    order = f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+    async def once(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=cents)
+        return "ok"
+
+    return order, tether.Agent("once", once, (refund,))
+
+
 @dataclass
 class Scene:
     delegation: str
@@ -391,13 +402,9 @@ async def test_a_chained_journals_delegation_cannot_be_passed_off_as_unchained(
 async def test_pruned_delegations_take_their_chain_along(journal_url: str) -> None:
     """`tether prune` removes whole settled trees: their chains go with them, so nothing is
     left for `tether verify` to call deleted."""
-    order = f"P-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> None:
-        await ctx.call(refund, order_id=order, cents=1)
-
+    _, once = one_refund("P")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        h = await sup.delegate(once, tools=[refund])
         await h.result()
         # Aged by hand past the deadline and clock tolerance prune waits for (as the
         # retention tests do): an alteration, and the tree it is in goes with the prune.

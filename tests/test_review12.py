@@ -18,7 +18,7 @@ import tether
 from tests.conftest import Shop
 from tests.operator_world import stuck_payment
 from tests.test_cli import ROOT, tether_cli
-from tests.test_signed_work import PAY, ended, pay, payer
+from tests.test_signed_work import PAY, pay, payer, served
 from tests.test_trust import one_error_line, open_gate, raw
 
 
@@ -106,11 +106,7 @@ async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback
                   "control_seq = 0 WHERE id = ?", h.id)
         await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
                   "done_at = NULL WHERE delegation_id = ?", h.id)
-        async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
-            serving = asyncio.create_task(worker.run())
-            await ended(sup.journal, [h.id])
-            worker.stop()
-            await serving
+        await served(journal_url, [payer], deployment, sup.journal, [h.id])
     assert PAY.refund_count(order) == 0
 
 
@@ -154,11 +150,7 @@ async def test_queued_work_is_not_run_after_a_rollback_of_its_chain_too(
                   last_event, h.id)
         await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
                   "done_at = NULL WHERE delegation_id = ?", h.id)
-        async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
-            serving = asyncio.create_task(worker.run())
-            await ended(sup.journal, [h.id])
-            worker.stop()
-            await serving
+        await served(journal_url, [payer], deployment, sup.journal, [h.id])
     assert PAY.refund_count(order) == 0
 
 

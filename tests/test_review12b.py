@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import tether
-from tests.test_chain import PAY, refund
+from tests.test_chain import PAY, one_refund, refund
 from tests.test_cli import tether_cli
 from tests.test_trust import one_error_line, raw
 from tether._journal.journal import Journal
@@ -24,14 +24,8 @@ async def test_redelegation_refuses_when_an_earlier_epoch_holding_the_key_was_ta
     """A task's idempotency keys are shared by all its epochs, and a replay adds no row: the
     COMPLETED refund stays the first epoch's record. Re-delegating the second epoch must not
     believe the first one's flipped row (NOT_APPLIED frees the key), or it pays again."""
-    order = f"E-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> str:
-        await ctx.call(refund, order_id=order, cents=100)
-        return "ok"
-
+    order, agent = one_refund("E", cents=100)
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        agent = tether.Agent("refunder", once, (refund,))
         first = await sup.delegate(agent, tools=[refund])
         assert await first.result() == "ok"
         second = await first.redelegate()
@@ -55,14 +49,9 @@ async def test_a_chain_read_while_its_writer_commits_is_no_false_alarm(
     delegation nobody touched)."""
     from tether._journal import chainops
 
-    order = f"V-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> str:
-        await ctx.call(refund, order_id=order, cents=1)
-        return "ok"
-
+    _, once = one_refund("V")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        h = await sup.delegate(once, tools=[refund])
         assert await h.result() == "ok"
     loop = asyncio.get_running_loop()
     async with Journal(journal_url) as reader, Journal(journal_url) as writer:
@@ -129,14 +118,9 @@ async def test_garbage_in_the_chain_is_named_not_a_traceback(tmp_path: Path,
     naming a row id no integer column holds, crashed `verify`, `show` and `reconcile` with
     a traceback. Each is a named problem (verify exits 1) and a refusal (one error line)."""
     url = f"sqlite:///{tmp_path / 'journal.db'}"
-    order = f"G-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> str:
-        await ctx.call(refund, order_id=order, cents=1)
-        return "ok"
-
+    _, once = one_refund("G")
     async with tether.Supervisor(url, tools=[refund]) as sup:
-        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        h = await sup.delegate(once, tools=[refund])
         assert await h.result() == "ok"
         await raw(sup.journal, GARBAGE[garbage], h.id)
     code, out, err = await tether_cli("verify", "--journal", url, "--json")
@@ -153,14 +137,9 @@ async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
     """`tether verify` lists the delegations, then reads their chains: a `tether prune` that
     commits in between takes whole trees with their chains (nothing of them is left). A
     delegation gone entirely reads as pruned, not as "no chain head (deleted by hand)"."""
-    order = f"P-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> str:
-        await ctx.call(refund, order_id=order, cents=1)
-        return "ok"
-
+    _, once = one_refund("P")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(tether.Agent("once", once, (refund,)), tools=[refund])
+        h = await sup.delegate(once, tools=[refund])
         assert await h.result() == "ok"
         listed = [d.id for d in await sup.journal.delegations()]  # verify's listing
         await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
@@ -210,14 +189,9 @@ async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole
     pruned, yet `tether prune` only ever removes a task's epochs together. The second epoch's
     signed row says epoch 1: a task whose epochs have a gap lost one by hand, and re-delegating
     it would pay the refund again."""
-    order = f"W-{uuid.uuid4().hex[:6]}"
-
-    async def once(ctx: tether.Context) -> str:
-        await ctx.call(refund, order_id=order, cents=100)
-        return "ok"
-
+    order, once = one_refund("W", cents=100)
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        first = await sup.delegate(tether.Agent("refunder", once, (refund,)), tools=[refund])
+        first = await sup.delegate(once, tools=[refund])
         assert await first.result() == "ok"
         second = await first.redelegate()
         assert await second.result() == "ok"

@@ -39,6 +39,17 @@ async def ended(journal: tether.Journal, ids: list[str], within: float = 30.0) -
         await asyncio.sleep(0.02)
 
 
+async def served(url: str, agents: list[Any], keys: tether.KeyRing, journal: tether.Journal,
+                 ids: list[str]) -> list[Any]:
+    """Run a ``tether.Worker`` on ``url`` until the delegations ``ids`` have ended."""
+    async with tether.Worker(url, agents, keys=keys, poll=0.02) as worker:
+        serving = asyncio.create_task(worker.run())
+        rows = await ended(journal, ids)
+        worker.stop()
+        await serving
+    return rows
+
+
 async def test_a_worker_refuses_work_nobody_trusted_signed(journal_url: str,
                                                             tmp_path: Path) -> None:
     """Case 3: a process with journal write access but no trusted key queues payments with
@@ -61,11 +72,8 @@ async def test_a_worker_refuses_work_nobody_trusted_signed(journal_url: str,
             await raw(intruder.journal, "UPDATE delegations SET work_body = NULL, "
                       "work_key = NULL, work_sig = NULL WHERE id = ?", forged.id)
         refused = [*(h.id for h in queued), forged.id, altered.id]
-        async with tether.Worker(journal_url, [payer], keys=deployment, poll=0.02) as worker:
-            serving = asyncio.create_task(worker.run())
-            rows = await ended(sup.journal, [honest.id, *refused])
-            worker.stop()
-            await serving
+        rows = await served(journal_url, [payer], deployment, sup.journal,
+                            [honest.id, *refused])
     assert rows[0].state is tether.DelegationState.SUCCEEDED
     for row in rows[1:]:
         assert row.state is tether.DelegationState.FAILED, row
