@@ -93,6 +93,8 @@ class Accounting:
     def _probe_again(self, action: ActionRecord) -> bool:
         tool = self._tools.get(action.tool)
         evidence = action.evidence or {}
+        # When the last probe was sent; evidence written before it was kept has only the
+        # time it answered.
         asked_at = evidence.get("asked_at", evidence.get("probed_at"))
         return probe_again(action.state, deadline_at=deadline_of(action, self._tools),
                            asked_at=asked_at if isinstance(asked_at, int | float) else None,
