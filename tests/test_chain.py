@@ -152,7 +152,7 @@ async def reseal(j: Journal, s: Scene) -> str:
     from tether._journal import chainops
 
     class Anything(chainops.Sealer):  # the intruder's own code extends any head
-        def trusts(self, db: Any, delegation_id: str, head: Any) -> bool:
+        def trusts(self, delegation_id: str, head: Any, registry: Any) -> bool:
             return True
 
     await raw(j, "UPDATE actions SET state = 'NOT_APPLIED' WHERE id = ?", s.done)

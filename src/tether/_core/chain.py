@@ -193,14 +193,10 @@ class ChainVerdict:
     delegation_id: str
     problems: list[Problem] = field(default_factory=list)
     unchained: list[str] = field(default_factory=list)
-    sealed_by: str | None = None
 
     @property
     def ok(self) -> bool:
         return not self.problems
-
-    def named(self) -> set[str]:
-        return {p.record for p in self.problems}
 
 
 def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | None:
@@ -243,8 +239,6 @@ def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
     problem = seal_problem(d, head, registry)
     if problem is not None:
         verdict.problems.append(Problem("chain", problem))
-    elif head.seal is not None:
-        verdict.sealed_by = head.seal.key_id
 
 
 def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],

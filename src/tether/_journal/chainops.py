@@ -11,14 +11,15 @@ once. ``read`` gathers what ``chain.judge`` needs for one delegation.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tether._core import chain
 from tether._core.documents import ChainSeal
 from tether._core.signing import Signed, SigningKey, TrustedKeys
+from tether._core.trust import Registry
 from tether._journal import trustops
-from tether._journal.tables import Db, blob
+from tether._journal.tables import Db, blob, chunks
 
 _HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
          "WHERE delegation_id = ?")
@@ -46,7 +47,8 @@ class Sealer:
         self.pins: TrustedKeys | None = None
         self.own: dict[str, tuple[int, str]] = {}
 
-    def trusts(self, db: Db, delegation_id: str, head: chain.Head) -> bool:
+    def trusts(self, delegation_id: str, head: chain.Head,
+               registry: Callable[[], Registry]) -> bool:
         """Whether to extend ``head``: sealed by this process, or by a key the registry (as
         this process's pins root it) trusts. A chain whose head fails is left as it is, for
         ``tether verify`` to name, never sealed over."""
@@ -58,7 +60,7 @@ class Sealer:
             return True
         if self.pins is None:
             return head.seal is None and head.legacy and head.length == 0
-        return chain.seal_problem(delegation_id, head, trustops.registry(db, self.pins)) is None
+        return chain.seal_problem(delegation_id, head, registry()) is None
 
     def sealed(self, delegation_id: str, length: int, tip: str) -> None:
         if len(self.own) >= self.MEMO:
@@ -66,11 +68,15 @@ class Sealer:
         self.own[delegation_id] = (length, tip)
 
 
-_CHUNK = 500  # rows per statement (SQLite allows 32766 parameters)
-
-
-def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
-    return [items[i:i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+# A delegation's own rows, per chained table (an event may name only its action).
+_OWN_ROWS = {
+    "delegations": "id = ?",
+    "actions": "delegation_id = ?",
+    "controls": "delegation_id = ?",
+    "documents": "delegation_id = ?",
+    "events": "delegation_id = ? OR (delegation_id IS NULL AND action_id IN "
+              "(SELECT id FROM actions WHERE delegation_id = ?))",
+}
 
 
 def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]:
@@ -80,7 +86,7 @@ def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]
         by_table.setdefault(table, []).append(pk)
     found: dict[tuple[str, Any], Any] = {}
     for table, pks in by_table.items():
-        for part in _chunks(pks):
+        for part in chunks(pks):
             for row in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id IN "
                                   f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
                 found[(table, row[0])] = row
@@ -91,7 +97,7 @@ def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
     """Insert the planned entries; False (and nothing inserted) if any was there already."""
     db.execute("SAVEPOINT chain")
     inserted = 0
-    for part in _chunks(plan):
+    for part in chunks(plan):
         inserted += db.execute(
             "INSERT INTO chain (delegation_id, seq, record, content, pre, hash) VALUES "
             f"{', '.join(['(?, ?, ?, ?, ?, ?)'] * len(part))} ON CONFLICT DO NOTHING",
@@ -104,6 +110,14 @@ def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
 
 def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
     """Chain and seal what this transaction wrote (see the module's docstring)."""
+    read: list[Registry] = []
+
+    def registry() -> Registry:  # read once per batch, and only if a foreign head moved
+        if not read:
+            assert sealer.pins is not None
+            read.append(trustops.registry(db, sealer.pins))
+        return read[0]
+
     signer = sealer.signer
     pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
     keys = list(dict.fromkeys(dirty))
@@ -122,7 +136,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
                 chain.content_hash(row), pre.get((table, pk), ""))
     ids = sorted(records)
     heads: dict[str, chain.Head] = {}
-    for part in _chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
+    for part in chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
         for found_head in db.execute(
                 "SELECT length, hash, legacy, path, seal, signer, signature, delegation_id "
                 f"FROM chain_heads h WHERE delegation_id IN ({', '.join('?' * len(part))}) "
@@ -138,7 +152,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
             db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
                        "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
             head = chain.Head(0, "", False, None, None)
-        if not sealer.trusts(db, delegation_id, head):
+        if not sealer.trusts(delegation_id, head, registry):
             # Its head was rewritten by hand: sealing over it would make that the writer's
             # own. Leave it as it is, for ``tether verify`` to name.
             continue
@@ -227,15 +241,7 @@ def _read_at(db: Db, delegation_id: str, found: Any
         elif bad is None:
             bad = f"chain entry {r[0]!r} is malformed (a column of the wrong type: written by hand)"
     rows: dict[str, str] = {}
-    mine = {
-        "delegations": "id = ?",
-        "actions": "delegation_id = ?",
-        "controls": "delegation_id = ?",
-        "documents": "delegation_id = ?",
-        "events": "delegation_id = ? OR (delegation_id IS NULL AND action_id IN "
-                  "(SELECT id FROM actions WHERE delegation_id = ?))",
-    }
-    for table, where in mine.items():
+    for table, where in _OWN_ROWS.items():
         params = (delegation_id,) * where.count("?")
         for r in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE {where}",
                             params).fetchall():

@@ -65,6 +65,7 @@ from tether._journal.tables import (
     _decoded,
     _delegation,
     before,
+    chunks,
     signed_of,
     touch,
 )
@@ -139,7 +140,7 @@ def kin(db: Db, ids: Iterable[str]) -> list[str]:
                                 "JOIN sub ON sub.id = d.id", (start,)).fetchall():
                 found.setdefault(str(r[0]))
                 tasks.add(str(r[1]))
-        more = [str(r[0]) for part in _chunked(sorted(tasks)) for r in db.execute(
+        more = [str(r[0]) for part in chunks(sorted(tasks)) for r in db.execute(
             f"SELECT id FROM delegations WHERE task_id IN ({', '.join('?' * len(part))})",
             tuple(part)).fetchall()]
         todo = [d for d in dict.fromkeys(more) if d not in found]
@@ -152,11 +153,11 @@ def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
     epoch move inserts its delegation in the same transaction, and `tether prune` removes a
     task's epochs together: a gap is an epoch deleted as a whole by hand, chain and all (the
     one record that held a key's COMPLETED call, which would then be paid again)."""
-    tasks = sorted({str(r[0]) for part in _chunked(sorted(set(ids))) for r in db.execute(
+    tasks = sorted({str(r[0]) for part in chunks(sorted(set(ids))) for r in db.execute(
         f"SELECT task_id FROM delegations WHERE id IN ({', '.join('?' * len(part))})",
         tuple(part)).fetchall()})
     seen: dict[str, set[int]] = {}
-    for part in _chunked(tasks):
+    for part in chunks(tasks):
         for task, epoch in db.execute(
                 "SELECT task_id, epoch FROM delegations WHERE task_id IN "
                 f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
@@ -164,10 +165,6 @@ def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
                 seen.setdefault(str(task), set()).add(epoch)
     return {t: sorted(set(range(max(e) + 1)) - e) for t, e in seen.items()
             if len(e) != max(e) + 1}
-
-
-def _chunked(items: list[str], size: int = 500) -> list[list[str]]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:

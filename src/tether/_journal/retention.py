@@ -4,13 +4,12 @@ export``), and pruning the trees ``_core.retention`` allows (for ``tether prune`
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tether._core.model import ActionState, DelegationState
 from tether._core.retention import CallFacts, NodeFacts, prunable
 from tether._journal.ops import actions, controls, documents, events, subtree
-from tether._journal.tables import SUBTREE, Db, event
+from tether._journal.tables import SUBTREE, Db, chunks, event
 
 _SETTLED = tuple(s.value for s in DelegationState
                  if s.terminal and s is not DelegationState.NEEDS_ATTENTION)
@@ -106,11 +105,6 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
     return ids if ok and len(nodes) == len(ids) else None
 
 
-def _chunks(items: Sequence[str], size: int = 500) -> Iterable[Sequence[str]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
-
-
 def prune(db: Db, root_ids: list[str], before: float, now: float,
           archive: dict[str, Any] | None, tolerance: float) -> dict[str, Any]:
     """Delete the trees that may still be pruned (each re-checked here, in the transaction),
@@ -126,12 +120,12 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
             gone.extend(i for i in ids if i not in seen)
             seen.update(ids)
     n_actions = 0
-    for part in _chunks(gone):
+    for part in chunks(gone):
         marks = ", ".join("?" * len(part))
         acts = [r[0] for r in db.execute(
             f"SELECT id FROM actions WHERE delegation_id IN ({marks})", part).fetchall()]
         n_actions += len(acts)
-        for apart in _chunks(acts):
+        for apart in chunks(acts):
             db.execute(f"DELETE FROM events WHERE action_id IN ({', '.join('?' * len(apart))})",
                        apart)
         db.execute(f"DELETE FROM events WHERE delegation_id IN ({marks})", part)
@@ -141,7 +135,7 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
             db.execute(f"DELETE FROM {table} WHERE delegation_id IN ({marks})", part)
     # Deepest first (each tree's ids are parents before children), so that no row is ever
     # left pointing at a deleted parent; the tasks stay (their ids are never handed out again).
-    for part in _chunks(gone[::-1], 10_000):
+    for part in chunks(gone[::-1], 10_000):
         db.execute(f"DELETE FROM delegations WHERE id IN ({', '.join('?' * len(part))})", part)
     summary = {"before": before, "roots": len(root_ids) - len(kept), "delegations": len(gone),
                "actions": n_actions, "kept": kept, **({"archive": archive} if archive else {})}

@@ -6,7 +6,7 @@ and moved), which both the delegation and the action operations build on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from tether._core import chain
@@ -213,3 +213,10 @@ def set_state(db: Db, delegation_id: str, new: DelegationState, now: float,
 # so a compare-and-set that keeps losing means something else is wrong.
 _MOVE_TRIES = 8
 
+
+CHUNK = 500  # rows per statement (SQLite allows 32766 parameters)
+
+
+def chunks(items: Sequence[T], size: int = CHUNK) -> list[Sequence[T]]:
+    """``items`` in slices of ``size``, for statements with an ``IN (...)`` list."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
