@@ -109,8 +109,8 @@ EVERYTHING = ROOT / ".ci" / "node" / "node_modules" / ".bin" / "mcp-server-every
 
 def everything_server() -> str:
     assert EVERYTHING.exists(), (
-        "the reference 'everything' MCP server is installed by .ci/run "
-        "(npm install --prefix .ci/node)")
+        "the reference 'everything' MCP server is installed by scripts/test "
+        "(npm ci in .ci/node)")
     return str(EVERYTHING)
 
 

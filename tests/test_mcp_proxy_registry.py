@@ -36,7 +36,7 @@ def git_repo(tmp_path: Path) -> Path:
 
 def node_server(name: str) -> str:
     path = NODE_BIN / name
-    assert path.exists(), f"{name} is installed by .ci/run (npm ci in .ci/node)"
+    assert path.exists(), f"{name} is installed by scripts/test (npm ci in .ci/node)"
     return str(path)
 
 

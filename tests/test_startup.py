@@ -16,7 +16,7 @@ from psycopg import sql
 import tether
 from tether._journal import schema as journal_schema
 
-from .conftest import PG_URL, pg_unavailable
+from .conftest import PG_URL, need_pg
 
 PROCESSES = 6
 ROUNDS = 2
@@ -53,9 +53,7 @@ def open_at_once(url: str) -> list[tuple[int, str]]:
 
 @pytest.fixture
 def fresh_schemas() -> Iterator[list[str]]:
-    reason = pg_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
+    need_pg()
     names = [f"t_{uuid.uuid4().hex[:16]}" for _ in range(ROUNDS)]
     yield names
     with psycopg.connect(PG_URL, autocommit=True) as conn:
