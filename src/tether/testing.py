@@ -14,7 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether._core.model import ProbeOutcome
+from tether._journal.runner import busy as journal_busy
 from tether._runtime.tools import ProbeResult
+
+_IDLE_POLL = 0.0005  # real seconds between looks at whether every task waits
+def _runnable(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether asyncio has a callback to run now or a real timer already due (this clock's
+    own poll, which is running, is neither). Reads the loop's queues: asyncio has no public
+    way to ask whether every task waits. A task waiting on a real timer still to come (a
+    poll, a timeout) waits, as a task on Trio's clock does."""
+    if getattr(loop, "_ready", None):
+        return True
+    now = loop.time()
+    return any(not h.cancelled() and h.when() <= now for h in getattr(loop, "_scheduled", ()))
 
 
 class VirtualClock:
@@ -32,6 +44,7 @@ class VirtualClock:
         self._changed = asyncio.Event()
         self._jump_after: float | None = None
         self._jump_pending = False
+        self._idle_since: float | None = None
 
     def now(self) -> float:
         return self._now
@@ -53,25 +66,37 @@ class VirtualClock:
         self._schedule_jump()
         await fut
 
-    def autojump(self, threshold: float | None = 0.01) -> None:
-        """Trio's autojump: from now on, whenever sleepers have been parked for ``threshold``
-        real seconds with no ``advance``, jump to the earliest deadline. ``None`` turns it off.
-        Useful where a test no longer choreographs timers (a supervisor closing, say)."""
+    def autojump(self, threshold: float | None = 0.0) -> None:
+        """Trio's autojump: from now on, whenever every task waits (nothing ready to run on the
+        loop, no journal work on a thread) for ``threshold`` real seconds in a row, jump to the
+        earliest deadline. ``None`` turns it off. Useful where a test no longer choreographs
+        timers (a supervisor closing, say). The loop cannot see other processes or sockets: a
+        test that waits on one keeps autojump off (or a threshold above the wait) meanwhile."""
         self._jump_after = threshold
+        self._idle_since = None
         self._schedule_jump()
 
     def _schedule_jump(self) -> None:
         if self._jump_after is None or self._jump_pending or not self._heap:
             return
         self._jump_pending = True
-        asyncio.get_running_loop().call_later(self._jump_after, self._jump)
+        asyncio.get_running_loop().call_later(_IDLE_POLL, self._jump)
 
     def _jump(self) -> None:
         self._jump_pending = False
         while self._heap and self._heap[0][2].done():
             heapq.heappop(self._heap)
-        if self._heap and self._jump_after is not None:
-            self.advance(max(0.0, self._heap[0][0] - self._now))
+        if not self._heap or self._jump_after is None:
+            self._idle_since = None
+            return
+        loop = asyncio.get_running_loop()
+        if _runnable(loop) or journal_busy():
+            self._idle_since = None
+        else:
+            since = self._idle_since = self._idle_since or loop.time()
+            if loop.time() - since >= self._jump_after:
+                self._idle_since = None
+                self.advance(max(0.0, self._heap[0][0] - self._now))
         self._schedule_jump()
 
     async def sleeping(self, count: int = 1, *, at_least: float = 0.0) -> None:

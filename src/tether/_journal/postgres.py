@@ -295,7 +295,11 @@ class PostgresRunner(ThreadRunner):
                 outcome = (None, exc)
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
                 loop.call_soon_threadsafe(_deliver, future, *outcome)
+            with self._lock:
+                self.outstanding -= 1
 
+        with self._lock:
+            self.outstanding += 1
         threading.Thread(target=run, name="tether-read", daemon=True).start()
         bound = self.stall_after() + CONNECT_TIMEOUT
         try:

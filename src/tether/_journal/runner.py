@@ -26,6 +26,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,6 +55,16 @@ class Op:
 Done = list[tuple[Op, Any, Exception | None]]
 # Called at the end of a write batch, before its COMMIT, with the records it wrote.
 Sealer = Callable[[Any, list[tuple[str, Any]]], None]
+
+
+_OPEN: weakref.WeakSet[ThreadRunner] = weakref.WeakSet()
+
+
+def busy() -> bool:
+    """Whether an open journal of this process has work on one of its threads that will answer
+    an event loop. A test clock moves time on its own only when none has
+    (``VirtualClock.autojump``): a loop waiting for a commit is not waiting for time."""
+    return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None)
 
 
 class Tx:
@@ -111,6 +122,9 @@ class ThreadRunner:
         # child that ends after the outage does not end with its receipt missing.
         self._held: list[Op] = []
         self.sealer: Sealer | None = None  # set by the Journal (``chainops.seal``)
+        # Operations submitted whose batch has not answered yet (``busy``), under ``_lock``.
+        self.outstanding = 0
+        _OPEN.add(self)
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -147,6 +161,10 @@ class ThreadRunner:
 
     def where(self) -> str:
         return "journal"
+
+    def landed(self, conn: Any) -> None:
+        """After a write batch's COMMIT: raise a JournalError if it did not land where the
+        journal's readers look (a file deleted or replaced while the batch ran)."""
 
     def interrupt(self, conn: Any) -> None:
         """From another thread: make whatever ``conn`` waits for fail as a lost connection."""
@@ -207,6 +225,7 @@ class ThreadRunner:
                     return None  # a posted write to a journal already lost: as after a crash
                 raise JournalError(f"{self.where()} is no longer available")
             self._queue.put(Op(fn, write, future, relaxed))
+            self.outstanding += 1
         return future
 
     def _drain(self) -> list[Op]:
@@ -231,6 +250,8 @@ class ThreadRunner:
                 self._dead = True
             err = JournalError(reason)
             self._resolve([(op, None, err) for op in [*self._inflight, *self._drain()]])
+            with self._lock:
+                self.outstanding = 0
             self._inflight = []
             with contextlib.suppress(Exception):
                 self.close(self._conn)
@@ -253,8 +274,11 @@ class ThreadRunner:
                     break
                 batch.append(op)
             self._inflight = batch
+            taken = len(batch)  # before _run prepends what an outage held (counted already)
             self._run(batch)
             self._inflight = []
+            with self._lock:
+                self.outstanding -= taken
 
     def _fail(self, batch: list[Op], err: Exception) -> None:
         self._resolve([(op, None, err) for op in batch])
@@ -446,6 +470,12 @@ class ThreadRunner:
             if isinstance(err, Retry):
                 raise err from None
             done = [(op, None, err) for op, _, _ in done]
+            return done
+        if write:
+            try:
+                self.landed(conn)
+            except JournalError as err:  # committed where nobody will read it: not journaled
+                done = [(op, None, err) for op, _, _ in done]
         return done
 
     def _resolve(self, done: Done) -> None:
