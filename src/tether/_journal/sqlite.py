@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import stat
@@ -17,7 +18,6 @@ from tether._core.errors import (
 from tether._journal.runner import ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 SIDECARS = ("-wal", "-shm")  # what SQLite keeps beside the journal in WAL mode
 
 
@@ -57,6 +57,36 @@ def _check_or_init(conn: sqlite3.Connection, path: Path, create: bool) -> None:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+
+
+def _check_header(conn: sqlite3.Connection, path: Path) -> None:
+    """Read the header through SQLite (which writes nothing before a write transaction): a
+    file that is no database is refused as such, a database SQLite cannot read as corrupted."""
+    try:
+        conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" in str(exc) and _magic(path) != SQLITE_MAGIC:
+            raise NotAJournal(
+                f"{path} is not a tether journal (not a SQLite database)") from None
+        raise
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# Descriptors kept open for the process's life, by (device, inode): closing one would drop
+# every lock this process holds on the file, SQLite's included. One per file SQLite refused.
+_KEPT: dict[tuple[int, int], int] = {}
+
+
+def _magic(path: Path) -> bytes:
+    """The first 16 bytes of a file SQLite would not read (which one, says the message)."""
+    try:
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        if key not in _KEPT:
+            _KEPT[key] = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        return os.pread(_KEPT[key], 16, 0)
+    except OSError:
+        return b""
 
 
 def _version(conn: sqlite3.Connection) -> int:
@@ -101,26 +131,37 @@ def _oserror(path: Path, exc: OSError, doing: str) -> JournalError:
     return JournalError(f"cannot {doing} the journal {path}: {exc.strerror or exc}")
 
 
-def _read_head(path: Path, create: bool) -> bytes | None:
-    """The file's first 16 bytes (None: no file yet). Opened without blocking and checked
-    with fstat before a byte is read, so a FIFO or a device is refused, never waited on."""
+def _check_file(path: Path, create: bool) -> bool:
+    """Whether a file is there to open (False: one is to be created). Looked at with stat,
+    never opened: on POSIX, closing any descriptor of a file drops every lock the process
+    holds on it, SQLite's included, so a descriptor of tether's own beside a connection of
+    this process would let another process delete the write-ahead log under it. Refusing a
+    FIFO or a device here keeps SQLite from opening one (and waiting on it)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         if not create:
             raise NotAJournal(f"no journal at {path}") from None
-        return None
-    except IsADirectoryError:
-        raise NotAJournal(f"{path} is a directory, not a journal file") from None
+        return False
     except OSError as exc:
         raise _oserror(path, exc, "open") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAJournal(f"{path} is {_kind(mode)}, not a journal file")
-        return os.read(fd, 16)
-    finally:
-        os.close(fd)
+    if stat.S_ISDIR(mode):
+        raise NotAJournal(f"{path} is a directory, not a journal file")
+    if not stat.S_ISREG(mode):
+        raise NotAJournal(f"{path} is {_kind(mode)}, not a journal file")
+    return True
+
+
+def _private_dirs(directory: Path) -> None:
+    """Make ``directory`` and any missing parents with mode 0700 (``mkdir(parents=True)``
+    gives the parents the umask's mode)."""
+    missing = []
+    while not directory.exists() and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for made in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            made.mkdir(mode=0o700)
 
 
 def identity(path: Path) -> tuple[int, int] | None:
@@ -140,12 +181,11 @@ def connect(path: Path, *, create: bool, synchronous: str,
             busy_timeout: float) -> sqlite3.Connection:
     """Open and validate a journal file; raises a JournalError and leaves the file untouched
     if it is not a tether journal."""
-    head = _read_head(path, create)
-    if head and head != SQLITE_MAGIC:
-        raise NotAJournal(f"{path} is not a tether journal (not a SQLite database)")
-    if head is None:
+    fresh = not _check_file(path, create)
+    if fresh:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # Private, like the keys: the journal holds every argument and result.
+            _private_dirs(path.parent)
         except OSError as exc:
             raise _oserror(path, exc, "create") from None
     try:
@@ -158,6 +198,11 @@ def connect(path: Path, *, create: bool, synchronous: str,
         # Opening waits longer than an operation does: many processes starting on one fresh
         # journal queue for its exclusive transaction and its switch to WAL one by one.
         conn.execute(f"PRAGMA busy_timeout = {int(max(busy_timeout, OPEN_PATIENCE) * 1000)}")
+        _check_header(conn, path)  # SQLite has opened (made) the file now
+        if fresh:
+            # Before a byte is written: the log and index SQLite makes later take this mode.
+            with contextlib.suppress(OSError):  # another process made it (and owns it)
+                os.chmod(path, 0o600)
         _check_or_init(conn, path, create)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
@@ -212,10 +257,20 @@ class SqliteRunner(ThreadRunner):
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         # A file deleted or moved over the journal's path leaves this connection on the old
         # inode: every commit would land in a file nobody will ever open. Checked once the
-        # transaction holds its lock, before any statement of the batch runs.
+        # transaction holds its lock, before any statement of the batch runs, and again once
+        # it committed (``landed``): a deletion while the batch ran must not pass for a commit.
+        try:
+            self._same_files()
+        except JournalError:
+            conn.execute("ROLLBACK")
+            raise
+
+    def landed(self, conn: sqlite3.Connection) -> None:
+        self._same_files()
+
+    def _same_files(self) -> None:
         now = identity(self._where)
         if now != self._identity:
-            conn.execute("ROLLBACK")
             what = "deleted" if now is None else "replaced by another file"
             raise JournalError(
                 f"journal {self.path} was {what} while this process had it open; "
@@ -229,7 +284,6 @@ class SqliteRunner(ThreadRunner):
             if known is None:  # not made yet when the connection opened
                 self._sidecars[suffix] = side
             elif side != known:
-                conn.execute("ROLLBACK")
                 what = "deleted" if side is None else "replaced by another file"
                 raise JournalError(
                     f"the journal's {'write-ahead log' if suffix == '-wal' else 'shared index'}"
