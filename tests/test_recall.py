@@ -98,12 +98,14 @@ async def test_not_applied_is_final_once_the_dispatch_deadline_passed(
     # have written it).
     tolerance = sup.policy.clock_tolerance
     await clock.sleeping(1, at_least=27.0 + tolerance)
+    clock.autojump(None)  # the provider's reply stays an hour away while the owner re-probes
     clock.advance(28.0 + tolerance)
     for _ in range(50):
         later = await child.report()
         if later.outcome.terminal:
             break
         await asyncio.sleep(0.01)
+    clock.autojump()
     (action,) = later.actions
     assert action.state is A.NOT_APPLIED and "not_final" not in (action.evidence or {})
     assert later.outcome is tether.DelegationState.RECONCILED
@@ -314,3 +316,28 @@ async def test_a_child_ending_after_a_foreign_intent_is_still_drained(
         await child.wait()
         row = await sup.journal.get(child.id)
     assert row.state is tether.DelegationState.RECALLED
+
+
+async def test_the_loser_of_two_racing_recalls_is_told_the_current_sequence(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock) -> None:
+    """I4, when tether picks the sequence: the loser either offered the sequence the winner
+    took, or read the winner's and found the delegation already recalling; either way its
+    error names the current sequence (README: "Races have one winner")."""
+    waiter = events_of(sup)
+    child = await sup.delegate(shop.refund_agent, "R-1", tools=shop.tools)
+    await pay.sent()
+    racing = [asyncio.create_task(child.recall(grace=5.0, reason=f"orchestrator {n}"))
+              for n in (1, 2)]
+    await waiter("drain", child.id).wait()  # the winner's intent is accepted
+    late = asyncio.create_task(child.recall(grace=5.0, reason="read the winner's sequence"))
+    await clock.sleeping(2)
+    clock.advance(1.0)
+    outcomes = await asyncio.gather(*racing, late, return_exceptions=True)
+    reports = [o for o in outcomes if isinstance(o, tether.Report)]
+    errors = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(reports) == 1 and len(errors) == 2, outcomes
+    for error in errors:
+        assert isinstance(error, tether.ControlRefused), error
+        assert "current sequence is 1" in str(error) or \
+            "current control sequence 1" in str(error), error
+    assert reports[0].outcome is tether.DelegationState.RECALLED

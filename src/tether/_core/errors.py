@@ -109,11 +109,18 @@ class StaleEpoch(ControlRefused):
 class InvalidTransition(ControlRefused):
     code = "invalid_transition"
 
-    def __init__(self, delegation_id: str, state: str, wanted: str) -> None:
-        super().__init__(f"delegation {delegation_id} is {state}; it cannot go to {wanted}")
+    def __init__(self, delegation_id: str, state: str, wanted: str,
+                 current: int | None = None) -> None:
+        # ``current``: the control sequence, for an intent that lost to one accepted first
+        # (I4: the loser of a race is told the current sequence).
+        after = "" if current is None else \
+            f" (current control sequence {current}: an intent was accepted before this one)"
+        super().__init__(f"delegation {delegation_id} is {state}; it cannot go to {wanted}"
+                         f"{after}")
         self.delegation_id = delegation_id
         self.state = state
         self.wanted = wanted
+        self.current = current
 
 
 class AlreadyFinished(InvalidTransition):

@@ -116,13 +116,16 @@ _DELEGATION_MOVES: dict[DelegationState, frozenset[DelegationState]] = {
 }
 
 
-def check_delegation_move(delegation_id: str, old: DelegationState, new: DelegationState) -> None:
-    """The single gate for delegation transitions; raises InvalidTransition."""
+def check_delegation_move(delegation_id: str, old: DelegationState, new: DelegationState,
+                          control_seq: int | None = None) -> None:
+    """The single gate for delegation transitions; raises InvalidTransition (naming the
+    control sequence, when a control intent is refused after another was accepted)."""
     if new in _DELEGATION_MOVES[old]:
         return
+    current = control_seq if control_seq else None
     if old.terminal:
-        raise AlreadyFinished(delegation_id, old.value, new.value)
-    raise InvalidTransition(delegation_id, old.value, new.value)
+        raise AlreadyFinished(delegation_id, old.value, new.value, current)
+    raise InvalidTransition(delegation_id, old.value, new.value, current)
 
 
 class ControlKind(StrEnum):

@@ -348,7 +348,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
             raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
         if intent.epoch != row.epoch:
             raise StaleEpoch(row.task_id, intent.epoch, row.epoch)
-        check_delegation_move(intent.delegation_id, row.state, target)
+        check_delegation_move(intent.delegation_id, row.state, target, row.control_seq)
         # Compare-and-set on the sequence and the state read: another process may have moved
         # the row since (its child ended, another intent landed); then it is judged again
         # against what that writer left, never overwritten. The sequence only grows and a
