@@ -295,18 +295,28 @@ def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
     sys.path.insert(0, os.getcwd())
     loaded = load_tools(tools or [])
 
+    refused: dict[str, str] = {}
+
     async def go() -> list[dict[str, Any]]:
         j = Journal(journal, create=False)
         ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
         async with Supervisor(j, keys=ring, tools=loaded, recover=False) as sup:
             if delegation_id is not None:
                 await j.get(delegation_id)  # an unknown id is a mistake, not "nothing to do"
-            return [r.to_json() for r in await sup.recover(delegation_id)]
+            return [r.to_json() for r in await sup.recover(delegation_id, refused)]
 
     reports = run(go())
-    code = 1 if any(r["outcome"] in ATTENTION for r in reports) else 0
+    code = 1 if refused or any(r["outcome"] in ATTENTION for r in reports) else 0
     if as_json:
-        emit_json(reports)
+        # A refused delegation is listed as such: its records fail their chain, so it has no
+        # report to give (``tether verify`` names what changed).
+        emit_json([*reports, *({"delegation_id": d, "outcome": "REFUSED", "error": why}
+                               for d, why in sorted(refused.items()))])
+        raise typer.Exit(code)
+    for d, why in sorted(refused.items()):
+        err.print(f"[red]refused[/red] {safe(d)}: {safe(why)} (see 'tether verify "
+                  f"{safe(d)}')", highlight=False, soft_wrap=True)
+    if refused and not reports:
         raise typer.Exit(code)
     if not reports:
         out.print("Nothing to reconcile: no orphaned delegation and no action in doubt.")

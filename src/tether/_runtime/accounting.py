@@ -48,6 +48,7 @@ class Accounting:
         self._calls: dict[str, asyncio.Task[Any]] = {}
         self._deadlines: dict[str, float] = {}  # the dispatch deadline of each call in _calls
         self._rechecks: set[str] = set()  # roots with a re-probe scheduled
+        self._refusals: dict[str, str] = {}  # the current recovery's: delegation -> why
 
     def track_call(self, action_id: str, task: asyncio.Task[Any], deadline_at: float) -> None:
         self._calls[action_id] = task
@@ -172,9 +173,12 @@ class Accounting:
             return
         await self.account(root_id, fallback)
 
-    async def recover(self, delegation_id: str | None = None) -> list[Report]:
-        """``Supervisor.recover``: delegations whose owner is dead, then actions in doubt."""
+    async def recover(self, delegation_id: str | None = None,
+                      refused: dict[str, str] | None = None) -> list[Report]:
+        """``Supervisor.recover``: delegations whose owner is dead, then actions in doubt.
+        Those left alone because their records fail their chain go into ``refused``."""
         sup = self._sup
+        self._refusals = refused if refused is not None else {}
         if delegation_id is not None:  # named by a person: a refusal is their answer
             with contextlib.suppress(NotFound):  # an unknown id has nothing to reconcile
                 tree = [r.id for r in await sup.journal.subtree(delegation_id)]
@@ -211,8 +215,8 @@ class Accounting:
                                                  "its receipt was never recorded")
         doubtful = [a for a in await sup.journal.unsettled(delegation_id)
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
-        refused = {d: await self._refused(d) for d in {a.delegation_id for a in doubtful}}
-        doubtful = [a for a in doubtful if not refused[a.delegation_id]]
+        tampered = {d: await self._refused(d) for d in {a.delegation_id for a in doubtful}}
+        doubtful = [a for a in doubtful if not tampered[a.delegation_id]]
         if doubtful:
             await probe_all(sup.journal, doubtful, self._tools, sup.clock,
                             sup.policy.probe_timeout, sup.telemetry.probed,
@@ -237,6 +241,7 @@ class Accounting:
             log.error("%s", exc, extra={"delegation": delegation_id})
             sup.journal.event(sup.clock.wall(), "reconcile_refused", delegation_id, None,
                               why=str(exc))
+            self._refusals[delegation_id] = str(exc)
             return True
         return False
 

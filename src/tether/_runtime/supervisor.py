@@ -532,10 +532,12 @@ class Supervisor:
         return rt.draining
 
     # -- recovery -------------------------------------------------------------------------------
-    async def recover(self, delegation_id: str | None = None) -> list[Report]:
+    async def recover(self, delegation_id: str | None = None,
+                      refused: dict[str, str] | None = None) -> list[Report]:
         """Reconcile live delegations whose owner is dead (crashed process or expired lease),
-        and every action still in doubt. ``tether reconcile`` runs this."""
-        return await self._accounts.recover(delegation_id)
+        and every action still in doubt. ``tether reconcile`` runs this. Delegations whose
+        records fail their chain are left alone; ``refused`` receives each with the reason."""
+        return await self._accounts.recover(delegation_id, refused)
 
     async def recover_delegation(self, row: DelegationRow, reason: str) -> Report:
         """Settle a delegation whose owner is gone, or that its owner cannot settle."""
