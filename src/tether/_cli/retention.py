@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -108,8 +110,20 @@ def export_cmd(
         asyncio.run(go(sys.stdout.buffer))
         sys.stdout.flush()
         return
-    with output.open("wb") as fh:
-        asyncio.run(go(fh))
+    # Written beside the destination and moved over it whole: a failure leaves nothing.
+    try:
+        fd, part = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent or None)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            asyncio.run(go(fh))
+        os.replace(part, output)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(part)
 
 
 def prune_cmd(
@@ -153,7 +167,15 @@ def prune_cmd(
             saved = None
             if archive is not None and candidates:
                 status = verifier(await _trusted(j, keys))
-                with archive.open("xb") as fh:
+                try:
+                    fh = archive.open("xb")
+                except FileExistsError:
+                    raise UserError(f"--archive {archive} exists; refusing to overwrite an "
+                                    "archive") from None
+                except OSError as exc:
+                    raise UserError(f"cannot write the archive {archive}: "
+                                    f"{exc.strerror or exc}") from None
+                with fh:
                     n, digest = await _write(j, candidates, fh, status)
                     fh.flush()
                     os.fsync(fh.fileno())
