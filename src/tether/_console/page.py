@@ -1,6 +1,11 @@
 # ruff: noqa: E501 (HTML and JavaScript, not Python)
 """The console's one page: plain HTML and JavaScript, no build step. Every journal string is
-set with ``textContent``, never parsed as HTML."""
+set with ``textContent``, never parsed as HTML. Its one script and one style sheet are allowed
+by their hashes in the Content-Security-Policy (``POLICY``): nothing else runs."""
+
+import base64
+import hashlib
+import re
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
@@ -31,7 +36,11 @@ PAGE = """<!doctype html>
 <div id="detail"></div>
 <script>
 "use strict";
-const token = new URLSearchParams(location.search).get("token") || "";
+// The token arrives once, in the link the console printed; it then leaves the address bar
+// (and history) at once: reads ride the cookie set by that first load, actions the header.
+const token = new URLSearchParams(location.search).get("token") || sessionStorage.getItem("tether-token") || "";
+sessionStorage.setItem("tether-token", token);
+if (location.search) history.replaceState(null, "", "/");
 let selected = null, snap = null;
 
 function el(tag, text, cls) {
@@ -139,7 +148,7 @@ function table(headers, rows) {
 
 async function select(id) {
   selected = id;
-  const r = await fetch("/api/delegations/" + encodeURIComponent(id) + "?token=" + encodeURIComponent(token));
+  const r = await fetch("/api/delegations/" + encodeURIComponent(id), {headers: {"X-Tether-Token": token}});
   const data = await r.json();
   const box = document.getElementById("detail");
   document.getElementById("detail-id").textContent = id;
@@ -166,7 +175,7 @@ async function select(id) {
 }
 
 function connect() {
-  const source = new EventSource("/api/stream?token=" + encodeURIComponent(token));
+  const source = new EventSource("/api/stream");
   source.addEventListener("snapshot", ev => {
     snap = JSON.parse(ev.data);
     document.getElementById("status").textContent = "live (journal event " + (snap.version ?? 0) + ")";
@@ -179,3 +188,13 @@ function connect() {
 connect();
 </script></body></html>
 """
+
+
+def _digest(tag: str) -> str:
+    (body,) = re.findall(rf"<{tag}>(.*?)</{tag}>", PAGE, flags=re.S)
+    return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+
+POLICY = (f"default-src 'none'; script-src {_digest('script')}; style-src {_digest('style')}; "
+          "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+          "frame-ancestors 'none'")

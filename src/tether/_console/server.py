@@ -2,10 +2,13 @@
 whenever the journal changes, and the operator's actions (recall, terminate, resolve) through
 the same signed paths as the CLI.
 
-Every request carries the access token printed at start (a query parameter for the page and
-the event stream, which browsers cannot give headers; the ``X-Tether-Token`` header for
-actions, which a cross-site form cannot set). On loopback, requests naming another host are
-refused (DNS rebinding).
+Every request carries the access token printed at start: the first load of the page in its
+query string (the link the console prints), which the page then takes out of the address bar;
+reads in the ``X-Tether-Token`` header or the HttpOnly, SameSite=Strict cookie that first load
+set (the event stream cannot send a header); actions in the header alone, which a cross-site
+form cannot set. On loopback, requests naming another host are refused (DNS rebinding). Every
+response carries a Content-Security-Policy that allows the page's own script and style only,
+and no referrer.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tether._console.page import PAGE
+from tether._console.page import PAGE, POLICY
 from tether._core.errors import TetherError
 from tether._core.model import ControlKind, Policy, check_grace
 from tether._journal.journal import Journal
@@ -46,8 +50,12 @@ class Console:
     token: str
     poll: float = 0.25  # how often the stream looks for a change in the journal
 
-    def authorized(self, request: Request) -> bool:
-        given = request.headers.get("x-tether-token") or request.query_params.get("token", "")
+    def authorized(self, request: Request, *, link: bool = False) -> bool:
+        """The token from the header, or the cookie the first load set; from the query string
+        only for that first load (``link``: the page's address the console printed)."""
+        given = request.headers.get("x-tether-token") or request.cookies.get(COOKIE, "")
+        if not given and link:
+            given = request.query_params.get("token", "")
         return secrets.compare_digest(given.encode(), self.token.encode())
 
 
@@ -80,7 +88,13 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
         return None
 
     async def page(request: Request) -> Response:
-        return guard(request) or HTMLResponse(PAGE)
+        if not console.authorized(request, link=True):
+            return JSONResponse({"error": "missing or wrong access token"}, status_code=401)
+        response = HTMLResponse(PAGE)
+        # Reads (the live stream, which cannot send a header) ride this cookie; actions still
+        # need the header, which a cross-site page cannot send.
+        response.set_cookie(COOKIE, console.token, httponly=True, samesite="strict", path="/")
+        return response
 
     async def delegations(request: Request) -> Response:
         return guard(request) or JSONResponse(await snapshot(journal))
@@ -168,7 +182,33 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
     # On loopback, a request naming any other host is a DNS-rebinding attempt: refused.
     hosts = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else ["*"]
     return Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
+                                 Middleware(_Headers)])
+
+
+COOKIE = "tether_console"
+HEADERS = [(b"content-security-policy", POLICY.encode()), (b"referrer-policy", b"no-referrer"),
+           (b"x-content-type-options", b"nosniff"), (b"cache-control", b"no-store")]
+
+
+class _Headers:
+    """Every response: the page's script and style only, no referrer (the first load's
+    address holds the token), nothing cached."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 def _actions_only(request: Request) -> Response | None:
