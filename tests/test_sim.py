@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -40,11 +39,9 @@ def classes(result: dict[str, object]) -> dict[str, int]:
 def test_bounded_run_finds_no_violation() -> None:
     """With the fixes of the defects it found applied to its model (see FIXES), thousands of
     trials with every fault find nothing."""
-    started = time.perf_counter()
-    result = run_sim(3000, 20261, fixes=ALL_FIXES)
-    elapsed = time.perf_counter() - started
+    result = run_sim(3000, 20261, fixes=ALL_FIXES)  # its speed is bench/run.py's to judge
     assert result["violations"] == [], result["violations"][:5]
-    assert result["trials"] == 3000 and elapsed < 60
+    assert result["trials"] == 3000
     faults = result["faults"]
     assert isinstance(faults, dict) and set(faults) >= set(world.FAULTS)
     totals = result["totals"]
