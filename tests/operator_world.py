@@ -45,8 +45,16 @@ async def stuck_payment(url: str, *, agent: str = "payer", tool: str = "charge",
 
     async with tether.Supervisor(url, tools=[charge]) as sup:
         child = await sup.delegate(tether.Agent(agent, payer, (charge,)), tools=[charge])
-        await entered.wait()
+        # The charge starts, or the child ended without it (its error says why): never a wait
+        # for a call that will not come.
+        ended = asyncio.ensure_future(child.wait())
+        await asyncio.wait([ended, asyncio.ensure_future(entered.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not entered.is_set():
+            await child.result()  # raises the child's failure
+            raise AssertionError("the child ended without starting its charge")
         report = await child.terminate(reason)
+        ended.cancel()
     (action,) = report.actions
     assert action.state is tether.ActionState.UNKNOWN, report
     return Stuck(child.id, action.id, action.idempotency_key)

@@ -1,5 +1,9 @@
 """A person's decision on an action nobody could settle: signed, journaled with who, why and
-when; the delegation re-settled; a later fact that says otherwise kept and flagged."""
+when; the delegation re-settled; a later fact that says otherwise kept and flagged. Only a key
+the journal's registry trusts may decide; two decisions in one delegation at once are both
+recorded; "not applied" waits for a call's deadline even where none was journaled; and
+`tether verify` checks a decision like any signed record (a copy onto another delegation is
+named)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from tether._core.model import ActionState
 from tether._core.resolution import Resolution, contradicts, judge_resolution
 
 from .operator_world import stuck_payment
+from .test_cli import tether_cli
+from .test_trust import one_error_line
 
 runner = CliRunner()
 A = ActionState
@@ -90,7 +96,9 @@ def test_resolve_refuses_mistakes_with_one_line(tmp_path: Path) -> None:
 
 async def test_a_later_receipt_that_contradicts_a_decision_is_kept_and_flagged(
         journal_url: str) -> None:
-    stuck = await stuck_payment(journal_url, deadline=0.01)
+    # A deadline that passes soon after the call starts, yet not before its intent is
+    # committed (a call whose deadline passed before dispatch is never made).
+    stuck = await stuck_payment(journal_url, deadline=0.5)
     async with tether.Supervisor(journal_url, recover=False,
                                  policy=tether.Policy(clock_tolerance=0.05)) as sup:
         # "Not applied" only once the call can no longer apply (its deadline plus the clock
@@ -183,3 +191,171 @@ def test_who_may_decide_what() -> None:
     assert not contradicts(A.NOT_APPLIED, A.FAILED) and not contradicts(A.COMPLETED,
                                                                         A.COMPLETED)
     assert not contradicts(A.COMPLETED, A.UNKNOWN)
+
+
+def test_resolve_with_a_key_the_journal_does_not_trust_is_refused(tmp_path: Path) -> None:
+    """A key made on the spot (``tether keys init --keys DIR``) pins itself; the journal's
+    registry, rooted elsewhere, does not trust it. A recall signed with it is refused, and so
+    must be a decision: it would otherwise settle an UNKNOWN payment by anyone's word."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    stranger = tmp_path / "stranger"
+    assert invoke("keys", "init", "--keys", str(stranger), "--journal", url)[0] == 0
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "trust me",
+                            "--by", "Mallory", "--keys", str(stranger), "--journal", url)
+    assert code == 2 and out == "" and err.startswith("error:"), (code, out, err)
+    assert "not trusted" in err and len(err.strip().splitlines()) == 1
+
+    async def state() -> tuple[ActionState, list[Any]]:
+        async with tether.Journal(url, create=False) as j:
+            return (await j.action(stuck.action)).state, await j.resolutions([stuck.delegation])
+
+    assert asyncio.run(state()) == (A.UNKNOWN, [])
+
+
+async def test_a_resolution_signed_by_an_untrusted_key_is_refused(
+        journal_url: str, tmp_path: Path) -> None:
+    """As for a recall (tests/test_trust.py), so for a person's decision: `keys init --keys
+    OTHER` then `resolve --keys OTHER` recorded the decision (the caller's own pins were its
+    trust) and re-settled the delegation, and `tether show` printed it as a signed operator's
+    decision."""
+    stuck = await stuck_payment(journal_url)
+    other = str(tmp_path / "other")
+    code, _, err = await tether_cli("keys", "init", "--journal", journal_url, "--keys", other)
+    assert code == 0, err
+    code, _, err = await tether_cli("resolve", stuck.action, "--as", "COMPLETED", "--note",
+                                    "trust me", "--by", "mallory", "--journal", journal_url,
+                                    "--keys", other)
+    assert code == 2, err
+    assert "not trusted" in one_error_line(err)
+    async with tether.Journal(journal_url) as j:
+        assert (await j.action(stuck.action)).state is tether.ActionState.UNKNOWN
+        assert await j.resolutions([stuck.delegation]) == []
+
+
+def test_resolve_by_a_key_the_registry_trusts_is_accepted(tmp_path: Path) -> None:
+    """The other side: an operator whose key the root granted (``tether keys trust``) and
+    who pins the journal's root may decide, as they may recall."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    root = tether.KeyRing.load(tmp_path / "keys")
+    ada = tmp_path / "ada"
+    assert invoke("keys", "init", "--keys", str(ada), "--journal", url)[0] == 0
+    code, out, _ = invoke("keys", "show", "--keys", str(ada), "--journal", url, "--json")
+    assert code == 0, out
+    public = json.loads(out)["public"]
+    assert invoke("keys", "trust", public, "--journal", url)[0] == 0
+    assert invoke("keys", "pin", root.signer.public_b64(), "--keys", str(ada),
+                  "--journal", url)[0] == 0
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "paid",
+                            "--by", "Ada", "--keys", str(ada), "--journal", url)
+    assert code == 0, (out, err)
+
+
+async def test_two_decisions_in_one_delegation_at_once_are_both_recorded(pg_url: str) -> None:
+    """Each decision's document takes the delegation's next sequence number. Another process
+    deciding on another action of the same delegation holds number 1 in its open transaction;
+    this decision must wait for it and take number 2, not count the committed rows, take
+    number 1 too and fail on the unique index with a database error."""
+    import psycopg
+
+    stuck = await stuck_payment(pg_url)
+    base, _, query = pg_url.partition("?")
+    schema = dict(p.split("=", 1) for p in query.split("&"))["schema"]
+    other = await psycopg.AsyncConnection.connect(base, options=f"-c search_path={schema}")
+    try:
+        # The other resolver, mid-transaction: the delegation locked, its document written.
+        await other.execute("SELECT id FROM delegations WHERE id = %s FOR UPDATE",
+                            (stuck.delegation,))
+        await other.execute(
+            "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, "
+            "recorded_at) VALUES (%s, 1, 'resolution', %s, 'k', %s, 1)",
+            (stuck.delegation, b"{}", b"s"))
+        async with tether.Supervisor(pg_url, recover=False) as sup:
+            task = asyncio.create_task(sup.resolve(stuck.action, "COMPLETED", "paid",
+                                                   operator="Ada"))
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 20
+            while True:  # until this decision waits for the other transaction's lock
+                cur = await (await psycopg.AsyncConnection.connect(
+                    base, autocommit=True)).execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY("
+                    "pg_blocking_pids(pid))", (other.info.backend_pid,))
+                row = await cur.fetchone()
+                await cur.connection.close()
+                if row is not None and row[0] > 0:
+                    break
+                assert loop.time() < give_up and not task.done(), task
+                await asyncio.sleep(0.01)
+            await other.commit()
+            action = await task
+            assert action.state is A.COMPLETED
+            seqs = [r[0] async for r in await other.execute(
+                "SELECT seq FROM documents WHERE delegation_id = %s AND type = 'resolution' "
+                "ORDER BY seq", (stuck.delegation,))]
+            assert seqs == [1, 2]
+    finally:
+        await other.close()
+
+
+def test_a_call_without_a_journaled_deadline_is_not_decided_not_applied_at_once(
+        tmp_path: Path) -> None:
+    """A row from before deadlines were journaled (schema v3) has none: a probe then waits
+    for its start plus the default dispatch deadline (``deadline_of``); a person deciding
+    "not applied" must wait as long, not be allowed at once (its start taken as deadline)."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("UPDATE actions SET deadline_at = NULL WHERE id = ?", (stuck.action,))
+    code, out, err = invoke("resolve", stuck.action, "--as", "NOT_APPLIED", "--note", "x",
+                            "--journal", url)
+    assert code == 2 and "may still apply" in err, (code, out, err)
+
+
+def test_verify_checks_a_decision_instead_of_calling_it_malformed(tmp_path: Path) -> None:
+    """``tether verify`` ran every document through the child documents' decoder, so a
+    journal where a person resolved an action failed verification ("unknown document type
+    'resolution'") though nothing was wrong; and a decision copied onto another delegation
+    was not told from a genuine one."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "paid",
+                            "--by", "Ada", "--journal", url)
+    assert code == 0, (out, err)
+    code, out, _ = invoke("verify", "--journal", url, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["problems"] == [], report
+    # The same signed decision copied onto another delegation's documents.
+    other = asyncio.run(stuck_payment(url, order="O-2"))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, "
+                   "recorded_at) SELECT ?, seq, type, body, key_id, signature, recorded_at "
+                   "FROM documents WHERE delegation_id = ? AND type = 'resolution'",
+                   (other.delegation, stuck.delegation))
+    code, out, _ = invoke("verify", "--journal", url, "--json")
+    report = json.loads(out)
+    # Named as a copy (its signed body names another delegation), and as a row no writer
+    # chained (docs/security.md, "The chain").
+    assert code == 1 and {p["delegation"] for p in report["problems"]} == {other.delegation}
+    assert any("copied" in p["problem"] for p in report["problems"]), report
+    assert any(p["problem"].startswith("inserted") for p in report["problems"]), report
+    # tether show says so too, instead of "verified".
+    shown = json.loads(invoke("show", other.delegation, "--journal", url, "--json")[1])
+    (copy,) = [i for i in shown["intents"] if i["kind"] == "RESOLUTION"]
+    assert copy["verified"].startswith("REFUSED") and "copied" in copy["verified"], copy
+
+
+async def test_verify_accepts_a_trusted_operators_resolution(journal_url: str) -> None:
+    """`tether verify` read every document that is not an acknowledgement as a no-effects
+    receipt: after any legitimate `tether resolve`, it exited 1 naming the decision."""
+    stuck = await stuck_payment(journal_url)
+    code, _, err = await tether_cli("resolve", stuck.action, "--as", "COMPLETED", "--note",
+                                    "bank statement", "--by", "alice", "--journal", journal_url)
+    assert code == 0, err
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 0, out + err
+    assert json.loads(out)["problems"] == []
