@@ -15,7 +15,10 @@ from tether._cli.app import app
 from tether._core import drain
 from tether._core.outcome import KeyVerdict, PriorCall, decide_key, judge_probe
 from tether._journal.journal import Journal
+from tether._journal.rows import Begin, NewAction
 from tether._runtime.clock import SystemClock
+
+from .journal_helpers import FixedClock, pay_action, root_delegation
 
 A = tether.ActionState
 NOT_APPLIED = tether.ProbeOutcome.NOT_APPLIED
@@ -69,6 +72,50 @@ def test_the_tolerance_is_a_positive_number() -> None:
     for bad in (0, -1.0, float("inf"), "5"):
         with pytest.raises(tether.UserError, match="clock_tolerance"):
             tether.Policy(clock_tolerance=bad)  # type: ignore[arg-type]
+
+
+# -- a deadline written on the executor's clock, judged on the prober's -------------------
+
+async def test_a_dispatch_deadline_is_judged_on_the_clock_it_was_written_on(
+        pg_url: str) -> None:
+    """A worker whose clock runs 2 s behind the journal server's is within what it tolerates
+    (a quarter of its default 10 s lease). It begins a call to a tool that promises nothing
+    applies more than 1 s after the intent, and the request is in the network. Half a second
+    later (on the server's clock) an orchestrator whose clock is right presumes the worker
+    gone and probes: "not found". The call can still apply for another half second, so the
+    answer must stay "not applied yet"; judged against a deadline written on the worker's
+    clock it is final NOT_APPLIED, which frees the key for a second payment."""
+    from tether._runtime.reconcile import probe_all
+
+    j = Journal(pg_url)
+    await j.open()
+    try:
+        server = await j.server_time()
+        assert server is not None
+        await j.create_delegation(root_delegation("d1", "t1"))
+        worker_now = server - 2.0  # the worker's clock
+        await j.begin_action(NewAction(
+            id="a1", delegation_id="d1", epoch=0, ordinal=0, tool="pay",
+            effect=tether.Effect.EXTERNAL, args_json="{}", args_hash="h", idem_key="k1",
+            now=worker_now, deadline_at=worker_now + 1.0))
+        await j.mark_in_doubt("d1", server + 0.5)
+
+        async def pay(*, idempotency_key: str) -> str:
+            return "paid"
+
+        async def not_found(*, idempotency_key: str) -> tether.ProbeResult:
+            return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED, {"found": False})
+
+        tool = tether.Tool("pay", tether.Effect.EXTERNAL, pay, not_found,
+                           dispatch_deadline=1.0)
+        [action] = await j.actions(["d1"])
+        await probe_all(j, [action], {"pay": tool}, FixedClock(server + 0.5), 5.0)
+        [action] = await j.actions(["d1"])
+        assert action.state is tether.ActionState.IN_DOUBT, action
+        again = await j.begin_action(pay_action("a2", "d1", server + 0.6))
+        assert again.status is not Begin.STARTED, again
+    finally:
+        await j.close()
 
 
 # -- every process checks its clock against the journal server's -----------------------------

@@ -1,5 +1,6 @@
 """Key files on disk: private whatever the umask, created atomically, safe when several
-processes start on one fresh journal at once; a bad key path is one line."""
+processes start on one fresh journal at once; a bad key path is one line; a lock file planted
+as a symbolic link is not followed, and a key directory another user owns is refused."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import stat
 import sys
 from pathlib import Path
+
+import pytest
 
 import tether
 from tests.test_cli import one_line_error
@@ -87,3 +90,29 @@ def test_keys_init_on_a_file_is_one_line(tmp_path: Path) -> None:
     assert a_file.read_text() == "x"
     # A place nobody can create a directory in, root included (procfs).
     assert "/proc/tether-keys" in one_line_error(["keys", "init", "--keys", "/proc/tether-keys"])
+
+
+def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    """`keys/.lock` was opened with O_CREAT through symbolic links: whoever could plant one
+    made every tether process create (as its user, root in a container) the file it names."""
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    (keys / ".lock").symlink_to(elsewhere)
+    with pytest.raises(tether.UserError, match="cannot lock"):
+        tether.KeyRing.init(keys)
+    assert not elsewhere.exists()
+
+
+def test_keys_in_a_directory_another_user_owns_are_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key directory another user created first (a shared working directory) is theirs to
+    rewrite: `trusted.json` there pins whatever root they like, whatever its mode."""
+    keys = tmp_path / "keys"
+    tether.KeyRing.init(keys)
+    uid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    with pytest.raises(tether.UserError, match="belongs to user"):
+        tether.KeyRing.load(keys)
+    with pytest.raises(tether.UserError, match="belongs to user"):
+        tether.KeyRing.init(tmp_path / "keys")

@@ -1,5 +1,6 @@
 """Logging: one standard logger per component, silent in a library unless configured, text or
-JSON lines (on stderr) in the CLI commands that run services."""
+JSON lines (on stderr) in the CLI commands that run services; text lines show journal strings'
+control characters instead of sending them to the terminal."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from tether._cli.app import app
 from tether._runtime.logs import configure
 
 from . import remote_agents
-from .operator_world import stuck_payment
+from .operator_world import HOSTILE, stuck_payment
+from .test_operator_cli import raw_controls
 from .test_workers import Cluster, cluster, supervisor  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +127,20 @@ def test_configuring_again_replaces_and_follows_the_current_stderr(
     finally:
         for handler in [h for h in root.handlers if h not in before]:
             root.removeHandler(handler)
+
+
+async def test_text_logs_show_control_characters_instead_of_sending_them(
+        tmp_path: Path) -> None:
+    """``tether worker``/``console``/``mcp-proxy`` log to stderr, a terminal. A reason, an
+    agent's name or a tool's error logged as text must not carry escape sequences, a bidi
+    override or a carriage return to it (nor forge a log line with a newline)."""
+    stream = io.StringIO()
+    handler = configure("info", "text", stream)
+    try:
+        await stuck_payment(f"sqlite:///{tmp_path / 'j.db'}", reason=HOSTILE + "\nforged line")
+    finally:
+        logging.getLogger("tether").removeHandler(handler)
+    text = stream.getvalue()
+    assert "pay[/bold]" in text and "\\x1b[31m" in text, text
+    assert raw_controls(text) == [], text
+    assert not any(line.startswith("forged") for line in text.splitlines()), text

@@ -1,5 +1,6 @@
 """`tether mcp-proxy` serving an unmodified MCP client: same tools, every call journaled, and an
-operator's `tether recall` / `tether terminate` from another shell stops the session (I1-I3)."""
+operator's `tether recall` / `tether terminate` from another shell stops the session (I1-I3):
+a terminated session passes no new request to an untrusted upstream, its reads included."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from mcp import ClientSession
+from mcp.shared.exceptions import MCPError
 
 import tether
 from tests.mcp_helpers import ROOT, bank, connect, paid, text
@@ -131,3 +133,26 @@ async def test_a_bad_policy_file_is_one_line(tmp_path: Path, text: str, message:
                              "--upstream", "bank=x", "--policy", str(policy))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "j.db").exists()
+
+
+async def test_mcp_a_terminated_session_does_not_pass_untrusted_reads_through(
+        tmp_path: Path) -> None:
+    """After `tether terminate`, an untrusted upstream (every tool EXTERNAL, fail closed) is
+    reached by no new request: its resources and prompts are code of that server too, and may
+    do anything when read."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    library = f"library={sys.executable} -m tests.mcp_library"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--upstream", library) as session:
+        await session.read_resource("library://catalog")
+        delegation = (await session_delegation(journal)).delegation_id
+        code, _, err = await cli("terminate", delegation, "--reason", "stop",
+                                 "--journal", journal)
+        assert code == 0, err
+        refused = await session.call_tool("shout", {"words": "hi"})
+        assert refused.is_error  # tools are fenced
+        with pytest.raises(MCPError) as refused_read:
+            await session.read_resource("library://catalog")
+        listed = await session.list_resources()  # listings still pass
+    assert "terminated by" in refused_read.value.error.message
+    assert listed.resources

@@ -1,21 +1,28 @@
 """`tether mcp-proxy` is honest about each call (I3, I8): an upstream's refusal is not a false
 alarm, an error result reaches the client as the upstream wrote it, a call the client cancels
-is cancelled upstream and reconciled, progress reaches the client, and a completion that
-arrives after a recall's grace window settles the session's accounting."""
+is cancelled upstream and reconciled, progress reaches the client, a completion that arrives
+after a recall's grace window settles the session's accounting, and a call after the upstream
+died is not one more call in doubt. A client's idempotency key is used or refused, never
+ignored: a retry with other arguments is refused, a retry of a call in doubt is told so in a
+tool error, a malformed key is refused (I7)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp.shared.exceptions import MCPError
 
 import tether
-from tests.mcp_helpers import bank, paid, text
+from tests.mcp_helpers import ROOT, bank, connect, paid, text
 from tests.remote_agents import listen_gate, open_gate
 from tests.test_mcp_proxy import cli, proxy, session_delegation
+from tests.test_mcp_proxy_http import key_meta
 
 A = tether.ActionState
 
@@ -122,3 +129,91 @@ async def test_a_late_receipt_after_a_recall_settles_the_session(
     assert "budget cut" in text(refused)
     assert paid(bank_env, "hold-4") == [(action.idempotency_key, 4)]
     assert paid(bank_env, "B-4") == []
+
+
+async def test_mcp_a_retry_with_the_same_key_and_other_arguments_is_refused(
+        bank_env: Path, journal_url: str) -> None:
+    async with proxy(journal_url) as session:
+        first = await session.call_tool("pay", {"account": "S-1", "cents": 3},
+                                        meta=key_meta("order-9"))
+        other = await asyncio.wait_for(session.call_tool(
+            "pay", {"account": "S-1", "cents": 300}, meta=key_meta("order-9")), 30)
+    assert not first.is_error
+    assert other.is_error and "order-9" in text(other), text(other)  # the Stripe rule
+    assert paid(bank_env, "S-1") == [("client:order-9", 3)]
+
+
+async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
+        bank_env: Path, tmp_path: Path) -> None:
+    """The upstream answered isError (applied, then failed): the client retries with the same
+    key, as a client should. Past the call's deadline, with no probe, the key is a person's to
+    reconcile: the client is told so in a tool error result, as for every other tether refusal,
+    not with a JSON-RPC error of code 0 (not a JSON-RPC code at all)."""
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"bank": {
+        "command": sys.executable, "args": ["-m", "tests.mcp_bank"],
+        "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
+        | {"PYTHONPATH": str(ROOT)},
+        "cwd": str(ROOT), "deadlines": {"pay": 1}}}}))
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--config", str(config)) as session:
+        first = await session.call_tool("pay", {"account": "flaky-2", "cents": 4},
+                                        meta=key_meta("order-10"))
+        assert first.is_error
+        again = await asyncio.wait_for(session.call_tool(
+            "pay", {"account": "flaky-2", "cents": 4}, meta=key_meta("order-10")), 30)
+    assert again.is_error and "order-10" in text(again) and "reconciled" in text(again)
+
+
+async def test_mcp_a_malformed_client_key_is_refused_not_ignored(
+        bank_env: Path, journal_url: str) -> None:
+    """A client that sends a key tether cannot use (a number, an empty or a huge string) meant
+    to make its retries safe: ignoring it would pay a retry twice."""
+    async with proxy(journal_url) as session:
+        for bad in (12, "", "k" * 256):
+            meta: Any = {"io.tether/idempotency-key": bad}
+            with pytest.raises(MCPError) as refused:
+                await session.call_tool("pay", {"account": "K-1", "cents": 1}, meta=meta)
+            assert "idempotency-key" in refused.value.error.message
+    assert paid(bank_env, "K-1") == []
+
+
+DYING = '''
+import os
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("dying")
+
+
+@server.tool()
+async def charge(cents: int) -> str:
+    with open(os.environ["DYING_LEDGER"], "a") as ledger:
+        ledger.write(f"{cents}\\n")
+    os._exit(1)  # applied, then the server dies before it answers
+
+
+if __name__ == "__main__":
+    server.run()
+'''
+
+
+async def test_mcp_a_call_after_the_upstream_died_is_not_a_false_alarm(tmp_path: Path) -> None:
+    """The call during which the upstream died is in doubt (it applied); the next call was
+    certainly never sent: FAILED, not one more UNKNOWN for a person to reconcile."""
+    server, ledger = tmp_path / "dying.py", tmp_path / "ledger"
+    server.write_text(DYING)
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--upstream", f"d={sys.executable} {server}",
+                       env={"DYING_LEDGER": str(ledger)}) as session:
+        with pytest.raises(MCPError):
+            await session.call_tool("charge", {"cents": 5})
+        after = await session.call_tool("charge", {"cents": 6})
+        async with tether.Journal(journal, create=False) as j:
+            (row,) = await j.delegations()
+            actions = await j.actions([row.id])
+    assert after.is_error and "not sent" in text(after)
+    assert ledger.read_text() == "5\n"
+    assert [(a.args["cents"], a.state) for a in actions] == [
+        (5, tether.ActionState.IN_DOUBT), (6, tether.ActionState.FAILED)]

@@ -1,6 +1,7 @@
 """`tether mcp-proxy --config FILE`: the mcpServers file MCP hosts use, with tether's keys
 beside the standard ones; each upstream gets only the environment it is given, its own working
-directory, probes named module:attr, a tool-name prefix; every mistake is one line."""
+directory, probes named module:attr (imported from the file's folder without shadowing the
+modules the proxy imports later), a tool-name prefix; every mistake is one line."""
 
 from __future__ import annotations
 
@@ -147,3 +148,30 @@ async def test_an_upstream_named_twice_is_one_line(tmp_path: Path) -> None:
     code, _, err = await cli("mcp-proxy", "--config", str(path), "--upstream", "bank=y",
                              "--journal", f"sqlite:///{tmp_path / 'j.db'}")
     assert code == 2 and "also in the MCP config file" in err and len(err.splitlines()) == 1
+
+
+def test_mcp_config_probes_do_not_shadow_modules_imported_later(tmp_path: Path) -> None:
+    """A config's probe is imported from the file's folder; that folder must not go first on
+    the import path for good, or any module the proxy imports later (uvicorn when serving
+    HTTP, the SDK's lazy imports) is taken from the folder instead."""
+    from tether._integrations.mcp_config import load_config
+
+    (tmp_path / "myprobes.py").write_text("async def landed(**_):\n    return None\n")
+    (tmp_path / "colorsys.py").write_text("SHADOWED = True\n")
+    config = tmp_path / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"bank": {
+        "command": "true", "probes": {"pay": "myprobes:landed"}}}}))
+    before = list(sys.path)
+    saved = sys.modules.pop("colorsys", None)
+    try:
+        loaded = load_config(config)
+        import colorsys
+
+        assert not hasattr(colorsys, "SHADOWED")
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("colorsys", None)
+        sys.modules.pop("myprobes", None)
+        if saved is not None:
+            sys.modules["colorsys"] = saved
+    assert loaded.policies["bank"].probes["pay"].__name__ == "landed"

@@ -1,7 +1,8 @@
 """Streamable HTTP both ways: `tether mcp-proxy --http 127.0.0.1:PORT` serves MCP at /mcp with
 one delegation per MCP session, and an upstream can be a URL. A client that cancels a call
 over HTTP has it cancelled upstream and reconciled; a retry with a new request id but the same
-tether idempotency key in `_meta` replays the journaled outcome (I7)."""
+tether idempotency key in `_meta` replays the journaled outcome (I7). On any loopback address
+the proxy refuses a request for a foreign host (DNS rebinding)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx2
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
@@ -214,3 +216,24 @@ async def test_a_2026_client_that_drops_its_request_cancels_the_call(
     (action,) = found[0].actions
     assert action.state in (A.UNKNOWN, A.IN_DOUBT)  # never COMPLETED: it was cancelled
     assert paid(bank_env, "hold-8") == []
+
+
+async def test_mcp_http_on_any_loopback_address_refuses_a_foreign_host(
+        bank_env: Path, tmp_path: Path) -> None:
+    """DNS rebinding: a web page whose name resolves to the proxy's loopback address must not
+    reach it. 127.0.0.2 is loopback (accepted by --http) like 127.0.0.1."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    async with serving(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+                       "--http", "127.0.0.2:0", "--upstream",
+                       f"bank={sys.executable} -m tests.mcp_bank",
+                       ready="serving MCP at") as lines:
+        said = next(line for line in lines if "serving MCP at" in line)
+        url = said.split("serving MCP at ")[1].split()[0]
+        body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "page", "version": "1"}}}
+        async with httpx2.AsyncClient() as web:
+            answer = await web.post(url, json=body, headers={
+                "Host": "rebound.example", "Origin": "http://rebound.example",
+                "Accept": "application/json, text/event-stream"})
+    assert answer.status_code in (421, 403), answer.status_code

@@ -1,17 +1,28 @@
 """The whole agent graph of an OpenAI Agents SDK run goes through tether: tools reached through
 handoffs are mediated, ``Agent.as_tool`` sub-agents are nested delegations with their own keys
-and fence, a tool tether cannot see is refused or makes the agent never re-dispatched, and the
-SDK's own run options and stream stay the user's (I1, I6, I7, I8, I9, I10)."""
+and fence, a tool tether cannot see is refused or makes the agent never re-dispatched (one
+added to the agent after planning included), an agent run inside a tool does not inherit the
+tool's key, and the SDK's own run options and stream stay the user's (I1, I6, I7, I8, I9,
+I10)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx2
 import pytest
 from agents import Agent as SdkAgent
-from agents import RunConfig, RunHooks, WebSearchTool, function_tool, handoff, set_tracing_disabled
+from agents import (
+    RunConfig,
+    RunHooks,
+    Runner,
+    WebSearchTool,
+    function_tool,
+    handoff,
+    set_tracing_disabled,
+)
 from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
 
 import tether
@@ -236,3 +247,76 @@ async def test_run_options_input_items_and_the_stream_are_the_users(
         assert await handle.result() == "you are acct-7"
     assert tools_started == ["whoami"]
     assert "run_item_stream_event" in seen and "raw_response_event" in seen
+
+
+async def test_a_tool_added_to_the_agent_after_planning_never_runs_unmediated(
+        journal_url: str) -> None:
+    pay = PaymentService(latency=0.0)
+
+    @function_tool
+    async def lookup(order_id: str) -> str:
+        """Look an order up."""
+        return f"order {order_id}"
+
+    @function_tool
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        return await pay.refund(order_id, cents, idempotency_key=idempotency_key() or "none")
+
+    model = ScriptedModel([[function_call("refund", {"order_id": "A", "cents": 5},
+                                          call_id="c1")], [assistant_message("done")]])
+    sdk = SdkAgent(name="helper", tools=[lookup], model=model)
+    agent = as_tether_agent(sdk)
+    sdk.tools.append(refund)  # after tether planned the graph: it never saw this tool
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        with contextlib.suppress(tether.TetherError):
+            await handle.result()
+        report = await handle.report()
+    # Either refused, or journaled: never a refund the journal does not hold.
+    assert pay.refund_count("A") == len([a for a in report.actions if a.tool == "refund"])
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async-tools", "sync-tools"])
+async def test_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
+        journal_url: str, sync: bool) -> None:
+    seen: list[str | None] = []
+
+    def refund_sync(order_id: str) -> str:
+        """Refund an order."""
+        seen.append(idempotency_key())
+        return f"refunded {order_id}"
+
+    async def refund_async(order_id: str) -> str:
+        """Refund an order."""
+        return refund_sync(order_id)
+
+    inner_model = ScriptedModel([
+        [function_call("refund", {"order_id": "X"}, call_id="i1"),
+         function_call("refund", {"order_id": "Y"}, call_id="i2")],
+        [assistant_message("inner done")]])
+    refund = function_tool(refund_sync if sync else refund_async, name_override="refund")
+    inner = SdkAgent(name="inner", tools=[refund], model=inner_model)
+
+    def batch_sync(orders: str) -> str:
+        """Refund a batch by running the refund agent (not an as_tool sub-agent)."""
+        seen.append(idempotency_key())
+        return str(asyncio.run(Runner.run(inner, orders)).final_output)
+
+    async def batch_async(orders: str) -> str:
+        """Refund a batch by running the refund agent (not an as_tool sub-agent)."""
+        seen.append(idempotency_key())
+        return str((await Runner.run(inner, orders)).final_output)
+
+    batch = function_tool(batch_sync if sync else batch_async, name_override="batch")
+    model = ScriptedModel([[function_call("batch", {"orders": "X,Y"}, call_id="c1")],
+                           [assistant_message("done")]])
+    agent = as_tether_agent(SdkAgent(name="outer", tools=[batch], model=model))
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(agent, "refund X and Y")
+        await handle.result()
+    outer, *inner_keys = seen
+    assert outer is not None and len(inner_keys) == 2  # the tool itself has its key
+    # The inner refunds are not tether calls: they must not be handed the outer call's key
+    # (the provider would deduplicate the second refund and lose it).
+    assert outer not in inner_keys, seen

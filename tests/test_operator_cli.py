@@ -1,9 +1,11 @@
-"""The CLI as an operator meets it: output that journal strings cannot subvert, ids that are
-never cut, dates on times, events in ``show``, exit codes that tell a script the truth."""
+"""The CLI as an operator meets it: output that journal strings cannot subvert (the key
+registry's labels and ignored entries too), ids that are never cut, dates on times, events in
+``show``, exit codes that tell a script the truth."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import tether
 from tether._cli.app import app
 
 from .operator_world import HOSTILE, orphan, stuck_payment
@@ -140,3 +143,33 @@ def test_keys_init_speaks_json(tmp_path: Path) -> None:
     assert code == 0
     data = json.loads(out)
     assert data["signing"] and data["directory"] == str(tmp_path / "k")
+
+
+def test_keys_registry_prints_hostile_labels_and_entries_literally(tmp_path: Path) -> None:
+    """``tether keys registry`` (added with the trust registry, after the injection test was
+    written) printed labels and ignored entries as markup: a label ``[/bold]`` crashed it
+    (MarkupError), and a garbage registry row, which anyone with write access to the journal
+    may add (docs/security.md), sent its escape sequences to the operator's terminal."""
+    import sqlite3
+
+    from tether._core.documents import KeyGrant
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    other = tmp_path / "other"
+    assert invoke("keys", "init", "--keys", str(other), "--journal", url)[0] == 0
+    public = json.loads(invoke("keys", "show", "--keys", str(other), "--journal", url,
+                               "--json")[1])["public"]
+    assert invoke("keys", "trust", public, "--label", HOSTILE, "--journal", url)[0] == 0
+    # A forged entry: signed by a stranger, naming a hostile signer.
+    stranger = tether.KeyRing.ephemeral().signer
+    signed = stranger.sign(KeyGrant("trust", "k" * 16, public, "x", 1.0))
+    with sqlite3.connect(tmp_path / "j.db") as db:
+        db.execute("INSERT INTO trust (op, key_id, body, signer, signature, recorded_at) "
+                   "VALUES (?, ?, ?, ?, ?, ?)",
+                   ("trust", "k" * 16, signed.body, HOSTILE, signed.signature, 2.0))
+    code, out, err = invoke("keys", "registry", "--journal", url)
+    assert code == 0, (out, err)
+    assert raw_controls(out + err) == [], out
+    assert "pay[/bold] [red]x[/red]" in out and "\\x1b[31m" in out
+    assert out.count("pay[/bold]") == 2  # the label, and the ignored entry's signer

@@ -19,10 +19,12 @@ import pytest
 from psycopg import sql
 
 import tether
+from tether._journal import ops
 from tether._journal.journal import Journal
-from tether._journal.rows import NewAction, NewDelegation
+from tether._journal.rows import Begin, NewAction, NewDelegation
 
 from .conftest import PG_URL
+from .journal_helpers import pay_action, root_delegation
 
 KEY = tether.SigningKey.generate()
 TRUSTED = tether.TrustedKeys([KEY.public])
@@ -185,6 +187,63 @@ async def test_a_receipt_racing_a_probe_is_never_lost(pg_url: str, probe_first: 
             assert told is tether.ActionState.COMPLETED
     finally:
         await ja.close()
+
+
+async def test_a_late_receipt_racing_a_new_use_of_the_freed_key_is_kept(pg_url: str) -> None:
+    """A call judged NOT_APPLIED (its dispatch deadline passed) lands after all, and its
+    executor's receipt arrives while another process begins a new call with the key that
+    NOT_APPLIED freed. On SQLite the receipt sees the new call and is kept as a
+    ``contradicting_receipt`` event for a person. On PostgreSQL the receipt checked for a
+    live use of the key before the new call committed, then its write met the unique index
+    of live keys: the write failed, and a receipt (posted, never awaited) vanished without
+    a trace, leaving the journal saying NOT_APPLIED for a call that applied."""
+    tag = uuid.uuid4().hex[:8]
+    names = (f"key_a_{tag}", f"key_b_{tag}")
+    ja = Journal(f"{pg_url}&application_name={names[0]}")
+    jb = Journal(f"{pg_url}&application_name={names[1]}")
+    await ja.open()
+    await jb.open()
+    try:
+        await ja.create_delegation(root_delegation("d1", "t1"))
+        await ja.create_delegation(root_delegation("d2", "t2"))
+        await ja.begin_action(pay_action("a1", "d1", 2.0))
+        await ja.mark_in_doubt("d1", 2.5)
+        # The probe, past the call's deadline: final.
+        assert await ja.settle_action("a1", tether.ActionState.NOT_APPLIED, 6.0,
+                                      evidence={"probe": "not found"}) \
+            is tether.ActionState.NOT_APPLIED
+        with psycopg.connect(PG_URL) as holder:
+            holder.execute(sql.SQL("SELECT id FROM {}.actions WHERE id = 'a1' FOR UPDATE")
+                           .format(sql.Identifier(_schema_of(pg_url))))
+            # Awaited here (Journal.finish_action posts it, and a failed post is silent).
+            receipt = asyncio.ensure_future(ja._write(
+                ops.finish_action, "a1", tether.ActionState.COMPLETED, 7.0, "paid"))
+            await _blocked(names[:1], 1)  # the receipt is on its way to the row
+            begin = asyncio.ensure_future(jb.begin_action(pay_action("a2", "d2", 7.5)))
+            await _until_blocked_or_done(names, begin)
+            holder.commit()
+        result: Any = await asyncio.gather(receipt, begin, return_exceptions=True)
+        assert not [r for r in result if isinstance(r, BaseException)], result
+        [a1] = [a for a in await ja.actions(["d1"])]
+        events = [e.kind for e in await ja.events(["d1"])]
+        if result[1].status is Begin.STARTED:
+            # The new call took the key first: the receipt is kept for a person.
+            assert "contradicting_receipt" in events, events
+            assert (await ja.get("d1")).state is tether.DelegationState.NEEDS_ATTENTION
+        else:
+            # The receipt re-opened the key first: the new call replays it, never runs.
+            assert result[1].status is Begin.REPLAY, result[1]
+            assert a1.state is tether.ActionState.COMPLETED and a1.late, a1
+    finally:
+        await jb.close()
+        await ja.close()
+
+
+async def _until_blocked_or_done(names: tuple[str, ...], fut: asyncio.Future[Any]) -> None:
+    """Until ``fut`` is done or both named connections wait for a lock."""
+    waiter = asyncio.ensure_future(_blocked(names, 2))
+    await asyncio.wait({waiter, fut}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
 
 
 async def _final_tree(j: Journal) -> None:

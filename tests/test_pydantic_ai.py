@@ -1,6 +1,7 @@
 """pydantic-ai specifics beyond the conformance kit: ModelRetry did not apply (FAILED), a run
 the application cancels is a ceiling (never re-dispatched), toolsets tether cannot mediate are
-refused, and the agent's own tools and dependencies reach the run."""
+refused, the agent's own tools and dependencies reach the run, and an agent run inside a tool
+does not inherit the tool's key (a sync tool has its own, in pydantic-ai's worker thread)."""
 
 from __future__ import annotations
 
@@ -104,3 +105,75 @@ async def test_deps_and_events_reach_the_run(sqlite_url: str) -> None:
         handle = await sup.delegate(child, "who am I?")
         assert await handle.result() == "you are acct-7"
     assert len(nodes) >= 3
+
+
+async def test_pydantic_ai_an_agent_run_inside_a_tool_does_not_inherit_the_outer_key(
+        journal_url: str) -> None:
+    seen: list[str | None] = []
+    inner: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("refund", {"order_id": "X"}),
+                             ToolCallPart("refund", {"order_id": "Y"})]),
+        ModelResponse(parts=[TextPart("inner done")])), name="inner")
+
+    @inner.tool_plain
+    async def refund(order_id: str) -> str:
+        """Refund an order."""
+        seen.append(idempotency_key())
+        return f"refunded {order_id}"
+
+    outer: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("batch", {"orders": "X,Y"})]),
+        ModelResponse(parts=[TextPart("done")])), name="outer")
+
+    @outer.tool_plain
+    async def batch(orders: str) -> str:
+        """Refund a batch by running the refund agent itself (not through delegate)."""
+        seen.append(idempotency_key())
+        return (await inner.run(orders)).output
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(as_tether_agent(outer), "refund X and Y")
+        await handle.result()
+        report = await handle.report()
+    first, *inner_keys = seen
+    assert first is not None and len(inner_keys) == 2, (seen, report.actions)
+    assert first not in inner_keys, seen
+
+
+async def test_pydantic_ai_a_sync_tool_has_its_key_and_an_inner_sync_tool_has_none(
+        journal_url: str) -> None:
+    """A sync tool runs in pydantic-ai's worker thread: it gets its own call's key there; a sync
+    tool of an agent run inside an async tool (another worker thread) gets none."""
+    seen: dict[str, str | None] = {}
+    inner: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("refund", {"order_id": "X"})]),
+        ModelResponse(parts=[TextPart("inner done")])), name="inner")
+
+    @inner.tool_plain
+    def refund(order_id: str) -> str:
+        """Refund an order."""
+        seen["inner"] = idempotency_key()
+        return f"refunded {order_id}"
+
+    outer: PaiAgent[None, str] = PaiAgent(scripted(
+        ModelResponse(parts=[ToolCallPart("note", {"text": "hi"}),
+                             ToolCallPart("batch", {"orders": "X"})]),
+        ModelResponse(parts=[TextPart("done")])), name="outer")
+
+    @outer.tool_plain
+    def note(text: str) -> str:
+        """Write a note (sync: runs in a worker thread)."""
+        seen["note"] = idempotency_key()
+        return "noted"
+
+    @outer.tool_plain
+    async def batch(orders: str) -> str:
+        """Run the refund agent itself."""
+        seen["batch"] = idempotency_key()
+        return (await inner.run(orders)).output
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(as_tether_agent(outer), "note and refund")
+        await handle.result()
+    assert seen["note"] is not None and seen["batch"] is not None, seen
+    assert seen["note"] != seen["batch"] and seen["inner"] is None, seen

@@ -1,5 +1,6 @@
 """Retention: export as JSON Lines with verification status; prune only whole settled trees,
-archived first, the prune recorded."""
+archived first, the prune recorded; a re-delegated task's old attempt pruned keeps its keys
+while the task may run again, so a payment is never made twice."""
 
 from __future__ import annotations
 
@@ -181,3 +182,50 @@ async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> 
         result = await j.prune([handle.id], time.time(), time.time(), None)
         assert (result["delegations"], result["actions"], result["kept"]) == (2, 1, [])
         assert await j.roots(since=None, until=None, after=None, limit=10) == []
+
+
+async def test_pruning_a_re_delegated_tasks_old_attempt_does_not_pay_twice(
+        journal_url: str) -> None:
+    """The first attempt paid (key ``task:charge:0``, COMPLETED) and was stopped; the task
+    was re-delegated, and its new attempt will call charge with the same key, which the
+    journal answers with the recorded receipt (I7). Pruning the old, settled tree in between
+    must not make the journal forget that key: the payment would run a second time."""
+    paid: list[str] = []
+    entered, gate = asyncio.Event(), asyncio.Event()
+    attempts = 0
+
+    @tether.tool(name="charge")
+    async def charge(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        paid.append(idempotency_key)
+        return f"ch_{len(paid)}"
+
+    async def payer(ctx: tether.Context) -> str:
+        nonlocal attempts
+        attempts += 1
+        if attempts > 1:
+            await gate.wait()
+        receipt = await ctx.call(charge, order_id="O-1", cents=1250)
+        if attempts == 1:
+            entered.set()
+            await asyncio.Event().wait()  # stuck after paying: the operator stops it
+        return str(receipt)
+
+    far = time.time() + 10 * 86400  # a cut-off and a "now" past every deadline
+    async with tether.Supervisor(journal_url, tools=[charge]) as sup:
+        first = await sup.delegate(tether.Agent("payer", payer, (charge,)), tools=[charge])
+        await entered.wait()
+        await first.terminate("stuck after paying")
+        assert (await sup.journal.get(first.id)).state.terminal
+        second = await first.redelegate()
+        j = sup.journal
+        roots = await j.roots(since=None, until=far, after=None, limit=500, settled_only=True)
+        assert first.id in roots
+        await j.prune(await j.prunable(roots, far, far), far, far, None)
+        gate.set()
+        assert await second.result() == "ch_1"  # the receipt, replayed
+        await second.wait()
+        # Once every attempt of the task is settled, they go together.
+        roots = await j.roots(since=None, until=far, after=None, limit=500, settled_only=True)
+        done = await j.prune(await j.prunable(roots, far, far), far, far, None)
+        assert done["delegations"] == 2 and done["kept"] == []
+    assert paid == [f"{first.task_id}:charge:0"]  # once

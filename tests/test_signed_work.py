@@ -1,5 +1,8 @@
 """Signed work: a worker runs only queued work that a key the deployment trusts signed, over
-exactly the agent, arguments, surface and parent of the row it claims. Both backends."""
+exactly the agent, arguments, surface and parent of the row it claims; and never work that was
+recalled before any claim and whose rows were then rolled back by hand, nor when the
+delegation's chain and sealed head are rolled back with them (the configuration remembers the
+later head: tests/test_rollback.py has the other rollbacks). Both backends."""
 
 from __future__ import annotations
 
@@ -96,3 +99,69 @@ async def test_a_worker_whose_key_is_not_trusted_does_not_start(journal_url: str
                 pass
         entry = await sup.journal.queue_entry(queued.id)
     assert entry is not None and entry.claimed_by is None
+
+
+async def test_queued_work_recalled_before_any_claim_is_not_run_after_a_rollback(
+        journal_url: str) -> None:
+    """The orchestrator queues a payment and recalls it before any worker claims it: the
+    report says nothing ran. A process with write access (no key) puts the rows back as they
+    were before the recall (fenced 0, the controls row gone, the queue entry unclaimed): the
+    signed work order is genuine, so a worker claimed it and paid. An action caused, and the
+    ghost action tether exists to prevent. Now the worker checks the delegation's chain: the
+    row differs from its sealed entry and the controls row is gone, so the work is refused.
+    (A rollback of the chain and its sealed head along with the rows is the next test.)"""
+    order = f"R-{uuid.uuid4().hex[:6]}"
+    deployment = tether.KeyRing.ephemeral()
+    async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
+        h = await sup.delegate(payer, order, 100, remote=True)
+        report = await h.recall(1.0, "changed my mind")
+        assert report.outcome is tether.DelegationState.RECALLED
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
+        await raw(sup.journal, "UPDATE delegations SET state = 'RUNNING', fenced = 0, "
+                  "control_seq = 0 WHERE id = ?", h.id)
+        await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
+                  "done_at = NULL WHERE delegation_id = ?", h.id)
+        await served(journal_url, [payer], deployment, sup.journal, [h.id])
+    assert PAY.refund_count(order) == 0
+
+
+async def test_queued_work_is_not_run_after_a_rollback_of_its_chain_too(
+        journal_url: str) -> None:
+    """The same rollback by an intruder who also saved the delegation's chain head before the
+    recall and restores it (deleting the later entries and events): every record and the
+    head's seal are genuine, as they were before the recall. The configuration remembers the
+    later head (docs/security.md, "Rollback"): the worker refuses the work, naming it."""
+    from tether._core.chain import COLUMNS
+
+    order = f"R-{uuid.uuid4().hex[:6]}"
+    deployment = tether.KeyRing.ephemeral()
+    cols = COLUMNS["delegations"].split(", ")
+    async with tether.Supervisor(journal_url, keys=deployment, tools=[pay]) as sup:
+        h = await sup.delegate(payer, order, 100, remote=True)
+        await sup.journal.flush()
+
+        def snapshot(db: Any) -> tuple[Any, Any, Any]:
+            run = db.execute
+            return (run(f"SELECT {COLUMNS['delegations']} FROM delegations WHERE id = ?",
+                        (h.id,)).fetchone(),
+                    run("SELECT length, hash, path, seal, signer, signature FROM chain_heads "
+                        "WHERE delegation_id = ?", (h.id,)).fetchone(),
+                    run("SELECT MAX(id) FROM events").fetchone()[0])
+
+        row, head, last_event = await sup.journal._read(snapshot)
+        report = await h.recall(1.0, "changed my mind")
+        assert report.outcome is tether.DelegationState.RECALLED
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
+        await raw(sup.journal, f"UPDATE delegations SET {', '.join(f'{c} = ?' for c in cols)} "
+                  "WHERE id = ?", *row, h.id)
+        await raw(sup.journal, "DELETE FROM chain WHERE delegation_id = ? AND seq > ?",
+                  h.id, head[0])
+        await raw(sup.journal, "UPDATE chain_heads SET length = ?, hash = ?, path = ?, "
+                  "seal = ?, signer = ?, signature = ? WHERE delegation_id = ?", *head, h.id)
+        await raw(sup.journal, "DELETE FROM events WHERE id > ? AND delegation_id = ?",
+                  last_event, h.id)
+        await raw(sup.journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL, "
+                  "done_at = NULL WHERE delegation_id = ?", h.id)
+        (refused,) = await served(journal_url, [payer], deployment, sup.journal, [h.id])
+    assert PAY.refund_count(order) == 0
+    assert refused.failure == "refused:work" and "rolled back" in (refused.error or ""), refused

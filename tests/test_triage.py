@@ -1,5 +1,5 @@
 """Triage: delegations newest first, filtered and paged through indexes; the queue of actions
-that need a person; ids that sort by time."""
+that need a person; ids that sort by time; a limit the database cannot hold is a usage error."""
 
 from __future__ import annotations
 
@@ -161,3 +161,13 @@ def test_ids_sort_by_time() -> None:
     # The first 48 bits are the creation time in milliseconds (UUIDv7).
     raw = base64.b32hexdecode(ids[0][2:].upper() + "======")
     assert abs(int.from_bytes(raw[:6], "big") / 1000 - time.time()) < 60
+
+
+@pytest.mark.parametrize("command", ["ls", "actions"])
+def test_a_huge_limit_is_a_usage_error_not_a_traceback(tmp_path: Path, command: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    code, out, err = invoke(command, "--limit", str(2 ** 80), "--journal", url)
+    assert code == 2 and out == "" and "--limit" in err, (code, out, err)
+    code, out, _ = invoke(command, "--limit", str(2 ** 62), "--journal", url)
+    assert code in (0, 1) and ("charge" in out or "payer" in out), out

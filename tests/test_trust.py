@@ -1,6 +1,9 @@
 """Trust anchors belong to the deployment: an intent from a key the journal's registry does not
 trust is refused at acceptance; a copied or replayed intent is never acted on; a forged row
-cannot block a legitimate recall with a raw database error. Both backends."""
+cannot block a legitimate recall with a raw database error; a revoked key stays revoked when
+its grant is copied again or its revocation deleted; a fence no accepted intent explains is
+named by `tether verify`. And one attempt not yet defeated (marked xfail): an owner declared
+dead by hand is stopped by a trusted recovery. Both backends."""
 
 from __future__ import annotations
 
@@ -231,3 +234,108 @@ async def test_verify_names_every_signed_record_that_fails(
     assert "does not match" in found[(queued.id, "queued work")]
     code, out, _ = await tether_cli("verify", w.id, "--journal", journal_url)
     assert code == 1 and "controls row" in out
+
+
+async def test_a_revoked_key_stays_revoked_when_its_old_grant_is_copied_again(
+        journal_url: str, tmp_path: Path) -> None:
+    """A revoked key (revoked because it leaked, say) must not come back when a process with
+    write access copies the root's old "trust" entry for it to the end of the registry: the
+    copy verifies (the root signed it), so it was applied again and the leaked key's recall
+    was accepted and acted on."""
+    async with tether.Supervisor(journal_url) as sup:
+        leaked = tether.KeyRing.init(tmp_path / "leaked")
+        leaked.pin(sup.keys.signer.key_id, sup.keys.signer.public_b64())
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
+                                       leaked.signer.key_id, leaked.signer.public_b64(), "", 1.0)
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "revoke",
+                                       leaked.signer.key_id, "", "", 2.0)
+        # The intruder: copy the grant (body, signer, signature, all genuine) after the revoke.
+        await raw(sup.journal, "INSERT INTO trust (op, key_id, body, signer, signature, "
+                  "recorded_at) SELECT op, key_id || '', body, signer, signature, 3.0 "
+                  "FROM trust WHERE op = 'trust'")
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert leaked.signer.key_id not in reg.keys
+        assert leaked.signer.key_id in reg.revoked
+        assert any("revoked" in p for p in reg.problems), reg.problems
+        # The leaked key's own signed entries are refused in the accepting transaction.
+        third = tether.KeyRing.ephemeral().signer
+        with pytest.raises(tether.ControlRefused, match="revoked"):
+            await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust",
+                                           third.key_id, third.public_b64(), "", 4.0)
+        # And the deployment cannot trust it again by mistake either (make a new key).
+        with pytest.raises(tether.UserError, match="never trusted again"):
+            await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
+                                           leaked.signer.key_id, leaked.signer.public_b64(),
+                                           "", 5.0)
+
+
+async def test_deleting_a_revocation_does_not_trust_the_key_again(
+        journal_url: str, tmp_path: Path) -> None:
+    """Deleting rows is meant to be denial of service (keys lose trust). Deleting a revocation
+    made a key gain it: the leaked key was trusted again, and nothing listed a problem. Now a
+    configuration remembers the registry it read (``registry.json`` beside its keys): a
+    shorter one is named as rolled back, and a key it saw revoked stays revoked."""
+    async with tether.Supervisor(journal_url) as sup:
+        leaked = tether.KeyRing.init(tmp_path / "leaked")
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
+                                       leaked.signer.key_id, leaked.signer.public_b64(), "", 1.0)
+        await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "revoke",
+                                       leaked.signer.key_id, "", "", 2.0)
+        await raw(sup.journal, "DELETE FROM trust WHERE op = 'revoke'")
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert leaked.signer.key_id not in reg.keys
+        assert any("rolled back" in p for p in reg.problems), reg.problems
+        # The leaked key's holder, under a configuration of its own that never read the
+        # revocation, gets a grant of its own into the journal: the deployment ignores it.
+        leaked.pin(sup.keys.signer.key_id, sup.keys.signer.public_b64())
+        third = tether.KeyRing.ephemeral().signer
+        await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust", third.key_id,
+                                       third.public_b64(), "", 3.0)
+        reg = await sup.journal.registry(sup.keys.trusted)
+        assert {leaked.signer.key_id, third.key_id}.isdisjoint(reg.keys.ids()), reg
+    # Another process of the same configuration (its key directory) remembers it too.
+    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    assert code == 1 and "rolled back" in out, out + err
+
+
+async def test_verify_names_a_fence_no_accepted_intent_explains(journal_url: str,
+                                                                 shop: Shop) -> None:
+    """docs/security.md: setting `fenced` or a state by hand is denial of service, never an
+    unnoticed stop. `tether verify` passed a delegation fenced and RECALLING with no control
+    intent at all behind it (or with its accepted intent's row deleted)."""
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        a = await sup.delegate(shop.refund_agent, "F-1", tools=shop.tools)
+        b = await sup.delegate(shop.refund_agent, "F-2", tools=shop.tools)
+        await raw(sup.journal, "UPDATE delegations SET fenced = 1, state = 'RECALLING' "
+                  "WHERE id = ?", a.id)
+        await b.terminate("operator's own")
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", b.id)
+        await sup.journal.flush()
+        code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+        open_gate(shop)
+    assert code == 1, out + err
+    named = {p["delegation"] for p in json.loads(out)["problems"]}
+    assert {a.id, b.id} <= named
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: liveness is read from rows the intruder "
+                   "can write (the owners table is not chained, and an older genuine "
+                   "heartbeat restored reads as dead); a trusted process then signs the stop "
+                   "(docs/security.md, 'Not yet')")
+async def test_an_owner_declared_dead_by_hand_is_not_terminated_by_a_trusted_recovery(
+        journal_url: str, shop: Shop) -> None:
+    """A confused deputy: the intruder deletes the live owner's row in `owners`. The next
+    supervisor to start (recover=True, the default) or `tether reconcile` takes the owner for
+    dead and signs a TERMINATE with its trusted key; the live owner admits it (trusted, bound
+    to the row) and stops its child. The stop is on record as a crash recovery, signed by a
+    trusted key: `tether verify` finds nothing wrong."""
+    shop.gate = asyncio.Event()
+    async with tether.Supervisor(journal_url, tools=shop.tools) as sup:
+        child = await sup.delegate(shop.refund_agent, "D-1", tools=shop.tools)
+        await raw(sup.journal, "DELETE FROM owners WHERE id = ?", sup.owner_id)
+        async with tether.Supervisor(journal_url, tools=shop.tools, keys=sup.keys):
+            pass
+        open_gate(shop)
+        report = await child.report()
+    assert report.outcome is tether.DelegationState.SUCCEEDED, report
