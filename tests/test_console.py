@@ -1,10 +1,14 @@
 """The web console in a real browser (Playwright driving the system's Chromium): the live tree,
 recall by clicking, the needs-attention queue resolved by clicking, each checked in the
-journal; and the access token, host check and HTML injection."""
+journal; and the access token, host check and HTML injection. Without a browser (the server
+in process, the command through the CLI): an action's token is taken from its header only,
+signatures are verified as `tether show` and `tether export` verify them, a public address is
+warned about, and an unusable host is one error line."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import urllib.error
@@ -12,16 +16,21 @@ import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from playwright.async_api import Browser, Page, async_playwright, expect
 
 import tether
+from tether._core.model import ActionState
 
 from .operator_world import stuck_payment
+from .test_operator_cli import invoke, raw_controls
 
+A = ActionState
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("TETHER_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FOUND = Path(CHROMIUM).exists()
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--disable-background-networking", "--disable-component-update",
          "--disable-default-apps", "--disable-sync", "--no-first-run", "--mute-audio"]
@@ -37,6 +46,8 @@ class Served:
 
 @pytest.fixture
 async def browser() -> AsyncIterator[Browser]:
+    assert CHROMIUM_FOUND, (
+        f"no Chromium at {CHROMIUM}: scripts/test installs it (or set TETHER_CHROMIUM)")
     async with async_playwright() as p:
         b = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
@@ -64,8 +75,14 @@ async def stop(served: Served) -> None:
 
 async def open_page(browser: Browser, served: Served) -> Page:
     page = await browser.new_page()
+    refused: list[str] = []  # what the Content-Security-Policy blocked, if anything
+    page.on("console", lambda m: refused.append(m.text)
+            if "Content Security Policy" in m.text else None)
     await page.goto(served.url)
     await expect(page.locator("#status")).to_contain_text("live")
+    # The token leaves the address bar (and the history) once the page has it.
+    assert "token" not in page.url, page.url
+    assert refused == [], refused
     return page
 
 
@@ -212,3 +229,131 @@ async def test_the_operators_story_in_the_browser(tmp_path: Path, browser: Brows
         quiet.set()
     assert row.state is tether.DelegationState.RECONCILED
     assert len(live) == 499
+
+
+# -- without a browser: the server's own checks, and the command ----------------------------------
+
+def _client(url: str, keys: Path | None = None) -> Any:
+    from starlette.testclient import TestClient
+
+    from tether._console.server import Console, build
+
+    app_ = build(Console(url, keys, "t" * 24))
+    return TestClient(app_, base_url="http://127.0.0.1")
+
+
+def test_console_actions_take_the_token_from_the_header_only(tmp_path: Path) -> None:
+    """Actions need the token in X-Tether-Token; an empty header with the token in the query
+    string (what a page that learnt the URL could send) must not pass for it."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    with _client(url) as client:
+        r = client.post(f"/api/actions/{stuck.action}/resolve?token={'t' * 24}",
+                        headers={"X-Tether-Token": ""},
+                        json={"outcome": "COMPLETED", "note": "forged", "by": "Mallory"})
+        assert r.status_code == 401, r.text
+        r = client.post(f"/api/delegations/{stuck.delegation}/terminate?token={'t' * 24}",
+                        headers={"X-Tether-Token": ""}, json={"reason": "forged"})
+        assert r.status_code == 401, r.text
+
+    async def state() -> ActionState:
+        async with tether.Journal(url, create=False) as j:
+            return (await j.action(stuck.action)).state
+
+    assert asyncio.run(state()) is A.UNKNOWN
+
+
+def test_console_and_export_verify_signatures_as_tether_show_does(tmp_path: Path) -> None:
+    """A decision signed by an operator the registry trusts (granted by the root) is
+    'verified' in ``tether show``; the console must not call it REFUSED because the key is
+    not one of its configuration's pinned roots."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    root = tether.KeyRing.load(tmp_path / "keys")
+    ada = tmp_path / "ada"
+    assert invoke("keys", "init", "--keys", str(ada), "--journal", url)[0] == 0
+    public = json.loads(invoke("keys", "show", "--keys", str(ada), "--journal", url,
+                               "--json")[1])["public"]
+    assert invoke("keys", "trust", public, "--journal", url)[0] == 0
+    assert invoke("keys", "pin", root.signer.public_b64(), "--keys", str(ada),
+                  "--journal", url)[0] == 0
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "paid",
+                            "--by", "Ada", "--keys", str(ada), "--journal", url)
+    assert code == 0, (out, err)
+    shown = json.loads(invoke("show", stuck.delegation, "--journal", url, "--json")[1])
+    with _client(url) as client:
+        r = client.get(f"/api/delegations/{stuck.delegation}",
+                       headers={"X-Tether-Token": "t" * 24})
+        assert r.status_code == 200, r.text
+        served = r.json()
+    verdicts = [(i["kind"], i["verified"]) for i in shown["intents"]]
+    assert ("RESOLUTION", "ok") in verdicts
+    assert [(i["kind"], i["verified"]) for i in served["intents"]] == verdicts
+    # And so does tether export (the archive prune writes is the same).
+    code, out, _ = invoke("export", "--journal", url)
+    assert code == 0
+    signed = [r for r in map(json.loads, out.splitlines()) if "signature" in r]
+    assert len(signed) == len(verdicts) and all(r["verified"] == "ok" for r in signed), signed
+
+
+def test_console_on_a_public_address_warns(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host 0.0.0.0`` serves the journal and its buttons to the network over plain HTTP,
+    the token in the URL: said on stderr at start, not only in --help."""
+    import uvicorn
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    ran: list[Any] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(sockets))
+    code, out, err = invoke("console", "--host", "0.0.0.0", "--port", "0", "--journal", url)
+    assert code == 0 and ran, (out, err)
+    for socks in ran:
+        for sock in socks:
+            sock.close()
+    assert "warning:" in err and "0.0.0.0" in err, err
+    code, out, err = invoke("console", "--host", "127.0.0.1", "--port", "0", "--journal", url)
+    for socks in ran[1:]:
+        for sock in socks:
+            sock.close()
+    assert code == 0 and "warning" not in err, err
+
+
+@pytest.mark.parametrize("host", ["bad\x00host", "\u202ehost[/bold]"])
+def test_console_with_an_unusable_host_is_one_error_line(tmp_path: Path, host: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    code, out, err = invoke("console", "--host", host, "--port", "0", "--journal", url)
+    assert code == 2 and out == "" and err.startswith("error:"), (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and raw_controls(err) == []
+
+
+def test_the_token_rides_no_url_after_the_first_load_and_every_response_is_locked_down(
+        tmp_path: Path) -> None:
+    """The first load takes the token from the printed link and sets an HttpOnly, SameSite
+    cookie; reads then ride the cookie or the header, never the query string; every response
+    allows only the page's own script and style and sends no referrer."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    token = "t" * 24
+    with _client(url) as client:
+        assert client.get("/api/delegations", params={"token": token}).status_code == 401
+        first = client.get("/", params={"token": token})
+        assert first.status_code == 200
+        cookie = first.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie
+        policy = first.headers["content-security-policy"]
+        assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
+        assert "'unsafe-inline'" not in policy and "script-src 'sha256-" in policy
+        assert first.headers["referrer-policy"] == "no-referrer"
+        reads = client.get("/api/delegations")  # the cookie alone
+        assert reads.status_code == 200, reads.text
+        assert reads.headers["referrer-policy"] == "no-referrer"
+        client.cookies.clear()
+        assert client.get("/api/delegations").status_code == 401
+        assert client.get("/api/delegations",
+                          headers={"X-Tether-Token": token}).status_code == 200
+        # The cookie is no way to act: actions still need the header.
+        client.get("/", params={"token": token})
+        acted = client.post("/api/delegations/d_x/recall", json={"grace": 1})
+        assert acted.status_code == 401

@@ -1,5 +1,7 @@
-"""A SQLite journal deleted or replaced under a running process is noticed at the next commit:
-the process stops with a clear error instead of writing to a file nobody will read."""
+"""A SQLite journal deleted or replaced under a running process, or only its -wal or -shm file
+deleted, is noticed at the next commit: the process stops with a clear error instead of writing
+to a file nobody will read. Another process opening and closing the journal is no false
+alarm."""
 
 from __future__ import annotations
 
@@ -8,10 +10,14 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import tether
+from tether._core.errors import JournalError
+from tether._journal.journal import Journal
+from tether._journal.rows import OwnerRow
 from tether.testing import PaymentService, VirtualClock
 
 from .conftest import Shop
@@ -132,3 +138,55 @@ async def test_a_worker_whose_journal_is_deleted_stops_with_the_reason(
     lines = [ln for ln in err.decode().splitlines() if ln.strip() and " INFO " not in ln]
     assert proc.returncode == 3 and len(lines) == 1 and lines[0].startswith("error:"), lines
     assert "deleted" in lines[0]
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
+async def test_a_journal_whose_write_ahead_log_is_deleted_stops_its_writes(
+        tmp_path: Path, suffix: str) -> None:
+    """Only the journal's -wal (or -shm) file removed under a running process (a clean-up by
+    hand): the file check saw the journal itself unchanged, and the process went on committing
+    into a log no other process reads, which a crash then lost along with everything it held
+    (the journal read back empty). Now the next transaction stops with a clear error."""
+    path = tmp_path / "j.db"
+    async with Journal(f"sqlite:///{path}") as journal:
+        await journal.register_owner(OwnerRow("before", 1, "host", 1.0, 1.0))
+        os.unlink(f"{path}{suffix}")
+        with pytest.raises(JournalError, match=f"{suffix} was deleted"):
+            await journal.register_owner(OwnerRow("after", 1, "host", 1.0, 1.0))
+
+
+async def test_a_second_process_opening_the_journal_leaves_its_sidecars_alone(
+        tmp_path: Path) -> None:
+    """No false alarm: another connection opening and closing the journal while this one
+    has it open (``tether ls`` beside a supervisor) keeps its -wal and -shm."""
+    path = tmp_path / "j.db"
+    async with Journal(f"sqlite:///{path}") as journal:
+        await journal.register_owner(OwnerRow("first", 1, "host", 1.0, 1.0))
+        for n in range(3):
+            async with Journal(f"sqlite:///{path}", create=False) as other:
+                await other.register_owner(OwnerRow(f"other-{n}", 1, "host", 1.0, 1.0))
+        await journal.register_owner(OwnerRow("last", 1, "host", 1.0, 1.0))
+        assert len(await journal.owners()) == 5
+
+
+@pytest.mark.parametrize("what", ["journal", "-wal"])
+async def test_a_journal_deleted_while_a_batch_runs_fails_that_batch(
+        tmp_path: Path, what: str) -> None:
+    """The file checks at the start of a batch saw the journal in place; it went while the
+    batch ran (another process's unlink, at any instant): the batch committed into a file
+    nobody reads. Its operations must fail, not pass for journaled (an intent in that batch
+    would otherwise dispatch its tool with no durable record of it)."""
+    path = tmp_path / "j.db"
+    async with Journal(f"sqlite:///{path}") as journal:
+        await journal.register_owner(OwnerRow("before", 1, "host", 1.0, 1.0))
+
+        def write_while_deleted(db: object) -> str:
+            os.unlink(path if what == "journal" else f"{path}{what}")
+            journal_db: Any = db
+            journal_db.execute("INSERT INTO tether_meta (key, value) VALUES ('mid', 'batch')")
+            return "committed"
+
+        future = journal._runner.submit(write_while_deleted, write=True)
+        assert future is not None
+        with pytest.raises(JournalError, match="was deleted"):
+            await future
