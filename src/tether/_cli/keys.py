@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from rich.console import Console
 
 from tether._cli.safe import safe
 from tether._core.errors import UserError
-from tether._core.signing import key_id_of
+from tether._core.signing import key_id_of, public_key
 from tether._core.trust import Registry
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._runtime.keys import KeyRing
@@ -30,10 +29,10 @@ def parse_public(text: str) -> tuple[str, str]:
     """(key id, base64) of a base64 raw Ed25519 public key, as ``tether keys show`` prints."""
     try:
         raw = base64.b64decode(text.strip(), validate=True)
-        key = Ed25519PublicKey.from_public_bytes(raw)
-    except ValueError:
+        key = public_key(raw)
+    except ValueError as exc:
         raise UserError(f"{text!r} is not a base64 Ed25519 public key (as 'tether keys show' "
-                        "prints it)") from None
+                        f"prints it): {exc}") from None
     return key_id_of(key), base64.b64encode(raw).decode("ascii")
 
 

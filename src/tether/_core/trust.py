@@ -30,14 +30,14 @@ from tether._core.errors import (
 )
 from tether._core.model import ControlKind
 from tether._core.registrymark import RegistryMark, entries_digest
-from tether._core.signing import D, Signed, TrustedKeys
+from tether._core.signing import D, Signed, TrustedKeys, public_key
 
 
 def _public(b64: str) -> Ed25519PublicKey:
     try:
-        return Ed25519PublicKey.from_public_bytes(base64.b64decode(b64, validate=True))
-    except ValueError:
-        raise Malformed("not a base64 Ed25519 public key") from None
+        return public_key(base64.b64decode(b64, validate=True))
+    except ValueError as exc:
+        raise Malformed(f"not a base64 Ed25519 public key ({exc})") from None
 
 
 @dataclass(frozen=True)
