@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 import subprocess
@@ -386,3 +387,80 @@ def test_supervisor_arguments_of_the_wrong_kind_are_named(kwargs: dict[str, Any]
     with pytest.raises(tether.UserError, match=says):
         tether.Supervisor(**kwargs)
     assert not (tmp_path / "j.db").exists()
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    """The CLI in this process (typer's runner): for mistakes that cannot hang."""
+    from typer.testing import CliRunner
+
+    from tether._cli.app import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_line(*args: str) -> str:
+    code, out, err = invoke(*args)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (code, out, err)
+    return lines[0]
+
+
+@pytest.mark.parametrize("value", ["1e400", "nan", "-1", "inf", "1e12"])
+def test_a_busy_timeout_out_of_range_is_one_error_line(tmp_path: Path, value: str) -> None:
+    for existing in (False, True):
+        if existing:
+            asyncio.run(made(f"sqlite:///{tmp_path / 'j.db'}"))
+        url = f"sqlite:///{tmp_path / 'j.db'}?busy_timeout={value}"
+        assert "must be between 0 and 86400 seconds" in one_line("ls", "--journal", url)
+        assert (tmp_path / "j.db").exists() is existing
+
+
+async def made(url: str) -> None:
+    """A journal with one delegation that ended (old enough for ``prune --before 0s``)."""
+    async def agent(ctx: tether.Context) -> str:
+        return "ok"
+
+    async with tether.Supervisor(url) as sup:
+        await (await sup.delegate(agent)).result()
+
+
+def test_export_to_a_path_that_cannot_be_written_is_one_error_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(made(url))
+    line = one_line("export", "-o", "/proc/nope/x", "--journal", url)
+    assert "cannot write /proc/nope/x" in line
+    line = one_line("export", "-o", str(tmp_path), "--journal", url)  # a directory
+    assert "cannot write" in line
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_export_that_fails_leaves_no_file(tmp_path: Path) -> None:
+    target = tmp_path / "out.jsonl"
+    line = one_line("export", "-o", str(target), "--journal",
+                    f"sqlite:///{tmp_path / 'missing.db'}")
+    assert "no journal" in line
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a part of it
+
+
+def test_prune_to_an_archive_that_cannot_be_written_is_one_error_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(made(url))
+    line = one_line("prune", "--before", "0s", "--archive", "/proc/nope/x", "--journal", url)
+    assert "cannot write the archive /proc/nope/x" in line
+    (tmp_path / "kept.jsonl").write_text("earlier archive\n")
+    line = one_line("prune", "--before", "0s", "--archive", str(tmp_path / "kept.jsonl"),
+                    "--journal", url)
+    assert "exists" in line and (tmp_path / "kept.jsonl").read_text() == "earlier archive\n"
+    code, out, _ = invoke("ls", "--journal", url, "--json")
+    assert code == 0 and len(json.loads(out)) == 1  # nothing was pruned
+
+
+def test_a_new_journal_and_its_folder_are_private(tmp_path: Path) -> None:
+    folder = tmp_path / "a" / "b"
+    asyncio.run(made(f"sqlite:///{folder / 'j.db'}"))
+    for made_dir in (tmp_path / "a", folder):
+        assert stat.S_IMODE(made_dir.stat().st_mode) == 0o700, made_dir
+    assert stat.S_IMODE((folder / "j.db").stat().st_mode) == 0o600

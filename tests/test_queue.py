@@ -185,14 +185,15 @@ async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: J
     t=15, long ago for the wall clock) is terminated and its pending action put in doubt.
     The worker's writes are sealed with its key, as a worker's are: reconciliation refuses a
     delegation whose records nobody trusted sealed (docs/security.md, "The chain")."""
-    journal.seal_with(KEY, TRUSTED)
+    pins = tether.TrustedKeys([KEY.public])  # this test's configuration: its own memory
+    journal.seal_with(KEY, pins)
     await journal.create_delegation(queued("d1"))
     assert await journal.renew_lease("w1", 10.0, 5.0)
     assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
     assert (await journal.begin_action(action("a1", "d1", 14.0))).status is Begin.STARTED
     await journal.close()
     async with tether.Supervisor(journal_url, recover=False,
-                                 keys=tether.KeyRing(KEY, TRUSTED)) as sup:
+                                 keys=tether.KeyRing(KEY, pins)) as sup:
         (report,) = await sup.recover()
         entry = await sup.journal.queue_entry("d1")
     assert report.delegation_id == "d1" and report.verdict == "RECOVERED"

@@ -9,7 +9,9 @@ It also reads every delegation's chain (``_core.chain``): an action, a control r
 document, an event or the delegation's own row altered, inserted or deleted by hand is named,
 and so is a chain whose entries or sealed head were edited. Records older than the chain are
 listed as unchained. A genuine earlier state restored as a whole (rows, chain and head rolled
-back together) is not detected (docs/security.md, "Not yet").
+back together) is named when this configuration remembers a later head of that delegation
+(``heads.jsonl`` in its key directory; docs/security.md, "Rollback"), and the heads that verify
+are remembered in turn.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ its path must lead from this head to the seal's root; the entries must link, 1..
 head's hash; each record's row must hash to its latest entry. So a row altered by hand (a
 state flipped, a result or reason rewritten) differs from its entry, a row inserted by hand
 has none, a row deleted by hand leaves its entry without a row, and an entry deleted or edited
-breaks the links to the signed head. What a chain cannot show is a rollback of everything
-together (rows, entries and head) to a genuine earlier state: docs/security.md, "Not yet".
+breaks the links to the signed head. What a chain alone cannot show is a rollback of
+everything together (rows, entries and head) to a genuine earlier state: for that the reader
+brings what its configuration remembers of the head (``_core.headmark``), and a chain older
+than that is named (``rollback``; docs/security.md, "Rollback").
 
 Pure: no I/O. The journal layer reads the rows and writes the entries.
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 from tether._core.documents import ChainSeal
 from tether._core.errors import ControlRefused, Malformed
+from tether._core.headmark import HeadMark
 from tether._core.signing import Signed
 from tether._core.trust import Registry
 
@@ -241,10 +244,35 @@ def _check_head(verdict: ChainVerdict, head: Head, tip: str, length: int,
         verdict.problems.append(Problem("chain", problem))
 
 
+ROLLED_BACK = "rolled back"  # how a rollback's problem begins (``Journal.untampered``)
+
+
+def rollback(head: Head, entries: Sequence[Entry], seen: HeadMark) -> str | None:
+    """Why ``head`` and ``entries`` are older than the head ``seen`` by this configuration
+    (None: they are that head or extend it). A genuine chain only grows, so a shorter one, or
+    one whose entry at the length seen is another, was written back by hand (or restored from
+    a backup, or lost by a failover): every seal may verify, and still it is not the chain."""
+    if head.problem is not None or seen.length == 0:
+        return None
+    if head.length < seen.length:
+        return (f"{ROLLED_BACK}: this configuration saw its chain at length {seen.length}, the "
+                f"journal now holds {head.length} (an earlier state of its rows, chain and "
+                "sealed head written back together, or a journal restored from a backup)")
+    tip = head.hash if head.length == seen.length else next(
+        (e.hash for e in entries if e.seq == seen.length), None)
+    if tip is None or tip == seen.hash:
+        return None  # an entry missing under the head is named as a broken chain already
+    return (f"{ROLLED_BACK} and rewritten: this configuration saw entry {seen.length} of its "
+            f"chain ending in {seen.hash[:12]}, the journal's entry {seen.length} ends in "
+            f"{tip[:12]} (rolled back by hand and written again)")
+
+
 def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
-          rows: Mapping[str, str], registry: Registry) -> ChainVerdict:
+          rows: Mapping[str, str], registry: Registry,
+          seen: HeadMark | None = None) -> ChainVerdict:
     """Judge one delegation's records (``rows``: record to the hash of its row now, every
-    row that belongs to the delegation and every row its chain names) against its chain."""
+    row that belongs to the delegation and every row its chain names) against its chain, and
+    its head against the one this configuration remembers (``seen``, if any)."""
     verdict = ChainVerdict(delegation_id)
     if head is None and not entries and not rows:
         return verdict  # gone as a whole, chain and all: pruned since it was listed
@@ -275,6 +303,9 @@ def judge(delegation_id: str, head: Head | None, entries: Sequence[Entry],
         prev = entry.hash
         latest[entry.record] = entry.content
     _check_head(verdict, head, prev, len(entries), registry)
+    older = None if seen is None else rollback(head, entries, seen)
+    if older is not None:
+        verdict.problems.append(Problem("chain", older))
     for rec, content in sorted(rows.items()):
         if rec not in latest:
             if head.legacy:

@@ -43,16 +43,42 @@ def entries_digest(rows: Sequence[tuple[int, bytes, str, bytes]]) -> str:
 
 class RegistryMemory:
     """Marks by journal (the digest of its root entry). ``save`` persists them (the key ring's
-    ``registry.json``); None keeps them in this process only."""
+    ``registry.json``); None keeps them in this process only. ``load`` returns the persisted
+    marks when they changed since it last looked (None: unchanged): ``refresh`` merges them,
+    so that what another process of the configuration saw (a revocation) binds this one."""
 
     def __init__(self, marks: Mapping[str, RegistryMark] | None = None,
-                 save: Callable[[dict[str, RegistryMark]], None] | None = None) -> None:
+                 save: Callable[[dict[str, RegistryMark]], None] | None = None,
+                 load: Callable[[], Mapping[str, RegistryMark] | None] | None = None) -> None:
         self._marks = dict(marks or {})
         self._save = save
+        self._load = load
         self.version = 0  # moves with every mark remembered (readers memoize on it)
 
     def seen(self, anchor: str) -> RegistryMark | None:
         return self._marks.get(anchor)
+
+    def refresh(self) -> None:
+        """Take in what the configuration's other processes remembered since the last look."""
+        stored = self._load() if self._load is not None else None
+        if stored:
+            changed = [self._merge(anchor, mark) for anchor, mark in stored.items()]
+            if any(changed):
+                self.version += 1
+
+    def _merge(self, anchor: str, mark: RegistryMark) -> bool:
+        """The longer of two marks, with every key either saw revoked; whether it changed."""
+        known = self._marks.get(anchor)
+        if known is None:
+            self._marks[anchor] = mark
+            return True
+        longer = mark if mark.length > known.length else known
+        merged = RegistryMark(longer.length, longer.digest,
+                              tuple(sorted(set(known.revoked) | set(mark.revoked))))
+        if merged == known:
+            return False
+        self._marks[anchor] = merged
+        return True
 
     def advance(self, anchor: str, mark: RegistryMark) -> None:
         """Remember a longer registry (a shorter one is a rollback: never remembered)."""

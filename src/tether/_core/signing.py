@@ -29,10 +29,58 @@ from tether._core.documents import (
     decode,
 )
 from tether._core.errors import BadSignature, Malformed, UnknownKey
+from tether._core.headmark import HeadMemory
 from tether._core.registrymark import RegistryMemory
 
 D = TypeVar("D", ControlIntent, Acknowledgement, NoEffectsReceipt, KeyGrant, WorkOrder,
             ChainSeal)
+
+
+_P = 2**255 - 19  # the field's prime
+_L = 2**252 + 27742317777372353535851937790883648493  # the prime order of the base point
+# The canonical encodings of the eight points of small order (the identity among them; the
+# torsion subgroup of Curve25519 in Edwards form). Under such a public key a signature made
+# without any private key verifies for a good share of messages; libsodium refuses the same.
+_SMALL_ORDER = frozenset(bytes.fromhex(h) for h in (
+    "0100000000000000000000000000000000000000000000000000000000000000",
+    "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+    "0000000000000000000000000000000000000000000000000000000000000000",
+    "0000000000000000000000000000000000000000000000000000000000000080",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac03fa",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc85",
+))
+
+
+def _point_problem(raw: bytes) -> str | None:
+    """Why a 32-byte point encoding is not one a strict verifier accepts, or None."""
+    if len(raw) != 32:
+        return "not 32 bytes"
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    if y >= _P:
+        return "a non-canonical encoding"
+    if y in (1, _P - 1) and raw[31] & 0x80:  # x = 0 has no negative: -0 is non-canonical
+        return "a non-canonical encoding"
+    if raw in _SMALL_ORDER:
+        return "a point of small order (a weak key that needs no private key to sign)"
+    return None
+
+
+def public_key(raw: bytes) -> Ed25519PublicKey:
+    """The public key ``raw`` encodes; ValueError for anything but a canonical encoding of a
+    point outside the small-order subgroup. Every key tether trusts enters through here."""
+    problem = _point_problem(raw)
+    if problem is not None:
+        raise ValueError(f"not an acceptable Ed25519 public key: {problem}")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def _strict(signature: bytes) -> bool:
+    """RFC 8032's checks beyond the equation: S reduced below the group order, R a canonical
+    encoding of a point that is not of small order (malleable or degenerate signatures)."""
+    return len(signature) == 64 and int.from_bytes(signature[32:], "little") < _L and \
+        _point_problem(signature[:32]) is None
 
 
 def _raw_public(key: Ed25519PublicKey) -> bytes:
@@ -85,10 +133,15 @@ class TrustedKeys:
 
     def __init__(self, keys: Iterable[Ed25519PublicKey] = (),
                  memory: RegistryMemory | None = None) -> None:
-        self._keys: dict[str, Ed25519PublicKey] = {key_id_of(k): k for k in keys}
+        self._keys: dict[str, Ed25519PublicKey] = {}
+        for key in keys:  # however a key was made, a weak one is never trusted
+            public_key(_raw_public(key))
+            self._keys[key_id_of(key)] = key
         # What this configuration has seen of journals' key registries (``registrymark``):
         # pins carry it to every reading of a registry they root.
         self.memory = memory
+        # And of delegations' chain heads (``headmark``): to every judgement of a chain.
+        self.heads: HeadMemory | None = None
         # Signed -> decoded document. The key set is fixed at construction, so a document that
         # verified once verifies again: remembering it changes no answer.
         self._verified: OrderedDict[Signed, Document] = OrderedDict()
@@ -99,9 +152,10 @@ class TrustedKeys:
         keys = []
         for kid, b64 in encoded.items():
             try:
-                key = Ed25519PublicKey.from_public_bytes(base64.b64decode(b64, validate=True))
-            except ValueError:
-                raise Malformed(f"trusted key {kid} is not a base64 Ed25519 public key") from None
+                key = public_key(base64.b64decode(b64, validate=True))
+            except ValueError as exc:
+                raise Malformed(f"trusted key {kid} is not a base64 Ed25519 public key "
+                                f"({exc})") from None
             if key_id_of(key) != kid:
                 raise Malformed(f"trusted key id {kid} does not match its public key")
             keys.append(key)
@@ -125,6 +179,8 @@ class TrustedKeys:
         if key is None:
             raise UnknownKey(f"key {signed.key_id!r} is not trusted by this journal")
         try:
+            if not _strict(signed.signature):
+                raise InvalidSignature
             key.verify(signed.signature, signed.body)
         except InvalidSignature:
             raise BadSignature(f"signature by key {signed.key_id} does not verify") from None

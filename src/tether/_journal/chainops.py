@@ -6,21 +6,31 @@ delegation's chain, moves each head under a row lock (PostgreSQL: two processes 
 one delegation queue on its head, so a chain never forks; heads are locked in id order, and
 a transaction takes no other lock after them), and signs the Merkle root of the moved heads
 once. ``read`` gathers what ``chain.judge`` needs for one delegation.
+
+A head older than one the configuration remembers (``_core.headmark``) is never extended: a
+rollback of the whole delegation stays visible, as a rewritten chain does. What a commit
+sealed is remembered only once the commit is known to have happened (``Journal`` confirms it
+when the operation that carried it returns, or reads it back at a flush): a batch that failed
+after sealing, then ran again, must not read as a rollback of itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from tether._core import chain
 from tether._core.documents import ChainSeal
+from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
 from tether._journal.tables import Db, blob, chunks
 
+T = TypeVar("T")
+log = logging.getLogger("tether.journal")
 _HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
          "WHERE delegation_id = ?")
 
@@ -46,6 +56,31 @@ class Sealer:
         self.signer: SigningKey | None = None
         self.pins: TrustedKeys | None = None
         self.own: dict[str, tuple[int, str]] = {}
+        # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
+        # read back at the next flush. Touched by the writer thread only.
+        self.unconfirmed: dict[str, tuple[int, str]] = {}
+
+    @property
+    def witness(self) -> HeadMemory | None:
+        """What this process's configuration remembers of chain heads (None: nothing)."""
+        return None if self.pins is None else self.pins.heads
+
+    def older(self, db: Db, delegation_id: str, head: chain.Head) -> bool:
+        """Whether ``head`` is older than the one the configuration remembers: shorter, or no
+        longer holding the entry remembered (rolled back as a whole, then maybe extended)."""
+        witness = self.witness
+        if witness is None or self.own.get(delegation_id) == (head.length, head.hash):
+            return False  # the head this process sealed last: nothing can be newer
+        if head.length:  # (not for each delegation created: no stat per new head)
+            witness.refresh()  # another process of the configuration may have seen more
+        mark = witness.seen(delegation_id)
+        if mark is None or mark.length == 0:
+            return False
+        if head.length <= mark.length:
+            return head.length < mark.length or head.hash != mark.hash
+        found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
+                           (delegation_id, mark.length)).fetchone()
+        return found is None or found[0] != mark.hash
 
     def trusts(self, delegation_id: str, head: chain.Head,
                registry: Callable[[], Registry]) -> bool:
@@ -66,6 +101,76 @@ class Sealer:
         if len(self.own) >= self.MEMO:
             self.own.clear()
         self.own[delegation_id] = (length, tip)
+        if self.witness is not None:
+            if len(self.unconfirmed) >= self.MEMO:
+                self.unconfirmed.clear()  # unremembered then: a weaker witness, never a false one
+            self.unconfirmed[delegation_id] = (length, tip)
+
+    def committed(self, ran: list[Any]) -> None:
+        """An awaited operation returned: the batch it last ran in (``noting``) committed, so
+        the heads that batch sealed are remembered (once per batch, by the first of its
+        operations to return)."""
+        sealed = getattr(ran[-1], "sealed", None) if ran else None
+        witness = self.witness
+        if sealed and witness is not None:
+            ran[-1].sealed = None
+            for delegation_id, length, tip in sealed:
+                witness.note(delegation_id, length, tip)
+
+
+def noting(fn: Callable[[Any], T], ran: list[Any]) -> Callable[[Any], T]:
+    """``fn``, keeping the connection of each batch it runs in (a batch that failed runs
+    again on a new one): the last holds what its batch sealed (``seal``)."""
+
+    def op(db: Any) -> T:
+        ran.append(db)
+        return fn(db)
+
+    return op
+
+
+def persist(*witnesses: HeadMemory | None) -> None:
+    """Hand the heads remembered since the last time to the configuration's key directory
+    (``heads.jsonl``). A failure is logged and tried again at the next moment: the journal's
+    own work goes on."""
+    for witness in {id(w): w for w in witnesses if w is not None}.values():
+        try:
+            witness.persist()
+        except Exception as exc:
+            log.warning("could not remember chain heads in the key directory: %s", exc)
+
+
+def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
+             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None
+             ) -> list[chain.ChainVerdict]:
+    """Each delegation judged against its chain and the head its configuration remembered
+    (``seen``, taken before the read began); each that verifies is remembered in turn."""
+    found = []
+    for d in delegation_ids:
+        head, entries, rows = read(db, d)
+        verdict = chain.judge(d, head, entries, rows, registry, seen.get(d))
+        if witness is not None and verdict.ok and head is not None:
+            witness.note(d, head.length, head.hash)  # accepted
+        found.append(verdict)
+    return found
+
+
+def read_back(db: Db, sealer: Sealer) -> None:
+    """At a flush, everything queued before it has committed or failed: remember each head
+    sealed and not yet confirmed whose entry the journal holds as sealed (the others never
+    committed). Run by the writer thread, inside the flush's transaction."""
+    witness, pending = sealer.witness, sealer.unconfirmed
+    sealer.unconfirmed = {}
+    if witness is None:
+        return
+    for delegation_id, (length, tip) in pending.items():
+        mark = witness.seen(delegation_id)
+        if mark is not None and mark.length >= length:
+            continue  # confirmed already (the operation that carried it returned)
+        found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
+                           (delegation_id, length)).fetchone()
+        if found is not None and found[0] == tip:
+            witness.note(delegation_id, length, tip)
 
 
 # A delegation's own rows, per chained table (an event may name only its action).
@@ -152,9 +257,10 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
             db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
                        "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
             head = chain.Head(0, "", False, None, None)
-        if not sealer.trusts(delegation_id, head, registry):
-            # Its head was rewritten by hand: sealing over it would make that the writer's
-            # own. Leave it as it is, for ``tether verify`` to name.
+        if not sealer.trusts(delegation_id, head, registry) or \
+                sealer.older(db, delegation_id, head):
+            # Its head was rewritten by hand, or rolled back: sealing over it would make that
+            # the writer's own. Leave it as it is, for ``tether verify`` to name.
             continue
         length, tip = head.length, head.hash
         for rec, (content, found) in records[delegation_id].items():
@@ -185,6 +291,8 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
                    (length, tip, chain.encode_path(path), signed.body, signed.key_id,
                     signed.signature, delegation_id))
         sealer.sealed(delegation_id, length, tip)
+    if hasattr(db, "dirty"):  # a batch's connection (``runner.Tx``): confirmed after COMMIT
+        db.sealed = [(d, length, tip) for d, length, tip, _ in moved]  # type: ignore[attr-defined]
 
 
 def _head(found: Any) -> chain.Head:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
-from tether._core.chain import ChainVerdict, judge
+from tether._core.chain import ROLLED_BACK, ChainVerdict
 from tether._core.documents import (
     Acknowledgement,
     ControlIntent,
@@ -19,6 +19,7 @@ from tether._core.documents import (
     NoEffectsReceipt,
 )
 from tether._core.errors import ControlRefused, Tampered, UnknownKey, UserError
+from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
@@ -47,6 +48,7 @@ T = TypeVar("T")
 log = logging.getLogger("tether.journal")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
+MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
 
 
 def sqlite_path(url: str) -> Path:
@@ -116,6 +118,9 @@ class Journal:
                 busy_timeout = float(query.get("busy_timeout", ["5"])[0])
             except ValueError:
                 raise UserError(f"busy_timeout in {url!r} is not a number") from None
+        if not 0 <= busy_timeout <= MAX_BUSY_TIMEOUT:  # NaN and infinity fail this too
+            raise UserError(f"busy_timeout in {url!r} must be between 0 and "
+                            f"{MAX_BUSY_TIMEOUT:g} seconds")
         sync = query.get("synchronous", ["full" if durable else "normal"])[0].upper()
         if sync not in ("FULL", "NORMAL", "OFF"):
             raise UserError(f"synchronous in {url!r} must be full, normal or off")
@@ -129,6 +134,7 @@ class Journal:
 
     def _chain(self, runner: ThreadRunner) -> None:
         self._sealer = sealer = chainops.Sealer()
+        self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
         runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, time.time())
 
     @property
@@ -164,6 +170,7 @@ class Journal:
 
     async def close(self) -> None:
         await self._runner.stop()
+        self._persist()
 
     async def __aenter__(self) -> Journal:
         return await self.open()
@@ -172,9 +179,17 @@ class Journal:
         await self.close()
 
     async def _write(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        fut = self._runner.submit(_bind(fn, args, kw), write=True)
+        ran: list[Any] = []  # the batches it ran in: what the one that committed sealed
+        fut = self._runner.submit(chainops.noting(_bind(fn, args, kw), ran), write=True)
         assert fut is not None
-        return await fut
+        value = await fut
+        self._sealer.committed(ran)
+        return value
+
+    def _persist(self) -> None:
+        """A moment that matters (docs/security.md, "Rollback"): the configuration's key
+        directory learns the heads remembered since the last one."""
+        chainops.persist(self._sealer.witness, self._reader_witness)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         fut = self._runner.submit(_bind(fn, args, {}), write=False)
@@ -207,9 +222,14 @@ class Journal:
         so as to survive a crash of this process, not necessarily of the machine, until the
         next durable commit (SQLite ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit
         = off`` for that commit; the same when the journal is not durable anyway)."""
-        fut = self._runner.submit(lambda db: None, write=True, relaxed=not durable)
+        ran: list[Any] = []
+        sealer = self._sealer
+        fut = self._runner.submit(chainops.noting(lambda db: chainops.read_back(db, sealer),
+                                                  ran), write=True, relaxed=not durable)
         assert fut is not None
         await fut
+        sealer.committed(ran)
+        self._persist()
 
     # -- owners and delegations -------------------------------------------------------------
     async def register_owner(self, owner: OwnerRow) -> None:
@@ -240,19 +260,25 @@ class Journal:
     async def set_state(self, delegation_id: str, state: DelegationState, now: float,
                         result: Any = None, error: str | None = None,
                         failure: str | None = None) -> DelegationRow:
-        return await self._write(ops.set_state, delegation_id, state, now, result, error,
-                                 failure)
+        row = await self._write(ops.set_state, delegation_id, state, now, result, error,
+                                failure)
+        if state.terminal:
+            self._persist()
+        return row
 
     async def settle_tree(self, root_id: str, now: float) -> None:
         """Every node of the subtree, deepest first, to its settled state, in one transaction."""
         await self._write(ops.settle_tree, root_id, now)
+        self._persist()
 
     async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,
                              result: Any = None, error: str | None = None,
                              failure: str | None = None
                              ) -> tuple[DelegationRow, list[ActionRecord]]:
-        return await self._write(ops.end_delegation, delegation_id, state, now, result, error,
-                                 failure)
+        ended = await self._write(ops.end_delegation, delegation_id, state, now, result,
+                                  error, failure)
+        self._persist()
+        return ended
 
     async def work_of(self, delegation_id: str) -> Signed | None:
         return await self.peek(ops.work_of, delegation_id)
@@ -433,9 +459,19 @@ class Journal:
     async def chain_verdicts(self, delegation_ids: list[str], pins: TrustedKeys
                              ) -> list[ChainVerdict]:
         """Each delegation's records judged against its sealed chain, the seals against the
-        journal's registry as ``pins`` root it; read in one transaction."""
+        journal's registry as ``pins`` root it, the head against the latest one the pins'
+        configuration remembers (``pins.heads``: a rollback); read in one transaction."""
 
         own = self._sealer.signer
+        witness = pins.heads
+        seen: dict[str, HeadMark | None] = {}
+        if witness is not None:
+            # Taken before the read begins: each head remembered then had committed before
+            # it, so the read sees it or a longer one (one noted while the read ran might be
+            # newer than what it reads: no rollback, only a later commit).
+            witness.refresh()
+            seen = {d: witness.seen(d) for d in delegation_ids}
+            self._reader_witness = witness
 
         def op(db: Any) -> list[ChainVerdict]:
             reg = trustops.registry(db, pins)
@@ -443,7 +479,7 @@ class Journal:
                 # A process believes its own seals (a worker whose key the registry does
                 # not trust yet): nobody else can make them. `tether verify` still names them.
                 reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
-            return [judge(d, *chainops.read(db, d), reg) for d in delegation_ids]
+            return chainops.verdicts(db, delegation_ids, reg, seen, witness)
 
         return await self._read(op)
 
@@ -463,9 +499,12 @@ class Journal:
         named.update({f"task {t}": [f"epoch {n} (deleted as a whole)" for n in missing]
                       for t, missing in gaps.items()})
         shown = "; ".join(f"{d}: {', '.join(recs)}" for d, recs in named.items())
+        # A rollback leaves every record as it was sealed: what is wrong is said, not named.
+        rolled = "".join(f"; {v.delegation_id} {p.problem}" for v in bad for p in v.problems
+                         if p.problem.startswith(ROLLED_BACK))
         raise Tampered(f"refusing to {doing}: records of {len(named)} delegation(s) fail "
-                       f"verification against their signed chain ({shown}); run 'tether "
-                       "verify' to see each, and decide by hand", named)
+                       f"verification against their signed chain ({shown}){rolled}; run "
+                       "'tether verify' to see each, and decide by hand", named)
 
     # -- the operator's triage (``_journal.triage``) --------------------------------------------
     async def page(self, query: triage.DelegationQuery) -> list[DelegationRow]:
@@ -517,6 +556,7 @@ class Journal:
 
     async def queue_done(self, delegation_id: str, now: float) -> None:
         await self._write(queue.queue_done, delegation_id, now)
+        self._persist()  # a worker finished it: a rollback to "unclaimed" must not run it again
 
     async def queue_entry(self, delegation_id: str) -> QueueEntry | None:
         return await self.peek(queue.queue_entry, delegation_id)

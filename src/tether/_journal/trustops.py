@@ -35,6 +35,8 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
     of it (``pins.memory``), which a registry read whole and genuine then advances."""
     rows = tuple(entries(db))
     memory = pins.memory
+    if memory is not None:
+        memory.refresh()  # another process of the configuration may have seen more
     seen = None if memory is None else memory.seen
     key = (tuple(pins.ids()), rows, None if memory is None else (id(memory), memory.version))
     found = _MEMO.get(key)

@@ -2,9 +2,11 @@
 
 Layout of a key directory (default: ``keys/`` beside the journal file), mode 0700:
 ``signing.json`` holds the private key and ``trusted.json`` maps the ids of the pinned root
-keys to their public keys, both mode 0600 whatever the umask. Files are written to a temporary
-file and renamed into place; creation is serialised by an advisory lock on ``.lock``, so
-several processes starting on one fresh journal end up sharing one key.
+keys to their public keys, both mode 0600 whatever the umask; ``registry.json`` and
+``heads.jsonl`` are what the configuration remembers of journals (their key registries, their
+delegations' chain heads). Files are written to a temporary file and renamed into place;
+creation is serialised by an advisory lock on ``.lock``, so several processes starting on one
+fresh journal end up sharing one key.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import fcntl
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from tether._core.errors import ControlRefused, UserError
+from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
 
@@ -110,6 +114,8 @@ class KeyRing:
     def __post_init__(self) -> None:
         if self.trusted.memory is None:
             self.trusted.memory = _memory(self.directory)
+        if self.trusted.heads is None:
+            self.trusted.heads = _heads(self.directory)
 
     @classmethod
     def ephemeral(cls) -> KeyRing:
@@ -184,8 +190,9 @@ class KeyRing:
         with _locked(self.directory):
             pinned = dict(json.loads(trusted.read_text()))
             pinned[key_id] = public_b64
-            memory, self.trusted = self.trusted.memory, TrustedKeys.from_b64(pinned)
-            self.trusted.memory = memory
+            memory, heads = self.trusted.memory, self.trusted.heads
+            self.trusted = TrustedKeys.from_b64(pinned)
+            self.trusted.memory, self.trusted.heads = memory, heads
             write_private(trusted, json.dumps(pinned, indent=2, sort_keys=True))
 
 
@@ -199,13 +206,27 @@ def _memory(directory: Path | None) -> RegistryMemory:
         return RegistryMemory()
     path = directory / REGISTRY
 
+    looked: list[tuple[int, int, int] | None] = [None]  # the file as last read (stat)
+
+    def stamp() -> tuple[int, int, int] | None:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
     def read() -> dict[str, RegistryMark]:
-        if not path.exists():
+        looked[0] = stamp()
+        if looked[0] is None:
             return {}
         try:
             return {k: RegistryMark.from_json(v) for k, v in json.loads(path.read_text()).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise UserError(f"{path} is unreadable: {exc}") from None
+
+    def changed() -> dict[str, RegistryMark] | None:
+        # One stat per trust decision; the file is read again only when it was rewritten.
+        return None if stamp() == looked[0] else read()
 
     def save(marks: dict[str, RegistryMark]) -> None:
         with _locked(directory):
@@ -219,4 +240,81 @@ def _memory(directory: Path | None) -> RegistryMemory:
             write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
                                            indent=2, sort_keys=True))
 
-    return RegistryMemory(read(), save)
+    return RegistryMemory(read(), save, changed)
+
+
+HEADS = "heads.jsonl"  # the latest chain head this configuration wrote or accepted, per delegation
+_COMPACT = 64 * 1024  # bytes below which a heads file is never compacted
+
+
+def _heads(directory: Path | None) -> HeadMemory:
+    """The configuration's memory of chain heads (``_core.headmark``), in ``heads.jsonl`` in
+    its key directory: one ``[delegation, length, hash]`` line per head persisted, appended
+    under the directory's lock (no whole-file rewrite, no fsync per head), and compacted to one
+    line per delegation once it holds about twice that. In memory only for an ephemeral ring."""
+    lock = threading.Lock()  # the journal's writer thread and the event loop both note heads
+    if directory is None:
+        return HeadMemory(lock=lock)
+    path = directory / HEADS
+    looked = [0, 0]  # the file's inode, and the offset read up to
+
+    def parse(data: bytes, into: dict[str, HeadMark]) -> dict[str, HeadMark]:
+        for line in data.splitlines():
+            try:
+                delegation_id, mark = HeadMark.from_json(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a crash in the middle of an append
+            known = into.get(delegation_id)
+            if known is None or known.length < mark.length:
+                into[delegation_id] = mark
+        return into
+
+    def load() -> dict[str, HeadMark] | None:
+        """What was appended since the last look (all of it if the file was compacted, a
+        new inode); one stat when nothing changed."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+            if (st.st_ino, st.st_size) == tuple(looked):
+                return None
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _fail("read", path, exc) from None
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            start = looked[1] if st.st_ino == looked[0] and st.st_size >= looked[1] else 0
+            fh.seek(start)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1  # a last line still being written is read next time
+        looked[:] = [st.st_ino, start + end]
+        return parse(data[:end], {})
+
+    def save(marks: Mapping[str, HeadMark], known: int) -> None:
+        text = "".join(json.dumps(m.to_json(d), separators=(",", ":")) + "\n"
+                       for d, m in marks.items()).encode()
+        with _locked(directory):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                             0o600)
+                try:
+                    end = os.fstat(fd).st_size
+                    if end and os.pread(fd, 1, end - 1) != b"\n":
+                        text = b"\n" + text  # after a line torn by a crash, not onto it
+                    view = memoryview(text)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                # Compacted (rewritten whole, atomically) once it holds about twice a line per
+                # delegation known: amortised, a few bytes rewritten per head appended.
+                if size > max(_COMPACT, 2 * known * (len(text) // len(marks) + 1)):
+                    merged = parse(path.read_bytes(), {})
+                    write_private(path, "".join(
+                        json.dumps(m.to_json(d), separators=(",", ":")) + "\n"
+                        for d, m in sorted(merged.items())))
+            except OSError as exc:
+                raise _fail("write", path, exc) from None
+
+    return HeadMemory(load(), load=load, save=save, lock=lock)

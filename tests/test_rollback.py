@@ -1,0 +1,331 @@
+"""Rollback of a whole delegation (docs/security.md, "Rollback"): an intruder with write access
+to the journal but no trusted key saves a delegation's rows, chain entries and sealed head, and
+later writes them all back together. Every record and seal is then genuine, so only a witness
+outside the journal can tell: each configuration remembers the latest head it wrote or
+accepted per delegation. A worker of that configuration does not run a completed task again,
+`tether reconcile` refuses a rolled-back delegation and `tether verify` names it, and a running
+process does not seal over a head older than one it sealed. Both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tests.test_cli import tether_cli
+from tests.test_signed_work import served
+from tether._core.chain import Entry, Head, judge
+from tether._core.headmark import HeadMark
+from tether._journal.journal import Journal
+from tether._runtime.keys import HEADS
+
+# What the provider applied, per order: one that does not deduplicate by idempotency key (or
+# whose key window has passed), so that a payment made again is applied again.
+APPLIED: collections.Counter[str] = collections.Counter()
+
+
+@tether.tool(effect=tether.Effect.EXTERNAL)
+async def pay(order_id: str, cents: int, *, idempotency_key: str) -> str:
+    APPLIED[order_id] += 1
+    return f"paid {cents} for {order_id}"
+
+
+@tether.agent(tools=[pay])
+async def payer(ctx: tether.Context, order_id: str, cents: int) -> str:
+    ref: str = await ctx.call(pay, order_id=order_id, cents=cents)
+    return ref
+
+
+# A delegation's records, and the rows they depend on (its task, its queue entry), as the
+# intruder saves them: everything the chain covers, the chain and its head.
+_WHERE = {
+    "tasks": "id = (SELECT task_id FROM delegations WHERE id = ?)",
+    "delegations": "id = ?",
+    "events": "delegation_id = ? OR action_id IN (SELECT id FROM actions WHERE "
+              "delegation_id = ?)",
+}
+_CHILDREN = ("events", "actions", "controls", "documents", "chain", "chain_heads", "queue")
+Saved = dict[str, tuple[list[str], list[tuple[Any, ...]]]]
+
+
+def _where(table: str) -> str:
+    return _WHERE.get(table, "delegation_id = ?")
+
+
+async def save(j: Journal, delegation_id: str) -> Saved:
+    def read(db: Any) -> Saved:
+        saved: Saved = {}
+        for table in ("tasks", "delegations", *_CHILDREN):
+            where = _where(table)
+            cur = db.execute(f"SELECT * FROM {table} WHERE {where}",
+                             (delegation_id,) * where.count("?"))
+            rows = [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r)
+                    for r in cur.fetchall()]
+            saved[table] = ([d[0] for d in cur.description], rows)
+        return saved
+
+    return await j._read(read)
+
+
+async def restore(j: Journal, delegation_id: str, saved: Saved) -> None:
+    """Write the saved state back, as a whole, in one transaction."""
+
+    def write(db: Any) -> None:
+        for table in _CHILDREN:  # events first: they name the actions about to go
+            where = _where(table)
+            db.execute(f"DELETE FROM {table} WHERE {where}", (delegation_id,) * where.count("?"))
+        for table in ("tasks", "delegations"):
+            cols, (row,) = saved[table]
+            db.execute(f"UPDATE {table} SET {', '.join(f'{c} = ?' for c in cols)} "
+                       "WHERE id = ?", (*row, row[0]))
+        for table in _CHILDREN:
+            cols, rows = saved[table]
+            for r in rows:
+                db.execute(f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
+                           f"({', '.join('?' * len(cols))})", r)
+
+    await j._write(write)
+
+
+async def head_length(j: Journal, delegation_id: str) -> int:
+    return int(await j._read(lambda db: db.execute(
+        "SELECT length FROM chain_heads WHERE delegation_id = ?",
+        (delegation_id,)).fetchone()[0]))
+
+
+async def verify_json(url: str, *args: str) -> tuple[int, dict[str, Any]]:
+    code, out, err = await tether_cli("verify", *args, "--journal", url, "--json")
+    assert code in (0, 1), out + err
+    return code, json.loads(out)
+
+
+def rolled_back(data: dict[str, Any], delegation_id: str) -> list[str]:
+    return [p["problem"] for p in data["problems"]
+            if p["delegation"] == delegation_id and "rolled back" in p["problem"]]
+
+
+ROLLED_BACK = (r"rolled back: this configuration saw its chain at length (\d+), the journal "
+               r"now holds (\d+)")
+
+
+async def test_a_completed_queued_task_rolled_back_to_unclaimed_is_not_run_again(
+        journal_url: str, tmp_path: Path) -> None:
+    """A worker completes a queued payment. The intruder writes back the delegation as it was
+    queued (rows, chain entries, sealed head, queue entry unclaimed): a worker of the same
+    configuration, a new process that knows only what the configuration's key directory
+    remembers, claimed it and paid again. It refuses it now, naming the rollback."""
+    order = f"Q-{uuid.uuid4().hex[:6]}"
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    async with tether.Supervisor(journal_url, keys=tether.KeyRing.load(config),
+                                 tools=[pay]) as sup:
+        h = await sup.delegate(payer, order, 100, remote=True)
+        await sup.journal.flush()
+        async with Journal(journal_url) as intruder:
+            queued = await save(intruder, h.id)
+        (done,) = await served(journal_url, [payer], tether.KeyRing.load(config), sup.journal,
+                               [h.id])
+        assert done.state is tether.DelegationState.SUCCEEDED and APPLIED[order] == 1
+        async with Journal(journal_url) as intruder:
+            await restore(intruder, h.id, queued)
+            entry = await intruder.queue_entry(h.id)
+            assert entry is not None and entry.claimed_by is None  # waiting for a worker
+        (again,) = await served(journal_url, [payer], tether.KeyRing.load(config),
+                                sup.journal, [h.id])
+    assert APPLIED[order] == 1  # never paid twice
+    assert again.state is tether.DelegationState.FAILED and again.failure == "refused:work"
+    assert again.error is not None and "rolled back" in again.error, again.error
+    code, data = await verify_json(journal_url, "--keys", str(config))
+    assert code == 1 and rolled_back(data, h.id), data
+
+
+async def test_a_local_delegation_rolled_back_past_a_payment_is_refused_and_named(
+        journal_url: str) -> None:
+    """A local delegation applies two payments and succeeds. The intruder writes back its
+    state after the first (RUNNING, one payment), and its owner is gone: `tether reconcile`
+    terminated it and reported one payment (the provider applied two). It refuses it now and
+    exits non-zero; `tether verify` names the rollback; the delegation is left as it is."""
+    order = f"L-{uuid.uuid4().hex[:6]}"
+    first, gate = asyncio.Event(), asyncio.Event()
+
+    async def twice(ctx: tether.Context) -> str:
+        await ctx.call(pay, order_id=order, cents=100)
+        first.set()
+        await gate.wait()
+        await ctx.call(pay, order_id=order, cents=200)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[pay]) as sup:
+        h = await sup.delegate(tether.Agent("twice", twice, (pay,)), tools=[pay])
+        await first.wait()
+        await sup.journal.flush()
+        async with Journal(journal_url) as intruder:
+            once = await save(intruder, h.id)
+        gate.set()
+        assert await h.result() == "ok"
+        owner = (await sup.journal.get(h.id)).owner_id
+    assert APPLIED[order] == 2
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data  # no false alarm before
+    async with Journal(journal_url) as intruder:
+        await restore(intruder, h.id, once)
+        # Its process is gone (here the test's own process, so its row goes instead).
+        await intruder._write(lambda db: db.execute("DELETE FROM owners WHERE id = ?",
+                                                    (owner,)))
+        assert (await intruder.get(h.id)).state is tether.DelegationState.RUNNING
+    code, out, err = await tether_cli("reconcile", "--journal", journal_url)
+    assert code == 1, out + err
+    assert "refused" in err and h.id in err and "rolled back" in err, err
+    code, data = await verify_json(journal_url)
+    assert code == 1 and rolled_back(data, h.id), data
+    assert re.search(ROLLED_BACK, rolled_back(data, h.id)[0])
+    async with Journal(journal_url) as j:
+        row = await j.get(h.id)
+        assert row.state is tether.DelegationState.RUNNING and not row.fenced  # untouched
+    assert APPLIED[order] == 2
+
+
+async def test_a_running_process_does_not_act_on_a_head_older_than_one_it_sealed(
+        journal_url: str) -> None:
+    """In memory alone (an ephemeral key ring persists nothing): the process that sealed a
+    longer head refuses the rolled-back delegation (Tampered naming the rollback) and does not
+    seal over its head when it writes to it again (the write stays visible as unchained)."""
+    order = f"P-{uuid.uuid4().hex[:6]}"
+    first, gate = asyncio.Event(), asyncio.Event()
+
+    async def twice(ctx: tether.Context) -> str:
+        await ctx.call(pay, order_id=order, cents=1)
+        first.set()
+        await gate.wait()
+        await ctx.call(pay, order_id=order, cents=2)
+        return "ok"
+
+    ring = tether.KeyRing.ephemeral()
+    async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
+        h = await sup.delegate(tether.Agent("twice", twice, (pay,)), tools=[pay])
+        await first.wait()
+        await sup.journal.flush()
+        saved = await save(sup.journal, h.id)
+        gate.set()
+        assert await h.result() == "ok"
+        sealed = await head_length(sup.journal, h.id)
+        await sup.journal.untampered([h.id], ring.trusted, "check")  # no false alarm
+        await restore(sup.journal, h.id, saved)
+        older = await head_length(sup.journal, h.id)
+        assert older < sealed
+        with pytest.raises(tether.Tampered, match=ROLLED_BACK) as refused:
+            await sup.journal.untampered([h.id], ring.trusted, "re-delegate it")
+        numbers = re.search(ROLLED_BACK, str(refused.value))
+        assert numbers is not None and int(numbers[1]) >= sealed and int(numbers[2]) == older
+        sup.journal.event(sup.clock.wall(), "note", h.id)
+        await sup.journal.flush()
+        assert await head_length(sup.journal, h.id) == older  # not sealed over
+
+
+async def test_the_witness_is_persisted_at_the_moments_that_matter(journal_url: str,
+                                                                   tmp_path: Path) -> None:
+    """A head sealed is remembered in memory once its commit is confirmed; the key directory
+    learns it when a delegation ends (and at every flush, and on close): another process of
+    the configuration (a fresh key ring on the same directory) then knows it."""
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
+        h = await sup.delegate(payer, f"W-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+        await h.result()
+        length = await head_length(sup.journal, h.id)
+        other = tether.KeyRing.load(config)
+        assert other.trusted.heads is not None
+        other.trusted.heads.refresh()
+        mark = other.trusted.heads.seen(h.id)  # persisted when the delegation ended
+        assert mark is not None and 0 < mark.length <= length
+        await sup.journal.flush()
+        other.trusted.heads.refresh()
+        assert ring.trusted.heads is not None
+        assert other.trusted.heads.seen(h.id) == ring.trusted.heads.seen(h.id)
+    assert (config / HEADS).stat().st_mode & 0o777 == 0o600
+
+
+def test_the_witness_file_is_appended_compacted_and_read_by_other_processes(
+        tmp_path: Path) -> None:
+    """Heads are appended (no whole-file rewrite per head); a file with many more lines than
+    delegations is compacted; a reader takes in what was appended or compacted since it last
+    looked; a torn last line (a crash mid-append) is skipped, never an error."""
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    a, b = tether.KeyRing.load(config).trusted.heads, tether.KeyRing.load(config).trusted.heads
+    assert a is not None and b is not None
+    for n in range(1, 3001):
+        a.note("d_one", n, f"{n:064x}")
+        a.persist()
+    lines = (config / HEADS).read_text().splitlines()
+    assert len(lines) < 3000  # compacted on the way
+    b.refresh()
+    assert b.seen("d_one") == HeadMark(3000, f"{3000:064x}")
+    b.note("d_two", 7, "b" * 64)
+    b.persist()
+    with open(config / HEADS, "a") as torn:
+        torn.write('["d_thr')
+    a.refresh()
+    assert a.seen("d_two") == HeadMark(7, "b" * 64)
+    b.note("d_four", 4, "d" * 64)  # appended after the torn line, not onto it
+    b.persist()
+    a.refresh()
+    assert a.seen("d_four") == HeadMark(4, "d" * 64) and a.seen("d_thr") is None
+    fresh = tether.KeyRing.load(config).trusted.heads
+    assert fresh is not None and fresh.seen("d_two") == HeadMark(7, "b" * 64)
+    a.note("d_one", 12, "c" * 64)  # shorter than what it saw: never remembered
+    assert a.seen("d_one") == HeadMark(3000, f"{3000:064x}")
+
+
+def test_the_judgement_names_a_head_older_than_the_one_seen() -> None:
+    """The pure rule: a chain shorter than the head the configuration saw is rolled back; one
+    as long or longer whose entry at that length is another is rewritten; one that extends the
+    head seen is fine."""
+    from tether._core.trust import Registry
+
+    registry = Registry(tether.KeyRing.ephemeral().trusted, None, ())
+    entries = [Entry(n, "event 1", "c", "", f"{n:064x}") for n in (1, 2, 3)]
+    head = Head(3, f"{3:064x}", False, None, None)
+    seen = {d: [p.problem for p in judge("d", head, entries, {}, registry, seen=mark).problems
+                if "this configuration" in p.problem]
+            for d, mark in {"shorter": HeadMark(5, "e" * 64), "same": HeadMark(3, f"{3:064x}"),
+                            "prefix": HeadMark(2, f"{2:064x}"),
+                            "forked": HeadMark(2, "f" * 64), "none": None}.items()}
+    assert seen["same"] == seen["prefix"] == seen["none"] == []
+    (shorter,) = seen["shorter"]
+    assert shorter.startswith("rolled back: this configuration saw its chain at length 5, "
+                              "the journal now holds 3")
+    (forked,) = seen["forked"]
+    assert forked.startswith("rolled back and rewritten"), forked
+
+
+async def test_a_delegation_seen_chained_is_not_passed_off_as_older_than_the_chain(
+        journal_url: str) -> None:
+    """In a journal upgraded from before the chain, a head marked legacy cannot be told from
+    a downgrade by the journal alone (docs/security.md, "The chain"): its entries deleted and
+    its head replaced by a legacy one, a delegation's records read as unchained. A
+    configuration that saw its chain names it."""
+    from tests.test_chain import before_the_chain, flip, scene
+
+    await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await before_the_chain(j, tether.KeyRing.load(j.keys_dir))
+    s = await scene(journal_url)  # chained, after the upgrade; its configuration saw it
+    async with Journal(journal_url) as j:
+        await flip(j, s)
+        await j._write(lambda db: db.execute("DELETE FROM chain WHERE delegation_id = ?",
+                                             (s.delegation,)))
+        await j._write(lambda db: db.execute(
+            "UPDATE chain_heads SET length = 0, hash = '', legacy = 1, path = NULL, "
+            "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
+            (s.delegation,)))
+    code, data = await verify_json(journal_url)
+    assert code == 1 and rolled_back(data, s.delegation), data
