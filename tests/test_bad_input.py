@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -464,3 +465,39 @@ def test_a_new_journal_and_its_folder_are_private(tmp_path: Path) -> None:
     for made_dir in (tmp_path / "a", folder):
         assert stat.S_IMODE(made_dir.stat().st_mode) == 0o700, made_dir
     assert stat.S_IMODE((folder / "j.db").stat().st_mode) == 0o600
+
+
+def test_export_never_writes_over_the_journal_and_writes_into_a_device(tmp_path: Path) -> None:
+    """An export aimed at the journal (or its log) is refused; one aimed at a device or a
+    pipe is written into it, never swapped for a regular file."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(made(url))
+    before = (tmp_path / "j.db").read_bytes()
+    for target in ("j.db", "j.db-wal", "link.db"):
+        if target == "link.db":
+            (tmp_path / "link.db").symlink_to(tmp_path / "j.db")
+        assert "refusing to write over it" in one_line(
+            "export", "-o", str(tmp_path / target), "--journal", url)
+    assert (tmp_path / "j.db").read_bytes() == before
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()))
+    reader.start()
+    code, _, err = invoke("export", "-o", str(pipe), "--journal", url)
+    reader.join(30)
+    assert code == 0, err
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and b'"delegation"' in got[0]
+
+
+def test_an_archive_is_private(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(made(url))
+    archive = tmp_path / "pruned.jsonl"
+    code, out, err = invoke("prune", "--before", "0s", "--archive", str(archive), "--journal", url)
+    assert code == 0, (out, err)
+    assert stat.S_IMODE(archive.stat().st_mode) == 0o600
+
+
+def test_a_journal_url_with_a_nul_byte_is_one_error_line(tmp_path: Path) -> None:
+    assert "NUL byte" in one_line("ls", "--journal", f"sqlite:///{tmp_path}/j%00.db")

@@ -164,9 +164,12 @@ async def test_the_token_and_the_host_are_checked(tmp_path: Path) -> None:
 
     token = served.url.split("token=")[1]
     try:
-        assert await asyncio.to_thread(fetch, "/") == 401
-        assert await asyncio.to_thread(fetch, "/?token=wrong") == 401
-        assert await asyncio.to_thread(fetch, f"/?token={token}") == 200
+        assert await asyncio.to_thread(fetch, "/api/delegations") == 401
+        assert await asyncio.to_thread(fetch, "/api/delegations",
+                                       {"X-Tether-Token": "wrong"}) == 401
+        assert await asyncio.to_thread(fetch, "/api/delegations",
+                                       {"X-Tether-Token": token}) == 200
+        assert await asyncio.to_thread(fetch, f"/api/delegations?token={token}") == 401
         assert await asyncio.to_thread(fetch, f"/?token={token}",
                                        {"Host": "attacker.example"}) == 400
         # An action with the token in the query string only (what a cross-site form could
@@ -328,32 +331,24 @@ def test_console_with_an_unusable_host_is_one_error_line(tmp_path: Path, host: s
     assert len(err.strip().splitlines()) == 1 and raw_controls(err) == []
 
 
-def test_the_token_rides_no_url_after_the_first_load_and_every_response_is_locked_down(
+def test_the_token_rides_only_a_header_and_every_response_is_locked_down(
         tmp_path: Path) -> None:
-    """The first load takes the token from the printed link and sets an HttpOnly, SameSite
-    cookie; reads then ride the cookie or the header, never the query string; every response
+    """No cookie (every port of the host would be sent it) and no URL carries the token past
+    the printed link: reads and the stream take it from the header alone; every response
     allows only the page's own script and style and sends no referrer."""
     url = f"sqlite:///{tmp_path / 'j.db'}"
     asyncio.run(stuck_payment(url))
     token = "t" * 24
     with _client(url) as client:
-        assert client.get("/api/delegations", params={"token": token}).status_code == 401
         first = client.get("/", params={"token": token})
-        assert first.status_code == 200
-        cookie = first.headers["set-cookie"].lower()
-        assert "httponly" in cookie and "samesite=strict" in cookie
+        assert first.status_code == 200 and "set-cookie" not in first.headers
         policy = first.headers["content-security-policy"]
         assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
         assert "'unsafe-inline'" not in policy and "script-src 'sha256-" in policy
         assert first.headers["referrer-policy"] == "no-referrer"
-        reads = client.get("/api/delegations")  # the cookie alone
+        for path in ("/api/delegations", "/api/stream"):
+            assert client.get(path, params={"token": token}).status_code == 401
+            assert client.get(path).status_code == 401
+        reads = client.get("/api/delegations", headers={"X-Tether-Token": token})
         assert reads.status_code == 200, reads.text
         assert reads.headers["referrer-policy"] == "no-referrer"
-        client.cookies.clear()
-        assert client.get("/api/delegations").status_code == 401
-        assert client.get("/api/delegations",
-                          headers={"X-Tether-Token": token}).status_code == 200
-        # The cookie is no way to act: actions still need the header.
-        client.get("/", params={"token": token})
-        acted = client.post("/api/delegations/d_x/recall", json={"grace": 1})
-        assert acted.status_code == 401

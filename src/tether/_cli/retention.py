@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -110,11 +111,31 @@ def export_cmd(
         asyncio.run(go(sys.stdout.buffer))
         sys.stdout.flush()
         return
-    # Written beside the destination and moved over it whole: a failure leaves nothing.
+    target = Path(os.path.realpath(output))  # a symbolic link's target, not the link
+    if _is_journal_file(target, journal):
+        raise UserError(f"--output {output} is the journal (or its log or index); "
+                        "refusing to write over it")
     try:
-        fd, part = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent or None)
+        kind = target.stat().st_mode
+    except FileNotFoundError:
+        kind = None
     except OSError as exc:
         raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    if kind is not None and not stat.S_ISREG(kind):
+        # A pipe, a terminal or a device (/dev/null) is written to, never replaced.
+        try:
+            with target.open("wb") as fh:
+                asyncio.run(go(fh))
+        except OSError as exc:
+            raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+        return
+    # A file: written beside the destination and moved over it whole, so a failure leaves
+    # nothing (the export is private, 0600, as the journal is).
+    try:
+        fd, part = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    output = target
     try:
         with os.fdopen(fd, "wb") as fh:
             asyncio.run(go(fh))
@@ -124,6 +145,26 @@ def export_cmd(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part)
+
+
+def _is_journal_file(target: Path, journal_url: str) -> bool:
+    """Whether ``target`` is a SQLite journal's file, log or index (by path or by inode)."""
+    if not journal_url.startswith("sqlite:"):
+        return False
+    from tether._journal.journal import sqlite_path
+
+    try:
+        base = Path(os.path.realpath(sqlite_path(journal_url.split("?", 1)[0])))
+    except (UserError, ValueError):
+        return False
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        side = Path(f"{base}{suffix}")
+        if side == target:
+            return True
+        with contextlib.suppress(OSError):
+            if os.path.samefile(side, target):
+                return True
+    return False
 
 
 def prune_cmd(
@@ -167,18 +208,25 @@ def prune_cmd(
             saved = None
             if archive is not None and candidates:
                 status = verifier(await _trusted(j, keys))
-                try:
-                    fh = archive.open("xb")
+                try:  # private, like the journal it copies
+                    fh = os.fdopen(os.open(archive, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                           0o600), "wb")
                 except FileExistsError:
                     raise UserError(f"--archive {archive} exists; refusing to overwrite an "
                                     "archive") from None
                 except OSError as exc:
                     raise UserError(f"cannot write the archive {archive}: "
                                     f"{exc.strerror or exc}") from None
-                with fh:
-                    n, digest = await _write(j, candidates, fh, status)
-                    fh.flush()
-                    os.fsync(fh.fileno())
+                try:
+                    with fh:
+                        n, digest = await _write(j, candidates, fh, status)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except OSError as exc:  # a full disk, say: no half archive, nothing pruned
+                    with contextlib.suppress(OSError):
+                        os.unlink(archive)
+                    raise UserError(f"cannot write the archive {archive}: "
+                                    f"{exc.strerror or exc}; nothing was pruned") from None
                 saved = {"path": str(archive), "sha256": digest, "records": n}
             return await j.prune(candidates, cutoff, now, saved)
 

@@ -37,7 +37,7 @@ PAGE = """<!doctype html>
 <script>
 "use strict";
 // The token arrives once, in the link the console printed; it then leaves the address bar
-// (and history) at once: reads ride the cookie set by that first load, actions the header.
+// (and history) at once, kept for this tab only; every request sends it in a header.
 const token = new URLSearchParams(location.search).get("token") || sessionStorage.getItem("tether-token") || "";
 sessionStorage.setItem("tether-token", token);
 if (location.search) history.replaceState(null, "", "/");
@@ -174,16 +174,42 @@ async function select(id) {
         Object.entries(e.detail).map(([k, v]) => k + "=" + (typeof v === "object" ? JSON.stringify(v) : v)).join(", ")])));
 }
 
-function connect() {
-  const source = new EventSource("/api/stream");
-  source.addEventListener("snapshot", ev => {
-    snap = JSON.parse(ev.data);
-    document.getElementById("status").textContent = "live (journal event " + (snap.version ?? 0) + ")";
-    document.body.dataset.version = snap.version ?? 0;
-    renderAttention(); renderTree();
-    if (selected) select(selected);
-  });
-  source.onerror = () => { document.getElementById("status").textContent = "reconnecting..."; };
+function onSnapshot(data) {
+  snap = JSON.parse(data);
+  document.getElementById("status").textContent = "live (journal event " + (snap.version ?? 0) + ")";
+  document.body.dataset.version = snap.version ?? 0;
+  renderAttention(); renderTree();
+  if (selected) select(selected);
+}
+
+// Server-sent events read with fetch, not EventSource, so that the stream too carries the
+// token in a header: no cookie (every port of 127.0.0.1 would get it) and no URL holds it.
+async function connect() {
+  for (;;) {
+    try {
+      const r = await fetch("/api/stream", {headers: {"X-Tether-Token": token, "Accept": "text/event-stream"}});
+      if (!r.ok) { say((await r.json()).error || r.statusText); throw new Error(r.statusText); }
+      const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) break;
+        buf = (buf + value).replace(/\\r\\n/g, "\\n");
+        let end;
+        while ((end = buf.indexOf("\\n\\n")) >= 0) {
+          const block = buf.slice(0, end); buf = buf.slice(end + 2);
+          let kind = "message"; const data = [];
+          for (const line of block.split("\\n")) {
+            if (line.startsWith("event:")) kind = line.slice(6).trim();
+            else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
+          }
+          if (kind === "snapshot") onSnapshot(data.join("\\n"));
+        }
+      }
+    } catch (e) { /* the server went away or refused: try again */ }
+    document.getElementById("status").textContent = "reconnecting...";
+    await new Promise(done => setTimeout(done, 1000));
+  }
 }
 connect();
 </script></body></html>

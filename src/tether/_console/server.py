@@ -2,11 +2,12 @@
 whenever the journal changes, and the operator's actions (recall, terminate, resolve) through
 the same signed paths as the CLI.
 
-Every request carries the access token printed at start: the first load of the page in its
-query string (the link the console prints), which the page then takes out of the address bar;
-reads in the ``X-Tether-Token`` header or the HttpOnly, SameSite=Strict cookie that first load
-set (the event stream cannot send a header); actions in the header alone, which a cross-site
-form cannot set. On loopback, requests naming another host are refused (DNS rebinding). Every
+The page is static code and holds no data. Every other request carries the access token
+printed at start in the ``X-Tether-Token`` header (the page reads it once from the printed
+link, then takes it out of the address bar and keeps it for the tab; the live stream is read
+with fetch so that it can send the header too): never in a cookie, which every port of the
+host would be sent, nor in a URL. A cross-site form cannot set the header. On loopback,
+requests naming another host are refused (DNS rebinding). Every
 response carries a Content-Security-Policy that allows the page's own script and style only,
 and no referrer.
 """
@@ -50,12 +51,10 @@ class Console:
     token: str
     poll: float = 0.25  # how often the stream looks for a change in the journal
 
-    def authorized(self, request: Request, *, link: bool = False) -> bool:
-        """The token from the header, or the cookie the first load set; from the query string
-        only for that first load (``link``: the page's address the console printed)."""
-        given = request.headers.get("x-tether-token") or request.cookies.get(COOKIE, "")
-        if not given and link:
-            given = request.query_params.get("token", "")
+    def authorized(self, request: Request) -> bool:
+        """The token from the header: never from a cookie (every port of the host would be
+        sent it) nor a URL (logs and history keep those)."""
+        given = request.headers.get("x-tether-token", "")
         return secrets.compare_digest(given.encode(), self.token.encode())
 
 
@@ -88,13 +87,10 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
         return None
 
     async def page(request: Request) -> Response:
-        if not console.authorized(request, link=True):
-            return JSONResponse({"error": "missing or wrong access token"}, status_code=401)
-        response = HTMLResponse(PAGE)
-        # Reads (the live stream, which cannot send a header) ride this cookie; actions still
-        # need the header, which a cross-site page cannot send.
-        response.set_cookie(COOKIE, console.token, httponly=True, samesite="strict", path="/")
-        return response
+        # The page is code and holds no journal data: it is served to anyone (a reload, after
+        # the token left the address bar, must still load); everything it shows comes from
+        # the API, which needs the token in a header.
+        return HTMLResponse(PAGE)
 
     async def delegations(request: Request) -> Response:
         return guard(request) or JSONResponse(await snapshot(journal))
@@ -186,7 +182,6 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
                                  Middleware(_Headers)])
 
 
-COOKIE = "tether_console"
 HEADERS = [(b"content-security-policy", POLICY.encode()), (b"referrer-policy", b"no-referrer"),
            (b"x-content-type-options", b"nosniff"), (b"cache-control", b"no-store")]
 

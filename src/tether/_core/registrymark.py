@@ -7,6 +7,7 @@ say) cannot make a configuration that saw them trust a revoked key again (docs/s
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ def entries_digest(rows: Sequence[tuple[int, bytes, str, bytes]]) -> str:
     return tip
 
 
+_TOKENS = itertools.count(1)
+
+
 class RegistryMemory:
     """Marks by journal (the digest of its root entry). ``save`` persists them (the key ring's
     ``registry.json``); None keeps them in this process only. ``load`` returns the persisted
@@ -53,13 +57,18 @@ class RegistryMemory:
         self._marks = dict(marks or {})
         self._save = save
         self._load = load
+        self._unsaved = False  # a save failed: tried again at every decision until it lands
         self.version = 0  # moves with every mark remembered (readers memoize on it)
+        # Which memory this is, for memos: never reused, unlike ``id()`` of a freed one.
+        self.token = next(_TOKENS)
 
     def seen(self, anchor: str) -> RegistryMark | None:
         return self._marks.get(anchor)
 
     def refresh(self) -> None:
         """Take in what the configuration's other processes remembered since the last look."""
+        if self._unsaved:
+            self._persist()
         stored = self._load() if self._load is not None else None
         if stored:
             changed = [self._merge(anchor, mark) for anchor, mark in stored.items()]
@@ -88,5 +97,11 @@ class RegistryMemory:
             return
         self._marks[anchor] = mark
         self.version += 1
-        if self._save is not None:
-            self._save(dict(self._marks))
+        self._persist()
+
+    def _persist(self) -> None:
+        if self._save is None:
+            return
+        self._unsaved = True
+        self._save(dict(self._marks))  # raises on failure: the caller's decision fails too
+        self._unsaved = False

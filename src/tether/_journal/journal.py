@@ -60,6 +60,8 @@ def sqlite_path(url: str) -> Path:
             "sqlite:////absolute/path.db or postgresql://user@host/db?schema=name"
         )
     path = unquote(parsed.path[1:])
+    if "\x00" in path:
+        raise UserError(f"journal URL {url!r} names a path with a NUL byte in it")
     if not path:
         raise UserError(f"journal URL {url!r} names no file")
     return Path(path)

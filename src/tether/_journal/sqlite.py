@@ -169,7 +169,7 @@ def identity(path: Path) -> tuple[int, int] | None:
     file moved over its path. None: no file there any more."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino
 
@@ -237,10 +237,17 @@ class SqliteRunner(ThreadRunner):
     def connect(self) -> sqlite3.Connection:
         # Absolute as of now: a process that changes directory later still checks this file.
         self._where = Path(os.path.abspath(self.path))
+        before = identity(self._where)
         conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
         self._level = self._synchronous
         self._identity = identity(self._where)
+        if before is not None and self._identity != before:
+            # Replaced while this connection opened it (opening may wait its turn for the
+            # creation lock): the connection may be on the old file, the path on another.
+            conn.close()
+            raise JournalError(f"journal {self.path} was replaced while this process opened "
+                               "it; open it again")
         self._sidecars = {suffix: identity(Path(f"{self._where}{suffix}"))
                           for suffix in SIDECARS}
         return conn

@@ -38,7 +38,7 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
     if memory is not None:
         memory.refresh()  # another process of the configuration may have seen more
     seen = None if memory is None else memory.seen
-    key = (tuple(pins.ids()), rows, None if memory is None else (id(memory), memory.version))
+    key = (tuple(pins.ids()), rows, None if memory is None else (memory.token, memory.version))
     found = _MEMO.get(key)
     if found is None:
         if len(_MEMO) > 64:

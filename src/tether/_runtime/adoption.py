@@ -9,7 +9,7 @@ acted on (docs/security.md).
 from __future__ import annotations
 
 from tether._core.documents import ControlIntent
-from tether._core.errors import ClockSkew, ControlRefused, JournalError
+from tether._core.errors import ClockSkew, ControlRefused, JournalError, TetherError
 from tether._core.model import ControlKind
 from tether._core.trust import bound
 from tether._journal.rows import ControlRow
@@ -42,10 +42,20 @@ class Adoption:
             except JournalError:
                 continue  # the journal is away longer than it reconnects for: poll again
             for row in rows:
-                self.last_control = max(self.last_control, row.id)
                 rt = sup.runtime(row.delegation_id)
-                if row.issuer != sup.owner_id and rt is not None and await self.admit(rt, row):
-                    self.adopt(rt, row)
+                if row.issuer != sup.owner_id and rt is not None:
+                    try:
+                        admitted = await self.admit(rt, row)
+                    except TetherError as exc:
+                        # Trust could not be decided (the configuration's registry.json is
+                        # unreadable, say): this row is judged again at the next poll, and
+                        # the loop, with its heartbeat, goes on.
+                        log.error("cannot judge control row %d: %s", row.id, exc,
+                                  extra={"delegation": row.delegation_id})
+                        break
+                    if admitted:
+                        self.adopt(rt, row)
+                self.last_control = max(self.last_control, row.id)
             beats += 1
             if beats % every == 0:
                 sup.journal.heartbeat(sup.owner_id, sup.clock.wall())

@@ -112,6 +112,10 @@ class KeyRing:
     directory: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.directory is not None:
+            # Absolute as of now: a process that changes directory later keeps reading and
+            # writing this configuration's memory, not one under its new working directory.
+            self.directory = Path(os.path.abspath(self.directory))
         if self.trusted.memory is None:
             self.trusted.memory = _memory(self.directory)
         if self.trusted.heads is None:
@@ -216,13 +220,18 @@ def _memory(directory: Path | None) -> RegistryMemory:
         return st.st_ino, st.st_mtime_ns, st.st_size
 
     def read() -> dict[str, RegistryMark]:
-        looked[0] = stamp()
-        if looked[0] is None:
+        seen = stamp()
+        if seen is None:
+            looked[0] = None
             return {}
         try:
-            return {k: RegistryMark.from_json(v) for k, v in json.loads(path.read_text()).items()}
+            marks = {k: RegistryMark.from_json(v)
+                     for k, v in json.loads(path.read_text()).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Not marked as read: every decision tries it again until it reads (fail closed).
             raise UserError(f"{path} is unreadable: {exc}") from None
+        looked[0] = seen
+        return marks
 
     def changed() -> dict[str, RegistryMark] | None:
         # One stat per trust decision; the file is read again only when it was rewritten.
