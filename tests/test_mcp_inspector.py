@@ -29,15 +29,12 @@ async def inspect(tmp_path: Path, journal: str, *method: str) -> Any:
 
 async def test_the_inspector_cli_through_the_proxy(tmp_path: Path) -> None:
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
-    # Four independent inspector runs (each its own proxy and session) at once, as four
-    # users checking one server would.
-    tools, called, resources, prompt = await asyncio.gather(
-        inspect(tmp_path, journal, "--method", "tools/list"),
-        inspect(tmp_path, journal, "--method", "tools/call", "--tool-name", "shout",
-                "--tool-arg", "words=hi"),
-        inspect(tmp_path, journal, "--method", "resources/list"),
-        inspect(tmp_path, journal, "--method", "prompts/get", "--prompt-name", "review",
-                "--prompt-args", "slug=dune"))
+    tools = await inspect(tmp_path, journal, "--method", "tools/list")
+    called = await inspect(tmp_path, journal, "--method", "tools/call", "--tool-name", "shout",
+                           "--tool-arg", "words=hi")
+    resources = await inspect(tmp_path, journal, "--method", "resources/list")
+    prompt = await inspect(tmp_path, journal, "--method", "prompts/get", "--prompt-name",
+                           "review", "--prompt-args", "slug=dune")
     assert {"ask", "shout", "whereami"} <= {t["name"] for t in tools["tools"]}
     assert called["content"] == [{"type": "text", "text": "HI"}] and not called["isError"]
     assert [r["uri"] for r in resources["resources"]] == ["library://catalog"]
