@@ -94,12 +94,13 @@ def test_bad_log_options_are_one_line(tmp_path: Path, args: list[str], message: 
 async def test_a_worker_logs_its_claims_as_json(cluster: Cluster) -> None:  # noqa: F811
     async with supervisor(cluster.url) as sup:
         proc = await cluster.worker("--log-format", "json")
+        assert proc.stderr is not None
+        log = asyncio.ensure_future(proc.stderr.read())  # read all along: a full pipe blocks it
         handle = await sup.delegate(remote_agents.refunder, "L-1", remote=True)
         await handle.result()
     proc.send_signal(signal.SIGTERM)
-    assert await proc.wait() == 0
-    assert proc.stderr is not None
-    lines = [json.loads(line) for line in (await proc.stderr.read()).decode().splitlines()]
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+    lines = [json.loads(line) for line in (await log).decode().splitlines()]
     ready = next(x for x in lines if x["message"].startswith("worker "))
     assert ready["logger"] == "tether.worker" and ready["agents"]
     claim = next(x for x in lines if x["message"].startswith("claimed"))
