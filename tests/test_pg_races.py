@@ -51,7 +51,8 @@ async def _blocked(names: tuple[str, ...], expect: int) -> None:
 
 
 async def _race(url: str, first: Any, second: Any, *, table: str = "delegations",
-                row: str = "d1", setup: Any = None) -> tuple[Journal, list[Any]]:
+                row: str = "d1", setup: Any = None,
+                release: Any = None) -> tuple[Journal, list[Any]]:
     """Run ``first(journal_a)`` and ``second(journal_b)`` so that both have read the row
     before either writes it: a third connection holds the row lock until both wait on it.
     ``first`` queues for the lock before ``second`` does, so it is granted the lock first."""
@@ -75,6 +76,8 @@ async def _race(url: str, first: Any, second: Any, *, table: str = "delegations"
         await _blocked(names[:1], 1)
         b: Awaitable[Any] = asyncio.ensure_future(second(jb))
         await _blocked(names, 2)
+        if release is not None:
+            release()  # what happens while both wait, before the lock is released
         holder.commit()
     results = list(await asyncio.gather(a, b, return_exceptions=True))
     await jb.close()
@@ -104,6 +107,32 @@ async def test_a_recall_and_the_childs_own_end_cannot_both_win(pg_url: str) -> N
         else:
             assert isinstance(ended, tether.InvalidTransition), ended
             assert row.state is tether.DelegationState.RECALLING and len(controls) == 1
+    finally:
+        await ja.close()
+
+
+async def test_a_fence_is_stamped_once_it_holds_the_row(pg_url: str) -> None:
+    """Found by `tether chaos` (cancel_in_delay, PostgreSQL): another process's recall read
+    its clock, then queued on the row behind an intent that committed first; the journal then
+    said the intent began after the fence. The fence's time is read once it holds the row, so
+    an intent that committed ahead of it is never later than it."""
+    wall = {"now": 4.0}  # the recall's process reads 4.0 as it sends the intent
+
+    def moves_on() -> None:
+        wall["now"] = 6.0  # ... and 6.0 by the time the row is its own
+
+    ja, (begun, accepted) = await _race(
+        pg_url,
+        lambda j: j.begin_action(pay_action("a1", "d1", 5.0)),
+        lambda j: j.accept_control(_recall(), TRUSTED, "cli", lambda: wall["now"]),
+        release=moves_on)
+    try:
+        assert not isinstance(begun, BaseException) and begun.status is Begin.STARTED, begun
+        assert not isinstance(accepted, BaseException), accepted
+        (fence,) = await ja.controls("d1")
+        (action,) = await ja.actions(["d1"])
+        assert fence.accepted_at == 6.0
+        assert action.started_at <= fence.accepted_at
     finally:
         await ja.close()
 

@@ -149,7 +149,7 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
 
         try:
             intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
-                                                f"cli:{os.getpid()}", now)
+                                                f"cli:{os.getpid()}", time.time)
         except AlreadyFinished:
             # Between attempts nothing runs, yet the request must stop a re-dispatch, which
             # re-checks the task's cancel generation before forking; one that forked already
@@ -161,7 +161,7 @@ async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: C
                 raise
             delegation_id = latest.id
             intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
-                                                f"cli:{os.getpid()}", now)
+                                                f"cli:{os.getpid()}", time.time)
         answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
                                   "kind": kind.value, "accepted": True}
         if not wait:

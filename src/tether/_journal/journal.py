@@ -296,9 +296,11 @@ class Journal:
 
     # -- control ------------------------------------------------------------------------------
     async def accept_control(self, signed: Signed, pins: TrustedKeys, issuer: str,
-                             now: float) -> tuple[ControlIntent, ControlRow]:
+                             now: float | Callable[[], float]
+                             ) -> tuple[ControlIntent, ControlRow]:
         """Verify the signature against the deployment's key registry as ``pins`` root it
-        (I5), then CAS, move and fence, all in one transaction."""
+        (I5), then CAS, move and fence, all in one transaction. Given a clock, ``now`` is read
+        once the delegation's row is locked (``ops.accept_control``)."""
 
         def op(db: Any) -> tuple[ControlIntent, ControlRow]:
             intent = trustops.registry(db, pins).verify(signed, ControlIntent)
@@ -312,7 +314,8 @@ class Journal:
 
     async def sign_and_accept(self, delegation_id: str,
                               make: Callable[[DelegationRow], Signed], pins: TrustedKeys,
-                              issuer: str, now: float) -> tuple[ControlIntent, Signed]:
+                              issuer: str, now: float | Callable[[], float]
+                              ) -> tuple[ControlIntent, Signed]:
         """Read the delegation, sign the intent ``make`` builds from it (its epoch and next
         sequence number), verify it against the deployment's key registry as ``pins`` root
         it, and accept it: one transaction, one round trip. An untrusted signer changes

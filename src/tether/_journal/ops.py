@@ -12,7 +12,7 @@ COMMITTED, where two processes may read the same state before either writes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tether._core.documents import ControlIntent
@@ -337,11 +337,14 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
 # -- control --------------------------------------------------------------------------------
 
 def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
-                   accepted_at: float) -> ControlRow:
+                   stamp: float | Callable[[], float]) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
-    The signature was verified by the caller against the journal's trusted keys."""
+    The signature was verified by the caller against the journal's trusted keys. ``stamp``
+    (a clock) is read once the row is locked: an intent of another process that held the
+    row's share lock committed before that moment, so it never reads as after the fence."""
     target = intent.kind.target
     before(db, "delegations", intent.delegation_id)
+    accepted_at = stamp() if callable(stamp) else stamp
     while True:
         row = get_delegation(db, intent.delegation_id)
         if intent.seq != row.control_seq + 1:

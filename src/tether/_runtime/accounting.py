@@ -262,7 +262,7 @@ class Accounting:
             try:
                 await sup.journal.accept_control(sup.keys.signer.sign(intent),
                                                  sup.keys.trusted, sup.owner_id,
-                                                 sup.clock.wall())
+                                                 sup.clock.wall)
             except (StaleSequence, InvalidTransition):
                 # The row was read before another process moved it (its recall, a second
                 # recovery, the child's own end): it is fenced or ended all the same, so the

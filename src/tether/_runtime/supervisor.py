@@ -495,7 +495,7 @@ class Supervisor:
 
         try:
             intent, signed = await self.journal.sign_and_accept(
-                delegation_id, make, self.keys.trusted, self.owner_id, issued)
+                delegation_id, make, self.keys.trusted, self.owner_id, self.clock.wall)
         except ControlRefused as exc:
             self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
                                            "error.type": type(exc).__name__})
