@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.cli_helpers import tether_here
 from tests.test_cli import tether_cli
 from tests.test_trust import one_error_line, raw
 from tether._core.redispatch import AttemptFacts, Ending, RedispatchPolicy, decide_redispatch
@@ -211,7 +212,7 @@ ATTACKS: dict[str, Attack] = {
 
 
 async def verify_json(url: str, *args: str) -> tuple[int, dict[str, Any]]:
-    code, out, err = await tether_cli("verify", *args, "--journal", url, "--json")
+    code, out, err = await tether_here("verify", *args, "--journal", url, "--json")
     assert code in (0, 1), out + err
     return code, json.loads(out)
 
@@ -232,7 +233,7 @@ async def test_tampering_is_named_by_verify_and_refused_by_reconcile(
     code, data = await verify_json(journal_url, s.delegation)  # one subtree: the same
     assert code == 1 and any(p["record"] == record for p in data["problems"]), data
     # Reconciliation refuses to act on it: one error line naming the record; nothing probed.
-    code, out, err = await tether_cli("reconcile", s.delegation, "--journal", journal_url)
+    code, out, err = await tether_here("reconcile", s.delegation, "--journal", journal_url)
     assert code == 2, out + err
     line = one_error_line(err)
     assert "fail verification" in line and s.delegation in line, line
@@ -284,7 +285,7 @@ async def test_show_marks_what_verify_names(journal_url: str, attack: str) -> No
     s = await scene(journal_url)
     async with Journal(journal_url) as j:
         record = await ATTACKS[attack](j, s)
-    code, out, err = await tether_cli("show", s.delegation, "--journal", journal_url, "--json")
+    code, out, err = await tether_here("show", s.delegation, "--journal", journal_url, "--json")
     assert code == 0, err
     data = json.loads(out)
     assert data["chain"] == "TAMPERED"
@@ -292,7 +293,7 @@ async def test_show_marks_what_verify_names(journal_url: str, attack: str) -> No
     if record.startswith("action ") and attack != "deleted_action":
         (marked,) = [a for a in data["actions"] if f"action {a['id']}" == record]
         assert marked["tampered"] in ("altered", "inserted")
-    code, out, err = await tether_cli("show", s.delegation, "--journal", journal_url)
+    code, out, err = await tether_here("show", s.delegation, "--journal", journal_url)
     assert code == 0 and "TAMPERED" in out, out + err
 
 
@@ -420,7 +421,7 @@ async def test_pruned_delegations_take_their_chain_along(journal_url: str) -> No
         # Aged by hand past the deadline and clock tolerance prune waits for (as the
         # retention tests do): an alteration, and the tree it is in goes with the prune.
         await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
-    code, out, err = await tether_cli("prune", "--before", "0s", "--journal", journal_url,
+    code, out, err = await tether_here("prune", "--before", "0s", "--journal", journal_url,
                                       "--json")
     assert code == 0 and json.loads(out)["delegations"] == 1, out + err
     async with Journal(journal_url) as j:
@@ -498,7 +499,7 @@ async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole
             await second.redelegate()
         assert "epoch 0" in str(refused.value)
     assert PAY.refund_count(order) == 1
-    code, out, _ = await tether_cli("verify", "--journal", journal_url, "--json")
+    code, out, _ = await tether_here("verify", "--journal", journal_url, "--json")
     assert code == 1 and {"delegation": f"task {second.task_id}", "record": "epoch 0"} in [
         {k: p[k] for k in ("delegation", "record")} for p in json.loads(out)["problems"]], out
 
@@ -605,7 +606,7 @@ async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
         assert await h.result() == "ok"
         listed = [d.id for d in await sup.journal.delegations()]  # verify's listing
         await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
-    code, out, err = await tether_cli("prune", "--before", "0s", "--journal", journal_url,
+    code, out, err = await tether_here("prune", "--before", "0s", "--journal", journal_url,
                                       "--json")
     assert code == 0 and json.loads(out)["delegations"] == 1, out + err
     async with Journal(journal_url) as j:
@@ -637,10 +638,10 @@ async def test_garbage_in_the_chain_is_named_not_a_traceback(tmp_path: Path,
         h = await sup.delegate(once, tools=[refund])
         assert await h.result() == "ok"
         await raw(sup.journal, GARBAGE[garbage], h.id)
-    code, out, err = await tether_cli("verify", "--journal", url, "--json")
+    code, out, err = await tether_here("verify", "--journal", url, "--json")
     assert code == 1, out + err
     assert h.id in {p["delegation"] for p in json.loads(out)["problems"]}, out
-    code, out, err = await tether_cli("show", h.id, "--journal", url)
+    code, out, err = await tether_here("show", h.id, "--journal", url)
     assert code == 0 and "TAMPERED" in out, out + err
     code, out, err = await tether_cli("reconcile", h.id, "--journal", url)
     assert code == 2 and "fail verification" in one_error_line(err), out + err

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.cli_helpers import tether_here
 from tests.conftest import Shop, settled
 from tests.test_cli import tether_cli
 from tether._core.documents import KeyGrant
@@ -212,7 +213,7 @@ async def test_verify_names_every_signed_record_that_fails(
     x = await sup.delegate(shop.refund_agent, "V-1", tools=shop.tools)
     await x.terminate("clean")
     queued = await sup.delegate(shop.refund_agent, "V-2", tools=shop.tools, remote=True)
-    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    code, out, err = await tether_here("verify", "--journal", journal_url, "--json")
     assert code == 0, (out, err)
     clean = json.loads(out)
     assert clean["ok"] and clean["records_checked"] >= 2
@@ -225,14 +226,14 @@ async def test_verify_names_every_signed_record_that_fails(
               signed.body.replace(b'"clean"', b'"dirty"'), x.id)
     await raw(sup.journal, "UPDATE delegations SET args = ? WHERE id = ?",
               '{"args":["V-2-other"],"kwargs":{}}', queued.id)
-    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    code, out, err = await tether_here("verify", "--journal", journal_url, "--json")
     assert code == 1, (out, err)
     found = {(p["delegation"], p["record"].split(" (")[0]): p["problem"]
              for p in json.loads(out)["problems"]}
     assert "does not verify" in found[(x.id, next(r for d, r in found if d == x.id))]
     assert any(d == w.id and "copied or replayed" in p for (d, _), p in found.items())
     assert "does not match" in found[(queued.id, "queued work")]
-    code, out, _ = await tether_cli("verify", w.id, "--journal", journal_url)
+    code, out, _ = await tether_here("verify", w.id, "--journal", journal_url)
     assert code == 1 and "controls row" in out
 
 
@@ -294,7 +295,7 @@ async def test_deleting_a_revocation_does_not_trust_the_key_again(
         reg = await sup.journal.registry(sup.keys.trusted)
         assert {leaked.signer.key_id, third.key_id}.isdisjoint(reg.keys.ids()), reg
     # Another process of the same configuration (its key directory) remembers it too.
-    code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+    code, out, err = await tether_here("verify", "--journal", journal_url, "--json")
     assert code == 1 and "rolled back" in out, out + err
 
 
@@ -312,7 +313,7 @@ async def test_verify_names_a_fence_no_accepted_intent_explains(journal_url: str
         await b.terminate("operator's own")
         await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", b.id)
         await sup.journal.flush()
-        code, out, err = await tether_cli("verify", "--journal", journal_url, "--json")
+        code, out, err = await tether_here("verify", "--journal", journal_url, "--json")
         open_gate(shop)
     assert code == 1, out + err
     named = {p["delegation"] for p in json.loads(out)["problems"]}
