@@ -132,6 +132,11 @@ async def sup(journal_url: str, clock: VirtualClock, keys: tether.KeyRing,
         clock.autojump()  # closing waits a bounded while for calls still running
 
 
+# A supervisor that judges the dispatch deadlines its own process wrote, on its own clock:
+# the clock tolerance (5 s by default, for clocks of other hosts) only delays the re-probe.
+ONE_CLOCK = tether.Policy(clock_tolerance=0.25)
+
+
 async def settled(sup: tether.Supervisor, delegation_id: str,
                   within: float = 60.0) -> tether.Report:
     """The report once the delegation is settled: its owner probes calls left in doubt again

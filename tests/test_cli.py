@@ -16,7 +16,7 @@ import tether
 from tether._cli.app import app
 from tether.testing import PaymentService
 
-from .conftest import events_of, settled
+from .conftest import ONE_CLOCK, events_of, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ async def test_recall_from_another_process(journal_url: str) -> None:
 
 async def test_terminate_from_another_process(journal_url: str) -> None:
     pay = PaymentService(latency=0.0)
-    async with tether.Supervisor(journal_url, tools=[]) as sup:
+    async with tether.Supervisor(journal_url, tools=[], policy=ONE_CLOCK) as sup:
         entered = asyncio.Event()
 
         # Its provider can no longer apply a call 2 s after its intent.

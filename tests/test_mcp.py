@@ -17,7 +17,7 @@ from tests.mcp_helpers import bank, connect, paid, probe_for
 from tests.remote_agents import listen_gate, open_gate
 from tether.mcp import ServerPolicy, mcp_tools
 
-from .conftest import events_of, settled
+from .conftest import ONE_CLOCK, events_of, settled
 
 ROOT = Path(__file__).resolve().parent.parent
 E = tether.Effect
@@ -83,7 +83,7 @@ async def test_recall_lets_an_in_flight_mcp_call_finish_and_refuses_the_next(
 
 async def test_terminate_sends_notifications_cancelled_and_reconciles(
         bank_env: Path, journal_url: str) -> None:
-    async with bank() as session, tether.Supervisor(journal_url) as sup:
+    async with bank() as session, tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
         # The operator declares that the bank cannot apply a payment 1 s after its intent.
         tools = {t.name: t for t in await mcp_tools(
             session, ServerPolicy("bank", probes={"pay": probe_for(bank_env)},

@@ -17,7 +17,7 @@ import tether
 from tether.agents import as_tether_agent, idempotency_key
 from tether.testing import PaymentService
 
-from .conftest import events_of, settled
+from .conftest import ONE_CLOCK, events_of, settled
 
 S = tether.DelegationState
 set_tracing_disabled(True)  # offline: the SDK would try to export traces
@@ -105,7 +105,7 @@ async def test_terminate_cancels_the_tool_and_reconciles_it(refunds: Refunds,
     refunds.gate = asyncio.Event()  # never set: the refund hangs before the provider
     # Its provider can no longer apply a refund 1 s after its intent.
     agent = refunds.agent(refund_call("A", "c1"), [assistant_message("done")], deadline=1.0)
-    async with tether.Supervisor(journal_url) as sup:
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
         handle = await sup.delegate(agent, "refund A")
         await refunds.started.wait()
         report = await handle.terminate(reason="stop")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tether._core.errors import DelegationError, ToolRejected, UserError
-from tether._core.model import ACTION_FINAL, ActionState, DelegationState
+from tether._core.model import ACTION_FINAL, ActionState, DelegationState, Policy
 from tether._core.redispatch import Code, Partial, RedispatchPolicy
 from tether._core.report import Report
 from tether._runtime.handle import Handle
@@ -110,6 +110,12 @@ class Harness(Protocol):
         ...
 
 
+# The scenarios run in one process, which writes and judges each dispatch deadline on its own
+# clock: the clock tolerance for other hosts' clocks (5 s by default) would only delay the
+# re-probe past the deadline.
+ONE_CLOCK = Policy(clock_tolerance=0.25)
+
+
 async def _make(h: Harness, shop: Shop, steps: Sequence[Step], **options: Any) -> Agent:
     made = h.agent(shop, steps, **options)
     return await made if inspect.isawaitable(made) else made
@@ -174,7 +180,7 @@ async def recall_in_flight(h: Harness, url: str) -> None:
 async def terminate_probed(h: Harness, url: str) -> None:
     shop = Shop(gate=asyncio.Event())  # never set: the refund hangs before the provider
     agent = await _make(h, shop, [Refund("A"), Say("done")], deadline=0.5)
-    async with Supervisor(url) as sup:
+    async with Supervisor(url, policy=ONE_CLOCK) as sup:
         handle = await sup.delegate(agent, "refund A")
         await shop.started.wait()
         report = await handle.terminate(reason="stop")
@@ -235,7 +241,7 @@ async def rejected_is_failed(h: Harness, url: str) -> None:
     """FAILED where the framework can say "certainly not applied"; a protocol that cannot
     (MCP's isError) leaves it in doubt until the probe finds it NOT_APPLIED."""
     shop = Shop(fail=ToolRejected("card declined"))
-    async with Supervisor(url) as sup:
+    async with Supervisor(url, policy=ONE_CLOCK) as sup:
         handle = await sup.delegate(
             await _make(h, shop, [Refund("A"), Say("declined")], deadline=0.5), "refund A")
         with contextlib.suppress(DelegationError):
