@@ -5,6 +5,9 @@ re-dispatched or kept per the rules (I1, I2, I3, I6, I8)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
+import json
 from typing import Any
 
 import httpx2
@@ -12,6 +15,7 @@ import pytest
 from agents import Agent as SdkAgent
 from agents import function_tool, set_tracing_disabled
 from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
+from pydantic import BaseModel, TypeAdapter
 
 import tether
 from tether.agents import as_tether_agent, idempotency_key
@@ -220,3 +224,42 @@ def model_saw_error(agent: tether.Agent) -> bool:
 
 
 MODELS: dict[tether.Agent, ScriptedModel] = {}
+
+
+class Receipt(BaseModel):
+    order_id: str
+    cents: int
+    at: datetime.datetime
+
+
+@dataclasses.dataclass
+class Slip:
+    order_id: str
+    at: datetime.date
+
+
+@pytest.mark.parametrize("kind", ["model", "dataclass"])
+async def test_a_structured_output_is_stored_as_its_json_and_rebuilt(
+        kind: str, refunds: Refunds, journal_url: str) -> None:
+    """A pydantic model, or a dataclass (which the SDK asks the model for wrapped in
+    {"response": ...}), comes back as the declared type; the journal holds its JSON."""
+    output_type: Any
+    if kind == "model":
+        output_type, text = Receipt, {"order_id": "A", "cents": 500, "at": "2026-01-02T03:04:05Z"}
+        expected: Any = Receipt(order_id="A", cents=500, at=datetime.datetime(
+            2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC))
+    else:
+        output_type, text = Slip, {"response": {"order_id": "A", "at": "2026-01-02"}}
+        expected = Slip("A", datetime.date(2026, 1, 2))
+    model = ScriptedModel([refund_call("A", "c1"), [assistant_message(json.dumps(text))]])
+    sdk = SdkAgent(name="refunder", tools=[refunds.tool], model=model, output_type=output_type)
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(as_tether_agent(sdk, probes={"refund": refunds.pay.lookup}),
+                                    "refund order A")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+        report = await handle.report()
+    assert type(result) is output_type and result == expected
+    assert row.state is S.SUCCEEDED
+    assert row.result == TypeAdapter(output_type).dump_python(expected, mode="json")
+    assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED]

@@ -21,6 +21,8 @@ from typing import Any
 
 from agents import Agent as SdkAgent
 from agents import (
+    AgentOutputSchema,
+    AgentOutputSchemaBase,
     FunctionTool,
     Handoff,
     MaxTurnsExceeded,
@@ -38,8 +40,9 @@ from tether._core.model import Effect
 from tether._core.redispatch import CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
 from tether._integrations.openai_agents_graph import TOOL_CONTEXT, Plan, Planner, current_key
+from tether._integrations.outputs import output_codec
 from tether._runtime.gateway import Context
-from tether._runtime.tools import Agent, ProbeFn, Tool
+from tether._runtime.tools import Agent, OutputCodec, ProbeFn, Tool
 
 EventFn = Callable[[StreamEvent], Any]
 
@@ -181,6 +184,21 @@ async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
     return result.final_output
 
 
+def _output(plan: Plan) -> OutputCodec | None:
+    """How the run's final output is stored: it comes from whichever agent of the plan the
+    run ended in (handoffs keep the run), so it is of one of their declared output types. An
+    output schema of the user's own declares no Python type: its output is kept as JSON."""
+    types: list[Any] = []
+    for member in plan.members:
+        declared = member.output_type
+        if isinstance(declared, AgentOutputSchema):
+            declared = declared.output_type
+        elif isinstance(declared, AgentOutputSchemaBase):
+            return output_codec(None)
+        types.append(str if declared is None else declared)
+    return output_codec(types)
+
+
 def as_tether_agent(sdk_agent: SdkAgent[Any], *, effects: Mapping[str, Effect] | None = None,
                     probes: Mapping[str, ProbeFn] | None = None, max_turns: int = 10,
                     name: str | None = None, deadlines: Mapping[str, float] | None = None,
@@ -217,7 +235,7 @@ def as_tether_agent(sdk_agent: SdkAgent[Any], *, effects: Mapping[str, Effect] |
         async def run(ctx: Context, input: Any) -> Any:
             return await _run(plan, options, ctx, input, top)
 
-        return Agent(agent_name, run, tuple(plan.surface))
+        return Agent(agent_name, run, tuple(plan.surface), output=_output(plan))
 
     planner = Planner(effects, probes, deadlines, frozenset(unmediated), make_agent)
     agent = planner.plan(sdk_agent, (sdk_agent.name,), name or sdk_agent.name)

@@ -13,6 +13,7 @@ from tether._core.model import Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._journal.journal import Journal
 from tether._runtime.keys import KeyRing
+from tether._runtime.tools import Agent
 
 
 def child_payload(args: Sequence[Any], kwargs: dict[str, Any], what: str) -> dict[str, Any]:
@@ -36,10 +37,23 @@ def unstorable(value: Any, agent: str) -> UserError | None:
     return None
 
 
-def check_result(value: Any, agent: str) -> None:
-    bad = unstorable(value, agent)
+def stored_result(value: Any, agent: Agent) -> tuple[Any, Any]:
+    """What the journal keeps of a child's result, and what ``Handle.result`` gives for it:
+    the value itself when it is plain JSON, else (a framework's structured output) the JSON
+    of the agent's output codec and the value rebuilt from that JSON, as any process reading
+    the journal rebuilds it."""
+    if agent.output is None:
+        stored = shown = value
+    else:
+        try:
+            stored = agent.output.dump(value)
+            shown = agent.output.load(stored)
+        except UserError as exc:
+            raise UserError(f"the result of {agent.name} cannot be stored: {exc}") from None
+    bad = unstorable(stored, agent.name)
     if bad is not None:
         raise bad
+    return stored, shown
 
 
 def check_supervisor(journal: object, clock: object, keys: object, policy: object,

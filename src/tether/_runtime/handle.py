@@ -13,6 +13,7 @@ from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.attempts import result_of
 from tether._runtime.remote import queued_result, wait_queued
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
+from tether._runtime.tools import OutputCodec
 
 if TYPE_CHECKING:
     from tether._runtime import ports
@@ -23,12 +24,14 @@ class Handle:
     re-dispatched child is a fresh delegation, and the handle moves on to it."""
 
     def __init__(self, supervisor: ports.Handles, row: DelegationRow,
-                 run: TaskRun | None = None, *, queued: bool = False) -> None:
+                 run: TaskRun | None = None, *, queued: bool = False,
+                 output: OutputCodec | None = None) -> None:
         self._sup = supervisor
         self._row = row
         self._run = run
         self._queued = queued  # run by whichever worker claims it, not by this process
         self._first_id = row.id  # a queued task's queue key; its attempts may move on
+        self._output = output  # rebuilds a queued task's structured output from its JSON
 
     @classmethod
     def for_run(cls, supervisor: ports.Handles, run: TaskRun) -> Handle:
@@ -40,6 +43,7 @@ class Handle:
         """A handle known only by id (say, from ``tether ls``), for control and reports."""
         handle = cls.__new__(cls)
         handle._sup, handle._run, handle._queued = supervisor, None, False
+        handle._output = None
         handle._first_id = delegation_id
         handle._row = DelegationRow(delegation_id, "", None, -1, 0, "", (), None, "",
                                     DelegationState.RUNNING, False, 0, 0.0, 0.0, None, None)
@@ -139,11 +143,17 @@ class Handle:
             await asyncio.gather(run.current.draining, return_exceptions=True)
 
     async def result(self) -> Any:
-        """The last attempt's result, unchanged (a ``Partial`` for a salvaged cut stream);
+        """The last attempt's result, unchanged (a ``Partial`` for a salvaged cut stream), or
+        for a framework's structured output the value rebuilt from its stored JSON;
         DelegationError if the task failed or was stopped. A queued task's result is the JSON
-        its worker recorded."""
+        its worker recorded, rebuilt the same way when this handle came from ``delegate``
+        (a handle from ``handle_for`` does not know the agent: it gives the JSON)."""
         if await self._is_queued():
-            return queued_result(await wait_queued(self._sup, self._first_id))
+            row = await wait_queued(self._sup, self._first_id)
+            value = queued_result(row)
+            if self._output is not None and row.state is DelegationState.SUCCEEDED:
+                return self._output.load(value)
+            return value
         run = self._local()
         ok, value = await asyncio.shield(run.done)
         return result_of(ok, value, run.current)
@@ -169,7 +179,7 @@ class Handle:
                 agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
                 now=sup.clock.wall(), redelegate_from_epoch=row.epoch, model=row.model,
                 queued=True)))
-            return Handle(sup, new, queued=True)
+            return Handle(sup, new, queued=True, output=self._output)
         rt = self._run.current if self._run is not None else sup.runtime(self.id)
         if rt is None or row.parent_id is not None:
             raise UserError(f"delegation {self.id} is not a root delegation run by this process")

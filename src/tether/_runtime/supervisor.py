@@ -35,7 +35,12 @@ from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
 from tether._runtime import draining
 from tether._runtime.accounting import Accounting
 from tether._runtime.adoption import Adoption
-from tether._runtime.arguments import check_result, check_supervisor, child_payload, unstorable
+from tether._runtime.arguments import (
+    check_supervisor,
+    child_payload,
+    stored_result,
+    unstorable,
+)
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.clockcheck import check_clock
@@ -299,7 +304,7 @@ class Supervisor:
         row = await self.journal.create_delegation(self.sign_work(new) if remote else new)
         if remote:
             self._learn(surface.values())  # its probes serve reconciliation from here
-            return Handle(self, row, queued=True)
+            return Handle(self, row, queued=True, output=ag.output)
         run = await self.launch(ChildRuntime(row, ag, surface), args, kwargs,
                                 redispatch or self.redispatch)
         return Handle.for_run(self, run)
@@ -399,9 +404,9 @@ class Supervisor:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
-            check_result(value, rt.agent.name)
-            ending = (DelegationState.SUCCEEDED, value, None, None)
-            outcome: tuple[bool, Any] = (True, value)
+            stored, shown = stored_result(value, rt.agent)
+            ending = (DelegationState.SUCCEEDED, stored, None, None)
+            outcome: tuple[bool, Any] = (True, shown)
         except ControlSignal as signal:
             if rt.stop is None and rt.draining is None and not self.presumed_dead():
                 # The journal fenced it before this process heard of the intent (a recall

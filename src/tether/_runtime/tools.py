@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias, overload
+from typing import Any, Protocol, TypeAlias, overload
 
 from tether._core.errors import UserError
 from tether._core.model import Effect, ProbeOutcome, check_positive
@@ -95,14 +96,30 @@ def tool(fn: ToolFn | None = None, /, *, effect: Effect = Effect.EXTERNAL,
     return wrap(fn) if fn is not None else wrap
 
 
+class OutputCodec(Protocol):
+    """How an adapter stores a framework's structured output (a pydantic model, say): the
+    journal keeps ``dump(value)``, plain JSON, and ``Handle.result`` gives ``load`` of it, in
+    this process and in any other that reads the journal."""
+
+    def dump(self, value: Any) -> Any:
+        """The value's JSON; UserError if that JSON does not give the value back."""
+        ...
+
+    def load(self, stored: Any) -> Any:
+        """The value that ``stored`` (what ``dump`` gave) stands for."""
+        ...
+
+
 @dataclass(frozen=True, eq=False)
 class Agent:
     """An async callable ``fn(ctx, *args, **kwargs)`` with the tools it may use. Naming an Agent
-    in a surface grants DELEGATE to it."""
+    in a surface grants DELEGATE to it. ``output``: how its result is stored, when it is not
+    plain JSON (set by framework adapters)."""
 
     name: str
     fn: Callable[..., Awaitable[Any]]
     tools: tuple[Tool | Agent | str, ...] = ()
+    output: OutputCodec | None = None
 
     def __post_init__(self) -> None:
         if not inspect.iscoroutinefunction(self.fn):
@@ -159,7 +176,7 @@ def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent
 
 def as_agent(target: Agent | AgentFn, tools: Iterable[Tool | Agent | str] | None) -> Agent:
     if isinstance(target, Agent):
-        return target if tools is None else Agent(target.name, target.fn, tuple(tools))
+        return target if tools is None else dataclasses.replace(target, tools=tuple(tools))
     if not callable(target):
         raise UserError(f"{target!r} is not an agent: pass an async function or a tether.agent")
     name = getattr(target, "__name__", None) or type(target).__name__
