@@ -1,22 +1,29 @@
 """pydantic-ai specifics beyond the conformance kit: ModelRetry did not apply (FAILED), a run
 the application cancels is a ceiling (never re-dispatched), toolsets tether cannot mediate are
-refused, the agent's own tools and dependencies reach the run, and an agent run inside a tool
-does not inherit the tool's key (a sync tool has its own, in pydantic-ai's worker thread)."""
+refused, prefixed, renamed and dynamic toolsets are mediated under the names the model sees, a
+structured output is stored as its JSON and rebuilt as its model, the agent's own tools and
+dependencies reach the run, and an agent run inside a tool does not inherit the tool's key (a
+sync tool has its own, in pydantic-ai's worker thread)."""
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, Field
 from pydantic_ai import Agent as PaiAgent
 from pydantic_ai import ModelRetry, RunContext
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
-from pydantic_ai.toolsets import ExternalToolset
+from pydantic_ai.toolsets import ExternalToolset, FunctionToolset
 
 import tether
 from tether.conformance import Shop
 from tether.pydantic_ai import as_tether_agent, idempotency_key
+
+from .conftest import events_of, settled
 
 A = tether.ActionState
 
@@ -177,3 +184,155 @@ async def test_pydantic_ai_a_sync_tool_has_its_key_and_an_inner_sync_tool_has_no
         await handle.result()
     assert seen["note"] is not None and seen["batch"] is not None, seen
     assert seen["note"] != seen["batch"] and seen["inner"] is None, seen
+
+
+class Receipt(BaseModel):
+    order_id: str
+    cents: int
+    at: datetime.datetime
+
+
+class Lossy(BaseModel):
+    order_id: str
+    note: str = Field(default="", exclude=True)  # left out of its JSON
+
+
+def receipt_call(**fields: Any) -> ModelResponse:
+    return ModelResponse(parts=[ToolCallPart("final_result", fields)])
+
+
+def refunding(shop: Shop, *responses: ModelResponse, output_type: Any = str,
+              ) -> PaiAgent[None, Any]:
+    agent: PaiAgent[None, Any] = PaiAgent(scripted(*responses), name="refunder",
+                                          output_type=output_type)
+
+    @agent.tool_plain
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        return await shop.refund(order_id, cents, idempotency_key())
+
+    return agent
+
+
+async def test_pydantic_ai_structured_output_is_stored_as_its_json_and_rebuilt(
+        journal_url: str) -> None:
+    shop = Shop()
+    at = "2026-01-02T03:04:05Z"
+    agent = refunding(shop, refund_call("A"),
+                      receipt_call(order_id="A", cents=500, at=at), output_type=Receipt)
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(as_tether_agent(agent, probes={"refund": shop.pay.lookup}),
+                                    "refund A")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+        report = await handle.report()
+    assert isinstance(result, Receipt)
+    assert result == Receipt(order_id="A", cents=500, at=datetime.datetime(
+        2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC))
+    assert row.state is tether.DelegationState.SUCCEEDED
+    assert row.result == result.model_dump(mode="json")  # pydantic's JSON, in the journal
+    assert [a.state for a in report.actions] == [A.COMPLETED]
+
+
+async def test_pydantic_ai_an_output_whose_json_loses_a_field_is_refused_by_name(
+        sqlite_url: str) -> None:
+    shop = Shop()
+    agent = refunding(shop, refund_call("A"),
+                      receipt_call(order_id="A", note="kept only in memory"), output_type=Lossy)
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(agent), "refund A")
+        with pytest.raises(tether.DelegationError,
+                           match=r"result of refunder cannot be stored: its JSON .* does not "
+                                 r"give back the Lossy"):
+            await handle.result()
+        report = await handle.report()
+    assert [a.state for a in report.actions] == [A.COMPLETED]  # accounted for all the same
+
+
+def shop_tools(shop: Shop) -> FunctionToolset[None]:
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        return await shop.refund(order_id, cents, idempotency_key())
+
+    return FunctionToolset([refund])
+
+
+@pytest.mark.parametrize("how", ["prefixed", "renamed", "dynamic"])
+async def test_pydantic_ai_renamed_and_dynamic_toolsets_are_mediated_as_the_model_sees_them(
+        how: str, sqlite_url: str) -> None:
+    """Journaled, keyed and probed under the name the model calls: the tool raises after the
+    provider applied it, and its probe (keyed by that name) finds it COMPLETED."""
+    shop = Shop(fail=RuntimeError("reply lost"))
+    name = {"prefixed": "ts_refund", "renamed": "give_back", "dynamic": "refund"}[how]
+    call = ModelResponse(parts=[ToolCallPart(name, {"order_id": "A", "cents": 500})])
+    if how == "dynamic":
+        agent: PaiAgent[None, str] = PaiAgent(
+            scripted(call, ModelResponse(parts=[TextPart("done")])), name="a")
+
+        @agent.toolset
+        def tools(ctx: RunContext[None]) -> FunctionToolset[None]:
+            return shop_tools(shop)
+    else:
+        toolset = shop_tools(shop)
+        wrapped = (toolset.prefixed("ts") if how == "prefixed"
+                   else toolset.renamed({"give_back": "refund"}))
+        agent = PaiAgent(scripted(call, ModelResponse(parts=[TextPart("done")])), name="a",
+                         deps_type=type(None), toolsets=[wrapped])
+    child = as_tether_agent(agent, probes={name: shop.pay.lookup}, deadlines={name: 30.0})
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(child, "refund A")
+        with pytest.raises(tether.DelegationError, match="reply lost"):
+            await handle.result()
+        report = await settled(sup, handle.id)
+    (action,) = report.actions
+    assert (action.tool, action.state) == (name, A.COMPLETED), report
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    assert shop.keys == [action.idempotency_key] and shop.pay.refund_count("A") == 1
+
+
+async def test_pydantic_ai_a_dynamic_toolsets_undeclared_tool_is_external_and_fenced(
+        sqlite_url: str) -> None:
+    gate = asyncio.Event()
+    shop = Shop(gate=gate)
+    agent: PaiAgent[None, str] = PaiAgent(scripted(refund_call("A"), refund_call("B"),
+                                                   ModelResponse(parts=[TextPart("done")])),
+                                          name="a")
+
+    @agent.toolset
+    def tools(ctx: RunContext[None]) -> FunctionToolset[None]:
+        return shop_tools(shop)
+
+    async with tether.Supervisor(sqlite_url) as sup:
+        waiter = events_of(sup)
+        handle = await sup.delegate(as_tether_agent(agent), "refund A then B")
+        await shop.started.wait()
+        recall = asyncio.ensure_future(handle.recall(grace=30))
+        await waiter("drain", handle.id).wait()
+        gate.set()  # A finishes inside the grace window
+        report = await recall
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert [(a.tool, a.effect, a.state) for a in report.actions] == [
+        ("refund", tether.Effect.EXTERNAL, A.COMPLETED)]
+    assert shop.pay.refund_count("B") == 0  # the recall fenced the next call
+
+
+async def test_pydantic_ai_a_queued_structured_output_is_rebuilt_from_the_journal(
+        sqlite_url: str) -> None:
+    """The worker records the JSON; the handle ``delegate`` gave rebuilds the model from it, a
+    handle known only by id (which does not know the agent) gives the JSON."""
+    shop = Shop()
+    at = "2026-01-02T03:04:05Z"
+    child = as_tether_agent(refunding(shop, refund_call("A"),
+                                      receipt_call(order_id="A", cents=500, at=at),
+                                      output_type=Receipt))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(child, "refund A", remote=True)
+        async with tether.Worker(sqlite_url, [child], poll=0.01) as worker:
+            running = asyncio.ensure_future(worker.run())
+            result = await handle.result()
+            by_id = await sup.handle_for(handle.id).result()
+            worker.stop()
+            await running
+    assert isinstance(result, Receipt) and result.at.year == 2026
+    assert by_id == result.model_dump(mode="json")
+

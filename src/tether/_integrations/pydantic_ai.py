@@ -2,7 +2,11 @@
 
 The run's assembled toolset (the agent's own tools included) is wrapped, through a
 capability's ``get_wrapper_toolset``, in a ``WrapperToolset`` whose ``call_tool`` passes
-tether's gateway with the effect the operator declares (EXTERNAL when not declared). A tool
+tether's gateway with the effect the operator declares (EXTERNAL when not declared), under the
+name the model calls: a prefixed or renamed toolset's tools are keyed, declared and journaled
+by their visible names, and a dynamic toolset's (``@agent.toolset``), known only once the run
+builds them, likewise (its surface then admits any tool: not retry-safe once a tool ran). A
+structured output is stored as its JSON and rebuilt with the output type (outputs.py). A tool
 that asks the model to retry (``ModelRetry``), defers or awaits approval did not apply: FAILED.
 A tool listed in ``delegates`` runs a sub-agent with ``delegate(sub_agent, prompt)``: a nested
 delegation with its own keys and fence, itself not journaled as an action. The run's own
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic_ai import Agent as PaiAgent
+from pydantic_ai._output import types_from_output_spec
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.exceptions import (
     ApprovalRequired,
@@ -32,7 +37,15 @@ from pydantic_ai.exceptions import (
 )
 from pydantic_ai.messages import ModelResponse, TextPart, ToolReturnPart
 from pydantic_ai.tools import RunContext
-from pydantic_ai.toolsets import AbstractToolset, FunctionToolset, WrapperToolset
+from pydantic_ai.toolsets import (
+    AbstractToolset,
+    CombinedToolset,
+    DynamicToolset,
+    FunctionToolset,
+    PrefixedToolset,
+    RenamedToolset,
+    WrapperToolset,
+)
 from pydantic_ai.toolsets.abstract import ToolsetTool
 from pydantic_ai.toolsets.function import FunctionToolsetTool
 from pydantic_core import to_jsonable_python
@@ -40,10 +53,11 @@ from pydantic_core import to_jsonable_python
 from tether._core.errors import ControlSignal, ToolRejected, UserError
 from tether._core.model import Effect
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
-from tether._core.redispatch import CeilingReached, Partial, StreamCut
+from tether._core.redispatch import UNRESTRICTED, CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
+from tether._integrations.outputs import output_codec
 from tether._runtime.gateway import Context
-from tether._runtime.tools import Agent, ProbeFn, Tool
+from tether._runtime.tools import Agent, OutputCodec, ProbeFn, Tool
 
 EventFn = Callable[[Any], Any]
 _Call = tuple[AbstractToolset[Any], str, dict[str, Any], RunContext[Any], ToolsetTool[Any]]
@@ -89,6 +103,7 @@ class _Binding:
     tools: Mapping[str, Tool]
     delegates: frozenset[str]
     nested: Mapping[int, Agent]  # pydantic-ai agent id -> its tether agent
+    dynamic: Callable[[str], Tool] | None  # the tool for a name a dynamic toolset shows
 
 
 class _NotApplied(ToolRejected):
@@ -110,6 +125,8 @@ class TetherToolset(WrapperToolset[Any]):
         if binding is None or name in binding.delegates:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         found = binding.tools.get(name)
+        if found is None and binding.dynamic is not None:
+            found = binding.dynamic(name)
         if found is None:
             raise UserError(f"tool {name} is not in this agent's surface")
         token = _CALL.set((self.wrapped, name, tool_args, ctx, tool))
@@ -119,6 +136,19 @@ class TetherToolset(WrapperToolset[Any]):
             raise exc.original from None
         finally:
             _CALL.reset(token)
+
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        listed = await self.wrapped.get_tools(ctx)
+        binding = _BINDING.get()
+        if binding is not None and binding.dynamic is None:
+            # A toolset that renames in a way tether did not foresee: refused before the
+            # model can call it, not when it does.
+            unknown = sorted(set(listed) - set(binding.tools) - binding.delegates)
+            if unknown:
+                raise UserError(f"tool {', '.join(unknown)} is offered to the model under a "
+                                "name tether did not plan (a toolset that renames tools?)")
+        return listed
 
 
 @dataclass(init=False)
@@ -175,22 +205,51 @@ def _is_async(tool: ToolsetTool[Any]) -> bool:
         tool = source
 
 
-def _function_tools(agent: PaiAgent[Any, Any]) -> list[str]:
-    names: list[str] = []
+def _visible(toolset: AbstractToolset[Any], refused: list[str]) -> tuple[set[str], bool]:
+    """The tool names the model sees from ``toolset`` (those its calls carry), and whether a
+    dynamic toolset adds names known only once the run builds it. A wrapper that filters or
+    prepares tools keeps their names (pydantic-ai refuses a prepare that renames); one of
+    another kind that renames is caught when the run lists its tools (TetherToolset)."""
+    if isinstance(toolset, FunctionToolset):
+        return set(toolset.tools), False
+    if isinstance(toolset, DynamicToolset):
+        return set(), True
+    if isinstance(toolset, CombinedToolset):
+        names: set[str] = set()
+        dynamic = False
+        for inner in toolset.toolsets:
+            more, more_dynamic = _visible(inner, refused)
+            names |= more
+            dynamic = dynamic or more_dynamic
+        return names, dynamic
+    if isinstance(toolset, WrapperToolset):
+        names, dynamic = _visible(toolset.wrapped, refused)
+        if isinstance(toolset, PrefixedToolset):
+            names = {f"{toolset.prefix}_{n}" for n in names}
+        elif isinstance(toolset, RenamedToolset):
+            shown = {old: new for new, old in toolset.name_map.items()}
+            names = {shown.get(n, n) for n in names}
+        return names, dynamic
+    kind = type(toolset).__name__
+    refused.append(toolset.label if toolset.label == kind else f"{toolset.label} ({kind})")
+    return set(), False
+
+
+def _function_tools(agent: PaiAgent[Any, Any]) -> tuple[list[str], bool]:
+    names: set[str] = set()
+    dynamic = False
     refused: list[str] = []
-
-    def visit(toolset: AbstractToolset[Any]) -> None:
-        if isinstance(toolset, FunctionToolset):
-            names.extend(toolset.tools)
-        else:
-            refused.append(toolset.label)
-
     for toolset in agent.toolsets:
-        toolset.apply(visit)
+        more, more_dynamic = _visible(toolset, refused)
+        names |= more
+        dynamic = dynamic or more_dynamic
     if refused:
-        raise UserError(f"agent {agent.name}: tether cannot mediate toolset "
-                        f"{', '.join(refused)} here; use tether.mcp for MCP servers")
-    return names
+        raise UserError(
+            f"agent {agent.name}: tether cannot mediate toolset {', '.join(refused)}: it "
+            "mediates function tools (@agent.tool, FunctionToolset, prefixed, renamed, "
+            "filtered or prepared) and @agent.toolset dynamic toolsets; MCP servers go "
+            "through tether.mcp")
+    return sorted(names), dynamic
 
 
 def _signal(exc: BaseException) -> BaseException:
@@ -226,26 +285,37 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
         if not isinstance(effect, Effect) or effect is Effect.DELEGATE:
             raise UserError(f"effect of {tool_name!r} must be a tether.Effect other than DELEGATE")
     made: dict[int, Agent] = {}
-    seen: set[str] = set()
     tools: dict[str, Tool] = {}
+    subs = dict(delegates or {})
+    planned = {id(pai): _function_tools(pai) for pai in (agent, *subs.values())}
+    static = {n for names, _ in planned.values() for n in names} - set(subs)
+    # Names declared but not among the static tools can only be tools a dynamic toolset
+    # builds during the run: they cannot be checked before it, so only then are they kept.
+    later = sorted((set(effects) | set(probes) | set(deadlines)) - static)
+    if later and not any(dynamic for _, dynamic in planned.values()):
+        raise UserError(f"agent {name or agent.name or 'agent'} has no tool named "
+                        f"{', '.join(later)}")
+
+    def make(n: str) -> Tool:
+        return tools.setdefault(n, Tool(
+            n, effects.get(n, Effect.EXTERNAL), _gateway_fn(n), probe=probes.get(n),
+            dispatch_deadline=deadlines.get(n, DEFAULT_DISPATCH_DEADLINE)))
 
     def plan(pai: PaiAgent[Any, Any], subs: Mapping[str, PaiAgent[Any, Any]],
              label: str) -> Agent:
         if id(pai) in made:
             return made[id(pai)]
-        names = _function_tools(pai)
+        names, dynamic = planned.get(id(pai)) or _function_tools(pai)
         missing = sorted(set(subs) - set(names))
         if missing:
             raise UserError(f"agent {label} has no tool named {', '.join(missing)}")
         nested = {id(sub): plan(sub, {}, sub.name or "sub_agent") for sub in subs.values()}
-        for n in names:
-            if n not in subs:
-                seen.add(n)
-                tools.setdefault(n, Tool(
-                    n, effects.get(n, Effect.EXTERNAL), _gateway_fn(n), probe=probes.get(n),
-                    dispatch_deadline=deadlines.get(n, DEFAULT_DISPATCH_DEADLINE)))
-        own = {n: tools[n] for n in names if n not in subs}
-        binding_of = (own, frozenset(subs), nested)
+        own = {n: make(n) for n in (*names, *(later if dynamic else ())) if n not in subs}
+        # A dynamic toolset's tools are known only as the run builds them: the surface admits
+        # any tool (so it is never retry-safe once a tool ran; the journal still proves when
+        # none did) and each one passes the gateway under the name the model calls.
+        binding_of = (own, frozenset(subs), nested, make if dynamic else None)
+        grants: tuple[str, ...] = (UNRESTRICTED,) if dynamic else ()
 
         async def run(ctx: Context, prompt: Any) -> Any:
             token = _BINDING.set(_Binding(ctx, *binding_of))
@@ -274,14 +344,18 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
             finally:
                 _BINDING.reset(token)
 
-        made[id(pai)] = Agent(label, run, (*own.values(), *nested.values()))
+        made[id(pai)] = Agent(label, run, (*own.values(), *nested.values(), *grants),
+                              output=_output(pai))
         return made[id(pai)]
 
-    root = plan(agent, dict(delegates or {}), name or agent.name or "agent")
-    unknown = sorted((set(effects) | set(probes) | set(deadlines)) - seen)
-    if unknown:
-        raise UserError(f"agent {root.name} has no tool named {', '.join(unknown)}")
-    return root
+    return plan(agent, subs, name or agent.name or "agent")
+
+
+def _output(agent: PaiAgent[Any, Any]) -> OutputCodec | None:
+    """How the run's output is stored: the types pydantic-ai itself reads from the agent's
+    output spec (its ``output_json_schema`` uses the same function; private, within the
+    pydantic-ai range pinned in pyproject.toml)."""
+    return output_codec(types_from_output_spec(agent.output_type))
 
 
 __all__ = ["TetherToolset", "as_tether_agent", "cut_reason", "delegate", "idempotency_key"]
