@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +32,13 @@ import tether.langgraph
 import tether.openai_agents
 import tether.pydantic_ai
 from tether.conformance import (
+    Answer,
     Cut,
     Handoff,
     Harness,
     Nested,
     Refund,
+    RefundReceipt,
     Say,
     Shop,
     Step,
@@ -51,6 +54,7 @@ class AgentsSdk:
     name = "openai-agents"
     nesting = True
     handoffs = True
+    structured = True
 
     def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
               unmediated: bool = False) -> tether.Agent:
@@ -66,6 +70,7 @@ class AgentsSdk:
             script: list[Any] = []
             tools: list[Any] = [refund, *extra]
             handoffs: list[Any] = []
+            output: Any = None
             for step in steps:
                 call_id = f"c{next(ids)}"
                 if isinstance(step, Refund):
@@ -85,8 +90,12 @@ class AgentsSdk:
                     handoffs.append(helper)
                     script.append([function_call(f"transfer_to_{helper.name}", {},
                                                  call_id=call_id)])
+                elif isinstance(step, Answer):  # a dataclass: the SDK wraps it in "response"
+                    output = RefundReceipt
+                    script.append([assistant_message(json.dumps(
+                        {"response": {"order_id": step.order, "cents": 500}}))])
             return SdkAgent(name=name, tools=tools, handoffs=handoffs,
-                            model=ScriptedModel(script))
+                            model=ScriptedModel(script), output_type=output)
 
         return tether.openai_agents.as_tether_agent(
             build("main", steps), probes={"refund": shop.pay.lookup},
@@ -168,21 +177,23 @@ class PydanticAi:
     name = "pydantic-ai"
     nesting = True
     handoffs = False
+    structured = True
 
     def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
               unmediated: bool = False) -> tether.Agent:
         if unmediated:  # pydantic-ai's hosted tools are toolsets tether refuses
             raise tether.UserError("no unmediated tool in a pydantic-ai agent")
         ids = itertools.count()
-        subs: dict[str, PaiAgent[None, str]] = {}
+        subs: dict[str, PaiAgent[None, Any]] = {}
 
         async def refund(order_id: str, cents: int) -> str:
             """Refund an order."""
             return await shop.refund(order_id, cents, tether.pydantic_ai.idempotency_key())
 
-        def build(name: str, steps: Sequence[Step]) -> PaiAgent[None, str]:
+        def build(name: str, steps: Sequence[Step]) -> PaiAgent[None, Any]:
             responses: list[ModelResponse | BaseException] = []
             tools: list[Any] = [refund]
+            output: Any = str
             for step in steps:
                 call_id = f"c{next(ids)}"
                 if isinstance(step, Refund):
@@ -197,6 +208,10 @@ class PydanticAi:
                     tools.append(delegating(subs["sub_agent"]))
                     responses.append(ModelResponse(parts=[ToolCallPart(
                         "sub_agent", {"prompt": "go"}, call_id)]))
+                elif isinstance(step, Answer):
+                    output = RefundReceipt
+                    responses.append(ModelResponse(parts=[ToolCallPart(
+                        "final_result", {"order_id": step.order, "cents": 500}, call_id)]))
 
             def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
                 step = responses.pop(0)
@@ -204,7 +219,7 @@ class PydanticAi:
                     raise step
                 return step
 
-            return PaiAgent(FunctionModel(respond), name=name, tools=tools)
+            return PaiAgent(FunctionModel(respond), name=name, tools=tools, output_type=output)
 
         main = build("main", steps)
         return tether.pydantic_ai.as_tether_agent(

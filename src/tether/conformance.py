@@ -8,7 +8,8 @@ kit then runs the same scenarios against it and judges each by the journal and t
     for name in scenarios(harness):
         await run_scenario(name, harness, "sqlite:///journal.db")
 
-Scenarios a framework cannot express (nesting, handoffs) are listed by the harness's flags.
+Scenarios a framework cannot express (nesting, handoffs, structured output) are listed by the
+harness's flags (``structured`` may be left out: False).
 """
 
 from __future__ import annotations
@@ -63,7 +64,23 @@ class Handoff:
     steps: tuple[Step, ...]
 
 
-Step = Refund | Say | Cut | Nested | Handoff
+@dataclass(frozen=True)
+class Answer:
+    """A model turn that ends the run with the structured output ``RefundReceipt(order, 500)``
+    (the agent declares ``RefundReceipt`` as its output type)."""
+
+    order: str
+
+
+@dataclass(frozen=True)
+class RefundReceipt:
+    """The structured output of ``Answer``: a dataclass, which pydantic validates."""
+
+    order_id: str
+    cents: int
+
+
+Step = Refund | Say | Cut | Nested | Handoff | Answer
 
 
 @dataclass(eq=False)
@@ -98,6 +115,7 @@ class Harness(Protocol):
     name: str
     nesting: bool  # the framework has sub-agents called as tools
     handoffs: bool  # the framework hands a conversation to another agent
+    # (optional) structured: the framework's agents declare an output type (Answer steps)
 
     def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
               unmediated: bool = False) -> Agent | Awaitable[Agent]:
@@ -322,6 +340,20 @@ async def keys_unique_across_nesting(h: Harness, url: str) -> None:
     assert shop.pay.refund_count("A") == 2  # two refunds asked for, two distinct keys
 
 
+async def structured_output(h: Harness, url: str) -> None:
+    """A declared output type comes back as itself, rebuilt from the JSON the journal keeps."""
+    shop = Shop()
+    agent = await _make(h, shop, [Refund("A"), Answer("A")])
+    async with Supervisor(url) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+        report = await handle.report()
+    assert result == RefundReceipt("A", 500) and type(result) is RefundReceipt, result
+    assert row.result == {"order_id": "A", "cents": 500}, row.result
+    assert refunds(report) == [("A", ActionState.COMPLETED)]
+
+
 Scenario = Callable[[Harness, str], Awaitable[None]]
 BASIC: dict[str, Scenario] = {
     "through_the_gateway": through_the_gateway,
@@ -339,6 +371,7 @@ NESTING: dict[str, Scenario] = {
     "keys_unique_across_nesting": keys_unique_across_nesting,
 }
 HANDOFFS: dict[str, Scenario] = {"handoff_mediated": handoff_mediated}
+STRUCTURED: dict[str, Scenario] = {"structured_output": structured_output}
 
 
 def scenarios(harness: Harness) -> list[str]:
@@ -348,12 +381,14 @@ def scenarios(harness: Harness) -> list[str]:
         names += list(NESTING)
     if harness.handoffs:
         names += list(HANDOFFS)
+    if getattr(harness, "structured", False):
+        names += list(STRUCTURED)
     return names
 
 
 async def run_scenario(name: str, harness: Harness, journal_url: str) -> None:
     """Run one scenario; an AssertionError says what the adapter got wrong."""
-    scenario = {**BASIC, **NESTING, **HANDOFFS}[name]
+    scenario = {**BASIC, **NESTING, **HANDOFFS, **STRUCTURED}[name]
     try:
         await scenario(harness, journal_url)
     finally:
@@ -362,5 +397,5 @@ async def run_scenario(name: str, harness: Harness, journal_url: str) -> None:
             await aclose()
 
 
-__all__ = ["Cut", "Handoff", "Harness", "Nested", "Refund", "Say", "Shop", "Step",
-           "run_scenario", "scenarios"]
+__all__ = ["Answer", "Cut", "Handoff", "Harness", "Nested", "Refund", "RefundReceipt", "Say",
+           "Shop", "Step", "run_scenario", "scenarios"]
