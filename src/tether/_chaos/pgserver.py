@@ -51,9 +51,13 @@ def free_port() -> int:
 
 
 class PrivateServer:
-    """``with PrivateServer() as pg: pg.url ...; pg.restart("immediate")``."""
+    """``with PrivateServer() as pg: pg.url ...; pg.restart("immediate")``.
 
-    def __init__(self) -> None:
+    ``fsync`` is the server's default (on): a restart then writes its checkpoint, or replays
+    its log, to disk, as a production server does; ``fsync=False`` is for speed only."""
+
+    def __init__(self, *, fsync: bool = True) -> None:
+        self.fsync = fsync
         self.bin = bindir()
         self.root = Path(tempfile.mkdtemp(prefix="tether-pg-"))
         self.data = self.root / "data"
@@ -82,10 +86,9 @@ class PrivateServer:
 
     def up(self) -> None:
         """Start the server (after ``start`` created it, or after ``down``)."""
-        # No fsync: a restart, even an immediate one, crashes the server, never the OS; what
-        # it wrote is in the OS's cache and survives. Sockets in its own directory.
+        # Sockets in its own directory; fsync as asked (the default: the server's own, on).
         options = (f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 "
-                   "-c fsync=off -c max_connections=200")
+                   f"-c max_connections=200{'' if self.fsync else ' -c fsync=off'}")
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
                   "-o", options, "-w", "-t", str(START_WAIT), "start")
 
