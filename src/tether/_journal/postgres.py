@@ -35,7 +35,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
-from tether._journal.runner import BACKOFF_FIRST, BACKOFF_MAX, Retry, ThreadRunner
+from tether._journal.runner import BACKOFF_FIRST, Retry, ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
 T = TypeVar("T")
@@ -321,22 +321,32 @@ class PostgresRunner(ThreadRunner):
             pool = self._pool
         deadline = time.monotonic() + self.reconnect_within
         delay = BACKOFF_FIRST
+        # Once a connection was lost, the read runs on one of its own: the pool reconnects in
+        # the background with steps of 1, 2, 4 s..., which would outlast a worker's lease.
+        direct = False
         while True:  # a read is safe to run again on another connection
             conn: psycopg.Connection[Any] | None = None
             left = deadline - time.monotonic()
             try:
+                if direct:
+                    with psycopg.connect(self.conninfo, autocommit=True,
+                                         connect_timeout=CONNECT_TIMEOUT) as conn:
+                        self._configure(conn)
+                        return fn(PgDb(conn, self.channel))
                 with pool.connection(timeout=max(0.1, min(10.0, left))) as conn:
                     return fn(PgDb(conn, self.channel))
             except PoolTimeout as exc:
                 if time.monotonic() >= deadline or self._closing.is_set():
                     raise JournalError(
                         f"no connection to the journal at {self.shown}: {exc}") from None
+                direct = True
             except psycopg.Error as exc:
                 if (conn is not None and not self.is_lost(conn, exc)) or \
                         time.monotonic() >= deadline or self._closing.is_set():
                     raise self.map_error(exc) from None
+                direct = True
                 self._closing.wait(min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, BACKOFF_MAX)
+                delay = min(delay * 2, self.backoff_cap())
 
     # -- notifications ----------------------------------------------------------------------
     def listen(self, callback: Callable[[str], None]) -> None:
@@ -363,7 +373,7 @@ class PostgresRunner(ThreadRunner):
                         callback(note.payload)
             again = True
             self._closing.wait(delay)  # lost: try again, with bounded backoff
-            delay = min(delay * 2, BACKOFF_MAX)
+            delay = min(delay * 2, self.backoff_cap())
 
     def map_error(self, exc: Exception) -> Exception:
         if isinstance(exc, errors.DeadlockDetected | errors.SerializationFailure):

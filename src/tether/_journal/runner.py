@@ -173,6 +173,12 @@ class ThreadRunner:
         """Seconds a batch may be on the wire before the watchdog cuts its connection."""
         return max(2.0, self.reconnect_within)
 
+    def backoff_cap(self) -> float:
+        """The longest wait between reconnection attempts: short next to the window, so that a
+        server back with a moment of it left is found in time (a worker's window is its
+        lease, and a second's step would use up a third of a 3 s one)."""
+        return max(BACKOFF_FIRST, min(BACKOFF_MAX, self.reconnect_within / 20))
+
     # -- the thread -----------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -377,7 +383,7 @@ class ThreadRunner:
                 if left <= 0:
                     return False
                 self._closing.wait(min(delay, left))
-                delay = min(delay * 2, BACKOFF_MAX)
+                delay = min(delay * 2, self.backoff_cap())
         return False
 
     def _read_back(self, deadline: float) -> bool | None:
