@@ -544,13 +544,23 @@ class Journal:
 
     # -- workers ------------------------------------------------------------------------------
     async def renew_lease(self, owner_id: str, now: float | Callable[[], float],
-                          lease: float) -> bool:
+                          lease: float, *, until: float | None = None,
+                          on_server: bool = False) -> bool:
         """``now`` may be a clock, read when the renewal runs: one that waited for the
-        journal to come back is judged at that time, never at the time it was asked."""
-        if not callable(now):
-            return await self._write(queue.renew_lease, owner_id, now, lease)
-        read = now
-        return await self._write(lambda db: queue.renew_lease(db, owner_id, read(), lease))
+        journal to come back is judged at that time, never at the time it was asked.
+        ``until``: a ``time.monotonic()`` after which the renewal, run late, writes nothing
+        and answers False (its worker has given the lease up by then). ``on_server``: judged
+        and written on the database server's clock where there is one, as everyone else
+        judges a lease (``remote.judge_alive``), so a worker whose clock lags cannot renew
+        a lease that ran out there."""
+        def renew(db: Any) -> bool:
+            if until is not None and time.monotonic() >= until:
+                return False
+            at = now() if callable(now) else now
+            server = queue.server_time(db) if on_server else None
+            return queue.renew_lease(db, owner_id, at if server is None else server, lease)
+
+        return await self._write(renew)
 
     async def claim(self, owner_id: str, agents: tuple[str, ...], now: float,
                     limit: int) -> list[DelegationRow]:

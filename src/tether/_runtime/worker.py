@@ -8,9 +8,11 @@ PostgreSQL, polling everywhere). If it cannot renew its lease in time it stops a
 journal already refuses its actions, and whoever reconciles its delegations owns them now.
 
 A lost connection to the journal (a database restart or failover) is ridden through: the
-journal reconnects for up to one lease, and a renewal that gets through before the lease ran
-out keeps every claim. One that does not (the database stayed away, or paused, for longer)
-gives them up: the worker stops its children at once, writes nothing and exits (LeaseLost).
+journal reconnects for up to one lease, the renewal is tried again until the lease the worker
+knows it holds runs out, and one that gets through before then keeps every claim. One that
+does not (the database stayed away, or paused, for longer) gives them up: the worker stops
+its children at once, writes nothing and exits (LeaseLost). A lease is judged on the
+database server's clock, by the renewal as by everyone else.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import importlib
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,8 +41,9 @@ from tether._core.redispatch import RedispatchPolicy
 from tether._core.trust import check_work
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
+from tether._journal.runner import BACKOFF_FIRST
 from tether._runtime.clock import Clock
-from tether._runtime.clockcheck import check_clock
+from tether._runtime.clockcheck import check_clock, is_virtual
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import logger
@@ -249,35 +253,59 @@ class Worker:
             self._stopping.set()
 
     async def _keep_lease(self) -> None:
-        sup = self.supervisor
-        loop = asyncio.get_running_loop()
         while True:
             # Real time: a lease is about this process being alive, not about any clock.
             await asyncio.sleep(self.lease / 3)
+            await self._renew()
+            await self._check_clock(renewing=True)
+
+    async def _renew(self) -> None:
+        """Renew before the lease this worker knows it holds runs out (``_lease_ends``, on
+        its own monotonic clock, counted from before the renewal that last got through), or
+        give it up. A journal that cannot be reached is tried again until then: a server
+        away for less than that (a restart) costs no claim, and none is kept past it."""
+        sup = self.supervisor
+        loop = asyncio.get_running_loop()
+        delay, failed = BACKOFF_FIRST, ""
+        while True:
             started, now = loop.time(), sup.clock.wall()
-            # Judged when it runs (after a reconnection, say), not when it was asked for.
-            renewal = asyncio.ensure_future(
-                sup.journal.renew_lease(sup.owner_id, sup.clock.wall, self.lease))
+            left = self._lease_ends - started
+            if left <= 0:
+                sup.abandon()
+                raise LeaseLost(sup.owner_id, f"could not renew its lease in time ({failed})")
+            # Judged when it runs (after a reconnection, say), not when it was asked for;
+            # run after the lease ended, it writes nothing.
+            renewal = asyncio.ensure_future(sup.journal.renew_lease(
+                sup.owner_id, sup.clock.wall, self.lease, until=time.monotonic() + left,
+                on_server=not is_virtual(sup.clock)))
             renewal.add_done_callback(_retrieved)  # also when this loop is cancelled first
             try:
-                ok = await asyncio.wait_for(asyncio.shield(renewal),
-                                            max(0.0, self._lease_ends - started))
+                ok = await asyncio.wait_for(asyncio.shield(renewal), left)
             except TimeoutError:  # the journal did not answer within the lease: give up
                 sup.abandon()
                 raise LeaseLost(sup.owner_id, "the journal did not answer within its lease "
                                 f"({self.lease:g} s)") from None
-            except JournalError as exc:  # cannot tell whether the lease holds: stop
-                sup.abandon()
-                raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
-            if not ok or loop.time() - started > self.lease:
+            except JournalError as exc:
+                if isinstance(exc, LeaseLost | ClockSkew) or sup.journal.reconnect_within <= 0:
+                    sup.abandon()  # cannot tell whether the lease holds: stop
+                    raise LeaseLost(sup.owner_id, f"cannot renew its lease ({exc})") from None
+                # Unreachable (a restart): tried again while the lease lasts.
+                failed = str(exc)
+                log.warning("renewing the lease failed, trying again: %s", exc,
+                            extra={"owner": sup.owner_id})
+                await asyncio.sleep(min(delay, max(0.0, self._lease_ends - loop.time())))
+                delay = min(delay * 2, max(BACKOFF_FIRST, self.lease / 20))
+                continue
+            # Answered after the lease ended: others may have judged it run out meanwhile.
+            if not ok or loop.time() >= self._lease_ends:
                 sup.abandon()
                 log.error("lease lost", extra={"owner": sup.owner_id})
                 raise LeaseLost(sup.owner_id)
             sup.lease_until = now + self.lease
             self._lease_ends = started + self.lease
-            await self._check_clock()
+            return
 
-    async def _check_clock(self) -> None:
+    async def _check_clock(self, *, renewing: bool = False) -> None:
         """Leases are written on this host's clock and judged on the database server's, and
         so are dispatch deadlines (``clockcheck``): a worker whose clock is off by a quarter of
         its lease, or half the policy's clock tolerance, stops rather than risk acting after
@@ -291,6 +319,11 @@ class Worker:
             sup.abandon()
             raise LeaseLost(sup.owner_id, _skewed(exc)) from None
         except JournalError as exc:
+            if renewing and sup.journal.reconnect_within > 0:
+                # Just renewed, then unreachable again: nothing learnt, the lease decides.
+                log.warning("cannot read the journal's clock: %s", exc,
+                            extra={"owner": sup.owner_id})
+                return
             sup.abandon()
             raise LeaseLost(sup.owner_id, f"cannot read the journal's clock ({exc})") from None
 

@@ -1,0 +1,209 @@
+"""A worker rides through its PostgreSQL server being away for less than the lease it holds
+(fsync on, the server's default): it reconnects, renews, and keeps every claim; the child it
+runs finishes there, once. Away for longer, it stops, and never before its lease ran out. A
+renewal that fails for want of the journal is tried again while the lease lasts; one run
+after it ended writes nothing; a lease run out on the server's clock is never renewed,
+whatever the worker's clock says. Writes and pooled reads find a server that is back within a
+small step of the reconnection window (a worker's is its lease), not a second or more later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import tether
+from tests import remote_agents
+from tests.test_clocks import SkewedClock
+from tether._chaos.pgserver import PrivateServer
+from tether._core.errors import JournalError, LeaseLost
+from tether._journal.journal import Journal
+from tether._journal.rows import OwnerRow
+from tether._runtime.worker import Worker
+
+WITHIN = 60.0  # seconds: a test that has not ended by then hangs, and fails
+LEASE = 3.0
+
+
+@pytest.fixture
+def gates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    directory = tmp_path / "gates"
+    remote_agents.make_gates(directory, "started", "release")
+    monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "ledger.db"))
+    monkeypatch.setenv("TETHER_TEST_GATES", str(directory))
+    remote_agents.ledger.cache_clear()
+    yield None
+    remote_agents.ledger.cache_clear()
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while not check():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def just_renewed(worker: Worker, run: asyncio.Future[None]) -> float:
+    """Wait for the worker's next renewal; the loop time by which its lease now surely ends."""
+    before = worker._lease_ends
+    await until(lambda: worker._lease_ends != before or run.done(), "a renewal")
+    assert not run.done(), run.exception()
+    return worker._lease_ends
+
+
+async def away(pg: PrivateServer, mode: str, seconds: float) -> float:
+    """The server stopped (``fast``: a checkpoint first; ``immediate``: it crashes and
+    replays its log when started) for ``seconds``, then started again; the loop time at
+    which it is back."""
+    await asyncio.to_thread(pg.down, mode)
+    try:
+        await asyncio.sleep(seconds)  # the outage itself, not a wait for something
+    finally:
+        await asyncio.to_thread(pg.up)
+    return asyncio.get_running_loop().time()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+async def test_a_worker_keeps_its_claims_while_the_server_is_away_for_less_than_its_lease(
+        private_pg: PrivateServer, private_url: str, gates: None, mode: str) -> None:
+    """Down for half the lease right after a renewal, and then some (stopping, starting, the
+    backoff that finds it back): the worker renews before its lease runs out, keeps the
+    delegation it holds and finishes it, paying once."""
+    assert private_pg.fsync
+    async with tether.Supervisor(private_url, tools=remote_agents.TOOLS, recover=False) as sup, \
+            Worker(private_url, remote_agents.AGENTS, lease=LEASE) as worker:
+        run = asyncio.ensure_future(worker.run())
+        started = await remote_agents.listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "reply-1", remote=True)
+        assert await asyncio.wait_for(started, WITHIN) == "applied reply-1"
+        await just_renewed(worker, run)
+        await away(private_pg, mode, LEASE / 2)
+        await just_renewed(worker, run)  # renewed after the outage, the lease still held
+        assert not run.done(), run
+        remote_agents.open_gate("release")
+        assert len(await asyncio.wait_for(handle.result(), WITHIN)) == 1
+        row = await sup.journal.get(handle.id)
+        assert row.owner_id == worker.owner_id
+        worker.stop()
+        await asyncio.wait_for(run, WITHIN)
+    assert remote_agents.ledger().refund_count("reply-1") == 1
+
+
+async def test_a_worker_whose_server_stays_away_stops_only_once_its_lease_ran_out(
+        private_pg: PrivateServer, private_url: str, gates: None) -> None:
+    """Down for twice the lease: the worker keeps trying until the lease it knows it holds
+    runs out, then stops (LeaseLost), without waiting for the server to come back."""
+    async with Worker(private_url, remote_agents.AGENTS, lease=LEASE) as worker:
+        run = asyncio.ensure_future(worker.run())
+        ends = await just_renewed(worker, run)
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(private_pg.down, "immediate")
+        try:
+            with pytest.raises(LeaseLost):
+                await asyncio.wait_for(run, WITHIN)
+            stopped = loop.time()
+        finally:
+            await asyncio.to_thread(private_pg.up)
+        assert ends <= stopped <= ends + LEASE, (ends, stopped)
+        assert worker.supervisor.abandoned
+
+
+async def test_a_lease_run_out_on_the_servers_clock_is_never_renewed(
+        private_url: str, gates: None) -> None:
+    """A worker's clock may lag the server's (here 2.5 s, within a quarter of its 12 s lease
+    and half the policy's clock tolerance): its renewal is judged on the server's clock, as
+    everyone else judges the lease, so one that ran out there (1.2 s before the renewal)
+    stays out, though the worker's clock says it still held."""
+    lease = 12.0
+    async with Worker(private_url, remote_agents.AGENTS, lease=lease,
+                      clock=SkewedClock(-2.5),
+                      policy=tether.Policy(clock_tolerance=20.0)) as worker:
+        journal, owner = worker.supervisor.journal, worker.owner_id
+        server = await journal.server_time()
+        assert server is not None
+        # The lease now ends on the server 1.2 s before the first renewal (a third of it).
+        assert await journal.renew_lease(owner, server + lease / 3 - 1.2, 0.0)
+        with pytest.raises(LeaseLost):
+            await asyncio.wait_for(worker.run(), lease / 3 + 3.0)
+        assert worker.supervisor.abandoned
+
+
+async def test_a_renewal_that_fails_for_want_of_the_journal_is_tried_again_while_the_lease_lasts(
+        private_url: str, gates: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with Worker(private_url, remote_agents.AGENTS, lease=LEASE) as worker:
+        journal = worker.supervisor.journal
+        real = journal.renew_lease
+        failures: list[int] = []
+
+        async def unreachable_once(*args: object, **kw: object) -> bool:
+            if not failures:
+                failures.append(1)
+                raise JournalError("lost the journal and could not reconnect within 3 s")
+            return await real(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(journal, "renew_lease", unreachable_once)
+        run = asyncio.ensure_future(worker.run())
+        await just_renewed(worker, run)
+        assert failures == [1]
+        assert not worker.supervisor.abandoned
+        worker.stop()
+        await asyncio.wait_for(run, WITHIN)
+
+
+async def test_a_renewal_run_after_its_lease_ended_writes_nothing(
+        private_url: str, gates: None) -> None:
+    async with Worker(private_url, remote_agents.AGENTS, lease=LEASE) as worker:
+        journal, owner = worker.supervisor.journal, worker.owner_id
+        before, _ = await journal.liveness(owner)
+        assert not await journal.renew_lease(owner, time.time(), 60.0,
+                                             until=time.monotonic() - 0.001)
+        after, _ = await journal.liveness(owner)
+        assert before is not None and after is not None
+        assert after.lease_until == before.lease_until
+
+
+async def test_a_write_finds_the_server_back_within_a_small_step(
+        private_pg: PrivateServer, private_url: str) -> None:
+    """Window 3 s (a worker's, for a 3 s lease), the server away for 1.7 s: the write that
+    waited commits soon after it is back (steps of at most 0.15 s; 1 s steps found it 0.5 to
+    0.8 s late, a quarter of the lease)."""
+    async with Journal(private_url) as journal:
+        await journal.flush()
+        journal.reconnect_within = LEASE
+        await asyncio.to_thread(private_pg.down, "immediate")
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.ensure_future(journal.register_owner(
+            OwnerRow("o-back", 1, "h", 1.0, 1.0)))
+        try:
+            await asyncio.sleep(1.7)  # the outage itself
+            assert not waiting.done()
+        finally:
+            await asyncio.to_thread(private_pg.up)
+        back = loop.time()
+        await asyncio.wait_for(waiting, WITHIN)
+        assert loop.time() - back < 0.45, loop.time() - back
+
+
+async def test_a_pooled_read_finds_the_server_back_within_a_small_step(
+        private_pg: PrivateServer, private_url: str) -> None:
+    """The pool reconnects in steps of 1, 2, 4 s: a read that lost its pooled connection
+    goes on with one of its own, so it answers soon after the server is back."""
+    async with Journal(private_url) as journal:
+        assert await journal.server_time() is not None  # the pool has its connection
+        journal.reconnect_within = LEASE
+        await asyncio.to_thread(private_pg.down, "fast")
+        loop = asyncio.get_running_loop()
+        reading = asyncio.ensure_future(journal.server_time())
+        try:
+            await asyncio.sleep(1.2)  # the outage itself
+            assert not reading.done()
+        finally:
+            await asyncio.to_thread(private_pg.up)
+        back = loop.time()
+        assert await asyncio.wait_for(reading, WITHIN) is not None
+        assert loop.time() - back < 0.45, loop.time() - back
