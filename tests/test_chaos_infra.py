@@ -1,7 +1,8 @@
 """`tether chaos` draws infrastructure faults on a private PostgreSQL server of its own: a
-restart (fast or immediate), terminated backends, a pause longer than a lease, each mid-trial.
-Every process rides through or gives up cleanly: no violation, no hung process. On SQLite, the
-journal's own disk fills up or turns read-only mid-trial."""
+restart (fast or immediate), terminated backends, a pause longer than a lease, the server
+stopped for less or more than a lease, each mid-trial. Every process rides through or gives up
+cleanly: no violation, no hung process, no worker exit while the server was away for less
+than a lease. On SQLite, the journal's own disk fills up or turns read-only mid-trial."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from tests.test_chaos import ROOT, chaos
 
-INFRA = ("pg_restart", "pg_terminate", "pg_pause")
+INFRA = ("pg_restart", "pg_terminate", "pg_pause", "pg_down")
 
 
 async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Path) -> None:
@@ -21,10 +22,12 @@ async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Pa
                                     str(tmp_path), "--trial-timeout", "40")
     assert code == 0, (err, result["violations"])
     assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(INFRA, 2)
-    assert result["outcomes"] == {"exited": 6}  # none hung
+    assert result["outcomes"] == {"exited": 8}  # none hung
     for record in result["trials_detail"]:
         # The fault happened, while the trial ran.
         assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
+        if record["variant"] == "shorter":  # away for less than a lease: no worker gave up
+            assert record["worker_exits"] == 0, record
 
 
 async def test_infrastructure_faults_need_postgresql() -> None:
@@ -51,6 +54,8 @@ async def test_disk_faults_find_no_violation(tmp_path: Path) -> None:
     assert "hung" not in result["outcomes"], result["outcomes"]
     for record in result["trials_detail"]:
         assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
+        if record["variant"] == "shorter":  # away for less than a lease: no worker gave up
+            assert record["worker_exits"] == 0, record
     assert chaos_mounts() == []  # every trial's disk unmounted
 
 

@@ -77,7 +77,7 @@ class TrialResult:
             "trial_seed": self.plan.seed, "fault": self.plan.fault,
             "variant": self.plan.variant, "outcome": self.outcome,
             "violations": len(self.violations), "plan": json_plan(self.plan),
-            "schedule": tracing.schedule(self.trace),
+            "schedule": tracing.schedule(self.trace), "worker_exits": self.worker_exits(),
         }
         if self.error:
             out["error"] = self.error
@@ -85,6 +85,12 @@ class TrialResult:
             out["found"] = [v.to_json() for v in self.violations]
             out["trace"] = self.trace
         return out
+
+
+    def worker_exits(self) -> int:
+        """Workers that exited on their own (their lease lost, say), not when told to stop."""
+        return sum(1 for e in self.trace if e["what"] == "exit" and e["key"] == "worker"
+                   and e.get("detail", {}).get("code") not in (0, None))
 
 
 def json_plan(plan: Plan) -> dict[str, Any]:
@@ -233,8 +239,9 @@ def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Pat
 
 def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer,
                 ledger: Ledger, deadline: float) -> None:
-    """Restart the trial's database server, end its backends or pause it, once the children
-    are delegated: every process of the trial must ride through or give up cleanly."""
+    """Restart the trial's database server, stop it for a while, end its backends or pause it,
+    once the children are delegated: every process of the trial must ride through or give up
+    cleanly."""
     while ledger.first_note("delegated") is None:
         if proc.poll() is not None or time.monotonic() > deadline:
             return
@@ -248,6 +255,12 @@ def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer
             server.restart(plan.variant)
         elif plan.fault == "pg_terminate":
             server.terminate()
+        elif plan.fault == "pg_down":
+            server.down("immediate")
+            try:
+                time.sleep(plan.pause_for)
+            finally:
+                server.up()
         else:
             server.pause()
             time.sleep(plan.pause_for)
@@ -553,6 +566,7 @@ def _run(chosen: list[Plan], journal: str | None, timeout: float,
         counts = per_fault_counts[plan.fault]
         counts["trials"] += 1
         counts["violations"] += len(result.violations)
+        counts["worker_exits"] += result.worker_exits()
         for v in result.violations:
             counts[f"class:{v.kind}"] += 1
         violations += result.violations
@@ -569,6 +583,7 @@ def _run(chosen: list[Plan], journal: str | None, timeout: float,
         "trials": len(chosen), "seed": seed, "replay": replay,
         "backend": "sqlite" if journal is None else "postgresql",
         "faults": {f: {"trials": c["trials"], "violations": c["violations"],
+                       "worker_exits": c["worker_exits"],
                        "classes": {k: c[f"class:{k}"] for k in CLASSES if c[f"class:{k}"]}}
                    for f, c in per_fault_counts.items() if c["trials"]},
         "outcomes": dict(outcomes),

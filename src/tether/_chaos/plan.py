@@ -39,6 +39,7 @@ INFRA_FAULTS = (
     "pg_restart",  # `pg_ctl restart -m fast|immediate` mid-trial
     "pg_terminate",  # pg_terminate_backend on every client backend mid-trial
     "pg_pause",  # SIGSTOP the postmaster and its backends for longer than a lease
+    "pg_down",  # `pg_ctl stop -m immediate`, started again after less or more than a lease
 )
 # Faults of the disk under a SQLite journal (tether._chaos.disk), drawn only when named too.
 DISK_FAULTS = (
@@ -182,6 +183,13 @@ def _infra(fault: str, rng: random.Random) -> dict[str, Any]:
         # A pause outlasts a worker's lease: the worker gives its claims up.
         "pause_for": lease * rng.uniform(1.5, 2.5) if fault == "pg_pause" else 0.0,
     }
+    if fault == "pg_down":
+        # Shorter: down for 0.2 to 0.45 of the lease, so that, with stopping and starting, it
+        # is back well before the least a worker holds (two thirds: it renews every third),
+        # and no worker may exit. Longer: 1.5 to 2 leases, past any lease.
+        shorter = rng.random() < 0.5
+        p["variant"] = "shorter" if shorter else "longer"
+        p["pause_for"] = lease * (rng.uniform(0.2, 0.45) if shorter else rng.uniform(1.5, 2.0))
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in p.items()}
 
 
