@@ -23,7 +23,7 @@ from tether._chaos.pgserver import PrivateServer
 from tether._core.errors import JournalError, LeaseLost
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
-from tether._runtime.worker import Worker
+from tether._runtime.worker import RENEWALS, Worker
 
 WITHIN = 60.0  # seconds: a test that has not ended by then hangs, and fails
 LEASE = 3.0
@@ -126,10 +126,11 @@ async def test_a_lease_run_out_on_the_servers_clock_is_never_renewed(
         journal, owner = worker.supervisor.journal, worker.owner_id
         server = await journal.server_time()
         assert server is not None
-        # The lease now ends on the server 1.2 s before the first renewal (a third of it).
-        assert await journal.renew_lease(owner, server + lease / 3 - 1.2, 0.0)
+        # The lease now ends on the server 1.2 s before the first renewal (a tenth of it).
+        first = lease / RENEWALS
+        assert await journal.renew_lease(owner, server + first - 1.2, 0.0)
         with pytest.raises(LeaseLost):
-            await asyncio.wait_for(worker.run(), lease / 3 + 3.0)
+            await asyncio.wait_for(worker.run(), first + 3.0)
         assert worker.supervisor.abandoned
 
 

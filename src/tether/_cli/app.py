@@ -366,7 +366,7 @@ def worker(
     journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
     concurrency: Annotated[int, typer.Option("--concurrency", min=1,
                                              help="Delegations run at once.")] = 16,
-    lease: Annotated[float, typer.Option("--lease", help="Seconds; renewed every third.")]
+    lease: Annotated[float, typer.Option("--lease", help="Seconds; renewed every tenth.")]
     = 10.0,
     stop_timeout: Annotated[float, typer.Option(
         "--stop-timeout", help="On SIGTERM, seconds to let running delegations finish before "

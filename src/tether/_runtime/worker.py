@@ -1,7 +1,7 @@
 """A worker process: claims queued delegations and runs them under its own supervisor.
 
 ``tether worker --journal URL --agents module:attribute`` runs one. It holds a lease in the
-journal, renewed every third of the lease; while the lease holds it claims delegations of the
+journal, renewed every tenth of the lease; while the lease holds it claims delegations of the
 agents it knows and runs each exactly as a local child (the same gateway, grace windows,
 drains and re-dispatch). Control intents reach it through the journal (LISTEN/NOTIFY on
 PostgreSQL, polling everywhere). If it cannot renew its lease in time it stops at once: the
@@ -53,6 +53,7 @@ from tether._runtime.telemetry import Hooks
 from tether._runtime.tools import Agent, check_surface
 
 log = logger("worker")
+RENEWALS = 10  # renewals per lease
 
 
 def agents_by_name(found: object, where: str) -> dict[str, Agent]:
@@ -255,7 +256,9 @@ class Worker:
     async def _keep_lease(self) -> None:
         while True:
             # Real time: a lease is about this process being alive, not about any clock.
-            await asyncio.sleep(self.lease / 3)
+            # Often, so that at least nine tenths of it are left when the journal goes away:
+            # that is how long an outage the worker rides through.
+            await asyncio.sleep(self.lease / RENEWALS)
             await self._renew()
             await self._check_clock(renewing=True)
 
