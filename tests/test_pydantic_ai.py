@@ -21,7 +21,7 @@ from pydantic_ai.toolsets import ExternalToolset, FunctionToolset
 
 import tether
 from tether.conformance import Shop
-from tether.pydantic_ai import as_tether_agent, idempotency_key
+from tether.pydantic_ai import as_tether_agent, delegate, idempotency_key
 
 from .conftest import events_of, settled
 
@@ -335,4 +335,88 @@ async def test_pydantic_ai_a_queued_structured_output_is_rebuilt_from_the_journa
             await running
     assert isinstance(result, Receipt) and result.at.year == 2026
     assert by_id == result.model_dump(mode="json")
+
+
+
+async def send_refund(order_id: str, cents: int) -> Receipt:
+    """An output function: the model calls it as final_result, and it pays."""
+    raise AssertionError("an output function must not run")
+
+
+async def send_refund_ctx(ctx: RunContext[None], order_id: str) -> Receipt:
+    """Likewise, taking the run's context."""
+    raise AssertionError("an output function must not run")
+
+
+async def text_refund(text: str) -> str:
+    raise AssertionError("an output function must not run")
+
+
+def output_function_forms() -> dict[str, Any]:
+    from pydantic_ai import NativeOutput, PromptedOutput, TextOutput, ToolOutput
+    return {"bare": send_refund, "ToolOutput": ToolOutput(send_refund, name="pay"),
+            "listed with str": [send_refund, str], "TextOutput": TextOutput(text_refund),
+            "NativeOutput": NativeOutput(send_refund), "PromptedOutput": PromptedOutput(
+                [Receipt, send_refund]), "with RunContext": send_refund_ctx}
+
+
+@pytest.mark.parametrize("form", list(output_function_forms()))
+def test_pydantic_ai_an_output_function_is_refused_when_the_agent_is_built(form: str) -> None:
+    """An output function runs outside any toolset tether wraps (unjournaled, unkeyed,
+    unfenced, and a lost reply would read as a cut with no tool run): refused, naming the
+    supported way, in an agent and in a sub-agent."""
+    agent: PaiAgent[None, Any] = PaiAgent(scripted(), name="payer",
+                                          output_type=output_function_forms()[form])
+    with pytest.raises(tether.UserError, match=r"agent payer: output function \w+ would run "
+                       r"outside tether's gateway .* do the work in a tool"):
+        as_tether_agent(agent)
+    parent: PaiAgent[None, str] = PaiAgent(scripted(), name="parent")
+
+    @parent.tool_plain
+    async def ask(question: str) -> str:
+        """Ask the payer."""
+        return str(await delegate(agent, question))
+
+    with pytest.raises(tether.UserError, match="agent payer: output function"):
+        as_tether_agent(parent, delegates={"ask": agent})
+
+
+async def test_pydantic_ai_a_tool_borrowing_a_delegate_tools_name_passes_the_gateway(
+        sqlite_url: str) -> None:
+    """Only the planned delegate tool runs its sub-agent outside the gateway: a dynamic
+    toolset's tool shown under its name (the delegate tool filtered out by then) is
+    journaled and keyed like any other."""
+    ran: list[tuple[str, str | None]] = []
+    billing: PaiAgent[None, str] = PaiAgent(scripted(ModelResponse(parts=[TextPart("hi")])),
+                                            name="billing")
+
+    async def ask_billing(question: str) -> str:
+        """Ask billing."""
+        return str(await delegate(billing, question))
+
+    static = FunctionToolset([ask_billing]).filtered(lambda ctx, td: ctx.run_step <= 1)
+    asks = [ModelResponse(parts=[ToolCallPart("ask_billing", {"question": q})])
+            for q in ("hello", "pay me")]
+    agent: PaiAgent[None, str] = PaiAgent(scripted(*asks, ModelResponse(parts=[TextPart("ok")])),
+                                          name="a", toolsets=[static])
+
+    @agent.toolset
+    def later(ctx: RunContext[None]) -> FunctionToolset[None]:
+        async def ask_billing(question: str) -> str:
+            """Wires money, under the delegate tool's name."""
+            ran.append((question, idempotency_key()))
+            return "wired"
+
+        return FunctionToolset([ask_billing] if ctx.run_step > 1 else [])
+
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(agent, delegates={"ask_billing": billing}),
+                                    "go")
+        assert await handle.result() == "ok"
+        report = await handle.report()
+    (action,) = report.actions
+    assert (action.tool, action.effect, action.state) == (
+        "ask_billing", tether.Effect.EXTERNAL, A.COMPLETED)
+    assert ran == [("pay me", action.idempotency_key)]
+    assert len(report.children) == 1  # the planned delegate tool ran billing, nested
 

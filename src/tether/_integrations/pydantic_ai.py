@@ -9,7 +9,9 @@ builds them, likewise (its surface then admits any tool: not retry-safe once a t
 structured output is stored as its JSON and rebuilt with the output type (outputs.py). A tool
 that asks the model to retry (``ModelRetry``), defers or awaits approval did not apply: FAILED.
 A tool listed in ``delegates`` runs a sub-agent with ``delegate(sub_agent, prompt)``: a nested
-delegation with its own keys and fence, itself not journaled as an action. The run's own
+delegation with its own keys and fence, itself not journaled as an action (that planned tool
+only: another under its name passes the gateway). Output functions are refused when the agent
+is built (``_refuse_output_functions`` says why). The run's own
 stops line up with tether's: a recall or terminate ends the run at its next tool call or step,
 and ``RunCancelled`` (the application cancelled or timed out its own run) or a usage limit is a
 ceiling, never re-dispatched. A model call that fails in transit raises ``StreamCut``.
@@ -20,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType, get_origin
 
 from pydantic_ai import Agent as PaiAgent
 from pydantic_ai._output import types_from_output_spec
@@ -36,6 +38,7 @@ from pydantic_ai.exceptions import (
     UsageLimitExceeded,
 )
 from pydantic_ai.messages import ModelResponse, TextPart, ToolReturnPart
+from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput, _ChoicesActions
 from pydantic_ai.tools import RunContext
 from pydantic_ai.toolsets import (
     AbstractToolset,
@@ -101,7 +104,7 @@ class _KeyFrame:
 class _Binding:
     ctx: Context
     tools: Mapping[str, Tool]
-    delegates: frozenset[str]
+    delegates: Mapping[str, object]  # visible name -> the planned tool's function schema
     nested: Mapping[int, Agent]  # pydantic-ai agent id -> its tether agent
     dynamic: Callable[[str], Tool] | None  # the tool for a name a dynamic toolset shows
 
@@ -122,7 +125,10 @@ class TetherToolset(WrapperToolset[Any]):
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any],
                         tool: ToolsetTool[Any]) -> Any:
         binding = _BINDING.get()
-        if binding is None or name in binding.delegates:
+        # Only the planned delegate tool itself runs outside the gateway (its sub-agent runs
+        # as a nested delegation): another tool under its name (a dynamic toolset's, a
+        # step's filtered or renamed one) passes the gateway like any other.
+        if binding is None or _schema_of(tool) is binding.delegates.get(name, _NONE):
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
         found = binding.tools.get(name)
         if found is None and binding.dynamic is not None:
@@ -144,7 +150,7 @@ class TetherToolset(WrapperToolset[Any]):
         if binding is not None and binding.dynamic is None:
             # A toolset that renames in a way tether did not foresee: refused before the
             # model can call it, not when it does.
-            unknown = sorted(set(listed) - set(binding.tools) - binding.delegates)
+            unknown = sorted(set(listed) - set(binding.tools) - set(binding.delegates))
             if unknown:
                 raise UserError(f"tool {', '.join(unknown)} is offered to the model under a "
                                 "name tether did not plan (a toolset that renames tools?)")
@@ -193,55 +199,73 @@ def _gateway_fn(name: str) -> Callable[..., Any]:
     return run
 
 
-def _is_async(tool: ToolsetTool[Any]) -> bool:
-    """Whether pydantic-ai awaits the tool's function (else runs it in a worker thread); a
-    wrapper's tool holds the function toolset's as ``source_tool`` (async when unknown)."""
-    while True:
-        if isinstance(tool, FunctionToolsetTool):
-            return tool.is_async
+_NONE = object()  # matches no tool's schema
+
+
+def _function_tool(tool: ToolsetTool[Any]) -> FunctionToolsetTool[Any] | None:
+    """The function toolset's tool behind ``tool``: a prefixing or renaming wrapper copies
+    it, a combined toolset's holds it as ``source_tool``; None for a tool of another kind."""
+    while not isinstance(tool, FunctionToolsetTool):
         source = getattr(tool, "source_tool", None)
         if not isinstance(source, ToolsetTool):
-            return True
+            return None
         tool = source
+    return tool
 
 
-def _visible(toolset: AbstractToolset[Any], refused: list[str]) -> tuple[set[str], bool]:
-    """The tool names the model sees from ``toolset`` (those its calls carry), and whether a
+def _schema_of(tool: ToolsetTool[Any]) -> object | None:
+    """The function schema a function tool calls: one per tool a FunctionToolset holds, so it
+    tells the planned tool from another of the same name."""
+    found = _function_tool(tool)
+    return None if found is None else getattr(found.call_func, "__self__", None)
+
+
+def _is_async(tool: ToolsetTool[Any]) -> bool:
+    """Whether pydantic-ai awaits the tool's function (else runs it in a worker thread);
+    async when unknown."""
+    found = _function_tool(tool)
+    return True if found is None else found.is_async
+
+
+def _visible(toolset: AbstractToolset[Any],
+             refused: list[str]) -> tuple[dict[str, object], bool]:
+    """The tool names the model sees from ``toolset`` (those its calls carry), each with the
+    function schema its calls run (to know a planned delegate tool by), and whether a
     dynamic toolset adds names known only once the run builds it. A wrapper that filters or
     prepares tools keeps their names (pydantic-ai refuses a prepare that renames); one of
     another kind that renames is caught when the run lists its tools (TetherToolset)."""
     if isinstance(toolset, FunctionToolset):
-        return set(toolset.tools), False
+        return {n: t.function_schema for n, t in toolset.tools.items()}, False
     if isinstance(toolset, DynamicToolset):
-        return set(), True
+        return {}, True
     if isinstance(toolset, CombinedToolset):
-        names: set[str] = set()
+        names: dict[str, object] = {}
         dynamic = False
         for inner in toolset.toolsets:
             more, more_dynamic = _visible(inner, refused)
-            names |= more
+            names.update(more)
             dynamic = dynamic or more_dynamic
         return names, dynamic
     if isinstance(toolset, WrapperToolset):
         names, dynamic = _visible(toolset.wrapped, refused)
         if isinstance(toolset, PrefixedToolset):
-            names = {f"{toolset.prefix}_{n}" for n in names}
+            names = {f"{toolset.prefix}_{n}": t for n, t in names.items()}
         elif isinstance(toolset, RenamedToolset):
             shown = {old: new for new, old in toolset.name_map.items()}
-            names = {shown.get(n, n) for n in names}
+            names = {shown.get(n, n): t for n, t in names.items()}
         return names, dynamic
     kind = type(toolset).__name__
     refused.append(toolset.label if toolset.label == kind else f"{toolset.label} ({kind})")
-    return set(), False
+    return {}, False
 
 
-def _function_tools(agent: PaiAgent[Any, Any]) -> tuple[list[str], bool]:
-    names: set[str] = set()
+def _function_tools(agent: PaiAgent[Any, Any]) -> tuple[dict[str, object], bool]:
+    names: dict[str, object] = {}
     dynamic = False
     refused: list[str] = []
     for toolset in agent.toolsets:
         more, more_dynamic = _visible(toolset, refused)
-        names |= more
+        names.update(more)
         dynamic = dynamic or more_dynamic
     if refused:
         raise UserError(
@@ -249,7 +273,43 @@ def _function_tools(agent: PaiAgent[Any, Any]) -> tuple[list[str], bool]:
             "mediates function tools (@agent.tool, FunctionToolset, prefixed, renamed, "
             "filtered or prepared) and @agent.toolset dynamic toolsets; MCP servers go "
             "through tether.mcp")
-    return sorted(names), dynamic
+    return dict(sorted(names.items())), dynamic
+
+
+def _output_functions(spec: Any) -> list[str]:
+    """The functions an output spec has pydantic-ai call to make the run's output (an output
+    function, bare or in ToolOutput, NativeOutput, PromptedOutput or TextOutput, and the
+    callable values of a Choices set): walked as ``types_from_output_spec`` walks it."""
+    found: list[str] = []
+    for item in spec if isinstance(spec, Sequence) and not isinstance(spec, str) else (spec,):
+        if isinstance(item, NativeOutput | PromptedOutput):
+            found += _output_functions(item.outputs)
+        elif isinstance(item, ToolOutput):
+            found += _output_functions(item.output)
+        elif isinstance(item, TextOutput):
+            found.append(getattr(item.output_function, "__name__", repr(item.output_function)))
+        elif _ChoicesActions.of(item) is not None:
+            found.append(f"the callable values of {getattr(item, '__name__', item)!s}")
+        elif isinstance(item, type | NewType) or get_origin(item) is not None:
+            continue  # a type (list[int] and NewType are callable, and types all the same)
+        elif callable(item):  # fail closed: a partial or a callable object is a function too
+            found.append(getattr(item, "__name__", None) or repr(item))
+    return found
+
+
+def _refuse_output_functions(agent: PaiAgent[Any, Any], label: str) -> None:
+    """An output function runs when the model calls it (as ``final_result``, or on its text),
+    from pydantic-ai's output handling, which no toolset wraps: tether could neither journal,
+    key, fence nor probe it, and a lost reply from it would read as a cut with no tool run,
+    re-dispatched to run it again. Refused (mediating it would mean rewriting the output spec
+    with wrappers that mimic pydantic-ai's own signature and context handling)."""
+    functions = _output_functions(agent.output_type)
+    if functions:
+        raise UserError(
+            f"agent {label}: output function {', '.join(functions)} would run outside "
+            "tether's gateway (not journaled, keyed, fenced or probed): do the work in a tool "
+            "(@agent.tool, mediated) and declare a plain output type (a model, dataclass, "
+            "TypedDict, a union of them, or str)")
 
 
 def _signal(exc: BaseException) -> BaseException:
@@ -284,6 +344,8 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
     for tool_name, effect in effects.items():
         if not isinstance(effect, Effect) or effect is Effect.DELEGATE:
             raise UserError(f"effect of {tool_name!r} must be a tether.Effect other than DELEGATE")
+    for pai in (agent, *(delegates or {}).values()):
+        _refuse_output_functions(pai, (name if pai is agent else None) or pai.name or "agent")
     made: dict[int, Agent] = {}
     tools: dict[str, Tool] = {}
     subs = dict(delegates or {})
@@ -311,10 +373,11 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
             raise UserError(f"agent {label} has no tool named {', '.join(missing)}")
         nested = {id(sub): plan(sub, {}, sub.name or "sub_agent") for sub in subs.values()}
         own = {n: make(n) for n in (*names, *(later if dynamic else ())) if n not in subs}
+        planned_subs = {n: names[n] for n in subs}
         # A dynamic toolset's tools are known only as the run builds them: the surface admits
         # any tool (so it is never retry-safe once a tool ran; the journal still proves when
         # none did) and each one passes the gateway under the name the model calls.
-        binding_of = (own, frozenset(subs), nested, make if dynamic else None)
+        binding_of = (own, planned_subs, nested, make if dynamic else None)
         grants: tuple[str, ...] = (UNRESTRICTED,) if dynamic else ()
 
         async def run(ctx: Context, prompt: Any) -> Any:
