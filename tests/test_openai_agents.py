@@ -13,9 +13,9 @@ from typing import Any
 import httpx2
 import pytest
 from agents import Agent as SdkAgent
-from agents import function_tool, set_tracing_disabled
+from agents import StopAtTools, function_tool, set_tracing_disabled
 from agents.testing import ModelStep, ScriptedModel, assistant_message, function_call
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter
 
 import tether
 from tether.agents import as_tether_agent, idempotency_key
@@ -263,3 +263,63 @@ async def test_a_structured_output_is_stored_as_its_json_and_rebuilt(
     assert row.state is S.SUCCEEDED
     assert row.result == TypeAdapter(output_type).dump_python(expected, mode="json")
     assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED]
+
+
+class Aliased(BaseModel):
+    order_id: str = Field(alias="orderId")
+
+
+class RefundOut(BaseModel):
+    order_id: str
+
+
+class ChargeOut(BaseModel):
+    order_id: str
+
+
+async def test_an_aliased_output_model_round_trips(sqlite_url: str) -> None:
+    model = ScriptedModel([[assistant_message(json.dumps({"orderId": "A"}))]])
+    sdk = SdkAgent(name="a", output_type=Aliased, model=model)
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(sdk), "go")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+    assert type(result) is Aliased and result.order_id == "A"
+    assert row.result == {"order_id": "A"}  # by field name, read back by name
+
+
+async def test_a_handoff_to_an_agent_of_a_look_alike_output_type_rebuilds_that_type(
+        sqlite_url: str) -> None:
+    """The run ends in the charger (output ChargeOut, the same fields as the triage's
+    RefundOut): the journal keeps which type it was, and the rebuild is a ChargeOut."""
+    charger = SdkAgent(name="charger", output_type=ChargeOut, model=ScriptedModel(
+        [[assistant_message(json.dumps({"order_id": "A"}))]]))
+    triage = SdkAgent(name="triage", output_type=RefundOut, handoffs=[charger], model=ScriptedModel(
+        [[function_call("transfer_to_charger", {}, call_id="c1")]]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(triage), "go")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+    assert type(result) is ChargeOut and result.order_id == "A"
+    assert row.result == {"type": "ChargeOut", "value": {"order_id": "A"}}
+
+
+@pytest.mark.parametrize("behavior", ["stop_on_first_tool", "stop_at_tools"])
+async def test_a_run_stopped_at_a_tool_ends_with_its_output_despite_an_output_type(
+        behavior: str, refunds: Refunds, sqlite_url: str) -> None:
+    """The SDK makes the tool's output the final output, of no declared type: kept as a plain
+    value, as the run gave it (not a failure)."""
+    stop: Any = (behavior if behavior == "stop_on_first_tool"
+                 else StopAtTools(stop_at_tool_names=["refund"]))
+    sdk = SdkAgent(name="r", tools=[refunds.tool], output_type=Receipt, tool_use_behavior=stop,
+                   model=ScriptedModel([refund_call("A", "c1")]))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(sdk, probes={"refund": refunds.pay.lookup}),
+                                    "refund A")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+        report = await handle.report()
+    assert isinstance(result, str) and result.startswith("re_")
+    assert row.state is S.SUCCEEDED and row.result == {"type": None, "value": result}
+    assert [a.state for a in report.actions] == [tether.ActionState.COMPLETED]
+    assert refunds.pay.refund_count("A") == 1

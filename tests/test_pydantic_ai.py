@@ -8,11 +8,13 @@ sync tool has its own, in pydantic-ai's worker thread)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic.alias_generators import to_camel
 from pydantic_ai import Agent as PaiAgent
 from pydantic_ai import ModelRetry, RunContext
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
@@ -420,3 +422,137 @@ async def test_pydantic_ai_a_tool_borrowing_a_delegate_tools_name_passes_the_gat
     assert ran == [("pay me", action.idempotency_key)]
     assert len(report.children) == 1  # the planned delegate tool ran billing, nested
 
+
+class Aliased(BaseModel):
+    order_id: str = Field(alias="orderId")
+
+
+class Camel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel)
+    order_id: str
+
+
+class SplitAlias(BaseModel):
+    order_id: str = Field(validation_alias="oid", serialization_alias="orderRef")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cents: int
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def dollars(self) -> float:
+        return self.cents / 100
+
+
+@pytest.mark.parametrize(("output_type", "fields"), [
+    (Aliased, {"orderId": "A"}), (Camel, {"orderId": "A"}), (SplitAlias, {"oid": "A"}),
+    (Strict, {"cents": 250})], ids=["alias", "alias_generator", "split_alias", "forbid_computed"])
+async def test_pydantic_ai_aliased_and_strict_models_round_trip(
+        output_type: type[BaseModel], fields: dict[str, Any], sqlite_url: str) -> None:
+    agent: PaiAgent[None, Any] = PaiAgent(scripted(receipt_call(**fields)), name="o",
+                                          output_type=output_type)
+    expected = await PaiAgent(scripted(receipt_call(**fields)), output_type=output_type).run("")
+    async with tether.Supervisor(sqlite_url) as sup:
+        result = await (await sup.delegate(as_tether_agent(agent), "go")).result()
+    assert type(result) is output_type and result == expected.output
+
+
+class LooksLikeB(BaseModel):
+    amount: int
+
+
+class LooksLikeA(BaseModel):
+    amount: int
+
+
+async def test_pydantic_ai_a_union_of_look_alike_types_rebuilds_the_member_it_was(
+        sqlite_url: str) -> None:
+    """Same fields, so the JSON alone cannot tell them apart: the journal keeps which."""
+    call = ModelResponse(parts=[ToolCallPart("final_result_LooksLikeB", {"amount": 2})])
+    agent: PaiAgent[None, Any] = PaiAgent(scripted(call), name="o",
+                                          output_type=[LooksLikeA, LooksLikeB])
+    child = as_tether_agent(agent)
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(child, "go")
+        result = await handle.result()
+        row = await sup.journal.get(handle.id)
+    assert type(result) is LooksLikeB and result.amount == 2
+    assert row.result == {"type": "LooksLikeB", "value": {"amount": 2}}
+    assert child.output is not None and type(child.output.load(row.result)) is LooksLikeB
+
+
+class Cents(BaseModel):
+    v: int
+
+    @field_validator("v")
+    @classmethod
+    def to_cents(cls, v: int) -> int:
+        if v >= 1000:
+            raise ValueError("already in cents?")
+        return v * 100
+
+
+class Ratio(BaseModel):
+    x: float
+
+
+@dataclasses.dataclass(eq=False)
+class NoEq:
+    v: int
+
+
+@pytest.mark.parametrize(("output_type", "fields", "error"), [
+    (Cents, {"v": 12}, 'its JSON {"v": 1200} does not validate as Cents: v: Value error, '
+                       "already in cents?"),
+    (Ratio, {"x": float("nan")}, "value['x'] is nan: JSON has no NaN or infinity"),
+    (Ratio, {"x": float("inf")}, "value['x'] is inf: JSON has no NaN or infinity"),
+    (NoEq, {"v": 1}, None)], ids=["validator", "nan", "inf", "no_value_equality"])
+async def test_pydantic_ai_an_output_that_cannot_be_stored_says_why_in_one_line(
+        output_type: Any, fields: dict[str, Any], error: str | None, sqlite_url: str) -> None:
+    agent: PaiAgent[None, Any] = PaiAgent(scripted(receipt_call(**fields)), name="o",
+                                          output_type=output_type)
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(agent), "go")
+        try:
+            result = await handle.result()
+        except tether.DelegationError:
+            result = None
+        row = await sup.journal.get(handle.id)
+    if error is None:  # compared by its JSON, which gives back that same JSON
+        assert type(result) is NoEq and result.v == 1
+        return
+    assert row.error == f"UserError: the result of o cannot be stored: {error}"
+
+
+async def test_pydantic_ai_a_queued_output_that_no_longer_validates_is_a_delegation_error(
+        sqlite_url: str) -> None:
+    """The worker's agent (another version) declared another type: the JSON it recorded does
+    not rebuild here, which is the task's failure to give its result, said as such."""
+    mine = as_tether_agent(PaiAgent(scripted(), name="refunder", output_type=Receipt))
+    theirs = as_tether_agent(PaiAgent(scripted(receipt_call(x=1.5)), name="refunder",
+                                      output_type=Ratio))
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(mine, "go", remote=True)
+        async with tether.Worker(sqlite_url, [theirs], poll=0.01) as worker:
+            running = asyncio.ensure_future(worker.run())
+            with pytest.raises(tether.DelegationError) as caught:
+                await handle.result()
+            worker.stop()
+            await running
+    message = str(caught.value)
+    assert "UserError: the result of refunder cannot be rebuilt: the stored output does not "\
+           "validate as Receipt: order_id: Field required; cents: Field required" in message
+    assert "\n" not in message
+
+
+def test_a_value_not_of_the_declared_type_is_refused_in_one_line() -> None:
+    """pydantic's serializer warnings span lines: the refusal is one."""
+    from tether._integrations.outputs import output_codec
+    codec = output_codec([Receipt])
+    assert codec is not None
+    with pytest.raises(tether.UserError) as caught:
+        codec.dump("re_1")
+    assert str(caught.value).startswith("str is not of its declared output type Receipt: ")
+    assert "\n" not in str(caught.value)

@@ -187,8 +187,11 @@ async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
 def _output(plan: Plan) -> OutputCodec | None:
     """How the run's final output is stored: it comes from whichever agent of the plan the
     run ended in (handoffs keep the run), so it is of one of their declared output types. An
-    output schema of the user's own declares no Python type: its output is kept as JSON."""
+    output schema of the user's own declares no Python type: its output is kept as JSON. An
+    agent whose ``tool_use_behavior`` stops at a tool ends the run with that tool's output,
+    of no declared type: kept as its JSON too, tagged apart from the declared types."""
     types: list[Any] = []
+    at_tool = any(m.tool_use_behavior != "run_llm_again" for m in plan.members)
     for member in plan.members:
         declared = member.output_type
         if isinstance(declared, AgentOutputSchema):
@@ -196,7 +199,7 @@ def _output(plan: Plan) -> OutputCodec | None:
         elif isinstance(declared, AgentOutputSchemaBase):
             return output_codec(None)
         types.append(str if declared is None else declared)
-    return output_codec(types)
+    return output_codec(types, plain=at_tool)
 
 
 def as_tether_agent(sdk_agent: SdkAgent[Any], *, effects: Mapping[str, Effect] | None = None,

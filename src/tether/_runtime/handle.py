@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from tether._core.errors import AlreadyFinished, InvalidTransition, UserError
+from tether._core.errors import AlreadyFinished, DelegationError, InvalidTransition, UserError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._journal.rows import DelegationRow, NewDelegation
@@ -151,9 +151,14 @@ class Handle:
         if await self._is_queued():
             row = await wait_queued(self._sup, self._first_id)
             value = queued_result(row)
-            if self._output is not None and row.state is DelegationState.SUCCEEDED:
+            if self._output is None or row.state is not DelegationState.SUCCEEDED:
+                return value
+            try:
                 return self._output.load(value)
-            return value
+            except UserError as exc:  # the agent here declares types its worker's did not
+                raise DelegationError(row.id, row.task_id, row.attempt,
+                                      f"UserError: the result of {row.agent} cannot be "
+                                      f"rebuilt: {exc}") from None
         run = self._local()
         ok, value = await asyncio.shield(run.done)
         return result_of(ok, value, run.current)
