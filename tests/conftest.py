@@ -132,6 +132,16 @@ async def sup(journal_url: str, clock: VirtualClock, keys: tether.KeyRing,
         clock.autojump()  # closing waits a bounded while for calls still running
 
 
+async def until(check: Callable[[], bool], what: str, within: float = 60.0) -> None:
+    """Poll a condition until it holds; a failure naming ``what`` after ``within`` seconds
+    (a test that has not seen it by then hangs)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not check():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
 # A supervisor that judges the dispatch deadlines its own process wrote, on its own clock:
 # the clock tolerance (5 s by default, for clocks of other hosts) only delays the re-probe.
 ONE_CLOCK = tether.Policy(clock_tolerance=0.25)

@@ -16,6 +16,7 @@ import pytest
 
 import tether
 from tests import remote_agents
+from tests.conftest import until
 from tether._chaos.pgserver import PrivateServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,14 +60,6 @@ async def fleet(private_url: str, tmp_path: Path,
     remote_agents.ledger.cache_clear()
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Poll a condition, with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WITHIN
-    while not check():
-        assert loop.time() < deadline, f"never: {what}"
-        await asyncio.sleep(0.02)
-
 
 async def stop(proc: asyncio.subprocess.Process) -> tuple[int, str]:
     if proc.returncode is None:
@@ -96,7 +89,7 @@ async def test_workers_ride_through_and_keep_their_claims(
                                      recover=False) as sup:
             handles = [await sup.delegate(remote_agents.refunder, f"R-{n}", f"S-{n}",
                                           remote=True) for n in range(30)]
-            await until(lambda: len(ledger.entries()) >= 10, "payments flowing")
+            await until(lambda: len(ledger.entries()) >= 10, "payments flowing", WITHIN)
             await fault(private_pg, name)()
             handles += [await sup.delegate(remote_agents.refunder, f"R-{n}", f"S-{n}",
                                            remote=True) for n in range(30, 40)]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tether
 from tests import remote_agents
+from tests.conftest import until
 from tests.test_clocks import SkewedClock
 from tether._chaos.pgserver import PrivateServer
 from tether._core.errors import JournalError, LeaseLost
@@ -39,13 +40,6 @@ def gates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield None
     remote_agents.ledger.cache_clear()
 
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WITHIN
-    while not check():
-        assert loop.time() < deadline, f"never: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def just_renewed(worker: Worker, run: asyncio.Future[None]) -> float:
