@@ -303,7 +303,7 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
     try:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline and proc.poll() is None:
-            if not asyncio.run(_left_for_worker(url, proc.pid)):
+            if asyncio.run(_all_terminal(url)):
                 break
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -318,20 +318,9 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
         proc.wait()
 
 
-async def _left_for_worker(url: str, pid: int) -> bool:
-    """Whether the worker of process ``pid`` has work still: a live delegation it owns, or one
-    queued that nobody claimed and no fence stops. What is left beyond that (the dead
-    orchestrator's, a killed worker's claims) is the recovery's, not the worker's: waiting
-    for it to end would only wait out the bound."""
+async def _all_terminal(url: str) -> bool:
     async with tether.Journal(url, create=False) as j:
-        mine = {o.id for o in await j.owners() if o.pid == pid}
-        for row in await j.delegations(live_only=True):
-            if row.owner_id in mine:
-                return True
-            entry = await j.queue_entry(row.id)
-            if entry is not None and entry.claimed_by is None and not row.fenced:
-                return True
-        return False
+        return all(r.state.terminal for r in await j.delegations())
 
 
 def recovery_policy(plan: Plan) -> tether.Policy:
