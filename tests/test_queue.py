@@ -22,6 +22,8 @@ from tether._journal.rows import Begin, NewAction, NewDelegation, OwnerRow
 from tether._runtime.clock import SystemClock
 from tether._runtime.remote import owner_alive
 
+from .test_trust import raw
+
 KEY = tether.SigningKey.from_raw(bytes(range(32)))
 TRUSTED = tether.TrustedKeys([KEY.public])
 
@@ -90,6 +92,24 @@ async def test_a_claimed_delegation_is_not_taken_back(journal: Journal) -> None:
     assert not await journal.unclaim("d1", "orchestrator", 12.0)  # the worker drains it
     (control,) = await journal.controls_to_adopt("w1", 0)
     assert control.delegation_id == "d1" and control.kind is tether.ControlKind.RECALL
+
+
+async def test_a_claim_undone_by_hand_is_never_claimed_or_dequeued_again(
+        journal: Journal) -> None:
+    """An intruder with write access and no key clears the queue row of a task a worker runs
+    (the row is not chained). The claim itself is on record (its chained event): no worker
+    claims the delegation a second time (two copies of it ran), and the orchestrator does not
+    take it off the queue as never started while the worker drains it."""
+    await journal.create_delegation(queued("d1"))
+    assert await journal.renew_lease("w1", 10.0, 30.0)
+    assert await journal.renew_lease("w2", 10.0, 30.0)
+    assert len(await journal.claim("w1", ("agent",), 10.0, 5)) == 1
+    await raw(journal, "UPDATE queue SET claimed_by = NULL, claimed_at = NULL")
+    assert await journal.claim("w1", ("agent",), 11.0, 5) == []
+    assert await journal.claim("w2", ("agent",), 11.0, 5) == []
+    await recall(journal, "d1", 12.0)
+    assert not await journal.unclaim("d1", "orchestrator", 13.0)
+    assert (await journal.get("d1")).owner_id == "w1"
 
 
 async def test_an_expired_lease_fences_the_owner_in_the_journal(journal: Journal) -> None:

@@ -55,6 +55,14 @@ def liveness(db: Db, owner_id: str) -> tuple[OwnerRow | None, float | None]:
     return owner(db, owner_id), server_time(db)
 
 
+# The queue row is not chained: an intruder can clear its ``claimed_by``. The claim's event is
+# (a deleted one fails the delegation's chain, and workers refuse to run it), so a delegation
+# once claimed is never claimed again, nor taken off the queue as never started.
+def _never_claimed(queue: str) -> str:
+    return (f"NOT EXISTS (SELECT 1 FROM events e WHERE e.delegation_id = {queue}.delegation_id "
+            "AND e.kind = 'claimed')")
+
+
 def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
           limit: int) -> list[DelegationRow]:
     """Take up to ``limit`` queued delegations of these agents, oldest first."""
@@ -64,6 +72,7 @@ def claim(db: Db, owner_id: str, agents: tuple[str, ...], now: float,
     rows = db.execute(
         "SELECT q.delegation_id FROM queue q JOIN delegations d ON d.id = q.delegation_id "
         f"WHERE q.claimed_by IS NULL AND d.fenced = 0 AND q.agent IN ({marks}) "
+        f"AND {_never_claimed('q')} "
         "AND EXISTS (SELECT 1 FROM owners o WHERE o.id = ? AND o.lease_until > ?) "
         "ORDER BY q.enqueued_at, q.delegation_id LIMIT ? /*SKIP q*/",
         (*agents, owner_id, now, limit),
@@ -92,7 +101,7 @@ def unclaim(db: Db, delegation_id: str, owner_id: str, now: float) -> bool:
     it (that worker drains it) or it was never queued."""
     cur = db.execute(
         "UPDATE queue SET claimed_by = ?, claimed_at = ?, done_at = ? "
-        "WHERE delegation_id = ? AND claimed_by IS NULL AND EXISTS "
+        f"WHERE delegation_id = ? AND claimed_by IS NULL AND {_never_claimed('queue')} AND EXISTS "
         "(SELECT 1 FROM delegations d WHERE d.id = queue.delegation_id AND d.fenced = 1)",
         (owner_id, now, now, delegation_id),
     )
