@@ -192,6 +192,45 @@ async def test_a_local_delegation_rolled_back_past_a_payment_is_refused_and_name
     assert APPLIED[order] == 2
 
 
+async def test_a_rolled_back_delegation_is_not_recovered_by_an_orchestrator_waiting_on_it(
+        journal_url: str) -> None:
+    """Found by review: `tether reconcile` refused a rolled-back delegation, but an
+    orchestrator's own wait on it (a queued task whose worker's lease ran out, a recall of a
+    delegation whose owner is gone) recovered it: it terminated it and reported one payment of
+    the two applied, inviting a re-delegation that pays again. It refuses it too now."""
+    order = f"W-{uuid.uuid4().hex[:6]}"
+    first, gate = asyncio.Event(), asyncio.Event()
+
+    async def twice(ctx: tether.Context) -> str:
+        await ctx.call(pay, order_id=order, cents=100)
+        first.set()
+        await gate.wait()
+        await ctx.call(pay, order_id=order, cents=200)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[pay]) as sup:
+        keys = sup.keys
+        h = await sup.delegate(tether.Agent("twice", twice, (pay,)), tools=[pay])
+        await first.wait()
+        await sup.journal.flush()
+        async with Journal(journal_url) as intruder:
+            once = await save(intruder, h.id)
+        gate.set()
+        assert await h.result() == "ok"
+        owner = (await sup.journal.get(h.id)).owner_id
+    async with Journal(journal_url) as intruder:
+        await restore(intruder, h.id, once)
+        await intruder._write(lambda db: db.execute("DELETE FROM owners WHERE id = ?",
+                                                    (owner,)))
+    async with tether.Supervisor(journal_url, keys=keys, tools=[pay], recover=False) as sup:
+        row = await sup.journal.get(h.id)
+        with pytest.raises(tether.Tampered, match="rolled back"):
+            await sup.recover_delegation(row, "owner is gone")
+        after = await sup.journal.get(h.id)
+    assert after.state is tether.DelegationState.RUNNING and not after.fenced  # untouched
+    assert APPLIED[order] == 2
+
+
 async def test_a_running_process_does_not_act_on_a_head_older_than_one_it_sealed(
         journal_url: str) -> None:
     """In memory alone (an ephemeral key ring persists nothing): the process that sealed a

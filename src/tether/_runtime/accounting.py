@@ -207,7 +207,7 @@ class Accounting:
                             reports.append(never)
                     continue
                 why = f"owner {row.owner_id} is gone"
-                reports.append(await self.recover_delegation(row, why))
+                reports.append(await self.recover_delegation(row, why, verified=True))
         for lost in await sup.journal.receipts_missing(delegation_id):
             # Its delegation ended without its receipt (the disk refused it): in doubt now.
             if sup.runtime(lost.delegation_id) is None and lost.id not in self._calls:
@@ -245,10 +245,17 @@ class Accounting:
             return True
         return False
 
-    async def recover_delegation(self, row: DelegationRow, reason: str) -> Report:
+    async def recover_delegation(self, row: DelegationRow, reason: str, *,
+                                 verified: bool = False) -> Report:
         """Settle a delegation nobody here runs and whose owner is gone (or cannot settle it):
-        terminate it in the journal if it still runs, then probe and settle its calls."""
+        terminate it in the journal if it still runs, then probe and settle its calls. Not if
+        its records fail their chain (or were rolled back past what this configuration saw):
+        ``Tampered``, and a person decides, whichever path got here (``verified``: the caller
+        has just checked)."""
         sup = self._sup
+        if not verified:
+            await sup.journal.untampered([r.id for r in await sup.journal.subtree(row.id)],
+                                         sup.keys.trusted, f"reconcile {row.id}")
         if not row.state.terminal and await sup.journal.drained(row.id):
             # Its owner drained it before going away, leaving calls in doubt: finish the
             # accounting, without a second verdict that would hide the first.

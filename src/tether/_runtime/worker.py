@@ -275,6 +275,11 @@ class Worker:
             left = self._lease_ends - started
             if left <= 0:
                 sup.abandon()
+                # A fact for whoever reads the journal (as a refused renewal records it): the
+                # worker knows, and from now on only its calls already sent report back.
+                sup.journal.event(now, "lease_lost", None, None, owner=sup.owner_id,
+                                  why="not renewed in time")
+                log.error("lease lost: not renewed in time", extra={"owner": sup.owner_id})
                 raise LeaseLost(sup.owner_id, f"could not renew its lease in time ({failed})")
             # Judged when it runs (after a reconnection, say), not when it was asked for;
             # run after the lease ended, it writes nothing.
