@@ -419,6 +419,20 @@ def test_a_busy_timeout_out_of_range_is_one_error_line(tmp_path: Path, value: st
         assert (tmp_path / "j.db").exists() is existing
 
 
+@pytest.mark.parametrize(("query", "said"), [
+    ("busy_timeout=", "'busy_timeout' has no value"),
+    ("busy_timeout=1&busy_timeout=2", "'busy_timeout' is given twice"),
+    ("keys=k%00x", "NUL"),
+])
+def test_an_empty_repeated_or_nul_url_parameter_is_one_error_line(
+        tmp_path: Path, query: str, said: str) -> None:
+    """Found by review: an empty busy_timeout fell back to 5 s, a repeated one took the first,
+    and a NUL byte in the key directory read as 'not trusted'. Each is the user's mistake."""
+    url = f"sqlite:///{tmp_path / 'j.db'}?{query}"
+    assert said in one_line("ls", "--journal", url)
+    assert not (tmp_path / "j.db").exists()
+
+
 async def made(url: str) -> None:
     """A journal with one delegation that ended (old enough for ``prune --before 0s``)."""
     async def agent(ctx: tether.Context) -> str:

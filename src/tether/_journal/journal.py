@@ -91,10 +91,17 @@ class Journal:
         # person's decision, retention): the supervisor sets its policy's.
         self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE
         try:
-            query = parse_qs(urlparse(url).query)
+            query = parse_qs(urlparse(url).query, keep_blank_values=True)
         except ValueError as exc:  # e.g. an unclosed "[" in the host
             raise UserError(f"journal URL {url!r} is not understood: {exc}") from None
+        for name, values in sorted(query.items()):  # a default or the first would hide it
+            if len(values) > 1:
+                raise UserError(f"parameter {name!r} is given twice in the journal URL {url!r}")
+            if values == [""]:
+                raise UserError(f"parameter {name!r} has no value in the journal URL {url!r}")
         keys = query.get("keys", [None])[0]
+        if keys is not None and "\0" in keys:
+            raise UserError(f"the key directory in the journal URL {url!r} holds a NUL byte")
         if url.startswith(("postgresql://", "postgres://")):
             try:
                 from tether._journal.postgres import PostgresRunner
