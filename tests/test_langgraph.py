@@ -209,3 +209,47 @@ async def test_a_subgraph_node_returns_its_messages_to_the_parent(sqlite_url: st
         report = await handle.report()
     (sub,) = report.children
     assert [(a.tool, a.state) for a in sub.actions] == [("refund", A.COMPLETED)]
+
+
+async def test_a_resumed_thread_keys_calls_by_their_checkpoint_step_not_by_attempt(
+        sqlite_url: str) -> None:
+    """Step 1 refunds A (checkpointed); step 2 refunds C and B, and the recall's grace ends with
+    B in flight. The re-delegated thread resumes at step 2: C has the key it had (replayed, not
+    paid again), B its own (not A's ``:refund:0``, which an attempt-local count would give it),
+    and A, checkpointed, is not called at all."""
+    shop = Shop()
+    hold, b_started = asyncio.Event(), asyncio.Event()
+
+    @lc_tool
+    async def refund(order_id: str, cents: int) -> str:
+        """Refund an order."""
+        if order_id == "B" and not hold.is_set():
+            b_started.set()
+            await asyncio.Event().wait()  # in flight until the grace ends
+        return await shop.refund(order_id, cents, idempotency_key())
+
+    graph = graph_of([calls(("refund", {"order_id": "A", "cents": 500})),
+                      calls(("refund", {"order_id": "C", "cents": 300}),
+                            ("refund", {"order_id": "B", "cents": 500})),
+                      AIMessage(content="A, B and C refunded")],
+                     tool_node([refund]), checkpointer=InMemorySaver())
+    child = as_tether_agent(graph, probes={"refund": shop.pay.lookup},
+                            deadlines={"refund": 0.2})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A, B and C", task_id="thread-8")
+        async with asyncio.timeout(30):
+            await b_started.wait()
+            while shop.pay.refund_count("C") == 0:
+                await sup.wake(0.01)
+        recalled = await first.recall(grace=0.1, reason="host going down")
+        hold.set()
+        second = await first.redelegate()
+        assert await second.result() == "A, B and C refunded"
+        report = await second.report()
+        events = await sup.journal.events([second.id])
+    assert [a.args["order_id"] for a in recalled.actions] == ["A", "C", "B"]
+    assert [shop.pay.refund_count(o) for o in "ABC"] == [1, 1, 1]
+    keys = [a.idempotency_key for a in (*recalled.actions, *report.actions)]
+    assert len(set(keys[:3])) == 3 and set(keys[3:]) <= set(keys[1:3])  # C and B keep theirs
+    assert [a.args["order_id"] for a in report.actions if a.state is A.COMPLETED] == ["B"]
+    assert [e.kind for e in events].count("replay") == 1  # C

@@ -7,12 +7,15 @@ every run refuses any tool that starts without passing the gateway (a ToolNode b
 the hook, a tool calling another tool), so nothing runs unseen. A tool that ran and answered
 an error message is in doubt and probed; a model call that fails in transit raises
 ``StreamCut``; a graph with a checkpointer runs on the thread named after the tether task, so
-re-delegating the task resumes it and replays completed actions instead of repeating them. A
-node built with ``subgraph(graph, name=...)`` runs that subgraph as a nested delegation.
+re-delegating the task resumes it and replays completed actions instead of repeating them: its
+calls are keyed by their place in the thread (the checkpoint step and the model's tool call
+id), the same in every attempt. A node built with ``subgraph(graph, name=...)`` runs that
+subgraph as a nested delegation.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -65,6 +68,7 @@ def idempotency_key() -> str | None:
 class _Binding:
     ctx: Context
     tools: Mapping[str, Tool]
+    checkpointed: bool
 
 
 class _RanAndFailed(Exception):
@@ -92,9 +96,10 @@ async def awrap_tool_call(request: ToolCallRequest, execute: Execute) -> ToolMes
         except ValidationError as exc:  # the tool would refuse it unrun: nothing to journal
             return ToolMessage(content=f"Error: invalid arguments for {call['name']}: {exc}",
                                name=call["name"], tool_call_id=call["id"], status="error")
+    key = _thread_key(binding.ctx, request) if binding.checkpointed else None
     token = _CALL.set((request, execute))
     try:
-        result = await binding.ctx.call(tool, **call["args"])
+        result = await binding.ctx.call(tool, idempotency_key=key, **call["args"])
     except _RanAndFailed as exc:  # journaled IN_DOUBT; the model hears of it as usual
         return exc.message
     finally:
@@ -102,6 +107,23 @@ async def awrap_tool_call(request: ToolCallRequest, execute: Execute) -> ToolMes
     if isinstance(result, ToolMessage | Command):
         return result
     return ToolMessage(content=result, name=call["name"], tool_call_id=call["id"])
+
+
+def _thread_key(ctx: Context, request: ToolCallRequest) -> str:
+    """A checkpointed call's key: its task's, its tool's, and its place in the thread. LangGraph
+    derives a step's task id (in ``checkpoint_ns``) from the checkpoint the step runs from, so
+    a resumed step has the one it had and a later step another; the model's tool call id tells
+    the calls of one step apart. An attempt-local count would give a resumed run's first new
+    call the key of the thread's first call."""
+    call = request.tool_call
+    runtime = request.runtime
+    config = getattr(runtime, "config", None) or {}
+    namespace = config.get("configurable", {}).get("checkpoint_ns")
+    if not namespace or not call.get("id"):
+        raise UserError(f"tool call {call['name']} has no checkpoint step or tool call id: a "
+                        "checkpointed graph's calls are keyed by both")
+    place = hashlib.sha256(f"{namespace}\n{call['id']}".encode()).hexdigest()[:32]
+    return f"{ctx.task_id}:{call['name']}:{place}"
 
 
 def tool_node(tools: Sequence[BaseTool | Callable[..., Any]], **kwargs: Any) -> ToolNode:
@@ -270,11 +292,15 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
             snapshot = await graph.aget_state(cast(RunnableConfig, cfg))
             if snapshot.next:  # stopped mid-run: resume where it was (input None)
                 state = None
-        token = _BINDING.set(_Binding(ctx, tools))
+        token = _BINDING.set(_Binding(ctx, tools, checkpointed))
         last: Any = state
+        # A call's key names the checkpoint its step ran from: that checkpoint is saved
+        # before the step runs ("sync"), or a resume could redo the step from an earlier one
+        # under new keys and pay again for a call that applied.
+        durability = "sync" if checkpointed else None
         try:
             async for chunk in graph.astream(state, cast(RunnableConfig, cfg),
-                                             stream_mode="values"):
+                                             stream_mode="values", durability=durability):
                 last = chunk
                 if on_event is not None:
                     forwarded = on_event(chunk)
