@@ -11,8 +11,9 @@ import pytest
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.tools import tool as lc_tool
 from langgraph.checkpoint.memory import InMemorySaver
-from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import interrupt
 
 import tether
 from tether.conformance import Shop
@@ -253,3 +254,90 @@ async def test_a_resumed_thread_keys_calls_by_their_checkpoint_step_not_by_attem
     assert len(set(keys[:3])) == 3 and set(keys[3:]) <= set(keys[1:3])  # C and B keep theirs
     assert [a.args["order_id"] for a in report.actions if a.state is A.COMPLETED] == ["B"]
     assert [e.kind for e in events].count("replay") == 1  # C
+
+
+def reviewed_graph(responses: list[BaseMessage], tools_node: Any, **compile_args: Any) -> Any:
+    """agent -> review -> tools -> agent: a person approves any refund of 1000 cents or more
+    (``interrupt``) before the tools node runs it; "no" ends the run."""
+    model = ScriptedChat(responses=responses)
+
+    async def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    async def review(state: MessagesState) -> dict[str, Any]:
+        last = state["messages"][-1]
+        assert isinstance(last, AIMessage)
+        big = [c for c in last.tool_calls if c["args"]["cents"] >= 1000]
+        if big and interrupt({"approve": [c["args"]["order_id"] for c in big]}) != "yes":
+            return {"messages": [AIMessage(content="declined")]}
+        return {}
+
+    def route(state: MessagesState) -> str:
+        last = state["messages"][-1]
+        return "tools" if getattr(last, "tool_calls", None) else END
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", call_model)
+    graph.add_node("review", review)
+    graph.add_node("tools", tools_node)
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition, {"tools": "review", END: END})
+    graph.add_conditional_edges("review", route)
+    graph.add_edge("tools", "agent")
+    return graph.compile(**compile_args)
+
+
+def big_refund_graph(shop: Shop, **compile_args: Any) -> Any:
+    return reviewed_graph([calls(("refund", {"order_id": "A", "cents": 500})),
+                           calls(("refund", {"order_id": "B", "cents": 5000})),
+                           AIMessage(content="A and B refunded")],
+                          tool_node([refund_tool(shop)]), **compile_args)
+
+
+async def test_an_interrupted_graph_waits_for_input_and_resumes_with_the_answer(
+        sqlite_url: str) -> None:
+    """A is refunded, then the graph stops at ``interrupt()`` to ask about B: the task is
+    INTERRUPTED with the question, not SUCCEEDED with ''. ``redelegate(resume="yes")`` runs the
+    thread on from the interrupt with the answer: B is refunded, A is not paid again."""
+    shop = Shop()
+    child = as_tether_agent(big_refund_graph(shop, checkpointer=InMemorySaver()),
+                            probes={"refund": shop.pay.lookup})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B", task_id="thread-9")
+        asked = await first.result()
+        waiting = await first.report()
+        assert isinstance(asked, tether.Interrupted)
+        assert list(asked.questions.values()) == [{"approve": ["B"]}]
+        assert waiting.outcome is tether.DelegationState.INTERRUPTED
+        second = await first.redelegate(resume="yes")
+        assert await second.result() == "A and B refunded"
+        report = await second.report()
+    assert report.outcome is tether.DelegationState.SUCCEEDED
+    assert [a.args["order_id"] for a in waiting.actions] == ["A"]
+    assert [a.args["order_id"] for a in report.actions] == ["B"]
+    assert [shop.pay.refund_count(o) for o in "AB"] == [1, 1]
+
+
+async def test_an_answer_is_given_only_to_a_task_that_waits_for_one(sqlite_url: str) -> None:
+    shop = Shop()
+    child = as_tether_agent(big_refund_graph(shop, checkpointer=InMemorySaver()))
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B")
+        assert isinstance(await first.result(), tether.Interrupted)
+        with pytest.raises(tether.UserError, match="waits for input: redelegate"):
+            await first.redelegate()
+        with pytest.raises(tether.UserError, match="cannot be serialized"):
+            await first.redelegate(resume=object())
+        second = await first.redelegate(resume="no")
+        assert await second.result() == "declined"
+        with pytest.raises(tether.UserError, match="does not wait for input"):
+            await second.redelegate(resume="yes")
+    assert [shop.pay.refund_count(o) for o in "AB"] == [1, 0]
+
+
+async def test_an_interrupt_without_a_checkpointer_fails_clearly(sqlite_url: str) -> None:
+    shop = Shop()
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(big_refund_graph(shop)), "refund A and B")
+        with pytest.raises(tether.DelegationError, match=r"interrupt\(\) and has no checkpointer"):
+            await handle.result()

@@ -60,6 +60,7 @@ from tether._core.verdict import (
     Verdict,
     evaluate_recall,
 )
+from tether._core.waiting import Interrupted
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.gateway import Context
@@ -101,6 +102,7 @@ __all__ = [
     "HookEvent",
     "Hooks",
     "IdempotencyConflict",
+    "Interrupted",
     "InvalidTransition",
     "Journal",
     "JournalCorrupt",

@@ -23,6 +23,7 @@ STATE_STYLE = {
     "COMPLETED": "green", "RECALLED": "green", "SUCCEEDED": "green", "RECONCILED": "green",
     "NOT_APPLIED": "cyan", "FAILED": "red", "UNKNOWN": "bold red", "IN_DOUBT": "yellow",
     "NEEDS_ATTENTION": "bold red", "PENDING": "yellow", "RUNNING": "yellow",
+    "INTERRUPTED": "yellow",
 }
 
 

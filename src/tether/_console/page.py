@@ -113,7 +113,7 @@ function renderTree() {
     li.append(link, " ", el("span", d.agent), " ", stateSpan(d.state), " ",
               el("span", ago(d.created_at, snap.now)));
     if (!["SUCCEEDED", "FAILED", "RECALLED", "TERMINATED", "RECONCILED", "NEEDS_ATTENTION",
-          "SUCCEEDED_PARTIAL", "CANCELLED"].includes(d.state)) {
+          "SUCCEEDED_PARTIAL", "CANCELLED", "INTERRUPTED"].includes(d.state)) {
       const grace = el("input", null, "grace"); grace.value = "30"; grace.title = "grace (s)";
       grace.dataset.testid = "grace-" + d.id;
       const recall = el("button", "Recall"); recall.dataset.testid = "recall-" + d.id;

@@ -76,6 +76,7 @@ class DelegationState(StrEnum):
     NEEDS_ATTENTION = "NEEDS_ATTENTION"
     SUCCEEDED_PARTIAL = "SUCCEEDED_PARTIAL"  # a cut stream's salvaged output is the result
     CANCELLED = "CANCELLED"  # a re-dispatched attempt torn down before its code ran
+    INTERRUPTED = "INTERRUPTED"  # stopped to wait for input; re-delegated with the answer
 
     @property
     def terminal(self) -> bool:
@@ -92,6 +93,7 @@ DELEGATION_TERMINAL = frozenset(
         DelegationState.NEEDS_ATTENTION,
         DelegationState.SUCCEEDED_PARTIAL,
         DelegationState.CANCELLED,
+        DelegationState.INTERRUPTED,
     }
 )
 
@@ -99,12 +101,13 @@ _S = DelegationState
 _FINISH = frozenset({_S.RECONCILED, _S.NEEDS_ATTENTION})
 _DELEGATION_MOVES: dict[DelegationState, frozenset[DelegationState]] = {
     _S.RUNNING: frozenset({_S.SUCCEEDED, _S.FAILED, _S.RECALLING, _S.TERMINATING,
-                           _S.SUCCEEDED_PARTIAL, _S.CANCELLED}) | _FINISH,
+                           _S.SUCCEEDED_PARTIAL, _S.CANCELLED, _S.INTERRUPTED}) | _FINISH,
     _S.RECALLING: frozenset({_S.RECALLED, _S.TERMINATING}) | _FINISH,
     _S.TERMINATING: frozenset({_S.TERMINATED}) | _FINISH,
     # A finished child whose own actions were in doubt is reconciled afterwards.
     _S.SUCCEEDED: _FINISH,
     _S.SUCCEEDED_PARTIAL: _FINISH,
+    _S.INTERRUPTED: _FINISH,
     _S.FAILED: _FINISH,
     _S.CANCELLED: frozenset(),
     _S.RECALLED: _FINISH,

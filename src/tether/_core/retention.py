@@ -1,7 +1,8 @@
 """Retention: which delegations may leave the journal. Pure.
 
 A delegation tree may be pruned only when nothing in it can change any more and nothing in it
-needs a person: every node settled (and none NEEDS_ATTENTION), every action final (COMPLETED,
+needs a person: every node settled (and none NEEDS_ATTENTION or INTERRUPTED, which waits for
+a person's answer and is resumed from its records), every action final (COMPLETED,
 FAILED or NOT_APPLIED; never PENDING, IN_DOUBT or UNKNOWN), every call past its dispatch
 deadline (so no late receipt can still arrive for it), and the whole tree ended before the
 cut-off. Anything else stays, however old.
@@ -16,6 +17,7 @@ from tether._core.model import ActionState, DelegationState
 from tether._core.outcome import may_still_apply
 
 FINAL_ACTIONS = frozenset({ActionState.COMPLETED, ActionState.FAILED, ActionState.NOT_APPLIED})
+AWAITING_PERSON = frozenset({DelegationState.NEEDS_ATTENTION, DelegationState.INTERRUPTED})
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ def prunable(nodes: Iterable[NodeFacts], calls: Iterable[CallFacts], *, before: 
              now: float, tolerance: float) -> bool:
     """Whether a tree (its root and every descendant, with all their actions) may be pruned."""
     for node in nodes:
-        if not node.state.terminal or node.state is DelegationState.NEEDS_ATTENTION:
+        if not node.state.terminal or node.state in AWAITING_PERSON:
             return False
         if node.ended_at is None or node.ended_at >= before:
             return False

@@ -42,6 +42,7 @@ from tether._core.errors import UserError
 from tether._core.model import Effect
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.redispatch import Partial, StreamCut
+from tether._core.waiting import Interrupted
 from tether._integrations.cuts import cut_reason
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, ProbeFn, Tool
@@ -199,7 +200,11 @@ class Subgraph:
         if binding is None:
             return await self.graph.ainvoke(state)
         handle = await binding.ctx.delegate(self.agent, _to_json(state))
-        return _from_json(await handle.result())
+        result = await handle.result()
+        if isinstance(result, Interrupted):  # its answer would have to pass the parent's run
+            raise UserError(f"subgraph {self.agent.name} stopped at interrupt(): a subgraph "
+                            "run as a nested delegation cannot wait for input")
+        return _from_json(result)
 
 
 def subgraph(graph: Any, *, name: str, effects: Mapping[str, Effect] | None = None,
@@ -280,7 +285,8 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
              for n in found}
     checkpointed = getattr(graph, "checkpointer", None) not in (None, False)
 
-    async def run(ctx: Context, input: Any, whole_state: bool = False) -> Any:
+    async def run(ctx: Context, input: Any, whole_state: bool = False,
+                  resume: Mapping[str, Any] | None = None) -> Any:
         state = {"messages": [{"role": "user", "content": input}]} \
             if isinstance(input, str) else input
         before = len(state.get("messages", ())) if isinstance(state, dict) else 0
@@ -290,7 +296,15 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
         if checkpointed:  # one checkpoint thread per tether task: a re-delegation resumes it
             cfg["configurable"] = {"thread_id": ctx.task_id, **cfg.get("configurable", {})}
             snapshot = await graph.aget_state(cast(RunnableConfig, cfg))
-            if snapshot.next:  # stopped mid-run: resume where it was (input None)
+            waiting = {i.id: i.value for i in snapshot.interrupts}
+            # Answers go by interrupt id, so an answer journaled with an earlier attempt's
+            # arguments never answers a later question.
+            answers = {k: v for k, v in (resume or {}).items() if k in waiting}
+            if answers:  # stopped at interrupt(): run on from there with the answers
+                state = Command(resume=answers)
+            elif waiting:  # nothing answers what it asks: it still waits, nothing runs
+                return Interrupted(waiting)
+            elif snapshot.next:  # stopped mid-run: resume where it was (input None)
                 state = None
         token = _BINDING.set(_Binding(ctx, tools, checkpointed))
         last: Any = state
@@ -314,6 +328,12 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
             raise StreamCut(reason, _partial(last, before), repr(exc)) from None
         finally:
             _BINDING.reset(token)
+        asked = last.get("__interrupt__") if isinstance(last, dict) else None
+        if asked:
+            if not checkpointed:
+                raise UserError("the graph stopped at interrupt() and has no checkpointer to "
+                                "resume from: compile it with one")
+            return Interrupted({i.id: i.value for i in asked})
         return last if whole_state else _output(last)
 
     return Agent(name or getattr(graph, "name", None) or "graph", run,

@@ -7,12 +7,11 @@ import base64
 from typing import Any
 
 from tether._core.model import ActionState, DelegationState
-from tether._core.retention import CallFacts, NodeFacts, prunable
+from tether._core.retention import AWAITING_PERSON, CallFacts, NodeFacts, prunable
 from tether._journal.ops import actions, controls, documents, events, subtree
 from tether._journal.tables import SUBTREE, Db, chunks, event
 
-_SETTLED = tuple(s.value for s in DelegationState
-                 if s.terminal and s is not DelegationState.NEEDS_ATTENTION)
+_SETTLED = tuple(s.value for s in DelegationState if s.terminal and s not in AWAITING_PERSON)
 
 
 def roots(db: Db, *, since: float | None, until: float | None, after: str | None,

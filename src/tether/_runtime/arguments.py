@@ -9,8 +9,9 @@ from typing import Any
 
 from tether._core import values
 from tether._core.errors import UserError
-from tether._core.model import Policy
+from tether._core.model import DelegationState, Policy
 from tether._core.redispatch import RedispatchPolicy
+from tether._core.waiting import Interrupted
 from tether._journal.journal import Journal
 from tether._runtime.keys import KeyRing
 from tether._runtime.tools import Agent
@@ -54,6 +55,21 @@ def stored_result(value: Any, agent: Agent) -> tuple[Any, Any]:
     if bad is not None:
         raise bad
     return stored, shown
+
+
+Ending = tuple[DelegationState, Any, str | None, str | None]  # state, result, error, failure
+
+
+def ending_for(value: Any, agent: Agent) -> tuple[Ending, Any]:
+    """How a child that returned ``value`` ends, and what ``Handle.result`` gives: SUCCEEDED
+    with its result, or INTERRUPTED with the questions it waits on."""
+    if isinstance(value, Interrupted):
+        bad = unstorable(value.to_json(), agent.name)
+        if bad is not None:
+            raise UserError(f"the questions of {agent.name} cannot be stored: {bad}")
+        return (DelegationState.INTERRUPTED, value.to_json(), None, None), value
+    stored, shown = stored_result(value, agent)
+    return (DelegationState.SUCCEEDED, stored, None, None), shown
 
 
 def check_supervisor(journal: object, clock: object, keys: object, policy: object,

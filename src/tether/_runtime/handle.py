@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any
 from tether._core.errors import AlreadyFinished, DelegationError, InvalidTransition, UserError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
+from tether._core.waiting import Interrupted
 from tether._journal.rows import DelegationRow, NewDelegation
+from tether._runtime.arguments import child_payload
 from tether._runtime.attempts import result_of
 from tether._runtime.remote import queued_result, wait_queued
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
@@ -17,6 +19,27 @@ from tether._runtime.tools import OutputCodec
 
 if TYPE_CHECKING:
     from tether._runtime import ports
+
+
+_NO_ANSWER: Any = object()
+# Where an interrupted task can be after it ended: reconciling its own calls in doubt moves it on.
+_ASKED = frozenset({DelegationState.INTERRUPTED, DelegationState.RECONCILED,
+                    DelegationState.NEEDS_ATTENTION})
+
+
+def _with_answers(row: DelegationRow, resume: Any) -> dict[str, Any]:
+    """The arguments a re-delegation runs with: the task's, and for an interrupted task the
+    answers (its agent's ``resume`` keyword), journaled with them."""
+    asked = Interrupted.from_json(row.result) if row.state in _ASKED else None
+    if resume is _NO_ANSWER:
+        if asked is not None:
+            raise UserError(f"task {row.task_id} waits for input: redelegate(resume=answer)")
+        return dict(row.args)
+    if asked is None:
+        raise UserError(f"task {row.task_id} does not wait for input: redelegate() without "
+                        "resume")
+    kwargs = {**row.args["kwargs"], "resume": asked.answers(resume)}
+    return child_payload(row.args["args"], kwargs, f"the answer to {row.task_id}")
 
 
 class Handle:
@@ -166,13 +189,16 @@ class Handle:
     async def report(self) -> Report:
         return await self._sup.report(self.id)
 
-    async def redelegate(self) -> Handle:
+    async def redelegate(self, *, resume: Any = _NO_ANSWER) -> Handle:
         """Run the same task again at epoch + 1. Only one caller can move a task from the epoch
-        it saw (compare-and-set in the journal); the old child stays fenced."""
+        it saw (compare-and-set in the journal); the old child stays fenced. A task that ended
+        INTERRUPTED (waiting for input) is run on with ``resume``, the answer: the value for
+        its one question, or a mapping from question ids to answers."""
         sup = self._sup
         row = await sup.journal.get(self.id)
         if not (row.state.terminal or row.fenced):
             raise InvalidTransition(self.id, row.state.value, "re-delegated (recall it first)")
+        args = _with_answers(row, resume)
         # The new epoch replays completed calls by their idempotency keys and trusts what the
         # old ones' records say (every epoch of the task, and of its children's tasks): never
         # on records that fail their chain (Tampered).
@@ -181,7 +207,7 @@ class Handle:
         if await self._is_queued():
             new = await sup.journal.create_delegation(sup.sign_work(NewDelegation(
                 id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
-                agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
+                agent=row.agent, surface=row.surface, args=args, owner_id=sup.owner_id,
                 now=sup.clock.wall(), redelegate_from_epoch=row.epoch, model=row.model,
                 queued=True)))
             return Handle(sup, new, queued=True, output=self._output)
@@ -190,11 +216,11 @@ class Handle:
             raise UserError(f"delegation {self.id} is not a root delegation run by this process")
         new = await sup.journal.create_delegation(NewDelegation(
             id=new_id("d"), task_id=row.task_id, parent_id=None, attempt=row.attempt,
-            agent=row.agent, surface=row.surface, args=row.args, owner_id=sup.owner_id,
+            agent=row.agent, surface=row.surface, args=args, owner_id=sup.owner_id,
             now=sup.clock.wall(), redelegate_from_epoch=self.epoch, model=row.model,
         ))
         policy = rt.run.policy if rt.run else sup.redispatch
-        run = await sup.launch(ChildRuntime(new, rt.agent, rt.surface), row.args["args"],
-                               row.args["kwargs"], policy)
+        run = await sup.launch(ChildRuntime(new, rt.agent, rt.surface), args["args"],
+                               args["kwargs"], policy)
         return Handle.for_run(sup, run)
 

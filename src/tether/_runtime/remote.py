@@ -17,6 +17,7 @@ from tether._core.errors import DelegationError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
+from tether._core.waiting import Interrupted
 from tether._journal import ops
 from tether._journal.rows import DelegationRow, OwnerRow
 from tether._runtime.reconcile import build_report, settle_subtree
@@ -135,9 +136,11 @@ async def wait_queued(sup: ports.Remote, queued_id: str) -> DelegationRow:
 
 
 def queued_result(row: DelegationRow) -> Any:
-    """A finished queued task's result, as stored (JSON); DelegationError if it did not
-    succeed."""
+    """A finished queued task's result, as stored (JSON), or the questions it waits on;
+    DelegationError if it did not succeed."""
     if row.state in (DelegationState.SUCCEEDED, DelegationState.SUCCEEDED_PARTIAL):
         return row.result
+    if row.state is DelegationState.INTERRUPTED:
+        return Interrupted.from_json(row.result)
     reason = f"{row.state.value}: {row.error or row.failure or 'stopped'}"
     raise DelegationError(row.id, row.task_id, row.attempt, reason)

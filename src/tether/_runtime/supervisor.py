@@ -38,7 +38,7 @@ from tether._runtime.adoption import Adoption
 from tether._runtime.arguments import (
     check_supervisor,
     child_payload,
-    stored_result,
+    ending_for,
     unstorable,
 )
 from tether._runtime.attempts import drive, ending_of, record, stop_hook
@@ -404,8 +404,7 @@ class Supervisor:
             if rt.stop is not None:
                 raise rt.stop
             value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
-            stored, shown = stored_result(value, rt.agent)
-            ending = (DelegationState.SUCCEEDED, stored, None, None)
+            ending, shown = ending_for(value, rt.agent)
             outcome: tuple[bool, Any] = (True, shown)
         except ControlSignal as signal:
             if rt.stop is None and rt.draining is None and not self.presumed_dead():
