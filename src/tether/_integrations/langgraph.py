@@ -9,7 +9,9 @@ an error message is in doubt and probed; a model call that fails in transit rais
 ``StreamCut``; a graph with a checkpointer runs on the thread named after the tether task, so
 re-delegating the task resumes it and replays completed actions instead of repeating them: its
 calls are keyed by their place in the thread (the checkpoint step and the model's tool call
-id), the same in every attempt. A node built with ``subgraph(graph, name=...)`` runs that
+id), the same in every attempt. A checkpointed graph stopped at ``interrupt()`` ends as
+``tether.Interrupted`` (INTERRUPTED) and runs on with ``Command(resume=...)`` when the task is
+re-delegated with ``resume=``. A node built with ``subgraph(graph, name=...)`` runs that
 subgraph as a nested delegation.
 """
 
