@@ -26,7 +26,10 @@ async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Pa
     for record in result["trials_detail"]:
         # The fault happened, while the trial ran.
         assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
-        if record["variant"] == "shorter":  # away for less than a lease: no worker gave up
+        # How long the server was away, as it happened (a loaded machine stretches a stop
+        # and start): well inside the lease (a worker renews every tenth of it, and needs a
+        # moment to reconnect), no worker gave up.
+        if record["fault_took"] < 0.8 * record["plan"]["lease"]:
             assert record["worker_exits"] == 0, record
 
 

@@ -79,6 +79,9 @@ class TrialResult:
             "violations": len(self.violations), "plan": json_plan(self.plan),
             "schedule": tracing.schedule(self.trace), "worker_exits": self.worker_exits(),
         }
+        took = self.fault_took()
+        if took is not None:  # how long the server or disk was away, to judge the exits by
+            out["fault_took"] = round(took, 3)
         if self.error:
             out["error"] = self.error
         if full:
@@ -86,6 +89,14 @@ class TrialResult:
             out["trace"] = self.trace
         return out
 
+
+    def fault_took(self) -> float | None:
+        """How long the harness's infrastructure fault lasted (a restart's ``pg_ctl``), if any."""
+        for e in self.trace:
+            if e["who"] == "harness" and e["what"] == self.plan.fault:
+                took = e.get("detail", {}).get("took")
+                return float(took) if isinstance(took, int | float) else None
+        return None
 
     def worker_exits(self) -> int:
         """Workers that exited on their own (their lease lost, say), not when told to stop."""
