@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from tether._core.errors import DelegationError, ToolRejected, UserError
 from tether._core.model import ACTION_FINAL, ActionState, DelegationState, Policy
 from tether._core.redispatch import Code, Partial, RedispatchPolicy
 from tether._core.report import Report
+from tether._runtime.declared import TOOLS_ENV
 from tether._runtime.handle import Handle
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
@@ -354,6 +356,56 @@ async def structured_output(h: Harness, url: str) -> None:
     assert refunds(report) == [("A", ActionState.COMPLETED)]
 
 
+# Where the next supervisor finds the agent's tools in the scenarios below: what a deployment
+# names in $TETHER_TOOLS (here, this module's attribute, as a new process would import it).
+DECLARED: list[Agent] = []
+
+
+def _all_actions(report: Report) -> list[Any]:
+    return [*report.actions, *(a for c in report.children for a in _all_actions(c))]
+
+
+async def _probed_by_the_next_supervisor(h: Harness, url: str, steps: Sequence[Step]) -> None:
+    """A terminate leaves a refund in doubt (not applied yet, before its deadline); the request
+    then lands at the provider and the supervisor closes. The next ``Supervisor(journal)``,
+    told where the agent's tools live by ``$TETHER_TOOLS`` alone, probes it: COMPLETED."""
+    shop = Shop(gate=asyncio.Event())  # never set: the reply never comes
+    async with Supervisor(url) as sup:
+        handle = await sup.delegate(await _make(h, shop, steps), "refund A")
+        await shop.started.wait()
+        report = await handle.terminate(reason="stop")
+    (action,) = _all_actions(report)
+    assert action.state is ActionState.IN_DOUBT, report
+    await shop.pay.refund("A", 500, idempotency_key=action.idempotency_key)  # it lands
+    DECLARED[:] = [await _make(h, Shop(pay=shop.pay), steps)]  # as a new process builds it
+    saved = os.environ.get(TOOLS_ENV)
+    os.environ[TOOLS_ENV] = f"{__name__}:DECLARED"
+    try:
+        async with Supervisor(url) as sup:
+            report = await sup.report(handle.id)
+    finally:
+        DECLARED.clear()
+        if saved is None:
+            del os.environ[TOOLS_ENV]
+        else:
+            os.environ[TOOLS_ENV] = saved
+    (action,) = _all_actions(report)
+    assert action.state is ActionState.COMPLETED, report
+    assert action.evidence is not None and action.evidence["probe"] == "COMPLETED"
+    # The node that holds the call was probed (RECONCILED), the ones above it terminated.
+    assert report.outcome in (DelegationState.TERMINATED, DelegationState.RECONCILED), report
+    assert DelegationState.NEEDS_ATTENTION not in {c.outcome for c in report.children}, report
+
+
+async def probed_by_the_next_supervisor(h: Harness, url: str) -> None:
+    await _probed_by_the_next_supervisor(h, url, [Refund("A"), Say("done")])
+
+
+async def nested_probed_by_the_next_supervisor(h: Harness, url: str) -> None:
+    await _probed_by_the_next_supervisor(h, url, [Nested((Refund("A"), Say("done"))),
+                                                  Say("done")])
+
+
 Scenario = Callable[[Harness, str], Awaitable[None]]
 BASIC: dict[str, Scenario] = {
     "through_the_gateway": through_the_gateway,
@@ -364,11 +416,13 @@ BASIC: dict[str, Scenario] = {
     "raises_after_applying": raises_after_applying,
     "rejected_is_failed": rejected_is_failed,
     "unmediated_never_re_dispatched": unmediated_never_re_dispatched,
+    "probed_by_the_next_supervisor": probed_by_the_next_supervisor,
 }
 NESTING: dict[str, Scenario] = {
     "nested_own_keys": nested_own_keys,
     "nested_fenced_by_root_recall": nested_fenced_by_root_recall,
     "keys_unique_across_nesting": keys_unique_across_nesting,
+    "nested_probed_by_the_next_supervisor": nested_probed_by_the_next_supervisor,
 }
 HANDOFFS: dict[str, Scenario] = {"handoff_mediated": handoff_mediated}
 STRUCTURED: dict[str, Scenario] = {"structured_output": structured_output}

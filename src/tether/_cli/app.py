@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import os
 import sys
@@ -25,12 +24,12 @@ from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import SystemClock
+from tether._runtime.declared import HOW, deployment_tools, load_tools
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import configure as configure_logs
 from tether._runtime.reconcile import build_report
 from tether._runtime.remote import owner_alive
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.tools import Agent, Tool
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Recall, terminate and reconcile sub-agents with real side effects.")
@@ -260,42 +259,23 @@ def terminate(delegation_id: str, reason: Annotated[str, typer.Option("--reason"
                  as_json)
 
 
-def load_tools(specs: list[str]) -> list[Tool]:
-    """``module:attribute`` naming a Tool, an Agent, or an iterable of them."""
-    found: list[Tool] = []
-    for spec in specs:
-        module_name, _, attr = spec.partition(":")
-        if not module_name or not attr:
-            raise UserError(f"--tools {spec!r}: expected module:attribute")
-        try:
-            obj: Any = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise UserError(f"--tools {spec!r}: {exc}") from None
-        items = obj if isinstance(obj, list | tuple) else [obj]
-        for item in items:
-            if isinstance(item, Agent):
-                found.extend(t for t in item.tools if isinstance(t, Tool))
-            elif isinstance(item, Tool):
-                found.append(item)
-            else:
-                raise UserError(f"--tools {spec!r}: {item!r} is not a tether tool or agent")
-    return found
-
-
 @app.command()
 @cli_errors
 def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
               journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
               tools: Annotated[list[str] | None, typer.Option(
-                  "--tools", help="module:attribute of tools whose probes to use.")] = None,
+                  "--tools", help="module:attribute of tools (or agents) whose probes to use "
+                  "(default: $TETHER_TOOLS).")] = None,
               as_json: JsonOpt = False) -> None:
     """Reconcile delegations whose owner died, and every action still in doubt."""
     from tether._cli.render import render_report
 
     sys.path.insert(0, os.getcwd())
-    loaded = load_tools(tools or [])
+    # These, else what $TETHER_TOOLS names (the supervisor's default), before anything opens.
+    loaded = list((load_tools(tools, "--tools") if tools else deployment_tools()).values())
 
     refused: dict[str, str] = {}
+    undeclared: set[str] = set()
 
     async def go() -> list[dict[str, Any]]:
         j = Journal(journal, create=False)
@@ -303,9 +283,15 @@ def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
         async with Supervisor(j, keys=ring, tools=loaded, recover=False) as sup:
             if delegation_id is not None:
                 await j.get(delegation_id)  # an unknown id is a mistake, not "nothing to do"
-            return [r.to_json() for r in await sup.recover(delegation_id, refused)]
+            found = [r.to_json() for r in await sup.recover(delegation_id, refused)]
+            undeclared.update(sup.undeclared_tools)
+            return found
 
     reports = run(go())
+    for name in sorted(undeclared):
+        err.print(f"[yellow]warning:[/yellow] no tool named {safe(repr(name))} is declared, so "
+                  f"its calls in doubt stay UNKNOWN: {safe(HOW)}", highlight=False,
+                  soft_wrap=True)
     code = 1 if refused or any(r["outcome"] in ATTENTION for r in reports) else 0
     if as_json:
         # A refused delegation is listed as such: its records fail their chain, so it has no

@@ -26,6 +26,7 @@ from tether._core.outcome import PriorCall, final_at, holds_key, probe_again
 from tether._core.report import ActionRecord, Report
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
+from tether._runtime.declared import HOW
 from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report, deadline_of, probe_all, settle_subtree
 from tether._runtime.remote import owner_alive, settle_unclaimed
@@ -49,6 +50,19 @@ class Accounting:
         self._deadlines: dict[str, float] = {}  # the dispatch deadline of each call in _calls
         self._rechecks: set[str] = set()  # roots with a re-probe scheduled
         self._refusals: dict[str, str] = {}  # the current recovery's: delegation -> why
+        self.undeclared: set[str] = set()  # names of tools asked for that nobody declared
+
+    async def _probe(self, actions: list[ActionRecord]) -> None:
+        """Probe ``actions`` with the tools this supervisor knows. A call of a tool nobody
+        declared to this process stays UNKNOWN: said once per tool, in one line, naming how
+        to declare it (a silent NEEDS_ATTENTION would look like the probe's own answer)."""
+        sup = self._sup
+        for name in sorted({a.tool for a in actions} - set(self._tools) - self.undeclared):
+            self.undeclared.add(name)
+            log.warning("no tool named %r is declared to this process, so its calls in doubt "
+                        "stay UNKNOWN: %s", name, HOW, extra={"tool": name})
+        await probe_all(sup.journal, actions, self._tools, sup.clock, sup.policy.probe_timeout,
+                        sup.telemetry.probed, tolerance=sup.policy.clock_tolerance)
 
     def track_call(self, action_id: str, task: asyncio.Task[Any], deadline_at: float) -> None:
         self._calls[action_id] = task
@@ -74,9 +88,7 @@ class Accounting:
             if now >= final and self._probe_again(action):
                 # Past its deadline nothing can apply any more: the next probe is final (also
                 # for an UNKNOWN whose probe failed while the call could still apply).
-                await probe_all(sup.journal, [action], self._tools, sup.clock,
-                                sup.policy.probe_timeout, sup.telemetry.probed,
-                                tolerance=tolerance)
+                await self._probe([action])
                 action = await sup.journal.action(action_id)
             if not holds_key(PriorCall(action.id, action.tool, "", action.state,
                                        deadline_at=deadline), now, tolerance):
@@ -147,9 +159,7 @@ class Accounting:
         await sup.journal.flush()
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
-            await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout, sup.telemetry.probed,
-                            tolerance=sup.policy.clock_tolerance)
+            await self._probe(doubtful)
         await settle_subtree(sup.journal, root_id, sup.clock, fallback)
         await self._recheck_later(root_id, fallback)
 
@@ -218,9 +228,7 @@ class Accounting:
         tampered = {d: await self._refused(d) for d in {a.delegation_id for a in doubtful}}
         doubtful = [a for a in doubtful if not tampered[a.delegation_id]]
         if doubtful:
-            await probe_all(sup.journal, doubtful, self._tools, sup.clock,
-                            sup.policy.probe_timeout, sup.telemetry.probed,
-                            tolerance=sup.policy.clock_tolerance)
+            await self._probe(doubtful)
             roots = {a.delegation_id for a in doubtful}
             for root in roots:
                 row = await sup.journal.get(root)

@@ -85,5 +85,5 @@ def check_supervisor(journal: object, clock: object, keys: object, policy: objec
                               ("redispatch", redispatch, RedispatchPolicy)):
         if value is not None and not isinstance(value, kind):
             raise UserError(f"{name} must be a tether.{kind.__name__}, not {type(value).__name__}")
-    if isinstance(tools, str | bytes) or not isinstance(tools, Iterable):
+    if tools is not None and (isinstance(tools, str | bytes) or not isinstance(tools, Iterable)):
         raise UserError(f"tools must be a list of tools, not {type(tools).__name__}")

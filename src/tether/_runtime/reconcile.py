@@ -14,6 +14,7 @@ from tether._core.report import ActionRecord, Report
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
+from tether._runtime.declared import HOW
 from tether._runtime.tools import ProbeResult, Tool
 
 
@@ -22,7 +23,8 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
     """Never guesses: no probe, a probe error or a timeout is UNKNOWN, with the reason."""
     if tool is None:
         return ProbeResult(ProbeOutcome.UNKNOWN,
-                           {"reason": f"no tool named {action.tool!r} is known to reconcile with"})
+                           {"reason": f"no tool named {action.tool!r} is declared to this "
+                                      f"process: {HOW}"})
     if tool.probe is None:
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"tool {tool.name} has no probe"})
     try:

@@ -45,6 +45,7 @@ from tether._runtime.attempts import drive, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.clockcheck import check_clock
 from tether._runtime.compensation import compensate
+from tether._runtime.declared import deployment_tools
 from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
@@ -68,11 +69,16 @@ class Supervisor:
     """Holds the journal and the keys, and every child this process runs.
 
     ``async with Supervisor("sqlite:///.tether/journal.db") as sup: ...``
+
+    ``tools``: tools, or agents (adapter-built ones too) whose tools count at any depth, whose
+    probes settle calls an earlier process left in doubt; by default those ``$TETHER_TOOLS``
+    names (``module:attribute``, see ``declared``). A child's own tools are learned as it is
+    delegated.
     """
 
     def __init__(self, journal: str | Journal = DEFAULT_URL, *, clock: Clock | None = None,
                  keys: KeyRing | None = None, policy: Policy | None = None,
-                 tools: Iterable[Tool] = (), durable: bool = True,
+                 tools: Iterable[Tool | Agent] | None = None, durable: bool = True,
                  control_poll: float = 0.05, recover: bool = True,
                  redispatch: RedispatchPolicy | None = None, hooks: Hooks | None = None,
                  tracer_provider: TracerProvider | None = None,
@@ -87,7 +93,10 @@ class Supervisor:
         self.journal.clock_tolerance = self.policy.clock_tolerance
         self._keys = keys
         self._tools: dict[str, Tool] = {}
-        self._learn(check_surface(tools, "Supervisor(tools=...)").values())
+        if tools is None:  # the deployment's: where $TETHER_TOOLS says its tools live
+            self._tools.update(deployment_tools())
+        else:
+            self._learn(check_surface(tools, "Supervisor(tools=...)").values())
         self.owner_id = new_id("o")
         self._runtimes: dict[str, ChildRuntime] = {}
         self._accounts = Accounting(self, self._tools)
@@ -113,6 +122,12 @@ class Supervisor:
         if self._keys is None:
             raise UserError("the supervisor is not open: use 'async with Supervisor(...)'")
         return self._keys
+
+    @property
+    def undeclared_tools(self) -> frozenset[str]:
+        """Names of tools whose calls this supervisor had to probe and nobody declared to it
+        (those calls stay UNKNOWN)."""
+        return frozenset(self._accounts.undeclared)
 
     @property
     def control_poll(self) -> float:
