@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,17 +30,26 @@ from agents import (
     RunConfig,
     RunHooks,
     Runner,
+    RunResultStreaming,
     Session,
     StreamEvent,
     default_tool_error_function,
 )
+from agents.agent_tool_input import resolve_agent_tool_input
+from agents.tool import maybe_invoke_function_tool_failure_error_function
 from agents.tool_context import ToolContext
 
-from tether._core.errors import DelegationError, UserError
+from tether._core.errors import ControlSignal, DelegationError, UserError
 from tether._core.model import Effect
 from tether._core.redispatch import CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
-from tether._integrations.openai_agents_graph import TOOL_CONTEXT, Plan, Planner, current_key
+from tether._integrations.openai_agents_graph import (
+    TOOL_CONTEXT,
+    AgentToolOptions,
+    Plan,
+    Planner,
+    current_key,
+)
 from tether._integrations.outputs import output_codec
 from tether._runtime.gateway import Context
 from tether._runtime.tools import Agent, OutputCodec, ProbeFn, Tool
@@ -67,7 +77,41 @@ class RunOptions:
     on_event: EventFn | None
 
 
-def _mediated(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
+@dataclass
+class _Stopping:
+    """The stop (a recall or terminate) a tool of this run met. A tool never raises it into the
+    SDK: the SDK runs one model turn's tool calls as sibling tasks, and a stop raised by one
+    of them (a BaseException) while the run is being torn down, by a sibling's stop or by the
+    drain cancelling it, is logged by the SDK as a fatal background failure with its
+    traceback. The tool returns a line saying it did not run, and the run raises the stop at
+    its next event, or as it ends."""
+
+    signal: ControlSignal | None = None
+
+    def check(self, ctx: Context) -> None:
+        if self.signal is not None:
+            raise self.signal
+        ctx.check()
+
+    def met(self, signal: ControlSignal) -> str:
+        self.signal = self.signal or signal
+        return f"not run: the delegation was stopped ({signal})"
+
+
+@dataclass(eq=False)
+class _AgentToolCall:
+    """One call of an ``as_tool`` tool: its options, for the nested run (which reads them from
+    AS_TOOL, set where the nested delegation starts, so every attempt of it sees them), and
+    the result of the nested run's last attempt, for ``custom_output_extractor``."""
+
+    options: AgentToolOptions
+    result: RunResultStreaming | None = None
+
+
+AS_TOOL: ContextVar[_AgentToolCall | None] = ContextVar("tether_as_tool", default=None)
+
+
+def _mediated(ctx: Context, tool: Tool, sdk: FunctionTool, stopping: _Stopping) -> FunctionTool:
     async def on_invoke(context: ToolContext[Any], raw: str) -> Any:
         try:
             arguments = json.loads(raw) if raw else {}
@@ -78,6 +122,8 @@ def _mediated(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
         token = TOOL_CONTEXT.set(context)  # copied into the action's task
         try:
             return await ctx.call(tool, **arguments)
+        except ControlSignal as signal:
+            return stopping.met(signal)
         except Exception as exc:  # recorded by the gateway; the model hears of it as usual
             return default_tool_error_function(context, exc)
         finally:
@@ -86,39 +132,67 @@ def _mediated(ctx: Context, tool: Tool, sdk: FunctionTool) -> FunctionTool:
     return dataclasses.replace(sdk, on_invoke_tool=on_invoke)
 
 
-def _nested(ctx: Context, agent: Agent, sdk: FunctionTool) -> FunctionTool:
-    """An ``as_tool`` sub-agent run as a nested delegation of this one."""
+async def _failed(sdk: FunctionTool, context: ToolContext[Any], exc: Exception) -> Any:
+    """What the tool's own failure function (``as_tool(failure_error_function=...)``) tells the
+    model; with none, the error propagates, as in the SDK."""
+    said = await maybe_invoke_function_tool_failure_error_function(
+        function_tool=sdk, context=context, error=exc)
+    if said is None:
+        raise exc
+    return said
+
+
+def _nested(ctx: Context, agent: Agent, sdk: FunctionTool, options: AgentToolOptions,
+            stopping: _Stopping) -> FunctionTool:
+    """An ``as_tool`` sub-agent run as a nested delegation of this one, its input built from
+    the tool's parameters as the SDK builds it, its output the extractor's when there is one."""
 
     async def on_invoke(context: ToolContext[Any], raw: str) -> Any:
         try:
-            arguments = json.loads(raw) if raw else {}
-        except ValueError:
-            arguments = None
-        if isinstance(arguments, dict) and set(arguments) == {"input"}:
-            request: Any = arguments["input"]
-        else:
-            request = raw  # structured parameters: the sub-agent reads them as JSON
-        handle = await ctx.delegate(agent, request)
+            parsed = options.params.validate_python(json.loads(raw) if raw else {})
+            request = await resolve_agent_tool_input(
+                params=options.params.dump_python(parsed, mode="json"),
+                schema_info=options.schema_info, input_builder=options.input_builder)
+        except Exception as exc:  # the model's arguments do not fit: the model hears of it
+            return await _failed(sdk, context, exc)
+        call = _AgentToolCall(options)
+        token = AS_TOOL.set(call)
+        try:
+            handle = await ctx.delegate(agent, request)
+        except ControlSignal as signal:
+            return stopping.met(signal)
+        finally:
+            AS_TOOL.reset(token)
         try:
             result = await handle.result()
         except DelegationError as exc:
-            ctx.check()  # stopped because this delegation was: stop here too
-            return default_tool_error_function(context, exc)
-        return result.text if isinstance(result, Partial) else result
+            try:
+                ctx.check()  # stopped because this delegation was: stop here too
+            except ControlSignal as signal:
+                return stopping.met(signal)
+            return await _failed(sdk, context, exc)
+        if isinstance(result, Partial):
+            return result.text
+        if options.extractor is not None and call.result is not None:
+            try:
+                return await options.extractor(call.result)
+            except Exception as exc:
+                return await _failed(sdk, context, exc)
+        return result
 
     return dataclasses.replace(sdk, on_invoke_tool=on_invoke)
 
 
-def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
+def _bind(plan: Plan, ctx: Context, stopping: _Stopping) -> SdkAgent[Any]:
     """Clones of the plan's agents whose tools call the gateway of ``ctx`` and whose handoffs
     lead to each other's clones, never to the unmediated originals."""
     clones = {id(m): m.clone() for m in plan.members}
 
     def tool(item: Any, member: SdkAgent[Any]) -> Any:
         if id(item) in plan.tools:
-            return _mediated(ctx, plan.tools[id(item)], item)
+            return _mediated(ctx, plan.tools[id(item)], item, stopping)
         if id(item) in plan.nested:
-            return _nested(ctx, plan.nested[id(item)], item)
+            return _nested(ctx, plan.nested[id(item)], item, plan.options[id(item)], stopping)
         name = getattr(item, "name", None)
         if isinstance(item, FunctionTool) or name not in plan.surface:
             # Added to the agent after tether planned it: it would run unseen (fail closed).
@@ -153,9 +227,17 @@ def _bind(plan: Plan, ctx: Context) -> SdkAgent[Any]:
 
 async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
                top: bool) -> Any:
+    # A sub-agent's run takes what its as_tool tool was given, else what the root's run has.
+    call = None if top else AS_TOOL.get()
+    given = call.options if call is not None else None
+    stopping = _Stopping()
     result = Runner.run_streamed(
-        _bind(plan, ctx), input, max_turns=options.max_turns, context=options.context,
-        hooks=options.hooks, run_config=options.run_config,
+        _bind(plan, ctx, stopping), input, context=options.context,
+        max_turns=given.max_turns if given and given.max_turns is not None
+        else options.max_turns,
+        hooks=given.hooks if given and given.hooks is not None else options.hooks,
+        run_config=given.run_config if given and given.run_config is not None
+        else options.run_config,
         session=options.session if top else None)
     text: list[str] = []
     outputs: list[Any] = []
@@ -170,10 +252,12 @@ async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
                 forwarded = options.on_event(event)
                 if inspect.isawaitable(forwarded):
                     await forwarded
-            ctx.check()  # a recalled child stops between events, not only at its next tool
+            stopping.check(ctx)  # a recalled child stops between events, not only at a tool
     except MaxTurnsExceeded as exc:
+        stopping.check(ctx)
         raise CeilingReached("max_turns", str(exc)) from None
     except Exception as exc:
+        stopping.check(ctx)
         reason = cut_reason(exc)
         if reason is None:
             raise
@@ -181,6 +265,10 @@ async def _run(plan: Plan, options: RunOptions, ctx: Context, input: Any,
     finally:
         if not result.is_complete:
             result.cancel()
+    if stopping.signal is not None:  # a tool met the stop as the run ended
+        raise stopping.signal
+    if call is not None:
+        call.result = result  # the last attempt's, for the tool's output extractor
     return result.final_output
 
 

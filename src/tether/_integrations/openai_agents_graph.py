@@ -15,7 +15,7 @@ import functools
 import inspect
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +49,60 @@ def sub_agent(tool: FunctionTool) -> SdkAgent[Any] | None:
     if not isinstance(inner, SdkAgent):
         raise UserError(f"tool {tool.name} runs an agent tether cannot see")
     return inner
+
+
+@dataclass(frozen=True)
+class AgentToolOptions:
+    """What ``Agent.as_tool`` was given besides the tool's name, description and the
+    FunctionTool's own fields (``is_enabled``, ``failure_error_function``, which the SDK reads
+    from the tool). The SDK keeps them in its invoker's closure; they are read there, within
+    the SDK range pinned in pyproject.toml, and a miss is refused, never run."""
+
+    extractor: Callable[[Any], Awaitable[Any]] | None  # custom_output_extractor
+    run_config: Any
+    max_turns: int | None
+    hooks: Any
+    params: Any  # the TypeAdapter of its parameters (AgentAsToolInput by default)
+    schema_info: Any  # what the input builder is given about them (None: not built)
+    input_builder: Any
+
+
+# Options a sub-agent run as a nested delegation cannot honour, and what to do instead.
+_REFUSED = {
+    "on_stream": "pass on_event= to as_tether_agent, which receives the sub-agents' stream "
+                 "events too",
+    "session": "a sub-agent runs from its input alone (every attempt the same); give it what "
+               "it needs in its input",
+    "previous_response_id": "a sub-agent runs from its input alone (every attempt the same); "
+                            "give it what it needs in its input",
+    "conversation_id": "a sub-agent runs from its input alone (every attempt the same); give "
+                       "it what it needs in its input",
+}
+
+
+def agent_tool_options(tool: FunctionTool, where: str) -> AgentToolOptions:
+    """The options of an ``as_tool`` tool, or a UserError naming one tether cannot honour."""
+    impl = getattr(tool.on_invoke_tool, "_invoke_tool_impl", None)
+    try:
+        given = inspect.getclosurevars(impl).nonlocals if callable(impl) else {}
+    except TypeError:
+        given = {}
+    if not {"custom_output_extractor", "params_adapter", "schema_info"} <= set(given):
+        raise UserError(f"tool {tool.name} of agent {where}: tether cannot read the options "
+                        "Agent.as_tool was given in this version of the SDK")
+    for name, instead in _REFUSED.items():
+        if given.get(name) is not None:
+            raise UserError(f"tool {tool.name} of agent {where}: Agent.as_tool({name}=...) is "
+                            f"not supported under tether: {instead}")
+    if tool.needs_approval is not False:
+        raise UserError(f"tool {tool.name} of agent {where}: Agent.as_tool(needs_approval=...) "
+                        "is not supported under tether (a run paused for approval would end "
+                        "the delegation); recall or terminate the child instead")
+    return AgentToolOptions(
+        given["custom_output_extractor"], given.get("run_config"), given.get("max_turns"),
+        given.get("hooks"), given["params_adapter"],
+        given["schema_info"] if given.get("should_capture_tool_input") else None,
+        given.get("input_builder"))
 
 
 def raising_copy(sdk: FunctionTool) -> FunctionTool:
@@ -124,6 +178,7 @@ class Plan:
     members: list[SdkAgent[Any]] = field(default_factory=list)
     tools: dict[int, Tool] = field(default_factory=dict)
     nested: dict[int, Agent] = field(default_factory=dict)
+    options: dict[int, AgentToolOptions] = field(default_factory=dict)  # per as_tool tool
     surface: list[Tool | Agent | str] = field(default_factory=list)
     routes: dict[int, tuple[str, ...]] = field(default_factory=dict)  # member -> agent names
 
@@ -196,6 +251,7 @@ class Planner:
             inner = sub_agent(item)
             if inner is not None:
                 if id(item) not in plan.nested:
+                    plan.options[id(item)] = agent_tool_options(item, where)
                     nested = self.plan(inner, (*plan.path, inner.name), inner.name)
                     plan.nested[id(item)] = nested
                     plan.surface.append(nested)
