@@ -24,6 +24,7 @@ from mcp.client import Client
 from mcp.server.mcpserver import Context as McpContext
 from mcp.server.mcpserver import MCPServer
 from pydantic_ai import Agent as PaiAgent
+from pydantic_ai import Tool as PaiTool
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
@@ -42,6 +43,7 @@ from tether.conformance import (
     Say,
     Shop,
     Step,
+    Together,
     run_scenario,
     scenarios,
 )
@@ -85,6 +87,14 @@ class AgentsSdk:
                     tools.append(sub.as_tool("sub_agent", "Does part of the work."))
                     script.append([function_call("sub_agent", {"input": "go"},
                                                  call_id=call_id)])
+                elif isinstance(step, Together):
+                    calls = []
+                    for n, nested in enumerate(step.calls):
+                        sub = build(f"{name}_sub{n}", nested.steps)
+                        tools.append(sub.as_tool(f"sub_agent_{n}", "Does part of the work."))
+                        calls.append(function_call(f"sub_agent_{n}", {"input": "go"},
+                                                   call_id=f"{call_id}_{n}"))
+                    script.append(calls)
                 elif isinstance(step, Handoff):
                     helper = build(f"{name}_helper", step.steps)
                     handoffs.append(helper)
@@ -208,6 +218,15 @@ class PydanticAi:
                     tools.append(delegating(subs["sub_agent"]))
                     responses.append(ModelResponse(parts=[ToolCallPart(
                         "sub_agent", {"prompt": "go"}, call_id)]))
+                elif isinstance(step, Together):
+                    parts = []
+                    for n, nested in enumerate(step.calls):
+                        subs[f"sub_agent_{n}"] = build(f"{name}_sub{n}", nested.steps)
+                        tools.append(PaiTool(delegating(subs[f"sub_agent_{n}"]),
+                                             name=f"sub_agent_{n}"))
+                        parts.append(ToolCallPart(f"sub_agent_{n}", {"prompt": "go"},
+                                                  f"{call_id}_{n}"))
+                    responses.append(ModelResponse(parts=parts))
                 elif isinstance(step, Answer):
                     output = RefundReceipt
                     responses.append(ModelResponse(parts=[ToolCallPart(
@@ -279,6 +298,9 @@ class McpGateway:
             script = list(steps)  # shared by the attempts, as a scripted model is
             subs = {n: build(f"{name}_sub", step.steps)
                     for n, step in enumerate(steps) if isinstance(step, Nested)}
+            together = {(n, i): build(f"{name}_sub{i}", nested.steps)
+                        for n, step in enumerate(steps) if isinstance(step, Together)
+                        for i, nested in enumerate(step.calls)}
 
             async def run(ctx: tether.Context, request: str) -> Any:
                 results: list[Any] = []
@@ -294,9 +316,15 @@ class McpGateway:
                     elif isinstance(step, Nested):
                         handle = await ctx.delegate(subs[n], "go")
                         results.append(await handle.result())
+                    elif isinstance(step, Together):
+                        async def one(sub: tether.Agent) -> Any:
+                            return await (await ctx.delegate(sub, "go")).result()
+
+                        results.extend(await asyncio.gather(*(
+                            one(together[n, i]) for i in range(len(step.calls)))))
                 return None
 
-            return tether.Agent(name, run, (tool, *subs.values(), *extra))
+            return tether.Agent(name, run, (tool, *subs.values(), *together.values(), *extra))
 
         return build("main", steps)
 

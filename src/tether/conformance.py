@@ -9,7 +9,8 @@ kit then runs the same scenarios against it and judges each by the journal and t
         await run_scenario(name, harness, "sqlite:///journal.db")
 
 Scenarios a framework cannot express (nesting, handoffs, structured output) are listed by the
-harness's flags (``structured`` may be left out: False).
+harness's flags (``structured`` may be left out: False). A harness with ``nesting`` also plays
+``Together`` (sub-agents called in one model turn).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,6 +62,14 @@ class Nested:
 
 
 @dataclass(frozen=True)
+class Together:
+    """A model turn that calls several sub-agents (as tools) at once, the first ``Nested`` as
+    the tool ``sub_agent_0``, the next ``sub_agent_1``..."""
+
+    calls: tuple[Nested, ...]
+
+
+@dataclass(frozen=True)
 class Handoff:
     """A model turn that hands the conversation to another agent, which runs ``steps``."""
 
@@ -82,7 +92,7 @@ class RefundReceipt:
     cents: int
 
 
-Step = Refund | Say | Cut | Nested | Handoff | Answer
+Step = Refund | Say | Cut | Nested | Together | Handoff | Answer
 
 
 @dataclass(eq=False)
@@ -171,6 +181,35 @@ async def _recall_draining(sup: Supervisor, handle: Handle, grace: float) -> Any
     return recall
 
 
+class _Loud(logging.Handler):
+    """Records at ERROR and above, from any logger (a framework's, asyncio's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(f"{record.name}: {record.getMessage()}")
+
+
+@contextlib.asynccontextmanager
+async def _quiet() -> AsyncIterator[None]:
+    """A recall is quiet: nothing the scenario leaves running (the framework's own tasks
+    included) logs an error once it ends, as a framework does for a stop raised into its
+    background tasks."""
+    loud = _Loud()
+    before = asyncio.all_tasks()
+    logging.getLogger().addHandler(loud)
+    try:
+        yield
+        others = asyncio.all_tasks() - before
+        if others:
+            await asyncio.wait(others, timeout=5)
+    finally:
+        logging.getLogger().removeHandler(loud)
+    assert not loud.said, loud.said
+
+
 async def through_the_gateway(h: Harness, url: str) -> None:
     shop = Shop()
     async with Supervisor(url) as sup:
@@ -186,7 +225,7 @@ async def through_the_gateway(h: Harness, url: str) -> None:
 async def recall_in_flight(h: Harness, url: str) -> None:
     shop = Shop(gate=asyncio.Event())
     agent = await _make(h, shop, [Refund("A"), Refund("B"), Say("done")])
-    async with Supervisor(url) as sup:
+    async with _quiet(), Supervisor(url) as sup:
         handle = await sup.delegate(agent, "refund A then B")
         await shop.started.wait()
         recall = await _recall_draining(sup, handle, 30)
@@ -307,7 +346,7 @@ async def nested_own_keys(h: Harness, url: str) -> None:
 async def nested_fenced_by_root_recall(h: Harness, url: str) -> None:
     shop = Shop(gate=asyncio.Event())
     agent = await _make(h, shop, [Nested((Refund("A"), Refund("B"), Say("done"))), Say("done")])
-    async with Supervisor(url) as sup:
+    async with _quiet(), Supervisor(url) as sup:
         handle = await sup.delegate(agent, "refund A and B")
         await shop.started.wait()
         recall = await _recall_draining(sup, handle, 30)
@@ -316,6 +355,34 @@ async def nested_fenced_by_root_recall(h: Harness, url: str) -> None:
     (sub,) = report.children
     assert refunds(sub) == [("A", ActionState.COMPLETED)], report
     assert shop.pay.refund_count("B") == 0
+
+
+async def parallel_nested_recall_is_quiet(h: Harness, url: str) -> None:
+    """Two sub-agents called in one model turn, each with a refund in flight; the recall's
+    drain has stopped them both when the refunds go on. Both refunds complete, both
+    sub-agents end RECALLED, and nothing is logged (a stop raised into the framework's
+    parallel tool tasks was logged by the Agents SDK as a fatal background failure)."""
+    for _ in range(5):  # which sub-agent stops first differs from run to run
+        shop = Shop(gate=asyncio.Event())
+        agent = await _make(h, shop, [Together((Nested((Refund("A"), Say("a"))),
+                                                Nested((Refund("B"), Say("b"))))),
+                                      Say("done")])
+        async with _quiet(), Supervisor(url) as sup:
+            handle = await sup.delegate(agent, "refund A and B")
+            async with asyncio.timeout(30):
+                while len(shop.keys) < 2:
+                    await sup.wake(0.01)
+            recall = asyncio.ensure_future(handle.recall(30, reason="re-plan"))
+            async with asyncio.timeout(30):
+                while getattr(sup.runtime(handle.id), "stop", None) is None:
+                    await sup.wake(0.01)
+            shop.gate.set()  # type: ignore[union-attr]
+            report = await recall
+        assert report.outcome is DelegationState.RECALLED, report
+        assert sorted(o for c in report.children for o in refunds(c)) == [
+            ("A", ActionState.COMPLETED), ("B", ActionState.COMPLETED)], report
+        assert [c.outcome for c in report.children] == [DelegationState.RECALLED] * 2
+        assert shop.pay.refund_count("A") == shop.pay.refund_count("B") == 1
 
 
 async def handoff_mediated(h: Harness, url: str) -> None:
@@ -423,6 +490,7 @@ NESTING: dict[str, Scenario] = {
     "nested_fenced_by_root_recall": nested_fenced_by_root_recall,
     "keys_unique_across_nesting": keys_unique_across_nesting,
     "nested_probed_by_the_next_supervisor": nested_probed_by_the_next_supervisor,
+    "parallel_nested_recall_is_quiet": parallel_nested_recall_is_quiet,
 }
 HANDOFFS: dict[str, Scenario] = {"handoff_mediated": handoff_mediated}
 STRUCTURED: dict[str, Scenario] = {"structured_output": structured_output}
@@ -452,4 +520,4 @@ async def run_scenario(name: str, harness: Harness, journal_url: str) -> None:
 
 
 __all__ = ["Answer", "Cut", "Handoff", "Harness", "Nested", "Refund", "RefundReceipt", "Say",
-           "Shop", "Step", "run_scenario", "scenarios"]
+           "Shop", "Step", "Together", "run_scenario", "scenarios"]
