@@ -12,7 +12,8 @@ calls are keyed by their place in the thread (the checkpoint step and the model'
 id), the same in every attempt. A checkpointed graph stopped at ``interrupt()`` ends as
 ``tether.Interrupted`` (INTERRUPTED) and runs on with ``Command(resume=...)`` when the task is
 re-delegated with ``resume=``. A node built with ``subgraph(graph, name=...)`` runs that
-subgraph as a nested delegation.
+subgraph as a nested delegation, in a checkpointed graph named by its step's place in the
+thread (``Context.delegate_at``).
 """
 
 from __future__ import annotations
@@ -197,11 +198,21 @@ class Subgraph:
         self.graph = graph
         self.agent = agent
 
-    async def __call__(self, state: Any) -> Any:
+    async def __call__(self, state: Any, config: RunnableConfig) -> Any:
         binding = _BINDING.get()
         if binding is None:
             return await self.graph.ainvoke(state)
-        handle = await binding.ctx.delegate(self.agent, _to_json(state))
+        # In a checkpointed parent the nested task is named by its step's place in the
+        # thread: a resumed run counts its subgraphs from 0 again, so a count would hand a
+        # later step's subgraph the task and keys of an earlier step's, whose calls it would
+        # "replay" instead of making.
+        place = None
+        if binding.checkpointed:
+            namespace = (config.get("configurable") or {}).get("checkpoint_ns")
+            if not namespace:
+                raise UserError(f"subgraph {self.agent.name} runs with no checkpoint step")
+            place = hashlib.sha256(str(namespace).encode()).hexdigest()[:16]
+        handle = await binding.ctx.delegate_at(place, self.agent, _to_json(state))
         result = await handle.result()
         if isinstance(result, Interrupted):  # its answer would have to pass the parent's run
             raise UserError(f"subgraph {self.agent.name} stopped at interrupt(): a subgraph "

@@ -228,11 +228,22 @@ class Context:
     async def delegate(self, agent: Agent, /, *args: Any, **kwargs: Any) -> Handle:
         """Start a grandchild. The surface must grant ``agent``; the journal refuses it if this
         delegation is fenced (I10)."""
+        return await self.delegate_at(None, agent, *args, **kwargs)
+
+    async def delegate_at(self, place: str | None, agent: Agent, /, *args: Any,
+                          **kwargs: Any) -> Handle:
+        """``delegate``, the grandchild's task named by ``place`` (the same in every attempt
+        that starts it: a graph step's place in its thread, say) rather than by how many
+        delegations of ``agent`` this attempt made before it. A resumed run starts at a later
+        step, so a count would give its first grandchild the task, and the keys, of an earlier
+        step's."""
         found = self._resolve(agent)
         if not isinstance(found, Agent):
             raise UserError(f"{found.name} is a tool: use ctx.call")
+        if place is not None and (not isinstance(place, str) or not place.isalnum()):
+            raise UserError(f"a delegation's place must be letters and digits, not {place!r}")
         self.check()
-        run = await self._sup.start_child(self._rt, found, args, kwargs)
+        run = await self._sup.start_child(self._rt, found, args, kwargs, place)
         return Handle.for_run(self._sup, run)
 
 

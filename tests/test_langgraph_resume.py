@@ -1,0 +1,156 @@
+"""LangGraph resumes that must neither pay twice nor skip a payment: a subgraph run again in a
+later step."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.outputs import ChatGeneration, ChatResult
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import tools_condition
+from langgraph.types import interrupt
+
+import tether
+from tether.conformance import Shop
+from tether.langgraph import as_tether_agent, subgraph, tool_node
+
+from .test_langgraph import refund_tool
+
+A = tether.ActionState
+
+
+class FreshIdsChat(BaseChatModel):
+    """A model as real providers serve one: each answer's tool calls get fresh ids. It refunds
+    A (500), then B (5000), then says so, judging by the tool results it has seen."""
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "fresh-ids"
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: Any = None, **kwargs: Any) -> ChatResult:
+        done = sum(isinstance(m, ToolMessage) for m in messages)
+        todo = [("A", 500), ("B", 5000)][done:]
+        message = AIMessage(content="A and B refunded") if not todo else AIMessage(
+            content="", tool_calls=[{"name": "refund", "id": f"call_{uuid.uuid4().hex}",
+                                     "args": {"order_id": todo[0][0], "cents": todo[0][1]}}])
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+class BillingChat(FreshIdsChat):
+    """Refunds A (500) under a fresh tool call id, then says it is done."""
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: Any = None, **kwargs: Any) -> ChatResult:
+        message = AIMessage(content="billing done") if isinstance(messages[-1], ToolMessage) \
+            else AIMessage(content="", tool_calls=[{"name": "refund", "id": uuid.uuid4().hex,
+                                                    "args": {"order_id": "A", "cents": 500}}])
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+
+
+def twice_billed_desk(shop: Shop, **deadlines: float) -> Any:
+    """desk: ``first`` (the billing subgraph refunds A 500), ``ask`` (interrupt: another
+    refund?), ``second`` (billing again: another refund of A 500, a payment of its own)."""
+    model = BillingChat()
+
+    async def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    billing = StateGraph(MessagesState)
+    billing.add_node("agent", call_model)
+    billing.add_node("tools", tool_node([refund_tool(shop)]))
+    billing.add_edge(START, "agent")
+    billing.add_conditional_edges("agent", tools_condition)
+    billing.add_edge("tools", "agent")
+    sub = subgraph(billing.compile(), name="billing", probes={"refund": shop.pay.lookup},
+                   deadlines=deadlines)
+
+    def ask(state: MessagesState) -> dict[str, Any]:
+        interrupt("another refund of A?")
+        return {}
+
+    desk = StateGraph(MessagesState)
+    desk.add_node("first", sub)
+    desk.add_node("ask", ask)
+    desk.add_node("second", sub)
+    desk.add_edge(START, "first")
+    desk.add_edge("first", "ask")
+    desk.add_edge("ask", "second")
+    desk.add_edge("second", END)
+    return desk.compile(checkpointer=InMemorySaver())
+
+
+async def test_a_subgraph_run_again_in_a_later_step_makes_its_own_payment(
+        sqlite_url: str) -> None:
+    """The resumed run's first subgraph delegation is the ``second`` step's: counted from 0 in
+    the new attempt, it would take the ``first`` step's task and keys, and its refund would be
+    "replayed" from the first one, never made. A subgraph's task is named by its step's place
+    in the thread, so the second refund is paid, under a key of its own."""
+    shop = Shop()
+    child = as_tether_agent(twice_billed_desk(shop), name="desk")
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A", task_id="desk-1")
+        assert isinstance(await first.result(), tether.Interrupted)
+        before = await first.report()
+        second = await first.redelegate(resume="yes")
+        assert await second.result() == "billing done"
+        after = await second.report()
+        events = await sup.journal.events([c.delegation_id for c in after.children])
+    assert [[a.state for a in c.actions] for c in after.children] == [[A.COMPLETED]]
+    ((paid,),) = [c.actions for c in before.children]
+    ((again,),) = [c.actions for c in after.children]
+    assert again.idempotency_key != paid.idempotency_key
+    assert shop.pay.refund_count("A") == 2
+    assert "replay" not in [e.kind for e in events]
+
+
+async def test_a_subgraph_step_done_again_keeps_its_keys(sqlite_url: str) -> None:
+    """The ``second`` step's refund is in flight when the task is terminated; re-delegated,
+    the thread does that step again, as the same nested task: its call keeps its key (probed:
+    it never reached the provider, so it runs now), not the ``first`` step's, already paid."""
+    shop = Shop()
+    child = as_tether_agent(twice_billed_desk(shop, refund=0.2), name="desk")
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A", task_id="desk-2")
+        assert isinstance(await first.result(), tether.Interrupted)
+        shop.gate, shop.started = asyncio.Event(), asyncio.Event()
+        second = await first.redelegate(resume="yes")
+        async with asyncio.timeout(30):
+            await shop.started.wait()
+        stopped = await second.terminate(reason="host going down")
+        shop.gate.set()
+        third = await second.redelegate()
+        assert await third.result() == "billing done"
+        done = await third.report()
+    assert shop.pay.refund_count("A") == 2
+    (cut,) = [a for c in stopped.children for a in c.actions]
+    (paid,) = [a for c in done.children for a in c.actions]
+    assert paid.idempotency_key == cut.idempotency_key and paid.state is A.COMPLETED
+
+
+async def test_a_place_that_is_not_letters_and_digits_is_refused(sqlite_url: str) -> None:
+    async def helper(ctx: tether.Context) -> str:
+        return "helped"
+
+    inner = tether.Agent("helper", helper, ())
+
+    async def outer(ctx: tether.Context) -> Any:
+        with pytest.raises(tether.UserError, match="place must be letters and digits"):
+            await ctx.delegate_at("a/b#0", inner)
+        return await (await ctx.delegate_at("step7", inner)).result()
+
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(tether.Agent("outer", outer, (inner,)))
+        assert await handle.result() == "helped"
+        (child,) = (await handle.report()).children
+    assert child.task_id.endswith("/helper@step7")
