@@ -1,5 +1,5 @@
 """LangGraph resumes that must neither pay twice nor skip a payment: a subgraph run again in a
-later step."""
+later step, a static breakpoint."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tether
 from tether.conformance import Shop
 from tether.langgraph import as_tether_agent, subgraph, tool_node
 
-from .test_langgraph import refund_tool
+from .test_langgraph import graph_of, refund_tool
 
 A = tether.ActionState
 
@@ -154,3 +154,13 @@ async def test_a_place_that_is_not_letters_and_digits_is_refused(sqlite_url: str
         assert await handle.result() == "helped"
         (child,) = (await handle.report()).children
     assert child.task_id.endswith("/helper@step7")
+
+@pytest.mark.parametrize("breakpoint", ["interrupt_before", "interrupt_after"])
+def test_a_static_breakpoint_is_refused_when_the_agent_is_built(breakpoint: str) -> None:
+    """A graph stopped at a static breakpoint returned its state so far as a SUCCEEDED result,
+    its next step (the refund) silently never run: ``interrupt()`` is what waits for input."""
+    graph = graph_of([], tool_node([refund_tool(Shop())]), checkpointer=InMemorySaver(),
+                     **{breakpoint: ["tools"]})
+    with pytest.raises(tether.UserError, match=f"static breakpoint \\({breakpoint}\\) at "
+                       "'tools': use interrupt"):
+        as_tether_agent(graph)

@@ -253,6 +253,18 @@ def _tool_nodes(graph: Any) -> list[tuple[str, ToolNode]]:
             if isinstance(getattr(node, "bound", None), ToolNode)]
 
 
+def _refuse_breakpoints(graph: Any) -> None:
+    """A static breakpoint stops the run with no interrupt to report: the stream just ends,
+    so the run would look finished, its next steps (a refund, say) never run."""
+    for g in (graph, *(sub for _, sub in graph.get_subgraphs(recurse=True))):
+        for kind in ("interrupt_before", "interrupt_after"):
+            nodes = getattr(g, f"{kind}_nodes", None) or ()
+            if nodes:
+                at = repr(nodes) if isinstance(nodes, str) else ", ".join(map(repr, nodes))
+                raise UserError(f"graph has a static breakpoint ({kind}) at {at}: use "
+                                "interrupt() in a node to wait for input")
+
+
 def _partial(state: Any, before: int) -> Partial:
     messages = state.get("messages", []) if isinstance(state, dict) else []
     new = messages[before:]
@@ -279,6 +291,7 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
     keyed by tool name; ``config`` is the graph's run config; ``on_event`` (sync or async)
     receives each streamed state."""
     effects, probes, deadlines = dict(effects or {}), dict(probes or {}), dict(deadlines or {})
+    _refuse_breakpoints(graph)
     found: dict[str, BaseTool] = {}
     for node_name, node in _tool_nodes(graph):
         if node not in _OURS:
