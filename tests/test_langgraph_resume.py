@@ -1,5 +1,5 @@
 """LangGraph resumes that must neither pay twice nor skip a payment: a subgraph run again in a
-later step, a static breakpoint."""
+later step, a checkpoint thread the checkpointer lost, a static breakpoint."""
 
 from __future__ import annotations
 
@@ -164,3 +164,47 @@ def test_a_static_breakpoint_is_refused_when_the_agent_is_built(breakpoint: str)
     with pytest.raises(tether.UserError, match=f"static breakpoint \\({breakpoint}\\) at "
                        "'tools': use interrupt"):
         as_tether_agent(graph)
+
+def fresh_ids_graph(shop: Shop, saver: InMemorySaver) -> Any:
+    model = FreshIdsChat()
+
+    async def call_model(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    def review(state: MessagesState) -> dict[str, Any]:
+        last = state["messages"][-1]
+        assert isinstance(last, AIMessage)
+        if any(c["args"]["cents"] >= 1000 for c in last.tool_calls):
+            interrupt("approve?")
+        return {}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", call_model)
+    graph.add_node("review", review)
+    graph.add_node("tools", tool_node([refund_tool(shop)]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges(
+        "agent", lambda s: "review" if s["messages"][-1].tool_calls else END)
+    graph.add_edge("review", "tools")
+    graph.add_edge("tools", "agent")
+    return graph.compile(checkpointer=saver)
+
+
+async def test_a_thread_the_checkpointer_lost_is_not_started_over(sqlite_url: str) -> None:
+    """A is refunded, the graph waits for approval of B, and the checkpointer loses the thread
+    (another process's in-memory saver, a deleted thread). Starting the graph over would have
+    the model ask for A again under a fresh tool call id, so a new key: A paid twice, and the
+    answer given to nobody. The resume is refused instead, in one line."""
+    shop, saver = Shop(), InMemorySaver()
+    child = as_tether_agent(fresh_ids_graph(shop, saver), probes={"refund": shop.pay.lookup})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B", task_id="thread-lost")
+        assert isinstance(await first.result(), tether.Interrupted)
+        await saver.adelete_thread("thread-lost")
+        second = await first.redelegate(resume="yes")
+        with pytest.raises(tether.DelegationError, match="checkpoint thread 'thread-lost' is "
+                           "empty, yet the task ran before"):
+            await second.result()
+        report = await second.report()
+    assert report.actions == ()
+    assert [shop.pay.refund_count(o) for o in "AB"] == [1, 0]

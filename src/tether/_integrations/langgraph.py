@@ -322,6 +322,14 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
         if checkpointed:  # one checkpoint thread per tether task: a re-delegation resumes it
             cfg["configurable"] = {"thread_id": ctx.task_id, **cfg.get("configurable", {})}
             snapshot = await graph.aget_state(cast(RunnableConfig, cfg))
+            if snapshot.created_at is None and (ctx.epoch or ctx.attempt > 1 or resume):
+                # Every run saves a checkpoint before its first step: an empty thread was
+                # lost. Starting over, the model would ask for done calls again under new
+                # tool call ids, so new keys, and they would run twice.
+                thread = cfg["configurable"]["thread_id"]
+                raise UserError(f"checkpoint thread {thread!r} is empty, yet the task ran "
+                                "before: its checkpointer lost the thread (another process's "
+                                "in-memory saver?), and starting over would repeat its calls")
             waiting = {i.id: i.value for i in snapshot.interrupts}
             # Answers go by interrupt id, so an answer journaled with an earlier attempt's
             # arguments never answers a later question.
