@@ -1,9 +1,12 @@
 """LangGraph resumes that must neither pay twice nor skip a payment: a subgraph run again in a
-later step, a checkpoint thread the checkpointer lost, a static breakpoint."""
+later step, a checkpoint thread the checkpointer lost, a static breakpoint; and a task waiting
+for input that stays recognisably waiting (and only such a task) once its calls are probed."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
 from typing import Any
 
@@ -20,7 +23,7 @@ import tether
 from tether.conformance import Shop
 from tether.langgraph import as_tether_agent, subgraph, tool_node
 
-from .test_langgraph import graph_of, refund_tool
+from .test_langgraph import calls, graph_of, refund_tool, reviewed_graph
 
 A = tether.ActionState
 
@@ -208,3 +211,87 @@ async def test_a_thread_the_checkpointer_lost_is_not_started_over(sqlite_url: st
         report = await second.report()
     assert report.actions == ()
     assert [shop.pay.refund_count(o) for o in "AB"] == [1, 0]
+
+
+async def test_an_interrupted_task_whose_call_was_probed_still_waits(sqlite_url: str) -> None:
+    """A's refund answered an error after it applied: in doubt, probed, COMPLETED. The task
+    then stopped to ask about B. It waits for an answer still: INTERRUPTED (never pruned,
+    shown as waiting), not RECONCILED as if it were done."""
+    shop = Shop(fail=RuntimeError("reply lost"))
+    graph = reviewed_graph([calls(("refund", {"order_id": "A", "cents": 500})),
+                            calls(("refund", {"order_id": "B", "cents": 5000})),
+                            AIMessage(content="A and B refunded")],
+                           tool_node([refund_tool(shop)], handle_tool_errors=True),
+                           checkpointer=InMemorySaver())
+    child = as_tether_agent(graph, probes={"refund": shop.pay.lookup})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B")
+        assert isinstance(await first.result(), tether.Interrupted)
+        await first.wait()
+        report = await first.report()
+        assert [(a.state, a.evidence is not None) for a in report.actions] == \
+            [(A.COMPLETED, True)]
+        assert report.outcome is tether.DelegationState.INTERRUPTED
+        later = time.time() + 3600
+        assert await sup.journal.prunable([first.id], later, later) == []
+        shop.fail = None
+        second = await first.redelegate(resume="yes")
+        assert await second.result() == "A and B refunded"
+    assert [shop.pay.refund_count(o) for o in "AB"] == [1, 1]
+
+
+async def test_an_interrupted_task_a_probe_could_not_settle_asks_again(
+        sqlite_url: str) -> None:
+    """A's refund is UNKNOWN (its probe cannot tell): the task needs a person, NEEDS_ATTENTION.
+    Re-delegated without an answer, the thread, still at its interrupt, asks again; answered,
+    it goes on, A's step (checkpointed as done) not run again."""
+    shop = Shop(fail=RuntimeError("reply lost"))
+
+    async def unsure(**_: Any) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.UNKNOWN, {"provider": "down"})
+
+    graph = reviewed_graph([calls(("refund", {"order_id": "A", "cents": 500})),
+                            calls(("refund", {"order_id": "B", "cents": 5000})),
+                            AIMessage(content="A and B refunded")],
+                           tool_node([refund_tool(shop)], handle_tool_errors=True),
+                           checkpointer=InMemorySaver())
+    child = as_tether_agent(graph, probes={"refund": unsure}, deadlines={"refund": 0.2})
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(child, "refund A and B")
+        asked = await first.result()
+        await first.wait()
+        assert (await first.report()).outcome is tether.DelegationState.NEEDS_ATTENTION
+        shop.fail = None
+        second = await first.redelegate()
+        assert await second.result() == asked
+        third = await second.redelegate(resume="yes")
+        assert await third.result() == "A and B refunded"
+    assert [shop.pay.refund_count(o) for o in "AB"] == [1, 1]
+
+
+async def test_a_reconciled_result_shaped_like_questions_is_not_taken_for_them(
+        sqlite_url: str) -> None:
+    """A plain agent's result that happens to be ``{"interrupted": {...}}``, its delegation
+    RECONCILED because a call was probed, is a result: the task is re-delegated as any other,
+    not refused as waiting for input."""
+    shop = Shop(fail=RuntimeError("reply lost"))
+
+    async def pay(order_id: str, cents: int, idempotency_key: str) -> str:
+        return await shop.refund(order_id, cents, idempotency_key)
+
+    refund = tether.Tool("refund", tether.Effect.EXTERNAL, pay, probe=shop.pay.lookup)
+
+    async def clerk(ctx: tether.Context, order: str) -> Any:
+        with contextlib.suppress(RuntimeError):  # the reply was lost: tether probes it
+            await ctx.call(refund, order_id=order, cents=500)
+        return {"interrupted": {"by": "the customer"}}
+
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(tether.Agent("clerk", clerk, (refund,)), "A")
+        await first.wait()
+        assert (await first.report()).outcome is tether.DelegationState.RECONCILED
+        with pytest.raises(tether.UserError, match="does not wait for input"):
+            await first.redelegate(resume="yes")
+        second = await first.redelegate()
+        assert await second.result() == {"interrupted": {"by": "the customer"}}
+    assert shop.pay.refund_count("A") == 1

@@ -235,9 +235,10 @@ def settle(state: DelegationState, actions: Iterable[ActionFacts],
 
     A node with an action that may still apply (PENDING or IN_DOUBT) is not settled: it keeps
     its state (a stopping one stays RECALLING or TERMINATING), so that whoever checks again can
-    settle it. Any UNKNOWN needs a person; anything probed is RECONCILED; otherwise the natural
-    end. Applied to a settled node, it re-opens the accounting: NEEDS_ATTENTION whose last
-    UNKNOWN was settled moves to RECONCILED. A node whose children are not all settled keeps its
+    settle it. Any UNKNOWN needs a person; anything probed is RECONCILED (an INTERRUPTED node
+    stays INTERRUPTED: it still waits for its answer); otherwise the natural end. Applied to a
+    settled node, it re-opens the accounting: NEEDS_ATTENTION whose last UNKNOWN was settled
+    moves to RECONCILED. A node whose children are not all settled keeps its
     state (a parent is not settled before its subtree), and a RUNNING node settles when its
     code ends, never from outside."""
     facts = list(actions)
@@ -248,7 +249,9 @@ def settle(state: DelegationState, actions: Iterable[ActionFacts],
     if any(a.state is _A.UNKNOWN for a in facts):
         return _S.NEEDS_ATTENTION
     if any(a.probed for a in facts) or state is _S.NEEDS_ATTENTION:
-        return _S.RECONCILED
+        # Its state is the only record that it waits: its result is the questions, and any
+        # result may have their shape.
+        return _S.INTERRUPTED if state is _S.INTERRUPTED else _S.RECONCILED
     if state.terminal:
         return state
     return natural_end(state, fallback)

@@ -22,15 +22,15 @@ if TYPE_CHECKING:
 
 
 _NO_ANSWER: Any = object()
-# Where an interrupted task can be after it ended: reconciling its own calls in doubt moves it on.
-_ASKED = frozenset({DelegationState.INTERRUPTED, DelegationState.RECONCILED,
-                    DelegationState.NEEDS_ATTENTION})
 
 
 def _with_answers(row: DelegationRow, resume: Any) -> dict[str, Any]:
     """The arguments a re-delegation runs with: the task's, and for an interrupted task the
-    answers (its agent's ``resume`` keyword), journaled with them."""
-    asked = Interrupted.from_json(row.result) if row.state in _ASKED else None
+    answers (its agent's ``resume`` keyword), journaled with them. Only an INTERRUPTED task
+    waits: another's result shaped like questions is a result (a task whose probe left a call
+    UNKNOWN is NEEDS_ATTENTION; re-delegated, a graph asks its questions again)."""
+    asked = Interrupted.from_json(row.result) \
+        if row.state is DelegationState.INTERRUPTED else None
     if resume is _NO_ANSWER:
         if asked is not None:
             raise UserError(f"task {row.task_id} waits for input: redelegate(resume=answer)")
