@@ -295,3 +295,23 @@ async def test_a_reconciled_result_shaped_like_questions_is_not_taken_for_them(
         second = await first.redelegate()
         assert await second.result() == {"interrupted": {"by": "the customer"}}
     assert shop.pay.refund_count("A") == 1
+
+
+async def test_two_calls_of_one_step_under_one_id_are_refused_before_either_runs(
+        sqlite_url: str) -> None:
+    """A checkpointed call's key is its step and its tool call id, which the model chooses: two
+    calls of one step under one id shared a key, the second refused midway (different
+    arguments) or "replayed" from the first (the same ones), never made. The step is refused
+    before either runs."""
+    shop = Shop()
+    step = AIMessage(content="", tool_calls=[
+        {"name": "refund", "args": {"order_id": "A", "cents": 500}, "id": "call_1"},
+        {"name": "refund", "args": {"order_id": "B", "cents": 500}, "id": "call_1"}])
+    graph = graph_of([step, AIMessage(content="done")], tool_node([refund_tool(shop)]),
+                     checkpointer=InMemorySaver())
+    async with tether.Supervisor(sqlite_url) as sup:
+        handle = await sup.delegate(as_tether_agent(graph), "refund A and B")
+        with pytest.raises(tether.DelegationError, match="tool call id 'call_1' to two calls"):
+            await handle.result()
+        report = await handle.report()
+    assert report.actions == () and shop.keys == []

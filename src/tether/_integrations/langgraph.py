@@ -120,6 +120,12 @@ def _thread_key(ctx: Context, request: ToolCallRequest) -> str:
     the calls of one step apart. An attempt-local count would give a resumed run's first new
     call the key of the thread's first call."""
     call = request.tool_call
+    # Two calls of one step under one id would share a key: the second "replayed" from the
+    # first (never made) or refused midway. Refused before either runs: the check is
+    # synchronous, so every call of the step sees it before any reaches the gateway.
+    if _step_ids(request.state).count(call.get("id")) > 1:
+        raise UserError(f"the model gave tool call id {call.get('id')!r} to two calls of one "
+                        "step: a checkpointed graph's calls are keyed by it")
     runtime = request.runtime
     config = getattr(runtime, "config", None) or {}
     namespace = config.get("configurable", {}).get("checkpoint_ns")
@@ -128,6 +134,16 @@ def _thread_key(ctx: Context, request: ToolCallRequest) -> str:
                         "checkpointed graph's calls are keyed by both")
     place = hashlib.sha256(f"{namespace}\n{call['id']}".encode()).hexdigest()[:32]
     return f"{ctx.task_id}:{call['name']}:{place}"
+
+
+def _step_ids(state: Any) -> list[Any]:
+    """The tool call ids of the step's model message (the last one that called tools)."""
+    messages = state.get("messages") if isinstance(state, dict) else state
+    for message in reversed(messages if isinstance(messages, list) else []):
+        calls = getattr(message, "tool_calls", None)
+        if calls:
+            return [c.get("id") for c in calls]
+    return []
 
 
 def tool_node(tools: Sequence[BaseTool | Callable[..., Any]], **kwargs: Any) -> ToolNode:
