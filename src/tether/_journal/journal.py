@@ -38,7 +38,7 @@ from tether._journal.rows import (
     QueueEntry,
     QueueProgress,
 )
-from tether._journal.runner import ThreadRunner
+from tether._journal.runner import Runner
 from tether._journal.sqlite import SqliteRunner
 
 if TYPE_CHECKING:
@@ -81,8 +81,13 @@ class Journal:
     """Durable record of delegations, actions, control intents and events."""
 
     def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
-                 busy_timeout: float | None = None) -> None:
+                 busy_timeout: float | None = None, runner: Runner | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
+        """``runner``: run the operations of this SQLite journal with it rather than with a
+        writer thread on the file (a simulation's inline runner); ``wall``: the clock the
+        chain's seals are stamped with."""
         self.url = url
+        self._wall = wall
         # Posted writes (receipts, events) commit without waiting for the disk when nobody in
         # their batch waits for a durable commit (``flush(durable=False)``'s terms): the MCP
         # proxy's, whose receipts are flushed that way before its client hears of them.
@@ -111,7 +116,7 @@ class Journal:
                     "pip install 'tether[postgres]'") from None
 
             runner = PostgresRunner(url, create=create)
-            self._runner: ThreadRunner = runner
+            self._runner: Runner = runner
             self._chain(runner)
             self._pg: PostgresRunner | None = runner
             self.path = Path(".tether") / "postgresql"
@@ -137,14 +142,15 @@ class Journal:
         self.keys_dir = Path(keys) if keys else self.path.parent / "keys"
         self._shown = ""
         self._pg = None
-        self._runner = SqliteRunner(self.path, create=create, synchronous=sync,
-                                    busy_timeout=busy_timeout)
+        self._runner = runner or SqliteRunner(self.path, create=create, synchronous=sync,
+                                              busy_timeout=busy_timeout)
         self._chain(self._runner)
 
-    def _chain(self, runner: ThreadRunner) -> None:
+    def _chain(self, runner: Runner) -> None:
         self._sealer = sealer = chainops.Sealer()
         self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
-        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, time.time())
+        wall = self._wall
+        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, wall())
 
     @property
     def signer(self) -> SigningKey | None:
@@ -555,13 +561,16 @@ class Journal:
                           on_server: bool = False) -> bool:
         """``now`` may be a clock, read when the renewal runs: one that waited for the
         journal to come back is judged at that time, never at the time it was asked.
-        ``until``: a ``time.monotonic()`` after which the renewal, run late, writes nothing
-        and answers False (its worker has given the lease up by then). ``on_server``: judged
+        ``until``: a time on the runner's clock (the event loop's) after which the renewal,
+        run late, writes nothing and answers False (its worker has given the lease up by
+        then). ``on_server``: judged
         and written on the database server's clock where there is one, as everyone else
         judges a lease (``remote.judge_alive``), so a worker whose clock lags cannot renew
         a lease that ran out there."""
+        clock = self._runner.monotonic
+
         def renew(db: Any) -> bool:
-            if until is not None and time.monotonic() >= until:
+            if until is not None and clock() >= until:
                 return False
             at = now() if callable(now) else now
             server = queue.server_time(db) if on_server else None

@@ -97,7 +97,13 @@ class Lost(Exception):
         self.done = done or []
 
 
-class ThreadRunner:
+class Runner:
+    """What a journal runs its operations with. The batch, its savepoints, its seal, its
+    COMMIT and the read-back of a COMMIT lost on the way live here, shared by every way of
+    running them: a writer thread (``ThreadRunner``, every backend in production) or inline on
+    a simulation's event loop (``tether._journal.inline``). Subclasses say only how operations
+    reach a batch and how a batch's answers reach their callers."""
+
     #: Seconds to keep reconnecting after a connection is lost before failing what waits
     #: (0: the backend does not reconnect).
     reconnect_within: float = 0.0
@@ -105,16 +111,10 @@ class ThreadRunner:
     watched = False
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._conn: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()  # submit against the thread's end
-        self._dead = False
-        self._closing = threading.Event()
         self._inflight: list[Op] = []
         self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
-        self.stop_wait = STOP_WAIT
         self._busy_since: float | None = None  # when the batch on the wire was sent
         self._lost_at: float | None = None  # when the connection was lost, until it is back
         # Posted writes (receipts) whose batch failed for want of a connection: nobody waits
@@ -122,9 +122,35 @@ class ThreadRunner:
         # child that ends after the outage does not end with its receipt missing.
         self._held: list[Op] = []
         self.sealer: Sealer | None = None  # set by the Journal (``chainops.seal``)
-        # Operations submitted whose batch has not answered yet (``busy``), under ``_lock``.
+        # Operations submitted whose batch has not answered yet (``busy``).
         self.outstanding = 0
-        _OPEN.add(self)
+        self.stop_wait = STOP_WAIT  # how long closing waits for a batch stuck on its server
+
+    # -- how it runs (a thread, or a simulation's loop) -----------------------------------
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
+               relaxed: bool = False) -> asyncio.Future[T] | None:
+        raise NotImplementedError
+
+    def _resolve(self, done: Done) -> None:
+        """Hand each waiting caller its answer, on its event loop."""
+        raise NotImplementedError
+
+    def monotonic(self) -> float:
+        """The clock reconnection windows and late renewals are judged on (the event loop's
+        in production: ``time.monotonic``)."""
+        return time.monotonic()
+
+    def closing(self) -> bool:
+        return False
+
+    def pause(self, seconds: float) -> None:
+        """Wait between two reconnection attempts (ended early by closing)."""
 
     # -- what a backend provides ----------------------------------------------------------
     def connect(self) -> Any:
@@ -179,7 +205,224 @@ class ThreadRunner:
         lease, and a second's step would use up a third of a 3 s one)."""
         return max(BACKOFF_FIRST, min(BACKOFF_MAX, self.reconnect_within / 20))
 
-    # -- the thread -----------------------------------------------------------------------
+    # -- running a batch (shared) ---------------------------------------------------------
+    def _fail(self, batch: list[Op], err: Exception) -> None:
+        self._resolve([(op, None, err) for op in batch])
+
+    def _run(self, batch: list[Op]) -> None:
+        """Run one batch to an answer for every operation in it."""
+        attempt = 0
+        deadline: float | None = None  # set by the first lost connection
+        while True:
+            if self._conn is None:  # lost earlier, or under this batch
+                if deadline is None:
+                    # The window runs from the loss, not from each batch: once it is over,
+                    # every later batch gets one attempt to connect and fails at once, rather
+                    # than each waiting a window of its own (a supervisor settling its
+                    # children on SIGTERM, with the server down, took batches x windows).
+                    deadline = (self._lost_at or self.monotonic()) + self.reconnect_within
+                if not self._reconnect(deadline):
+                    self._hold(batch)
+                    self._fail(batch, self._gone(deadline))
+                    return
+            if self._held:  # what an outage left, before what came after it
+                batch[:0], self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
+            try:
+                self._busy_since = self.monotonic()
+                try:
+                    done = self._run_batch(self._conn, batch)
+                finally:
+                    self._busy_since = None
+                self._resolve(done)
+                return
+            except Retry as exc:
+                attempt += 1
+                if attempt == RETRIES:
+                    self._fail(batch, JournalError(f"journal transaction kept failing: {exc}"))
+                    return
+            except Lost as lost:
+                self._drop()
+                if deadline is None:
+                    deadline = self.monotonic() + self.reconnect_within
+                if self.reconnect_within <= 0:
+                    self._fail(batch, JournalError(f"lost the {self.where()}: {lost}"))
+                    return
+                if lost.at_commit:
+                    outcome = self._read_back(deadline)
+                    if outcome is None:
+                        self._hold(batch)  # receipts are safe to write twice
+                        self._fail(batch, JournalError(
+                            f"lost the {self.where()} while committing, and could not read "
+                            f"back within {self.reconnect_within:g} s whether the commit "
+                            f"happened: {lost}"))
+                        return
+                    if outcome:
+                        self._resolve(lost.done)
+                        return
+                # Nothing of it committed: run it again on a new connection.
+            except Exception as exc:
+                # Anything else fails this batch with a clear error; the thread lives on,
+                # so no caller waits for ever.
+                mapped = self.map_error(exc)
+                err = mapped if isinstance(mapped, JournalError) else JournalError(
+                    f"journal write failed: {exc}")
+                self._fail(batch, err)
+                return
+
+    def _hold(self, batch: list[Op]) -> None:
+        if self.closing():
+            return  # closing: lost as to a crash, settled by reconciliation
+        room = MAX_HELD - len(self._held)
+        self._held += [op for op in batch if op.future is None and op.write][:max(0, room)]
+
+    def _gone(self, deadline: float) -> JournalError:
+        if self.closing():
+            return JournalError(f"{self.where()} closed while reconnecting")
+        return JournalError(f"lost the {self.where()} and could not reconnect within "
+                            f"{self.reconnect_within:g} s")
+
+    def _drop(self) -> None:
+        if self._lost_at is None:
+            self._lost_at = self.monotonic()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def _reconnect(self, deadline: float) -> bool:
+        """Open a new connection, with bounded backoff, until the deadline or closing."""
+        delay = BACKOFF_FIRST
+        while not self.closing():
+            try:
+                self._conn = self.connect()
+                self.reconnects += 1
+                self._lost_at = None
+                return True
+            except Exception:
+                left = deadline - self.monotonic()
+                if left <= 0:
+                    return False
+                self.pause(min(delay, left))
+                delay = min(delay * 2, self.backoff_cap())
+        return False
+
+    def _read_back(self, deadline: float) -> bool | None:
+        """Whether the batch lost at its COMMIT committed; None if that cannot be read."""
+        while True:
+            if self._conn is None and not self._reconnect(deadline):
+                return None
+            self._busy_since = self.monotonic()
+            try:
+                return self.committed(self._conn)
+            except Exception as exc:
+                if not self.is_lost(self._conn, exc):
+                    return None
+                self._drop()
+            finally:
+                self._busy_since = None
+
+    def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
+        done: Done = []
+        write = any(op.write for op in batch)
+        db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
+        dirty: list[tuple[str, Any]] | None = getattr(db, "dirty", None)
+        try:
+            self.relax(conn, relaxed_batch(batch))
+            self.begin(conn, write)
+        except Exception as exc:
+            if self.is_lost(conn, exc):
+                raise Lost(exc, at_commit=False) from exc
+            err = self.map_error(exc)
+            if isinstance(err, Retry):
+                raise err from None
+            return [(op, None, err) for op in batch]
+        alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
+        try:
+            for op in batch:
+                if not alone:
+                    conn.execute("SAVEPOINT op")
+                mark = 0 if dirty is None else len(dirty)
+                try:
+                    value = op.fn(db)
+                except Exception as exc:  # refused or failed: undo this operation only
+                    if dirty is not None:
+                        del dirty[mark:]  # what it wrote is rolled back with it
+                    if self.is_lost(conn, exc):
+                        raise
+                    mapped = self.map_error(exc)
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
+                                     else "ROLLBACK TO SAVEPOINT op")
+                    if isinstance(mapped, Retry):
+                        raise mapped from None
+                    if alone:
+                        return [(op, None, mapped)]
+                    conn.execute("RELEASE SAVEPOINT op")
+                    done.append((op, None, mapped))
+                else:
+                    if not alone:
+                        conn.execute("RELEASE SAVEPOINT op")
+                    done.append((op, value, None))
+            if dirty:
+                assert self.sealer is not None
+                try:
+                    self.sealer(db, dirty)
+                except Exception as exc:
+                    if self.is_lost(conn, exc):
+                        raise
+                    with contextlib.suppress(Exception):
+                        conn.execute("ROLLBACK")
+                    mapped = self.map_error(exc)
+                    if isinstance(mapped, Retry):
+                        raise mapped from None
+                    # Nothing of the batch commits unsealed: every operation fails with it.
+                    err = mapped if isinstance(mapped, JournalError) else JournalError(
+                        f"the journal could not chain this batch's records: {exc!r}")
+                    return [(op, None, err) for op in batch]
+        except Retry:
+            raise
+        except Exception as exc:
+            if self.is_lost(conn, exc):  # before COMMIT: nothing of it committed
+                raise Lost(exc, at_commit=False) from exc
+            raise
+        try:
+            conn.execute("COMMIT")
+        except Exception as exc:
+            if self.is_lost(conn, exc):
+                raise Lost(exc, at_commit=write, done=done) from exc
+            with contextlib.suppress(Exception):
+                conn.execute("ROLLBACK")
+            err = self.map_error(exc)
+            if isinstance(err, Retry):
+                raise err from None
+            done = [(op, None, err) for op, _, _ in done]
+            return done
+        if write:
+            try:
+                self.landed(conn)
+            except JournalError as err:  # committed where nobody will read it: not journaled
+                done = [(op, None, err) for op, _, _ in done]
+        return done
+
+class ThreadRunner(Runner):
+    """One writer thread per journal: operations queue to it, it takes everything queued as
+    one batch, and answers each caller on its event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # submit against the thread's end
+        self._dead = False
+        self._closing = threading.Event()
+        _OPEN.add(self)
+
+    def closing(self) -> bool:
+        return self._closing.is_set()
+
+    def pause(self, seconds: float) -> None:
+        self._closing.wait(seconds)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._closing.clear()  # a journal may be opened again after it was closed
@@ -286,210 +529,13 @@ class ThreadRunner:
             with self._lock:
                 self.outstanding -= taken
 
-    def _fail(self, batch: list[Op], err: Exception) -> None:
-        self._resolve([(op, None, err) for op in batch])
-
-    def _run(self, batch: list[Op]) -> None:
-        """Run one batch to an answer for every operation in it."""
-        attempt = 0
-        deadline: float | None = None  # set by the first lost connection
-        while True:
-            if self._conn is None:  # lost earlier, or under this batch
-                if deadline is None:
-                    # The window runs from the loss, not from each batch: once it is over,
-                    # every later batch gets one attempt to connect and fails at once, rather
-                    # than each waiting a window of its own (a supervisor settling its
-                    # children on SIGTERM, with the server down, took batches x windows).
-                    deadline = (self._lost_at or time.monotonic()) + self.reconnect_within
-                if not self._reconnect(deadline):
-                    self._hold(batch)
-                    self._fail(batch, self._gone(deadline))
-                    return
-            if self._held:  # what an outage left, before what came after it
-                batch[:0], self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
-            try:
-                self._busy_since = time.monotonic()
-                try:
-                    done = self._run_batch(self._conn, batch)
-                finally:
-                    self._busy_since = None
-                self._resolve(done)
-                return
-            except Retry as exc:
-                attempt += 1
-                if attempt == RETRIES:
-                    self._fail(batch, JournalError(f"journal transaction kept failing: {exc}"))
-                    return
-            except Lost as lost:
-                self._drop()
-                if deadline is None:
-                    deadline = time.monotonic() + self.reconnect_within
-                if self.reconnect_within <= 0:
-                    self._fail(batch, JournalError(f"lost the {self.where()}: {lost}"))
-                    return
-                if lost.at_commit:
-                    outcome = self._read_back(deadline)
-                    if outcome is None:
-                        self._hold(batch)  # receipts are safe to write twice
-                        self._fail(batch, JournalError(
-                            f"lost the {self.where()} while committing, and could not read "
-                            f"back within {self.reconnect_within:g} s whether the commit "
-                            f"happened: {lost}"))
-                        return
-                    if outcome:
-                        self._resolve(lost.done)
-                        return
-                # Nothing of it committed: run it again on a new connection.
-            except Exception as exc:
-                # Anything else fails this batch with a clear error; the thread lives on,
-                # so no caller waits for ever.
-                mapped = self.map_error(exc)
-                err = mapped if isinstance(mapped, JournalError) else JournalError(
-                    f"journal write failed: {exc}")
-                self._fail(batch, err)
-                return
-
-    def _hold(self, batch: list[Op]) -> None:
-        if self._closing.is_set():
-            return  # closing: lost as to a crash, settled by reconciliation
-        room = MAX_HELD - len(self._held)
-        self._held += [op for op in batch if op.future is None and op.write][:max(0, room)]
-
-    def _gone(self, deadline: float) -> JournalError:
-        if self._closing.is_set():
-            return JournalError(f"{self.where()} closed while reconnecting")
-        return JournalError(f"lost the {self.where()} and could not reconnect within "
-                            f"{self.reconnect_within:g} s")
-
-    def _drop(self) -> None:
-        if self._lost_at is None:
-            self._lost_at = time.monotonic()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
-
-    def _reconnect(self, deadline: float) -> bool:
-        """Open a new connection, with bounded backoff, until the deadline or closing."""
-        delay = BACKOFF_FIRST
-        while not self._closing.is_set():
-            try:
-                self._conn = self.connect()
-                self.reconnects += 1
-                self._lost_at = None
-                return True
-            except Exception:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._closing.wait(min(delay, left))
-                delay = min(delay * 2, self.backoff_cap())
-        return False
-
-    def _read_back(self, deadline: float) -> bool | None:
-        """Whether the batch lost at its COMMIT committed; None if that cannot be read."""
-        while True:
-            if self._conn is None and not self._reconnect(deadline):
-                return None
-            self._busy_since = time.monotonic()
-            try:
-                return self.committed(self._conn)
-            except Exception as exc:
-                if not self.is_lost(self._conn, exc):
-                    return None
-                self._drop()
-            finally:
-                self._busy_since = None
-
-    def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
-        done: Done = []
-        write = any(op.write for op in batch)
-        db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
-        dirty: list[tuple[str, Any]] | None = getattr(db, "dirty", None)
-        try:
-            self.relax(conn, relaxed_batch(batch))
-            self.begin(conn, write)
-        except Exception as exc:
-            if self.is_lost(conn, exc):
-                raise Lost(exc, at_commit=False) from exc
-            err = self.map_error(exc)
-            if isinstance(err, Retry):
-                raise err from None
-            return [(op, None, err) for op in batch]
-        alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
-        try:
-            for op in batch:
-                if not alone:
-                    conn.execute("SAVEPOINT op")
-                mark = 0 if dirty is None else len(dirty)
-                try:
-                    value = op.fn(db)
-                except Exception as exc:  # refused or failed: undo this operation only
-                    if dirty is not None:
-                        del dirty[mark:]  # what it wrote is rolled back with it
-                    if self.is_lost(conn, exc):
-                        raise
-                    mapped = self.map_error(exc)
-                    with contextlib.suppress(Exception):
-                        conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
-                                     else "ROLLBACK TO SAVEPOINT op")
-                    if isinstance(mapped, Retry):
-                        raise mapped from None
-                    if alone:
-                        return [(op, None, mapped)]
-                    conn.execute("RELEASE SAVEPOINT op")
-                    done.append((op, None, mapped))
-                else:
-                    if not alone:
-                        conn.execute("RELEASE SAVEPOINT op")
-                    done.append((op, value, None))
-            if dirty:
-                assert self.sealer is not None
-                try:
-                    self.sealer(db, dirty)
-                except Exception as exc:
-                    if self.is_lost(conn, exc):
-                        raise
-                    with contextlib.suppress(Exception):
-                        conn.execute("ROLLBACK")
-                    mapped = self.map_error(exc)
-                    if isinstance(mapped, Retry):
-                        raise mapped from None
-                    # Nothing of the batch commits unsealed: every operation fails with it.
-                    err = mapped if isinstance(mapped, JournalError) else JournalError(
-                        f"the journal could not chain this batch's records: {exc!r}")
-                    return [(op, None, err) for op in batch]
-        except Retry:
-            raise
-        except Exception as exc:
-            if self.is_lost(conn, exc):  # before COMMIT: nothing of it committed
-                raise Lost(exc, at_commit=False) from exc
-            raise
-        try:
-            conn.execute("COMMIT")
-        except Exception as exc:
-            if self.is_lost(conn, exc):
-                raise Lost(exc, at_commit=write, done=done) from exc
-            with contextlib.suppress(Exception):
-                conn.execute("ROLLBACK")
-            err = self.map_error(exc)
-            if isinstance(err, Retry):
-                raise err from None
-            done = [(op, None, err) for op, _, _ in done]
-            return done
-        if write:
-            try:
-                self.landed(conn)
-            except JournalError as err:  # committed where nobody will read it: not journaled
-                done = [(op, None, err) for op, _, _ in done]
-        return done
-
     def _resolve(self, done: Done) -> None:
         waiting = [d for d in done if d[0].future is not None]
         if not waiting or self._loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
             self._loop.call_soon_threadsafe(_settle, waiting)
+
 
 
 def relaxed_batch(batch: list[Op]) -> bool:

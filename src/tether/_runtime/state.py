@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from base64 import b32hexencode
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +25,32 @@ from tether._runtime.tools import Agent, Tool
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+def _uuid7_bytes() -> bytes:
+    return uuid7().bytes
+
+
+# Where ids' 16 bytes come from: a UUIDv7 in production; a simulation swaps in a seeded
+# source (``id_source``) so that a trial's ids, and so its interleaving, follow from its seed.
+_id_bytes: Callable[[], bytes] = _uuid7_bytes
+
+
+@contextmanager
+def id_source(source: Callable[[], bytes]) -> Iterator[None]:
+    """Make ``new_id`` draw its 16 bytes from ``source`` inside the block."""
+    global _id_bytes
+    before, _id_bytes = _id_bytes, source
+    try:
+        yield
+    finally:
+        _id_bytes = before
+
+
 def new_id(prefix: str) -> str:
     """Unique across processes and sorting by creation time, to the millisecond: a UUIDv7 in
     RFC 4648 base32hex (26 characters, whose order is the bytes' order), e.g.
     ``d_069fjb5a1g7vq4s3k9m2r8e1lc``. An operator can tell two ids apart by any part of them,
     and a listing by id is a listing by age."""
-    return f"{prefix}_{b32hexencode(uuid7().bytes)[:26].decode('ascii').lower()}"
+    return f"{prefix}_{b32hexencode(_id_bytes())[:26].decode('ascii').lower()}"
 
 
 @dataclass(eq=False)

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import importlib
 import sys
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -284,7 +283,7 @@ class Worker:
             # Judged when it runs (after a reconnection, say), not when it was asked for;
             # run after the lease ended, it writes nothing.
             renewal = asyncio.ensure_future(sup.journal.renew_lease(
-                sup.owner_id, sup.clock.wall, self.lease, until=time.monotonic() + left,
+                sup.owner_id, sup.clock.wall, self.lease, until=loop.time() + left,
                 on_server=not is_virtual(sup.clock)))
             renewal.add_done_callback(_retrieved)  # also when this loop is cancelled first
             try:
