@@ -1,0 +1,198 @@
+"""The journal's batches run inline on the event loop: for a simulation, never in production.
+
+``InlineRunner`` runs the same batch code as the writer thread (``Runner._run``: savepoints per
+operation, the seal before the COMMIT, a lost COMMIT read back before anything runs again),
+but as one callback on the caller's event loop, ``latency`` seconds of loop time after the
+first operation of the batch was submitted: whatever else is submitted meanwhile shares the
+batch and its commit, as with the thread. Nothing else may run between a batch's BEGIN and its
+COMMIT, so each batch is atomic even when several runners share one database.
+
+``MemorySqlite`` is the backend: one in-memory SQLite database shared by every simulated
+process of a trial (``file:NAME?mode=memory&cache=shared``), one connection per process.
+``lose_commit`` is the seam for a lost commit reply: asked at each write batch's COMMIT, it
+may say that the reply is lost after the COMMIT ("after") or that the connection broke before
+it ("before"); either way the runner sees a lost connection at its COMMIT and reads back,
+from a commit marker the batch wrote (as on PostgreSQL), whether it committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from tether._core.errors import JournalError
+from tether._journal import sqlite as sqlite_backend
+from tether._journal.runner import MAX_BATCH, Done, Op, Runner, _settle
+
+T = TypeVar("T")
+Loss = Literal["before", "after"] | None
+
+
+class CommitLost(Exception):
+    """The connection broke at a COMMIT (injected): its reply never came."""
+
+
+class InlineRunner(Runner):
+    """Operations run as batches on the loop itself; see the module's docstring."""
+
+    # Long enough for a read-back to run (a reconnection on the loop never waits).
+    reconnect_within = 5.0
+
+    def __init__(self, latency: Callable[[], float] = lambda: 0.0) -> None:
+        super().__init__()
+        self.latency = latency
+        self._pending: list[Op] = []
+        self._flush_due = False
+        self._open = False
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._conn = self.connect()
+        self._lost_at = None
+        self._open = True
+
+    async def stop(self) -> None:
+        if not self._open:
+            return
+        while self._pending:
+            self._flush()
+        self._open = False
+        conn, self._conn = self._conn, None
+        self.close(conn)
+
+    def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
+               relaxed: bool = False) -> asyncio.Future[T] | None:
+        if not self._open or self._loop is None:
+            raise JournalError("journal is not open")
+        future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
+        self._pending.append(Op(fn, write, future, relaxed))
+        self.outstanding += 1
+        if not self._flush_due:
+            self._flush_due = True
+            self._loop.call_later(self.latency(), self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+        if self._pending and self._loop is not None:
+            self._flush_due = True
+            self._loop.call_later(self.latency(), self._flush)
+        if not batch:
+            return
+        taken = len(batch)
+        self._run(batch)
+        self.outstanding -= taken
+
+    def _resolve(self, done: Done) -> None:
+        _settle([d for d in done if d[0].future is not None])
+
+    def monotonic(self) -> float:
+        return self._loop.time() if self._loop is not None else 0.0
+
+
+class _Conn:
+    """A connection whose COMMIT a fault may break (``MemorySqlite.lose_commit``)."""
+
+    def __init__(self, inner: sqlite3.Connection, lose: Callable[[], Loss]) -> None:
+        self.inner = inner
+        self._lose = lose
+        self.closed = False
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if self.closed:
+            raise CommitLost("the connection is closed")
+        if sql == "COMMIT" and self.inner.in_transaction:
+            loss = self._lose()
+            if loss == "before":
+                self.inner.execute("ROLLBACK")
+                self.close()
+                raise CommitLost("connection lost before the COMMIT reached the database")
+            cur = self.inner.execute(sql)
+            if loss == "after":
+                self.close()
+                raise CommitLost("connection lost before the COMMIT's reply came back")
+            return cur
+        return self.inner.execute(sql, *args)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+_TEMPLATE: sqlite3.Connection | None = None
+
+
+def _template() -> sqlite3.Connection:
+    """A journal made once per process, copied into each new shared database (``backup``):
+    migrating the schema anew for every trial would cost more than the trial."""
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        sqlite_backend._check_or_init(conn, Path(":memory:"), True)
+        _TEMPLATE = conn
+    return _TEMPLATE
+
+
+def shared_database(name: str) -> sqlite3.Connection:
+    """Create the shared in-memory journal ``name`` and return the connection that keeps it
+    alive (close it to drop the database)."""
+    anchor = sqlite3.connect(f"file:{name}?mode=memory&cache=shared", uri=True,
+                             isolation_level=None, check_same_thread=False)
+    _template().backup(anchor)
+    return anchor
+
+
+class MemorySqlite(InlineRunner):
+    """One simulated process's runner on a trial's shared in-memory journal."""
+
+    def __init__(self, name: str, *, latency: Callable[[], float] = lambda: 0.0,
+                 lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit") -> None:
+        super().__init__(latency)
+        self.name = name
+        self.lose_commit = lose_commit
+        self._mark_key = f"commit:{mark}"  # this runner's commit marker (``committed``)
+        self._mark = 0
+
+    def connect(self) -> _Conn:
+        inner = sqlite3.connect(f"file:{self.name}?mode=memory&cache=shared", uri=True,
+                                isolation_level=None, check_same_thread=False)
+        inner.execute("PRAGMA foreign_keys=ON")
+        return _Conn(inner, self.lose_commit)
+
+    def close(self, conn: Any) -> None:
+        if conn is not None:
+            conn.close()
+
+    def begin(self, conn: _Conn, write: bool) -> None:
+        conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        if write:  # the marker a read-back after a lost COMMIT looks for
+            self._mark += 1
+            conn.execute("INSERT INTO tether_meta (key, value) VALUES (?, ?) ON CONFLICT (key) "
+                         "DO UPDATE SET value = excluded.value", (self._mark_key, str(self._mark)))
+
+    def committed(self, conn: _Conn) -> bool:
+        row = conn.execute("SELECT value FROM tether_meta WHERE key = ?",
+                           (self._mark_key,)).fetchone()
+        return row is not None and row[0] == str(self._mark)
+
+    def is_lost(self, conn: Any, exc: BaseException) -> bool:
+        return isinstance(exc, CommitLost) or bool(getattr(conn, "closed", False))
+
+    def where(self) -> str:
+        return f"simulated journal {self.name}"
+
+    def map_error(self, exc: Exception) -> Exception:
+        if isinstance(exc, sqlite3.Error):
+            return sqlite_backend._map_error(exc, Path(self.name))
+        return exc
+
+
+__all__ = ["CommitLost", "InlineRunner", "MemorySqlite", "shared_database"]

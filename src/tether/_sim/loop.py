@@ -1,0 +1,281 @@
+"""A deterministic asyncio event loop: virtual time, a seeded order, hosts that crash and pause.
+
+``SimLoop`` is an ``asyncio.BaseEventLoop`` whose "selector" never blocks. When nothing is
+ready it jumps its clock to the next timer (Trio's ``MockClock`` autojump rule), so a trial's
+minutes of leases and deadlines take milliseconds. Callbacks ready at the same instant run in
+an order drawn from the trial's ``random.Random``, so the seed fixes the interleaving and a
+different seed tries another one.
+
+A simulated process runs its tasks under a ``Host`` (the ``HOST`` context variable, which
+every task and callback it creates inherits). Every callback carries the context it was
+scheduled in, so the loop knows whose it is:
+
+- a crash (``crash``) drops every callback of the host from then on and closes its tasks'
+  coroutines where they stand: nothing of it runs again, as when a process is killed;
+- a pause (``pause``) defers the host's callbacks until it ends;
+- a host's wall clock may be offset (``HostClock``).
+
+Real I/O and threads are refused (``RealIO``): production code that reaches for a socket, a
+subprocess, an executor or another thread inside a simulation is a leak to find, not to hide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import contextvars
+import heapq
+import random
+import selectors
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+WALL0 = 1_800_000_000.0  # the wall clock's reading at virtual time 0
+
+
+class RealIO(RuntimeError):
+    """Production code tried real I/O or a thread inside the simulation."""
+
+
+class Stalled(RuntimeError):
+    """Nothing is ready and no timer is set, yet the awaited work is not done."""
+
+
+class Host:
+    """One simulated process: its tasks, its clock's offset, whether it is alive or paused."""
+
+    def __init__(self, name: str, offset: Callable[[float], float] | None = None) -> None:
+        self.name = name
+        self.alive = True
+        self.paused_until = 0.0
+        self.offset = offset or (lambda _t: 0.0)
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.deferred: list[asyncio.Handle] = []
+
+    def __repr__(self) -> str:
+        return f"Host({self.name})"
+
+
+HOST: contextvars.ContextVar[Host | None] = contextvars.ContextVar("tether_sim_host",
+                                                                   default=None)
+
+
+def _host_of(handle: asyncio.Handle) -> Host | None:
+    ctx: contextvars.Context | None = getattr(handle, "_context", None)
+    return None if ctx is None else ctx.get(HOST)
+
+
+class HostClock:
+    """A host's ``tether`` clock: monotonic time is the loop's, wall time the loop's plus the
+    host's offset (a skew, a drift, a jump), sleeping is the loop's."""
+
+    def __init__(self, loop: SimLoop, host: Host) -> None:
+        self.loop, self.host = loop, host
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def wall(self) -> float:
+        t = self.loop.time()
+        return WALL0 + t + self.host.offset(t)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class _NoSelector(selectors.BaseSelector):
+    """What ``BaseEventLoop._run_once`` polls: never blocks, registers nothing. Its ``select``
+    is where virtual time moves and the ready callbacks are ordered."""
+
+    def __init__(self, loop: SimLoop) -> None:
+        self._loop = loop
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        raise RealIO(f"the simulation refuses real I/O (a file descriptor: {fileobj!r})")
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        raise KeyError(fileobj)
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        self._loop._advance(timeout)
+        return []
+
+    def get_map(self) -> dict[Any, selectors.SelectorKey]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class SimLoop(asyncio.BaseEventLoop):
+    """An event loop on virtual time; see the module's docstring."""
+
+    def __init__(self, rng: random.Random, *, trace: list[str] | None = None,
+                 max_steps: int | None = None) -> None:
+        super().__init__()
+        self._now = 0.0
+        self._rng = rng
+        self._selector = _NoSelector(self)
+        # A timer due now must count as due (``_run_once`` takes those before now + this).
+        self._clock_resolution = 1e-9
+        self.trace = trace
+        self.steps = 0  # callbacks run (the trace's lines, traced or not)
+        self.max_steps = max_steps
+        self.errors: list[str] = []  # exceptions no one retrieved, as the handler saw them
+        self.set_exception_handler(self._unhandled)
+
+    # BaseEventLoop's queues, typed: ready callbacks, and the timer heap.
+    @property
+    def _queue(self) -> collections.deque[asyncio.Handle]:
+        return self._ready  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def _timers(self) -> list[asyncio.TimerHandle]:
+        return self._scheduled  # type: ignore[attr-defined,no-any-return]
+
+    # -- time -----------------------------------------------------------------------------
+    def time(self) -> float:
+        return self._now
+
+    def _advance(self, timeout: float | None) -> None:
+        """Called by ``_run_once`` before it takes due timers: jump to the next timer if
+        nothing is ready, then take what is due, set each host's share aside, and shuffle."""
+        if timeout is None:
+            raise Stalled("nothing is ready and no timer is set: every task waits for ever")
+        if timeout > 0:
+            self._now += timeout
+        scheduled = self._timers
+        while scheduled and scheduled[0].when() <= self._now:
+            timer = heapq.heappop(scheduled)
+            timer._scheduled = False  # type: ignore[attr-defined]
+            if not timer.cancelled():
+                self._queue.append(timer)
+        ready: list[asyncio.Handle] = []
+        for handle in self._queue:
+            host = _host_of(handle)
+            if host is None:
+                ready.append(handle)
+            elif not host.alive:
+                handle.cancel()  # a crashed host's: never runs
+            elif host.paused_until > self._now:
+                if not host.deferred:
+                    self.call_at(host.paused_until, self._resume, host,
+                                 context=contextvars.Context())
+                host.deferred.append(handle)
+            else:
+                ready.append(handle)
+        self._rng.shuffle(ready)
+        self._queue.clear()
+        self._queue.extend(ready)
+        self.steps += len(ready)
+        if self.max_steps is not None and self.steps > self.max_steps:
+            raise StepBudget(f"more than {self.max_steps} callbacks")
+        if self.trace is not None:
+            for handle in ready:
+                host = _host_of(handle)
+                self.trace.append(f"{self._now:.6f} {host.name if host else '-'} "
+                                  f"{_name(handle)}")
+
+    def _resume(self, host: Host) -> None:
+        if host.paused_until > self._now:  # paused again meanwhile
+            self.call_at(host.paused_until, self._resume, host, context=contextvars.Context())
+            return
+        deferred, host.deferred = host.deferred, []
+        self._queue.extend(deferred)
+
+    def _process_events(self, event_list: list[Any]) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        raise RealIO("the simulation refuses another thread's wake-up (call_soon_threadsafe)")
+
+    # -- hosts ----------------------------------------------------------------------------
+    def create_task(self, coro: Any, *, name: Any = None,
+                    context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = super().create_task(coro, name=name, context=context)
+        host = (context or contextvars.copy_context()).get(HOST)
+        if host is not None:
+            host.tasks.append(task)
+        return task
+
+    def start(self, host: Host, coro: Coroutine[Any, Any, T],
+              name: str | None = None) -> asyncio.Task[T]:
+        """Run ``coro`` as a task of ``host`` (and everything it starts, so on down)."""
+        ctx = contextvars.Context()
+        ctx.run(HOST.set, host)
+        return self.create_task(coro, name=name or host.name, context=ctx)
+
+    def crash(self, host: Host) -> None:
+        """Kill the host: none of its callbacks runs again; its tasks' coroutines are closed
+        where they stand (under the dead host, so whatever their ``finally`` tries to
+        schedule is dropped too)."""
+        host.alive = False
+        host.deferred.clear()
+        for handle in [*self._queue, *self._timers]:
+            if _host_of(handle) is host:
+                handle.cancel()
+        dead = contextvars.Context()
+        dead.run(HOST.set, host)
+        for task in host.tasks:
+            if task.done():
+                continue
+            task._log_destroy_pending = False  # type: ignore[attr-defined]
+            coro = task.get_coro()
+            # A finally that awaits raises here (the coroutine ignored GeneratorExit): dead anyway.
+            with contextlib.suppress(BaseException):
+                dead.run(coro.close)
+        host.tasks.clear()
+
+    def pause(self, host: Host, until: float) -> None:
+        """Defer every callback of the host due before ``until``."""
+        host.paused_until = max(host.paused_until, until)
+
+    # -- what the simulation refuses ------------------------------------------------------
+    def run_in_executor(self, executor: Any, func: Callable[..., T],  # type: ignore[override]
+                        *args: Any) -> asyncio.Future[T]:
+        raise RealIO(f"the simulation refuses threads (run_in_executor of {func!r})")
+
+    def call_soon_threadsafe(self, callback: Callable[..., object],  # type: ignore[override]
+                             *args: Any,
+                             context: contextvars.Context | None = None) -> asyncio.Handle:
+        raise RealIO(f"the simulation refuses another thread's callback ({callback!r})")
+
+    def add_signal_handler(self, sig: int,  # type: ignore[override]
+                           callback: Callable[..., object],
+                           *args: Any) -> None:
+        raise RealIO("the simulation refuses signal handlers")
+
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        self.errors.append(f"{context.get('message')}: {exc!r}" if exc is not None
+                           else str(context.get("message")))
+
+
+class StepBudget(RuntimeError):
+    """The trial ran more callbacks than it may (a livelock, or a trial far too busy)."""
+
+
+def _name(handle: asyncio.Handle) -> str:
+    cb = getattr(handle, "_callback", None)
+    owner = getattr(cb, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        coro = owner.get_coro()
+        return f"step {getattr(coro, '__qualname__', '?')}"
+    return str(getattr(cb, "__qualname__", type(cb).__name__))
+
+
+def run(loop: SimLoop, main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to its end on ``loop`` (made the running loop meanwhile) and close it."""
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+__all__ = ["HOST", "WALL0", "Host", "HostClock", "RealIO", "SimLoop", "Stalled", "StepBudget",
+           "run"]

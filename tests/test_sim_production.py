@@ -1,0 +1,143 @@
+"""``tether sim --engine production``: the simulator's deterministic loop, its inline journal
+runner, and trials that run the production Supervisor, Worker and journal on them."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from tether._core.errors import JournalError
+from tether._journal import ops
+from tether._journal.inline import MemorySqlite, shared_database
+from tether._journal.journal import Journal
+from tether._journal.rows import OwnerRow
+from tether._sim.loop import Host, RealIO, SimLoop, Stalled, run
+
+
+def order_of(seed: int) -> list[str]:
+    loop = SimLoop(random.Random(seed))
+    seen: list[str] = []
+
+    async def one(name: str) -> None:
+        await asyncio.sleep(1.0)
+        seen.append(name)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(n) for n in "abcd"))
+
+    run(loop, main())
+    return seen
+
+
+def test_callbacks_due_at_one_instant_run_in_an_order_drawn_from_the_seed() -> None:
+    orders = {tuple(order_of(seed)) for seed in range(12)}
+    assert len(orders) > 1, "every seed ran the four wake-ups in one order"
+    assert order_of(5) == order_of(5)
+
+
+def test_time_jumps_to_the_next_timer_when_nothing_is_ready() -> None:
+    loop = SimLoop(random.Random(0))
+
+    async def main() -> float:
+        await asyncio.sleep(3600.0)
+        await asyncio.sleep(0.25)
+        return loop.time()
+
+    assert run(loop, main()) == 3600.25
+
+
+def test_a_crashed_host_runs_nothing_more_and_a_paused_one_resumes_late() -> None:
+    loop = SimLoop(random.Random(0))
+    ticks: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+
+    async def ticker(name: str) -> None:
+        for _ in range(4):
+            await asyncio.sleep(1.0)
+            ticks[name].append(loop.time())
+
+    async def main() -> None:
+        hosts = {n: Host(n) for n in ticks}
+        tasks = [loop.start(h, ticker(n)) for n, h in hosts.items()]
+        await asyncio.sleep(1.5)
+        loop.crash(hosts["a"])
+        loop.pause(hosts["b"], 10.0)
+        await asyncio.gather(tasks[1], tasks[2])
+
+    run(loop, main())
+    assert ticks["a"] == [1.0]
+    assert ticks["b"] == [1.0, 10.0, 11.0, 12.0]
+    assert ticks["c"] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_threads_and_waiting_for_ever_are_refused_not_hidden() -> None:
+    async def thread() -> None:
+        await asyncio.to_thread(print, "never")
+
+    with pytest.raises(RealIO, match="refuses threads"):
+        run(SimLoop(random.Random(0)), thread())
+
+    async def forever() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(Stalled):
+        run(SimLoop(random.Random(0)), forever())
+
+
+# -- the inline runner: the production batch code on the loop ------------------------------
+
+class Counted(MemorySqlite):
+    read_backs = 0
+
+    def committed(self, conn: Any) -> bool:
+        self.read_backs += 1
+        return super().committed(conn)
+
+
+@pytest.mark.parametrize("loss", ["before", "after"])
+def test_a_lost_commit_reply_is_read_back_and_the_write_lands_once(loss: str) -> None:
+    name = f"lost-{loss}"
+    anchor = shared_database(name)
+    losses = [loss]
+    runner = Counted(name, lose_commit=lambda: losses.pop() if losses else None)  # type: ignore[return-value]
+    journal = Journal("sqlite:///sim/journal.db", runner=runner, wall=lambda: 1.0)
+
+    async def main() -> list[OwnerRow]:
+        await journal.open()
+        await journal.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+        owners = await journal.owners()
+        await journal.close()
+        return owners
+
+    owners = run(SimLoop(random.Random(0)), main())
+    count = anchor.execute("SELECT COUNT(*) FROM owners").fetchone()[0]
+    anchor.close()
+    assert [o.id for o in owners] == ["o1"] and count == 1
+    assert runner.read_backs == 1, "the production read-back did not run"
+    assert runner.reconnects >= 1
+
+
+def test_a_refused_operation_rolls_back_only_its_savepoint_in_a_shared_batch() -> None:
+    anchor = shared_database("savepoints")
+    journal = Journal("sqlite:///sim/journal.db", runner=MemorySqlite("savepoints",
+                                                                      latency=lambda: 0.01))
+
+    def refuse(db: Any) -> None:
+        ops.register_owner(db, OwnerRow("o2", 1, "h", 1.0, 1.0))
+        raise JournalError("refused")
+
+    async def main() -> list[BaseException | None]:
+        await journal.open()
+        outcomes = await asyncio.gather(
+            journal.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0)),
+            journal._write(refuse), return_exceptions=True)
+        await journal.close()
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+    outcomes = run(SimLoop(random.Random(0)), main())
+    ids = [r[0] for r in anchor.execute("SELECT id FROM owners")]
+    anchor.close()
+    assert outcomes[0] is None and isinstance(outcomes[1], JournalError)
+    assert ids == ["o1"]
