@@ -5,16 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from tether._cli.app import app
+from tether._core import outcome
 from tether._core.errors import JournalError
+from tether._core.model import ActionState, ProbeOutcome
 from tether._journal import ops
-from tether._journal.inline import MemorySqlite, shared_database
+from tether._journal.inline import Loss, MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
+from tether._runtime import reconcile
+from tether._sim import production
 from tether._sim.loop import Host, RealIO, SimLoop, Stalled, run
+from tether._sim.trial import run_sim, trial_seed
+
+runner = CliRunner()
 
 
 def order_of(seed: int) -> list[str]:
@@ -100,8 +110,8 @@ class Counted(MemorySqlite):
 def test_a_lost_commit_reply_is_read_back_and_the_write_lands_once(loss: str) -> None:
     name = f"lost-{loss}"
     anchor = shared_database(name)
-    losses = [loss]
-    runner = Counted(name, lose_commit=lambda: losses.pop() if losses else None)  # type: ignore[return-value]
+    losses: list[Loss] = [loss]  # type: ignore[list-item]
+    runner = Counted(name, lose_commit=lambda: losses.pop() if losses else None)
     journal = Journal("sqlite:///sim/journal.db", runner=runner, wall=lambda: 1.0)
 
     async def main() -> list[OwnerRow]:
@@ -141,3 +151,62 @@ def test_a_refused_operation_rolls_back_only_its_savepoint_in_a_shared_batch() -
     anchor.close()
     assert outcomes[0] is None and isinstance(outcomes[1], JournalError)
     assert ids == ["o1"]
+
+
+# -- trials of the production engine ---------------------------------------------------------
+
+def test_a_bounded_run_of_the_production_runtime_finds_no_violation() -> None:
+    result = run_sim(24, 11, engine="production")
+    assert result["engine"] == "production" and result["trials"] == 24
+    assert result["violations"] == [], result["violations"][:3]
+    assert result["totals"]["applied"] > 0 and result["totals"]["commits"] > 0
+
+
+def test_a_trial_replays_exactly_from_its_seed() -> None:
+    seed = trial_seed(4, 2)
+    first = production.run_trial(seed, trace=True)
+    again = production.run_trial(seed, trace=True)
+    assert first.trace and first.trace == again.trace
+    assert first.digest == again.digest
+    replayed = run_sim(1, 0, replay=seed, engine="production")
+    assert replayed["trials_detail"][0]["trace_sha256"] == first.digest
+    assert replayed["trace"] == first.trace
+
+
+def test_the_faults_reach_the_production_code() -> None:
+    """Each fault the engine draws leaves its mark: a lost commit reply is read back by the
+    runner, a crash restarts a process, a late apply is refused by the provider."""
+    seen: Counter[str] = Counter()
+    for i in range(12):
+        result = production.run_trial(trial_seed(21, i), ("commit_lost", "crash", "late_apply"),
+                                      trace=True)
+        seen.update(result.stats)
+        seen["refused"] += sum("provider refused" in line for line in result.trace or [])
+    assert seen["commits_lost"] > 0 and seen["restarts"] > 0 and seen["refused"] > 0, seen
+
+
+def test_a_probe_judged_final_before_its_deadline_is_caught_in_production_code(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mutation of the production reconciler (not of a model of it): "not applied" taken
+    as final whatever the dispatch deadline says."""
+    original = outcome.judge_probe
+
+    def final(answer: ProbeOutcome, *, voided: bool, deadline_at: float, now: float,
+              tolerance: float) -> ActionState:
+        if answer is ProbeOutcome.NOT_APPLIED:
+            return ActionState.NOT_APPLIED
+        return original(answer, voided=voided, deadline_at=deadline_at, now=now,
+                        tolerance=tolerance)
+
+    monkeypatch.setattr(reconcile, "judge_probe", final)
+    result = run_sim(30, 99, ("late_apply", "reply_lost", "race"), engine="production")
+    assert result["counts"]["dishonest"] > 0, result["counts"]
+
+
+def test_cli_engine_bad_input_is_one_line() -> None:
+    for args, says in ((["--engine", "prod"], "unknown engine"),
+                       (["--engine", "production", "--without", "probe_time"], "--without")):
+        result = runner.invoke(app, ["sim", "--trials", "1", *args])
+        assert result.exit_code == 2, result.output
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines

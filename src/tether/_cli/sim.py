@@ -15,6 +15,7 @@ from tether._cli.safe import safe
 from tether._core.errors import UserError
 
 out = Console()
+ENGINES = ("mirror", "production")
 
 
 def _integer(value: str, name: str) -> int:
@@ -46,6 +47,10 @@ def sim(trials: Annotated[str, typer.Option("--trials", help="How many trials.")
         without: Annotated[str | None, typer.Option(
             "--without", help="Remove rules from the simulator's model of the journal "
             "(comma-separated, see docs/simulator.md), to show the defects they fixed.")] = None,
+        engine: Annotated[str, typer.Option(
+            "--engine", help="mirror: the simulator's own model of the runtime and journal; "
+            "production: the production Supervisor, Worker and journal on the simulator's "
+            "loop (docs/simulator.md).")] = "mirror",
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Deterministic simulation of tether's protocol core: crashes, pauses, late applies,
     lost replies and commits, failing probes, skewed clocks and control races, from one seed."""
@@ -60,7 +65,12 @@ def sim(trials: Annotated[str, typer.Option("--trials", help="How many trials.")
     chosen = tuple(_names(faults, FAULTS, "fault kind(s)")) or FAULTS
     fixes = frozenset(FIXES) - frozenset(_names(without, sorted(FIXES), "rule(s)"))
     trial = None if replay is None else _integer(replay, "--replay")
-    result = run_sim(n, run_seed, chosen, trial, fixes=fixes)
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    if engine == "production" and without is not None:
+        raise UserError("--without removes rules from the mirror's model; the production "
+                        "engine runs the code as it is")
+    result = run_sim(n, run_seed, chosen, trial, fixes=fixes, engine=engine)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
         raise typer.Exit(1 if result["violations"] else 0)
@@ -87,6 +97,8 @@ def _summary(result: dict[str, Any], seed: int, chosen: tuple[str, ...],
               + (f" ({rate:,} trials/minute)" if rate else ""), highlight=False)
     removed = sorted(set(FIXES) - fixes)
     extra = "" if not removed else f" --without {','.join(removed)}"
+    if result.get("engine") == "production":
+        extra += " --engine production"
     for v in result["violations"][:20]:
         active = v["faults"] or list(chosen)
         selection = "" if tuple(active) == FAULTS else f" --faults {','.join(active)}"

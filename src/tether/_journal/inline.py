@@ -97,9 +97,11 @@ class InlineRunner(Runner):
 class _Conn:
     """A connection whose COMMIT a fault may break (``MemorySqlite.lose_commit``)."""
 
-    def __init__(self, inner: sqlite3.Connection, lose: Callable[[], Loss]) -> None:
+    def __init__(self, inner: sqlite3.Connection, lose: Callable[[], Loss],
+                 landed: Callable[[], None]) -> None:
         self.inner = inner
         self._lose = lose
+        self._landed = landed
         self.closed = False
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
@@ -112,6 +114,7 @@ class _Conn:
                 self.close()
                 raise CommitLost("connection lost before the COMMIT reached the database")
             cur = self.inner.execute(sql)
+            self._landed()
             if loss == "after":
                 self.close()
                 raise CommitLost("connection lost before the COMMIT's reply came back")
@@ -154,10 +157,15 @@ class MemorySqlite(InlineRunner):
     """One simulated process's runner on a trial's shared in-memory journal."""
 
     def __init__(self, name: str, *, latency: Callable[[], float] = lambda: 0.0,
-                 lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit") -> None:
+                 lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit",
+                 on_commit: Callable[[MemorySqlite], None] | None = None) -> None:
         super().__init__(latency)
         self.name = name
         self.lose_commit = lose_commit
+        # Told of every COMMIT that took effect (replies lost or not), for the simulation's
+        # record of commit order; ``staged`` is what the batch gave its sealer.
+        self.on_commit = on_commit
+        self.staged: list[tuple[str, Any]] = []
         self._mark_key = f"commit:{mark}"  # this runner's commit marker (``committed``)
         self._mark = 0
 
@@ -165,13 +173,18 @@ class MemorySqlite(InlineRunner):
         inner = sqlite3.connect(f"file:{self.name}?mode=memory&cache=shared", uri=True,
                                 isolation_level=None, check_same_thread=False)
         inner.execute("PRAGMA foreign_keys=ON")
-        return _Conn(inner, self.lose_commit)
+        return _Conn(inner, self.lose_commit, self._landed)
+
+    def _landed(self) -> None:
+        if self.on_commit is not None:
+            self.on_commit(self)
 
     def close(self, conn: Any) -> None:
         if conn is not None:
             conn.close()
 
     def begin(self, conn: _Conn, write: bool) -> None:
+        self.staged = []
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         if write:  # the marker a read-back after a lost COMMIT looks for
             self._mark += 1

@@ -19,15 +19,32 @@ Orders are commit numbers of the journal, never clock readings.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tether._core.model import ActionState
-from tether._sim.journal import DRow, Journal
 from tether._sim.world import Provider
 
 CLASSES = ("lost", "duplicate", "ghost", "unreconciled", "dishonest", "stuck")
 SIM_CLASSES = (*CLASSES, "error")
+
+
+class Facts(Protocol):
+    """What the judge reads of a journal: the mirror's in-memory one, or the production
+    engine's rows ordered by commit (``facts.View``). Delegations have ``id``, ``task_id``,
+    ``parent_id``, ``epoch``, ``attempt``, ``state`` and ``fence_seq`` (the commit of the
+    first fence on it); actions ``id``, ``delegation_id``, ``key``, ``state`` and ``seq`` (the
+    commit of its intent)."""
+
+    @property
+    def rows(self) -> Mapping[str, Any]: ...
+    @property
+    def actions(self) -> Mapping[str, Any]: ...
+    @property
+    def by_key(self) -> Mapping[str, Sequence[Any]]: ...
+    @property
+    def early(self) -> Sequence[tuple[str, str, str]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +63,7 @@ class Violation:
                 "faults": list(self.faults), "class": self.kind, "detail": self.detail}
 
 
-def judge(journal: Journal, provider: Provider, stops: list[tuple[str, int, int]],
+def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
           errors: list[str], quiesced: str | None) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
 
@@ -82,7 +99,7 @@ def judge(journal: Journal, provider: Provider, stops: list[tuple[str, int, int]
         if len(keys) > 1:
             flag("duplicate", f"payment {name} applied under keys {', '.join(keys)}")
 
-    def chain(row: DRow | None) -> list[DRow]:
+    def chain(row: Any) -> list[Any]:
         out = []
         while row is not None:
             out.append(row)

@@ -26,8 +26,10 @@ import collections
 import contextlib
 import contextvars
 import heapq
+import itertools
 import random
 import selectors
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -125,6 +127,12 @@ class SimLoop(asyncio.BaseEventLoop):
         self.max_steps = max_steps
         self.errors: list[str] = []  # exceptions no one retrieved, as the handler saw them
         self.set_exception_handler(self._unhandled)
+        # Ready callbacks are put in a canonical order before they are shuffled: a task's by
+        # when the task was made, any other by when it was scheduled. Their order as queued
+        # may follow the iteration of a set of tasks or futures (by memory address), which
+        # would make the seeded shuffle differ from one run of the seed to the next.
+        self._made: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._counter = itertools.count()
 
     # BaseEventLoop's queues, typed: ready callbacks, and the timer heap.
     @property
@@ -166,6 +174,7 @@ class SimLoop(asyncio.BaseEventLoop):
                 host.deferred.append(handle)
             else:
                 ready.append(handle)
+        ready.sort(key=self._canonical)
         self._rng.shuffle(ready)
         self._queue.clear()
         self._queue.extend(ready)
@@ -177,6 +186,23 @@ class SimLoop(asyncio.BaseEventLoop):
                 host = _host_of(handle)
                 self.trace.append(f"{self._now:.6f} {host.name if host else '-'} "
                                   f"{_name(handle)}")
+
+    def _canonical(self, handle: asyncio.Handle) -> tuple[int, int]:
+        owner = getattr(getattr(handle, "_callback", None), "__self__", None)
+        made = self._made.get(owner, -1) if isinstance(owner, asyncio.Task) else -1
+        return made, self._made.get(handle, -1)
+
+    def _call_soon(self, callback: Any, args: Any, context: Any) -> asyncio.Handle:
+        handle: asyncio.Handle = super()._call_soon(callback, args, context)  # type: ignore[misc]
+        self._made[handle] = next(self._counter)
+        return handle
+
+    def call_at(self, when: float,  # type: ignore[override]
+                callback: Callable[..., object], *args: Any,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        handle = super().call_at(when, callback, *args, context=context)
+        self._made[handle] = next(self._counter)
+        return handle
 
     def _resume(self, host: Host) -> None:
         if host.paused_until > self._now:  # paused again meanwhile
@@ -195,6 +221,7 @@ class SimLoop(asyncio.BaseEventLoop):
     def create_task(self, coro: Any, *, name: Any = None,
                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = super().create_task(coro, name=name, context=context)
+        self._made[task] = next(self._counter)
         host = (context or contextvars.copy_context()).get(HOST)
         if host is not None:
             host.tasks.append(task)
@@ -222,10 +249,7 @@ class SimLoop(asyncio.BaseEventLoop):
             if task.done():
                 continue
             task._log_destroy_pending = False  # type: ignore[attr-defined]
-            coro = task.get_coro()
-            # A finally that awaits raises here (the coroutine ignored GeneratorExit): dead anyway.
-            with contextlib.suppress(BaseException):
-                dead.run(coro.close)
+            _close(dead, task.get_coro())
         host.tasks.clear()
 
     def pause(self, host: Host, until: float) -> None:
@@ -251,6 +275,32 @@ class SimLoop(asyncio.BaseEventLoop):
         exc = context.get("exception")
         self.errors.append(f"{context.get('message')}: {exc!r}" if exc is not None
                            else str(context.get("message")))
+
+
+def _close(ctx: contextvars.Context, coro: Any) -> None:
+    """Close a dead task's coroutine, and every coroutine it awaits, for good. A ``finally``
+    or ``async with`` that awaits while it closes makes ``close`` raise (the coroutine ignored
+    GeneratorExit) and leaves it suspended further on; the chain is closed again, innermost
+    first, until nothing of it is left for the garbage collector to resume later."""
+    for _ in range(1000):
+        chain: list[Any] = []
+        link = coro
+        while link is not None and _suspended(link):
+            chain.append(link)
+            link = getattr(link, "cr_await", None) or getattr(link, "gi_yieldfrom", None)
+        if not chain:
+            return
+        for link in reversed(chain):
+            with contextlib.suppress(BaseException):
+                ctx.run(link.close)
+
+
+def _suspended(link: Any) -> bool:
+    if hasattr(link, "cr_frame"):
+        return link.cr_frame is not None
+    if hasattr(link, "gi_frame"):
+        return link.gi_frame is not None
+    return False  # a future's iterator: nothing of ours runs in it
 
 
 class StepBudget(RuntimeError):

@@ -55,6 +55,7 @@ class TrialResult:
     virtual: float
     trace: list[str] | None = None
     stats: Counter[str] = field(default_factory=Counter)
+    digest: str = ""  # the step trace's hash (production engine)
 
 
 def _tasks(rng: random.Random, cuts: bool) -> list[Spec]:
@@ -224,9 +225,19 @@ def _final_recovery(env: Env) -> None:
 
 def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
             replay: int | None = None, progress: Callable[[int], None] | None = None,
-            fixes: frozenset[str] = frozenset(FIXES)) -> dict[str, Any]:
+            fixes: frozenset[str] = frozenset(FIXES), engine: str = "mirror") -> dict[str, Any]:
     """The run's trials (or one replayed, with its trace), summarised in ``tether chaos
-    --json``'s shape, with the simulator's own fields added."""
+    --json``'s shape, with the simulator's own fields added. ``engine``: ``mirror`` (the
+    hand-written model) or ``production`` (the production runtime and journal on the
+    simulator's loop, ``tether._sim.production``; it takes no ``fixes``)."""
+    one: Callable[..., TrialResult] = run_trial
+    if engine == "production":
+        from tether._sim import production
+
+        def one(s: int, faults: tuple[str, ...], *, trace: bool,
+                fixes: frozenset[str]) -> TrialResult:
+            return production.run_trial(s, faults, trace=trace)
+
     seeds = [replay] if replay is not None else [trial_seed(seed, i) for i in range(trials)]
     per_fault: dict[str, Counter[str]] = {f: Counter() for f in (*FAULTS, "none")}
     violations: list[Violation] = []
@@ -235,7 +246,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     started = time.perf_counter()
     results = []
     for i, s in enumerate(seeds):
-        result = run_trial(s, faults, trace=replay is not None, fixes=fixes)
+        result = one(s, faults, trace=replay is not None, fixes=fixes)
         results.append(result)
         totals.update(result.stats)
         totals["steps"] += result.steps
@@ -250,6 +261,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
             details.append({"trial_seed": s, "faults": list(result.faults),
                             "violations": len(result.violations), "steps": result.steps,
                             "virtual_s": round(result.virtual, 3),
+                            **({"trace_sha256": result.digest} if result.digest else {}),
                             "found": [v.to_json() for v in result.violations]})
         if progress is not None:
             progress(i)
@@ -257,6 +269,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     by_class = Counter(v.kind for v in violations)
     out: dict[str, Any] = {
         "trials": len(seeds), "seed": seed, "replay": replay, "backend": "sim",
+        "engine": engine,
         "faults": {f: {"trials": c["trials"], "violations": c["violations"],
                        "classes": {k: c[f"class:{k}"] for k in SIM_CLASSES if c[f"class:{k}"]}}
                    for f, c in per_fault.items() if c["trials"]},

@@ -1,0 +1,494 @@
+"""One trial of ``tether sim --engine production``: the production runtime on the simulator's
+loop.
+
+Everything a trial runs is the code that ships: ``Supervisor`` (the orchestrators, a
+reconciler and the final recovery), ``Worker`` (claims, leases, adoption of other processes'
+intents), the gateway, drains, accounting and recovery, and every journal operation through
+the production batch runner (``tether._journal.inline``) on one in-memory SQLite journal the
+simulated processes share. The simulator supplies only the outside world and the faults:
+
+- the loop (``loop.SimLoop``): virtual time, a seeded order, hosts that crash and pause;
+- the provider (``world.Provider``, unchanged) behind the pay tool and its probe, on the
+  loop's time;
+- lost commit replies at the runner's COMMIT, failing and slow probes, late applies, skewed
+  wall clocks.
+
+A trial's seed fixes everything: the plan (``trial._tasks``, ``trial._acts``), the world's
+knobs (``world.knobs``), every latency and fault, the ids (``state.id_source``) and the order
+of callbacks due at one instant. Its step trace is the loop's callbacks in the order they ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import itertools
+import random
+import sqlite3
+import struct
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
+
+import tether
+from tether._core.errors import LeaseLost, TetherError
+from tether._core.model import DelegationState, Policy, ProbeOutcome
+from tether._core.redispatch import CutReason, RedispatchPolicy, StreamCut
+from tether._core.signing import TrustedKeys
+from tether._journal.inline import Loss, MemorySqlite, shared_database
+from tether._journal.journal import Journal
+from tether._runtime.gateway import ACTION
+from tether._runtime.handle import Handle
+from tether._runtime.keys import KeyRing
+from tether._runtime.state import id_source
+from tether._runtime.tools import ProbeResult, Tool
+from tether._runtime.worker import Worker
+from tether._sim.facts import Commits
+from tether._sim.judge import Violation, judge
+from tether._sim.loop import WALL0, Host, HostClock, SimLoop, StepBudget
+from tether._sim.trial import HORIZON, TrialResult, _acts, _tasks, keys
+from tether._sim.world import (
+    CLOCK_BOUND,
+    CLOCK_TOLERANCE,
+    FAULTS,
+    Knobs,
+    Provider,
+    Request,
+    active_faults,
+    knobs,
+)
+
+STEP_BUDGET = 400_000  # callbacks
+_S = DelegationState
+_trials = itertools.count()  # names each trial's shared database apart within a process
+
+
+class _Net:
+    """What ``world.Provider`` schedules on: the loop's time, in no host's name (a request
+    in the network lands whatever happens to its sender)."""
+
+    def __init__(self, loop: SimLoop, notes: list[str] | None) -> None:
+        self.loop, self.notes = loop, notes
+
+    @property
+    def now(self) -> float:
+        return self.loop.time()
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        self.loop.call_at(when, fn, context=contextvars.Context())
+
+    def note(self, text: str) -> None:
+        if self.notes is not None:
+            self.notes.append(f"{self.loop.time():.6f} world {text}")
+
+
+class _Reply:
+    def __init__(self, future: asyncio.Future[str]) -> None:
+        self.future = future
+
+    def resolve(self, _sched: object, value: str) -> None:
+        if not self.future.done():
+            self.future.set_result(value)
+
+
+def _offset(rng: random.Random, skewed: bool) -> Callable[[float], float]:
+    """A host's wall-clock offset at true time t: a skew, a drift and up to two jumps,
+    always within CLOCK_BOUND of the journal server's (the true) time."""
+    if not skewed:
+        return lambda _t: 0.0
+    b = CLOCK_BOUND
+    base, drift = rng.uniform(-b, b), rng.uniform(-0.01, 0.01)
+    jumps: list[tuple[float, float]] = []
+    t = 0.0
+    for _ in range(rng.randint(0, 2)):
+        t += rng.uniform(0.2, 4.0)
+        jumps.append((t, rng.uniform(-b, b)))
+
+    def offset(now: float) -> float:
+        value = base + drift * now
+        for at, to in jumps:
+            if now >= at:
+                value = to
+        return max(-b, min(b, value))
+
+    return offset
+
+
+class Trial:
+    """One trial's world: its loop, journal, provider, agents and processes."""
+
+    def __init__(self, seed: int, active: tuple[str, ...]) -> None:
+        self.seed, self.on = seed, frozenset(active)
+        self.rng = rng = random.Random(seed)
+        self.lines: list[str] = []  # the step trace (hashed, printed on replay)
+        self.loop = SimLoop(rng, trace=self.lines, max_steps=STEP_BUDGET)
+        self.k: Knobs = knobs(rng, self.on)
+        self.policy = Policy(max_grace=5.0, ack_timeout=0.5,
+                             probe_timeout=rng.choice((0.3, 1.0)), lease=self.k.lease,
+                             clock_tolerance=CLOCK_TOLERANCE)
+        retry_safe = frozenset({"lookup", "pay"} if self.k.retry_safe_pay else {"lookup"})
+        self.redispatch = RedispatchPolicy(retry_safe, 1, self.k.settle_delay)
+        self.name = f"sim-{seed}-{next(_trials)}"
+        self.anchor = shared_database(self.name)
+        self.commits = Commits(self.anchor)
+        self.provider = Provider(cast(Any, _Net(self.loop, self.lines)), rng,
+                                 reply_loss=self.k.reply_loss)
+        self.reliable = False  # the final recovery's probes answer in time
+        self.stops: list[tuple[str, int, int]] = []
+        self.errors: list[str] = []
+        self.stats: Counter[str] = Counter()
+        self.workers: list[Host] = []
+        self.orchestrators: list[Host] = []
+        self.others: list[Host] = []
+        self.restarts: Counter[str] = Counter()
+        self.pending = 0  # restarts scheduled, not yet made
+        self.done: set[str] = set()  # orchestrators that finished their script and waits
+        self.ids = itertools.count()
+        self._build_agents()
+
+    # -- the world's pieces ---------------------------------------------------------------
+    def note(self, text: str) -> None:
+        self.lines.append(f"{self.loop.time():.6f} note {text}")
+
+    def _id_bytes(self) -> bytes:
+        return struct.pack(">QQ", next(self.ids), self.rng.getrandbits(64))
+
+    def _lose(self) -> Loss:
+        if self.k.commit_loss and self.rng.random() < self.k.commit_loss:
+            self.stats["commits_lost"] += 1
+            return "after" if self.rng.random() < 0.5 else "before"
+        return None
+
+    def journal(self, host: Host, *, lossy: bool = True) -> Journal:
+        runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
+                              lose_commit=self._lose if lossy else (lambda: None),
+                              mark=f"{host.name}", on_commit=self.commits.landed)
+        journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
+                          wall=HostClock(self.loop, host).wall)
+        self.commits.watch(runner)
+        return journal
+
+    def keyring(self) -> KeyRing:
+        signer, _ = keys()
+        return KeyRing(signer, TrustedKeys([signer.public]))
+
+    def _build_agents(self) -> None:
+        trial, loop, rng, k = self, self.loop, self.rng, self.k
+
+        async def send(task: str, n: int, *, idempotency_key: str) -> str:
+            action_id = ACTION.get() or "?"
+            row = trial.anchor.execute("SELECT deadline_at FROM actions WHERE id = ?",
+                                       (action_id,)).fetchone()
+            expires = float(row[0]) - WALL0  # the journaled deadline, on the true clock
+            lo, hi = k.latency
+            delay = rng.uniform(lo, hi)
+            if rng.random() < k.late:  # held in the network, some until just past expiry
+                delay = max(delay, expires - loop.time() + rng.uniform(-0.3, 0.05))
+            reply: asyncio.Future[str] = loop.create_future()
+            trial.provider.send(Request(idempotency_key, action_id, f"{task}#{n}", expires,
+                                        cast(Any, _Reply(reply))), delay, rng.uniform(lo, hi))
+            try:
+                state = await asyncio.wait_for(reply, k.tool_timeout)
+            except TimeoutError:
+                raise ConnectionError(f"no reply for {idempotency_key}") from None
+            if state == "refused":
+                raise tether.ToolRejected(f"provider refused {idempotency_key}")
+            return "paid"
+
+        async def probe(task: str, n: int, *, idempotency_key: str) -> ProbeResult:
+            limit = trial.policy.probe_timeout
+            if not trial.reliable:
+                r = rng.random()
+                if r < k.probe_raise:
+                    await asyncio.sleep(0.002)
+                    raise ConnectionError("probe failed")
+                if r < k.probe_raise + k.probe_hang:
+                    await asyncio.sleep(limit * 3)
+            latency = rng.uniform(0.0, k.probe_latency)
+            if trial.reliable:
+                latency = min(latency, limit / 2)
+            await asyncio.sleep(latency / 2)
+            applied, voided = trial.provider.lookup(idempotency_key, k.void)
+            await asyncio.sleep(latency / 2)
+            if applied:
+                return ProbeResult(ProbeOutcome.COMPLETED, result="paid")
+            return ProbeResult(ProbeOutcome.NOT_APPLIED, voided=voided)
+
+        self.pay = pay = Tool("pay", tether.Effect.EXTERNAL, send, probe,
+                              dispatch_deadline=k.deadline)
+
+        async def pays(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            cut = plan.get("cut") if ctx.attempt == 1 else None
+            if cut == -1:
+                raise StreamCut(CutReason.STREAM_INCOMPLETE)
+            for j in range(plan["pays"]):
+                if cut == j:
+                    raise StreamCut(CutReason.STREAM_INCOMPLETE)
+                await asyncio.sleep(rng.uniform(0.0, 0.05))  # the model thinks
+                await ctx.call(pay, task=ctx.task_id, n=j)
+            if cut == plan["pays"]:
+                raise StreamCut(CutReason.STREAM_INCOMPLETE)
+            return "paid"
+
+        @tether.agent(tools=[pay])
+        async def child(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            return await pays(ctx, plan)
+
+        @tether.agent(tools=[pay, child])
+        async def root(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            if not plan["kids"]:
+                return await pays(ctx, plan)
+            handles = [await ctx.delegate(child, kid) for kid in plan["kids"]]
+            for h in handles:
+                await h.result()
+            return "done"
+
+        self.root, self.child = root, child
+
+    # -- processes ------------------------------------------------------------------------
+    def start(self, host: Host, main: Coroutine[Any, Any, None]) -> None:
+        async def guarded() -> None:
+            try:
+                await main
+            except (TetherError, asyncio.CancelledError):
+                pass
+            except Exception as exc:  # what production raised that its caller never expects
+                if not host.alive:  # being closed where it stood (``SimLoop.crash``)
+                    raise
+                self.errors.append(f"{host.name}: {type(exc).__name__}: {exc}")
+        self.loop.start(host, guarded())
+
+    def new_host(self, base: str, group: list[Host]) -> Host:
+        host = Host(f"{base}.{self.restarts[base]}", _offset(self.rng, "clock" in self.on))
+        group.append(host)
+        return host
+
+    def supervisor(self, host: Host, *, lossy: bool = True) -> tether.Supervisor:
+        return tether.Supervisor(self.journal(host, lossy=lossy),
+                                 clock=HostClock(self.loop, host), keys=self.keyring(),
+                                 policy=self.policy, tools=[self.pay], recover=False,
+                                 redispatch=self.redispatch, control_poll=self.k.poll)
+
+    def start_worker(self, base: str) -> None:
+        host = self.new_host(base, self.workers)
+
+        async def work() -> None:
+            try:
+                async with Worker(self.journal(host), [self.root, self.child], lease=self.k.lease,
+                                  poll=self.k.poll, concurrency=4,
+                                  clock=HostClock(self.loop, host), policy=self.policy,
+                                  keys=self.keyring(), redispatch=self.redispatch) as w:
+                    await w.run()
+            except LeaseLost as exc:
+                self.note(f"{host.name} lost its lease: {exc}")
+                self.restart(base, self.rng.uniform(0.2, 1.0) * self.k.lease)
+
+        self.start(host, work())
+
+    def start_orchestrator(self, base: str, index: int, scripts: list[list[Any]],
+                           plans: dict[str, dict[str, Any]], resumed: bool) -> None:
+        host = self.new_host(base, self.orchestrators)
+        acts = [] if resumed else scripts[index]
+
+        async def orchestrate() -> None:
+            async with self.supervisor(host) as sup:
+                if index == 0 and not resumed:
+                    for task, plan in plans.items():
+                        await sup.delegate(self.root, plan, task_id=task, remote=True)
+                while len(await self.roots(sup)) < len(plans):  # another creates them
+                    await sup.wake(self.k.poll)
+                for act in acts:
+                    await asyncio.sleep(max(0.0, act.at - self.loop.time()))
+                    try:
+                        await self.act(sup, act.task, act.kind)
+                    except TetherError as exc:
+                        self.note(f"{act.kind} {act.task}: {type(exc).__name__}: {exc}")
+                for task in plans:
+                    while True:
+                        first = (await self.roots(sup))[task]
+                        with contextlib.suppress(TetherError):
+                            await Handle.detached(sup, first.id).wait()
+                        if (await self.roots(sup))[task].id == first.id:
+                            break
+            self.done.add(host.name)
+
+        self.start(host, orchestrate())
+
+    async def roots(self, sup: tether.Supervisor) -> dict[str, Any]:
+        """Each task's newest epoch's first attempt (its root row)."""
+        out: dict[str, Any] = {}
+        for row in await sup.journal.delegations():
+            if row.parent_id is None and row.attempt == 1 and (
+                    row.task_id not in out or row.epoch > out[row.task_id].epoch):
+                out[row.task_id] = row
+        return out
+
+    async def act(self, sup: tether.Supervisor, task: str, kind: str) -> None:
+        first = (await self.roots(sup))[task]
+        grace = self.rng.choice((0.2, 1.0, 3.0))
+        if kind == "child":
+            kids = [r for r in await sup.journal.delegations()
+                    if r.parent_id == first.id and not r.state.terminal]
+            if kids:
+                await Handle.detached(sup, kids[0].id).recall(grace, "sim")
+            return
+        handle = Handle.detached(sup, first.id)
+        if kind == "cancel":
+            await handle.cancel("sim")
+        elif kind.startswith("recall"):
+            await handle.recall(grace, "sim")
+        else:
+            await handle.terminate("sim")
+        row = await sup.journal.latest_attempt(first.id)
+        self.stops.append((row.task_id, row.epoch, self.commits.seq))
+        self.note(f"{kind} of {task} returned")
+        if kind.endswith("+redelegate"):
+            await handle.redelegate()
+
+    def start_reconciler(self, times: list[float]) -> None:
+        host = self.new_host("rec", self.others)
+
+        async def reconcile() -> None:
+            async with self.supervisor(host) as sup:
+                for at in times:
+                    await asyncio.sleep(max(0.0, at - self.loop.time()))
+                    try:
+                        await sup.recover()
+                    except TetherError as exc:
+                        self.note(f"reconcile failed: {exc}")
+
+        self.start(host, reconcile())
+
+    def restart(self, base: str, delay: float) -> None:
+        self.pending += 1
+
+        def again() -> None:
+            self.pending -= 1
+            self.restarts[base] += 1
+            if base.startswith("w"):
+                self.start_worker(base)
+            else:
+                self.start_orchestrator(base, int(base[1:]), [], {}, True)
+
+        self.loop.call_later(delay, again, context=contextvars.Context())
+
+    def faults(self) -> None:
+        rng, loop = self.rng, self.loop
+        if "crash" in self.on:
+            for at in sorted(rng.uniform(0.05, 6.0) for _ in range(rng.randint(1, 2))):
+                pick = rng.random()
+
+                def crash(pick: float = pick) -> None:
+                    hosts = [h for h in (*self.workers, *self.orchestrators, *self.others)
+                             if h.alive]
+                    if not hosts:
+                        return
+                    host = hosts[int(pick * len(hosts))]
+                    self.note(f"crash {host.name}")
+                    loop.crash(host)
+                    base = host.name.split(".")[0]
+                    if base[0] in "wo":
+                        self.restart(base, rng.uniform(0.1, 2.0) * self.k.lease)
+
+                loop.call_at(at, crash, context=contextvars.Context())
+        if "pause" in self.on:
+            for _ in range(rng.randint(1, 2)):
+                at, pick = rng.uniform(0.05, 4.0), rng.random()
+                length = self.k.lease * rng.uniform(1.2, 2.5)
+
+                def pause(pick: float = pick, length: float = length) -> None:
+                    hosts = [h for h in (*self.workers, *self.orchestrators) if h.alive]
+                    if hosts:
+                        host = hosts[int(pick * len(hosts))]
+                        self.note(f"pause {host.name} for {length:.2f}s")
+                        loop.pause(host, loop.time() + length)
+
+                loop.call_at(at, pause, context=contextvars.Context())
+
+
+def _plan(spec: Any) -> dict[str, Any]:
+    return {"pays": spec.pays, "cut": spec.cut, "kids": [_plan(k) for k in spec.kids]}
+
+
+async def _main(t: Trial) -> str | None:
+    """The trial: its processes and faults until every orchestrator is done; then every host
+    stops, time runs past every deadline and lease, and a recovery runs twice."""
+    rng, loop = t.rng, t.loop
+    specs = _tasks(rng, "stream_cut" in t.on)
+    plans = {f"t{i}": _plan(s) for i, s in enumerate(specs)}
+    n_orch = rng.randint(2, 3) if "race" in t.on else 1
+    scripts = _acts(rng, list(plans), n_orch, "race" in t.on)
+    for i in range(rng.randint(1, 2)):
+        t.start_worker(f"w{i}")
+    for i in range(n_orch):
+        t.start_orchestrator(f"o{i}", i, scripts, plans, False)
+    if t.on & {"probe_early", "crash", "pause"}:
+        t.start_reconciler([rng.uniform(0.1, 0.5) * j for j in range(1, 16)]
+                           if "probe_early" in t.on
+                           else sorted(rng.uniform(0.5, 6.0) for _ in range(2)))
+    t.faults()
+    quiesced: str | None = None
+    while not (t.pending == 0 and any(t.done) and all(
+            h.name in t.done or not h.alive for h in t.orchestrators)):
+        if loop.time() > HORIZON:
+            quiesced = f"orchestrators still waiting at t={loop.time():.1f}s"
+            break
+        await asyncio.sleep(0.25)  # the trial's own clock: time to look
+    for host in (*t.workers, *t.orchestrators, *t.others):
+        if host.alive:
+            loop.crash(host)
+    deadlines = [float(r[0]) - WALL0 for r in t.anchor.execute(
+        "SELECT deadline_at FROM actions WHERE deadline_at IS NOT NULL")]
+    end = max([loop.time(), t.provider.last_arrival, *deadlines]) \
+        + t.policy.lease + t.policy.clock_tolerance + 1.0
+    await asyncio.sleep(end - loop.time())
+    t.reliable = True
+    final = Host("final")
+    recovered: asyncio.Future[None] = loop.create_future()
+
+    async def twice() -> None:
+        try:
+            async with t.supervisor(final, lossy=False) as sup:
+                await sup.recover()
+                await sup.recover()
+        except Exception as exc:
+            t.errors.append(f"the final recovery failed: {type(exc).__name__}: {exc}")
+        recovered.set_result(None)
+
+    loop.start(final, twice())
+    await recovered
+    return quiesced
+
+
+def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
+              trace: bool = False) -> TrialResult:
+    """Run one trial from its seed and judge it; ``digest`` hashes its step trace."""
+    active = active_faults(seed, selected)
+    t = Trial(seed, active)
+    quiesced: str | None
+    with id_source(t._id_bytes):
+        try:
+            quiesced = t.loop.run_until_complete(_main(t))
+        except StepBudget as exc:
+            quiesced = f"step budget spent ({exc})"
+        finally:
+            with contextlib.suppress(Exception):
+                t.loop.close()
+    events = t.anchor.execute(
+        "SELECT detail FROM events WHERE kind = 'supervisor_error' ORDER BY id").fetchall()
+    errors = [*t.errors, *(f"supervisor_error: {d}" for (d,) in events)]
+    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced)
+    t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
+                   commits=t.commits.seq, actions=len(t.commits.intents))
+    with contextlib.suppress(sqlite3.Error):
+        t.anchor.close()
+    lines = t.lines or []
+    result = TrialResult(seed, active, [Violation(seed, active, c, d) for c, d in found],
+                         t.loop.steps, t.loop.time(), lines if trace else None, t.stats)
+    result.digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    return result
+
+
+__all__ = ["Trial", "run_trial"]
