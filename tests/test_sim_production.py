@@ -210,3 +210,13 @@ def test_cli_engine_bad_input_is_one_line() -> None:
         assert result.exit_code == 2, result.output
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
+
+
+def test_an_orchestrator_waits_for_a_redelegated_epoch_that_starts_past_attempt_one() -> None:
+    """Seed 1941492191: t0 was re-dispatched (attempt 2), then re-delegated; the new epoch's
+    first row is attempt 2. An orchestrator that looked for attempt 1 stopped waiting on
+    that epoch, and the trial ended with it queued and unclaimed (stuck)."""
+    faults = ("crash", "probe_raise", "probe_early", "commit_lost", "notify_lost", "clock",
+              "race", "stream_cut")
+    result = production.run_trial(1941492191, faults)
+    assert result.violations == [], result.violations

@@ -192,9 +192,9 @@ class MemorySqlite(InlineRunner):
                          "DO UPDATE SET value = excluded.value", (self._mark_key, str(self._mark)))
 
     def committed(self, conn: _Conn) -> bool:
-        row = conn.execute("SELECT value FROM tether_meta WHERE key = ?",
-                           (self._mark_key,)).fetchone()
-        return row is not None and row[0] == str(self._mark)
+        rows = conn.execute("SELECT value FROM tether_meta WHERE key = ?",
+                            (self._mark_key,)).fetchall()  # to the end: no lock left held
+        return bool(rows) and rows[0][0] == str(self._mark)
 
     def is_lost(self, conn: Any, exc: BaseException) -> bool:
         return isinstance(exc, CommitLost) or bool(getattr(conn, "closed", False))

@@ -51,6 +51,15 @@ class View:
     early: list[tuple[str, str, str]] = field(default_factory=list)
 
 
+def one(cursor: sqlite3.Cursor) -> Any:
+    """The first row, read to the end: a statement left unfinished holds its table's
+    shared-cache read lock, and the simulated processes' next write would find it locked
+    (when it is finished then depends on when the cursor is freed, which is no part of a
+    seed)."""
+    rows = cursor.fetchall()
+    return rows[0] if rows else None
+
+
 class Commits:
     def __init__(self, anchor: sqlite3.Connection) -> None:
         self.anchor = anchor
@@ -81,13 +90,12 @@ class Commits:
             if table == "actions":
                 self.intents.setdefault(pk, self.seq)
             elif table == "controls":
-                row = db.execute("SELECT delegation_id, kind FROM controls WHERE id = ?",
-                                 (pk,)).fetchone()
+                row = one(db.execute("SELECT delegation_id, kind FROM controls WHERE id = ?",
+                                     (pk,)))
                 if row is not None and row[1] in _FENCING:
                     self.fences.setdefault(row[0], self.seq)
             elif table == "delegations":
-                row = db.execute("SELECT state FROM delegations WHERE id = ?",
-                                 (pk,)).fetchone()
+                row = one(db.execute("SELECT state FROM delegations WHERE id = ?", (pk,)))
                 if row is None:
                     continue
                 before, now = self.states.get(pk), row[0]
@@ -116,4 +124,4 @@ class Commits:
         return View(rows, actions, by_key, list(self.early))
 
 
-__all__ = ["ActionFact", "Commits", "DelegationFact", "View"]
+__all__ = ["ActionFact", "Commits", "DelegationFact", "View", "one"]

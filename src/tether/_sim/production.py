@@ -45,7 +45,7 @@ from tether._runtime.keys import KeyRing
 from tether._runtime.state import id_source
 from tether._runtime.tools import ProbeResult, Tool
 from tether._runtime.worker import Worker
-from tether._sim.facts import Commits
+from tether._sim.facts import Commits, one
 from tether._sim.judge import Violation, judge
 from tether._sim.loop import WALL0, Host, HostClock, SimLoop, StepBudget
 from tether._sim.trial import HORIZON, TrialResult, _acts, _tasks, keys
@@ -179,8 +179,8 @@ class Trial:
 
         async def send(task: str, n: int, *, idempotency_key: str) -> str:
             action_id = ACTION.get() or "?"
-            row = trial.anchor.execute("SELECT deadline_at FROM actions WHERE id = ?",
-                                       (action_id,)).fetchone()
+            row = one(trial.anchor.execute("SELECT deadline_at FROM actions WHERE id = ?",
+                                           (action_id,)))
             expires = float(row[0]) - WALL0  # the journaled deadline, on the true clock
             lo, hi = k.latency
             delay = rng.uniform(lo, hi)
@@ -317,11 +317,15 @@ class Trial:
         self.start(host, orchestrate())
 
     async def roots(self, sup: tether.Supervisor) -> dict[str, Any]:
-        """Each task's newest epoch's first attempt (its root row)."""
+        """Each task's newest epoch's first attempt (its root row). An epoch's attempts are
+        numbered on from the task's last (a re-delegation of a task at attempt 2 starts at 2),
+        so the first is the newest epoch's lowest attempt."""
         out: dict[str, Any] = {}
         for row in await sup.journal.delegations():
-            if row.parent_id is None and row.attempt == 1 and (
-                    row.task_id not in out or row.epoch > out[row.task_id].epoch):
+            if row.parent_id is None and (
+                    row.task_id not in out
+                    or (row.epoch, -row.attempt) > (out[row.task_id].epoch,
+                                                    -out[row.task_id].attempt)):
                 out[row.task_id] = row
         return out
 
