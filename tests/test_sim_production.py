@@ -220,3 +220,13 @@ def test_an_orchestrator_waits_for_a_redelegated_epoch_that_starts_past_attempt_
               "race", "stream_cut")
     result = production.run_trial(1941492191, faults)
     assert result.violations == [], result.violations
+
+
+def test_a_worker_that_lost_its_lease_is_started_again_and_claims_what_was_queued() -> None:
+    """Seed 1114455190: the only worker, paused past its lease, stopped with LeaseLost while
+    the re-delegated epoch of t0 waited in the queue; a restarted orchestrator had no tasks
+    to wait for, so the trial ended with that epoch unclaimed (stuck)."""
+    result = production.run_trial(1114455190, ("crash", "pause", "reply_lost", "probe_early",
+                                               "race"), trace=True)
+    assert result.violations == [], result.violations
+    assert any("stopped: LeaseLost" in line for line in result.trace or [])

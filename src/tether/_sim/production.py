@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import tether
-from tether._core.errors import LeaseLost, TetherError
+from tether._core.errors import TetherError
 from tether._core.model import DelegationState, Policy, ProbeOutcome
 from tether._core.redispatch import CutReason, RedispatchPolicy, StreamCut
 from tether._core.signing import TrustedKeys
@@ -146,6 +146,7 @@ class Trial:
         self.pending = 0  # restarts scheduled, not yet made
         self.done: set[str] = set()  # orchestrators that finished their script and waits
         self.ids = itertools.count()
+        self.plans: dict[str, dict[str, Any]] = {}  # task id -> what its root does
         self._build_agents()
 
     # -- the world's pieces ---------------------------------------------------------------
@@ -281,8 +282,9 @@ class Trial:
                                   clock=HostClock(self.loop, host), policy=self.policy,
                                   keys=self.keyring(), redispatch=self.redispatch) as w:
                     await w.run()
-            except LeaseLost as exc:
-                self.note(f"{host.name} lost its lease: {exc}")
+            except TetherError as exc:  # LeaseLost, or a journal error on its way out
+                self.note(f"{host.name} stopped: {type(exc).__name__}: {exc}")
+            if host.alive:  # a worker that stopped is started again (its supervisor's job)
                 self.restart(base, self.rng.uniform(0.2, 1.0) * self.k.lease)
 
         self.start(host, work())
@@ -308,8 +310,10 @@ class Trial:
                 for task in plans:
                     while True:
                         first = (await self.roots(sup))[task]
-                        with contextlib.suppress(TetherError):
+                        try:
                             await Handle.detached(sup, first.id).wait()
+                        except TetherError as exc:
+                            self.note(f"wait for {task}: {type(exc).__name__}: {exc}")
                         if (await self.roots(sup))[task].id == first.id:
                             break
             self.done.add(host.name)
@@ -374,7 +378,7 @@ class Trial:
             if base.startswith("w"):
                 self.start_worker(base)
             else:
-                self.start_orchestrator(base, int(base[1:]), [], {}, True)
+                self.start_orchestrator(base, int(base[1:]), [], self.plans, True)
 
         self.loop.call_later(delay, again, context=contextvars.Context())
 
@@ -421,7 +425,7 @@ async def _main(t: Trial) -> str | None:
     stops, time runs past every deadline and lease, and a recovery runs twice."""
     rng, loop = t.rng, t.loop
     specs = _tasks(rng, "stream_cut" in t.on)
-    plans = {f"t{i}": _plan(s) for i, s in enumerate(specs)}
+    plans = t.plans = {f"t{i}": _plan(s) for i, s in enumerate(specs)}
     n_orch = rng.randint(2, 3) if "race" in t.on else 1
     scripts = _acts(rng, list(plans), n_orch, "race" in t.on)
     for i in range(rng.randint(1, 2)):
