@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+import tether
 from tether._cli.app import app
 from tether._core import outcome
 from tether._core.errors import JournalError
@@ -230,3 +232,50 @@ def test_a_worker_that_lost_its_lease_is_started_again_and_claims_what_was_queue
                                                "race"), trace=True)
     assert result.violations == [], result.violations
     assert any("stopped: LeaseLost" in line for line in result.trace or [])
+
+
+# -- what the production engine found in production code ------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="a delegation whose code raised ends FAILED without "
+                   "stopping the children it started: one still running goes on paying, "
+                   "after a terminate of the task has returned")
+async def test_a_parent_that_failed_leaves_no_child_paying_after_terminate(
+        tmp_path: Path) -> None:
+    """Found by ``tether sim --engine production --replay 1910862834 --faults
+    crash,probe_raise,commit_lost,race`` (ghost): the root awaited its first child, which was
+    recalled, and raised; its second child went on; cancel() of the task found the root
+    finished and returned; the second child's next payment landed after that."""
+    applied: list[str] = []
+    go = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def pay(n: int, *, idempotency_key: str) -> str:
+        applied.append(idempotency_key)
+        return "ok"
+
+    @tether.agent(tools=[pay])
+    async def fails(ctx: tether.Context) -> None:
+        raise RuntimeError("the first child fails")
+
+    @tether.agent(tools=[pay])
+    async def pays_later(ctx: tether.Context) -> None:
+        await go.wait()
+        await ctx.call(pay, n=1)
+
+    @tether.agent(tools=[fails, pays_later])
+    async def parent(ctx: tether.Context) -> None:
+        first = await ctx.delegate(fails)
+        second = await ctx.delegate(pays_later)
+        await first.result()  # raises: the parent fails with its second child running
+        await second.result()
+
+    async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}") as sup:
+        handle = await sup.delegate(parent)
+        with pytest.raises(tether.DelegationError):
+            await handle.result()
+        await handle.terminate("stop the whole task")
+        go.set()  # whatever still runs of the task may go on now
+        second = next(r for r in await sup.journal.delegations() if r.agent == "pays_later")
+        while not (await sup.journal.get(second.id)).state.terminal:  # ran on, or stopped
+            await sup.wake(0.01)
+    assert applied == [], "a payment of the task landed after terminate() returned"
