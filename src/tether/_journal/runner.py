@@ -17,6 +17,9 @@ fails with a JournalError, and if the thread itself ends, everything queued fail
 server that stops answering without closing anything (a paused host) is the one case a client
 cannot see by itself: a watchdog cuts a connection that has been busy for longer than
 ``stall_after()`` seconds, which turns it into a lost connection like any other.
+
+The batch itself (``Runner``) is shared with the inline runner a simulation uses
+(``tether._journal.inline``); only ``ThreadRunner`` has a thread.
 """
 
 from __future__ import annotations
