@@ -29,7 +29,6 @@ import heapq
 import itertools
 import random
 import selectors
-import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -131,7 +130,9 @@ class SimLoop(asyncio.BaseEventLoop):
         # when the task was made, any other by when it was scheduled. Their order as queued
         # may follow the iteration of a set of tasks or futures (by memory address), which
         # would make the seeded shuffle differ from one run of the seed to the next.
-        self._made: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # Keyed by id: a handle's entry is written when it is made, so a live one never reads
+        # a dead one's (and TimerHandles that compare equal stay apart). One loop per trial.
+        self._made: dict[int, int] = {}
         self._counter = itertools.count()
 
     # BaseEventLoop's queues, typed: ready callbacks, and the timer heap.
@@ -189,19 +190,19 @@ class SimLoop(asyncio.BaseEventLoop):
 
     def _canonical(self, handle: asyncio.Handle) -> tuple[int, int]:
         owner = getattr(getattr(handle, "_callback", None), "__self__", None)
-        made = self._made.get(owner, -1) if isinstance(owner, asyncio.Task) else -1
-        return made, self._made.get(handle, -1)
+        made = self._made.get(id(owner), -1) if isinstance(owner, asyncio.Task) else -1
+        return made, self._made.get(id(handle), -1)
 
     def _call_soon(self, callback: Any, args: Any, context: Any) -> asyncio.Handle:
         handle: asyncio.Handle = super()._call_soon(callback, args, context)  # type: ignore[misc]
-        self._made[handle] = next(self._counter)
+        self._made[id(handle)] = next(self._counter)
         return handle
 
     def call_at(self, when: float,  # type: ignore[override]
                 callback: Callable[..., object], *args: Any,
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         handle = super().call_at(when, callback, *args, context=context)
-        self._made[handle] = next(self._counter)
+        self._made[id(handle)] = next(self._counter)
         return handle
 
     def _resume(self, host: Host) -> None:
@@ -221,7 +222,7 @@ class SimLoop(asyncio.BaseEventLoop):
     def create_task(self, coro: Any, *, name: Any = None,
                     context: contextvars.Context | None = None) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = super().create_task(coro, name=name, context=context)
-        self._made[task] = next(self._counter)
+        self._made[id(task)] = next(self._counter)
         host = (context or contextvars.copy_context()).get(HOST)
         if host is not None:
             host.tasks.append(task)
