@@ -253,9 +253,6 @@ def test_a_worker_that_lost_its_lease_is_started_again_and_claims_what_was_queue
 
 # -- what the production engine found in production code ------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="a delegation whose code raised ends FAILED without "
-                   "stopping the children it started: one still running goes on paying, "
-                   "after a terminate of the task has returned")
 async def test_a_parent_that_failed_leaves_no_child_paying_after_terminate(
         tmp_path: Path) -> None:
     """Found by ``tether sim --engine production --replay 1910862834 --faults
@@ -296,3 +293,40 @@ async def test_a_parent_that_failed_leaves_no_child_paying_after_terminate(
         while not (await sup.journal.get(second.id)).state.terminal:  # ran on, or stopped
             await sup.wake(0.01)
     assert applied == [], "a payment of the task landed after terminate() returned"
+
+
+async def test_a_parent_that_returned_ends_after_the_children_it_started(
+        tmp_path: Path) -> None:
+    """A delegation that returns with a child still running waits for it (a nursery's scope):
+    its own ending is recorded after the child's, and its result only then, so a terminate of
+    the task meanwhile still reaches that child."""
+    applied: list[str] = []
+    returned, go = asyncio.Event(), asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def pay(n: int, *, idempotency_key: str) -> str:
+        applied.append(idempotency_key)
+        return "ok"
+
+    @tether.agent(tools=[pay])
+    async def pays_later(ctx: tether.Context) -> None:
+        await go.wait()
+        await ctx.call(pay, n=1)
+
+    @tether.agent(tools=[pays_later])
+    async def parent(ctx: tether.Context) -> str:
+        await ctx.delegate(pays_later)  # never awaited
+        returned.set()
+        return "done"
+
+    async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}") as sup:
+        handle = await sup.delegate(parent)
+        await returned.wait()
+        go.set()
+        assert await handle.result() == "done"
+        rows = {r.agent: r for r in await sup.journal.delegations()}
+    assert len(applied) == 1
+    assert rows["pays_later"].state is tether.DelegationState.SUCCEEDED
+    assert rows["parent"].state is tether.DelegationState.SUCCEEDED
+    assert rows["pays_later"].ended_at is not None and rows["parent"].ended_at is not None
+    assert rows["pays_later"].ended_at <= rows["parent"].ended_at

@@ -9,10 +9,18 @@ dispatched, never for one that did not happen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tether._core.errors import DelegationError, InvalidTransition, TetherError
+from tether._core.errors import (
+    AlreadyFinished,
+    ControlRefused,
+    DelegationError,
+    InvalidTransition,
+    TetherError,
+)
+from tether._core.model import ControlKind, DelegationState
 from tether._core.redispatch import (
     AttemptFacts,
     CeilingReached,
@@ -33,6 +41,25 @@ from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
     from tether._runtime import ports
+
+
+async def end_children(sup: ports.Handles, rt: ChildRuntime, state: DelegationState) -> None:
+    """A delegation never ends while a child it started still runs, as a nursery's scope
+    (Trio): once it returned, it waits for them; once it failed (or ended any other way), it
+    terminates them first. Otherwise a child outlived its parent's end, and a terminate of
+    the task, finding its root ended, returned while that child went on paying."""
+    for child in list(rt.children):
+        run = child.run
+        if run is None or run.done.done():
+            continue
+        if state is not DelegationState.SUCCEEDED:
+            # (it may end, or be stopped by someone else, meanwhile)
+            with contextlib.suppress(AlreadyFinished, ControlRefused, InvalidTransition):
+                await sup.issue_control(run.current.id, ControlKind.TERMINATE, None,
+                                        f"its parent {rt.id} ended {state.value}")
+        await asyncio.wait([run.done])
+        if run.current.draining is not None:
+            await asyncio.gather(run.current.draining, return_exceptions=True)
 
 
 class RedispatchCancelled(TetherError):

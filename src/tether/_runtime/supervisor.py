@@ -41,7 +41,7 @@ from tether._runtime.arguments import (
     ending_for,
     unstorable,
 )
-from tether._runtime.attempts import drive, ending_of, record, stop_hook
+from tether._runtime.attempts import drive, end_children, ending_of, record, stop_hook
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.clockcheck import check_clock
 from tether._runtime.compensation import compensate
@@ -459,6 +459,7 @@ class Supervisor:
             self._notify("ended", rt.id)
         try:
             state, result, error, failure = ending
+            await end_children(self, rt, state)
             await self._finish(rt, state, result=result, error=error, failure=failure)
         except asyncio.CancelledError:
             # A terminate landed while the child's end was being recorded: the terminate was
