@@ -169,3 +169,74 @@ def test_reconcile_refuses_a_bad_tether_tools_in_one_line(tmp_path: Path) -> Non
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     assert "TETHER_TOOLS" in lines[0] and "not a tether tool or agent" in lines[0]
+
+
+# Another deployment's "refund": same name, another provider, whose probe finds nothing.
+async def _elsewhere(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+    return tether.ProbeResult(tether.ProbeOutcome.NOT_APPLIED)
+
+
+OTHER_REFUND = [tether.tool(name="refund", probe=_elsewhere)(_refund)]
+
+
+async def test_a_childs_call_is_probed_with_its_own_tool_not_a_declared_namesake(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$TETHER_TOOLS names a "refund" of another provider; this process delegates an agent
+    whose own "refund" applied. Its call is probed with the tool it used: COMPLETED, never
+    the namesake's NOT_APPLIED (a refund paid twice on the next re-plan)."""
+    started = asyncio.Event()
+
+    async def landed(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        return tether.ProbeResult(tether.ProbeOutcome.COMPLETED)
+
+    @tether.tool(name="refund", probe=landed, dispatch_deadline=0.2)
+    async def refund(order_id: str, *, idempotency_key: str) -> str:
+        started.set()
+        await asyncio.Event().wait()  # applied; its reply never comes
+        return "never"
+
+    async def pays(ctx: tether.Context) -> None:
+        await ctx.call(refund, order_id="A")
+
+    monkeypatch.setenv("TETHER_TOOLS", "tests.test_declared_tools:OTHER_REFUND")
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        handle = await sup.delegate(pays, tools=[refund])
+        async with asyncio.timeout(30):
+            await started.wait()
+        await asyncio.sleep(0.3)  # past its deadline: the probe's answer is final
+        report = await handle.terminate(reason="stop")
+    (action,) = report.actions
+    assert action.state is tether.ActionState.COMPLETED, report
+
+
+UNDONE: list[str] = []
+
+
+async def _undo_elsewhere(order_id: str, *, idempotency_key: str) -> str:
+    UNDONE.append(f"elsewhere {order_id}")
+    return "undone elsewhere"
+
+
+OTHER_UNDO = [tether.tool(name="refund", compensate=_undo_elsewhere)(_refund)]
+
+
+async def test_a_childs_call_is_compensated_with_its_own_tool_not_a_declared_namesake(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def undo(order_id: str, *, idempotency_key: str) -> str:
+        UNDONE.append(f"own {order_id}")
+        return "undone"
+
+    @tether.tool(name="refund", compensate=undo)
+    async def refund(order_id: str, *, idempotency_key: str) -> str:
+        return "refunded"
+
+    async def pays(ctx: tether.Context) -> None:
+        await ctx.call(refund, order_id="A")
+
+    UNDONE.clear()
+    monkeypatch.setenv("TETHER_TOOLS", "tests.test_declared_tools:OTHER_UNDO")
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        handle = await sup.delegate(pays, tools=[refund])
+        await handle.wait()
+        await sup.compensate(await handle.report())
+    assert UNDONE == ["own A"]

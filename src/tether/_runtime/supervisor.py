@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+from collections import ChainMap
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -92,14 +93,18 @@ class Supervisor:
         # Deadlines judged inside the journal's transactions allow the same clock tolerance.
         self.journal.clock_tolerance = self.policy.clock_tolerance
         self._keys = keys
+        # Those of the agents this process delegates, first: a call of its own children is
+        # probed (and compensated) with the tool it used, never with a namesake declared to it.
         self._tools: dict[str, Tool] = {}
+        declared: dict[str, Tool] = {}
         if tools is None:  # the deployment's: where $TETHER_TOOLS says its tools live
-            self._tools.update(deployment_tools())
+            declared.update(deployment_tools())
         else:
-            self._learn(check_surface(tools, "Supervisor(tools=...)").values())
+            self._learn(check_surface(tools, "Supervisor(tools=...)").values(), declared)
+        self._known: ChainMap[str, Tool] = ChainMap(self._tools, declared)
         self.owner_id = new_id("o")
         self._runtimes: dict[str, ChildRuntime] = {}
-        self._accounts = Accounting(self, self._tools)
+        self._accounts = Accounting(self, self._known)
         self._background: set[asyncio.Task[Any]] = set()
         self._adoption = Adoption(self)  # intents other processes write for our children
         self._poll = control_poll
@@ -183,12 +188,14 @@ class Supervisor:
             self.journal.event(self.clock.wall(), "hook_error", event.delegation_id, None,
                                hook=name, error=repr(exc))
 
-    def _learn(self, items: Iterable[Tool | Agent | str]) -> None:
+    def _learn(self, items: Iterable[Tool | Agent | str],
+               into: dict[str, Tool] | None = None) -> None:
+        found = self._tools if into is None else into
         for item in items:
             if isinstance(item, Tool):
-                self._tools.setdefault(item.name, item)
+                found.setdefault(item.name, item)
             elif isinstance(item, Agent):
-                self._learn(item.tools)
+                self._learn(item.tools, found)
 
     def track_call(self, action_id: str, task: asyncio.Task[Any], deadline_at: float) -> None:
         self._accounts.track_call(action_id, task, deadline_at)
@@ -575,7 +582,7 @@ class Supervisor:
         """Run each tool's compensation for actions the report shows COMPLETED, never for
         UNKNOWN ones, as an ordinary journaled delegation with keys derived from the
         originals (so compensating twice is refused, not repeated)."""
-        return await compensate(self, report, self._tools)
+        return await compensate(self, report, self._known)
 
     async def resolve(self, action_id: str, outcome: str, note: str, *,
                       operator: str | None = None) -> ActionRecord:
