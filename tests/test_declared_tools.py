@@ -240,3 +240,22 @@ async def test_a_childs_call_is_compensated_with_its_own_tool_not_a_declared_nam
         await handle.wait()
         await sup.compensate(await handle.report())
     assert UNDONE == ["own A"]
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("import sys\nsys.exit(0)\n", "cannot import declared_exits: SystemExit: 0"),
+    ("class R:\n    def __repr__(self):\n        raise ValueError('no')\nR_ = R()\n",
+     "a R is not a tether tool or agent"),
+])
+def test_a_declaration_that_exits_or_cannot_be_shown_is_one_error(
+        body: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that calls sys.exit() as it is imported does not end the process that asked
+    (silently, with status 0); an object whose repr raises is still one line."""
+    (tmp_path / "declared_exits.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "declared_exits", raising=False)
+    monkeypatch.setenv("TETHER_TOOLS", "declared_exits:R_")
+    with pytest.raises(tether.UserError) as caught:
+        tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}")
+    assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
+    assert not (tmp_path / "j.db").exists()

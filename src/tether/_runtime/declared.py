@@ -35,8 +35,10 @@ def _load(spec: str, where: str) -> list[Tool | Agent]:
         raise UserError(f"{where} {spec!r}: expected module:attribute, e.g. myapp.tools:ALL")
     try:
         found: Any = importlib.import_module(module_name)
-    except Exception as exc:  # a missing module, or one that fails as it is imported
-        raise UserError(f"{where} {spec!r}: cannot import {module_name}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # missing, or failing (or exiting) as imported
+        # A sys.exit() in a module's body would end the process that asked, silently (exit 0).
+        raise UserError(f"{where} {spec!r}: cannot import {module_name}: "
+                        f"{type(exc).__name__}: {exc}") from None
     for part in attribute.split("."):
         if not hasattr(found, part):
             raise UserError(f"{where} {spec!r}: {module_name} has no attribute {attribute}")
@@ -46,8 +48,15 @@ def _load(spec: str, where: str) -> list[Tool | Agent]:
     items = list(found) if isinstance(found, list | tuple | set | frozenset) else [found]
     for item in items:
         if not isinstance(item, Tool | Agent):
-            raise UserError(f"{where} {spec!r}: {item!r} is not a tether tool or agent")
+            raise UserError(f"{where} {spec!r}: {_shown(item)} is not a tether tool or agent")
     return items
+
+
+def _shown(item: object) -> str:
+    try:
+        return repr(item)
+    except Exception:  # a repr that raises says nothing of the declaration: its type does
+        return f"a {type(item).__name__}"
 
 
 def tools_by_name(items: Iterable[Tool | Agent | str], where: str) -> dict[str, Tool]:
