@@ -237,3 +237,31 @@ async def test_mcp_http_on_any_loopback_address_refuses_a_foreign_host(
                 "Host": "rebound.example", "Origin": "http://rebound.example",
                 "Accept": "application/json, text/event-stream"})
     assert answer.status_code in (421, 403), answer.status_code
+
+
+async def test_the_http_proxy_does_not_import_what_tether_tools_names(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """$TETHER_TOOLS names the deployment's Python tools; the proxy's are its upstreams'. A
+    deployment that sets it for all its processes (here, a module the proxy's environment
+    cannot import) still has a proxy that serves."""
+    monkeypatch.setenv("TETHER_TOOLS", "myapp_not_here.tools:ALL")
+    args = (sys.executable, "-m", "tether", "mcp-proxy", "--journal",
+            f"sqlite:///{tmp_path / 'j.db'}", "--http", "127.0.0.1:0", "--upstream",
+            f"bank={sys.executable} -m tests.mcp_bank")
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))}
+    proc = await asyncio.create_subprocess_exec(*args, cwd=ROOT, env=env,
+                                                stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    said: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            async for raw in proc.stderr:
+                said.append(raw.decode())
+                if "serving MCP at" in said[-1]:
+                    break
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+    assert any("serving MCP at" in line for line in said), said

@@ -151,7 +151,9 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
                                   recover=False) as recovering:
                 template.attach(recovering)
                 await recovering.recover()
-            sup = await stack.enter_async_context(Supervisor(journal, recover=False))
+            # tools=(): each session brings its own; what $TETHER_TOOLS names (the
+            # deployment's Python tools) is never imported here.
+            sup = await stack.enter_async_context(Supervisor(journal, recover=False, tools=()))
             sessions = HttpSessions(journal, config, sup)
             server = build_server(template, sessions.resolve)
             await probe.aclose()
