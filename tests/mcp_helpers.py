@@ -17,6 +17,9 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 import tether
 
 ROOT = Path(__file__).resolve().parent.parent
+# For the processes a test starts: this checkout's tether (its src, ahead of an editable
+# install of another checkout) and its tests package.
+PYTHONPATH = os.pathsep.join((str(ROOT / "src"), str(ROOT)))
 
 
 @asynccontextmanager
@@ -27,7 +30,7 @@ async def connect(command: str, *args: str, cwd: Path = ROOT, env: dict[str, str
     # The SDK passes a server only a safe subset of the environment: name what it needs.
     mine = {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
     params = StdioServerParameters(command=command, args=list(args), cwd=cwd,
-                                   env={**mine, "PYTHONPATH": str(ROOT), **(env or {})})
+                                   env={**mine, "PYTHONPATH": PYTHONPATH, **(env or {})})
     async with stdio_client(params) as (read, write), ClientSession(
             read, write, **callbacks) as session:
         await session.initialize()

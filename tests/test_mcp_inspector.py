@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import tether
-from tests.mcp_helpers import ROOT
+from tests.mcp_helpers import PYTHONPATH, ROOT
 from tests.test_mcp_proxy_registry import node_server
 
 
@@ -18,7 +18,7 @@ async def inspect(tmp_path: Path, journal: str, *method: str) -> Any:
     proxy = [sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
              "--upstream", f"library={sys.executable} -m tests.mcp_library"]
     proc = await asyncio.create_subprocess_exec(
-        node_server("mcp-inspector"), "--cli", "-e", f"PYTHONPATH={ROOT}", *proxy, *method,
+        node_server("mcp-inspector"), "--cli", "-e", f"PYTHONPATH={PYTHONPATH}", *proxy, *method,
         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                        "MCP_CATALOG_PATH": str(tmp_path / "catalog.json")},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)

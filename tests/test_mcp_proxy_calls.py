@@ -19,7 +19,7 @@ import pytest
 from mcp.shared.exceptions import MCPError
 
 import tether
-from tests.mcp_helpers import ROOT, bank, connect, paid, text
+from tests.mcp_helpers import PYTHONPATH, ROOT, bank, connect, paid, text
 from tests.remote_agents import listen_gate, open_gate
 from tests.test_mcp_proxy import cli, proxy, session_delegation
 from tests.test_mcp_proxy_http import key_meta
@@ -153,7 +153,7 @@ async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
     config.write_text(json.dumps({"mcpServers": {"bank": {
         "command": sys.executable, "args": ["-m", "tests.mcp_bank"],
         "env": {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
-        | {"PYTHONPATH": str(ROOT)},
+        | {"PYTHONPATH": PYTHONPATH},
         "cwd": str(ROOT), "deadlines": {"pay": 1}}}}))
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
     async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,

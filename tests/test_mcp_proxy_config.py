@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import tether
-from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.mcp_helpers import PYTHONPATH, connect, paid, text
 from tests.remote_agents import listen_gate
 from tests.test_mcp_proxy import cli
 
@@ -25,7 +25,7 @@ A = tether.ActionState
 
 def bank_entry(**tether_keys: Any) -> dict[str, Any]:
     return {"command": sys.executable, "args": ["-m", "tests.mcp_bank"],
-            "env": {"PYTHONPATH": str(ROOT),
+            "env": {"PYTHONPATH": PYTHONPATH,
                     **{k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}},
             **tether_keys}
 
@@ -52,7 +52,7 @@ async def test_a_config_file_names_env_cwd_probes_prefix_and_session(
                            deadlines={"pay": 0.5}),
         "twin": bank_entry(prefix="twin_"),
         "library": {"command": sys.executable, "args": ["-m", "tests.mcp_library"],
-                    "cwd": "shelf", "env": {"PYTHONPATH": str(ROOT), "LIBRARY_MODE": "quiet"}},
+                    "cwd": "shelf", "env": {"PYTHONPATH": PYTHONPATH, "LIBRARY_MODE": "quiet"}},
     }})
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
     async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),

@@ -21,7 +21,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 import tether
-from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.mcp_helpers import PYTHONPATH, ROOT, connect, paid, text
 from tests.remote_agents import listen_gate
 from tests.test_mcp_proxy import cli
 
@@ -37,7 +37,7 @@ def key_meta(key: str) -> Any:
 @asynccontextmanager
 async def serving(*args: str, ready: str) -> AsyncIterator[list[str]]:
     """A process run until it says ``ready`` on stderr; its stderr lines so far."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     proc = await asyncio.create_subprocess_exec(*args, cwd=ROOT, env=env,
                                                 stderr=asyncio.subprocess.PIPE)
     assert proc.stderr is not None

@@ -16,7 +16,7 @@ from typing import Any
 import mcp_types as t
 from mcp import ClientSession
 
-from tests.mcp_helpers import ROOT, connect, text
+from tests.mcp_helpers import PYTHONPATH, ROOT, connect, text
 from tests.test_mcp_proxy import session_delegation
 
 
@@ -170,7 +170,7 @@ async def test_a_2026_client_through_the_stdio_proxy(tmp_path: Path) -> None:
     from mcp.client.stdio import StdioServerParameters
 
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
-    params = StdioServerParameters(command=sys.executable, env={"PYTHONPATH": str(ROOT)},
+    params = StdioServerParameters(command=sys.executable, env={"PYTHONPATH": PYTHONPATH},
                                    args=["-m", "tether", "mcp-proxy", "--journal", journal,
                                          "--upstream", f"library={' '.join(LIBRARY)}"])
     async with Client(params) as client:

@@ -23,7 +23,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
 import tether
-from tests.mcp_helpers import ROOT, connect, paid, text
+from tests.mcp_helpers import PYTHONPATH, ROOT, connect, paid, text
 from tests.remote_agents import listen_gate, open_gate
 from tests.test_mcp_proxy_http import reports, serving, until
 
@@ -121,7 +121,7 @@ async def http_proxy(path: Path, journal: str) -> AsyncIterator[tuple[str, Any]]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tether", "mcp-proxy", "--config", str(path), "--journal",
         journal, "--http", "127.0.0.1:0", cwd=ROOT, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "PYTHONPATH": PYTHONPATH})
     assert proc.stderr is not None
     url: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
