@@ -30,6 +30,7 @@ from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
 from tether._integrations.mcp_config import ProxyConfig
+from tether._integrations.mcp_process import Children
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_serve import (
     build_server,
@@ -83,8 +84,10 @@ class _Session:
 class HttpSessions:
     """The proxy of each MCP session, started at its first request, ended with the session."""
 
-    def __init__(self, journal: str, config: ProxyConfig, sup: Supervisor) -> None:
+    def __init__(self, journal: str, config: ProxyConfig, sup: Supervisor,
+                 children: Children) -> None:
         self.journal, self.config, self.sup = journal, config, sup
+        self.children = children
         self.sessions: dict[str, _Session] = {}
 
     async def resolve(self, ctx: ServerRequestContext[Any], start: bool) -> Proxy | None:
@@ -110,7 +113,7 @@ class HttpSessions:
         proxy.client = session.client  # known before the upstreams connect (and ask for roots)
         try:
             async with AsyncExitStack() as stack:
-                await connect_upstreams(proxy, stack)
+                await connect_upstreams(proxy, stack, self.children)
                 handle = await start_session(proxy, self.sup, self.journal)
                 session.ready.set_result(proxy)
                 await session.done.wait()
@@ -141,8 +144,9 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
     try:
         async with AsyncExitStack() as stack:
             template = Proxy(config)  # the upstreams' capabilities, and the config checked
+            children = Children()
             probe = await stack.enter_async_context(AsyncExitStack())
-            await connect_upstreams(template, probe)
+            await connect_upstreams(template, probe, children)
             # What an earlier proxy on this journal left in doubt when it died, settled with
             # the upstreams' tools (their probes, their tasks) while the template's sessions
             # are open; by a supervisor of its own, whose tools (those sessions') the sessions'
@@ -154,7 +158,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             # tools=(): each session brings its own; what $TETHER_TOOLS names (the
             # deployment's Python tools) is never imported here.
             sup = await stack.enter_async_context(Supervisor(journal, recover=False, tools=()))
-            sessions = HttpSessions(journal, config, sup)
+            sessions = HttpSessions(journal, config, sup, children)
             server = build_server(template, sessions.resolve)
             await probe.aclose()
             app = server.streamable_http_app(host=host, transport_security=guard(host))
@@ -173,6 +177,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             try:
                 await web.serve()
             finally:
+                children.stop_now()  # stopped by a signal: the upstreams with the proxy
                 with contextlib.suppress(Exception):
                     await sessions.close()
     except BaseExceptionGroup as group:

@@ -3,6 +3,7 @@ starting the session's delegation, and serving the client over stdio."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -10,7 +11,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from mcp import types as mcp_types
-from mcp.client.stdio import StdioServerParameters, get_default_environment, stdio_client
+from mcp.client.stdio import get_default_environment
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
@@ -21,6 +22,7 @@ from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from tether._core.errors import TetherError, UserError
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
+from tether._integrations.mcp_process import Children, Stopper, stdio_upstream
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
 from tether._integrations.mcp_stdio import loop_stdio
@@ -147,7 +149,8 @@ def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
     return server
 
 
-async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack) -> tuple[Any, Any]:
+async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack,
+                        children: Children) -> tuple[Any, Any]:
     if spec.url is not None:
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
@@ -158,16 +161,15 @@ async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack) -> tuple[Any,
             streamable_http_client(spec.url, http_client=client))
         return streams[0], streams[1]
     env = dict(os.environ) if spec.env is None else {**get_default_environment(), **spec.env}
-    params = StdioServerParameters(command=spec.command[0], args=list(spec.command[1:]),
-                                   env=env, cwd=spec.cwd)
-    return await stack.enter_async_context(stdio_client(params))
+    return await stack.enter_async_context(
+        stdio_upstream(spec.command[0], list(spec.command[1:]), env, spec.cwd, children))
 
 
-async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack) -> None:
+async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack, children: Children) -> None:
     for name, spec in proxy.specs.items():
         what = spec.url or spec.command[0]
         try:
-            read, write = await open_upstream(spec, stack)
+            read, write = await open_upstream(spec, stack, children)
             session = await stack.enter_async_context(
                 proxy.session_for(read, write, tasks=spec.tasks))
             await (connect_tasks(session) if spec.tasks else session.initialize())
@@ -211,26 +213,36 @@ def one_line(group: BaseExceptionGroup[Any]) -> TetherError:
 
 async def serve_stdio(journal: str, config: ProxyConfig) -> None:
     proxy = Proxy(config)
+    children = Children()
 
     async def resolve(ctx: ServerRequestContext[Any], start: bool) -> Proxy:
         return proxy
 
-    try:
-        async with AsyncExitStack() as stack:
-            await connect_upstreams(proxy, stack)
-            # The upstreams' tools (their probes, and the tasks their calls became) settle
-            # what an earlier proxy on this journal left in doubt when it died.
-            sup = await stack.enter_async_context(
-                Supervisor(journal, tools=proxy.journaled_tools(), recover=False))
-            proxy.attach(sup)
-            await sup.recover()
-            handle = await start_session(proxy, sup, journal)
-            server = build_server(proxy, resolve)
-            async with loop_stdio() as pipes:
-                # Read and written on the event loop where they are pipes (``mcp_stdio``).
-                wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
-                async with wire as (read, write):
-                    await server.run(read, write, server.create_initialization_options())
-            await end_session(proxy, handle)
-    except BaseExceptionGroup as group:  # an upstream that failed, inside the SDK's groups
-        raise one_line(group) from None
+    with Stopper(children).installed() as stopper:
+        try:
+            async with AsyncExitStack() as stack:
+                with stopper.serving():  # a signal cancels this; the exits below settle
+                    await connect_upstreams(proxy, stack, children)
+                    # The upstreams' tools (their probes, and the tasks their calls became)
+                    # settle what an earlier proxy on this journal left in doubt when it died.
+                    sup = await stack.enter_async_context(
+                        Supervisor(journal, tools=proxy.journaled_tools(), recover=False))
+                    proxy.attach(sup)
+                    await sup.recover()
+                    handle = await start_session(proxy, sup, journal)
+                    server = build_server(proxy, resolve)
+                    async with loop_stdio() as pipes:
+                        # Read and written on the event loop where they are pipes
+                        # (``mcp_stdio``).
+                        wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
+                        async with wire as (read, write):
+                            await server.run(read, write, server.create_initialization_options())
+                await end_session(proxy, handle)
+        except asyncio.CancelledError:
+            if stopper.signal is None:
+                raise
+        except BaseExceptionGroup as group:  # an upstream that failed, inside the SDK's groups
+            if stopper.signal is None:
+                raise one_line(group) from None
+    if stopper.exit_code is not None:  # the session's delegation settled: now exit
+        raise SystemExit(stopper.exit_code)
