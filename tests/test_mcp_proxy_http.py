@@ -21,7 +21,9 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 import tether
+from tests.conftest import until as conftest_until
 from tests.mcp_helpers import PYTHONPATH, ROOT, connect, paid, text
+from tests.mcp_wire import mark_upstream, marked
 from tests.remote_agents import listen_gate
 from tests.test_mcp_proxy import cli
 
@@ -62,11 +64,12 @@ async def serving(*args: str, ready: str) -> AsyncIterator[list[str]]:
 
 
 @asynccontextmanager
-async def proxy_http(journal: str) -> AsyncIterator[str]:
+async def proxy_http(journal: str, *extra: str,
+                     upstream: str = f"bank={sys.executable} -m tests.mcp_bank",
+                     ) -> AsyncIterator[str]:
     """The proxy on a port the system picks (it says which once it listens)."""
     async with serving(sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
-                       "--http", "127.0.0.1:0", "--upstream",
-                       f"bank={sys.executable} -m tests.mcp_bank",
+                       "--http", "127.0.0.1:0", "--upstream", upstream, *extra,
                        ready="serving MCP at") as lines:
         said = next(line for line in lines if "serving MCP at" in line)
         yield said.split("serving MCP at ")[1].split()[0]
@@ -265,3 +268,29 @@ async def test_the_http_proxy_does_not_import_what_tether_tools_names(
             proc.terminate()
         await proc.wait()
     assert any("serving MCP at" in line for line in said), said
+
+
+async def test_an_idle_http_session_expires_and_its_delegation_settles(
+        bank_env: Path, tmp_path: Path) -> None:
+    """A client that leaves without closing its session (no DELETE, as the Inspector CLI
+    leaves): after --idle-timeout the session is closed, its delegation ends and its upstream
+    process is stopped, while the proxy goes on serving."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    spec, mark = mark_upstream("bank", sys.executable, "-m", "tests.mcp_bank")
+    async with proxy_http(journal, "--idle-timeout", "1", upstream=spec) as url:
+        async with streamable_http_client(url, terminate_on_close=False) as (read, write), \
+                ClientSession(read, write) as session:
+            await session.initialize()
+            paid_now = await session.call_tool("pay", {"account": "I-1", "cents": 2})
+        found = await until(journal, lambda r: r and all(x.outcome.terminal for x in r))
+        await conftest_until(lambda: not marked(mark), "the idle session's upstream stopped")
+    assert not paid_now.is_error
+    assert [r.outcome for r in found] == [tether.DelegationState.SUCCEEDED]
+
+
+async def test_a_bad_idle_timeout_is_one_line(tmp_path: Path) -> None:
+    code, _, err = await cli("mcp-proxy", "--journal", f"sqlite:///{tmp_path / 'j.db'}",
+                             "--http", "127.0.0.1:0", "--idle-timeout", "0",
+                             "--upstream", "bank=x")
+    assert code == 2 and err.startswith("error:") and "--idle-timeout" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "j.db").exists()

@@ -25,6 +25,9 @@ def mcp_proxy(
     http: Annotated[str | None, typer.Option(
         "--http", help="HOST:PORT: serve MCP over Streamable HTTP at /mcp (loopback only), "
         "one delegation per MCP session, instead of stdio.")] = None,
+    idle_timeout: Annotated[float, typer.Option(
+        "--idle-timeout", help="Seconds an --http session may go with no request in flight "
+        "before it is closed, its delegation ended and its upstreams stopped.")] = 300.0,
     journal: Annotated[str | None, typer.Option(
         "--journal", "-j", envvar="TETHER_JOURNAL", help="Journal URL (default: per user, "
         "$XDG_STATE_HOME/tether/journal.db or ~/.local/state/tether/journal.db).")] = None,
@@ -53,6 +56,8 @@ def mcp_proxy(
         from tether._integrations.mcp_http import parse_listen, serve_http
 
         listen = parse_listen(http)
+    if not 0 < idle_timeout < float("inf"):
+        raise UserError(f"--idle-timeout {idle_timeout}: must be a positive number of seconds")
     settings = combine(servers, load_config(config) if config else ProxyConfig(), session)
     import asyncio
 
@@ -60,5 +65,5 @@ def mcp_proxy(
     if listen is None:
         asyncio.run(serve_stdio(url, settings))
     else:
-        asyncio.run(serve_http(url, settings, *listen))
+        asyncio.run(serve_http(url, settings, *listen, idle_timeout=idle_timeout))
 

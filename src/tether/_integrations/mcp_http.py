@@ -138,7 +138,8 @@ class HttpSessions:
             await self._ended(key)
 
 
-async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) -> None:
+async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
+                     idle_timeout: float = 300.0) -> None:
     import uvicorn
 
     try:
@@ -161,7 +162,8 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int) ->
             sessions = HttpSessions(journal, config, sup, children)
             server = build_server(template, sessions.resolve)
             await probe.aclose()
-            app = server.streamable_http_app(host=host, transport_security=guard(host))
+            app = server.streamable_http_app(host=host, transport_security=guard(host),
+                                            session_idle_timeout=idle_timeout)
 
             class Web(uvicorn.Server):
                 async def startup(self, sockets: Any = None) -> None:
