@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mcp import types as mcp_types
 from mcp.shared.exceptions import MCPError
 
 import tether
@@ -164,6 +165,25 @@ async def test_mcp_a_retry_of_a_call_in_doubt_gets_a_tool_error_not_a_code_0(
         again = await asyncio.wait_for(session.call_tool(
             "pay", {"account": "flaky-2", "cents": 4}, meta=key_meta("order-10")), 30)
     assert again.is_error and "order-10" in text(again) and "reconciled" in text(again)
+
+
+async def test_arguments_the_tools_input_schema_refuses_are_refused_before_journaling(
+        bank_env: Path, journal_url: str) -> None:
+    """A call whose arguments its tool's own inputSchema rejects is an invalid-params refusal,
+    with nothing journaled: sent, the server's refusal left it in doubt and a person asked."""
+    async with proxy(journal_url) as session:
+        for bad in ({"account": "S-1", "cents": "two"}, {"account": "S-1"},
+                    {"account": 7, "cents": 1}):
+            with pytest.raises(MCPError) as refused:
+                await session.call_tool("pay", bad)
+            assert refused.value.error.code == mcp_types.INVALID_PARAMS, refused.value.error
+            assert refused.value.error.message.startswith("tether mcp-proxy: pay: at ")
+        ok = await session.call_tool("pay", {"account": "S-1", "cents": 2})
+    assert not ok.is_error
+    report = await session_delegation(journal_url)
+    assert [a.state for a in report.actions] == [A.COMPLETED]  # only the good call
+    assert report.outcome is tether.DelegationState.SUCCEEDED
+    assert len(paid(bank_env, "S-1")) == 1
 
 
 async def test_mcp_a_malformed_client_key_is_refused_not_ignored(

@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,41 @@ async def list_all(session: ClientSession) -> list[mcp_types.Tool]:
         cursor = page.next_cursor
         if not cursor:
             return tools
+
+
+@lru_cache(maxsize=256)
+def _validator(schema: str) -> Any:
+    """A validator for one tool's ``inputSchema`` (its JSON text), or None when the schema
+    itself is not valid JSON Schema: the server then judges its arguments alone."""
+    from jsonschema import validators
+    from jsonschema.exceptions import SchemaError
+
+    loaded = json.loads(schema)
+    try:
+        cls = validators.validator_for(loaded)
+        cls.check_schema(loaded)
+    except (SchemaError, TypeError, ValueError):
+        return None
+    return cls(loaded)
+
+
+def argument_error(spec: mcp_types.Tool, arguments: Mapping[str, Any]) -> str | None:
+    """What ``spec``'s own ``inputSchema`` finds wrong with ``arguments``, or None. Checked
+    before a call is journaled: a call its server would refuse unrun is refused here, not
+    journaled, sent and left in doubt by the server's answer."""
+    from jsonschema.exceptions import best_match
+
+    try:
+        validator = _validator(json.dumps(spec.input_schema, sort_keys=True))
+    except (TypeError, ValueError):  # a schema that is not JSON: nothing to check with
+        return None
+    if validator is None:
+        return None
+    error = best_match(validator.iter_errors(dict(arguments)))
+    if error is None:
+        return None
+    where = error.json_path if error.json_path != "$" else "the arguments"
+    return f"{spec.name}: at {where}: {error.message}"
 
 
 def result_of(name: str, res: mcp_types.CallToolResult) -> Any:

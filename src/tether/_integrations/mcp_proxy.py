@@ -53,6 +53,7 @@ from tether._integrations.mcp_gateway import (
     REJECTED_BEFORE_RUNNING,
     McpToolError,
     ServerPolicy,
+    argument_error,
     wrap_tools,
 )
 from tether._integrations.mcp_relay import (
@@ -495,6 +496,8 @@ class Proxy:
                            message="tether mcp-proxy: arguments must be an object, and "
                            "'idempotency_key' is reserved (send it in _meta as "
                            f"{KEY_META!r})")
+        if (wrong := argument_error(found[1], arguments)) is not None:  # never journaled
+            raise MCPError(code=mcp_types.INVALID_PARAMS, message=f"tether mcp-proxy: {wrong}")
         tool = found[0]
         await self.ready.wait()
         out, wants = outgoing(params)
