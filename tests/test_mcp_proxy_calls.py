@@ -237,3 +237,20 @@ async def test_mcp_a_call_after_the_upstream_died_is_not_a_false_alarm(tmp_path:
     assert ledger.read_text() == "5\n"
     assert [(a.args["cents"], a.state) for a in actions] == [
         (5, tether.ActionState.IN_DOUBT), (6, tether.ActionState.FAILED)]
+
+
+def test_a_schema_that_cannot_judge_leaves_the_arguments_to_the_server() -> None:
+    """An invalid schema, or one whose $ref cannot be resolved (never fetched), checks nothing:
+    the call goes on and its server judges it; a valid one names what is missing."""
+    from tether._integrations.mcp_gateway import argument_error
+
+    def spec(schema: dict[str, Any]) -> mcp_types.Tool:
+        return mcp_types.Tool(name="t", input_schema=schema)
+
+    unresolvable = {"type": "object", "properties": {"a": {"$ref": "https://x.invalid/s"}}}
+    assert argument_error(spec(unresolvable), {"a": 1}) is None
+    assert argument_error(spec({"type": "object", "properties": {"a": {"type": "no"}}}),
+                          {"a": 1}) is None
+    required = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert argument_error(spec(required), {}) == "t: at the arguments: 'a' is a required property"
+    assert argument_error(spec(required), {"a": 3}) is None

@@ -121,7 +121,10 @@ def argument_error(spec: mcp_types.Tool, arguments: Mapping[str, Any]) -> str | 
         return None
     if validator is None:
         return None
-    error = best_match(validator.iter_errors(dict(arguments)))
+    try:
+        error = best_match(validator.iter_errors(dict(arguments)))
+    except Exception:  # a $ref it cannot resolve (never fetched), say: the server judges
+        return None
     if error is None:
         return None
     where = error.json_path if error.json_path != "$" else "the arguments"
