@@ -124,3 +124,17 @@ def test_the_core_imports_no_other_layer() -> None:
                            and i not in _under("tether._core"))
                  for m in _under("tether._core")}
     assert not {m: i for m, i in offending.items() if i}
+
+
+def test_nothing_waits_with_asyncio_wait_for() -> None:
+    """On Python 3.11, ``asyncio.wait_for`` returns what it waited for when that is done as
+    the waiting task is cancelled: the cancel is lost (a worker's lease task once renewed for
+    ever after its cancel, and the worker never exited on SIGTERM). ``asyncio.timeout`` and
+    ``asyncio.wait`` keep it."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "asyncio":
+                found.append(f"{name}:{node.lineno}")
+    assert found == [], found

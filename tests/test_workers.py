@@ -292,3 +292,35 @@ async def test_a_worker_without_the_agent_leaves_the_task_queued(cluster: Cluste
         await known.result()
         report = await handle.recall(grace=5)  # still queued: settled here
     assert report.verdict == "NEVER_STARTED"
+
+
+async def test_a_worker_stops_even_when_its_renewal_answers_as_it_is_cancelled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run()`` ends by cancelling the lease's task and waiting for it. A renewal that the
+    journal answers in the very instant of that cancel must not swallow it (as
+    ``asyncio.wait_for`` does on Python 3.11 when what it waits for is done by then): the
+    task would go on renewing for ever and the worker never exit on SIGTERM."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    keys = tether.KeyRing.load_or_init(tmp_path / "keys")
+    async with tether.Worker(url, remote_agents.AGENTS, lease=2.0, keys=keys) as w:
+        for steps in range(6):  # the cancel lands at each step of the answer's way back
+            answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            asked = asyncio.Event()
+
+            async def renew_lease(*args: object, answer: asyncio.Future[bool] = answer,
+                                  asked: asyncio.Event = asked, **kwargs: object) -> bool:
+                asked.set()
+                return await answer
+
+            monkeypatch.setattr(w.supervisor.journal, "renew_lease", renew_lease)
+            renewing = asyncio.create_task(w._renew())
+            await asked.wait()
+            answer.set_result(True)
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if renewing.cancel():  # not done yet: it must end cancelled
+                with pytest.raises(asyncio.CancelledError):
+                    await renewing
+            else:
+                await renewing
+            monkeypatch.undo()

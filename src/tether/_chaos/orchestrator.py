@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import json
 import os
 import signal
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import tether
-from tether._chaos import faults
+from tether._chaos import faults, stacks
 from tether._chaos.plan import Plan
 from tether._chaos.world import Trial, build, policy
 
@@ -56,7 +55,8 @@ class Helpers:
         self.trial.note("spawn", role, pid=proc.pid)
         if ready is not None:
             assert proc.stdout is not None
-            line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+            async with asyncio.timeout(20):
+                line = (await proc.stdout.readline()).decode()
             if not line.startswith(ready):
                 raise RuntimeError(f"{role} did not start: {line!r}")
         return proc
@@ -101,7 +101,8 @@ class Helpers:
         seconds."""
         role = self.running.get(proc.pid, ("helper", proc))[0]
         try:
-            out, _ = await asyncio.wait_for(proc.communicate(), within)
+            async with asyncio.timeout(within):
+                out, _ = await proc.communicate()
         except TimeoutError:
             self.trial.note("helper_hung", role, pid=proc.pid, after=within)
             with contextlib.suppress(ProcessLookupError):
@@ -275,7 +276,8 @@ async def control(trial: Trial, helpers: Helpers, workers: Workers,
         return
     if plan.fault == "cancel_in_delay":
         attempt = first.id
-        await asyncio.wait_for(ended.setdefault(attempt, asyncio.Event()).wait(), 10)
+        async with asyncio.timeout(10):
+            await ended.setdefault(attempt, asyncio.Event()).wait()
         await asyncio.sleep(plan.control_after)  # inside the settle delay
         if plan.variant == "cli_terminate":
             await cli(trial, helpers, first.task_id, "terminate", attempt, results(handles))
@@ -352,7 +354,7 @@ async def wait_all_terminal(url: str, within: float) -> None:
 
 
 if __name__ == "__main__":
-    # A hung trial is asked for every thread's stack (SIGUSR1) before it is killed: the
-    # harness keeps them in the trial's record, so that a hang says where it waited.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A hung trial is asked for every thread's and task's stack (SIGUSR1) before it is
+    # killed: the harness keeps them in the trial's record, so that a hang says where it waited.
+    stacks.install()
     asyncio.run(run(Path(sys.argv[1]), Plan.from_json(sys.argv[2]), sys.argv[3]))

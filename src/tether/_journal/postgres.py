@@ -303,7 +303,8 @@ class PostgresRunner(ThreadRunner):
         threading.Thread(target=run, name="tether-read", daemon=True).start()
         bound = self.stall_after() + CONNECT_TIMEOUT
         try:
-            return await asyncio.wait_for(future, bound)
+            async with asyncio.timeout(bound):  # (wait_for on 3.11 can swallow a cancel)
+                return await future
         except TimeoutError:
             raise JournalError(f"the journal at {self.shown} did not answer a read within "
                                f"{bound:g} s") from None

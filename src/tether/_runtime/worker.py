@@ -286,12 +286,16 @@ class Worker:
                 sup.owner_id, sup.clock.wall, self.lease, until=loop.time() + left,
                 on_server=not is_virtual(sup.clock)))
             renewal.add_done_callback(_retrieved)  # also when this loop is cancelled first
-            try:
-                ok = await asyncio.wait_for(asyncio.shield(renewal), left)
-            except TimeoutError:  # the journal did not answer within the lease: give up
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for returns the answer when it is
+            # there as the task is cancelled, swallowing the cancel (run() then waited for this
+            # task for ever), and it would cancel the renewal, which must be let land.
+            answered, _ = await asyncio.wait({renewal}, timeout=left)
+            if not answered:  # the journal did not answer within the lease: give up
                 sup.abandon()
                 raise LeaseLost(sup.owner_id, "the journal did not answer within its lease "
                                 f"({self.lease:g} s)") from None
+            try:
+                ok = renewal.result()
             except JournalError as exc:
                 if isinstance(exc, LeaseLost | ClockSkew) or sup.journal.reconnect_within <= 0:
                     sup.abandon()  # cannot tell whether the lease holds: stop

@@ -191,7 +191,8 @@ class Trial:
             trial.provider.send(Request(idempotency_key, action_id, f"{task}#{n}", expires,
                                         cast(Any, _Reply(reply))), delay, rng.uniform(lo, hi))
             try:
-                state = await asyncio.wait_for(reply, k.tool_timeout)
+                async with asyncio.timeout(k.tool_timeout):
+                    state = await reply
             except TimeoutError:
                 raise ConnectionError(f"no reply for {idempotency_key}") from None
             if state == "refused":
