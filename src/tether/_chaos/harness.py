@@ -141,7 +141,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
 
 
 def _stacks_of(proc: subprocess.Popen[bytes], log: Path) -> str:
-    """A hung orchestrator's threads, as faulthandler writes them on SIGUSR1 (its log's tail)."""
+    """A hung process's threads and tasks, as it writes them on SIGUSR1 (``stacks``), with
+    what its log said before them."""
     size = log.stat().st_size if log.exists() else 0
     with contextlib.suppress(ProcessLookupError):
         os.kill(proc.pid, signal.SIGUSR1)
@@ -149,7 +150,7 @@ def _stacks_of(proc: subprocess.Popen[bytes], log: Path) -> str:
     while time.monotonic() < deadline and (log.stat().st_size if log.exists() else 0) == size:
         time.sleep(0.05)  # another process writing its dump: polled, bounded
     time.sleep(0.2)  # the rest of the dump
-    return log.read_bytes()[size:].decode(errors="replace")[-6000:]
+    return log.read_bytes()[max(0, size - 1500):].decode(errors="replace")[-9000:]
 
 
 def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
@@ -306,9 +307,10 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
     """The disk repaired, the operator starts a worker again: it runs what stayed queued while
     no worker could write the journal (nobody else may run it), then stops with SIGTERM."""
     env = {**os.environ, ENV_DIR: str(directory), ENV_PLAN: plan.to_json()}
-    with (directory / "worker-after.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tether", "worker", "--journal", url, "--agents",
+    log_path = directory / "worker-after.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(  # `tether worker`, which writes its stacks on SIGUSR1
+            [sys.executable, "-m", "tether._chaos.stacks", "worker", "--journal", url, "--agents",
              "tether._chaos.agents:AGENTS", "--lease", f"{plan.lease}", "--stop-timeout", "1"],
             env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     try:
@@ -322,7 +324,8 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
             code: int | None = proc.wait(timeout=6.0)
         except subprocess.TimeoutExpired:
             code = None
-            ledger.note("harness", "helper_hung", "worker-after", pid=proc.pid, after=6.0)
+            ledger.note("harness", "helper_hung", "worker-after", pid=proc.pid, after=6.0,
+                        log=_stacks_of(proc, log_path))
         ledger.note("harness", "fleet_resumed", "", code=code)
     finally:
         _signal_group(proc.pid, signal.SIGKILL)
@@ -389,7 +392,8 @@ def judge(snap: Snapshot, ledger: Ledger, plan: Plan, outcome: str) -> list[Viol
     for _, _, what, key, detail in notes:
         if what == "helper_hung":
             flag("stuck", f"helper {key} (pid {detail.get('pid')}) did not finish in "
-                          f"{detail.get('after')}s")
+                          f"{detail.get('after')}s" + (f"; its log ends:\n{detail['log']}"
+                                                        if detail.get("log") else ""))
     rows, actions = snap.rows, snap.actions
     fences: dict[str, float] = {}
     for c in snap.controls:
