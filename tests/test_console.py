@@ -1,6 +1,7 @@
-"""The web console in a real browser (Playwright driving the system's Chromium): the live tree,
-recall by clicking, the needs-attention queue resolved by clicking, each checked in the
-journal; and the access token, host check and HTML injection. Without a browser (the server
+"""The web console in a real browser (Playwright driving the system's Chromium): recall by
+clicking on a delegation's page, the needs-attention queue resolved by clicking, each checked
+in the journal; and the access token, host check and HTML injection (tests/test_console_triage.py
+has the triage views). Without a browser (the server
 in process, the command through the CLI): an action's token is taken from its header only,
 signatures are verified as `tether show` and `tether export` verify them, a public address is
 warned about, and an unusable host is one error line."""
@@ -9,81 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, expect
 
 import tether
 from tether._core.model import ActionState
 
+from .console_helpers import INJECTION, open_page, serve, stop
+from .console_helpers import chromium as chromium  # the browser fixture
 from .operator_world import stuck_payment
 from .test_operator_cli import invoke, raw_controls
 
 A = ActionState
-ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = os.environ.get("TETHER_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FOUND = Path(CHROMIUM).exists()
-FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--disable-background-networking", "--disable-component-update",
-         "--disable-default-apps", "--disable-sync", "--no-first-run", "--mute-audio"]
-INJECTION = "<b>bold</b><img src=x onerror=\"window.pwned=1\"><script>window.pwned=2</script>"
-
-
-@dataclass
-class Served:
-    url: str
-    base: str
-    proc: asyncio.subprocess.Process
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    assert CHROMIUM_FOUND, (
-        f"no Chromium at {CHROMIUM}: scripts/test installs it (or set TETHER_CHROMIUM)")
-    async with async_playwright() as p:
-        b = await p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            yield b
-        finally:
-            await b.close()
-
-
-async def serve(url: str) -> Served:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tether", "console", "--port", "0", "--journal", url,
-        cwd=ROOT, env={**os.environ, "TETHER_OPERATOR": "console operator"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()
-    assert line.startswith("tether console: http://127.0.0.1:"), line
-    address = line.removeprefix("tether console: ")
-    return Served(address, address.split("/?")[0], proc)
-
-
-async def stop(served: Served) -> None:
-    served.proc.terminate()
-    await served.proc.wait()
-
-
-async def open_page(browser: Browser, served: Served) -> Page:
-    page = await browser.new_page()
-    refused: list[str] = []  # what the Content-Security-Policy blocked, if anything
-    page.on("console", lambda m: refused.append(m.text)
-            if "Content Security Policy" in m.text else None)
-    await page.goto(served.url)
-    await expect(page.locator("#status")).to_contain_text("live")
-    # The token leaves the address bar (and the history) once the page has it.
-    assert "token" not in page.url, page.url
-    assert refused == [], refused
-    return page
 
 
 async def test_recall_by_clicking_reaches_the_journal(tmp_path: Path, browser: Browser) -> None:
@@ -98,15 +41,19 @@ async def test_recall_by_clicking_reaches_the_journal(tmp_path: Path, browser: B
         served = await serve(url)
         try:
             page = await open_page(browser, served)
-            row = page.get_by_test_id(f"delegation-{handle.id}")
-            await expect(row).to_contain_text("RUNNING")
+            await page.get_by_role("link", name="Delegations").click()
+            await page.get_by_role("link", name=handle.id).click()
+            await expect(page).to_have_url(f"{served.base}/d/{handle.id}")
+            view = page.get_by_test_id("delegation")
+            await expect(view.locator("h1")).to_contain_text("RUNNING")
+            await page.get_by_test_id(f"reason-{handle.id}").fill("order withdrawn")
             await page.get_by_test_id(f"grace-{handle.id}").fill("5")
             await page.get_by_test_id(f"recall-{handle.id}").click()
             await expect(page.locator("#message")).to_contain_text("RECALL accepted")
             await handle.wait()
             report = await handle.report()
-            # Pushed to the page, no reload: the tree shows it settled.
-            await expect(row).to_contain_text("RECALLED")
+            # Pushed to the page, no reload: the delegation shows it settled.
+            await expect(view.locator("h1")).to_contain_text("RECALLED")
         finally:
             await stop(served)
         controls = await sup.journal.controls(handle.id)
@@ -123,20 +70,22 @@ async def test_the_needs_attention_queue_resolved_by_clicking(tmp_path: Path,
     served = await serve(url)
     try:
         page = await open_page(browser, served)
-        queue = page.locator("#attention tbody")
+        queue = page.get_by_test_id("queue")
         await expect(queue).to_contain_text(stuck.action)
         await expect(queue).to_contain_text(stuck.key)
         # Journal strings are text, never markup: shown as typed, nothing runs.
         await expect(queue).to_contain_text(INJECTION)
         assert await page.evaluate("window.pwned") is None
-        await page.get_by_test_id(f"outcome-{stuck.action}").select_option("COMPLETED")
+        await page.get_by_test_id(f"outcome-{stuck.action}-COMPLETED").check()
         await page.get_by_test_id(f"note-{stuck.action}").fill("provider shows ch_77")
         await page.get_by_test_id(f"resolve-{stuck.action}").click()
-        await expect(page.locator("#message")).to_contain_text("resolved")
-        await expect(page.locator("#attention-count")).to_have_text("0")  # pushed
-        await page.get_by_role("link", name=stuck.delegation).first.click()
-        await expect(page.locator("#detail")).to_contain_text("console operator")
-        await expect(page.locator("#detail")).to_contain_text("provider shows ch_77")
+        await expect(page.locator("#message")).to_contain_text("recorded")
+        await expect(page.get_by_test_id("attention-count")).to_have_text("0")
+        await page.get_by_role("link", name="Delegations").click()
+        await page.get_by_role("link", name=stuck.delegation).click()
+        view = page.get_by_test_id("delegation")
+        await expect(view).to_contain_text("console operator")
+        await expect(view).to_contain_text("provider shows ch_77")
     finally:
         await stop(served)
     async with tether.Journal(url, create=False) as j:
@@ -210,20 +159,28 @@ async def test_the_operators_story_in_the_browser(tmp_path: Path, browser: Brows
         served = await serve(url)
         try:
             page = await open_page(browser, served)
+            await page.get_by_test_id("search").fill(payer.id)
+            await page.get_by_test_id("search").press("Enter")
+            await expect(page).to_have_url(f"{served.base}/d/{payer.id}")
+            await page.get_by_test_id(f"reason-{payer.id}").fill("order PAY withdrawn")
             await page.get_by_test_id(f"grace-{payer.id}").fill("0.5")
             await page.get_by_test_id(f"recall-{payer.id}").click()
             await payer.wait()
             (action,) = (await payer.report()).actions
-            queue = page.locator("#attention tbody")
+            await page.get_by_role("link", name="Needs attention").click()
+            queue = page.get_by_test_id("queue")
             await expect(queue).to_contain_text(action.id)
-            await expect(page.locator("#attention-count")).to_have_text("1")
+            await expect(page.get_by_test_id("attention-count")).to_have_text("1")
+            await page.get_by_test_id(f"outcome-{action.id}-COMPLETED").check()
             await page.get_by_test_id(f"note-{action.id}").fill("bank statement: ch_5 paid")
             await page.get_by_test_id(f"resolve-{action.id}").click()
-            await expect(page.locator("#attention-count")).to_have_text("0")
-            await page.get_by_role("link", name=payer.id).first.click()
-            detail = page.locator("#detail")
-            for text in ("RECALL", "verified", "UNKNOWN -> COMPLETED", "console operator",
-                         "bank statement: ch_5 paid", action.idempotency_key):
+            await expect(page.get_by_test_id("attention-count")).to_have_text("0")
+            await page.get_by_test_id("search").fill(action.idempotency_key)
+            await page.get_by_test_id("search").press("Enter")
+            detail = page.get_by_test_id("delegation")
+            for text in ("RECALL", "order PAY withdrawn", "verified", "UNKNOWN → COMPLETED",
+                         "console operator", "bank statement: ch_5 paid",
+                         action.idempotency_key):
                 await expect(detail).to_contain_text(text)
         finally:
             await stop(served)

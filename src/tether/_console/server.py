@@ -1,8 +1,10 @@
-"""The console's server: JSON reads of the journal, a stream of snapshots (server-sent events)
+"""The console's server: each view's HTML rendered from the journal (the needs-attention queue,
+a page per delegation, the lists), JSON reads, a stream of change notices (server-sent events)
 whenever the journal changes, and the operator's actions (recall, terminate, resolve) through
 the same signed paths as the CLI.
 
-The page is static code and holds no data. Every other request carries the access token
+The page is static code and holds no data, at every view's address. Every other request
+carries the access token
 printed at start in the ``X-Tether-Token`` header (the page reads it once from the printed
 link, then takes it out of the address bar and keeps it for the tab; the live stream is read
 with fetch so that it can send the header too): never in a cookie, which every port of the
@@ -32,9 +34,13 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tether._console import delegation as delegation_view
+from tether._console import lists, queue
+from tether._console.html import problem
 from tether._console.page import PAGE, POLICY
 from tether._core.errors import TetherError
 from tether._core.model import ControlKind, Policy, check_grace
+from tether._journal import browse
 from tether._journal.journal import Journal
 from tether._journal.triage import ActionQuery, DelegationQuery
 from tether._runtime.keys import KeyRing
@@ -61,12 +67,12 @@ class Console:
 async def snapshot(j: Journal) -> dict[str, Any]:
     """What the page shows live: the newest delegations and the needs-attention queue."""
     rows = await j.page(DelegationQuery(limit=200))
-    queue = await j.find_actions(ActionQuery(states=ATTENTION, limit=200))
+    held = await j.find_actions(ActionQuery(states=ATTENTION, limit=200))
     return {
         "now": time.time(),
         "delegations": [r.to_json() for r in rows],
         "attention": [{**a.to_json(), "agent": agent, "delegation_state": state}
-                      for a, agent, state in queue],
+                      for a, agent, state in held],
     }
 
 
@@ -95,22 +101,51 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
     async def delegations(request: Request) -> Response:
         return guard(request) or JSONResponse(await snapshot(journal))
 
-    async def delegation(request: Request) -> Response:
+    async def shown(delegation_id: str) -> dict[str, Any]:
+        """What ``tether show`` reads, verified against the journal's key registry as this
+        configuration roots it (a granted operator's key is not one of the pins)."""
         from tether._cli.render import collect
 
+        ring = await asyncio.to_thread(_ring, journal, console.keys)
+        trusted = (await journal.registry(ring.trusted)).keys if ring else None
+        return await collect(journal, delegation_id, trusted, ring.trusted if ring else None)
+
+    async def delegation(request: Request) -> Response:
         denied = guard(request)
         if denied:
             return denied
-        ring = await asyncio.to_thread(_ring, journal, console.keys)
         try:
-            # Verified against the journal's key registry as this configuration roots it, as
-            # ``tether show`` does (a granted operator's key is not one of the pins).
-            trusted = (await journal.registry(ring.trusted)).keys if ring else None
-            data = await collect(journal, request.path_params["id"], trusted,
-                                 ring.trusted if ring else None)
+            data = await shown(request.path_params["id"])
         except TetherError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
         return JSONResponse(data)
+
+    async def view(request: Request) -> Response:
+        """One view's HTML, for the page to put in place (never a whole document)."""
+        denied = guard(request)
+        if denied:
+            return denied
+        path = request.path_params.get("path", "")
+        params = {k: v for k, v in request.query_params.items()}
+        now = time.time()
+        try:
+            if path in ("", "/"):
+                html = await queue.render(journal, params, now)
+            elif path == "delegations":
+                html = await lists.delegations(journal, params, now)
+            elif path == "actions":
+                html = await lists.actions(journal, params, now)
+            elif path.startswith("d/"):
+                me = path[2:]
+                data = await shown(me)
+                html = delegation_view.render(
+                    data, me, await delegation_view.lineage(journal, me), now,
+                    journal.clock_tolerance, await journal.get(me))
+            else:
+                return HTMLResponse(problem(f"no view at /{path}"), status_code=404)
+        except TetherError as exc:
+            return HTMLResponse("<h1>Not shown</h1>" + problem(str(exc)), status_code=404)
+        return HTMLResponse(html)
 
     async def stream(request: Request) -> Response:
         denied = guard(request)
@@ -118,13 +153,15 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
             return denied
 
         async def events() -> AsyncIterator[dict[str, Any]]:
+            # A notice, not the data: the page re-reads the view it shows.
             seen: int | None = None
             while True:
                 version = await journal.last_event_id()
                 if version != seen:
                     seen = version
-                    yield {"event": "snapshot",
-                           "data": _dumps({**await snapshot(journal), "version": version})}
+                    count = await journal.peek(browse.attention_count)
+                    yield {"event": "change",
+                           "data": _dumps({"version": version, "attention": count})}
                 await asyncio.sleep(console.poll)
 
         return EventSourceResponse(events(), ping=15)
@@ -138,12 +175,18 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
         body = await _json(request)
         kind = ControlKind.RECALL if request.path_params["verb"] == "recall" \
             else ControlKind.TERMINATE
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            # The intent carries the operator's words for whoever audits it, never a stock
+            # phrase.
+            return JSONResponse({"error": f"a {kind.value.lower()} needs a reason: say why"},
+                                status_code=400)
         try:
             grace = None
             if kind is ControlKind.RECALL:
                 grace = check_grace(float(body.get("grace", 30.0)), Policy())
             answer = await _send(console.journal_url, console.keys, request.path_params["id"],
-                                 kind, grace, str(body.get("reason", "")), wait=False)
+                                 kind, grace, reason.strip(), wait=False)
         except (TetherError, ValueError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         log.info("%s accepted for %s from the console", kind.value, answer["delegation"],
@@ -168,7 +211,10 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
         return JSONResponse({"action": action.to_json()})
 
     routes = [
-        Route("/", page),
+        *(Route(path, page) for path in ("/", "/d/{id:path}", "/delegations", "/actions")),
+        Route("/favicon.ico", lambda _: Response(status_code=204)),  # none, and no 404 logged
+        Route("/api/view", view),
+        Route("/api/view/{path:path}", view),
         Route("/api/delegations", delegations),
         Route("/api/delegations/{id}", delegation),
         Route("/api/stream", stream),

@@ -1,0 +1,226 @@
+"""The console as a triage tool, in Chromium at 1280 px on a journal of 500 delegations: the
+queue finds the calls nobody could settle, oldest first, each with its arguments, result, key
+and evidence, and records a person's decision only with an outcome chosen and a note; a
+recall or terminate asks for the operator's reason; the lists filter by state, agent, tool,
+time and id, and page through everything. Each decision is checked in the journal."""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import time
+from pathlib import Path
+
+from playwright.async_api import Browser, Page, expect
+
+import tether
+from tether._console.server import Console, build
+
+from .console_helpers import Served, open_page, serve, stop
+from .console_helpers import chromium as chromium  # the browser fixture
+from .console_world import busy_journal
+
+TOKEN = "t" * 24
+
+
+async def go(page: Page, served: Served, path: str) -> None:
+    """Follow a link the operator could have bookmarked, in the same tab."""
+    await page.evaluate("p => { history.pushState(null, '', p); "
+                        "dispatchEvent(new PopStateEvent('popstate')); }", path)
+    await expect(page.locator("body")).to_have_attribute("data-shown", path)
+
+
+async def test_an_unknown_call_among_500_delegations_is_found_seen_and_resolved(
+        tmp_path: Path, browser: Browser) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = await busy_journal(url)
+    served = await serve(url)
+    try:
+        page = await open_page(browser, served)
+        await expect(page.get_by_test_id("attention-count")).to_have_text("2")
+        items = page.locator("article.item")
+        await expect(items).to_have_count(2)
+        # Oldest first: the refund left in doubt before the charge.
+        await expect(items.nth(0)).to_have_attribute("data-testid", f"item-{busy.old.action}")
+        item = page.get_by_test_id(f"item-{busy.old.action}")
+        for text in ("refund", "UNKNOWN", busy.old.delegation, "refunder", "order_id", "O-OLD",
+                     "cents", "1250", "no result recorded", busy.old.key, "has no probe",
+                     "Why a person"):
+            await expect(item).to_contain_text(text)
+        # The dispatch-deadline rule, where it applies: this call may still land.
+        await expect(page.get_by_test_id(f"rule-{busy.old.action}")).to_contain_text(
+            "NOT_APPLIED can be recorded only after")
+        # Nothing is pre-selected, and a decision needs an outcome and a note.
+        for outcome in ("COMPLETED", "NOT_APPLIED"):
+            await expect(page.get_by_test_id(f"outcome-{busy.old.action}-{outcome}")
+                         ).not_to_be_checked()
+        await page.get_by_test_id(f"resolve-{busy.old.action}").click()
+        await expect(page.locator("#message")).to_contain_text("choose what happened")
+        await page.get_by_test_id(f"outcome-{busy.old.action}-COMPLETED").check()
+        await page.get_by_test_id(f"resolve-{busy.old.action}").click()
+        await expect(page.locator("#message")).to_contain_text("needs a note")
+        async with tether.Journal(url, create=False) as j:
+            assert (await j.action(busy.old.action)).state is tether.ActionState.UNKNOWN
+        await page.get_by_test_id(f"note-{busy.old.action}").fill("refund rf_9 in the ledger")
+        await page.get_by_test_id(f"resolve-{busy.old.action}").click()
+        await expect(page.locator("#message")).to_contain_text(
+            f"{busy.old.action} is COMPLETED")
+        await expect(page.get_by_test_id("attention-count")).to_have_text("1")  # pushed
+        await expect(items).to_have_count(1)
+        # Found again by its key, from anywhere: its delegation's page shows the decision.
+        await page.get_by_test_id("search").fill(busy.old.key)
+        await page.get_by_test_id("search").press("Enter")
+        await expect(page).to_have_url(f"{served.base}/d/{busy.old.delegation}")
+        view = page.get_by_test_id("delegation")
+        for text in ("RECONCILED", "refund rf_9 in the ledger", "console operator",
+                     "chain verified", "O-OLD"):
+            await expect(view).to_contain_text(text)
+    finally:
+        await stop(served)
+    async with tether.Journal(url, create=False) as j:
+        action = await j.action(busy.old.action)
+        other = await j.action(busy.new.action)
+    assert action.state is tether.ActionState.COMPLETED
+    assert action.evidence is not None
+    assert action.evidence["resolution"]["note"] == "refund rf_9 in the ledger"
+    assert other.state is tether.ActionState.UNKNOWN
+
+
+async def test_recall_and_terminate_ask_for_a_reason(tmp_path: Path, browser: Browser) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    forever = asyncio.Event()
+
+    async def waiter(ctx: tether.Context) -> None:
+        await forever.wait()
+
+    async with tether.Supervisor(url) as sup:
+        first = await sup.delegate(tether.Agent("waiter", waiter, ()))
+        second = await sup.delegate(tether.Agent("waiter", waiter, ()))
+        served = await serve(url)
+        try:
+            page = await open_page(browser, served)
+            await go(page, served, f"/d/{first.id}")
+            await page.get_by_test_id(f"recall-{first.id}").click()
+            await expect(page.locator("#message")).to_contain_text("a recall needs a reason")
+            await expect(page.get_by_test_id(f"reason-{first.id}")).to_have_attribute(
+                "aria-invalid", "true")
+            assert await sup.journal.controls(first.id) == []
+            await page.get_by_test_id(f"reason-{first.id}").fill("customer cancelled O-1")
+            await page.get_by_test_id(f"recall-{first.id}").click()
+            await expect(page.locator("#message")).to_contain_text("RECALL accepted")
+            await first.wait()
+            # Terminate too: no reason, nothing sent; with one, it is the intent's.
+            await go(page, served, f"/d/{second.id}")
+            page.on("dialog", lambda d: asyncio.ensure_future(d.accept()))
+            await page.get_by_test_id(f"terminate-{second.id}").click()
+            await expect(page.locator("#message")).to_contain_text("a terminate needs a reason")
+            assert await sup.journal.controls(second.id) == []
+            await page.get_by_test_id(f"reason-{second.id}").fill("runaway loop")
+            await page.get_by_test_id(f"terminate-{second.id}").click()
+            await expect(page.locator("#message")).to_contain_text("TERMINATE accepted")
+            await second.wait()
+        finally:
+            await stop(served)
+        recalls = await sup.journal.controls(first.id)
+        terminates = await sup.journal.controls(second.id)
+    assert [c.kind.value for c in recalls] == ["RECALL"]
+    assert b'"reason":"customer cancelled O-1"' in recalls[0].signed.body
+    assert [c.kind.value for c in terminates] == ["TERMINATE"]
+    assert b'"reason":"runaway loop"' in terminates[0].signed.body
+
+
+def test_the_server_refuses_a_stop_without_a_reason(tmp_path: Path) -> None:
+    """Whatever sends it: an empty or missing reason is refused, and nothing is recorded."""
+    from starlette.testclient import TestClient
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = asyncio.run(busy_journal(url, n=12))
+    running = busy.ids[5]  # every 11th, from the 5th, is still running
+    with TestClient(build(Console(url, None, TOKEN)), base_url="http://127.0.0.1") as client:
+        for verb, body in (("recall", {}), ("recall", {"reason": "  "}),
+                           ("terminate", {"reason": ""}), ("terminate", {"reason": 7})):
+            r = client.post(f"/api/delegations/{running}/{verb}", json=body,
+                            headers={"X-Tether-Token": TOKEN})
+            assert r.status_code == 400 and "needs a reason" in r.json()["error"], r.text
+
+    async def controls() -> list[object]:
+        async with tether.Journal(url, create=False) as j:
+            return list(await j.controls(running))
+
+    assert asyncio.run(controls()) == []
+
+
+async def test_filters_and_paging_reach_every_delegation(tmp_path: Path,
+                                                         browser: Browser) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = await busy_journal(url)
+    async with tether.Journal(url, create=False) as j:
+        every = {d.id: d for d in await j.delegations()}
+        calls = await j.actions(list(every))
+    served = await serve(url)
+    try:
+        page = await open_page(browser, served)
+        await page.get_by_role("link", name="Delegations").click()
+        pager = page.get_by_test_id("pager")
+        await expect(pager).to_contain_text(f"50 shown of {len(every)}")
+        # Walk every page: each delegation once, newest first.
+        seen: list[str] = []
+        while True:
+            rows = page.get_by_test_id("delegations").locator("tbody tr td:first-child")
+            seen.extend(await rows.all_inner_texts())
+            following = page.get_by_test_id("page-next")
+            if not await following.count():
+                break
+            target = await following.get_attribute("href")
+            await following.click()
+            await expect(page.locator("body")).to_have_attribute("data-shown", str(target))
+        assert sorted(seen) == sorted(every) and len(seen) == len(set(seen))
+        newest = sorted(every.values(), key=lambda d: (d.created_at, d.id), reverse=True)
+        assert seen == [d.id for d in newest]
+        # And back: the previous page is the one before it.
+        await page.get_by_test_id("page-prev").click()
+        first_row = page.get_by_test_id("delegations").locator("tbody tr td:first-child")
+        await expect(first_row.first).to_have_text(seen[(len(seen) - 1) // 50 * 50 - 50])
+
+        # State and agent, through the filter form: the address keeps them.
+        await page.get_by_test_id("filter-state").select_option("FAILED")
+        await page.get_by_test_id("filter-agent").fill("billing")
+        await page.get_by_test_id("filter-apply").click()
+        await expect(page).to_have_url(f"{served.base}/delegations?state=FAILED&agent=billing")
+        failed = [d for d in every.values()
+                  if d.state.value == "FAILED" and d.agent == "billing"]
+        await expect(pager).to_contain_text(f"{len(failed)} shown of {len(failed)}")
+        cells = page.get_by_test_id("delegations").locator("tbody tr td:first-child")
+        assert sorted(await cells.all_inner_texts()) == sorted(d.id for d in failed)
+
+        # Time: created in the last hour of the bulk's day (a UTC time, as typed).
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(busy.base - 3600 + 30))
+        cutoff = calendar.timegm(time.strptime(since, "%Y-%m-%d %H:%M:%S"))
+        await go(page, served, "/delegations")
+        await page.get_by_test_id("filter-since").fill(since)
+        await page.get_by_test_id("filter-apply").click()
+        recent = [d for d in every.values() if d.created_at >= cutoff]
+        await expect(pager).to_contain_text(f"{min(50, len(recent))} shown of {len(recent)}")
+        await page.get_by_test_id("filter-since").fill("yesterday-ish")
+        await page.get_by_test_id("filter-apply").click()
+        await expect(page.get_by_test_id("view")).to_contain_text("neither an age")
+
+        # Actions by tool, and one action found by its id.
+        await go(page, served, "/actions?tool=lookup&state=FAILED")
+        lookups = [a for a in calls if a.tool == "lookup" and a.state.value == "FAILED"]
+        await expect(pager).to_contain_text(f"of {len(lookups)}")
+        await expect(page.get_by_test_id("actions")).to_contain_text("card declined")
+        one = lookups[0]
+        await go(page, served, f"/actions?q={one.id}")
+        await expect(pager).to_contain_text("1 shown of 1")
+        await expect(page.get_by_test_id("actions")).to_contain_text(one.idempotency_key)
+
+        # The tree: a parent links to its children, a child to its parent.
+        await go(page, served, f"/d/{busy.children[0]}")
+        tree = page.get_by_test_id("tree")
+        await tree.get_by_role("link", name=busy.parent).click()
+        await expect(page).to_have_url(f"{served.base}/d/{busy.parent}")
+        for kid in busy.children:
+            await expect(page.get_by_test_id("tree")).to_contain_text(kid)
+    finally:
+        await stop(served)
