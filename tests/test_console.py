@@ -86,6 +86,10 @@ async def test_the_needs_attention_queue_resolved_by_clicking(tmp_path: Path,
         view = page.get_by_test_id("delegation")
         await expect(view).to_contain_text("console operator")
         await expect(view).to_contain_text("provider shows ch_77")
+        await expect(view).to_contain_text(INJECTION)  # its page too: text, never markup
+        await page.get_by_role("link", name="Delegations").click()
+        await expect(page.get_by_test_id("delegations")).to_contain_text(INJECTION)
+        assert await page.evaluate("window.pwned") is None
     finally:
         await stop(served)
     async with tether.Journal(url, create=False) as j:
@@ -294,7 +298,7 @@ def test_the_token_rides_only_a_header_and_every_response_is_locked_down(
     the printed link: reads and the stream take it from the header alone; every response
     allows only the page's own script and style and sends no referrer."""
     url = f"sqlite:///{tmp_path / 'j.db'}"
-    asyncio.run(stuck_payment(url))
+    stuck = asyncio.run(stuck_payment(url))
     token = "t" * 24
     with _client(url) as client:
         first = client.get("/", params={"token": token})
@@ -303,7 +307,8 @@ def test_the_token_rides_only_a_header_and_every_response_is_locked_down(
         assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
         assert "'unsafe-inline'" not in policy and "script-src 'sha256-" in policy
         assert first.headers["referrer-policy"] == "no-referrer"
-        for path in ("/api/delegations", "/api/stream"):
+        for path in ("/api/delegations", "/api/stream", "/api/view", "/api/view/delegations",
+                     "/api/view/actions", f"/api/view/d/{stuck.delegation}"):
             assert client.get(path, params={"token": token}).status_code == 401
             assert client.get(path).status_code == 401
         reads = client.get("/api/delegations", headers={"X-Tether-Token": token})
