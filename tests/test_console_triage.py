@@ -224,3 +224,41 @@ async def test_filters_and_paging_reach_every_delegation(tmp_path: Path,
             await expect(page.get_by_test_id("tree")).to_contain_text(kid)
     finally:
         await stop(served)
+
+
+async def test_what_the_operator_types_survives_a_live_refresh(tmp_path: Path,
+                                                              browser: Browser) -> None:
+    """The journal changes while a decision is half typed, and the view is fetched again: the
+    outcome chosen and the note typed while that fetch was on its way are still there."""
+    from playwright.async_api import Route
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = await busy_journal(url, n=12)
+    served = await serve(url)
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def hold(route: Route) -> None:
+        held.set()
+        await release.wait()
+        await route.continue_()
+
+    try:
+        page = await open_page(browser, served)
+        note = page.get_by_test_id(f"note-{busy.new.action}")
+        await note.fill("half")
+        await page.route("**/api/view**", hold)
+        async with tether.Journal(url, create=False) as j:
+            j.event(time.time(), "unrelated", busy.ids[0])
+            await j.flush()
+        await held.wait()  # the page is fetching its view again
+        await page.get_by_test_id(f"outcome-{busy.new.action}-COMPLETED").check()
+        await note.fill("half typed while the view was on its way")
+        renders = await page.locator("body").get_attribute("data-renders")
+        release.set()
+        await expect(page.locator("body")).not_to_have_attribute("data-renders", str(renders))
+        await expect(note).to_have_value("half typed while the view was on its way")
+        await expect(page.get_by_test_id(f"outcome-{busy.new.action}-COMPLETED")
+                     ).to_be_checked()
+    finally:
+        await stop(served)
+

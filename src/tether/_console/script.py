@@ -46,23 +46,31 @@ function retype(kept) {
 async function show(fresh) {
   if (loading) { again = true; return loading; }
   loading = (async () => {
-    const path = here(), kept = fresh ? new Map() : typed();
+    const path = here();
     try {
       const r = await fetch("/api/view" + path, {headers: {"X-Tether-Token": token}});
       const html = await r.text();
       if (path !== here()) { again = true; return; }  // the operator moved on meanwhile
       if (r.status === 401) { say("missing or wrong access token: open the link tether console printed", true); return; }
+      // What the operator typed is read at the last moment (they may have typed while the
+      // view was fetched), then put back into the new view.
+      const kept = fresh ? new Map() : typed();
       // Server-rendered, every journal string escaped there; the policy runs no inline code.
       view.innerHTML = html;
       const jump = view.querySelector("[data-redirect]");
       if (jump) { history.replaceState(null, "", jump.dataset.redirect); again = true; return; }
       retype(kept);
       later();
+      if (fresh && location.hash) {
+        const target = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+        if (target) target.scrollIntoView();
+      }
       const h = view.querySelector("h1");
       document.title = (h ? h.textContent.trim() + " - " : "") + "tether console";
       for (const a of document.querySelectorAll("header.top nav a"))
         a.classList.toggle("active", a.dataset.section === section());
       document.body.dataset.shown = path;
+      document.body.dataset.renders = Number(document.body.dataset.renders || 0) + 1;
     } catch (e) {
       say("cannot reach the console: " + e, true);
     } finally {
@@ -84,7 +92,7 @@ function section() {
   return p.startsWith("/d/") || p.startsWith("/delegations") ? "delegations"
        : p.startsWith("/actions") ? "actions" : "queue";
 }
-function go(url) { history.pushState(null, "", url); say(""); show(true); window.scrollTo(0, 0); }
+function go(url) { history.pushState(null, "", url); say(""); window.scrollTo(0, 0); show(true); }
 
 document.addEventListener("click", ev => {
   const a = ev.target.closest("a[href]");
