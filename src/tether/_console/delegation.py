@@ -157,7 +157,7 @@ def render(data: dict[str, Any], me: str, ancestors: list[DelegationRow], now: f
          for x in data["decisions"]], "list", "decisions")
     events = table(
         ["at", "delegation or action", "event", "detail"],
-        [[f'{when(x["at"], now)} <span class="muted">{e(utc(x["at"]))}</span>',
+        [[f'<span class="stamp">{e(utc(x["at"], ms=True))}</span>',
           ident(x["action"] or x["delegation"] or ""), f"<b>{e(x['kind'])}</b>"
           + (' <span class="badge s-FAILED">TAMPERED</span>' if x.get("tampered") else ""),
           brief({k: v for k, v in x["detail"].items() if k not in _SKIP}, 240)]

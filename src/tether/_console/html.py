@@ -40,10 +40,11 @@ def link(delegation_id: str) -> str:
     return f'<a class="id" href="{d_href(delegation_id)}">{e(delegation_id)}</a>'
 
 
-def utc(ts: float | None) -> str:
+def utc(ts: float | None, ms: bool = False) -> str:
     if ts is None:
         return ""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + "Z"
+    frac = f".{int(ts % 1 * 1000):03d}" if ms else ""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + frac + "Z"
 
 
 def ago(ts: float | None, now: float) -> str:

@@ -158,12 +158,14 @@ async def actions(journal: Journal, params: dict[str, str], now: float) -> str:
     except ValueError as exc:
         return head + filters("/actions", params, A_STATES, True) + problem(str(exc))
     page = await journal.peek(browse.actions, q)
-    rows = [[ident(a.id), f"<b>{e(a.tool)}</b>", badge(a.state.value), brief(a.args),
-             brief(a.result) + (f' <span class="err">{e(a.error)}</span>' if a.error else ""),
-             ident(a.idempotency_key, "id key"), link(a.delegation_id), e(agent),
+    rows = [[f'<a class="id" href="{d_href(a.delegation_id)}#{e(a.id)}">{e(a.id)}</a><br>'
+             f'<span class="muted">in</span> {link(a.delegation_id)}',
+             f"<b>{e(a.tool)}</b>", badge(a.state.value), brief(a.args),
+             f'<span class="err">{e(a.error)}</span>' if a.error and a.result is None
+             else brief(a.result), ident(a.idempotency_key, "key"), e(agent),
              when(a.started_at, now)]
             for a, agent, _ in page.rows]
-    body = table(["action", "tool", "state", "arguments", "result", "idempotency key",
-                  "delegation", "agent", "started"], rows, "list", "actions")
+    body = table(["action / delegation", "tool", "state", "arguments", "result",
+                  "idempotency key", "agent", "started"], rows, "list", "actions")
     return (head + filters("/actions", params, A_STATES, True) + _counts(page) + body
             + pager(page, "/actions", params))

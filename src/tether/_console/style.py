@@ -96,7 +96,7 @@ form.stop fieldset { border-color: #f0d49a; background: #fffcf4; }
 form.filters { display: flex; flex-wrap: wrap; gap: .5rem .8rem; align-items: end;
   background: var(--card); border: 1px solid var(--line); border-radius: 8px;
   padding: .6rem .8rem; margin: .4rem 0 .8rem; }
-form.filters label.time input { width: 14rem; } form.filters label.search { flex: 1 1 16rem; }
+form.filters label.time input { width: 16rem; } form.filters label.search { flex: 1 1 16rem; }
 form.filters .clear { align-self: center; }
 .scroll { overflow-x: auto; background: var(--card); border: 1px solid var(--line);
   border-radius: 8px; }
@@ -106,7 +106,8 @@ th, td { text-align: left; vertical-align: top; padding: .4rem .6rem;
 th { font-size: .8rem; text-transform: uppercase; letter-spacing: .04em; color: var(--muted);
   background: #fafbfc; white-space: nowrap; }
 tbody tr:hover { background: #f7f9fd; }
-table.list td { font-size: .93rem; } table.list code.key { font-size: .85em; }
+table.list td { font-size: .93rem; } code.key { font-size: .85em; overflow-wrap: anywhere; }
+td code.id, td a.id, .stamp { white-space: nowrap; overflow-wrap: normal; }
 nav.pager { display: flex; gap: 1rem; align-items: center; margin: .7rem 0; }
 nav.pager span { color: var(--muted); margin-right: auto; }
 nav.pager a { padding: .25rem .8rem; border: 1px solid var(--line); border-radius: 5px;
