@@ -29,9 +29,10 @@ def console_cmd(
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
 ) -> None:
-    """A live view of the journal in the browser: the delegation tree, actions with their keys,
-    outcomes, evidence and signed intents, the needs-attention queue, and recall, terminate and
-    resolve buttons (signed with your key, as the CLI signs)."""
+    """A live triage tool for the journal in the browser: what needs a person first, a page
+    per delegation, and every delegation and call filtered and paged, each call with its
+    arguments, result, key and evidence; recall and terminate with your reason, and resolve,
+    signed with your key as the CLI signs (docs/console.md)."""
     try:
         import uvicorn
 
