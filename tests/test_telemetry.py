@@ -5,46 +5,21 @@ histograms and counters; checked with the SDK's in-memory exporters."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 import tether
 from tether.testing import PaymentService
 
-
-@dataclass
-class Otel:
-    spans: InMemorySpanExporter
-    metrics: InMemoryMetricReader
-    tracer: TracerProvider
-    meter: MeterProvider
-
-    def named(self, name: str) -> list[ReadableSpan]:
-        return [s for s in self.spans.get_finished_spans() if s.name == name]
-
-    def points(self, metric: str) -> list[tuple[dict[str, Any], Any]]:
-        data = self.metrics.get_metrics_data()
-        assert data is not None
-        return [(dict(p.attributes or {}), p) for rm in data.resource_metrics
-                for sm in rm.scope_metrics for m in sm.metrics if m.name == metric
-                for p in m.data.data_points]
+from .conftest import events_of
+from .otel_helpers import Otel, attempt_of, new_otel, parent_of
 
 
 @pytest.fixture
 def otel() -> Otel:
-    spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
-    tracer = TracerProvider()
-    tracer.add_span_processor(SimpleSpanProcessor(spans))
-    return Otel(spans, reader, tracer, MeterProvider(metric_readers=[reader]))
+    return new_otel()
 
 
 async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
@@ -91,7 +66,8 @@ async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
     assert paid.attributes is not None
     assert paid.attributes["gen_ai.operation.name"] == "execute_tool"
     assert paid.attributes["gen_ai.tool.name"] == "refund"
-    assert paid.attributes["gen_ai.tool.call.id"] == by_tool["refund"].id
+    assert paid.attributes["tether.action.id"] == by_tool["refund"].id
+    assert "gen_ai.tool.call.id" not in paid.attributes  # no model gave the call an id
     assert paid.attributes["tether.effect"] == "EXTERNAL"
     assert paid.status.status_code is StatusCode.UNSET and "error.type" not in paid.attributes
     assert paid.parent is not None and paid.parent.span_id == attempt.context.span_id
@@ -108,8 +84,10 @@ async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
     durations = otel.points("tether.tool.duration")
     assert {a["gen_ai.tool.name"] for a, _ in durations} == {"lookup", "refund", "broken"}
     assert all(p.count >= 1 for _, p in durations)
+    assert all(a["tether.outcome"] in {"COMPLETED", "IN_DOUBT"} for a, _ in durations)
     assert any(a.get("error.type") == "RuntimeError" for a, _ in durations)
-    assert otel.points("tether.agent.duration")
+    agent_durations = otel.points("tether.agent.duration")
+    assert {a["tether.outcome"] for a, _ in agent_durations} == {"FAILED"}
     probes = otel.points("tether.probes")
     assert probes and sum(p.value for _, p in probes) >= 1
 
@@ -148,3 +126,89 @@ async def test_a_call_still_out_at_exit_ends_in_doubt(tmp_path: Path, otel: Otel
     finally:
         release.set()
         await asyncio.sleep(0)
+
+
+async def test_spans_opened_by_the_agent_and_its_tools_nest_under_tethers(
+        tmp_path: Path, otel: Otel) -> None:
+    """What the child's code opens (and what a task it creates opens) is a child of its
+    attempt's span; what a tool opens, journaled or read-only, a child of its call's span."""
+    inner = otel.tracer.get_tracer("app")
+
+    @tether.tool(effect=tether.Effect.READ_ONLY)
+    async def lookup(order_id: str) -> int:
+        with inner.start_as_current_span("db query"):
+            return 1250
+
+    @tether.tool(effect=tether.Effect.IDEMPOTENT)
+    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        with inner.start_as_current_span("POST /refunds"):
+            return "r-1"
+
+    @tether.agent(tools=[lookup, refund])
+    async def refunder(ctx: tether.Context, order_id: str) -> None:
+        with inner.start_as_current_span("plan"):
+            pass
+
+        async def side() -> None:
+            with inner.start_as_current_span("in a task"):
+                pass
+
+        await asyncio.create_task(side())
+        cents = await ctx.call(lookup, order_id=order_id)
+        await ctx.call(refund, order_id=order_id, cents=cents)
+
+    async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}", tools=[refund],
+                                 tracer_provider=otel.tracer,
+                                 meter_provider=otel.meter) as sup:
+        handle = await sup.delegate(refunder, "O-7")
+        await handle.result()
+    attempt = attempt_of(otel, "refunder")
+    (read,) = otel.named("execute_tool lookup")
+    (paid,) = otel.named("execute_tool refund")
+    (plan,) = otel.named("plan")
+    (in_task,) = otel.named("in a task")
+    (query,) = otel.named("db query")
+    (post,) = otel.named("POST /refunds")
+    assert parent_of(plan) == attempt.context.span_id
+    assert parent_of(in_task) == attempt.context.span_id
+    assert parent_of(query) == read.context.span_id
+    assert parent_of(post) == paid.context.span_id
+    assert {s.context.trace_id for s in (plan, in_task, query, post)} == {
+        attempt.context.trace_id}
+
+
+async def test_a_recalled_delegation_has_an_outcome_on_every_span_and_metric(
+        tmp_path: Path, otel: Otel) -> None:
+    pay = PaymentService(latency=0.0)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    @tether.tool(probe=pay.lookup)
+    async def refund(order_id: str, *, idempotency_key: str) -> str:
+        entered.set()
+        await release.wait()
+        return await pay.refund(order_id, 500, idempotency_key=idempotency_key)
+
+    @tether.agent(tools=[refund])
+    async def refunder(ctx: tether.Context) -> None:
+        await ctx.call(refund, order_id="A")
+        await ctx.call(refund, order_id="B")
+
+    async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}", tools=[refund],
+                                 tracer_provider=otel.tracer,
+                                 meter_provider=otel.meter) as sup:
+        waiter = events_of(sup)
+        handle = await sup.delegate(refunder)
+        await entered.wait()
+        recall = asyncio.create_task(handle.recall(grace=30.0, reason="enough"))
+        await waiter("drain", handle.id).wait()
+        release.set()  # A finishes inside the grace window; B never starts
+        report = await recall
+    assert report.outcome is tether.DelegationState.RECALLED
+    spans = otel.named("invoke_agent refunder")
+    assert len(spans) == 2  # the delegation and its attempt
+    assert [(s.attributes or {}).get("tether.outcome") for s in spans] == ["RECALLED"] * 2
+    (paid,) = otel.named("execute_tool refund")
+    assert (paid.attributes or {}).get("tether.outcome") == "COMPLETED"
+    outcomes = [a["tether.outcome"] for name in ("tether.agent.duration", "tether.tool.duration")
+                for a, _ in otel.points(name)]
+    assert sorted(outcomes) == ["COMPLETED", "RECALLED"]

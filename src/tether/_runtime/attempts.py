@@ -137,6 +137,7 @@ async def first_decision(sup: ports.Attempts, run: TaskRun, rt: ChildRuntime,
 
 async def stop_hook(sup: ports.Attempts, rt: ChildRuntime, reason: str | None) -> None:
     row = rt.final if rt.final is not None and rt.stop is None else await sup.journal.get(rt.id)
+    rt.outcome = row.state.value
     sup.telemetry.finish(rt.span, row.state.value,
                          row.failure if row.state.value in ERROR_OUTCOMES else None,
                          failure=row.failure)
@@ -191,8 +192,10 @@ async def drive(sup: ports.Attempts, run: TaskRun, args: Sequence[Any],
             run.done.set_exception(exc)
         raise
     finally:
-        last = run.attempts[-1].final if run.attempts else None
-        sup.telemetry.finish(run.span, None if last is None else last.state.value)
+        # The last attempt's state (a recalled one's as its drain settled it, so not its
+        # ``final``); none if the supervisor closed first: what the journal holds is in doubt.
+        last = run.attempts[-1].outcome if run.attempts else None
+        sup.telemetry.finish(run.span, last or "IN_DOUBT", None if last else "in_doubt")
         # Accounted for: the supervisor forgets it (handles keep their own reference), so a
         # long-lived supervisor's memory does not grow with every delegation it ever ran.
         for attempt in run.attempts:

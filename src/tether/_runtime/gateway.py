@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from tether._journal.rows import Begin, NewAction
 from tether._runtime.handle import Handle
 from tether._runtime.logs import logger
 from tether._runtime.state import ChildRuntime, new_id
+from tether._runtime.telemetry import current
 from tether._runtime.tools import Agent, Tool, surface_name
 
 if TYPE_CHECKING:
@@ -40,6 +42,20 @@ INTERCEPTORS: list[Interceptor] = []
 # a tool that journals facts of its own about the call (the MCP proxy's task ids) names them by,
 # since one idempotency key may be used again once an earlier call with it did not apply.
 ACTION: ContextVar[str | None] = ContextVar("tether_action", default=None)
+# The model's id for the tool call an adapter passes to ``Context.call`` (``model_call``):
+# read by that call and cleared for what it runs, so no call its tool makes inherits it.
+_MODEL_CALL: ContextVar[str | None] = ContextVar("tether_model_call", default=None)
+
+
+@contextmanager
+def model_call(call_id: str | None) -> Iterator[None]:
+    """Inside: a ``Context.call`` is the model's tool call ``call_id`` (its framework's id for
+    it), which its span carries as ``gen_ai.tool.call.id``."""
+    token = _MODEL_CALL.set(call_id if isinstance(call_id, str) and call_id else None)
+    try:
+        yield
+    finally:
+        _MODEL_CALL.reset(token)
 
 
 log = logger("supervisor")
@@ -104,15 +120,25 @@ class Context:
         if isinstance(found, Agent):
             raise UserError(f"{found.grant} is an agent: use ctx.delegate to start it")
         self.check()
+        call_id = _MODEL_CALL.get()
+        token = _MODEL_CALL.set(None)
+        try:
+            return await self._call(found, call_id, idempotency_key, kwargs)
+        finally:
+            _MODEL_CALL.reset(token)
+
+    async def _call(self, found: Tool, call_id: str | None, idempotency_key: str | None,
+                    kwargs: dict[str, Any]) -> Any:
         sup, rt = self._sup, self._rt
         if not found.effect.journaled:
             # Not journaled as an action, but recorded: the journal can then prove that no
             # tool at all ran in an attempt (I6).
             sup.journal.event(sup.clock.wall(), "read", rt.id, None, tool=found.name)
             span = sup.telemetry.action_span(rt.span, found.name, found.effect.value,
-                                             rt.row.task_id, rt.row.attempt)
+                                             rt.row.task_id, rt.row.attempt, call_id=call_id)
             try:
-                value = await found.fn(**kwargs)
+                with current(span):
+                    value = await found.fn(**kwargs)
             except asyncio.CancelledError:
                 sup.telemetry.finish(span, "CANCELLED")
                 raise
@@ -136,7 +162,7 @@ class Context:
         args_hash = hashlib.sha256(encoded.encode()).hexdigest()
 
         async def journaled(tool: Tool) -> Any:
-            return await self._journaled(tool, key, encoded, args_hash, order, kwargs)
+            return await self._journaled(tool, key, encoded, args_hash, order, kwargs, call_id)
 
         call: Journaled = journaled
         for outer in INTERCEPTORS:
@@ -144,7 +170,7 @@ class Context:
         return await call(found)
 
     async def _journaled(self, found: Tool, key: str, encoded: str, args_hash: str, order: int,
-                         kwargs: dict[str, Any]) -> Any:
+                         kwargs: dict[str, Any], call_id: str | None) -> Any:
         sup, rt = self._sup, self._rt
         clock, journal = sup.clock, sup.journal
         while True:
@@ -185,7 +211,7 @@ class Context:
             rt.effects_started += 1
         sup.telemetry.actions.add(1, {"effect": found.effect.value, "tool": found.name})
         task = asyncio.create_task(self._run(found, begun.action_id, key, kwargs,
-                                             now + found.dispatch_deadline))
+                                             now + found.dispatch_deadline, call_id))
         rt.inflight[begun.action_id] = task
         self._sup.track_call(begun.action_id, task, now + found.dispatch_deadline)
         task.add_done_callback(_forget(rt, begun.action_id))
@@ -193,11 +219,11 @@ class Context:
         return await asyncio.shield(task)
 
     async def _run(self, tool: Tool, action_id: str, key: str, kwargs: dict[str, Any],
-                   deadline_at: float) -> Any:
+                   deadline_at: float, call_id: str | None) -> Any:
         journal, clock, rt = self._sup.journal, self._sup.clock, self._rt
         telemetry = self._sup.telemetry
         span = telemetry.action_span(rt.span, tool.name, tool.effect.value, rt.row.task_id,
-                                     rt.row.attempt, call_id=action_id)
+                                     rt.row.attempt, action_id=action_id, call_id=call_id)
         if clock.wall() >= deadline_at:
             # Paused between the intent and the send: past its deadline the call would break
             # the tool's promise that nothing applies later, so it is never sent.
@@ -207,7 +233,8 @@ class Context:
             raise ToolRejected(f"{tool.name}: dispatch deadline passed before the call was sent")
         ACTION.set(action_id)  # this task's own context: the action's, to its end
         try:
-            result = await tool.fn(**kwargs, idempotency_key=key)
+            with current(span):  # this task's own context, as ACTION's
+                result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:
             journal.finish_action(action_id, ActionState.FAILED, clock.wall(), error=str(exc))
             telemetry.finish(span, ActionState.FAILED.value, exc)

@@ -73,6 +73,7 @@ class ChildRuntime:
     generation: int = 0  # the task's cancel generation when its first attempt started
     span: Span | None = None
     final: DelegationRow | None = None  # the row as the child's own ending left it
+    outcome: str | None = None  # its state when its stop hook fired (telemetry)
 
     @property
     def id(self) -> str:

@@ -55,7 +55,7 @@ from tether._runtime.reconcile import build_report
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
 from tether._runtime.stopping import Stopping
-from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, trace_id_of
+from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, current, trace_id_of
 from tether._runtime.tools import Agent, AgentFn, Tool, as_agent, check_surface
 
 if TYPE_CHECKING:
@@ -428,7 +428,8 @@ class Supervisor:
         try:
             if rt.stop is not None:
                 raise rt.stop
-            value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
+            with current(rt.span):  # in the child's own task: what it opens nests under it
+                value = await rt.agent.fn(Context(self, rt), *args, **kwargs)
             ending, shown = ending_for(value, rt.agent)
             outcome: tuple[bool, Any] = (True, shown)
         except ControlSignal as signal:

@@ -1,13 +1,18 @@
 """OpenTelemetry spans, counters and duration histograms, and user hooks, keyed by task and
 attempt.
 
-Spans follow the OpenTelemetry GenAI semantic conventions for agents and tools: a delegation
-(in the orchestrator's trace) and each of its attempts (each its own trace, linked to the
-delegation and to the attempt before it) are ``invoke_agent {agent}``; each tool call, journaled
-or read-only, is ``execute_tool {tool}`` with ``gen_ai.tool.call.id`` the journaled action's id.
-``tether.*`` attributes carry what the conventions do not (task, attempt, effect, outcome). A
-span whose outcome is not success has status ERROR and ``error.type``; every span is ended,
-those still open when the supervisor closes with outcome IN_DOUBT.
+Spans follow the OpenTelemetry GenAI semantic conventions for agent and tool spans (semantic
+conventions v1.41.0, GenAI status Development): a delegation (in the orchestrator's trace, an
+invoke agent client span) and each of its attempts (each its own trace, linked to the
+delegation and to the attempt before it; internal spans) are ``invoke_agent {agent}``; each
+tool call, journaled or read-only, is ``execute_tool {tool}``, with ``gen_ai.tool.call.id`` the
+model's id for the call when an adapter knows it and ``tether.action.id`` the journaled
+action's. An attempt's span is the current span while its code runs and a call's while its tool
+runs (``current``), so spans opened inside them, a framework's model calls say, nest under
+tether's. ``tether.*`` attributes carry what the conventions do not (task, attempt, effect,
+outcome). Every span has a ``tether.outcome``; one whose outcome is not success has status
+ERROR and ``error.type``; every span is ended, those still open when the supervisor closes
+with outcome IN_DOUBT.
 
 Only the OpenTelemetry API is a dependency: without an SDK installed and configured, every call
 here is a no-op.
@@ -17,7 +22,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +94,9 @@ class Telemetry:
 
     def _start(self, name: str, attributes: dict[str, Any], metric: dict[str, Any],
                context: otel_context.Context | None = None,
-               links: list[trace.Link] | None = None) -> trace.Span:
-        span = self.tracer.start_span(name, context=context, attributes=attributes,
+               links: list[trace.Link] | None = None,
+               kind: trace.SpanKind = trace.SpanKind.INTERNAL) -> trace.Span:
+        span = self.tracer.start_span(name, context=context, kind=kind, attributes=attributes,
                                       links=links)
         if span.is_recording():
             self._open[span] = (time.monotonic(), metric)
@@ -99,7 +106,8 @@ class Telemetry:
         """In the caller's trace: the whole task, across attempts."""
         return self._start(f"invoke_agent {agent}", {
             OPERATION: "invoke_agent", "gen_ai.agent.name": agent, "tether.task": task_id},
-            {OPERATION: "invoke_agent", "gen_ai.agent.name": agent})
+            {OPERATION: "invoke_agent", "gen_ai.agent.name": agent},
+            kind=trace.SpanKind.CLIENT)
 
     def attempt_span(self, task_id: str, delegation_id: str, attempt: int, agent: str,
                      links: list[trace.Span]) -> trace.Span:
@@ -115,7 +123,9 @@ class Telemetry:
             links=[trace.Link(s.get_span_context()) for s in links])
 
     def action_span(self, parent: trace.Span | None, tool: str, effect: str, task_id: str,
-                    attempt: int, call_id: str | None = None) -> trace.Span:
+                    attempt: int, action_id: str | None = None,
+                    call_id: str | None = None) -> trace.Span:
+        """``call_id`` is the model's id for the call, ``action_id`` the journal's."""
         ctx = trace.set_span_in_context(parent) if parent is not None else None
         attributes: dict[str, Any] = {
             OPERATION: "execute_tool", "gen_ai.tool.name": tool, "gen_ai.tool.type": "function",
@@ -123,12 +133,13 @@ class Telemetry:
             "tether.attempt": attempt}
         if call_id is not None:
             attributes["gen_ai.tool.call.id"] = call_id
-            attributes["tether.action"] = call_id
+        if action_id is not None:
+            attributes["tether.action.id"] = action_id
         return self._start(f"execute_tool {tool}", attributes,
                            {OPERATION: "execute_tool", "gen_ai.tool.name": tool,
                             "tether.effect": effect}, context=ctx)
 
-    def finish(self, span: trace.Span | None, outcome: str | None,
+    def finish(self, span: trace.Span | None, outcome: str,
                error: BaseException | str | None = None, **attributes: Any) -> None:
         """End ``span`` with its outcome (status, ``error.type``) and record its duration."""
         if span is None:
@@ -137,7 +148,7 @@ class Telemetry:
         kind = end(span, outcome=outcome, error=error, **attributes)
         if started is not None:
             at, metric = started
-            labels = {**metric, "tether.outcome": outcome or "UNSET"}
+            labels = {**metric, "tether.outcome": outcome}
             if kind is not None:
                 labels["error.type"] = kind
             histogram = (self.tool_duration if metric[OPERATION] == "execute_tool"
@@ -157,6 +168,19 @@ class Telemetry:
         self.probes.add(1, {"tether.outcome": state})
         if state == "UNKNOWN":
             self.unknowns.add(1)
+
+
+@contextmanager
+def current(span: trace.Span | None) -> Iterator[None]:
+    """``span`` is the current span inside: what the code run there opens is its child, and so
+    is what tasks created there open (they copy the context when they are created). tether
+    ends its spans itself, with their outcome, so leaving does not end or mark it."""
+    if span is None:
+        yield
+        return
+    with trace.use_span(span, end_on_exit=False, record_exception=False,
+                        set_status_on_exception=False):
+        yield
 
 
 def trace_id_of(span: trace.Span) -> str | None:
