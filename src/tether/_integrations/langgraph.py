@@ -47,7 +47,7 @@ from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.redispatch import Partial, StreamCut
 from tether._core.waiting import Interrupted
 from tether._integrations.cuts import cut_reason
-from tether._runtime.gateway import Context
+from tether._runtime.gateway import Context, model_call
 from tether._runtime.tools import Agent, ProbeFn, Tool
 
 Execute = Callable[[ToolCallRequest], Awaitable[ToolMessage | Command[Any]]]
@@ -103,7 +103,8 @@ async def awrap_tool_call(request: ToolCallRequest, execute: Execute) -> ToolMes
     key = _thread_key(binding.ctx, request) if binding.checkpointed else None
     token = _CALL.set((request, execute))
     try:
-        result = await binding.ctx.call(tool, idempotency_key=key, **call["args"])
+        with model_call(call.get("id")):
+            result = await binding.ctx.call(tool, idempotency_key=key, **call["args"])
     except _RanAndFailed as exc:  # journaled IN_DOUBT; the model hears of it as usual
         return exc.message
     finally:

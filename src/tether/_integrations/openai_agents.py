@@ -51,7 +51,7 @@ from tether._integrations.openai_agents_graph import (
     current_key,
 )
 from tether._integrations.outputs import output_codec
-from tether._runtime.gateway import Context
+from tether._runtime.gateway import Context, model_call
 from tether._runtime.tools import Agent, OutputCodec, ProbeFn, Tool
 
 EventFn = Callable[[StreamEvent], Any]
@@ -121,7 +121,8 @@ def _mediated(ctx: Context, tool: Tool, sdk: FunctionTool, stopping: _Stopping) 
             return await sdk.on_invoke_tool(context, raw)
         token = TOOL_CONTEXT.set(context)  # copied into the action's task
         try:
-            return await ctx.call(tool, **arguments)
+            with model_call(context.tool_call_id):
+                return await ctx.call(tool, **arguments)
         except ControlSignal as signal:
             return stopping.met(signal)
         except Exception as exc:  # recorded by the gateway; the model hears of it as usual

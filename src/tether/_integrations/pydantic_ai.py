@@ -14,7 +14,9 @@ only: another under its name passes the gateway). Output functions are refused w
 is built (``_refuse_output_functions`` says why). The run's own
 stops line up with tether's: a recall or terminate ends the run at its next tool call or step,
 and ``RunCancelled`` (the application cancelled or timed out its own run) or a usage limit is a
-ceiling, never re-dispatched. A model call that fails in transit raises ``StreamCut``.
+ceiling, never re-dispatched. A model call that fails in transit raises ``StreamCut``. A call's
+span carries the model's ``tool_call_id``; with pydantic-ai's instrumentation on, its spans nest
+under tether's and its agent-run and tool spans give way to tether's (``_Spans``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from typing import Any, NewType, get_origin
 
 from pydantic_ai import Agent as PaiAgent
 from pydantic_ai._output import types_from_output_spec
+from pydantic_ai.agent import _run_instrumentation_settings
 from pydantic_ai.capabilities import AbstractCapability
+from pydantic_ai.capabilities.instrumentation import Instrumentation
 from pydantic_ai.exceptions import (
     ApprovalRequired,
     CallDeferred,
@@ -37,7 +41,8 @@ from pydantic_ai.exceptions import (
     RunCancelled,
     UsageLimitExceeded,
 )
-from pydantic_ai.messages import ModelResponse, TextPart, ToolReturnPart
+from pydantic_ai.messages import ModelResponse, TextPart, ToolCallPart, ToolReturnPart
+from pydantic_ai.models.instrumented import InstrumentationSettings, InstrumentedModel
 from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput, _ChoicesActions
 from pydantic_ai.tools import RunContext
 from pydantic_ai.toolsets import (
@@ -59,7 +64,7 @@ from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.redispatch import UNRESTRICTED, CeilingReached, Partial, StreamCut
 from tether._integrations.cuts import cut_reason
 from tether._integrations.outputs import output_codec
-from tether._runtime.gateway import Context
+from tether._runtime.gateway import Context, model_call
 from tether._runtime.tools import Agent, OutputCodec, ProbeFn, Tool
 
 EventFn = Callable[[Any], Any]
@@ -137,7 +142,8 @@ class TetherToolset(WrapperToolset[Any]):
             raise UserError(f"tool {name} is not in this agent's surface")
         token = _CALL.set((self.wrapped, name, tool_args, ctx, tool))
         try:
-            return await binding.ctx.call(found, **to_jsonable_python(tool_args))
+            with model_call(ctx.tool_call_id):
+                return await binding.ctx.call(found, **to_jsonable_python(tool_args))
         except _NotApplied as exc:  # journaled FAILED; pydantic-ai handles the original
             raise exc.original from None
         finally:
@@ -163,6 +169,42 @@ class _Gateway(AbstractCapability[Any]):
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[Any]) -> AbstractToolset[Any]:
         return TetherToolset(toolset)
+
+
+@dataclass
+class _Spans(Instrumentation):
+    """pydantic-ai's own instrumentation, when it is on, for a run under tether: its model
+    request spans (and the rest) nest under tether's attempt span, but it makes no agent-run
+    span and no span for a call tether's gateway runs. tether's ``invoke_agent`` and
+    ``execute_tool`` spans are those operations' spans, and only they can say how they ended:
+    a recalled call runs on, shielded, after the run was cancelled, and its outcome is the one
+    the journal settles, not the run's cancellation. A planned delegate tool, which tether runs
+    as a nested delegation rather than a call, keeps pydantic-ai's span."""
+
+    async def wrap_run(self, ctx: RunContext[Any], *, handler: Any) -> Any:
+        return await handler()
+
+    async def wrap_tool_execute(self, ctx: RunContext[Any], *, call: ToolCallPart,
+                                tool_def: Any, args: Any, handler: Any) -> Any:
+        binding = _BINDING.get()
+        if binding is not None and call.tool_name in binding.delegates:
+            return await super().wrap_tool_execute(ctx, call=call, tool_def=tool_def, args=args,
+                                                   handler=handler)
+        return await handler(args)
+
+
+def _instrumentation(agent: PaiAgent[Any, Any]) -> InstrumentationSettings | None:
+    """The settings pydantic-ai would instrument a run of ``agent`` with when they come from
+    ``agent.instrument``, ``Agent.instrument_all`` or an ``InstrumentedModel`` (its own
+    resolution, private, within the pinned range); None if off, or if the agent has an
+    ``Instrumentation`` capability of its own: a run may not hold another class under its id,
+    so that one's spans are kept (they nest under tether's, and repeat its two operations)."""
+    if _run_instrumentation_settings([agent._effective_root_capability()]) is not None:
+        return None
+    model = agent.model
+    if isinstance(model, InstrumentedModel):
+        return model.instrumentation_settings
+    return agent._resolve_instrumentation_settings()
 
 
 async def delegate(agent: PaiAgent[Any, Any], prompt: str) -> Any:
@@ -383,8 +425,12 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
         async def run(ctx: Context, prompt: Any) -> Any:
             token = _BINDING.set(_Binding(ctx, *binding_of))
             messages: list[Any] = []
+            settings = _instrumentation(pai)
+            # A run's own Instrumentation replaces the agent's (pydantic-ai's precedence).
+            caps: list[AbstractCapability[Any]] = [_Gateway()] if settings is None else [
+                _Spans(settings=settings), _Gateway()]
             try:
-                async with pai.iter(prompt, deps=deps, capabilities=[_Gateway()]) as agent_run:
+                async with pai.iter(prompt, deps=deps, capabilities=caps) as agent_run:
                     async for node in agent_run:
                         messages = agent_run.all_messages()
                         if on_event is not None:
