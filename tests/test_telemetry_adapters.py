@@ -15,9 +15,10 @@ from agents.testing import ScriptedModel, assistant_message, function_call
 from langchain_core.messages import AIMessage
 from langchain_core.tools import tool as lc_tool
 from pydantic_ai import Agent as PaiAgent
+from pydantic_ai.capabilities.instrumentation import Instrumentation
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart, ToolCallPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
-from pydantic_ai.models.instrumented import InstrumentationSettings
+from pydantic_ai.models.instrumented import InstrumentationSettings, InstrumentedModel
 
 import tether
 import tether.agents
@@ -58,7 +59,10 @@ def pydantic_agent(shop: Shop, otel: Otel, how: str) -> PaiAgent[None, str]:
         return queue.pop(0)
 
     settings = InstrumentationSettings(tracer_provider=otel.tracer)
-    agent: PaiAgent[None, str] = PaiAgent(FunctionModel(respond), name="refunder")
+    model = FunctionModel(respond)
+    agent: PaiAgent[None, str] = PaiAgent(
+        InstrumentedModel(model, settings) if how == "model" else model, name="refunder",
+        capabilities=[Instrumentation(settings=settings)] if how == "capability" else [])
     if how == "instrument":
         agent.instrument = settings
     inner = otel.tracer.get_tracer("app")
@@ -72,7 +76,7 @@ def pydantic_agent(shop: Shop, otel: Otel, how: str) -> PaiAgent[None, str]:
     return agent
 
 
-@pytest.mark.parametrize("how", ["instrument", "instrument_all"])
+@pytest.mark.parametrize("how", ["instrument", "instrument_all", "model"])
 async def test_pydantic_ai_instrumented_runs_nest_with_one_span_per_operation(
         sqlite_url: str, otel: Otel, how: str) -> None:
     shop = Shop()
@@ -100,6 +104,22 @@ async def test_pydantic_ai_instrumented_runs_nest_with_one_span_per_operation(
     assert len(chats) == 2 and all(parent_of(c) == attempt.context.span_id for c in chats)
     (post,) = otel.named("POST /refunds")
     assert parent_of(post) == paid.context.span_id
+
+
+async def test_pydantic_ai_instrumentation_capability_of_its_own_nests(sqlite_url: str,
+                                                                      otel: Otel) -> None:
+    """An agent's own Instrumentation capability is kept (a run may hold no other class under
+    its id): its spans nest under tether's."""
+    shop = Shop()
+    agent = tether.pydantic_ai.as_tether_agent(pydantic_agent(shop, otel, "capability"),
+                                               probes={"refund": shop.pay.lookup})
+    async with supervisor(sqlite_url, otel) as sup:
+        handle = await sup.delegate(agent, "refund A")
+        assert await handle.result() == "refunded A"
+    attempt = attempt_of(otel, "refunder")
+    (run,) = [s for s in otel.operation("invoke_agent")  # pydantic-ai's run span
+              if "tether.task" not in (s.attributes or {})]
+    assert parent_of(run) == attempt.context.span_id
 
 
 async def test_pydantic_ai_tool_call_id_without_its_instrumentation(sqlite_url: str,

@@ -193,18 +193,20 @@ class _Spans(Instrumentation):
         return await handler(args)
 
 
-def _instrumentation(agent: PaiAgent[Any, Any]) -> InstrumentationSettings | None:
+def _instrumentation(agent: PaiAgent[Any, Any]) -> tuple[InstrumentationSettings | None, Any]:
     """The settings pydantic-ai would instrument a run of ``agent`` with when they come from
     ``agent.instrument``, ``Agent.instrument_all`` or an ``InstrumentedModel`` (its own
-    resolution, private, within the pinned range); None if off, or if the agent has an
+    resolution, private, within the pinned range), and the model the run is to use (the one
+    inside an ``InstrumentedModel``, which would make its model spans a second time beside a
+    run's own ``Instrumentation``; None: the agent's). None if off, or if the agent has an
     ``Instrumentation`` capability of its own: a run may not hold another class under its id,
     so that one's spans are kept (they nest under tether's, and repeat its two operations)."""
     if _run_instrumentation_settings([agent._effective_root_capability()]) is not None:
-        return None
+        return None, None
     model = agent.model
     if isinstance(model, InstrumentedModel):
-        return model.instrumentation_settings
-    return agent._resolve_instrumentation_settings()
+        return model.instrumentation_settings, model.wrapped
+    return agent._resolve_instrumentation_settings(), None
 
 
 async def delegate(agent: PaiAgent[Any, Any], prompt: str) -> Any:
@@ -425,12 +427,13 @@ def as_tether_agent(agent: PaiAgent[Any, Any], *, effects: Mapping[str, Effect] 
         async def run(ctx: Context, prompt: Any) -> Any:
             token = _BINDING.set(_Binding(ctx, *binding_of))
             messages: list[Any] = []
-            settings = _instrumentation(pai)
+            settings, model = _instrumentation(pai)
             # A run's own Instrumentation replaces the agent's (pydantic-ai's precedence).
             caps: list[AbstractCapability[Any]] = [_Gateway()] if settings is None else [
                 _Spans(settings=settings), _Gateway()]
             try:
-                async with pai.iter(prompt, deps=deps, capabilities=caps) as agent_run:
+                async with pai.iter(prompt, deps=deps, capabilities=caps,
+                                    model=model) as agent_run:
                     async for node in agent_run:
                         messages = agent_run.all_messages()
                         if on_event is not None:
