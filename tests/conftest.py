@@ -10,12 +10,18 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import psycopg
 import pytest
 from psycopg import sql
 
 import tether
 from tether.testing import PaymentService, VirtualClock
+
+# Property tests judge what is computed, not how fast: Hypothesis's 200 ms deadline per
+# example failed them on a loaded machine (timing goals belong in bench/).
+hypothesis.settings.register_profile("tether", deadline=None)
+hypothesis.settings.load_profile("tether")
 
 
 @pytest.fixture
