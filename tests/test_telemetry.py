@@ -5,6 +5,7 @@ histograms and counters; checked with the SDK's in-memory exporters."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,33 @@ async def test_a_recalled_delegation_has_an_outcome_on_every_span_and_metric(
     outcomes = [a["tether.outcome"] for name in ("tether.agent.duration", "tether.tool.duration")
                 for a, _ in otel.points(name)]
     assert sorted(outcomes) == ["COMPLETED", "RECALLED"]
+
+
+class _Pending:
+    def __await__(self) -> Generator[None, None, None]:
+        yield None
+
+
+def test_a_call_closed_where_it_stands_leaves_no_error_in_the_logs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A task's coroutine closed without finishing (the task dropped and collected, a host
+    crashed in the simulator) is closed from whatever context closes it: leaving tether's
+    span there must not try to reset a context that is not that one's (OpenTelemetry logged
+    "Failed to detach context" with a traceback)."""
+    import contextvars
+
+    from opentelemetry import trace
+
+    from tether._runtime.telemetry import current
+
+    span = trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
+
+    async def call() -> None:
+        with current(span):
+            await _Pending()
+
+    coro = call()
+    contextvars.copy_context().run(coro.send, None)  # it runs in a context of its own
+    with caplog.at_level("DEBUG"):
+        coro.close()  # closed from this one
+    assert [r.getMessage() for r in caplog.records] == []

@@ -178,9 +178,19 @@ def current(span: trace.Span | None) -> Iterator[None]:
     if span is None:
         yield
         return
-    with trace.use_span(span, end_on_exit=False, record_exception=False,
-                        set_status_on_exception=False):
+    token = otel_context.attach(trace.set_span_in_context(span))
+    closed = False
+    try:
         yield
+    except GeneratorExit:
+        # The coroutine was closed where it stood (its task dropped and collected, a crashed
+        # host in the simulator), maybe from another context: the value is not that
+        # context's to reset (OpenTelemetry logged a traceback), and the task's own goes too.
+        closed = True
+        raise
+    finally:
+        if not closed:
+            otel_context.detach(token)
 
 
 def trace_id_of(span: trace.Span) -> str | None:
