@@ -1,0 +1,162 @@
+"""The catalogue of defects fixed in tether's runtime and journal, as edits of the code that
+ships (``mutate.Edit``), each with the run in which ``tether sim`` must find it.
+
+``tether sim --mutate NAME`` runs trials with one defect back in; ``tether sim --mutations``
+runs the whole catalogue and says, for each, in which trial of its stated run the simulator
+found it (docs/simulator.md lists the figures). ``UNCAUGHT`` holds the fixed defects that its
+faults have not found yet, each still an edit that applies, so that the gap stays in view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tether._sim.mutate import Edit, applied
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    defect: str  # what the code did before the fix
+    edits: tuple[Edit, ...]
+    faults: tuple[str, ...]  # the faults its run draws from
+    seed: int  # its run's seed (``tether sim --seed``)
+    within: int  # it must be found within this many trials of that run
+    found_in: int | None  # the trial of that run that finds it today (None: none of them)
+
+
+def _m(name: str, defect: str, module: str, old: str, new: str, faults: str, seed: int,
+       within: int, found_in: int | None = None) -> Mutation:
+    return Mutation(name, defect, (Edit(f"tether.{module}", old, new),),
+                    tuple(faults.split(",")), seed, within, found_in)
+
+
+CATALOGUE: tuple[Mutation, ...] = (
+    _m("intent_fence",
+       "a new intent is journaled for a delegation already fenced by a recall or terminate",
+       "_journal.actions",
+       "    if gate is not Gate.OPEN:\n        if gate is Gate.LEASE_EXPIRED:",
+       "    if gate is not Gate.OPEN and gate is not Gate.FENCED:\n"
+       "        if gate is Gate.LEASE_EXPIRED:",
+       "race", 1, 30, 19),
+    _m("probe_final",
+       "a probe's \"not applied\" is taken as final whatever the dispatch deadline says: the "
+       "call may still land after the provider looked",
+       "_core.outcome",
+       "    if voided or not may_still_apply(deadline_at=deadline_at, now=now, "
+       "tolerance=tolerance):\n        return _A.NOT_APPLIED",
+       "    if True:\n        return _A.NOT_APPLIED",
+       "late_apply,reply_lost,race", 99, 30, 6),
+    _m("deadline_recheck",
+       "a delegation ended with calls that may still apply is never checked again at their "
+       "dispatch deadline",
+       "_runtime.accounting",
+       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback)\n"
+       "        await self._recheck_later(root_id, fallback)",
+       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback)",
+       "late_apply,reply_lost,race", 1, 30, 12),
+    _m("queued_fenced",
+       "a fenced delegation no worker claimed stays queued: nobody settles it",
+       "_runtime.remote",
+       "    if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):\n"
+       "        return None",
+       "    if True:\n        return None",
+       "crash,race", 1, 100, 25),
+)
+
+# Defects fixed in code the simulator runs, that its faults have not found yet in the runs below
+# (docs/simulator.md says what each would need); each edit is kept applicable all the same.
+UNCAUGHT: tuple[Mutation, ...] = (
+    _m("reprobe_unknown",
+       "a call a probe could not tell about (it failed or timed out) while the call could "
+       "still apply is never probed again at its deadline: it stays UNKNOWN for a person",
+       "_core.outcome",
+       "    return state is _A.UNKNOWN and can_probe and (asked_at is None or may_still_apply(",
+       "    return False and (asked_at is None or may_still_apply(",
+       "probe_raise,probe_hang,late_apply,reply_lost", 1, 200),
+    _m("probe_time",
+       "a probe's answer is judged at the time it came back, not when it was sent: a probe "
+       "sent before the dispatch deadline and answered after it is a final NOT_APPLIED",
+       "_runtime.reconcile",
+       "deadline_at=deadline,\n                            now=sent,",
+       "deadline_at=deadline,\n                            now=now,",
+       "late_apply,probe_hang,pause,race", 1, 200),
+    _m("reprobe_asked_at",
+       "whether to probe again is judged on when the last probe answered, not when it was "
+       "asked",
+       "_runtime.accounting",
+       'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
+       'asked_at = evidence.get("probed_at")',
+       "late_apply,probe_hang,pause,race", 1, 200),
+    _m("end_children",
+       "a delegation whose code raised ends while a child it started still runs; a "
+       "terminate of the task finds its root ended and the child goes on paying",
+       "_runtime.attempts",
+       "    for child in list(rt.children):\n        run = child.run",
+       "    for child in ():\n        run = child.run",
+       "crash,probe_raise,commit_lost,race", 1, 200),
+    _m("attempt_fence",
+       "a re-dispatched attempt is forked under a parent fenced meanwhile",
+       "_journal.ops",
+       "        if parent is None or parent[0]:\n            raise FenceRefused(Begin.FENCED)",
+       "        if parent is None:\n            raise FenceRefused(Begin.FENCED)",
+       "stream_cut,race", 1, 200),
+    _m("send_after_deadline",
+       "a call paused between its intent and its send is sent after its dispatch deadline",
+       "_runtime.gateway",
+       "        if clock.wall() >= deadline_at:\n            # Paused between",
+       "        if False:\n            # Paused between",
+       "pause,race", 1, 200),
+    _m("terminate_in_doubt",
+       "a terminate of a delegation whose code had ended leaves its running calls PENDING "
+       "instead of in doubt",
+       "_runtime.accounting",
+       "        if terminate:\n            await sup.journal.mark_in_doubt(root_id, "
+       "sup.clock.wall())",
+       "        if False:\n            await sup.journal.mark_in_doubt(root_id, "
+       "sup.clock.wall())",
+       "crash,reply_lost,race", 1, 200),
+    _m("freed_key_reuse",
+       "a receipt for a call judged NOT_APPLIED, whose key was used again since, re-opens it "
+       "as applied: two calls applied under one key",
+       "_journal.actions",
+       "        if old in KEY_FREE and outcome not in KEY_FREE and db.execute(",
+       "        if False and db.execute(",
+       "late_apply,reply_lost,race", 1, 200),)
+
+BY_NAME = {m.name: m for m in (*CATALOGUE, *UNCAUGHT)}
+
+
+@dataclass(frozen=True)
+class Found:
+    mutation: str
+    trials: int  # trials run until it was found (``within`` and not found: None below)
+    trial_seed: int | None  # the trial that found it
+    classes: tuple[str, ...]  # what the judge called it
+
+    @property
+    def found(self) -> bool:
+        return self.trial_seed is not None
+
+
+def hunt(m: Mutation, within: int | None = None,
+         progress: Callable[[int], None] | None = None) -> Found:
+    """Run ``m``'s trials with its defect in the code until one is judged a violation."""
+    from tether._sim import production
+    from tether._sim.trial import trial_seed
+
+    budget = m.within if within is None else within
+    with applied(*m.edits):
+        for i in range(budget):
+            seed = trial_seed(m.seed, i)
+            result = production.run_trial(seed, m.faults)
+            if progress is not None:
+                progress(i)
+            if result.violations:
+                kinds = tuple(sorted({v.kind for v in result.violations}))
+                return Found(m.name, i + 1, seed, kinds)
+    return Found(m.name, budget, None, ())
+
+
+__all__ = ["BY_NAME", "CATALOGUE", "UNCAUGHT", "Found", "Mutation", "hunt"]
