@@ -43,8 +43,14 @@ def link(delegation_id: str) -> str:
 def utc(ts: float | None, ms: bool = False) -> str:
     if ts is None:
         return ""
+    try:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        # Not a moment any calendar shows (1e300, NaN, a year past 9999): a number an agent
+        # or a tool put in its arguments or result, shown as it is, never a failed view.
+        return str(ts)
     frac = f".{int(ts % 1 * 1000):03d}" if ms else ""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + frac + "Z"
+    return stamp + frac + "Z"
 
 
 def ago(ts: float | None, now: float) -> str:
