@@ -1,13 +1,17 @@
 """The console's server against what an agent, a tool or a probe may put in the journal, on
-SQLite and PostgreSQL: every view renders (never a 500) and shows journal strings as text."""
+SQLite and PostgreSQL: every view renders (never a 500) and shows journal strings as text;
+and how the console is reached (a loopback address other than 127.0.0.1)."""
 
 from __future__ import annotations
 
 import json
 import time
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+import pytest
 
 import tether
 from tether._console.server import Console, build
@@ -15,6 +19,7 @@ from tether._core.model import ActionState, Effect
 from tether._journal.rows import NewAction, NewDelegation
 
 from .console_helpers import INJECTION
+from .test_operator_cli import invoke
 
 TOKEN = "t" * 24
 HEADERS = {"X-Tether-Token": TOKEN}
@@ -92,3 +97,34 @@ async def test_every_view_renders_what_an_agent_wrote(journal_url: str) -> None:
     page = shown[views[3]]
     assert "1e+300" in page and "&lt;script&gt;" in page
 
+
+def test_the_console_on_another_loopback_address_serves_its_own_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--host 127.0.0.2`` is loopback (no warning), and the link it prints names that
+    address: the host check once refused every request to it (it knew 127.0.0.1 only)."""
+    import asyncio
+
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from .operator_world import stuck_payment
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(stuck_payment(url))
+    apps: list[Any] = []
+
+    def run(self: uvicorn.Server, sockets: Any = None) -> None:
+        apps.append(self.config.app)
+        for sock in sockets or []:
+            sock.close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    code, out, err = invoke("console", "--host", "127.0.0.2", "--port", "0", "--token", TOKEN,
+                            "--journal", url)
+    assert code == 0 and "warning" not in err, (out, err)
+    base = out.strip().removeprefix("tether console: ").split("/?")[0]
+    assert base.startswith("http://127.0.0.2:"), out
+    with TestClient(apps[0], base_url=base) as client:
+        assert client.get("/api/view", headers=HEADERS).status_code == 200
+        assert client.get("/api/view", headers={**HEADERS, "Host": "evil.example"}
+                          ).status_code == 400

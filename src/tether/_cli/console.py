@@ -61,7 +61,7 @@ def console_cmd(
         print(f"warning: the console listens on {host}, beyond this host, over plain HTTP: "
               "anyone on the network who sees the token can recall, terminate and resolve; "
               "prefer loopback and an SSH tunnel", file=sys.stderr, flush=True)
-    app = build(Console(journal, keys, secret), loopback=loopback)
+    app = build(Console(journal, keys, secret), loopback=loopback, host=host)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on"))
     server.run(sockets=[sock])

@@ -76,7 +76,9 @@ async def snapshot(j: Journal) -> dict[str, Any]:
     }
 
 
-def build(console: Console, *, loopback: bool = True) -> Starlette:
+def build(console: Console, *, loopback: bool = True, host: str | None = None) -> Starlette:
+    """``host``: the loopback address the console listens on, when it is not one of the
+    usual names (``--host 127.0.0.2``): the link printed at start names it."""
     journal = Journal(console.journal_url, create=False)
 
     @asynccontextmanager
@@ -223,6 +225,8 @@ def build(console: Console, *, loopback: bool = True) -> Starlette:
     ]
     # On loopback, a request naming any other host is a DNS-rebinding attempt: refused.
     hosts = ["127.0.0.1", "localhost", "[::1]", "::1"] if loopback else ["*"]
+    if loopback and host:
+        hosts.append(f"[{host.lower()}]" if ":" in host else host.lower())
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
                                  Middleware(_Headers)])
