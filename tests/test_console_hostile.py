@@ -128,3 +128,39 @@ def test_the_console_on_another_loopback_address_serves_its_own_link(
         assert client.get("/api/view", headers=HEADERS).status_code == 200
         assert client.get("/api/view", headers={**HEADERS, "Host": "evil.example"}
                           ).status_code == 400
+
+
+def test_the_queue_says_how_many_held_delegations_it_does_not_list(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue lists the first HELD delegations held for another reason; past that it once
+    stopped without a word (its count said more): now it says how many more, and links them."""
+    import asyncio
+    import sqlite3
+
+    from starlette.testclient import TestClient
+
+    from tether._console import queue
+
+    db = tmp_path / "j.db"
+    url = f"sqlite:///{db}"
+
+    async def world() -> None:
+        async with tether.Journal(url) as j:
+            ring = tether.KeyRing.load_or_init(j.keys_dir)
+            await j.genesis(ring.signer, time.time())
+            for i in range(3):
+                await j.create_delegation(NewDelegation(
+                    id=f"d_held{i}", task_id=f"t_held{i}", parent_id=None, attempt=1,
+                    agent="a", surface=(), args={}, owner_id="o", now=100.0 + i))
+            await j.flush()
+
+    asyncio.run(world())
+    with sqlite3.connect(db) as conn:  # as a receipt contradicting a decision leaves them
+        conn.execute("UPDATE delegations SET state = 'NEEDS_ATTENTION'")
+    monkeypatch.setattr(queue, "HELD", 2)
+    with TestClient(build(Console(url, None, TOKEN)), base_url="http://127.0.0.1") as client:
+        r = client.get("/api/view/", headers=HEADERS)
+    assert r.status_code == 200, r.text
+    assert 'data-testid="attention-count">3<' in r.text
+    assert r.text.count('class="held"') == 2
+    assert "and 1 more" in r.text and "/delegations?state=NEEDS_ATTENTION" in r.text

@@ -6,13 +6,14 @@ receipt that contradicts a decision)."""
 from __future__ import annotations
 
 from tether._console.forms import resolve_form
-from tether._console.html import badge, e, ident, link, value, when
+from tether._console.html import badge, e, href, ident, link, value, when
 from tether._console.lists import pager
 from tether._core.report import ActionRecord
 from tether._journal import browse
 from tether._journal.journal import Journal
 
 PER_PAGE = 20
+HELD = 50  # delegations held for another reason, shown below the calls
 
 
 def why(a: ActionRecord) -> str:
@@ -57,7 +58,7 @@ async def render(journal: Journal, params: dict[str, str], now: float) -> str:
     q = browse.Browse(states=browse.ATTENTION, oldest_first=True, limit=PER_PAGE,
                       older=params.get("older") or None, newer=params.get("newer") or None)
     page = await journal.peek(browse.actions, q)
-    held = await journal.peek(browse.attention_delegations, 50)
+    held = await journal.peek(browse.attention_delegations, HELD)
     total = await journal.peek(browse.attention_count)
     counts = " · ".join(f"{badge(s)} {page.counts.get(s, 0)}" for s in browse.ATTENTION)
     head = (f'<h1>Needs attention <span class="count" id="attention-count" '
@@ -76,6 +77,11 @@ async def render(journal: Journal, params: dict[str, str], now: float) -> str:
             f'<p class="held">{link(d.id)} {badge(d.state.value)} agent <b>{e(d.agent)}</b> '
             f"· {e(reason or 'see its page')} · since {when(d.updated_at, now)}</p>"
             for d, reason in held)
+        more = total - page.total - len(held)
+        if more > 0:  # never a list that silently stops: the rest are one link away
+            out += (f'<p class="held muted" data-testid="held-more">and {more} more, not shown '
+                    f'here: <a href="{href("/delegations", state="NEEDS_ATTENTION")}">every '
+                    "delegation held NEEDS_ATTENTION</a></p>")
     return out
 
 
