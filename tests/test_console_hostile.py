@@ -64,6 +64,10 @@ async def _hostile(url: str) -> tuple[str, str]:
             effect=Effect.EXTERNAL, args_json="{}", args_hash="h2", idem_key="k2",
             now=now, deadline_at=now + 30))
         j.finish_action("a_done", ActionState.COMPLETED, now, far)
+        await j.begin_action(NewAction(
+            id="a_100%<b>", delegation_id="d_hostile", epoch=0, ordinal=2, tool="pay",
+            effect=Effect.EXTERNAL, args_json="{}", args_hash="h3", idem_key="k3",
+            now=now, deadline_at=now + 30))
         await j.flush()
         assert await j.settle_pending("a_hostile", now, "its owner went away")
         await j.settle_action("a_hostile", ActionState.UNKNOWN, now,
@@ -96,6 +100,9 @@ async def test_every_view_renders_what_an_agent_wrote(journal_url: str) -> None:
     assert f'data-testid="item-{action}"' in shown["/api/view/"]
     page = shown[views[3]]
     assert "1e+300" in page and "&lt;script&gt;" in page
+    # A link to a call on its delegation's page names it in the fragment percent-encoded
+    # (the page decodes it; a bare "%" there once made decodeURIComponent throw).
+    assert 'href="/d/d_hostile#a_100%25%3Cb%3E"' in shown["/api/view/actions"]
 
 
 def test_the_console_on_another_loopback_address_serves_its_own_link(

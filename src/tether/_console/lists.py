@@ -7,6 +7,7 @@ from __future__ import annotations
 import calendar
 import re
 import time
+from urllib.parse import quote
 
 from tether._console.html import (
     badge,
@@ -158,7 +159,8 @@ async def actions(journal: Journal, params: dict[str, str], now: float) -> str:
     except ValueError as exc:
         return head + filters("/actions", params, A_STATES, True) + problem(str(exc))
     page = await journal.peek(browse.actions, q)
-    rows = [[f'<a class="id" href="{d_href(a.delegation_id)}#{e(a.id)}">{e(a.id)}</a><br>'
+    rows = [[f'<a class="id" href="{d_href(a.delegation_id)}#{e(quote(a.id, safe=""))}">'
+             f'{e(a.id)}</a><br>'
              f'<span class="muted">in</span> {link(a.delegation_id)}',
              f"<b>{e(a.tool)}</b>", badge(a.state.value), brief(a.args),
              f'<span class="err">{e(a.error)}</span>' if a.error and a.result is None

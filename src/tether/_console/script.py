@@ -62,7 +62,9 @@ async function show(fresh) {
       retype(kept);
       later();
       if (fresh && location.hash) {
-        const target = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+        let id = location.hash.slice(1);
+        try { id = decodeURIComponent(id); } catch (e) { /* a bare "%": the id as written */ }
+        const target = document.getElementById(id);
         if (target) target.scrollIntoView();
       }
       const h = view.querySelector("h1");
