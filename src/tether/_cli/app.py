@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -16,9 +15,10 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from tether._cli.errors import Group, cli_errors, err
 from tether._cli.safe import plain, safe
 from tether._core.documents import ControlIntent
-from tether._core.errors import AlreadyFinished, TetherError, UserError
+from tether._core.errors import AlreadyFinished, UserError
 from tether._core.model import ControlKind, Policy, check_grace
 from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
@@ -31,7 +31,8 @@ from tether._runtime.reconcile import build_report
 from tether._runtime.remote import owner_alive
 from tether._runtime.supervisor import Supervisor
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
                   help="Recall, terminate and reconcile sub-agents with real side effects.")
 keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key, the pinned root "
                        "and the journal's key registry.")
@@ -39,7 +40,6 @@ app.add_typer(keys_app, name="keys")
 trace_app = typer.Typer(no_args_is_help=True, help="Timelines and failure forensics.")
 app.add_typer(trace_app, name="trace")
 out = Console()
-err = Console(stderr=True)
 T = TypeVar("T")
 
 JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURNAL",
@@ -50,20 +50,6 @@ KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (def
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
                                           "(logs go to stderr).")]
 LogFormatOpt = Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
-
-
-def cli_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """A user mistake prints one line and exits 2; never a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except TetherError as exc:
-            err.print(f"[red]error:[/red] {safe(exc)}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper
 
 
 def _version(value: bool) -> None:

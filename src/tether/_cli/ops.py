@@ -25,8 +25,15 @@ KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (def
                                               "beside the journal).")]
 
 
-# Bounded: a database's LIMIT is a 64-bit integer (a larger one was a traceback).
-LimitOpt = Annotated[int, typer.Option("--limit", min=0, max=2 ** 62,
+def _bounded(value: int) -> int:
+    # A database's LIMIT is a 64-bit integer (a larger one was a traceback). Checked here, not
+    # with max=, which printed the bound in the help as the option's range.
+    if value > 2 ** 62:
+        raise typer.BadParameter("too large (0 lists all)")
+    return value
+
+
+LimitOpt = Annotated[int, typer.Option("--limit", min=0, callback=_bounded,
                                        help="At most this many rows (0: all).")]
 AgentOpt = Annotated[str | None, typer.Option("--agent", help="Only this agent's.")]
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

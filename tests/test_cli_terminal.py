@@ -1,0 +1,99 @@
+"""The CLI in a terminal: a mistake of any kind (click's own too) is one ``error:`` line and
+exit 2; help reads as sentences; tables fit ``$COLUMNS`` with ids whole."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from tether._cli.app import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str, columns: int = 100) -> tuple[int, str, str]:
+    result = runner.invoke(app, list(args), env={"COLUMNS": str(columns)})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["resolve"], "action_id"),  # a missing argument
+    (["resolve", "a_x", "--note", "checked"], "--as"),  # a missing option
+    (["ls", "--bogus"], "--bogus"),  # an unknown option
+    (["ls", "--limit", "many"], "--limit"),  # not an integer
+    (["chaos", "--trials", "0"], "--trials"),  # out of range
+    (["console", "--port", "99999"], "--port"),
+    (["nocommand"], "nocommand"),  # an unknown command
+    (["keys", "show", "--bogus"], "--bogus"),  # in a sub-group
+    (["trace", "analyze", "--failure"], "--failure"),  # an option without its value
+])
+def test_every_usage_mistake_is_one_error_line(args: list[str], names: str) -> None:
+    code, out, err = invoke(*args)
+    assert code == 2, (code, out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert names in lines[0] and "--help" in lines[0], err
+    assert not set(err) & set("╭╮╰╯│─"), err  # no boxed panel
+
+
+def test_a_bare_tether_prints_its_help() -> None:
+    code, out, _ = invoke()
+    assert code == 2 and "Usage: " in out and "recall" in out
+
+
+def _helps() -> list[list[str]]:
+    from typer.main import get_command
+
+    root = get_command(app)
+    found: list[list[str]] = [[]]
+
+    def walk(command: object, path: list[str]) -> None:
+        for name, sub in getattr(command, "commands", {}).items():
+            found.append([*path, name])
+            walk(sub, [*path, name])
+
+    walk(root, [])
+    return found
+
+
+def test_help_is_written_as_sentences() -> None:
+    """typer keeps a docstring's line breaks, so a sentence broke where its source line did,
+    and ``literal`` markup was printed as typed."""
+    helps = _helps()
+    assert ["actions"] in helps and ["keys", "init"] in helps and len(helps) > 20
+    for path in helps:
+        code, out, _ = invoke(*path, "--help", columns=100)
+        assert code == 0, path
+        assert "``" not in out and "`" not in out, (path, out)
+        assert "4611686018427387904" not in out, (path, out)
+        wide = invoke(*path, "--help", columns=400)[1]
+        for line in _descriptions(wide):
+            assert line.endswith((".", ")", ":")), (
+                f"tether {' '.join(path)} --help breaks a sentence: {line!r}")
+        for line in out.splitlines():
+            assert len(line) <= 100, (path, line)
+
+
+def _descriptions(help_text: str) -> list[str]:
+    """At a width where nothing needs wrapping, the lines of a help's description and of its
+    commands' descriptions: each is a whole paragraph, so each ends a sentence."""
+    lines = help_text.splitlines()
+    found = []
+    usage = next(i for i, ln in enumerate(lines) if "Usage:" in ln)
+    for line in lines[usage + 1:]:
+        if line.startswith("╭"):
+            break
+        if line.strip():
+            found.append(line.strip())
+    in_commands = False
+    for line in lines:
+        if line.startswith("╭"):
+            in_commands = "Commands" in line
+        elif in_commands and line.startswith("│"):
+            found.append(re.sub(r"^\S+\s+", "", line.strip(" │")))
+    return found
