@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import pytest
 from typer.testing import CliRunner
@@ -207,3 +208,8 @@ async def test_demo_on_postgresql(pg_url: str) -> None:
     data = json.loads(out)
     assert data["ok"] and all(s["prevented"] for s in data["scenes"])
     assert data["journal"].startswith("postgresql://") and "@" not in data["journal"]
+    # The URL it used, schema and all: the one to give tether ls (the server holds others).
+    schema = dict(parse_qsl(urlparse(pg_url).query))["schema"]
+    assert data["journal"].endswith(f"?schema={schema}"), data["journal"]
+    code, out, _ = await tether_cli("demo", "--journal", pg_url)
+    assert code == 0 and f"?schema={schema}" in out, out

@@ -99,8 +99,10 @@ def split_url(url: str) -> tuple[str, str, str]:
     except psycopg.ProgrammingError as exc:
         raise UserError(f"journal URL: {str(exc).strip()} (tether takes schema= and keys=; "
                         "the rest are libpq connection parameters)") from None
+    # No user or password (the query's other parameters may hold one too); the schema kept,
+    # so that the URL shown is one that opens this journal (a server holds many).
     shown = parsed._replace(netloc=parsed.netloc.split("@")[-1] if "@" in parsed.netloc
-                            else parsed.netloc, query="")
+                            else parsed.netloc, query=urlencode({"schema": schema}))
     return conninfo, schema, urlunparse(shown)
 
 
