@@ -3,12 +3,17 @@ exit 2; help reads as sentences; tables fit ``$COLUMNS`` with ids whole."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import tether
 from tether._cli.app import app
+
+from .operator_world import stuck_payment
 
 runner = CliRunner()
 
@@ -97,3 +102,21 @@ def _descriptions(help_text: str) -> list[str]:
         elif in_commands and line.startswith("│"):
             found.append(re.sub(r"^\S+\s+", "", line.strip(" │")))
     return found
+
+
+def test_trace_analyze_says_what_it_has_no_data_for(tmp_path: Path) -> None:
+    """It printed "median lifetime Nones" on a journal with nothing ended, or nothing failed."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(empty(url))
+    code, out, _ = invoke("trace", "analyze", "--journal", url)
+    assert code == 0 and "None" not in out and "no delegation has ended" in out, out
+    asyncio.run(stuck_payment(url))  # one ended, none failed
+    code, out, _ = invoke("trace", "analyze", "--journal", url)
+    assert code == 0 and "None" not in out, out
+    assert "0 stream_cut failures among 1 ended delegation " in out, out
+    assert "none failed" in out and re.search(r"median lifetime [0-9.]+s", out), out
+
+
+async def empty(url: str) -> None:
+    async with tether.Journal(url):
+        pass

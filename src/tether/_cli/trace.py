@@ -82,10 +82,17 @@ async def forensics(journal: Journal, failure: str) -> dict[str, Any]:
 
 
 def render_forensics(console: Console, data: dict[str, Any]) -> None:
-    console.print(f"{data['failures']} {safe(data['failure'])} failures among {data['children']} "
-                  f"children (rate {data['failure_rate']:.2%}); median lifetime "
-                  f"{data['median_lifetime']['failed']}s failed vs "
-                  f"{data['median_lifetime']['all']}s all")
+    n = data["children"]
+    if not n:
+        console.print("no delegation has ended in this journal yet: nothing to analyze",
+                      soft_wrap=True)
+        return
+    median = data["median_lifetime"]
+    lifetimes = (f"median lifetime {median['failed']}s failed vs {median['all']}s all"
+                 if data["failures"] else f"median lifetime {median['all']}s (none failed)")
+    console.print(f"{data['failures']} {safe(data['failure'])} failures among {n} ended "
+                  f"delegation{'' if n == 1 else 's'} (rate {data['failure_rate']:.2%}); "
+                  f"{lifetimes}", soft_wrap=True, highlight=False)
     for name, rows in data["dimensions"].items():
         table = Table(title=f"by {safe(name)}")
         for col in ("value", "failed", "all", "failed share", "base share", "enrichment"):
