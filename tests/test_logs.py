@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -145,3 +146,30 @@ async def test_text_logs_show_control_characters_instead_of_sending_them(
     assert "pay[/bold]" in text and "\\x1b[31m" in text, text
     assert raw_controls(text) == [], text
     assert not any(line.startswith("forged") for line in text.splitlines()), text
+
+
+async def test_the_mcp_proxy_logs_nothing_but_json_lines(bank_env: Path, tmp_path: Path) -> None:
+    """With --log-format json every stderr line is a JSON object: the session's delegation
+    and how to stop it, once a plain line, is a record with the delegation as a field."""
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    from .mcp_helpers import PYTHONPATH
+
+    journal = f"sqlite:///{tmp_path / 'j.db'}"
+    mine = {k: v for k, v in os.environ.items() if k.startswith("TETHER_TEST_")}
+    params = StdioServerParameters(
+        command=sys.executable, cwd=ROOT, env={**mine, "PYTHONPATH": PYTHONPATH},
+        args=["-m", "tether", "mcp-proxy", "--journal", journal, "--log-format", "json",
+              "--log-level", "warning", "--upstream", f"bank={sys.executable} -m tests.mcp_bank"])
+    with (tmp_path / "stderr").open("w+") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write), ClientSession(
+                read, write) as session:
+            await session.initialize()
+            result = await session.call_tool("pay", {"account": "A-1", "cents": 500})
+            assert not result.is_error
+        errlog.seek(0)
+        lines = errlog.read().splitlines()
+    records = [json.loads(line) for line in lines]  # each one JSON, or this fails
+    started = [r for r in records if "delegation" in r and "tether recall" in r["message"]]
+    assert len(started) == 1 and started[0]["delegation"].startswith("d_"), records

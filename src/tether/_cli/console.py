@@ -56,11 +56,11 @@ def console_cmd(
     print(f"tether console: {url}", flush=True)
     loopback = host in LOOPBACK or _loopback(host)
     if not loopback:
-        import sys
+        from tether._runtime.logs import announce
 
-        print(f"warning: the console listens on {host}, beyond this host, over plain HTTP: "
-              "anyone on the network who sees the token can recall, terminate and resolve; "
-              "prefer loopback and an SSH tunnel", file=sys.stderr, flush=True)
+        announce("console", f"warning: the console listens on {host}, beyond this host, over "
+                 "plain HTTP: anyone on the network who sees the token can recall, terminate "
+                 "and resolve; prefer loopback and an SSH tunnel", host=host)
     app = build(Console(journal, keys, secret), loopback=loopback, host=host)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on"))

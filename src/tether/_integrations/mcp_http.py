@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import sys
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from tether._integrations.mcp_serve import (
     one_line,
     start_session,
 )
+from tether._runtime.logs import announce
 from tether._runtime.supervisor import Supervisor
 
 
@@ -171,8 +171,9 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                     # Said once it listens (a port of 0 is chosen by the system: say which).
                     bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
                     shown = f"[{host}]" if ":" in host else host
-                    print(f"tether mcp-proxy: serving MCP at http://{shown}:{bound}/mcp "
-                          f"(journal {journal})", file=sys.stderr, flush=True)
+                    announce("proxy", f"tether mcp-proxy: serving MCP at "
+                             f"http://{shown}:{bound}/mcp (journal {journal})",
+                             url=f"http://{shown}:{bound}/mcp")
 
             web = Web(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                      lifespan="on"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -27,7 +26,7 @@ from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
 from tether._integrations.mcp_stdio import loop_stdio
 from tether._integrations.mcp_tasks import connect as connect_tasks
-from tether._runtime.logs import logger
+from tether._runtime.logs import announce, logger
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
 
@@ -192,9 +191,9 @@ async def start_session(proxy: Proxy, sup: Supervisor, journal: str) -> Any:
     handle = await sup.delegate(Agent(proxy.name, proxy.session_agent, proxy.tools()))
     logger("proxy").info("session started as delegation %s", handle.id,
                          extra={"delegation": handle.id, "session": proxy.name})
-    print(f"tether mcp-proxy: delegation {handle.id}; stop it with "
-          f"`tether recall {handle.id} --grace SECONDS --journal {journal}`",
-          file=sys.stderr, flush=True)
+    announce("proxy", f"tether mcp-proxy: delegation {handle.id}; stop it with "
+             f"`tether recall {handle.id} --grace SECONDS --journal {journal}`",
+             delegation=handle.id, session=proxy.name)
     return handle
 
 

@@ -57,6 +57,7 @@ def _visible(value: object) -> str:
 
 
 _OURS = "_tether_configured"
+_JSON = "_tether_json"  # a handler of ours that writes JSON lines
 
 
 class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
@@ -96,6 +97,20 @@ def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> log
     for previous in [h for h in root.handlers if getattr(h, _OURS, False)]:
         root.removeHandler(previous)  # configured again: replace, never log each line twice
     setattr(handler, _OURS, True)
+    setattr(handler, _JSON, fmt.lower() == "json")
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler
+
+
+def announce(component: str, text: str, **fields: Any) -> None:
+    """A line a service command always says on stderr (where to reach it, how to stop it):
+    plain text, or with JSON logging a record (``fields`` as its keys), whatever the level,
+    so that JSON logging leaves no line a log reader cannot parse."""
+    ours = [h for h in logging.getLogger(ROOT).handlers if getattr(h, _OURS, False)]
+    if not ours or not getattr(ours[0], _JSON, False):
+        print(_visible(text), file=sys.stderr, flush=True)
+        return
+    record = logger(component).makeRecord(
+        f"{ROOT}.{component}", logging.INFO, "", 0, text, (), None, extra=fields)
+    ours[0].handle(record)
