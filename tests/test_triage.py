@@ -147,7 +147,7 @@ def test_the_operators_queue(tmp_path: Path) -> None:
                           "--json")
     assert code == 1 and [a["id"] for a in json.loads(out)] == [old]
     code, out, _ = invoke("actions", "--in-flight", "--older-than", "1h", "--journal", url)
-    assert code == 0 and "actions (0)" in out
+    assert code == 0 and "actions: 0, none needs a person" in out
     code, out, _ = invoke("actions", "--state", "UNKNOWN", "--journal", url)
     assert stuck.action in out and stuck.key in out
     code, _, err = invoke("actions", "--older-than", "soon", "--journal", url)
@@ -171,3 +171,67 @@ def test_a_huge_limit_is_a_usage_error_not_a_traceback(tmp_path: Path, command: 
     assert code == 2 and out == "" and "--limit" in err, (code, out, err)
     code, out, _ = invoke(command, "--limit", str(2 ** 62), "--journal", url)
     assert code in (0, 1) and ("charge" in out or "payer" in out), out
+
+
+async def settled_actions(url: str, n: int, started: float) -> list[str]:
+    """``n`` COMPLETED actions of one delegation, a second apart from ``started``."""
+    (delegation,) = await fill_one(url)
+    ids = []
+    async with tether.Journal(url) as j:
+        row = await j.get(delegation)
+        for i in range(n):
+            action = new_id("a")
+            await j.begin_action(NewAction(
+                id=action, delegation_id=row.id, epoch=row.epoch, ordinal=i, tool="refund",
+                effect=Effect.EXTERNAL, args_json="{}", args_hash="h", idem_key=new_id("k"),
+                now=started + i, deadline_at=started + i + 30))
+            await j.settle_action(action, tether.ActionState.COMPLETED, started + i + 0.5,
+                                  {"probe": "COMPLETED"})
+            ids.append(action)
+    return ids
+
+
+async def fill_one(url: str) -> list[str]:
+    async with tether.Journal(url, durable=False) as j:
+        did = new_id("d")
+        await j.create_delegation(NewDelegation(
+            id=did, task_id=new_id("t"), parent_id=None, attempt=1, agent="refunds",
+            surface=(), args={}, owner_id="o_x", now=time.time() - 3600))
+    return [did]
+
+
+def test_the_queue_never_hides_a_decision(tmp_path: Path) -> None:
+    """60 settled actions and one UNKNOWN, the newest: the default page of 50 (oldest first)
+    listed 50 COMPLETED ones, said nothing of the other 11 and exited 0."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    settled = asyncio.run(settled_actions(url, 60, time.time() - 3000))
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, _ = invoke("actions", "--journal", url)
+    assert code == 1, out
+    assert stuck.action in out
+    assert "11 more; --limit / --state to see them" in out, out
+    code, out, _ = invoke("actions", "--journal", url, "--json")
+    assert code == 1
+    listed_ids = [a["id"] for a in json.loads(out)]
+    # What needs a person first, then the rest oldest first.
+    assert listed_ids == [stuck.action, *settled[:49]]
+    # An explicit --state keeps the order; what is paged out is counted, and so is what of it
+    # needs a person.
+    (running,) = asyncio.run(fill_one(url))
+    pending = asyncio.run(pending_since(url, running, time.time() - 120))
+    code, out, _ = invoke("actions", "--limit", "1", "--state", "COMPLETED,UNKNOWN,PENDING",
+                          "--journal", url)
+    assert code == 1 and pending in out and stuck.action not in out, out
+    assert "61 more (1 needs a person); --limit / --state to see them" in out, out
+    code, out, _ = invoke("actions", "--state", "COMPLETED", "--limit", "0", "--journal", url)
+    assert code == 0 and "more" not in out and "actions: 60, none needs a person" in out, out
+
+    async def settle() -> None:
+        async with tether.Journal(url) as j:
+            await j.settle_action(pending, tether.ActionState.COMPLETED, time.time(), {})
+    asyncio.run(settle())
+    # Decided, nothing needs a person: exit 0 whatever the page holds.
+    assert invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "ledger",
+                  "--journal", url)[0] == 0
+    code, out, _ = invoke("actions", "--journal", url)
+    assert code == 0 and "12 more; --limit" in out, out

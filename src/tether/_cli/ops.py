@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -127,6 +128,10 @@ def ls_cmd(
         out.print(f"next page: --before {safe(rows[-1].id)}", highlight=False)
 
 
+# What a person must look at: an outcome not known yet, or one nobody could settle.
+NEEDS_PERSON = tuple(sorted({s.value for s in UNSETTLED} | {ActionState.UNKNOWN.value}))
+
+
 def actions_cmd(
     journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt = False,
     state: Annotated[list[str] | None, typer.Option(
@@ -141,40 +146,75 @@ def actions_cmd(
     agent: AgentOpt = None,
     limit: LimitOpt = 50,
 ) -> None:
-    """Journaled actions, oldest first: the operator's queue. Exits 1 when it lists one that
-    needs a person (UNKNOWN) or whose outcome is still not known (in flight or in doubt)."""
+    """The operator's queue of journaled actions: those that need a person first (UNKNOWN,
+    or still in flight or in doubt), then the rest, each group oldest first; a page that
+    leaves some out says how many.
+
+    Exit status: 1 when any selected action needs a person, listed on this page or not;
+    0 when none does; 2 for a mistake in the command."""
     from tether._cli.app import emit_json, out
 
-    states = _states(state, ActionState, "--state")
+    states = _states(state, ActionState, "--state") or tuple(s.value for s in ActionState)
     if in_flight:
         flying = tuple(s.value for s in UNSETTLED)
-        states = tuple(s for s in states if s in flying) if states else flying
+        states = tuple(s for s in states if s in flying) if state else flying
         if not states:
             raise UserError("--in-flight and --state name no state in common")
     now = time.time()
-    query = ActionQuery(states=states, agent=agent, limit=limit or None,
-                        started_before=None if older_than is None
-                        else now - duration(older_than, "--older-than"))
+    started_before = None if older_than is None else now - duration(older_than,
+                                                                    "--older-than")
+    first = tuple(s for s in states if s in NEEDS_PERSON)
+    groups = [g for g in (first, tuple(s for s in states if s not in NEEDS_PERSON)) if g]
 
-    async def go() -> list[tuple[Any, str, str]]:
+    async def go() -> tuple[list[tuple[Any, str, str]], list[int]]:
+        found: list[tuple[Any, str, str]] = []
+        counts = []
         async with Journal(journal, create=False) as j:
-            return await j.find_actions(query)
+            for group in groups:
+                query = ActionQuery(states=group, agent=agent, started_before=started_before,
+                                    limit=None)
+                counts.append(await j.count_actions(query))
+                room = None if not limit else limit - len(found)
+                if room != 0:
+                    found += await j.find_actions(replace(query, limit=room))
+        return found, counts
 
-    found = run(go())
-    problem = any(a.state in UNSETTLED or a.state is ActionState.UNKNOWN for a, _, _ in found)
+    found, counts = run(go())
+    needing = counts[0] if first else 0
+    more = sum(counts) - len(found)
+    left = more - (needing - sum(1 for a, _, _ in found if a.state.value in NEEDS_PERSON))
+    note = ""
+    if more:
+        waiting = more - left
+        note = (f"… {more} more" + (f" ({waiting} need{'s' if waiting == 1 else ''} a person)"
+                                    if waiting else "") + "; --limit / --state to see them")
+    code = 1 if needing else 0
     if as_json:
         emit_json([{**a.to_json(), "agent": ag, "delegation_state": ds} for a, ag, ds in found])
-        raise typer.Exit(1 if problem else 0)
-    print_table(out, _actions_table(found, now))
-    raise typer.Exit(1 if problem else 0)
+        if note:
+            err_line(note)
+        raise typer.Exit(code)
+    who = ("none needs a person" if not needing else
+           f"{needing} need{'s' if needing == 1 else ''} a person")
+    print_table(out, _actions_table(found, now, f"actions: {sum(counts)}, {who}"))
+    if note:
+        out.print(safe(note), highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
-def _actions_table(found: list[tuple[Any, str, str]], now: float) -> Any:
+def err_line(text: str) -> None:
+    """A note beside JSON on stdout: stderr, so the JSON stays whole."""
+    import sys
+
+    sys.stderr.write(text + "\n")
+
+
+def _actions_table(found: list[tuple[Any, str, str]], now: float, title: str) -> Any:
     from rich.table import Table
 
     from tether._cli.render import styled
 
-    table = Table(title=f"actions ({len(found)})")
+    table = Table(title=title)
     id_column(table, "id")
     id_column(table, "delegation")
     table.add_column("agent", overflow="fold", min_width=6)

@@ -532,6 +532,9 @@ class Journal:
                            ) -> list[tuple[ActionRecord, str, str]]:
         return await self._read(triage.find_actions, query)
 
+    async def count_actions(self, query: triage.ActionQuery) -> int:
+        return await self._read(triage.count_actions, query)
+
     async def last_event_id(self) -> int:
         return await self.peek(triage.last_event_id)
 

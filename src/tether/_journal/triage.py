@@ -55,10 +55,7 @@ def page_delegations(db: Db, q: DelegationQuery) -> list[DelegationRow]:
     return [_delegation(r) for r in db.execute(sql, params).fetchall()]
 
 
-def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
-    """Actions oldest first (the longest stuck at the top), each with its delegation's agent
-    and state."""
-    cols = ", ".join(f"a.{c.strip()}" for c in _ACTION_COLS.split(","))
+def _action_filter(q: ActionQuery) -> tuple[str, list[Any]]:
     where: list[str] = []
     params: list[Any] = []
     if q.states:
@@ -70,9 +67,16 @@ def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
     if q.agent is not None:
         where.append("d.agent = ?")
         params.append(q.agent)
+    return (f" WHERE {' AND '.join(where)}" if where else ""), params
+
+
+def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
+    """Actions oldest first (the longest stuck at the top), each with its delegation's agent
+    and state."""
+    cols = ", ".join(f"a.{c.strip()}" for c in _ACTION_COLS.split(","))
+    where, params = _action_filter(q)
     sql = (f"SELECT {cols}, d.agent, d.state FROM actions a "
-           "JOIN delegations d ON d.id = a.delegation_id"
-           + (f" WHERE {' AND '.join(where)}" if where else "")
+           "JOIN delegations d ON d.id = a.delegation_id" + where
            + " ORDER BY a.started_at, a.id")
     if q.limit is not None:
         sql += " LIMIT ?"
@@ -80,6 +84,14 @@ def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
     rows = db.execute(sql, params).fetchall()
     width = len(_ACTION_COLS.split(","))
     return [(_action(r[:width]), r[width], r[width + 1]) for r in rows]
+
+
+def count_actions(db: Db, q: ActionQuery) -> int:
+    """How many actions ``q`` selects, its limit aside (what a page leaves out)."""
+    where, params = _action_filter(q)
+    row = db.execute("SELECT COUNT(*) FROM actions a JOIN delegations d ON "
+                     "d.id = a.delegation_id" + where, params).fetchone()
+    return int(row[0])
 
 
 def last_event_id(db: Db) -> int:
