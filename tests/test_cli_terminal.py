@@ -4,7 +4,11 @@ exit 2; help reads as sentences; tables fit ``$COLUMNS`` with ids whole."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +124,56 @@ def test_trace_analyze_says_what_it_has_no_data_for(tmp_path: Path) -> None:
 async def empty(url: str) -> None:
     async with tether.Journal(url):
         pass
+
+
+async def parent_and_child(url: str) -> tuple[str, str, str, str]:
+    """A delegation and its child, whose refund completed with a long result."""
+    from tether._core.model import Effect
+    from tether._journal.rows import NewAction, NewDelegation, OwnerRow
+    from tether._runtime.state import new_id
+
+    now = time.time()
+    async with tether.Journal(url) as j:
+        parent, child, action, key = new_id("d"), new_id("d"), new_id("a"), new_id("k")
+        ring = tether.KeyRing.load_or_init(j.keys_dir)
+        j.seal_with(ring.signer, ring.trusted)  # written as a supervisor writes: sealed
+        await j.register_owner(OwnerRow("o_x", os.getpid(), socket.gethostname(), now, now))
+        for did, up in ((parent, None), (child, parent)):
+            row = await j.create_delegation(NewDelegation(
+                id=did, task_id=new_id("t"), parent_id=up, attempt=1, agent="refund-desk",
+                surface=(), args={}, owner_id="o_x", now=now - 5, parent_epoch=0))
+        args = {"order_id": "O-7731", "cents": 1250, "note": "customer asked twice " * 8}
+        await j.begin_action(NewAction(
+            id=action, delegation_id=child, epoch=row.epoch, ordinal=0, tool="refund",
+            effect=Effect.EXTERNAL, args_json=json.dumps(args), args_hash="h", idem_key=key,
+            now=now - 4, deadline_at=now + 26))
+        await j.settle_action(action, tether.ActionState.COMPLETED, now - 3,
+                              {"probe": "COMPLETED"}, result={"refund": "re_" + "9" * 120})
+    return parent, child, action, key
+
+
+def test_tables_fit_a_100_column_terminal(tmp_path: Path) -> None:
+    """Tables about 190 columns wide wrapped every row in a 100-column pane."""
+    from rich.cells import cell_len
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    parent, child, action, key = asyncio.run(parent_and_child(url))
+    whole = {("ls",): [stuck.delegation, parent, child],
+             ("actions",): [stuck.action, stuck.delegation, stuck.key, action, child, key],
+             ("show", parent): [parent, child, action, key]}
+    for args, ids in whole.items():
+        _, out, err = invoke(*args, "--journal", url, columns=100)
+        assert out and not err, (args, err)
+        for line in out.splitlines():
+            assert cell_len(line) <= 100, (args, line)
+        lines = out.splitlines()
+        for ident in ids:  # whole, on one line
+            assert any(ident in line for line in lines), (args, ident, out)
+    # show lists each action's arguments and result, cut with a marker; --json has them whole.
+    _, out, _ = invoke("show", parent, "--journal", url, columns=100)
+    assert '"order_id": "O-7731"' in out and '"cents": 1250' in out, out
+    assert "re_999" in out and "…" in out and "re_" + "9" * 120 not in out, out
+    _, out, _ = invoke("show", parent, "--journal", url, "--json")
+    (shown,) = json.loads(out)["actions"]
+    assert shown["result"] == {"refund": "re_" + "9" * 120}

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tether._cli.safe import age, brief, id_column, print_table, safe, when
+from tether._cli.safe import age, brief, id_column, print_table, safe, stacked
 from tether._core.errors import UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.outcome import UNSETTLED
@@ -214,19 +214,17 @@ def _actions_table(found: list[tuple[Any, str, str]], now: float, title: str) ->
 
     from tether._cli.render import styled
 
-    table = Table(title=title)
-    id_column(table, "id")
-    id_column(table, "delegation")
-    table.add_column("agent", overflow="fold", min_width=6)
-    table.add_column("tool", overflow="fold", min_width=6)
-    id_column(table, "idempotency key")
+    table = Table(title=title, show_lines=True)
+    # Stacked cells keep every id and key whole within 100 columns; the start time is in
+    # 'tether show' and --json.
+    id_column(table, "action / delegation / key")
+    table.add_column("agent / tool", overflow="fold", min_width=8)
     table.add_column("state", no_wrap=True)
-    table.add_column("started (UTC)", no_wrap=True)
     table.add_column("age", no_wrap=True, justify="right")
     table.add_column("evidence", overflow="fold", min_width=16)
     for a, ag, _ in found:
-        table.add_row(safe(a.id), safe(a.delegation_id), safe(ag), safe(a.tool),
-                      safe(a.idempotency_key), styled(a.state.value), when(a.started_at),
+        table.add_row(stacked(safe(a.id), safe(a.delegation_id), safe(a.idempotency_key)),
+                      stacked(safe(ag), safe(a.tool)), styled(a.state.value),
                       age(a.started_at, now), safe(brief(a.evidence)))
     return table
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from tether._cli.safe import age, brief, id_column, print_table, safe, when
+from tether._cli.safe import age, brief, clip, id_column, print_table, safe, stacked, when
 from tether._core.documents import ControlIntent, decode
 from tether._core.errors import ControlRefused
 from tether._core.model import ControlKind
@@ -35,15 +35,15 @@ def styled(state: str) -> str:
 def delegation_table(rows: list[DelegationRow], now: float | None = None) -> Table:
     now = time.time() if now is None else now
     table = Table(title="delegations")
-    id_column(table, "id", [r.id for r in rows])
-    id_column(table, "parent", [r.parent_id or "" for r in rows])
+    # A child's parent under its id: both whole, and the table fits 100 columns.
+    id_column(table, "id / parent")
     table.add_column("agent", overflow="fold", min_width=8)
     table.add_column("state", no_wrap=True)
     table.add_column("created (UTC)", no_wrap=True)
     table.add_column("age", no_wrap=True, justify="right")
     for r in rows:
-        table.add_row(safe(r.id), safe(r.parent_id or ""), safe(r.agent), styled(r.state.value),
-                      when(r.created_at), age(r.created_at, now))
+        table.add_row(stacked(safe(r.id), safe(r.parent_id or "")), safe(r.agent),
+                      styled(r.state.value), when(r.created_at), age(r.created_at, now))
     return table
 
 
@@ -143,30 +143,13 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
         parent = nodes.get(r["parent"], tree)
         nodes[r["id"]] = parent.add(label(r))
     console.print(tree)
-    acts = data["actions"]
-    table = Table(title="actions")
-    id_column(table, "id", [a["id"] for a in acts])
-    id_column(table, "delegation", [a["delegation"] for a in acts])
-    table.add_column("tool", overflow="fold", min_width=6)
-    table.add_column("effect", no_wrap=True)
-    id_column(table, "idempotency key", [a["idempotency_key"] for a in acts])
-    table.add_column("state", no_wrap=True)
-    table.add_column("started (UTC)", no_wrap=True)
-    table.add_column("evidence", overflow="fold", min_width=16)
-    for a in acts:
-        state = styled(a["state"]) + (" [yellow]late[/yellow]" if a["late"] else "") + _flag(a)
-        table.add_row(safe(a["id"]), safe(a["delegation"]), safe(a["tool"]), safe(a["effect"]),
-                      safe(a["idempotency_key"]), state, when(a["started_at"]),
-                      safe(brief(a["evidence"])))
-    print_table(console, table)
+    render_actions(console, data["actions"])
     intents = data["intents"]
     table = Table(title="signed intents and acknowledgements")
-    id_column(table, "delegation", [i["delegation"] for i in intents])
+    id_column(table, "delegation / at (UTC)")
     table.add_column("seq", no_wrap=True, justify="right")
     table.add_column("kind", no_wrap=True)
-    id_column(table, "key", [i["key_id"] for i in intents])
-    table.add_column("signature", overflow="fold", min_width=8)
-    table.add_column("at (UTC)", no_wrap=True)
+    id_column(table, "signature / key")
     table.add_column("detail", overflow="fold", min_width=16)
     for i in intents:
         ok = i["verified"]
@@ -175,28 +158,53 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
             f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "") or (
             f"{body['action']} {body['outcome']} by {body['operator']}: {body['note']}"
             if body.get("type") == "resolution" else "")
-        table.add_row(safe(i["delegation"]), str(i["seq"]), safe(i["kind"]), safe(i["key_id"]),
-                      "[green]verified[/green]" if ok == "ok" else f"[red]{safe(ok)}[/red]",
-                      when(i["accepted_at"]), safe(detail))
+        signature = "[green]verified[/green]" if ok == "ok" else "[red]REFUSED[/red]"
+        if ok != "ok":  # why, where there is room for it
+            detail = f"{ok}; {detail}" if detail else ok
+        table.add_row(stacked(safe(i["delegation"]), when(i["accepted_at"])), str(i["seq"]),
+                      safe(i["kind"]), stacked(signature, safe(i["key_id"])), safe(detail))
     print_table(console, table)
     render_decisions(console, data.get("decisions", []))
     events = data["events"]
     table = Table(title="events")
-    table.add_column("at (UTC)", no_wrap=True)
-    id_column(table, "delegation / action", [e["action"] or e["delegation"] or ""
-                                             for e in events])
+    id_column(table, "id, at (UTC)")
     table.add_column("event", no_wrap=True)
     table.add_column("detail", overflow="fold", min_width=16)
     for e in events:
         detail = ", ".join(f"{k}={v}" for k, v in e["detail"].items()
                            if v not in (None, "") and k != "at")
-        table.add_row(when(e["at"]), safe(e["action"] or e["delegation"] or ""),
+        table.add_row(stacked(safe(e["action"] or e["delegation"] or ""), when(e["at"])),
                       safe(e["kind"]) + _flag(e), safe(detail))
     print_table(console, table)
     for t in data.get("tampered", []):  # deleted records have no row above to mark
         console.print(f"[bold red]TAMPERED[/bold red] {safe(t['delegation'])}: "
                       f"{safe(t['record'])}: {safe(t['problem'])}", highlight=False,
                       soft_wrap=True)
+
+
+def render_actions(console: Console, acts: list[dict[str, Any]]) -> None:
+    """Each action as a short block: its ids whole, its arguments and result on a line each,
+    cut to the terminal with a marker (``--json`` has them whole)."""
+    console.print(f"[bold]actions ({len(acts)})[/bold]")
+    room = max(20, console.width - 16)
+    for a in acts:
+        state = styled(a["state"]) + (" [yellow]late[/yellow]" if a["late"] else "") + _flag(a)
+        console.print(f"  {safe(a['id'])}  {safe(a['tool'])} ({safe(a['effect'])})  {state}",
+                      highlight=False, crop=False, overflow="ignore", no_wrap=True)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True, style="dim")
+        grid.add_column(overflow="fold")
+        grid.add_row("  delegation", safe(a["delegation"]))
+        grid.add_row("  key", safe(a["idempotency_key"]))
+        grid.add_row("  started", when(a["started_at"]))
+        grid.add_row("  arguments", safe(clip(a["args"], room)))
+        if a["result"] is not None:
+            grid.add_row("  result", safe(clip(a["result"], room)))
+        if a["error"]:
+            grid.add_row("  error", safe(clip(a["error"], room)))
+        if a["evidence"]:
+            grid.add_row("  evidence", safe(brief(a["evidence"])))
+        print_table(console, grid)
 
 
 def render_decisions(console: Console, decisions: list[dict[str, Any]]) -> None:

@@ -74,8 +74,8 @@ def print_table(console: Console, table: Table) -> None:
     for column in table.columns:
         if column.no_wrap:
             cells = [Text.from_markup(c) if isinstance(c, str) else c for c in column.cells]
-            column.min_width = max([Text.from_markup(str(column.header)).cell_len,
-                                    *(c.cell_len for c in cells if isinstance(c, Text))])
+            column.min_width = max([_widest(Text.from_markup(str(column.header))),
+                                    *(_widest(c) for c in cells if isinstance(c, Text))])
     need = Measurement.get(console, console.options.update_width(100_000), table).minimum
     if need <= console.width:
         console.print(table)
@@ -86,6 +86,29 @@ def print_table(console: Console, table: Table) -> None:
         console.print(table, crop=False)
     finally:
         console.width = saved
+
+
+def _widest(text: Text) -> int:
+    """The width of a cell's longest line (a stacked cell holds several)."""
+    return max(line.cell_len for line in text.split("\n"))
+
+
+def stacked(first: str, *more: str) -> str:
+    """Markup for a cell of several lines, the first plain and the others dim (an id and what
+    belongs with it, e.g. an action's delegation and key): a table stays within the terminal
+    without cutting any of them."""
+    return "\n".join([first, *(f"[dim]{m}[/dim]" for m in more if m)])
+
+
+def clip(value: object, width: int = 60) -> str:
+    """``value`` as compact JSON on one line, at most ``width`` characters: longer ends in
+    ``…`` (``--json`` has it whole). Unescaped."""
+    import json
+
+    # In the order the call gave them: its first arguments are the ones that name things.
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = " ".join(plain(text).split())
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def brief(evidence: dict[str, Any] | None) -> str:
