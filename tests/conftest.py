@@ -23,6 +23,9 @@ from tether.testing import PaymentService, VirtualClock
 hypothesis.settings.register_profile("tether", deadline=None)
 hypothesis.settings.load_profile("tether")
 
+# The Temporal dev server's fixture (``temporal_address``), for the tests that use it.
+pytest_plugins = ["tests.temporal_helpers"]
+
 
 @pytest.fixture
 def clock() -> VirtualClock:
