@@ -11,7 +11,8 @@ import sys
 SCRIPT = r"""
 import importlib, sys
 
-BLOCKED = ("agents", "openai", "httpx2", "langgraph", "langchain_core", "pydantic_ai")
+BLOCKED = ("agents", "openai", "httpx2", "langgraph", "langchain_core", "pydantic_ai",
+           "temporalio")
 
 class Block:
     def find_spec(self, name, path=None, target=None):
@@ -22,7 +23,8 @@ class Block:
 sys.meta_path.insert(0, Block())
 import tether, tether.conformance, tether.testing
 print("tether", tether.Supervisor.__name__)
-for module in ("tether.openai_agents", "tether.agents", "tether.langgraph", "tether.pydantic_ai"):
+for module in ("tether.openai_agents", "tether.agents", "tether.langgraph", "tether.pydantic_ai",
+               "tether.temporal"):
     try:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -40,6 +42,7 @@ def test_tether_imports_without_the_framework_extras() -> None:
     for module, extra in (("tether.openai_agents", "openai-agents"),
                           ("tether.agents", "openai-agents"),
                           ("tether.langgraph", "langgraph"),
-                          ("tether.pydantic_ai", "pydantic-ai")):
+                          ("tether.pydantic_ai", "pydantic-ai"),
+                          ("tether.temporal", "temporal")):
         assert lines[module].startswith("-> ") and \
             lines[module].endswith(f"pip install 'tether[{extra}]'"), out

@@ -1,0 +1,386 @@
+"""tether's gateway on a Temporal worker: every activity of a workflow passes it.
+
+A workflow run is a delegation, hosted by the worker process whose tether ``Supervisor`` first
+runs one of its activities: its task is ``temporal:<workflow id>``, so every run of one
+workflow id is the same task at a new epoch, and a new run replays by idempotency key what an
+earlier run completed. The delegation's body is a session (as the MCP proxy's is): it lives
+until the run closes, and each activity is one ``ctx.call`` of it, so the gateway journals the
+intent before the activity's code runs, fences it, keys it, shields it from cancellation and
+records its receipt. Nothing here decides the protocol; it maps Temporal's calls onto the
+gateway.
+
+Everything here runs in the worker's activity tasks, outside the workflow sandbox: workflow
+code stays deterministic and never touches the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import temporalio.activity
+import temporalio.client
+import temporalio.converter
+import temporalio.plugin
+import temporalio.worker
+from temporalio.exceptions import ApplicationError
+
+from tether._core.errors import ControlSignal, KeyInUse, StaleEpoch, ToolRejected, UserError
+from tether._core.model import Effect
+from tether._core.redispatch import UNRESTRICTED
+from tether._journal import queue
+from tether._journal.rows import DelegationRow, NewDelegation
+from tether._runtime.arguments import child_payload
+from tether._runtime.gateway import Context, replaced
+from tether._runtime.handle import Handle
+from tether._runtime.remote import owner_alive
+from tether._runtime.state import ChildRuntime, new_id
+from tether._runtime.supervisor import Supervisor
+from tether._runtime.tools import Agent, Tool, check_surface
+
+TASK_PREFIX = "temporal:"
+# What a refused activity fails with: never retried by Temporal, since a retry would be
+# refused the same way (a fence does not reopen).
+REFUSED = "tether.Refused"
+BUSY = "tether.Busy"  # retryable: the run's delegation is hosted by another live worker
+
+
+def task_of(workflow_id: str) -> str:
+    """The tether task of every run of one workflow id."""
+    return TASK_PREFIX + workflow_id
+
+
+def run_of(row: DelegationRow) -> str | None:
+    """The workflow run a delegation hosts (its session's second argument)."""
+    args = row.args.get("args") if isinstance(row.args, dict) else None
+    return args[1] if isinstance(args, list) and len(args) == 2 else None
+
+
+@dataclass
+class _Pending:
+    """The activity call a proxy tool forwards, with its key once the gateway gave one."""
+
+    next: temporalio.worker.ActivityInboundInterceptor
+    input: temporalio.worker.ExecuteActivityInput
+
+
+_PENDING: ContextVar[_Pending | None] = ContextVar("tether_temporal_pending", default=None)
+_KEY: ContextVar[str | None] = ContextVar("tether_temporal_key", default=None)
+
+
+def idempotency_key() -> str:
+    """The key tether gave the activity running now: for an activity that is not a
+    ``@tether.tool`` (it is EXTERNAL) and still wants to hand its provider the key."""
+    key = _KEY.get()
+    if key is None:
+        raise UserError("no tether idempotency key here: it exists only inside an activity "
+                        "tether's Temporal plugin runs")
+    return key
+
+
+async def _forward(**kwargs: Any) -> Any:
+    """A proxy tool's function: the gateway calls it (in the action's own task, with the key)
+    and it runs the rest of Temporal's interceptor chain, down to the activity's code."""
+    pending = _PENDING.get()
+    assert pending is not None, "a tether proxy tool runs only under the activity interceptor"
+    _KEY.set(kwargs.get("idempotency_key"))  # the action task's own context
+    return await pending.next.execute_activity(pending.input)
+
+
+def _parameters(tool: Tool) -> inspect.Signature:
+    """The tool's signature as Temporal calls it: its arguments in order, without the key."""
+    sig = inspect.signature(tool.fn)
+    return sig.replace(parameters=[p for p in sig.parameters.values()
+                                   if p.name != "idempotency_key"
+                                   and p.kind is not inspect.Parameter.VAR_KEYWORD])
+
+
+def tool_arguments(tool: Tool, args: Sequence[Any]) -> dict[str, Any]:
+    """The activity's positional arguments by the tool's parameter names (defaults filled in,
+    so that one call journals the same arguments however it was written)."""
+    try:
+        bound = _parameters(tool).bind(*args)
+    except TypeError as exc:
+        raise UserError(f"activity {tool.name}: {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def activity(tool: Tool) -> Callable[..., Awaitable[Any]]:
+    """A Temporal activity (``@activity.defn(name=tool.name)``) that calls ``tool`` with its
+    positional arguments and, for a journaled effect, the key tether's plugin hands it. Run
+    without the plugin it refuses, rather than run a payment with no intent written."""
+
+    async def run(*args: Any) -> Any:
+        kwargs = tool_arguments(tool, args)
+        if not tool.effect.journaled:
+            return await tool.fn(**kwargs)
+        key = _KEY.get()
+        if key is None:
+            raise ApplicationError(
+                f"tether: activity {tool.name} runs only on a worker with tether's Temporal "
+                "plugin (tether.temporal.Plugin)", type=REFUSED, non_retryable=True)
+        return await tool.fn(**kwargs, idempotency_key=key)
+
+    run.__name__ = run.__qualname__ = tool.name
+    return temporalio.activity.defn(name=tool.name)(run)
+
+
+def _json_args(args: Sequence[Any]) -> list[Any]:
+    """An undeclared activity's arguments as Temporal's converter encodes them: what the
+    journal compares (the Stripe rule) and shows."""
+    out: list[Any] = []
+    for payload in temporalio.converter.default().payload_converter.to_payloads(args):
+        try:
+            out.append(json.loads(payload.data))
+        except ValueError:
+            out.append({"encoding": payload.metadata.get("encoding", b"").decode(),
+                        "bytes": len(payload.data)})
+    return out
+
+
+def _refused(why: str, kind: str = REFUSED) -> ApplicationError:
+    return ApplicationError(f"tether: {why}", type=kind, non_retryable=kind == REFUSED)
+
+
+@dataclass(eq=False)
+class _Session:
+    """One workflow run's delegation, hosted here."""
+
+    workflow_id: str
+    run_id: str
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # this worker is stopping
+    ctx: Context | None = None
+    handle: Handle | None = None
+
+    def live(self, sup: Supervisor) -> bool:
+        return self.handle is not None and sup.runtime(self.handle.id) is not None
+
+
+class Host:
+    """The sessions of one worker: the workflow runs whose activities this process runs."""
+
+    def __init__(self, supervisor: Supervisor, tools: Sequence[Tool]) -> None:
+        if not isinstance(supervisor, Supervisor):
+            raise UserError("tether.temporal.Plugin needs an open tether.Supervisor")
+        self.sup = supervisor
+        self.declared = check_surface(tools, "tether.temporal.Plugin(tools=...)")
+        if any(not isinstance(t, Tool) for t in self.declared.values()):
+            raise UserError("tether.temporal.Plugin(tools=...): tools only (a Temporal "
+                            "workflow is the agent)")
+        # What the gateway calls: each activity as a proxy tool with its declared effect,
+        # probe and deadline, forwarding to Temporal's chain; filled in by ``learn``.
+        self.surface: dict[str, Tool | str] = {}
+        self.sessions: dict[tuple[str, str], _Session] = {}
+        self._lock = asyncio.Lock()
+
+    def learn(self, activities: Sequence[Callable[..., Any]]) -> None:
+        """The worker's activities: a declared tool's proxy keeps its effect and probe; any
+        other activity is EXTERNAL, with no probe (fail closed, as everywhere in tether)."""
+        for fn in activities:
+            defn = temporalio.activity._Definition.from_callable(fn)
+            if defn is None:
+                continue
+            if defn.name is None:  # a dynamic activity: any name may come
+                self.surface[UNRESTRICTED] = UNRESTRICTED
+                continue
+            declared = self.declared.get(defn.name)
+            self.surface[defn.name] = (replaced(declared, _forward)
+                                       if isinstance(declared, Tool)
+                                       else Tool(defn.name, Effect.EXTERNAL, _forward))
+
+    def _tool(self, name: str) -> Tool:
+        found = self.surface.get(name)
+        if isinstance(found, Tool):
+            return found
+        if UNRESTRICTED in self.surface:
+            return Tool(name, Effect.EXTERNAL, _forward)
+        raise _refused(f"activity {name} is not registered with tether's plugin")
+
+    async def call(self, next: temporalio.worker.ActivityInboundInterceptor,
+                   input: temporalio.worker.ExecuteActivityInput) -> Any:
+        info = temporalio.activity.info()
+        if info.workflow_id is None or info.workflow_run_id is None:
+            raise _refused(f"activity {info.activity_type} has no workflow: tether mediates "
+                           "the activities of workflows")
+        tool = self._tool(info.activity_type)
+        declared = self.declared.get(tool.name)
+        try:
+            kwargs = (tool_arguments(declared, input.args) if isinstance(declared, Tool)
+                      else {"args": _json_args(input.args)})
+        except UserError as exc:
+            raise _refused(str(exc)) from None
+        session = await self._session(info.workflow_id, info.workflow_run_id,
+                                      info.workflow_type or "workflow")
+        assert session.ctx is not None
+        # The call's place in its workflow: the same in every retry of the activity and in
+        # every run of the workflow id, so a retry or a re-run finds the first call's record.
+        key = f"{session.ctx.task_id}:{tool.name}:{info.activity_id}"
+        token = _PENDING.set(_Pending(next, input))
+        try:
+            return await session.ctx.call(tool, idempotency_key=key, **kwargs)
+        except ControlSignal as signal:
+            raise _refused(f"{type(signal).__name__.lower()}: {signal}") from None
+        except (UserError, KeyInUse) as exc:
+            raise _refused(str(exc)) from None
+        except ToolRejected as exc:  # certainly not applied: Temporal may retry it
+            raise ApplicationError(f"tether: {exc}", type="tether.ToolRejected") from exc
+        except asyncio.CancelledError:
+            if not temporalio.activity.is_cancelled():
+                # Cut by a terminate, not by Temporal: the call is in doubt and probed; the
+                # workflow is told, and never retries it. (Cancelled by Temporal, the call
+                # runs on, shielded, and its receipt is kept.)
+                try:
+                    session.ctx.check()
+                except ControlSignal as signal:
+                    raise _refused(f"{type(signal).__name__.lower()}: {signal}; the call's "
+                                   "outcome is being reconciled") from None
+            raise
+        finally:
+            _PENDING.reset(token)
+
+    async def _session(self, workflow_id: str, run_id: str, workflow_type: str) -> _Session:
+        sup = self.sup
+        found = self.sessions.get((workflow_id, run_id))
+        if found is not None and found.live(sup):
+            return found
+        async with self._lock:
+            found = self.sessions.get((workflow_id, run_id))
+            if found is not None and found.live(sup):
+                return found
+            session = _Session(workflow_id, run_id)
+            client = temporalio.activity.client()
+
+            async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
+                session.ctx = ctx
+                session.ready.set()
+                return await _until_closed(client, session)
+
+            agent = Agent(f"temporal:{workflow_type}", body,
+                          tuple(self.surface.values()))
+            head = await sup.journal.peek(queue.task_head, task_of(workflow_id))
+            if head is None:
+                session.handle = await sup.delegate(agent, workflow_id, run_id,
+                                                    task_id=task_of(workflow_id))
+            else:
+                session.handle = await self._redelegate(head, agent, run_id)
+            await session.ready.wait()
+            self.sessions[(workflow_id, run_id)] = session
+            return session
+
+    async def _redelegate(self, head: DelegationRow, agent: Agent, run_id: str) -> Handle:
+        """A run of a workflow id the journal knows: a new epoch of its task (completed calls
+        replay by key), unless this very run was recalled or terminated."""
+        sup = self.sup
+        if head.fenced and run_of(head) == run_id:
+            raise _refused(f"workflow run {run_id} was recalled or terminated "
+                           f"(delegation {head.id} is fenced)")
+        if not head.fenced and not head.state.terminal:
+            if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
+                raise _refused(f"delegation {head.id} of this workflow is hosted by another "
+                               "worker process", BUSY)
+            await sup.recover_delegation(head, "owner is gone")
+            head = await sup.journal.get(head.id)
+        # As Handle.redelegate: the new epoch trusts the old records only if they verify.
+        await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
+                                     f"re-delegate {head.id}")
+        args = (head.args["args"][0], run_id)
+        try:
+            row = await sup.journal.create_delegation(NewDelegation(
+                id=new_id("d"), task_id=head.task_id, parent_id=None, attempt=head.attempt,
+                agent=agent.name, surface=tuple(check_surface(agent.tools, agent.name)),
+                args=child_payload(args, {}, agent.name), owner_id=sup.owner_id,
+                now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
+        except StaleEpoch:  # another worker moved the task first
+            raise _refused(f"task {head.task_id} moved to a new epoch elsewhere", BUSY) from None
+        surface = check_surface(agent.tools, agent.name)
+        run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
+        return Handle.for_run(sup, run)
+
+    async def close(self) -> None:
+        """The worker stopped: each session ends here without a fence, so that a later
+        activity of its run, on another worker, continues at a new epoch."""
+        for session in self.sessions.values():
+            session.stopped.set()
+        handles = [s.handle for s in self.sessions.values() if s.handle is not None]
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                await handle.wait()
+        self.sessions.clear()
+
+
+async def _until_closed(client: temporalio.client.Client, session: _Session) -> str:
+    """The session's life: until its workflow run closes (its status then), or this worker
+    stops (``worker stopped``)."""
+    handle = client.get_workflow_handle(session.workflow_id, run_id=session.run_id)
+    result = asyncio.ensure_future(handle.result(follow_runs=False))
+    stopped = asyncio.ensure_future(session.stopped.wait())
+    try:
+        await asyncio.wait([result, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (result, stopped):
+            waiter.cancel()
+        await asyncio.gather(result, stopped, return_exceptions=True)
+    if not result.done() or result.cancelled():
+        return "worker stopped"
+    status = (await handle.describe()).status
+    return status.name if status is not None else "CLOSED"
+
+
+class _Interceptor(temporalio.worker.Interceptor):
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def intercept_activity(self, next: temporalio.worker.ActivityInboundInterceptor
+                           ) -> temporalio.worker.ActivityInboundInterceptor:
+        return _Inbound(next, self.host)
+
+
+class _Inbound(temporalio.worker.ActivityInboundInterceptor):
+    def __init__(self, next: temporalio.worker.ActivityInboundInterceptor, host: Host) -> None:
+        super().__init__(next)
+        self.host = host
+
+    async def execute_activity(self, input: temporalio.worker.ExecuteActivityInput) -> Any:
+        return await self.host.call(self.next, input)
+
+
+class Plugin(temporalio.plugin.SimplePlugin):
+    """tether on a Temporal worker: ``Worker(client, ..., plugins=[Plugin(sup, tools=[...])])``.
+
+    Registers each tool as an activity of its name, and runs every activity of the worker
+    through tether's gateway on ``supervisor``'s journal: a declared tool with its effect and
+    probe, any other activity as EXTERNAL with no probe."""
+
+    def __init__(self, supervisor: Supervisor, *, tools: Sequence[Tool] = ()) -> None:
+        self.host = Host(supervisor, tools)
+        declared = [activity(t) for t in self.host.declared.values() if isinstance(t, Tool)]
+        super().__init__("tether.temporal", interceptors=[_Interceptor(self.host)],
+                         activities=self._activities(declared), run_context=self._running)
+
+    def _activities(self, declared: list[Callable[..., Awaitable[Any]]]
+                    ) -> Callable[[Sequence[Callable[..., Any]] | None],
+                                  Sequence[Callable[..., Any]]]:
+        def configure(given: Sequence[Callable[..., Any]] | None) -> Sequence[Callable[..., Any]]:
+            every = [*(given or ()), *declared]
+            self.host.learn(every)
+            return every
+
+        return configure
+
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        if not self.host.sup.is_open:
+            raise UserError("tether.temporal.Plugin: the supervisor is not open: run the "
+                            "worker inside 'async with Supervisor(...)'")
+        try:
+            yield
+        finally:
+            await self.host.close()

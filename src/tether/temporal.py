@@ -1,0 +1,25 @@
+"""tether on Temporal (``pip install 'tether[temporal]'``): a workflow run is a delegation.
+
+Worker: ``Worker(client, task_queue=..., workflows=[...], plugins=[Plugin(sup, tools=[refund])])``
+runs every activity through tether's gateway (intent journaled first, fenced, keyed by the
+workflow id and the activity's place, receipt recorded); each tool is registered as an activity
+of its name.
+"""
+
+from __future__ import annotations
+
+try:
+    from tether._integrations.temporal_worker import (
+        Plugin,
+        activity,
+        idempotency_key,
+        task_of,
+    )
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
+    if exc.name is None or not exc.name.startswith("temporalio"):
+        raise
+    raise ModuleNotFoundError(
+        "tether.temporal needs the Temporal SDK: pip install 'tether[temporal]'",
+        name=exc.name) from None
+
+__all__ = ["Plugin", "activity", "idempotency_key", "task_of"]

@@ -1,0 +1,47 @@
+"""Workflows for the Temporal tests. Workflow code runs in Temporal's sandbox, which imports
+this module again: it imports Temporal's SDK alone, and names activities by their names."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+
+RETRIES = RetryPolicy(initial_interval=timedelta(milliseconds=100), backoff_coefficient=1.0,
+                      maximum_attempts=5)
+
+
+@workflow.defn
+class Refund:
+    """One refund by the activity named ``activity`` (tether's tool, or a naive one)."""
+
+    @workflow.run
+    async def run(self, activity: str, order_id: str, cents: int) -> str:
+        ref: str = await workflow.execute_activity(
+            activity, args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=2), retry_policy=RETRIES)
+        return ref
+
+
+@workflow.defn
+class TwoRefunds:
+    """A refund, then a second one once signalled ``go``: a step after a recall."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, first: str, second: str) -> list[str]:
+        refs: list[str] = [await workflow.execute_activity(
+            "refund", args=[first, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)]
+        await workflow.wait_condition(lambda: self.go)
+        refs.append(await workflow.execute_activity(
+            "refund", args=[second, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES))
+        return refs
