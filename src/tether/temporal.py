@@ -3,12 +3,14 @@
 Worker: ``Worker(client, task_queue=..., workflows=[...], plugins=[Plugin(sup, tools=[refund])])``
 runs every activity through tether's gateway (intent journaled first, fenced, keyed by the
 workflow id and the activity's place, receipt recorded); each tool is registered as an activity
-of its name.
+of its name. Orchestrator: ``await recall(handle, supervisor=sup, grace=5.0, reason=...)`` or
+``terminate(handle, ...)`` returns the same ``tether.Report`` as a local recall.
 """
 
 from __future__ import annotations
 
 try:
+    from tether._integrations.temporal_control import recall, terminate
     from tether._integrations.temporal_worker import (
         Plugin,
         activity,
@@ -22,4 +24,4 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the e
         "tether.temporal needs the Temporal SDK: pip install 'tether[temporal]'",
         name=exc.name) from None
 
-__all__ = ["Plugin", "activity", "idempotency_key", "task_of"]
+__all__ = ["Plugin", "activity", "idempotency_key", "recall", "task_of", "terminate"]

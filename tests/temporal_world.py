@@ -1,0 +1,106 @@
+"""The world of the Temporal tests: a payment provider with its own ledger, the tether tool
+and the naive activities over it, a worker with or without tether's plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.worker import Worker
+
+import tether
+import tether.temporal
+from tests.conftest import ONE_CLOCK
+from tests.temporal_flows import Refund, TwoRefunds
+from tether.testing import PaymentService
+
+
+class Provider:
+    """A payment provider with its own ledger (it honours idempotency keys, as real ones do),
+    the tether tool over it, and a naive activity that calls it the way Temporal users do
+    without tether: a fresh key per call."""
+
+    def __init__(self) -> None:
+        self.pay = PaymentService(latency=0.0)
+        self.keys: list[str] = []  # the key of every call that reached the tool
+        self.reject_first = 0  # this many calls are refused by the provider before applying
+        self.lose_reply = 0  # this many calls apply, then their reply is lost
+        self.hold: asyncio.Event | None = None  # when set, replies wait for it (after applying)
+        pay = self.pay
+
+        @tether.tool(effect=tether.Effect.EXTERNAL, probe=pay.lookup, dispatch_deadline=2.0)
+        async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+            self.keys.append(idempotency_key)
+            if self.reject_first > 0:
+                self.reject_first -= 1
+                raise tether.ToolRejected("card network unavailable; nothing was sent")
+            ref = await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+            if self.lose_reply > 0:
+                self.lose_reply -= 1
+                raise ConnectionResetError("the provider's reply was lost")
+            if self.hold is not None:
+                await self.hold.wait()
+            return ref
+
+        @activity.defn(name="naive_refund")
+        async def naive_refund(order_id: str, cents: int) -> str:
+            key = str(uuid.uuid4())  # what a call without tether has: nothing stable
+            self.keys.append(key)
+            ref = await pay.refund(order_id, cents, idempotency_key=key)
+            while self.hold is not None and not self.hold.is_set():
+                activity.heartbeat()  # how Temporal delivers a cancel to an activity
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.hold.wait(), 0.2)
+            return ref
+
+        @activity.defn(name="keyed_refund")
+        async def keyed_refund(order_id: str, cents: int) -> str:
+            """Not a tether tool (so EXTERNAL), but it hands its provider tether's key."""
+            key = tether.temporal.idempotency_key()
+            self.keys.append(key)
+            return await pay.refund(order_id, cents, idempotency_key=key)
+
+        self.refund = refund
+        self.naive_refund = naive_refund
+        self.keyed_refund = keyed_refund
+
+
+@contextlib.asynccontextmanager
+async def worker(client: Client, sup: tether.Supervisor | None,
+                 provider: Provider) -> AsyncIterator[str]:
+    """A worker on a task queue of its own (its name is yielded): with tether's plugin on
+    ``sup``'s journal, or, with no supervisor, plain Temporal (the naive runs)."""
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
+    async with Worker(client, task_queue=queue, workflows=[Refund, TwoRefunds],
+                      activities=[provider.naive_refund, provider.keyed_refund],
+                      plugins=plugins):
+        yield queue
+
+
+def supervisor(url: str, provider: Provider) -> tether.Supervisor:
+    return tether.Supervisor(url, policy=ONE_CLOCK, tools=[provider.refund])
+
+
+async def start_refund(client: Client, queue: str, workflow_id: str, activity_name: str = "refund",
+                       order: str = "A-1") -> WorkflowHandle[Any, Any]:
+    return await client.start_workflow(
+        Refund.run, args=[activity_name, order, 1250], id=workflow_id, task_queue=queue,
+        id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE)
+
+
+def keys_of(report: tether.Report) -> list[str]:
+    return [a.idempotency_key for a in report.actions]
+
+
+async def actions(sup: tether.Supervisor, workflow_id: str) -> Sequence[tether.ActionRecord]:
+    await sup.journal.flush()
+    rows = [d for d in await sup.journal.delegations()
+            if d.task_id == tether.temporal.task_of(workflow_id)]
+    return await sup.journal.actions([d.id for d in rows])

@@ -1,0 +1,169 @@
+"""Seed 000's three failure modes on Temporal, each done the way Temporal users do it today
+(cancel the workflow, run it again) and with ``tether.temporal``, judged by the provider's own
+ledger. The worker and the orchestrator hold supervisors of their own on one journal, as two
+processes would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
+
+import tether
+import tether.temporal
+from tests.conftest import events_of
+from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
+
+
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture
+def provider() -> Provider:
+    return Provider()
+
+
+@contextlib.asynccontextmanager
+async def both(url: str, provider: Provider
+               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
+    """The worker's supervisor, then the orchestrator's, on one journal."""
+    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
+        yield host, boss
+
+
+async def closed(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
+    """The run's status once it has closed."""
+    with contextlib.suppress(WorkflowFailureError):
+        await handle.result()
+    return (await handle.describe()).status
+
+
+async def test_a_recalled_workflow_run_again_refunds_once_with_tether_twice_without(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """(1) Ghost action: the run is recalled mid-refund, the refund finishes anyway, and the
+    orchestrator, believing it stopped, runs the workflow again. Plain Temporal: a second
+    refund. tether: the recall let the refund finish within its grace and reported it, and
+    the new run replays it by key."""
+    pay = provider.pay
+    async with worker(client, None, provider) as queue:
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "naive-ghost", "naive_refund", "N-1")
+        await pay.applied()
+        await handle.cancel()  # the recall a Temporal user has
+        assert await closed(handle) is WorkflowExecutionStatus.CANCELED
+        provider.hold = None
+        await (await start_refund(client, queue, "naive-ghost", "naive_refund", "N-1")).result()
+        assert pay.refund_count("N-1") == 2  # the customer is refunded twice
+
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        drained = events_of(host)
+        pay.mark()
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "wf-ghost", order="T-1")
+        await pay.applied()
+        (call,) = await actions(boss, "wf-ghost")
+        recall = asyncio.create_task(tether.temporal.recall(
+            handle, supervisor=boss, grace=10.0, reason="customer withdrew"))
+        await drained("drain", call.delegation_id).wait()  # fenced; the refund is in flight
+        provider.hold.set()  # and it finishes within the grace window
+        report = await recall
+        assert report.outcome is tether.DelegationState.RECALLED
+        assert [a.idempotency_key for a in report.completed] == ["temporal:wf-ghost:refund:1"]
+        # Cancelled, or done first: its one refund finished within the grace window.
+        assert await closed(handle) in (WorkflowExecutionStatus.CANCELED,
+                                        WorkflowExecutionStatus.COMPLETED)
+        again = await start_refund(client, queue, "wf-ghost", order="T-1")
+        assert await again.result() == report.completed[0].result  # replayed, not paid
+        assert pay.refund_count("T-1") == 1 == len(report.completed)
+
+
+async def test_a_cut_refund_whose_reply_was_lost_is_reported_completed_not_cancelled(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """(2) Lost receipt: the provider applied the refund, and the workflow is stopped before
+    the reply comes back. Plain Temporal: the activity is cancelled, the run CANCELED, and no
+    record says the money moved. tether: terminate cuts the call, which is then in doubt;
+    the probe asks the provider, and the report says COMPLETED with its evidence."""
+    pay = provider.pay
+    async with worker(client, None, provider) as queue:
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "naive-lost", "naive_refund", "N-2")
+        await pay.applied()
+        await handle.cancel()
+        assert await closed(handle) is WorkflowExecutionStatus.CANCELED  # "nothing happened"
+        assert pay.refund_count("N-2") == 1  # yet the money moved
+
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        pay.mark()
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "wf-lost", order="T-2")
+        await pay.applied()
+        report = await tether.temporal.terminate(handle, supervisor=boss, reason="cut it")
+        assert report.outcome is tether.DelegationState.RECONCILED
+        (done,) = report.completed
+        assert done.idempotency_key == "temporal:wf-lost:refund:1"
+        assert done.evidence is not None and done.evidence["provider_ref"] == \
+            pay.entries("T-2")[0].ref
+        # Terminated, or failed first by the cut activity's refusal.
+        assert await closed(handle) in (WorkflowExecutionStatus.TERMINATED,
+                                        WorkflowExecutionStatus.FAILED)
+        assert pay.refund_count("T-2") == 1 == len(report.completed)
+
+
+async def test_two_orchestrators_recall_and_run_a_workflow_again_and_one_refund_happens(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """(3) Recall race: two orchestrators recall the same run at once, then each runs the
+    workflow again. Plain Temporal: each new run refunds. tether: one recall intent is
+    accepted (the other is told the current sequence, or finds it recalled), and every new
+    run replays the first refund."""
+    pay = provider.pay
+    async with worker(client, None, provider) as queue:
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "naive-race", "naive_refund", "N-3")
+        await pay.applied()
+        await asyncio.gather(handle.cancel(), handle.cancel())
+        await closed(handle)
+        provider.hold = None
+        for _ in range(2):
+            await (await start_refund(client, queue, "naive-race", "naive_refund",
+                                      "N-3")).result()
+        assert pay.refund_count("N-3") == 3
+
+    async with both(journal_url, provider) as (host, boss), \
+            supervisor(journal_url, provider) as rival, \
+            worker(client, host, provider) as queue:
+        pay.mark()
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "wf-race", order="T-3")
+        await pay.applied()
+        (call,) = await actions(boss, "wf-race")
+        racing = [asyncio.create_task(tether.temporal.recall(
+            handle, supervisor=who, grace=10.0, reason=f"orchestrator {n}"))
+            for n, who in enumerate((boss, rival))]
+        await events_of(host)("drain", call.delegation_id).wait()
+        provider.hold.set()
+        outcomes = await asyncio.gather(*racing, return_exceptions=True)
+        reports = [o for o in outcomes if isinstance(o, tether.Report)]
+        assert reports, outcomes
+        for other in outcomes:
+            if not isinstance(other, tether.Report):
+                assert isinstance(other, tether.ControlRefused), other
+                assert "sequence" in str(other) and "1" in str(other), other
+        assert len(await boss.journal.controls(call.delegation_id)) == 1  # one winner
+        for report in reports:
+            assert [a.tool for a in report.completed] == ["refund"]
+        for _ in range(2):
+            await (await start_refund(client, queue, "wf-race", order="T-3")).result()
+        assert pay.refund_count("T-3") == 1
