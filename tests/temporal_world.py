@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 from temporalio import activity
@@ -72,15 +73,17 @@ class Provider:
 
 
 @contextlib.asynccontextmanager
-async def worker(client: Client, sup: tether.Supervisor | None,
-                 provider: Provider) -> AsyncIterator[str]:
-    """A worker on a task queue of its own (its name is yielded): with tether's plugin on
-    ``sup``'s journal, or, with no supervisor, plain Temporal (the naive runs)."""
-    queue = f"q-{uuid.uuid4().hex[:12]}"
+async def worker(client: Client, sup: tether.Supervisor | None, provider: Provider,
+                 queue: str | None = None) -> AsyncIterator[str]:
+    """A worker on ``queue`` (by default a task queue of its own; its name is yielded): with
+    tether's plugin on ``sup``'s journal, or, with no supervisor, plain Temporal."""
+    queue = queue or f"q-{uuid.uuid4().hex[:12]}"
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue, workflows=[Refund, TwoRefunds],
                       activities=[provider.naive_refund, provider.keyed_refund],
-                      plugins=plugins):
+                      plugins=plugins,
+                      # a run whose worker stopped goes on at another within a second
+                      sticky_queue_schedule_to_start_timeout=timedelta(seconds=1)):
         yield queue
 
 

@@ -97,3 +97,32 @@ async def test_an_activity_that_is_no_tether_tool_is_journaled_as_external(
         assert done.args == {"args": ["A-1", 1250]} and done.result == ref
         assert provider.keys == [done.idempotency_key] == ["temporal:wf-plain:keyed_refund:1"]
         assert [e.key for e in provider.pay.entries("A-1")] == provider.keys
+
+
+async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A worker that stops ends its sessions without a fence: the run's next activity, on
+    another worker process, re-delegates its task at the next epoch and goes on; nothing it
+    did before is done again."""
+    async with supervisor(journal_url, provider) as first, \
+            worker(client, first, provider) as queue:
+        handle = await client.start_workflow(TwoRefunds.run, args=["M-1", "M-2"],
+                                             id="wf-move", task_queue=queue)
+        await until(lambda: provider.pay.refund_count("M-1") == 1, "the first refund")
+    async with supervisor(journal_url, provider) as second, \
+            worker(client, second, provider, queue):
+        await handle.signal(TwoRefunds.proceed)
+        refs = await handle.result()
+        assert [provider.pay.refund_count(o) for o in ("M-1", "M-2")] == [1, 1]
+        assert provider.keys == ["temporal:wf-move:refund:1", "temporal:wf-move:refund:2"]
+        done = await actions(second, "wf-move")
+        assert [a.result for a in done] == refs
+        moved = done[1].delegation_id  # the new epoch's: it ends when its run has closed
+        await until(lambda: second.runtime(moved) is None, "the second session's end")
+        await second.journal.flush()
+        rows = sorted((d for d in await second.journal.delegations()
+                       if d.task_id == "temporal:wf-move"), key=lambda d: d.epoch)
+        assert [(d.epoch, d.state, d.control_seq, d.result) for d in rows] == [
+            (0, tether.DelegationState.SUCCEEDED, 0, "worker stopped"),
+            (1, tether.DelegationState.SUCCEEDED, 0, "COMPLETED")]
+        assert rows[1].id == moved and done[0].delegation_id == rows[0].id

@@ -13,7 +13,6 @@ try:
     from tether._integrations.temporal_control import recall, terminate
     from tether._integrations.temporal_worker import (
         Plugin,
-        activity,
         idempotency_key,
         task_of,
     )
@@ -24,4 +23,4 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the e
         "tether.temporal needs the Temporal SDK: pip install 'tether[temporal]'",
         name=exc.name) from None
 
-__all__ = ["Plugin", "activity", "idempotency_key", "recall", "task_of", "terminate"]
+__all__ = ["Plugin", "idempotency_key", "recall", "task_of", "terminate"]

@@ -257,31 +257,43 @@ class Host:
                 return found
             session = _Session(workflow_id, run_id)
             client = temporalio.activity.client()
+            key = (workflow_id, run_id)
 
             async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
                 session.ctx = ctx
                 session.ready.set()
-                return await _until_closed(client, session)
+                try:
+                    return await _until_closed(client, session)
+                finally:  # a long-lived worker keeps no record of the runs it served
+                    if self.sessions.get(key) is session:
+                        del self.sessions[key]
 
             agent = Agent(f"temporal:{workflow_type}", body,
                           tuple(self.surface.values()))
-            head = await sup.journal.peek(queue.task_head, task_of(workflow_id))
-            if head is None:
-                session.handle = await sup.delegate(agent, workflow_id, run_id,
-                                                    task_id=task_of(workflow_id))
-            else:
-                session.handle = await self._redelegate(head, agent, run_id)
-            await session.ready.wait()
-            self.sessions[(workflow_id, run_id)] = session
+            self.sessions[key] = session
+            try:
+                head = await sup.journal.peek(queue.task_head, task_of(workflow_id))
+                if head is None:
+                    session.handle = await sup.delegate(agent, workflow_id, run_id,
+                                                        task_id=task_of(workflow_id))
+                else:
+                    session.handle = await self._redelegate(head, agent, run_id)
+                await session.ready.wait()
+            except BaseException:
+                if self.sessions.get(key) is session:
+                    del self.sessions[key]
+                raise
             return session
 
     async def _redelegate(self, head: DelegationRow, agent: Agent, run_id: str) -> Handle:
         """A run of a workflow id the journal knows: a new epoch of its task (completed calls
         replay by key), unless this very run was recalled or terminated."""
         sup = self.sup
-        if head.fenced and run_of(head) == run_id:
+        # An ended delegation is fenced too; one that a control intent was accepted for has
+        # a sequence above 0, and only that one keeps its run out for good.
+        if head.control_seq > 0 and run_of(head) == run_id:
             raise _refused(f"workflow run {run_id} was recalled or terminated "
-                           f"(delegation {head.id} is fenced)")
+                           f"(delegation {head.id}, control sequence {head.control_seq})")
         if not head.fenced and not head.state.terminal:
             if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
                 raise _refused(f"delegation {head.id} of this workflow is hosted by another "
