@@ -3,6 +3,8 @@ this module again: it imports Temporal's SDK alone, and names activities by thei
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from datetime import timedelta
 
 from temporalio import workflow
@@ -45,3 +47,24 @@ class TwoRefunds:
             "refund", args=[second, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES))
         return refs
+
+
+@workflow.defn
+class RefundAnyway:
+    """Waits for ``proceed``, then refunds, even once cancelled: a step a fence must stop."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, order_id: str) -> str:
+        with contextlib.suppress(asyncio.CancelledError):  # goes on regardless
+            await workflow.wait_condition(lambda: self.go)
+        ref: str = await workflow.execute_activity(
+            "refund", args=[order_id, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        return ref

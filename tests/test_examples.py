@@ -34,6 +34,9 @@ async def run_example(name: str) -> str:
                                "provider ledger: [('A-1001', 1250)]"]),
     ("workers.py", ["queued task result: report on weekly numbers",
                     "recalled on the worker: RECALLED"]),
+    ("temporal_refund.py", ["naive Temporal: cancelled, run again; refunds applied: 2",
+                            "with tether: RECALLED [('refund', 'COMPLETED')], run again; "
+                            "refunds applied: 1"]),
 ])
 async def test_example_runs_offline(name: str, expected: list[str]) -> None:
     out = await run_example(name)

@@ -8,6 +8,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.exceptions import ActivityError, ApplicationError
 
 import tether
+import tether.temporal
 from tests.conftest import until
 from tests.temporal_flows import TwoRefunds
 from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
@@ -126,3 +127,18 @@ async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
             (0, tether.DelegationState.SUCCEEDED, 0, "worker stopped"),
             (1, tether.DelegationState.SUCCEEDED, 0, "COMPLETED")]
         assert rows[1].id == moved and done[0].delegation_id == rows[0].id
+
+
+async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
+        sqlite_url: str, provider: Provider) -> None:
+    with pytest.raises(tether.UserError, match=r"needs an open tether\.Supervisor"):
+        tether.temporal.Plugin("sqlite:///x.db")  # type: ignore[arg-type]
+    async with supervisor(sqlite_url, provider) as sup:
+        with pytest.raises(tether.UserError, match="not a tether tool"):
+            tether.temporal.Plugin(sup, tools=[print])  # type: ignore[list-item]
+        with pytest.raises(tether.UserError, match="expected a Temporal WorkflowHandle"):
+            await tether.temporal.recall("wf-1", supervisor=sup,  # type: ignore[arg-type]
+                                         grace=1.0)
+    handle = Client.__new__(Client).get_workflow_handle("wf-1")  # no server asked
+    with pytest.raises(tether.UserError, match=r"open tether\.Supervisor"):
+        await tether.temporal.terminate(handle, supervisor=sup)  # closed

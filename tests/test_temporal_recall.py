@@ -21,6 +21,7 @@ from temporalio.client import (
 import tether
 import tether.temporal
 from tests.conftest import events_of
+from tests.temporal_flows import RefundAnyway
 from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
 
 
@@ -167,3 +168,23 @@ async def test_two_orchestrators_recall_and_run_a_workflow_again_and_one_refund_
         for _ in range(2):
             await (await start_refund(client, queue, "wf-race", order="T-3")).result()
         assert pay.refund_count("T-3") == 1
+
+
+async def test_a_recall_before_any_activity_fences_the_run_before_temporal_hears_of_it(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    """A run none of whose activities reached tether has no delegation yet: the recall opens
+    one for it and fences it before the workflow is cancelled, so a step the workflow takes
+    anyway is refused. The report is a recall's: nothing ran."""
+    async with both(sqlite_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        handle = await client.start_workflow(RefundAnyway.run, args=["E-1"], id="wf-early",
+                                             task_queue=queue)
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=5.0,
+                                              reason="before it began")
+        assert (report.outcome, report.actions, report.task_id) == (
+            tether.DelegationState.RECALLED, (), "temporal:wf-early")
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        assert "recalled or terminated" in str(failed.value.cause.__cause__)
+        assert provider.keys == [] and provider.pay.refund_count("E-1") == 0
+        assert await actions(boss, "wf-early") == []

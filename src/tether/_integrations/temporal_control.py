@@ -8,18 +8,23 @@ Temporal, so that its in-flight activities got their grace and no new one can st
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import temporalio.client
 from temporalio.service import RPCError, RPCStatusCode
 
-from tether._core.errors import NotFound, UserError
+from tether._core.errors import UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
-from tether._integrations.temporal_worker import run_of, task_of
+from tether._integrations.temporal_worker import RunRefused, open_run, run_of, task_of
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
+from tether._runtime.gateway import Context
 from tether._runtime.supervisor import Supervisor
+from tether._runtime.tools import Agent
+
+_ATTEMPTS = 5  # a worker opening the run's delegation while this process does
 
 
 async def recall(handle: temporalio.client.WorkflowHandle[Any, Any], *, supervisor: Supervisor,
@@ -45,15 +50,6 @@ async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervi
     if not isinstance(reason, str):
         raise UserError("reason must be a string")
     row = await _delegation_of(sup, handle)
-    if row is None:
-        # No activity of this run reached tether yet: stop it in Temporal first, then look
-        # again, since an activity that started meanwhile journaled its run before it ran.
-        await _in_temporal(handle, kind, reason)
-        row = await _delegation_of(sup, handle)
-        if row is None:
-            raise NotFound(f"workflow {handle.id} ran no activity through tether: it was "
-                           f"{'cancelled' if kind is ControlKind.RECALL else 'terminated'} "
-                           "in Temporal, and the journal holds nothing of it")
     mine = sup.handle_for(row.id)
     if kind is ControlKind.RECALL:
         assert grace is not None
@@ -65,11 +61,36 @@ async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervi
 
 
 async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]
-                         ) -> DelegationRow | None:
-    head = await sup.journal.peek(queue.task_head, task_of(handle.id))
-    if head is None or (handle.run_id is not None and run_of(head) != handle.run_id):
-        return None
-    return head
+                         ) -> DelegationRow:
+    """The run's delegation. When no activity of the run has reached tether yet, this process
+    opens one for it (its body only waits to be stopped), so that the fence stands in the
+    journal before Temporal hears of the recall: an activity that starts afterwards is refused
+    as any activity of a recalled run is."""
+    described = None
+    run_id = handle.run_id
+    if run_id is None:  # a handle on the workflow id: its latest run
+        described = await handle.describe()
+        run_id = described.run_id
+    for _ in range(_ATTEMPTS):
+        head = await sup.journal.peek(queue.task_head, task_of(handle.id))
+        if head is not None and run_of(head) == run_id:
+            return head
+        described = described or await handle.describe()
+        agent = Agent(f"temporal:{described.workflow_type}", _held)
+        try:
+            opened = await open_run(sup, handle.id, run_id, agent)
+        except RunRefused as exc:
+            if not exc.retry:
+                raise
+            continue  # a worker opened it (or moved the task) first: look again
+        return await sup.journal.get(opened.id)
+    raise UserError(f"workflow {handle.id}: its task kept moving while this recall looked "
+                    "for the run's delegation; try again")
+
+
+async def _held(ctx: Context, workflow_id: str, run_id: str) -> None:
+    """The body of a run's delegation opened by its orchestrator: nothing runs in it."""
+    await asyncio.Event().wait()
 
 
 async def _in_temporal(handle: temporalio.client.WorkflowHandle[Any, Any], kind: ControlKind,

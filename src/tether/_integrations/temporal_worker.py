@@ -31,7 +31,14 @@ import temporalio.plugin
 import temporalio.worker
 from temporalio.exceptions import ApplicationError
 
-from tether._core.errors import ControlSignal, KeyInUse, StaleEpoch, ToolRejected, UserError
+from tether._core.errors import (
+    ControlSignal,
+    KeyInUse,
+    StaleEpoch,
+    TetherError,
+    ToolRejected,
+    UserError,
+)
 from tether._core.model import Effect
 from tether._core.redispatch import UNRESTRICTED
 from tether._journal import queue
@@ -272,49 +279,14 @@ class Host:
                           tuple(self.surface.values()))
             self.sessions[key] = session
             try:
-                head = await sup.journal.peek(queue.task_head, task_of(workflow_id))
-                if head is None:
-                    session.handle = await sup.delegate(agent, workflow_id, run_id,
-                                                        task_id=task_of(workflow_id))
-                else:
-                    session.handle = await self._redelegate(head, agent, run_id)
+                session.handle = await open_run(sup, workflow_id, run_id, agent)
                 await session.ready.wait()
-            except BaseException:
-                if self.sessions.get(key) is session:
+            except RunRefused as exc:
+                raise _refused(str(exc), BUSY if exc.retry else REFUSED) from None
+            finally:
+                if not session.ready.is_set() and self.sessions.get(key) is session:
                     del self.sessions[key]
-                raise
             return session
-
-    async def _redelegate(self, head: DelegationRow, agent: Agent, run_id: str) -> Handle:
-        """A run of a workflow id the journal knows: a new epoch of its task (completed calls
-        replay by key), unless this very run was recalled or terminated."""
-        sup = self.sup
-        # An ended delegation is fenced too; one that a control intent was accepted for has
-        # a sequence above 0, and only that one keeps its run out for good.
-        if head.control_seq > 0 and run_of(head) == run_id:
-            raise _refused(f"workflow run {run_id} was recalled or terminated "
-                           f"(delegation {head.id}, control sequence {head.control_seq})")
-        if not head.fenced and not head.state.terminal:
-            if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
-                raise _refused(f"delegation {head.id} of this workflow is hosted by another "
-                               "worker process", BUSY)
-            await sup.recover_delegation(head, "owner is gone")
-            head = await sup.journal.get(head.id)
-        # As Handle.redelegate: the new epoch trusts the old records only if they verify.
-        await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
-                                     f"re-delegate {head.id}")
-        args = (head.args["args"][0], run_id)
-        try:
-            row = await sup.journal.create_delegation(NewDelegation(
-                id=new_id("d"), task_id=head.task_id, parent_id=None, attempt=head.attempt,
-                agent=agent.name, surface=tuple(check_surface(agent.tools, agent.name)),
-                args=child_payload(args, {}, agent.name), owner_id=sup.owner_id,
-                now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
-        except StaleEpoch:  # another worker moved the task first
-            raise _refused(f"task {head.task_id} moved to a new epoch elsewhere", BUSY) from None
-        surface = check_surface(agent.tools, agent.name)
-        run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
-        return Handle.for_run(sup, run)
 
     async def close(self) -> None:
         """The worker stopped: each session ends here without a fence, so that a later
@@ -326,6 +298,57 @@ class Host:
             with contextlib.suppress(Exception):
                 await handle.wait()
         self.sessions.clear()
+
+
+class RunRefused(TetherError):
+    """This process may not open a delegation for the workflow run; ``retry``: it may later
+    (another live process hosts the run's task, or moved it on first)."""
+
+    def __init__(self, why: str, *, retry: bool = False) -> None:
+        super().__init__(why)
+        self.retry = retry
+
+
+async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent) -> Handle:
+    """Start the run's delegation in ``sup``: epoch 0 of a task the journal does not know, else
+    the task's next epoch, whose completed calls replay by key (as ``Handle.redelegate``);
+    never for a run a control intent was accepted for. Two processes opening one task race
+    in the journal (the task's insert, the epoch's compare-and-set): one wins."""
+    task = task_of(workflow_id)
+    head = await sup.journal.peek(queue.task_head, task)
+    if head is None:
+        try:
+            return await sup.delegate(agent, workflow_id, run_id, task_id=task)
+        except UserError as exc:
+            if await sup.journal.peek(queue.task_head, task) is None:
+                raise
+            # The task's row was inserted first elsewhere.
+            raise RunRefused(str(exc), retry=True) from None
+    # An ended delegation is fenced too; one that a control intent was accepted for has a
+    # sequence above 0, and only that one keeps its run out for good.
+    if head.control_seq > 0 and run_of(head) == run_id:
+        raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
+                         f"{head.id}, control sequence {head.control_seq})")
+    if not head.fenced and not head.state.terminal:
+        if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
+            raise RunRefused(f"delegation {head.id} of workflow {workflow_id} is hosted by "
+                             "another live process", retry=True)
+        await sup.recover_delegation(head, "owner is gone")
+        head = await sup.journal.get(head.id)
+    # The new epoch trusts the old records only if they verify.
+    await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
+                                 f"re-delegate {head.id}")
+    args = (workflow_id, run_id)
+    surface = check_surface(agent.tools, agent.name)
+    try:
+        row = await sup.journal.create_delegation(NewDelegation(
+            id=new_id("d"), task_id=task, parent_id=None, attempt=head.attempt,
+            agent=agent.name, surface=tuple(surface), args=child_payload(args, {}, agent.name),
+            owner_id=sup.owner_id, now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
+    except StaleEpoch:
+        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
+    run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
+    return Handle.for_run(sup, run)
 
 
 async def _until_closed(client: temporalio.client.Client, session: _Session) -> str:
