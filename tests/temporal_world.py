@@ -4,6 +4,7 @@ and the naive activities over it, a worker with or without tether's plugin."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -67,9 +68,19 @@ class Provider:
             self.keys.append(key)
             return await pay.refund(order_id, cents, idempotency_key=key)
 
+        @activity.defn(name="ledger_note")
+        def ledger_note(order_id: str, cents: int) -> str:
+            """A plain (not async) activity, run in the worker's thread pool."""
+            self.keys.append(tether.temporal.idempotency_key())
+            return f"noted {order_id}"
+
         self.refund = refund
+        self.ledger_note = ledger_note
         self.naive_refund = naive_refund
         self.keyed_refund = keyed_refund
+
+
+_THREADS = concurrent.futures.ThreadPoolExecutor(4)  # for the activities that are not async
 
 
 @contextlib.asynccontextmanager
@@ -80,8 +91,9 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     queue = queue or f"q-{uuid.uuid4().hex[:12]}"
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue, workflows=[Refund, TwoRefunds, RefundAnyway],
-                      activities=[provider.naive_refund, provider.keyed_refund],
-                      plugins=plugins,
+                      activities=[provider.naive_refund, provider.keyed_refund,
+                                  provider.ledger_note],
+                      activity_executor=_THREADS, plugins=plugins,
                       # a run whose worker stopped goes on at another within a second
                       sticky_queue_schedule_to_start_timeout=timedelta(seconds=1)):
         yield queue

@@ -142,3 +142,16 @@ async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
     handle = Client.__new__(Client).get_workflow_handle("wf-1")  # no server asked
     with pytest.raises(tether.UserError, match=r"open tether\.Supervisor"):
         await tether.temporal.terminate(handle, supervisor=sup)  # closed
+
+
+async def test_a_plain_function_activity_opens_its_run_and_gets_its_key(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    """A ``def`` activity (run in a thread) as a run's first step: it opens the run's
+    delegation like any other (the SDK offers no client to such an activity) and reads its
+    key from the thread."""
+    async with supervisor(sqlite_url, provider) as sup, worker(client, sup, provider) as queue:
+        handle = await start_refund(client, queue, "wf-sync", "ledger_note")
+        assert await handle.result() == "noted A-1"
+        (done,) = await actions(sup, "wf-sync")
+        assert (done.tool, done.state) == ("ledger_note", tether.ActionState.COMPLETED)
+        assert provider.keys == ["temporal:wf-sync:ledger_note:1"]

@@ -186,6 +186,9 @@ class Host:
         # probe and deadline, forwarding to Temporal's chain; filled in by ``learn``.
         self.surface: dict[str, Tool | str] = {}
         self.sessions: dict[tuple[str, str], _Session] = {}
+        # The worker's client, which each session watches its run with (the SDK offers one
+        # to ``async def`` activities only); set as the worker is configured.
+        self.client: temporalio.client.Client | None = None
         self._lock = asyncio.Lock()
 
     def learn(self, activities: Sequence[Callable[..., Any]]) -> None:
@@ -263,7 +266,7 @@ class Host:
             if found is not None and found.live(sup):
                 return found
             session = _Session(workflow_id, run_id)
-            client = temporalio.activity.client()
+            client = self.client or temporalio.activity.client()
             key = (workflow_id, run_id)
 
             async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
@@ -399,6 +402,11 @@ class Plugin(temporalio.plugin.SimplePlugin):
         declared = [activity(t) for t in self.host.declared.values() if isinstance(t, Tool)]
         super().__init__("tether.temporal", interceptors=[_Interceptor(self.host)],
                          activities=self._activities(declared), run_context=self._running)
+
+    def configure_worker(self, config: temporalio.worker.WorkerConfig
+                         ) -> temporalio.worker.WorkerConfig:
+        self.host.client = config.get("client")
+        return super().configure_worker(config)
 
     def _activities(self, declared: list[Callable[..., Awaitable[Any]]]
                     ) -> Callable[[Sequence[Callable[..., Any]] | None],
