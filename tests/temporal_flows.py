@@ -68,3 +68,15 @@ class RefundAnyway:
             "refund", args=[order_id, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
         return ref
+
+
+@workflow.defn
+class RefundLocally:
+    """The refund as a local activity (run by the workflow's own worker, no task queue)."""
+
+    @workflow.run
+    async def run(self, order_id: str, cents: int) -> str:
+        ref: str = await workflow.execute_local_activity(
+            "refund", args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        return ref

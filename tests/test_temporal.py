@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 import tether
 import tether.temporal
 from tests.conftest import until
-from tests.temporal_flows import TwoRefunds
+from tests.temporal_flows import Refund, RefundLocally, TwoRefunds
 from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
 
 
@@ -155,3 +156,33 @@ async def test_a_plain_function_activity_opens_its_run_and_gets_its_key(
         (done,) = await actions(sup, "wf-sync")
         assert (done.tool, done.state) == ("ledger_note", tether.ActionState.COMPLETED)
         assert provider.keys == ["temporal:wf-sync:ledger_note:1"]
+
+
+async def test_a_local_activity_is_journaled_and_keyed_by_its_place_too(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    provider.reject_first = 1  # and its retry, done by the workflow's worker, keeps the key
+    async with supervisor(sqlite_url, provider) as sup, worker(client, sup, provider) as queue:
+        handle = await client.start_workflow(RefundLocally.run, args=["L-1", 1250],
+                                             id="wf-local", task_queue=queue)
+        ref = await handle.result()
+        assert provider.keys == ["temporal:wf-local:refund:1"] * 2
+        assert [(a.state, a.result) for a in await actions(sup, "wf-local")] == [
+            (tether.ActionState.FAILED, None), (tether.ActionState.COMPLETED, ref)]
+        assert provider.pay.refund_count("L-1") == 1
+
+
+async def test_a_run_of_a_workflow_id_with_other_arguments_is_refused_at_the_same_place(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    """A run of a workflow id is the same task: the call at the same place with other
+    arguments is refused (the Stripe rule), never paid as if it were new."""
+    async with supervisor(sqlite_url, provider) as sup, worker(client, sup, provider) as queue:
+        await (await start_refund(client, queue, "wf-args")).result()
+        other = await client.start_workflow(
+            Refund.run, args=["refund", "A-1", 9999], id="wf-args", task_queue=queue,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await other.result()
+        cause = failed.value.cause
+        assert isinstance(cause, ActivityError) and isinstance(cause.cause, ApplicationError)
+        assert cause.cause.non_retryable and "different arguments" in str(cause.cause)
+        assert [e.cents for e in provider.pay.entries("A-1")] == [1250]
