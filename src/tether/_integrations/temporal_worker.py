@@ -195,6 +195,8 @@ class Host:
         """The worker's activities: a declared tool's proxy keeps its effect and probe; any
         other activity is EXTERNAL, with no probe (fail closed, as everywhere in tether)."""
         for fn in activities:
+            # The SDK's private definition (within the pinned range, tested): it has no public
+            # way to read an activity's registered name.
             defn = temporalio.activity._Definition.from_callable(fn)
             if defn is None:
                 continue
