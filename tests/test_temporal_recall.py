@@ -20,7 +20,7 @@ from temporalio.client import (
 
 import tether
 import tether.temporal
-from tests.conftest import events_of
+from tests.conftest import events_of, until
 from tests.temporal_flows import RefundAnyway
 from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
 
@@ -188,3 +188,24 @@ async def test_a_recall_before_any_activity_fences_the_run_before_temporal_hears
         assert "recalled or terminated" in str(failed.value.cause.__cause__)
         assert provider.keys == [] and provider.pay.refund_count("E-1") == 0
         assert await actions(boss, "wf-early") == []
+
+
+async def test_a_recall_during_an_activity_retry_pays_once_and_reports_the_payment(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The refund applied and its reply was lost, so Temporal retries it, and the retry waits
+    on the call's key; a recall lands meanwhile. Whichever comes first, the call in doubt is
+    probed (applied), the report says so, and the retry never pays again."""
+    provider.lose_reply = 1
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        handle = await start_refund(client, queue, "wf-retrying", order="R-1")
+        await until(lambda: provider.lose_reply == 0, "the reply lost")
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=10.0,
+                                              reason="while it retries")
+        assert [(a.tool, a.state) for a in report.actions] == [
+            ("refund", tether.ActionState.COMPLETED)]
+        assert report.outcome in (tether.DelegationState.RECALLED,
+                                  tether.DelegationState.RECONCILED)
+        await closed(handle)
+        assert provider.keys == ["temporal:wf-retrying:refund:1"]
+        assert provider.pay.refund_count("R-1") == 1
