@@ -103,7 +103,7 @@ async def test_an_activity_that_is_no_tether_tool_is_journaled_as_external(
 
 async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
         client: Client, provider: Provider, journal_url: str) -> None:
-    """A worker that stops ends its sessions without a fence: the run's next activity, on
+    """A worker that stops ends its runs' delegations without a fence: the run's next activity, on
     another worker process, re-delegates its task at the next epoch and goes on; nothing it
     did before is done again."""
     async with supervisor(journal_url, provider) as first, \
@@ -120,7 +120,7 @@ async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
         done = await actions(second, "wf-move")
         assert [a.result for a in done] == refs
         moved = done[1].delegation_id  # the new epoch's: it ends when its run has closed
-        await until(lambda: second.runtime(moved) is None, "the second session's end")
+        await until(lambda: second.runtime(moved) is None, "the new epoch's end")
         await second.journal.flush()
         rows = sorted((d for d in await second.journal.delegations()
                        if d.task_id == "temporal:wf-move"), key=lambda d: d.epoch)

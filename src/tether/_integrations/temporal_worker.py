@@ -3,7 +3,7 @@
 A workflow run is a delegation, hosted by the worker process whose tether ``Supervisor`` first
 runs one of its activities: its task is ``temporal:<workflow id>``, so every run of one
 workflow id is the same task at a new epoch, and a new run replays by idempotency key what an
-earlier run completed. The delegation's body is a session (as the MCP proxy's is): it lives
+earlier run completed. The delegation's body only waits (as the MCP proxy's does): it lives
 until the run closes, and each activity is one ``ctx.call`` of it, so the gateway journals the
 intent before the activity's code runs, fences it, keys it, shields it from cancellation and
 records its receipt. Nothing here decides the protocol; it maps Temporal's calls onto the
@@ -64,7 +64,7 @@ def task_of(workflow_id: str) -> str:
 
 
 def run_of(row: DelegationRow) -> str | None:
-    """The workflow run a delegation hosts (its session's second argument)."""
+    """The workflow run a delegation hosts (its body's second argument)."""
     args = row.args.get("args") if isinstance(row.args, dict) else None
     return args[1] if isinstance(args, list) and len(args) == 2 else None
 
@@ -157,7 +157,7 @@ def _refused(why: str, kind: str = REFUSED) -> ApplicationError:
 
 
 @dataclass(eq=False)
-class _Session:
+class _Hosted:
     """One workflow run's delegation, hosted here."""
 
     workflow_id: str
@@ -172,7 +172,7 @@ class _Session:
 
 
 class Host:
-    """The sessions of one worker: the workflow runs whose activities this process runs."""
+    """The workflow runs whose delegations this worker process hosts."""
 
     def __init__(self, supervisor: Supervisor, tools: Sequence[Tool]) -> None:
         if not isinstance(supervisor, Supervisor):
@@ -185,8 +185,8 @@ class Host:
         # What the gateway calls: each activity as a proxy tool with its declared effect,
         # probe and deadline, forwarding to Temporal's chain; filled in by ``learn``.
         self.surface: dict[str, Tool | str] = {}
-        self.sessions: dict[tuple[str, str], _Session] = {}
-        # The worker's client, which each session watches its run with (the SDK offers one
+        self.runs: dict[tuple[str, str], _Hosted] = {}
+        # The worker's client, which each hosted run's body watches the run with (the SDK offers one
         # to ``async def`` activities only); set as the worker is configured.
         self.client: temporalio.client.Client | None = None
         self._lock = asyncio.Lock()
@@ -229,15 +229,15 @@ class Host:
                       else {"args": _json_args(input.args)})
         except UserError as exc:
             raise _refused(str(exc)) from None
-        session = await self._session(info.workflow_id, info.workflow_run_id,
+        hosted = await self._hosted(info.workflow_id, info.workflow_run_id,
                                       info.workflow_type or "workflow")
-        assert session.ctx is not None
+        assert hosted.ctx is not None
         # The call's place in its workflow: the same in every retry of the activity and in
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
-        key = f"{session.ctx.task_id}:{tool.name}:{info.activity_id}"
+        key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
         token = _PENDING.set(_Pending(next, input))
         try:
-            return await session.ctx.call(tool, idempotency_key=key, **kwargs)
+            return await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
         except ControlSignal as signal:
             raise _refused(f"{type(signal).__name__.lower()}: {signal}") from None
         except (UserError, KeyInUse) as exc:
@@ -250,7 +250,7 @@ class Host:
                 # workflow is told, and never retries it. (Cancelled by Temporal, the call
                 # runs on, shielded, and its receipt is kept.)
                 try:
-                    session.ctx.check()
+                    hosted.ctx.check()
                 except ControlSignal as signal:
                     raise _refused(f"{type(signal).__name__.lower()}: {signal}; the call's "
                                    "outcome is being reconciled") from None
@@ -258,51 +258,51 @@ class Host:
         finally:
             _PENDING.reset(token)
 
-    async def _session(self, workflow_id: str, run_id: str, workflow_type: str) -> _Session:
+    async def _hosted(self, workflow_id: str, run_id: str, workflow_type: str) -> _Hosted:
         sup = self.sup
-        found = self.sessions.get((workflow_id, run_id))
+        found = self.runs.get((workflow_id, run_id))
         if found is not None and found.live(sup):
             return found
         async with self._lock:
-            found = self.sessions.get((workflow_id, run_id))
+            found = self.runs.get((workflow_id, run_id))
             if found is not None and found.live(sup):
                 return found
-            session = _Session(workflow_id, run_id)
+            hosted = _Hosted(workflow_id, run_id)
             client = self.client or temporalio.activity.client()
             key = (workflow_id, run_id)
 
             async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
-                session.ctx = ctx
-                session.ready.set()
+                hosted.ctx = ctx
+                hosted.ready.set()
                 try:
-                    return await _until_closed(client, session)
+                    return await _until_closed(client, hosted)
                 finally:  # a long-lived worker keeps no record of the runs it served
-                    if self.sessions.get(key) is session:
-                        del self.sessions[key]
+                    if self.runs.get(key) is hosted:
+                        del self.runs[key]
 
             agent = Agent(f"temporal:{workflow_type}", body,
                           tuple(self.surface.values()))
-            self.sessions[key] = session
+            self.runs[key] = hosted
             try:
-                session.handle = await open_run(sup, workflow_id, run_id, agent)
-                await session.ready.wait()
+                hosted.handle = await open_run(sup, workflow_id, run_id, agent)
+                await hosted.ready.wait()
             except RunRefused as exc:
                 raise _refused(str(exc), BUSY if exc.retry else REFUSED) from None
             finally:
-                if not session.ready.is_set() and self.sessions.get(key) is session:
-                    del self.sessions[key]
-            return session
+                if not hosted.ready.is_set() and self.runs.get(key) is hosted:
+                    del self.runs[key]
+            return hosted
 
     async def close(self) -> None:
-        """The worker stopped: each session ends here without a fence, so that a later
-        activity of its run, on another worker, continues at a new epoch."""
-        for session in self.sessions.values():
-            session.stopped.set()
-        handles = [s.handle for s in self.sessions.values() if s.handle is not None]
+        """The worker stopped: each hosted run's delegation ends here without a fence, so
+        that a later activity of its run, on another worker, continues at a new epoch."""
+        for hosted in self.runs.values():
+            hosted.stopped.set()
+        handles = [s.handle for s in self.runs.values() if s.handle is not None]
         for handle in handles:
             with contextlib.suppress(Exception):
                 await handle.wait()
-        self.sessions.clear()
+        self.runs.clear()
 
 
 class RunRefused(TetherError):
@@ -356,12 +356,12 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     return Handle.for_run(sup, run)
 
 
-async def _until_closed(client: temporalio.client.Client, session: _Session) -> str:
-    """The session's life: until its workflow run closes (its status then), or this worker
+async def _until_closed(client: temporalio.client.Client, hosted: _Hosted) -> str:
+    """A hosted run's body: it lasts until its workflow run closes (its status then), or this worker
     stops (``worker stopped``)."""
-    handle = client.get_workflow_handle(session.workflow_id, run_id=session.run_id)
+    handle = client.get_workflow_handle(hosted.workflow_id, run_id=hosted.run_id)
     result = asyncio.ensure_future(handle.result(follow_runs=False))
-    stopped = asyncio.ensure_future(session.stopped.wait())
+    stopped = asyncio.ensure_future(hosted.stopped.wait())
     try:
         await asyncio.wait([result, stopped], return_when=asyncio.FIRST_COMPLETED)
     finally:
