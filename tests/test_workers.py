@@ -4,6 +4,7 @@ racing orchestrators, each with real `tether worker` processes on loopback (I2, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -323,4 +324,39 @@ async def test_a_worker_stops_even_when_its_renewal_answers_as_it_is_cancelled(
                     await renewing
             else:
                 await renewing
+            monkeypatch.undo()
+
+
+async def test_a_clock_read_the_journal_holds_does_not_hold_back_the_renewals(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each renewal the worker reads the server's clock. A read the journal does not
+    answer (a paused server) must not keep the next renewals waiting: that is how the worker
+    learns within its lease, not after the read's own bound, that the journal is gone."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    keys = tether.KeyRing.load_or_init(tmp_path / "keys")
+    async with tether.Worker(url, remote_agents.AGENTS, lease=1.0, keys=keys) as w:
+        renewed = asyncio.Event()
+        renewals = 0
+
+        async def renew_lease(*args: object, **kwargs: object) -> bool:
+            nonlocal renewals
+            renewals += 1
+            if renewals >= 3:
+                renewed.set()
+            return True
+
+        async def server_time() -> float:
+            await asyncio.Event().wait()  # never answered
+            raise AssertionError("unreachable")
+
+        monkeypatch.setattr(w.supervisor.journal, "renew_lease", renew_lease)
+        monkeypatch.setattr(w.supervisor.journal, "server_time", server_time)
+        beat = asyncio.create_task(w._keep_lease())
+        try:
+            async with asyncio.timeout(30):  # a bound on a condition; a tenth of a second each
+                await renewed.wait()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
             monkeypatch.undo()

@@ -253,13 +253,23 @@ class Worker:
             self._stopping.set()
 
     async def _keep_lease(self) -> None:
+        loop = asyncio.get_running_loop()
+        every = self.lease / RENEWALS
+        due = loop.time() + every
         while True:
             # Real time: a lease is about this process being alive, not about any clock.
             # Often, so that at least nine tenths of it are left when the journal goes away:
             # that is how long an outage the worker rides through.
-            await asyncio.sleep(self.lease / RENEWALS)
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            due = loop.time() + every
             await self._renew()
-            await self._check_clock(renewing=True)
+            try:
+                # At most until the next renewal: a read the journal holds (a paused server)
+                # held the renewals back for the read's own bound, seconds past the lease.
+                async with asyncio.timeout(every):
+                    await self._check_clock(renewing=True)
+            except TimeoutError:
+                pass  # nothing learnt; the next renewal says whether the journal is there
 
     async def _renew(self) -> None:
         """Renew before the lease this worker knows it holds runs out (``_lease_ends``, on
