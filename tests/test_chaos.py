@@ -179,8 +179,9 @@ def test_plans_follow_from_the_seed_and_old_records_still_load() -> None:
 
 
 def test_a_hung_orchestrator_leaves_its_threads_stacks(tmp_path: Path) -> None:
-    """Before a hung trial's orchestrator is killed it is asked for every thread's stack
-    (faulthandler on SIGUSR1), so that the record says where it waited."""
+    """Before a hung trial's process is killed it is asked (SIGUSR1, ``_chaos.stacks``) for
+    every thread's stack and every asyncio task's, so that the record says where it waited,
+    after the last lines its log held."""
     import subprocess
     import sys
     import time
@@ -188,12 +189,16 @@ def test_a_hung_orchestrator_leaves_its_threads_stacks(tmp_path: Path) -> None:
     from tether._chaos.harness import _stacks_of
 
     log = tmp_path / "orchestrator.log"
-    script = ("import faulthandler, signal, sys, time\n"
-              "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-              "print('ready', flush=True)\n"
-              "def waiting_here():\n"
-              "    time.sleep(60)\n"
-              "waiting_here()\n")
+    script = ("import asyncio\n"
+              "from tether._chaos import stacks\n"
+              "stacks.install()\n"
+              "async def waiting_here():\n"
+              "    await asyncio.sleep(60)\n"
+              "async def main():\n"
+              "    task = asyncio.create_task(waiting_here(), name='the-stuck-task')\n"
+              "    print('ready', flush=True)\n"
+              "    await task\n"
+              "asyncio.run(main())\n")
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=out,
                                 stderr=subprocess.STDOUT)
@@ -206,4 +211,5 @@ def test_a_hung_orchestrator_leaves_its_threads_stacks(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
-    assert "waiting_here" in stacks and "ready" not in stacks, stacks
+    assert "the-stuck-task" in stacks and "waiting_here" in stacks, stacks  # its task
+    assert "Current thread" in stacks and stacks.index("ready") < stacks.index("Current"), stacks

@@ -21,7 +21,7 @@ from tether._journal import ops
 from tether._journal.inline import Loss, MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
-from tether._runtime import accounting, reconcile, remote, supervisor
+from tether._runtime import reconcile
 from tether._sim import production
 from tether._sim.loop import Host, RealIO, SimLoop, Stalled, run
 from tether._sim.trial import run_sim, trial_seed
@@ -203,23 +203,6 @@ def test_a_probe_judged_final_before_its_deadline_is_caught_in_production_code(
     monkeypatch.setattr(reconcile, "judge_probe", final)
     result = run_sim(30, 99, ("late_apply", "reply_lost", "race"), engine="production")
     assert result["counts"]["dishonest"] > 0, result["counts"]
-
-
-def test_leaving_a_fenced_unclaimed_delegation_queued_is_caught_in_production_code(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The queued_fenced rule, as production code: whoever finds a fenced delegation that no
-    worker claimed settles it (``remote.settle_unclaimed``). Without it, an intent for a queued
-    task whose issuer crashed before settling it leaves the task stuck (trial 225158557)."""
-    faults = ("crash", "race")
-    assert production.run_trial(225158557, faults).violations == []
-
-    async def never(*args: object, **kwargs: object) -> None:
-        return None
-
-    for module in (remote, accounting, supervisor):
-        monkeypatch.setattr(module, "settle_unclaimed", never)
-    found = {v.kind for v in production.run_trial(225158557, faults).violations}
-    assert "stuck" in found, found
 
 
 def test_cli_engine_bad_input_is_one_line() -> None:

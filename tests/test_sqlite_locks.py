@@ -134,7 +134,7 @@ async def test_console_buttons_beside_another_reader_keep_the_consoles_locks(
                 for child in children:
                     pressed = await asyncio.to_thread(
                         client.post, f"/api/delegations/{child.id}/recall",
-                        headers={"X-Tether-Token": token}, json={"grace": 5})
+                        headers={"X-Tether-Token": token}, json={"grace": 5, "reason": "stop"})
                     assert pressed.status_code == 200, pressed.text
                     await asyncio.sleep(0.01)
                     listed = await asyncio.to_thread(
