@@ -62,7 +62,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):\n"
        "        return None",
        "    if True:\n        return None",
-       "crash,race", 1, 100, 25),
+       "crash,race", 1, 100, 64),
 )
 
 # Defects fixed in code the simulator runs, that its faults have not found yet in the runs below
