@@ -173,3 +173,21 @@ async def test_the_mcp_proxy_logs_nothing_but_json_lines(bank_env: Path, tmp_pat
     records = [json.loads(line) for line in lines]  # each one JSON, or this fails
     started = [r for r in records if "delegation" in r and "tether recall" in r["message"]]
     assert len(started) == 1 and started[0]["delegation"].startswith("d_"), records
+
+
+def test_the_journal_drivers_reconnection_warnings_stay_out_of_the_log(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """psycopg's pool warns on every reconnection attempt while the server is away; with no
+    handler of its own, Python printed each raw on stderr, outside the log's format (a JSON
+    log then held lines no reader could parse). tether reports the loss itself: only the
+    driver's errors are kept, in the log's format."""
+    from tether._runtime.logs import configure
+
+    stream = io.StringIO()
+    configure("info", "json", stream=stream)
+    pool = logging.getLogger("psycopg.pool")
+    pool.warning("error connecting in 'tether': connection refused")
+    assert capsys.readouterr().err == "" and stream.getvalue() == ""
+    pool.error("the pool is broken")
+    (line,) = stream.getvalue().splitlines()
+    assert json.loads(line)["message"] == "the pool is broken"

@@ -100,6 +100,15 @@ def configure(level: str = "info", fmt: str = "text", stream: Any = None) -> log
     setattr(handler, _JSON, fmt.lower() == "json")
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # psycopg's pool warns on each reconnection attempt while a server is away, and with no
+    # handler of its own Python printed each raw on stderr, outside the log format: tether
+    # says itself when the journal is lost and back, so only its errors are kept, as ours.
+    lib = logging.getLogger("psycopg")
+    for previous in [h for h in lib.handlers if getattr(h, _OURS, False)]:
+        lib.removeHandler(previous)
+    lib.addHandler(handler)
+    lib.setLevel(max(logging.ERROR, root.level))
+    lib.propagate = False
     return handler
 
 
