@@ -9,7 +9,6 @@ faults have not found yet, each still an edit that applies, so that the gap stay
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from tether._sim.mutate import Edit, applied
@@ -140,8 +139,7 @@ class Found:
         return self.trial_seed is not None
 
 
-def hunt(m: Mutation, within: int | None = None,
-         progress: Callable[[int], None] | None = None) -> Found:
+def hunt(m: Mutation, within: int | None = None) -> Found:
     """Run ``m``'s trials with its defect in the code until one is judged a violation."""
     from tether._sim import production
     from tether._sim.trial import trial_seed
@@ -151,8 +149,6 @@ def hunt(m: Mutation, within: int | None = None,
         for i in range(budget):
             seed = trial_seed(m.seed, i)
             result = production.run_trial(seed, m.faults)
-            if progress is not None:
-                progress(i)
             if result.violations:
                 kinds = tuple(sorted({v.kind for v in result.violations}))
                 return Found(m.name, i + 1, seed, kinds)
