@@ -71,11 +71,13 @@ async def orphan(url: str) -> str:
     """A running delegation whose owner, on this host, has exited (its heartbeat is fresh)."""
     async with Journal(url) as j:
         now = time.time()
+        # The journal's root and the owner's seal, as a supervisor records them.
+        ring = tether.KeyRing.load_or_init(j.keys_dir)
+        await j.genesis(ring.signer, now)
+        j.seal_with(ring.signer, ring.trusted)
         owner = f"o_dead{os.getpid()}"
         await j.register_owner(OwnerRow(owner, dead_pid(), socket.gethostname(), now, now))
         row = await j.create_delegation(NewDelegation(
             id="d_orphan", task_id="t_orphan", parent_id=None, attempt=1, agent="gone",
             surface=(), args={}, owner_id=owner, now=now))
-        ring = tether.KeyRing.load_or_init(j.keys_dir)
-        await j.genesis(ring.signer, now)  # the journal's root, as a supervisor records it
         return row.id

@@ -127,6 +127,10 @@ async def test_recall_and_terminate_ask_for_a_reason(tmp_path: Path, browser: Br
     assert b'"reason":"customer cancelled O-1"' in recalls[0].signed.body
     assert [c.kind.value for c in terminates] == ["TERMINATE"]
     assert b'"reason":"runaway loop"' in terminates[0].signed.body
+    # Who asked: the console's operator ($TETHER_OPERATOR of the served console), signed in.
+    for c in (recalls[0], terminates[0]):
+        assert c.issuer == "console:console operator"
+        assert b'"by":"console operator"' in c.signed.body
 
 
 def test_the_server_refuses_a_stop_without_a_reason(tmp_path: Path) -> None:
@@ -142,6 +146,9 @@ def test_the_server_refuses_a_stop_without_a_reason(tmp_path: Path) -> None:
             r = client.post(f"/api/delegations/{running}/{verb}", json=body,
                             headers={"X-Tether-Token": TOKEN})
             assert r.status_code == 400 and "needs a reason" in r.json()["error"], r.text
+        r = client.post(f"/api/delegations/{running}/recall", json={"reason": "r", "by": " "},
+                        headers={"X-Tether-Token": TOKEN})
+        assert r.status_code == 400 and "name who" in r.json()["error"], r.text
 
     async def controls() -> list[object]:
         async with tether.Journal(url, create=False) as j:

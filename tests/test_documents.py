@@ -123,3 +123,24 @@ def test_trusted_keys_from_files_check_ids() -> None:
         tether.TrustedKeys.from_b64({"0" * 16: KEY.public_b64()})
     with pytest.raises(tether.Malformed):
         tether.TrustedKeys.from_b64({KEY.key_id: "not base64!"})
+
+
+def test_an_intent_names_the_person_who_issued_it_only_when_one_did() -> None:
+    # Without a name the encoding is the one signed before the field existed, byte for byte.
+    assert "by" not in intent().to_json()
+    assert intent().encode() == canonical({
+        "type": "control", "v": 1, "kind": "RECALL", "delegation": "d_1", "epoch": 0,
+        "seq": 1, "grace": 5.0, "reason": "r", "issued_at": 1.5})
+    named = KEY.sign(intent(issued_by="alice"))
+    assert TRUSTED.verify(named, tether.ControlIntent).issued_by == "alice"
+    # The name is signed: another one in the same bytes' place is a different document.
+    forged = tether.Signed(named.body.replace(b'"alice"', b'"mallo"'), named.key_id,
+                           named.signature)
+    with pytest.raises(tether.BadSignature):
+        TRUSTED.verify(forged, tether.ControlIntent)
+
+
+@pytest.mark.parametrize("by", ["", 7, None, ["alice"]])
+def test_an_intent_whose_name_is_not_a_name_is_refused(by: object) -> None:
+    with pytest.raises(tether.Malformed):
+        tether.ControlIntent.from_json(intent().to_json() | {"by": by})

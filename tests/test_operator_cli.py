@@ -114,6 +114,46 @@ def test_recall_of_a_dead_owners_delegation_exits_nonzero_at_once(tmp_path: Path
     assert code == 1
 
 
+def intents_of(url: str, delegation: str) -> list[dict[str, object]]:
+    code, out, _ = invoke("show", delegation, "--journal", url, "--json")
+    assert code == 0, out
+    return [i for i in json.loads(out)["intents"] if i["kind"] in ("RECALL", "TERMINATE")]
+
+
+def test_a_recall_and_a_terminate_name_the_person_who_asked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    code, out, _ = invoke("recall", delegation, "--by", "Ada Lovelace", "--reason", "refund",
+                          "--no-wait", "--journal", url)
+    assert code == 0 and "issued by cli:Ada Lovelace" in out, out
+    # Unless told, $TETHER_OPERATOR names who asks.
+    monkeypatch.setenv("TETHER_OPERATOR", "night operator")
+    code, out, _ = invoke("terminate", delegation, "--no-wait", "--journal", url, "--json")
+    assert code == 0 and json.loads(out)["issuer"] == "cli:night operator", out
+    recall, terminate = intents_of(url, delegation)
+    # The name is signed into the intent, and the journal records it as the issuer.
+    assert (recall["issuer"], recall["verified"]) == ("cli:Ada Lovelace", "ok")
+    assert recall["body"]["by"] == "Ada Lovelace"  # type: ignore[index]
+    assert (terminate["issuer"], terminate["body"]["by"]) == (  # type: ignore[index]
+        "cli:night operator", "night operator")
+    _, out, _ = invoke("show", delegation, "--journal", url)
+    assert "cli:Ada Lovelace" in out and "cli:night operator" in out
+
+
+@pytest.mark.parametrize("by", ["", "   ", "x" * 201])
+def test_a_recall_without_a_usable_name_is_refused_and_changes_nothing(
+        tmp_path: Path, by: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    for verb in ("recall", "terminate"):
+        code, out, err = invoke(verb, delegation, "--by", by, "--journal", url)
+        assert code == 2 and out == "", out
+        assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+        assert "--by" in err
+    assert intents_of(url, delegation) == []
+
+
 def test_recall_that_ends_needing_attention_exits_nonzero(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
     stuck = asyncio.run(stuck_payment(url))

@@ -29,9 +29,9 @@ from psycopg import sql
 
 import tether
 from tests.test_chain import before_the_chain
-from tether._cli.app import _send
 from tether._core.model import ControlKind
 from tether._journal.rows import NewDelegation
+from tether._runtime.control import ControlRequest, send_control
 from tether.testing import VirtualClock
 
 from .conftest import PG_URL
@@ -727,7 +727,8 @@ async def test_the_loser_of_two_racing_cli_recalls_gets_stale_sequence(
         child = await sup.delegate(agent)
         race = HeldAccept()  # both commands read the sequence before either is accepted
         race.patch(monkeypatch, tether.Journal)
-        sends = [_send(journal_url, None, child.id, ControlKind.RECALL, 5.0, f"shell {n}", False)
+        sends = [send_control(ControlRequest(journal_url, None, child.id, ControlKind.RECALL,
+                                             5.0, f"shell {n}", f"operator {n}"))
                  for n in (1, 2)]
         outcomes = await within(asyncio.gather(*sends, return_exceptions=True), 10.0,
                                 "both recall commands")

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import tether
-from tether._cli.app import _send
 from tether._core.model import ControlKind
+from tether._runtime.control import ControlRequest, send_control
 
 from .test_trust import raw
 
@@ -48,8 +48,8 @@ async def test_a_running_supervisor_never_acts_for_a_key_another_process_revoked
         await raw(sup.journal, "DELETE FROM trust WHERE op = 'revoke'")
         # The revoked key's holder recalls, from a configuration that never saw the revocation:
         # its own view of the registry trusts it, so the journal takes the intent.
-        await _send(journal_url, tmp_path / "leaked", child.id, ControlKind.RECALL, 5.0,
-                    "leaked key", wait=False)
+        await send_control(ControlRequest(journal_url, tmp_path / "leaked", child.id,
+                                          ControlKind.RECALL, 5.0, "leaked key", "mallory"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while not any(e.kind == "control_refused"

@@ -6,9 +6,7 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -17,18 +15,12 @@ from rich.console import Console
 
 from tether._cli.errors import Group, cli_errors, err
 from tether._cli.safe import plain, safe
-from tether._core.documents import ControlIntent
 from tether._core.errors import AlreadyFinished, UserError
 from tether._core.model import ControlKind, Policy, check_grace
-from tether._core.signing import Signed
 from tether._journal.journal import DEFAULT_URL, Journal
-from tether._journal.rows import DelegationRow
-from tether._runtime.clock import SystemClock
 from tether._runtime.declared import HOW, deployment_tools, load_tools
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import configure as configure_logs
-from tether._runtime.reconcile import build_report
-from tether._runtime.remote import owner_alive
 from tether._runtime.supervisor import Supervisor
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
@@ -47,6 +39,9 @@ JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURN
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
                                               "beside the journal).")]
+ByOpt = Annotated[str | None, typer.Option(
+    "--by", help="Who asks, signed into the intent (default: $TETHER_OPERATOR, else the login "
+    "name).")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
                                           "(logs go to stderr).")]
 LogFormatOpt = Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
@@ -114,89 +109,18 @@ def _load_keys_or_none(directory: Path) -> KeyRing | None:
     return KeyRing.load(directory) if (directory / "signing.json").exists() else None
 
 
-async def _send(journal_url: str, keys: Path | None, delegation_id: str, kind: ControlKind,
-                grace: float | None, reason: str, wait: bool) -> dict[str, Any]:
-    async with Journal(journal_url, create=False) as j:
-        ring = await asyncio.to_thread(KeyRing.load, key_dir(j, keys))
-        j.seal_with(ring.signer, ring.trusted)  # this process's writes are sealed with its key
-        # A recall offers the next sequence as read now, so that the loser of two racing
-        # recalls is told the current sequence (I4); a terminate takes the next one whatever
-        # came before it (it cuts a recall's grace window short).
-        offered = None
-        if kind is ControlKind.RECALL:
-            offered = (await j.get(delegation_id)).control_seq + 1
-        now = time.time()
-
-        def make(row: DelegationRow) -> Signed:
-            seq = row.control_seq + 1 if offered is None else offered
-            return ring.signer.sign(ControlIntent(kind, row.id, row.epoch, seq, grace, reason,
-                                                  now))
-
-        try:
-            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
-                                                f"cli:{os.getpid()}", time.time)
-        except AlreadyFinished:
-            # Between attempts nothing runs, yet the request must stop a re-dispatch, which
-            # re-checks the task's cancel generation before forking; one that forked already
-            # is stopped in its own right.
-            row = await j.get(delegation_id)
-            await j.bump_cancel(row.task_id, now, f"{kind.value.lower()}: {reason}")
-            latest = await j.latest_attempt(delegation_id)
-            if latest.id == delegation_id or latest.state.terminal:
-                raise
-            delegation_id = latest.id
-            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted,
-                                                f"cli:{os.getpid()}", time.time)
-        answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
-                                  "kind": kind.value, "accepted": True}
-        if not wait:
-            return answer
-        policy = Policy()
-        budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
-        next_look = loop.time() + 0.5
-        while loop.time() < deadline:
-            current = await j.get(delegation_id)
-            # Settled, or drained by its owner with calls left in doubt (still in flight):
-            # the report says which.
-            if current.state.terminal or await j.drained(delegation_id):
-                answer["report"] = (await build_report(j, delegation_id)).to_json()
-                return answer
-            if loop.time() >= next_look:  # a dead owner settles nothing: do not wait on it
-                next_look = loop.time() + 0.5
-                if not await owner_alive(watcher, current.owner_id):
-                    answer["waiting"] = (
-                        f"the owner of {delegation_id} ({current.owner_id}) is gone: nothing "
-                        f"settled it; run 'tether reconcile {delegation_id}'")
-                    return answer
-            await asyncio.sleep(0.05)
-        answer["waiting"] = (
-            f"the owner of {delegation_id} has not settled it within {budget:g}s; if its "
-            f"process is gone, run 'tether reconcile {delegation_id}'"
-        )
-        return answer
-
-
-@dataclass(frozen=True)
-class _Watcher:
-    """What judging another owner's liveness needs (``remote.owner_alive``)."""
-
-    journal: Journal
-    clock: SystemClock
-    owner_id: str
-    policy: Policy
-
-
 def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: float | None,
-                 reason: str, wait: bool, keys: Path | None, as_json: bool) -> None:
+                 reason: str, by: str | None, wait: bool, keys: Path | None,
+                 as_json: bool) -> None:
     from tether._cli.render import render_report
+    from tether._runtime.control import ControlRequest, send_control
 
     if kind is ControlKind.RECALL:
         check_grace(grace, Policy())
+    request = ControlRequest(journal, keys, delegation_id, kind, grace, reason, by,
+                             via="cli", wait=wait)
     try:
-        answer = run(_send(journal, keys, delegation_id, kind, grace, reason, wait))
+        answer = run(send_control(request))
     except AlreadyFinished as exc:
         raise UserError(f"nothing to {kind.value.lower()}: {exc} (a re-dispatch of its task, "
                         "if one was pending, is cancelled)") from None
@@ -209,7 +133,8 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
         emit_json(answer)
         raise typer.Exit(code)
     out.print(f"{kind.value} accepted for {safe(answer['delegation'])} (sequence "
-              f"{answer['seq']}); the journal's fence is closed.", soft_wrap=True)
+              f"{answer['seq']}, issued by {safe(answer['issuer'])}); the journal's fence is "
+              "closed.", soft_wrap=True)
     if "report" in answer:
         render_report(out, answer["report"])
     elif "waiting" in answer:
@@ -227,21 +152,22 @@ def recall(delegation_id: str,
            grace: Annotated[float, typer.Option("--grace", help="Seconds in-flight actions "
                                                 "may still run.")] = 30.0,
            reason: Annotated[str, typer.Option("--reason")] = "",
-           journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+           by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
            wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
            as_json: JsonOpt = False) -> None:
     """Recall a delegation: signed intent, fence closed at once, grace for in-flight actions."""
-    _control_cmd(ControlKind.RECALL, delegation_id, journal, grace, reason, wait, keys, as_json)
+    _control_cmd(ControlKind.RECALL, delegation_id, journal, grace, reason, by, wait, keys,
+                 as_json)
 
 
 @app.command()
 @cli_errors
 def terminate(delegation_id: str, reason: Annotated[str, typer.Option("--reason")] = "",
-              journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
+              by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
               wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
               as_json: JsonOpt = False) -> None:
     """Terminate a delegation now; its in-flight actions are probed."""
-    _control_cmd(ControlKind.TERMINATE, delegation_id, journal, None, reason, wait, keys,
+    _control_cmd(ControlKind.TERMINATE, delegation_id, journal, None, reason, by, wait, keys,
                  as_json)
 
 

@@ -169,7 +169,7 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         return EventSourceResponse(events(), ping=15)
 
     async def control(request: Request) -> Response:
-        from tether._cli.app import _send
+        from tether._runtime.control import ControlRequest, send_control
 
         denied = guard(request) or _actions_only(request)
         if denied:
@@ -187,12 +187,15 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
             grace = None
             if kind is ControlKind.RECALL:
                 grace = check_grace(float(body.get("grace", 30.0)), Policy())
-            answer = await _send(console.journal_url, console.keys, request.path_params["id"],
-                                 kind, grace, reason.strip(), wait=False)
+            by = body.get("by")
+            answer = await send_control(ControlRequest(
+                console.journal_url, console.keys, request.path_params["id"], kind, grace,
+                reason.strip(), by if isinstance(by, str) else None, via="console"))
         except (TetherError, ValueError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        log.info("%s accepted for %s from the console", kind.value, answer["delegation"],
-                 extra={"delegation": answer["delegation"], "kind": kind.value})
+        log.info("%s accepted for %s from the console (%s)", kind.value, answer["delegation"],
+                 answer["issuer"], extra={"delegation": answer["delegation"],
+                                          "kind": kind.value, "issuer": answer["issuer"]})
         return JSONResponse(answer)
 
     async def resolve(request: Request) -> Response:

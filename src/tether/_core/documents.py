@@ -103,11 +103,13 @@ def _split(body: Mapping[str, Any], cls: type[Document]) -> tuple[int, dict[str,
 
 @dataclass(frozen=True)
 class ControlIntent(Document):
-    """RECALL or TERMINATE for one delegation at one epoch, sequence-numbered (I4)."""
+    """RECALL or TERMINATE for one delegation at one epoch, sequence-numbered (I4).
+    ``issued_by`` names the person who asked (empty for a program's own intent); it is
+    encoded only when set, so an intent signed before it existed encodes as it was signed."""
 
     TYPE: ClassVar[str] = "control"
     KNOWN: ClassVar[tuple[str, ...]] = (
-        "kind", "delegation", "epoch", "seq", "grace", "reason", "issued_at",
+        "kind", "delegation", "epoch", "seq", "grace", "reason", "issued_at", "by",
     )
 
     kind: ControlKind
@@ -117,9 +119,10 @@ class ControlIntent(Document):
     grace: float | None
     reason: str
     issued_at: float
+    issued_by: str = ""
 
     def _fields(self) -> dict[str, Any]:
-        return {
+        fields: dict[str, Any] = {
             "kind": self.kind.value,
             "delegation": self.delegation_id,
             "epoch": self.epoch,
@@ -128,6 +131,9 @@ class ControlIntent(Document):
             "reason": self.reason,
             "issued_at": self.issued_at,
         }
+        if self.issued_by:
+            fields["by"] = self.issued_by
+        return fields
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ControlIntent:
@@ -139,6 +145,10 @@ class ControlIntent(Document):
         grace = _float(body, "grace", optional=True)
         if kind is ControlKind.RECALL and (grace is None or grace <= 0):
             raise Malformed("a RECALL must carry a positive grace")
+        # Present means named: an empty name would encode differently from what was signed.
+        issued_by = _str(body, "by") if "by" in body else ""
+        if "by" in body and not issued_by:
+            raise Malformed("field 'by' must name who issued the intent")
         return cls(
             kind=kind,
             delegation_id=_str(body, "delegation"),
@@ -147,6 +157,7 @@ class ControlIntent(Document):
             grace=grace,
             reason=_str(body, "reason"),
             issued_at=_float(body, "issued_at") or 0.0,
+            issued_by=issued_by,
             version=version,
             extra=extra,
         )

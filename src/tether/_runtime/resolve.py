@@ -25,6 +25,20 @@ def operator_name() -> str:
         return f"uid {os.getuid()}"
 
 
+# A name is for people reading an audit; a page of text is not a name.
+NAME_LIMIT = 200
+
+
+def operator_of(by: str | None) -> str:
+    """Who decides or asks: ``by`` if given, else $TETHER_OPERATOR, else the login name."""
+    who = operator_name() if by is None else by
+    if not isinstance(who, str) or not who.strip():
+        raise UserError("name who decides or asks (--by NAME, or set $TETHER_OPERATOR)")
+    if len(who) > NAME_LIMIT:
+        raise UserError(f"--by takes a name of at most {NAME_LIMIT} characters")
+    return who.strip()
+
+
 def decision(value: ActionState | str) -> ActionState:
     try:
         outcome = ActionState(value)
@@ -41,9 +55,7 @@ async def resolve(journal: Journal, keys: KeyRing, action_id: str, outcome: Acti
     decided = decision(outcome)
     if not isinstance(note, str) or not note.strip():
         raise UserError("a decision needs a note saying why (--note)")
-    who = operator if operator is not None else operator_name()
-    if not isinstance(who, str) or not who.strip():
-        raise UserError("a decision needs the name of who decides (--by)")
+    who = operator_of(operator)
     action = await journal.action(action_id)
     if journal.signer is None:  # this process's writes are sealed with its key
         journal.seal_with(keys.signer, keys.trusted)

@@ -1,0 +1,123 @@
+"""A person's recall or terminate from outside the owning process (``tether recall``, the
+console): sign the intent with the deployment's key and the operator's name, have the
+journal accept it (the fence closes at once), and, if asked, wait for the owner's report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tether._core.documents import ControlIntent
+from tether._core.errors import AlreadyFinished
+from tether._core.model import ControlKind, Policy
+from tether._core.signing import Signed
+from tether._journal.journal import Journal
+from tether._journal.rows import DelegationRow
+from tether._runtime.clock import SystemClock
+from tether._runtime.keys import KeyRing
+from tether._runtime.reconcile import build_report
+from tether._runtime.remote import owner_alive
+from tether._runtime.resolve import operator_of
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """One person's request. ``via`` says through what it came ("cli", "console"): the
+    journal records the issuer as ``via:name``, never a bare name, so that no name can pass
+    for a supervisor's own owner id (whose intents adoption leaves to it)."""
+
+    journal_url: str
+    keys: Path | None
+    delegation_id: str
+    kind: ControlKind
+    grace: float | None
+    reason: str
+    by: str | None
+    via: str = "cli"
+    wait: bool = False
+
+
+async def send_control(req: ControlRequest) -> dict[str, Any]:
+    """The intent accepted (``accepted``, ``seq``), and with ``wait`` the owner's report,
+    or ``waiting`` saying why there is none yet."""
+    by = operator_of(req.by)
+    issuer = f"{req.via}:{by}"
+    delegation_id = req.delegation_id
+    async with Journal(req.journal_url, create=False) as j:
+        ring = await asyncio.to_thread(KeyRing.load, req.keys or j.keys_dir)
+        j.seal_with(ring.signer, ring.trusted)  # this process's writes are sealed with its key
+        # A recall offers the next sequence as read now, so that the loser of two racing
+        # recalls is told the current sequence (I4); a terminate takes the next one whatever
+        # came before it (it cuts a recall's grace window short).
+        offered = None
+        if req.kind is ControlKind.RECALL:
+            offered = (await j.get(delegation_id)).control_seq + 1
+        now = time.time()
+
+        def make(row: DelegationRow) -> Signed:
+            seq = row.control_seq + 1 if offered is None else offered
+            return ring.signer.sign(ControlIntent(req.kind, row.id, row.epoch, seq, req.grace,
+                                                  req.reason, now, issued_by=by))
+
+        try:
+            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
+                                                time.time)
+        except AlreadyFinished:
+            # Between attempts nothing runs, yet the request must stop a re-dispatch, which
+            # re-checks the task's cancel generation before forking; one that forked already
+            # is stopped in its own right.
+            row = await j.get(delegation_id)
+            await j.bump_cancel(row.task_id, now, f"{req.kind.value.lower()}: {req.reason}")
+            latest = await j.latest_attempt(delegation_id)
+            if latest.id == delegation_id or latest.state.terminal:
+                raise
+            delegation_id = latest.id
+            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
+                                                time.time)
+        answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
+                                  "kind": req.kind.value, "accepted": True, "issuer": issuer}
+        if req.wait:
+            await _wait(j, delegation_id, req.grace, answer)
+        return answer
+
+
+async def _wait(j: Journal, delegation_id: str, grace: float | None,
+                answer: dict[str, Any]) -> None:
+    policy = Policy()
+    budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget
+    watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
+    next_look = loop.time() + 0.5
+    while loop.time() < deadline:
+        current = await j.get(delegation_id)
+        # Settled, or drained by its owner with calls left in doubt (still in flight): the
+        # report says which.
+        if current.state.terminal or await j.drained(delegation_id):
+            answer["report"] = (await build_report(j, delegation_id)).to_json()
+            return
+        if loop.time() >= next_look:  # a dead owner settles nothing: do not wait on it
+            next_look = loop.time() + 0.5
+            if not await owner_alive(watcher, current.owner_id):
+                answer["waiting"] = (
+                    f"the owner of {delegation_id} ({current.owner_id}) is gone: nothing "
+                    f"settled it; run 'tether reconcile {delegation_id}'")
+                return
+        await asyncio.sleep(0.05)
+    answer["waiting"] = (
+        f"the owner of {delegation_id} has not settled it within {budget:g}s; if its "
+        f"process is gone, run 'tether reconcile {delegation_id}'")
+
+
+@dataclass(frozen=True)
+class _Watcher:
+    """What judging another owner's liveness needs (``remote.owner_alive``)."""
+
+    journal: Journal
+    clock: SystemClock
+    owner_id: str
+    policy: Policy
