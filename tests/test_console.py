@@ -59,7 +59,8 @@ async def test_recall_by_clicking_reaches_the_journal(tmp_path: Path, browser: B
         controls = await sup.journal.controls(handle.id)
     assert report.outcome is tether.DelegationState.RECALLED
     assert [(c.kind.value, c.seq) for c in controls] == [("RECALL", 1)]
-    assert controls[0].issuer.startswith("cli:")  # the CLI's signed path
+    # Signed as the CLI signs, naming the console's operator.
+    assert controls[0].issuer == "console:console operator"
     assert controls[0].signed.key_id == tether.KeyRing.load(tmp_path / "keys").signer.key_id
 
 

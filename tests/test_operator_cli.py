@@ -21,6 +21,8 @@ from tether._cli.app import app
 
 from .operator_world import HOSTILE, orphan, stuck_payment
 
+MARKUP = "pay[/bold] [red]x[/red] [link=http://evil]y[/link]"
+
 runner = CliRunner()
 
 
@@ -69,9 +71,13 @@ def test_markup_escapes_and_control_characters_pass_through_every_command(
     assert code == 1 and "has no probe" in out and "pay[/bold]" in out, out
     _, _, err = invoke("recall", HOSTILE, "--journal", url)
     assert err.startswith("error:") and "pay[/bold]" in err
-    # A person's decision with a hostile name and note, then everything that shows it.
-    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", HOSTILE,
+    # A name with control characters is no name: refused, nothing recorded.
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", "n",
                             "--by", HOSTILE, "--journal", url)
+    assert code == 2 and err.startswith("error:") and "--by" in err, err
+    # A person's decision with a name of markup and a hostile note, then all that shows it.
+    code, out, err = invoke("resolve", stuck.action, "--as", "COMPLETED", "--note", HOSTILE,
+                            "--by", MARKUP, "--journal", url)
     assert code == 0 and raw_controls(out + err) == [] and "pay[/bold]" in out, err
     for args in (["show", stuck.delegation], ["actions", "--state", "COMPLETED"], ["export"]):
         _, out, err = invoke(*args, "--journal", url)
@@ -141,8 +147,9 @@ def test_a_recall_and_a_terminate_name_the_person_who_asked(
     assert "cli:Ada Lovelace" in out and "cli:night operator" in out
 
 
-@pytest.mark.parametrize("by", ["", "   ", "x" * 201])
-def test_a_recall_without_a_usable_name_is_refused_and_changes_nothing(
+@pytest.mark.parametrize("by", ["", "   ", "x" * 201, "a\x00b", "alice\nbob", "\u200b",
+                                "\u202eeve", "\ud800"])
+def test_a_recall_without_a_readable_name_is_refused_and_changes_nothing(
         tmp_path: Path, by: str) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
     delegation = asyncio.run(orphan(url))
@@ -152,6 +159,25 @@ def test_a_recall_without_a_usable_name_is_refused_and_changes_nothing(
         assert err.startswith("error:") and len(err.strip().splitlines()) == 1, err
         assert "--by" in err
     assert intents_of(url, delegation) == []
+
+
+def test_a_blank_operator_variable_is_unset_and_a_bad_one_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import getpass
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    monkeypatch.setattr(getpass, "getuser", lambda: "login-name")
+    monkeypatch.setenv("TETHER_OPERATOR", "  ")
+    code, out, _ = invoke("recall", delegation, "--no-wait", "--json", "--journal", url)
+    assert code == 0 and json.loads(out)["issuer"] == "cli:login-name", out
+    monkeypatch.setenv("TETHER_OPERATOR", "y" * 201)
+    code, _, err = invoke("terminate", delegation, "--no-wait", "--journal", url)
+    assert code == 2 and err.startswith("error: $TETHER_OPERATOR"), err
+    # The console checks its name when it starts, not at an operator's first click.
+    code, out, err = invoke("console", "--journal", url, "--port", "0")
+    assert code == 2 and err.startswith("error: $TETHER_OPERATOR") and out == "", (out, err)
+    assert len(intents_of(url, delegation)) == 1
 
 
 def test_recall_that_ends_needing_attention_exits_nonzero(tmp_path: Path) -> None:

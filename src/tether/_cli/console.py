@@ -26,6 +26,9 @@ def console_cmd(
     token: Annotated[str | None, typer.Option(
         "--token", envvar="TETHER_CONSOLE_TOKEN",
         help="Access token (default: a fresh random one, printed at start).")] = None,
+    by: Annotated[str | None, typer.Option(
+        "--by", help="Who the console's recalls, terminates and decisions name, signed "
+        "(default: $TETHER_OPERATOR, else the login name).")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
     log_format: Annotated[str, typer.Option("--log-format", help="text or json")] = "text",
 ) -> None:
@@ -42,8 +45,10 @@ def console_cmd(
             from exc
     from tether._journal.journal import Journal
     from tether._runtime.logs import configure
+    from tether._runtime.resolve import operator_of
 
     configure(log_level, log_format)
+    operator = operator_of(by)  # a name nobody can read is refused now, not at the first click
     if token is not None and len(token) < 16:
         raise UserError("--token must be at least 16 characters")
     secret = token or secrets.token_urlsafe(24)
@@ -61,7 +66,8 @@ def console_cmd(
         announce("console", f"warning: the console listens on {host}, beyond this host, over "
                  "plain HTTP: anyone on the network who sees the token can recall, terminate "
                  "and resolve; prefer loopback and an SSH tunnel", host=host)
-    app = build(Console(journal, keys, secret), loopback=loopback, host=host)
+    app = build(Console(journal, keys, secret, operator=operator), loopback=loopback,
+                host=host)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            lifespan="on"))
     server.run(sockets=[sock])

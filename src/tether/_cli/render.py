@@ -158,6 +158,10 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
             f"in flight: {len(body['in_flight'])}" if "in_flight" in body else "") or (
             f"{body['action']} {body['outcome']} by {body['operator']}: {body['note']}"
             if body.get("type") == "resolution" else "")
+        if body.get("type") == "control":  # who asked: the signed name, else the issuer
+            who = f"by {body['by']}" if isinstance(body.get("by"), str) else \
+                f"issued by {i['issuer']}"
+            detail = f"{who}: {detail}" if detail else who
         signature = "[green]verified[/green]" if ok == "ok" else "[red]REFUSED[/red]"
         if ok != "ok":  # why, where there is room for it
             detail = f"{ok}; {detail}" if detail else ok

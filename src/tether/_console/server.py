@@ -45,6 +45,7 @@ from tether._journal.journal import Journal
 from tether._journal.triage import ActionQuery, DelegationQuery
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import logger
+from tether._runtime.resolve import operator_name
 
 log = logger("console")
 ATTENTION = ("UNKNOWN", "IN_DOUBT")
@@ -56,6 +57,9 @@ class Console:
     keys: Path | None
     token: str
     poll: float = 0.25  # how often the stream looks for a change in the journal
+    # Who the console signs as (``tether console --by``); None: $TETHER_OPERATOR, else the
+    # login name. A request never names someone else: whoever holds the token acts as this.
+    operator: str | None = None
 
     def authorized(self, request: Request) -> bool:
         """The token from the header: never from a cookie (every port of the host would be
@@ -177,6 +181,8 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         body = await _json(request)
         kind = ControlKind.RECALL if request.path_params["verb"] == "recall" \
             else ControlKind.TERMINATE
+        if "by" in body:
+            return _not_by(console)
         reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             # The intent carries the operator's words for whoever audits it, never a stock
@@ -187,10 +193,9 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
             grace = None
             if kind is ControlKind.RECALL:
                 grace = check_grace(float(body.get("grace", 30.0)), Policy())
-            by = body.get("by")
             answer = await send_control(ControlRequest(
                 console.journal_url, console.keys, request.path_params["id"], kind, grace,
-                reason.strip(), by if isinstance(by, str) else None, via="console"))
+                reason.strip(), console.operator, via="console"))
         except (TetherError, ValueError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         log.info("%s accepted for %s from the console (%s)", kind.value, answer["delegation"],
@@ -205,11 +210,13 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         if denied:
             return denied
         body = await _json(request)
+        if "by" in body:
+            return _not_by(console)
         try:
             ring = await asyncio.to_thread(KeyRing.load, console.keys or journal.keys_dir)
             action = await record(journal, ring, request.path_params["id"],
                                   str(body.get("outcome", "")).upper(),
-                                  str(body.get("note", "")), body.get("by") or None,
+                                  str(body.get("note", "")), console.operator,
                                   time.time())
         except TetherError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
@@ -233,6 +240,13 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts),
                                  Middleware(_Headers)])
+
+
+def _not_by(console: Console) -> Response:
+    who = console.operator or operator_name()
+    return JSONResponse({"error": f"the console signs as its operator ({who}); a request "
+                         "cannot name another (start the console with --by NAME)"},
+                        status_code=400)
 
 
 HEADERS = [(b"content-security-policy", POLICY.encode()), (b"referrer-policy", b"no-referrer"),

@@ -86,6 +86,11 @@ def parse_upstream(spec: str) -> tuple[str, list[str]]:
     return name, argv
 
 
+def _line(text: str) -> str:
+    """``text`` on one line, without control characters (a journal string told to an agent)."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
+
+
 def error_result(text: str) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": text}], "isError": True}
 
@@ -562,12 +567,14 @@ class Proxy:
             return f"tether: this session was stopped ({signal}); {then}"
         first = controls[0]
         try:
-            reason = self.sup.keys.trusted.verify(first.signed, ControlIntent).reason
-        except TetherError:
-            reason = ""
+            intent = self.sup.keys.trusted.verify(first.signed, ControlIntent)
+            reason, who = intent.reason, intent.issued_by or first.issuer
+        except TetherError:  # unverified: say nothing it claims
+            reason, who = "", "an unverified intent"
         verb = "recalled" if first.kind is ControlKind.RECALL else "terminated"
-        return (f"tether: this session was {verb} by {first.issuer}: "
-                f"{reason or 'no reason given'}; {then}")
+        # One line for the agent to read: what a journal string holds cannot break out of it.
+        return (f"tether: this session was {verb} by {_line(who)}: "
+                f"{_line(reason) or 'no reason given'}; {then}")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

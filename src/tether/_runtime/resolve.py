@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import unicodedata
 
 from tether._core.errors import UserError
 from tether._core.model import ActionState
@@ -15,10 +16,10 @@ from tether._runtime.keys import KeyRing
 
 
 def operator_name() -> str:
-    """Who is deciding, unless told: $TETHER_OPERATOR, else the login name."""
+    """Who is deciding, unless told: $TETHER_OPERATOR (unless blank), else the login name."""
     name = os.environ.get("TETHER_OPERATOR", "")
-    if name:
-        return name
+    if name.strip():
+        return _checked(name, "$TETHER_OPERATOR")
     try:
         return getpass.getuser()
     except (OSError, KeyError):  # no login name (a container without a passwd entry)
@@ -27,16 +28,29 @@ def operator_name() -> str:
 
 # A name is for people reading an audit; a page of text is not a name.
 NAME_LIMIT = 200
+# Control, format (bidi overrides, zero-width), surrogate: what would hide or fake a name.
+_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
+
+
+def _checked(name: str, source: str) -> str:
+    if any(unicodedata.category(c) in _HIDDEN for c in name):
+        raise UserError(f"{source} holds a control or invisible character: give a name "
+                        "people can read")
+    name = name.strip()
+    if not name:
+        raise UserError(f"{source} is blank: name who decides or asks")
+    if len(name) > NAME_LIMIT:
+        raise UserError(f"{source} takes a name of at most {NAME_LIMIT} characters")
+    return name
 
 
 def operator_of(by: str | None) -> str:
     """Who decides or asks: ``by`` if given, else $TETHER_OPERATOR, else the login name."""
-    who = operator_name() if by is None else by
-    if not isinstance(who, str) or not who.strip():
-        raise UserError("name who decides or asks (--by NAME, or set $TETHER_OPERATOR)")
-    if len(who) > NAME_LIMIT:
-        raise UserError(f"--by takes a name of at most {NAME_LIMIT} characters")
-    return who.strip()
+    if by is None:
+        return operator_name()
+    if not isinstance(by, str):
+        raise UserError("--by takes a name")
+    return _checked(by, "--by")
 
 
 def decision(value: ActionState | str) -> ActionState:
