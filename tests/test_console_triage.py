@@ -147,11 +147,12 @@ def test_the_server_refuses_a_stop_without_a_reason(tmp_path: Path) -> None:
                             headers={"X-Tether-Token": TOKEN})
             assert r.status_code == 400 and "needs a reason" in r.json()["error"], r.text
         # Whoever holds the token acts as the console's operator, never as someone they name.
-        for verb, body in (("delegations/" + running + "/recall", {"reason": "r", "by": "CEO"}),
-                           ("delegations/" + running + "/terminate", {"reason": "r", "by": 7}),
-                           ("actions/" + busy.ids[0] + "/resolve",
-                            {"outcome": "COMPLETED", "note": "n", "by": "CEO"})):
-            r = client.post(f"/api/{verb}", json=body, headers={"X-Tether-Token": TOKEN})
+        named: tuple[tuple[str, dict[str, object]], ...] = (
+            (f"delegations/{running}/recall", {"reason": "r", "by": "CEO"}),
+            (f"delegations/{running}/terminate", {"reason": "r", "by": 7}),
+            (f"actions/{busy.ids[0]}/resolve", {"outcome": "COMPLETED", "note": "n", "by": "CEO"}))
+        for path, payload in named:
+            r = client.post(f"/api/{path}", json=payload, headers={"X-Tether-Token": TOKEN})
             assert r.status_code == 400 and "signs as its operator" in r.json()["error"], r.text
 
     async def controls() -> list[object]:
