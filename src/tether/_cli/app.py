@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
+from tether._cli.common import (
+    ByOpt,
+    JournalOpt,
+    JsonOpt,
+    KeysOpt,
+    LogFormatOpt,
+    LogLevelOpt,
+    emit_json,
+    out,
+    run,
+)
 from tether._cli.errors import Group, cli_errors, err
 from tether._cli.safe import plain, safe
 from tether._core.errors import AlreadyFinished, UserError
@@ -31,22 +39,6 @@ keys_app = typer.Typer(no_args_is_help=True, help="Manage the signing key, the p
 app.add_typer(keys_app, name="keys")
 trace_app = typer.Typer(no_args_is_help=True, help="Timelines and failure forensics.")
 app.add_typer(trace_app, name="trace")
-out = Console()
-T = TypeVar("T")
-
-JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURNAL",
-                                         help="Journal URL.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
-                                              "beside the journal).")]
-ByOpt = Annotated[str | None, typer.Option(
-    "--by", help="Who asks, signed into the intent (default: $TETHER_OPERATOR, else the login "
-    "name).")]
-LogLevelOpt = Annotated[str, typer.Option("--log-level", help="debug, info, warning or error "
-                                          "(logs go to stderr).")]
-LogFormatOpt = Annotated[str, typer.Option("--log-format", help="text, or json (JSON lines).")]
-
-
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -62,16 +54,8 @@ def _main(version: Annotated[bool, typer.Option(
     """Recall, terminate and reconcile sub-agents with real side effects."""
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
 def key_dir(journal: Journal, keys: Path | None) -> Path:
     return keys if keys is not None else journal.keys_dir
-
-
-def emit_json(value: Any) -> None:
-    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
 
 
 @app.command()

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tether._cli.ops import JournalOpt, KeysOpt
+from tether._cli.common import JournalOpt, KeysOpt
 from tether._core.errors import UserError
 from tether._journal.journal import DEFAULT_URL
 

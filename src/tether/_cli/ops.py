@@ -7,23 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from tether._cli.common import JournalOpt, JsonOpt, KeysOpt, emit_json, out, run
 from tether._cli.safe import age, brief, id_column, print_table, safe, stacked
 from tether._core.errors import UserError
 from tether._core.model import ActionState, DelegationState
 from tether._core.outcome import UNSETTLED
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.triage import ActionQuery, DelegationQuery
-
-JournalOpt = Annotated[str, typer.Option("--journal", "-j", envvar="TETHER_JOURNAL",
-                                         help="Journal URL.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-KeysOpt = Annotated[Path | None, typer.Option("--keys", help="Key directory (default: keys/ "
-                                              "beside the journal).")]
 
 
 def _bounded(value: int) -> int:
@@ -99,7 +93,6 @@ def ls_cmd(
     limit: LimitOpt = 50,
 ) -> None:
     """List delegations, newest first, a page at a time."""
-    from tether._cli.app import emit_json, out
     from tether._cli.render import delegation_table
 
     states = _states(state, DelegationState, "--state")
@@ -152,7 +145,6 @@ def actions_cmd(
 
     Exit status: 1 when any selected action needs a person, listed on this page or not;
     0 when none does; 2 for a mistake in the command."""
-    from tether._cli.app import emit_json, out
 
     states = _states(state, ActionState, "--state") or tuple(s.value for s in ActionState)
     if in_flight:
@@ -242,7 +234,6 @@ def resolve_cmd(
 ) -> None:
     """Record a person's decision on an action in doubt or UNKNOWN, signed with your key; its
     delegation is settled again. A later receipt that says otherwise is kept and flagged."""
-    from tether._cli.app import emit_json, out
     from tether._runtime.clockcheck import check_host_clock
     from tether._runtime.keys import KeyRing
     from tether._runtime.resolve import resolve
@@ -265,10 +256,6 @@ def resolve_cmd(
     out.print(safe(f"resolved {action_id} as {decision['outcome']} by {decision['operator']} "
                    f"(key {decision['key_id']}); delegation {data['delegation']} is now "
                    f"{data['delegation_state']}"), soft_wrap=True, highlight=False)
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
 
 
 def register(app: typer.Typer, errors: Any) -> None:

@@ -18,7 +18,8 @@ from typing import IO, Annotated, Any
 
 import typer
 
-from tether._cli.ops import JournalOpt, JsonOpt, KeysOpt, moment
+from tether._cli.common import JournalOpt, JsonOpt, KeysOpt, emit_json, out
+from tether._cli.ops import moment
 from tether._cli.safe import safe
 from tether._core.errors import ControlRefused, UserError
 from tether._core.signing import Signed, TrustedKeys
@@ -181,7 +182,6 @@ def prune_cmd(
     """Remove whole delegation trees that are settled and ended before --before: never one
     with anything running, in doubt, UNKNOWN or needing attention. The prune is recorded in
     the journal (counts, cut-off, archive digest)."""
-    from tether._cli.app import emit_json, out
     from tether._runtime.clockcheck import check_host_clock
 
     now = time.time()

@@ -13,7 +13,7 @@ simulated processes share. The simulator supplies only the outside world and the
 - lost commit replies at the runner's COMMIT, failing and slow probes, late applies, skewed
   wall clocks.
 
-A trial's seed fixes everything: the plan (``trial._tasks``, ``trial._acts``), the world's
+A trial's seed fixes everything: the plan (``plan.tasks``, ``plan.acts``), the world's
 knobs (``world.knobs``), every latency and fault, the ids (``state.id_source``) and the order
 of callbacks due at one instant. Its step trace is the loop's callbacks in the order they ran.
 """
@@ -48,7 +48,9 @@ from tether._runtime.worker import Worker
 from tether._sim.facts import Commits, one
 from tether._sim.judge import Violation, judge
 from tether._sim.loop import WALL0, Host, HostClock, SimLoop, StepBudget
-from tether._sim.trial import HORIZON, TrialResult, _acts, _tasks, keys
+from tether._sim.plan import HORIZON, TrialResult, keys
+from tether._sim.plan import acts as _acts
+from tether._sim.plan import tasks as _tasks
 from tether._sim.world import (
     CLOCK_BOUND,
     CLOCK_TOLERANCE,

@@ -13,76 +13,21 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from tether._core.model import Policy
 from tether._core.redispatch import RedispatchPolicy
-from tether._core.signing import SigningKey, TrustedKeys
-from tether._sim.actors import Act, Orchestrator, Worker, reconciler
+from tether._sim.actors import Orchestrator, Worker, reconciler
 from tether._sim.journal import FIXES, Journal
 from tether._sim.judge import CLASSES, SIM_CLASSES, Violation, judge
-from tether._sim.runtime import Env, Spec, Supervisor
+from tether._sim.plan import HORIZON, TrialResult, keys, trial_seed
+from tether._sim.plan import acts as _acts
+from tether._sim.plan import tasks as _tasks
+from tether._sim.runtime import Env, Supervisor
 from tether._sim.sched import Host, OutOfSteps, Sched, Step
 from tether._sim.world import CLOCK_TOLERANCE, FAULTS, Provider, active_faults, knobs
 
 STEP_BUDGET = 40_000
-HORIZON = 120.0  # virtual seconds for the orchestrators to finish
-ACTS = ("recall", "terminate", "cancel", "recall+redelegate", "terminate+redelegate", "child")
-
-_KEYS: tuple[SigningKey, TrustedKeys] | None = None
-
-
-def keys() -> tuple[SigningKey, TrustedKeys]:
-    """One signing key per process: trials sign their intents with it (deterministic)."""
-    global _KEYS
-    if _KEYS is None:
-        signer = SigningKey.from_raw(bytes(range(32)), "sim")
-        _KEYS = (signer, TrustedKeys([signer.public]))
-    return _KEYS
-
-
-def trial_seed(run_seed: int, index: int) -> int:
-    return random.Random(f"sim:{run_seed}:{index}").randrange(2**31)
-
-
-@dataclass
-class TrialResult:
-    seed: int
-    faults: tuple[str, ...]
-    violations: list[Violation]
-    steps: int
-    virtual: float
-    trace: list[str] | None = None
-    stats: Counter[str] = field(default_factory=Counter)
-    digest: str = ""  # the step trace's hash (production engine)
-
-
-def _tasks(rng: random.Random, cuts: bool) -> list[Spec]:
-    def pays(kind: str) -> Spec:
-        n = rng.randint(1, 3)
-        cut = rng.randint(-1, n) if cuts and rng.random() < 0.6 else None
-        return Spec(kind, n, (), cut, rng.random() < 0.5)
-
-    out = []
-    for _ in range(rng.randint(1, 2)):
-        kids = rng.choice((0, 1, 2))
-        out.append(pays("root") if kids == 0 else
-                   Spec("root", 0, tuple(pays("child") for _ in range(kids))))
-    return out
-
-
-def _acts(rng: random.Random, tasks: list[str], n_orch: int, race: bool) -> list[list[Act]]:
-    scripts: list[list[Act]] = [[] for _ in range(n_orch)]
-    if race:
-        task, at = rng.choice(tasks), rng.uniform(0.0, 2.0)
-        for script in scripts:
-            script.append(Act(at + rng.uniform(0.0, 0.01), task, rng.choice(ACTS)))
-    for script in scripts:
-        for _ in range(rng.choice((0, 0, 1, 1, 2))):
-            script.append(Act(rng.uniform(0.0, 3.0), rng.choice(tasks), rng.choice(ACTS)))
-        script.sort(key=lambda a: a.at)
-    return scripts
 
 
 def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *, trace: bool = False,

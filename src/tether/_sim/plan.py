@@ -1,0 +1,73 @@
+"""What a trial is made of, from its seed: the tasks (a root with children making payments),
+the orchestrators' scripts of recalls, terminates and re-delegations, the signing key, and the
+result's shape. Both engines (``trial``, the hand-written model; ``production``) use it."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tether._core.signing import SigningKey, TrustedKeys
+from tether._sim.actors import Act
+from tether._sim.judge import Violation
+from tether._sim.runtime import Spec
+
+HORIZON = 120.0  # virtual seconds for the orchestrators to finish
+ACTS = ("recall", "terminate", "cancel", "recall+redelegate", "terminate+redelegate", "child")
+
+_KEYS: tuple[SigningKey, TrustedKeys] | None = None
+
+
+def keys() -> tuple[SigningKey, TrustedKeys]:
+    """One signing key per process: trials sign their intents with it (deterministic)."""
+    global _KEYS
+    if _KEYS is None:
+        signer = SigningKey.from_raw(bytes(range(32)), "sim")
+        _KEYS = (signer, TrustedKeys([signer.public]))
+    return _KEYS
+
+
+def trial_seed(run_seed: int, index: int) -> int:
+    return random.Random(f"sim:{run_seed}:{index}").randrange(2**31)
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    faults: tuple[str, ...]
+    violations: list[Violation]
+    steps: int
+    virtual: float
+    trace: list[str] | None = None
+    stats: Counter[str] = field(default_factory=Counter)
+    digest: str = ""  # the step trace's hash (production engine)
+
+
+def tasks(rng: random.Random, cuts: bool) -> list[Spec]:
+    def pays(kind: str) -> Spec:
+        n = rng.randint(1, 3)
+        cut = rng.randint(-1, n) if cuts and rng.random() < 0.6 else None
+        return Spec(kind, n, (), cut, rng.random() < 0.5)
+
+    out = []
+    for _ in range(rng.randint(1, 2)):
+        kids = rng.choice((0, 1, 2))
+        out.append(pays("root") if kids == 0 else
+                   Spec("root", 0, tuple(pays("child") for _ in range(kids))))
+    return out
+
+
+def acts(rng: random.Random, tasks: list[str], n_orch: int, race: bool) -> list[list[Act]]:
+    scripts: list[list[Act]] = [[] for _ in range(n_orch)]
+    if race:
+        task, at = rng.choice(tasks), rng.uniform(0.0, 2.0)
+        for script in scripts:
+            script.append(Act(at + rng.uniform(0.0, 0.01), task, rng.choice(ACTS)))
+    for script in scripts:
+        for _ in range(rng.choice((0, 0, 1, 1, 2))):
+            script.append(Act(rng.uniform(0.0, 3.0), rng.choice(tasks), rng.choice(ACTS)))
+        script.sort(key=lambda a: a.at)
+    return scripts
+
+
