@@ -234,7 +234,7 @@ async def pg_worker_recall(n: int) -> list[float]:
                 await handle.recall(grace=5)
                 (control,) = await sup.journal.controls(handle.id)
                 ack = next(d for d in await sup.journal.documents(handle.id)
-                           if d.type == tether.Acknowledgement.TYPE)
+                           if d.type == tether.protocol.Acknowledgement.TYPE)
                 samples.append(ack.recorded_at - control.accepted_at)
             worker.terminate()
             await worker.wait()

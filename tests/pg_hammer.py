@@ -18,9 +18,11 @@ import sys
 import tether
 from tether._journal.journal import Journal
 from tether._journal.rows import Begin, NewAction, NewDelegation
+from tether.errors import ControlRefused, StaleEpoch
+from tether.protocol import ControlIntent, ControlKind, SigningKey, TrustedKeys
 
-KEY = tether.SigningKey.from_raw(bytes(range(32)))  # shared by the processes of one test
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.from_raw(bytes(range(32)))  # shared by the processes of one test
+TRUSTED = TrustedKeys([KEY.public])
 
 
 async def main(url: str, role: str, delegation: str, n: int) -> None:
@@ -42,7 +44,7 @@ async def main(url: str, role: str, delegation: str, n: int) -> None:
             count = 0
             while count < n:  # the other processes' progress, read from the journal itself
                 count = len(await j.actions([delegation]))
-            intent = tether.ControlIntent(tether.ControlKind.RECALL, delegation, 0, 1, 5.0,
+            intent = ControlIntent(ControlKind.RECALL, delegation, 0, 1, 5.0,
                                           "hammer", 2.0)
             await j.accept_control(KEY.sign(intent), TRUSTED, "fencer", 2.0)
             print(len(await j.actions([delegation])))
@@ -50,13 +52,13 @@ async def main(url: str, role: str, delegation: str, n: int) -> None:
             won = []
             for seq in range(1, n + 1):
                 row = await j.get(delegation)
-                kind = tether.ControlKind.RECALL if seq == 1 else tether.ControlKind.TERMINATE
-                intent = tether.ControlIntent(kind, delegation, row.epoch, seq,
+                kind = ControlKind.RECALL if seq == 1 else ControlKind.TERMINATE
+                intent = ControlIntent(kind, delegation, row.epoch, seq,
                                               5.0 if seq == 1 else None, f"p{me}", 2.0)
                 try:
                     await j.accept_control(KEY.sign(intent), TRUSTED, f"p{me}", 2.0)
                     won.append(seq)
-                except tether.ControlRefused:
+                except ControlRefused:
                     pass
             print(" ".join(map(str, won)))
         elif role == "redelegate":
@@ -68,7 +70,7 @@ async def main(url: str, role: str, delegation: str, n: int) -> None:
                         f"r{me}-{epoch}", row.task_id, None, 1, "a", (), {}, "o", 3.0,
                         redelegate_from_epoch=epoch))
                     won.append(epoch)
-                except tether.StaleEpoch:
+                except StaleEpoch:
                     pass
             print(" ".join(map(str, won)))
 

@@ -111,7 +111,7 @@ async def redelegate(journal: str, delegation_id: str, gate: str) -> None:
         await waiting
         try:
             handle = await sup.handle_for(delegation_id).redelegate()
-        except tether.StaleEpoch as exc:
+        except tether.errors.StaleEpoch as exc:
             print(f"lost {type(exc).__name__}", flush=True)
         else:
             print(f"won {handle.id}", flush=True)

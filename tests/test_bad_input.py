@@ -15,6 +15,16 @@ from typing import Any
 import pytest
 
 import tether
+from tether.errors import (
+    BadSignature,
+    IdempotencyConflict,
+    JournalError,
+    Malformed,
+    NotFound,
+    StaleSequence,
+    UnknownKey,
+)
+from tether.protocol import ControlIntent, ControlKind, Signed, SigningKey
 from tether.testing import PaymentService, VirtualClock
 
 from .conftest import Shop
@@ -96,7 +106,7 @@ async def test_reused_key_with_other_arguments_is_an_error(
     await clock.sleeping(1)
     clock.advance(1.0)
     err = await failure_of(child)
-    assert isinstance(err, tether.IdempotencyConflict) and err.key == "refund-K-1"
+    assert isinstance(err, IdempotencyConflict) and err.key == "refund-K-1"
     report = await child.report()
     assert [(a.args["cents"], a.state) for a in report.actions] == [(100, A.COMPLETED)]
     assert pay.refund_count("K-1") == 1
@@ -149,15 +159,15 @@ async def test_control_misuse_changes_nothing(sup: tether.Supervisor, shop: Shop
     for grace in (0, -1.0, float("nan"), float("inf"), sup.policy.max_grace + 1):
         with pytest.raises(tether.UserError, match="grace"):
             await child.recall(grace=grace)
-    with pytest.raises(tether.StaleSequence) as info:
+    with pytest.raises(StaleSequence) as info:
         await child.recall(grace=1.0, seq=5)
     assert info.value.current == 0
-    with pytest.raises(tether.Malformed, match="seq"):
+    with pytest.raises(Malformed, match="seq"):
         await child.terminate(seq=0)
     row = await sup.journal.get(child.id)
     assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
     assert await sup.journal.controls(child.id) == []
-    with pytest.raises(tether.NotFound):
+    with pytest.raises(NotFound):
         await sup.handle_for("d_missing").recall(grace=1.0)
     shop.gate.set()
 
@@ -166,14 +176,14 @@ async def test_a_forged_intent_is_refused_by_the_journal(sup: tether.Supervisor,
                                                          shop: Shop) -> None:
     shop.gate = asyncio.Event()
     child = await sup.delegate(shop.refund_agent, "M-2", tools=shop.tools)
-    stranger = tether.SigningKey.generate()
-    intent = tether.ControlIntent(tether.ControlKind.TERMINATE, child.id, 0, 1, None, "x", 0.0)
-    with pytest.raises(tether.UnknownKey):
+    stranger = SigningKey.generate()
+    intent = ControlIntent(ControlKind.TERMINATE, child.id, 0, 1, None, "x", 0.0)
+    with pytest.raises(UnknownKey):
         await sup.journal.accept_control(stranger.sign(intent), sup.keys.trusted, "x", 0.0)
     good = sup.keys.signer.sign(intent)
-    with pytest.raises(tether.BadSignature):
+    with pytest.raises(BadSignature):
         await sup.journal.accept_control(
-            tether.Signed(good.body.replace(b'"x"', b'"y"'), good.key_id, good.signature),
+            Signed(good.body.replace(b'"x"', b'"y"'), good.key_id, good.signature),
             sup.keys.trusted, "x", 0.0)
     assert (await sup.journal.get(child.id)).control_seq == 0
     shop.gate.set()
@@ -267,7 +277,7 @@ async def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     assert "FIFO" in one_error_line(("ls", "--journal", f"sqlite:///{fifo}"))
     opening = tether.Supervisor(f"sqlite:///{fifo}", keys=tether.KeyRing.ephemeral())
-    with pytest.raises(tether.JournalError, match="FIFO"):
+    with pytest.raises(JournalError, match="FIFO"):
         await asyncio.wait_for(opening.__aenter__(), 30)
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
@@ -303,7 +313,7 @@ def test_postgresql_without_its_extra_says_what_to_install() -> None:
 
 async def test_a_journal_path_under_a_file_is_a_tether_error(tmp_path: Path) -> None:
     (tmp_path / "plain").write_text("x")
-    with pytest.raises(tether.JournalError, match="cannot"):
+    with pytest.raises(JournalError, match="cannot"):
         async with tether.Supervisor(f"sqlite:///{tmp_path / 'plain' / 'journal.db'}",
                                      keys=tether.KeyRing.ephemeral()):
             pass

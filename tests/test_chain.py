@@ -315,7 +315,7 @@ async def test_redelegation_refuses_a_tampered_delegation(journal_url: str,
         (done,) = (await h.report()).actions
         control = [e for e in await sup.journal.events([h.id]) if e.kind == "state"][-1]
         record = await ATTACKS[attack](sup.journal, Scene(h.id, done.id, "", control.id))
-        with pytest.raises(tether.JournalError, match="fail verification") as refused:
+        with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await h.redelegate()
         assert record in str(refused.value)
         assert [r.id for r in await sup.journal.delegations()] == [h.id]  # nothing new
@@ -468,7 +468,7 @@ async def test_redelegation_refuses_when_an_earlier_epoch_holding_the_key_was_ta
         (done,) = (await first.report()).actions
         await raw(sup.journal, "UPDATE actions SET state = 'NOT_APPLIED' WHERE id = ?",
                   done.id)
-        with pytest.raises(tether.JournalError, match="fail verification") as refused:
+        with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await second.redelegate()
         assert f"action {done.id}" in str(refused.value)
     assert PAY.refund_count(order) == 1
@@ -495,7 +495,7 @@ async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole
                     "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
                     "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
             await raw(sup.journal, sql, first.id, first.id)
-        with pytest.raises(tether.JournalError, match="fail verification") as refused:
+        with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await second.redelegate()
         assert "epoch 0" in str(refused.value)
     assert PAY.refund_count(order) == 1

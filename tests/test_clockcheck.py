@@ -38,10 +38,10 @@ async def test_a_slow_read_of_a_true_clock_stops_nothing() -> None:
 
 
 async def test_a_clock_surely_off_is_found_however_slow_the_read() -> None:
-    with pytest.raises(tether.ClockSkew):
+    with pytest.raises(tether.errors.ClockSkew):
         await check_clock(journal(5.0, 0.6), SystemClock(), 0.2, "test")
 
 
 async def test_a_quick_read_that_may_be_off_stops_the_process() -> None:
-    with pytest.raises(tether.ClockSkew):
+    with pytest.raises(tether.errors.ClockSkew):
         await check_clock(journal(0.25, 0.0), SystemClock(), 0.2, "test")

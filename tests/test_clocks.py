@@ -123,10 +123,10 @@ async def test_a_dispatch_deadline_is_judged_on_the_clock_it_was_written_on(
 async def test_an_orchestrator_whose_clock_is_off_refuses_to_start(pg_url: str) -> None:
     """Half the default 5 s tolerance is 2.5 s: 3 s off is refused before anything is
     written; 1 s off is fine."""
-    with pytest.raises(tether.ClockSkew, match=r"clock is \+3\.\d s off"):
+    with pytest.raises(tether.errors.ClockSkew, match=r"clock is \+3\.\d s off"):
         async with tether.Supervisor(pg_url, clock=SkewedClock(3.0), recover=False):
             pass
-    with pytest.raises(tether.ClockSkew, match=r"clock is -3\.\d s off"):
+    with pytest.raises(tether.errors.ClockSkew, match=r"clock is -3\.\d s off"):
         async with tether.Supervisor(pg_url, clock=SkewedClock(-3.0), recover=False):
             pass
     async with Journal(pg_url) as j:
@@ -137,7 +137,7 @@ async def test_an_orchestrator_whose_clock_is_off_refuses_to_start(pg_url: str) 
 
 
 async def test_the_check_follows_the_policys_tolerance(pg_url: str) -> None:
-    with pytest.raises(tether.ClockSkew):
+    with pytest.raises(tether.errors.ClockSkew):
         async with tether.Supervisor(pg_url, clock=SkewedClock(1.0), recover=False,
                                      policy=tether.Policy(clock_tolerance=1.0)):
             pass
@@ -176,11 +176,11 @@ async def test_a_worker_within_the_tolerance_runs_and_one_past_it_does_not(
     agent = tether.Agent("fine", fine, ())
     async with tether.Worker(pg_url, [agent], clock=SkewedClock(2.0), lease=10.0) as worker:
         assert not worker.supervisor.abandoned
-    with pytest.raises(tether.LeaseLost, match=r"clock is \+2\.\d s off"):
+    with pytest.raises(tether.errors.LeaseLost, match=r"clock is \+2\.\d s off"):
         async with tether.Worker(pg_url, [agent], clock=SkewedClock(2.0), lease=10.0,
                                  policy=tether.Policy(clock_tolerance=3.0)):
             pass
-    with pytest.raises(tether.LeaseLost, match=r"clock is \+2\.\d s off"):
+    with pytest.raises(tether.errors.LeaseLost, match=r"clock is \+2\.\d s off"):
         async with tether.Worker(pg_url, [agent], clock=SkewedClock(2.0), lease=6.0):
             pass
 

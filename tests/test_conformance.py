@@ -311,8 +311,8 @@ class McpGateway:
                     elif isinstance(step, Say):
                         return step.text
                     elif isinstance(step, Cut):
-                        raise tether.StreamCut(tether.CutReason.CONNECT_ERROR,
-                                               tether.Partial("", tuple(results)))
+                        raise tether.StreamCut(tether.protocol.CutReason.CONNECT_ERROR,
+                                               tether.protocol.Partial("", tuple(results)))
                     elif isinstance(step, Nested):
                         handle = await ctx.delegate(subs[n], "go")
                         results.append(await handle.result())

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import tether
+from tether.protocol import ControlIntent, ControlKind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +134,7 @@ async def test_owner_dead_during_a_recall_is_settled_as_recalled(tmp_path: Path)
         await journal.register_owner(OwnerRow("o_gone", 0, "elsewhere", 0.0, 0.0))
         await journal.create_delegation(NewDelegation("d1", "t1", None, 1, "a", (), {},
                                                       "o_gone", 1.0))
-        intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 2.0)
+        intent = ControlIntent(ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 2.0)
         await journal.accept_control(keys.signer.sign(intent), keys.trusted, "o_gone", 2.0)
     async with tether.Supervisor(url, keys=keys) as sup:
         report = await sup.report("d1")

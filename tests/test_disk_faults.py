@@ -75,7 +75,7 @@ async def test_a_full_disk_fails_the_call_before_its_tool_runs(disk: JournalDisk
         disk.fill()
         try:
             await ctx.call(pay, order_id="o", cents=2)
-        except tether.JournalError as exc:
+        except tether.errors.JournalError as exc:
             errors.append(str(exc))
         disk.free()
         ref: str = await ctx.call(pay, order_id="o", cents=3)
@@ -101,7 +101,7 @@ async def test_a_receipt_the_full_disk_refused_is_reconciled_never_claimed(
     async def child(ctx: tether.Context) -> str:
         provider.after_apply.append(disk.fill)  # the first payment's receipt meets a full disk
         first: str = await ctx.call(pay, order_id="o", cents=1)
-        with pytest.raises(tether.JournalError):
+        with pytest.raises(tether.errors.JournalError):
             await ctx.call(pay, order_id="o", cents=2)
         disk.free()
         await ctx.call(pay, order_id="o", cents=3)
@@ -148,7 +148,7 @@ async def test_a_journal_turned_read_only_fails_the_call_before_its_tool_runs(
                 handle = await sup.delegate(child, tools=[pay])
                 await handle.result()
 
-        with pytest.raises(tether.JournalError, match="read-only or failing"):
+        with pytest.raises(tether.errors.JournalError, match="read-only or failing"):
             await run()
         assert len(provider.applied) == 1  # the second call's intent was never written
         disk.clear()  # unmounted, checked, mounted read-write again

@@ -12,28 +12,37 @@ from hypothesis import strategies as st
 
 import tether
 from tether._core.documents import canonical, decode, manifest_digest, parse_body
+from tether.errors import BadSignature, Malformed, UnknownKey
+from tether.protocol import (
+    Acknowledgement,
+    ControlIntent,
+    ControlKind,
+    Signed,
+    SigningKey,
+    TrustedKeys,
+)
 
-KEY = tether.SigningKey.generate()
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.generate()
+TRUSTED = TrustedKeys([KEY.public])
 
 
-def intent(**over: object) -> tether.ControlIntent:
-    fields: dict[str, object] = dict(kind=tether.ControlKind.RECALL, delegation_id="d_1", epoch=0,
+def intent(**over: object) -> ControlIntent:
+    fields: dict[str, object] = dict(kind=ControlKind.RECALL, delegation_id="d_1", epoch=0,
                                      seq=1, grace=5.0, reason="r", issued_at=1.5)
     fields.update(over)
-    return tether.ControlIntent(**fields)  # type: ignore[arg-type]
+    return ControlIntent(**fields)  # type: ignore[arg-type]
 
 
 def test_round_trip_and_signature_verify() -> None:
     signed = KEY.sign(intent())
-    assert TRUSTED.verify(signed, tether.ControlIntent) == intent()
+    assert TRUSTED.verify(signed, ControlIntent) == intent()
 
 
 def test_unknown_fields_survive_a_round_trip_and_keep_the_signature_valid() -> None:
     # A newer writer adds a field and bumps the version; an older reader keeps both.
     body = intent().to_json() | {"v": 2, "priority": "high", "trace": {"id": "x"}}
-    newer = KEY.sign(tether.ControlIntent.from_json(body))
-    read = TRUSTED.verify(newer, tether.ControlIntent)
+    newer = KEY.sign(ControlIntent.from_json(body))
+    read = TRUSTED.verify(newer, ControlIntent)
     assert read.version == 2
     assert read.extra == {"priority": "high", "trace": {"id": "x"}}
     assert read.encode() == canonical(body)
@@ -43,24 +52,24 @@ def test_altered_field_is_refused() -> None:
     signed = KEY.sign(intent())
     forged = json.loads(signed.body)
     forged["grace"] = 500.0
-    altered = tether.Signed(canonical(forged), signed.key_id, signed.signature)
-    with pytest.raises(tether.BadSignature):
-        TRUSTED.verify(altered, tether.ControlIntent)
+    altered = Signed(canonical(forged), signed.key_id, signed.signature)
+    with pytest.raises(BadSignature):
+        TRUSTED.verify(altered, ControlIntent)
 
 
 def test_unknown_key_and_unsigned_are_refused() -> None:
-    stranger = tether.SigningKey.generate()
-    with pytest.raises(tether.UnknownKey):
-        TRUSTED.verify(stranger.sign(intent()), tether.ControlIntent)
-    unsigned = tether.Signed(intent().encode(), KEY.key_id, b"")
-    with pytest.raises(tether.BadSignature):
-        TRUSTED.verify(unsigned, tether.ControlIntent)
+    stranger = SigningKey.generate()
+    with pytest.raises(UnknownKey):
+        TRUSTED.verify(stranger.sign(intent()), ControlIntent)
+    unsigned = Signed(intent().encode(), KEY.key_id, b"")
+    with pytest.raises(BadSignature):
+        TRUSTED.verify(unsigned, ControlIntent)
 
 
 def test_document_of_another_type_is_refused() -> None:
-    ack = tether.Acknowledgement("d_1", 1, ("a",), acked_at=0.0)
-    with pytest.raises(tether.Malformed):
-        TRUSTED.verify(KEY.sign(ack), tether.ControlIntent)
+    ack = Acknowledgement("d_1", 1, ("a",), acked_at=0.0)
+    with pytest.raises(Malformed):
+        TRUSTED.verify(KEY.sign(ack), ControlIntent)
 
 
 @pytest.mark.parametrize("bad", [
@@ -72,12 +81,12 @@ def test_document_of_another_type_is_refused() -> None:
     canonical(intent().to_json() | {"v": 0}),
 ])
 def test_malformed_documents_are_refused(bad: bytes) -> None:
-    with pytest.raises(tether.Malformed):
+    with pytest.raises(Malformed):
         decode(bad)
 
 
 def test_non_canonical_bytes_are_refused() -> None:
-    with pytest.raises(tether.Malformed):
+    with pytest.raises(Malformed):
         parse_body(json.dumps(intent().to_json(), indent=1).encode())
 
 
@@ -92,37 +101,37 @@ def test_ack_digest_binds_delegation_sequence_and_action_ids() -> None:
     assert base != manifest_digest("d", 1, ["a", "c"])  # same count, other ids
     assert base != manifest_digest("d", 2, ["a", "b"])
     assert base != manifest_digest("e", 1, ["a", "b"])
-    ack = tether.Acknowledgement("d", 1, ("b", "a"), acked_at=0.0)
+    ack = Acknowledgement("d", 1, ("b", "a"), acked_at=0.0)
     body = ack.to_json() | {"in_flight": ["a", "c"]}  # a manifest swapped under its digest
-    with pytest.raises(tether.Malformed):
+    with pytest.raises(Malformed):
         decode(canonical(body))
 
 
 @given(st.binary(max_size=300))
 def test_decoder_never_crashes_on_arbitrary_bytes(data: bytes) -> None:
-    with contextlib.suppress(tether.Malformed):
+    with contextlib.suppress(Malformed):
         decode(data)
 
 
 @given(st.integers(0, 2**40), st.integers(1, 2**40), st.floats(0.001, 1e6),
        st.text(max_size=40), st.dictionaries(st.text(min_size=1, max_size=8).filter(
-           lambda k: k not in tether.ControlIntent.KNOWN and k not in ("type", "v")),
+           lambda k: k not in ControlIntent.KNOWN and k not in ("type", "v")),
            st.integers(-(2**53) + 1, 2**53 - 1), max_size=3))
 def test_any_intent_round_trips(epoch: int, seq: int, grace: float, reason: str,
                                 extra: dict[str, int]) -> None:
-    doc = tether.ControlIntent(tether.ControlKind.RECALL, "d", epoch, seq, grace, reason, 0.0,
+    doc = ControlIntent(ControlKind.RECALL, "d", epoch, seq, grace, reason, 0.0,
                                extra=extra)
-    again = TRUSTED.verify(KEY.sign(doc), tether.ControlIntent)
+    again = TRUSTED.verify(KEY.sign(doc), ControlIntent)
     assert again == doc and again.extra == extra
 
 
 def test_trusted_keys_from_files_check_ids() -> None:
-    good = tether.TrustedKeys.from_b64({KEY.key_id: KEY.public_b64()})
+    good = TrustedKeys.from_b64({KEY.key_id: KEY.public_b64()})
     assert KEY.key_id in good
-    with pytest.raises(tether.Malformed):
-        tether.TrustedKeys.from_b64({"0" * 16: KEY.public_b64()})
-    with pytest.raises(tether.Malformed):
-        tether.TrustedKeys.from_b64({KEY.key_id: "not base64!"})
+    with pytest.raises(Malformed):
+        TrustedKeys.from_b64({"0" * 16: KEY.public_b64()})
+    with pytest.raises(Malformed):
+        TrustedKeys.from_b64({KEY.key_id: "not base64!"})
 
 
 def test_an_intent_names_the_person_who_issued_it_only_when_one_did() -> None:
@@ -132,15 +141,15 @@ def test_an_intent_names_the_person_who_issued_it_only_when_one_did() -> None:
         "type": "control", "v": 1, "kind": "RECALL", "delegation": "d_1", "epoch": 0,
         "seq": 1, "grace": 5.0, "reason": "r", "issued_at": 1.5})
     named = KEY.sign(intent(issued_by="alice"))
-    assert TRUSTED.verify(named, tether.ControlIntent).issued_by == "alice"
+    assert TRUSTED.verify(named, ControlIntent).issued_by == "alice"
     # The name is signed: another one in the same bytes' place is a different document.
-    forged = tether.Signed(named.body.replace(b'"alice"', b'"mallo"'), named.key_id,
+    forged = Signed(named.body.replace(b'"alice"', b'"mallo"'), named.key_id,
                            named.signature)
-    with pytest.raises(tether.BadSignature):
-        TRUSTED.verify(forged, tether.ControlIntent)
+    with pytest.raises(BadSignature):
+        TRUSTED.verify(forged, ControlIntent)
 
 
 @pytest.mark.parametrize("by", ["", 7, None, ["alice"]])
 def test_an_intent_whose_name_is_not_a_name_is_refused(by: object) -> None:
-    with pytest.raises(tether.Malformed):
-        tether.ControlIntent.from_json(intent().to_json() | {"by": by})
+    with pytest.raises(Malformed):
+        ControlIntent.from_json(intent().to_json() | {"by": by})

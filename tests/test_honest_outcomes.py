@@ -420,7 +420,7 @@ async def read_file(path: str) -> str:
 async def cut_then_succeed(ctx: tether.Context) -> str:
     if ctx.attempt == 1:
         await ctx.call(read_file, path="README")
-        raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+        raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
     return "the second attempt ran"
 
 
@@ -524,7 +524,7 @@ async def test_calls_finishing_while_the_grace_window_reads_the_journal_recall_c
         original = sup.journal.facts
         interposed: list[bool] = []
 
-        async def facts(root_id: str) -> tether.JournalFacts:
+        async def facts(root_id: str) -> tether.protocol.JournalFacts:
             if interposed:
                 return await original(root_id)
             interposed.append(True)
@@ -611,7 +611,7 @@ async def test_the_loser_of_two_concurrent_recalls_gets_stale_sequence(
     won = [o for o in outcomes if isinstance(o, tether.Report)]
     lost = [o for o in outcomes if not isinstance(o, tether.Report)]
     assert len(won) == 1 and len(lost) == 1, outcomes
-    assert isinstance(lost[0], tether.StaleSequence), \
+    assert isinstance(lost[0], tether.errors.StaleSequence), \
         f"the loser got {type(lost[0]).__name__}: {lost[0]}"
     assert lost[0].current == 1 and "current sequence is 1" in str(lost[0])
     assert won[0].outcome is S.RECALLED and row.control_seq == 1

@@ -17,9 +17,24 @@ from tether._journal import sqlite as sqlite_backend
 from tether._journal.journal import Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import Begin, NewAction, NewDelegation
+from tether.errors import (
+    AlreadyFinished,
+    BadSignature,
+    IdempotencyConflict,
+    JournalCorrupt,
+    JournalLocked,
+    KeyInUse,
+    NotAJournal,
+    NotFound,
+    SchemaTooNew,
+    StaleEpoch,
+    StaleSequence,
+    UnknownKey,
+)
+from tether.protocol import ControlIntent, ControlKind, Signed, SigningKey, TrustedKeys
 
-KEY = tether.SigningKey.generate()
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.generate()
+TRUSTED = TrustedKeys([KEY.public])
 
 
 @pytest.fixture
@@ -45,10 +60,10 @@ def new_action(aid: str = "a1", did: str = "d1", key: str = "k1", args: str = '{
                      deadline_at=32.0)
 
 
-def control(seq: int = 1, did: str = "d1", kind: tether.ControlKind = tether.ControlKind.RECALL,
-            epoch: int = 0) -> tether.Signed:
-    grace = 5.0 if kind is tether.ControlKind.RECALL else None
-    return KEY.sign(tether.ControlIntent(kind, did, epoch, seq, grace, "r", 3.0))
+def control(seq: int = 1, did: str = "d1", kind: ControlKind = ControlKind.RECALL,
+            epoch: int = 0) -> Signed:
+    grace = 5.0 if kind is ControlKind.RECALL else None
+    return KEY.sign(ControlIntent(kind, did, epoch, seq, grace, "r", 3.0))
 
 
 async def test_intent_is_durable_before_started_is_returned(journal: Journal,
@@ -80,13 +95,13 @@ async def test_stale_epoch_is_fenced(journal: Journal) -> None:
 async def test_sequence_must_be_last_plus_one(journal: Journal) -> None:
     """I4: a gap or a duplicate is refused, naming the current sequence, and changes nothing."""
     await journal.create_delegation(new_delegation())
-    with pytest.raises(tether.StaleSequence) as gap:
+    with pytest.raises(StaleSequence) as gap:
         await journal.accept_control(control(seq=2), TRUSTED, "me", 3.0)
     assert gap.value.current == 0 and "current sequence is 0" in str(gap.value)
     row = await journal.get("d1")
     assert (row.state, row.fenced, row.control_seq) == (tether.DelegationState.RUNNING, False, 0)
     await journal.accept_control(control(seq=1), TRUSTED, "me", 3.0)
-    with pytest.raises(tether.StaleSequence) as dup:
+    with pytest.raises(StaleSequence) as dup:
         await journal.accept_control(control(seq=1), TRUSTED, "me", 3.0)
     assert dup.value.current == 1
     assert len(await journal.controls("d1")) == 1
@@ -98,7 +113,7 @@ async def test_racing_intents_exactly_one_wins(journal: Journal) -> None:
         *(journal.accept_control(control(seq=1), TRUSTED, f"w{i}", 3.0) for i in range(5)),
         return_exceptions=True)
     assert sum(not isinstance(r, BaseException) for r in results) == 1
-    assert all(isinstance(r, tether.StaleSequence) for r in results
+    assert all(isinstance(r, StaleSequence) for r in results
                if isinstance(r, BaseException))
 
 
@@ -109,7 +124,7 @@ async def test_racing_redelegations_exactly_one_wins(journal: Journal) -> None:
         return_exceptions=True)
     winners = [r for r in results if not isinstance(r, BaseException)]
     assert len(winners) == 1 and winners[0].epoch == 1
-    errors = [r for r in results if isinstance(r, tether.StaleEpoch)]
+    errors = [r for r in results if isinstance(r, StaleEpoch)]
     assert len(errors) == 3 and all(e.current == 1 for e in errors)
 
 
@@ -117,12 +132,12 @@ async def test_bad_signature_and_unknown_key_change_nothing(journal: Journal) ->
     """I5 at the journal: refused before the transaction."""
     await journal.create_delegation(new_delegation())
     good = control()
-    with pytest.raises(tether.BadSignature):
-        await journal.accept_control(tether.Signed(good.body, good.key_id, b"\0" * 64), TRUSTED,
+    with pytest.raises(BadSignature):
+        await journal.accept_control(Signed(good.body, good.key_id, b"\0" * 64), TRUSTED,
                                      "me", 3.0)
-    with pytest.raises(tether.UnknownKey):
-        await journal.accept_control(tether.SigningKey.generate().sign(
-            tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0)),
+    with pytest.raises(UnknownKey):
+        await journal.accept_control(SigningKey.generate().sign(
+            ControlIntent(ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0)),
             TRUSTED, "me", 3.0)
     row = await journal.get("d1")
     assert row.control_seq == 0 and not row.fenced and await journal.controls("d1") == []
@@ -131,7 +146,7 @@ async def test_bad_signature_and_unknown_key_change_nothing(journal: Journal) ->
 async def test_terminal_delegation_refuses_control(journal: Journal) -> None:
     await journal.create_delegation(new_delegation())
     await journal.set_state("d1", tether.DelegationState.SUCCEEDED, 2.0)
-    with pytest.raises(tether.AlreadyFinished):
+    with pytest.raises(AlreadyFinished):
         await journal.accept_control(control(), TRUSTED, "me", 3.0)
     assert (await journal.get("d1")).control_seq == 0
 
@@ -150,7 +165,7 @@ async def test_subtree_is_fenced_in_the_same_transaction(journal: Journal) -> No
     with pytest.raises(FenceRefused):
         await journal.create_delegation(new_delegation("new", "t/k/h", parent="gk",
                                                        parent_epoch=0))
-    with pytest.raises(tether.NotFound):
+    with pytest.raises(NotFound):
         await journal.get("new")
 
 
@@ -160,7 +175,7 @@ async def test_idempotency_key_rules(journal: Journal) -> None:
     key whose action provably did not apply may be used again."""
     await journal.create_delegation(new_delegation())
     assert (await journal.begin_action(new_action("a1"))).status is Begin.STARTED
-    with pytest.raises(tether.IdempotencyConflict):
+    with pytest.raises(IdempotencyConflict):
         await journal.begin_action(new_action("a2", args='{"x":2}'))
     waiting = await journal.begin_action(new_action("a3"))
     assert (waiting.status, waiting.action_id) == (Begin.WAIT, "a1")
@@ -175,7 +190,7 @@ async def test_idempotency_key_rules(journal: Journal) -> None:
     await journal.settle_action("b2", tether.ActionState.UNKNOWN, 4.0, {"probe": "UNKNOWN"})
     # Until its deadline an UNKNOWN call may still land (its receipt would replay): wait.
     assert (await journal.begin_action(new_action("b3", key="k2"))).status is Begin.WAIT
-    with pytest.raises(tether.KeyInUse):  # past it, a person must decide
+    with pytest.raises(KeyInUse):  # past it, a person must decide
         await journal.begin_action(dataclasses.replace(new_action("b4", key="k2"), now=40.0))
 
 
@@ -200,7 +215,7 @@ def snapshot(path: Path) -> bytes:
 async def test_text_file_is_not_a_journal(tmp_path: Path) -> None:
     path = tmp_path / "notes.db"
     path.write_text("hello")
-    with pytest.raises(tether.NotAJournal, match="not a SQLite database"):
+    with pytest.raises(NotAJournal, match="not a SQLite database"):
         await Journal(f"sqlite:///{path}").open()
     assert path.read_text() == "hello"
 
@@ -212,14 +227,14 @@ async def test_other_sqlite_database_is_not_a_journal(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     before = snapshot(path)
-    with pytest.raises(tether.NotAJournal, match="not a tether journal"):
+    with pytest.raises(NotAJournal, match="not a tether journal"):
         await Journal(f"sqlite:///{path}").open()
     assert snapshot(path) == before
 
 
 async def test_missing_journal_is_not_created_when_asked_not_to(tmp_path: Path) -> None:
     path = tmp_path / "missing.db"
-    with pytest.raises(tether.NotAJournal, match="no journal"):
+    with pytest.raises(NotAJournal, match="no journal"):
         await Journal(f"sqlite:///{path}", create=False).open()
     assert not path.exists()
 
@@ -240,7 +255,7 @@ async def test_newer_schema_is_refused(tmp_path: Path) -> None:
     conn.commit()
     conn.close()
     before = snapshot(path)
-    with pytest.raises(tether.SchemaTooNew) as info:
+    with pytest.raises(SchemaTooNew) as info:
         await Journal(f"sqlite:///{path}").open()
     assert info.value.found == 99 and "upgrade tether" in str(info.value)
     assert snapshot(path) == before
@@ -253,7 +268,7 @@ async def test_corrupted_journal_is_refused(tmp_path: Path) -> None:
     data[16:24] = b"\xff" * 8  # page size and format bytes of the header
     data[4096:4200] = b"\x00\xff" * 52
     path.write_bytes(bytes(data))
-    with pytest.raises(tether.JournalCorrupt):
+    with pytest.raises(JournalCorrupt):
         async with Journal(f"sqlite:///{path}") as j:
             await j.delegations()
 
@@ -265,12 +280,12 @@ async def test_journal_locked_by_another_writer(tmp_path: Path) -> None:
         other = sqlite3.connect(path, isolation_level=None)
         other.execute("BEGIN EXCLUSIVE")
         try:
-            with pytest.raises(tether.JournalLocked):
+            with pytest.raises(JournalLocked):
                 await j.create_delegation(new_delegation("d2", "t2"))
         finally:
             other.execute("ROLLBACK")
             other.close()
-        with pytest.raises(tether.NotFound):
+        with pytest.raises(NotFound):
             await j.get("d2")
 
 

@@ -61,10 +61,10 @@ async def test_a_journal_gone_under_a_supervisor_stops_its_writes(
             shutil.copy(file_of(other), tmp_path / "moved.db")
             os.replace(tmp_path / "moved.db", path)
         go.set()
-        with pytest.raises(tether.JournalError, match=how):
+        with pytest.raises(tether.errors.JournalError, match=how):
             await child.result()  # neither the intent nor the failure can be recorded
         assert pay.requests == 0  # the refund's intent could not be recorded: never sent
-        with pytest.raises(tether.JournalError, match=how):
+        with pytest.raises(tether.errors.JournalError, match=how):
             await sup.delegate(shop.refund_agent, "J-2", tools=shop.tools)
         clock.autojump()
 
@@ -74,7 +74,7 @@ async def test_a_journal_moved_back_is_used_again(sqlite_url: str, tmp_path: Pat
     path = file_of(sqlite_url)
     async with tether.Supervisor(sqlite_url, keys=tether.KeyRing.ephemeral()) as sup:
         os.replace(path, tmp_path / "aside.db")
-        with pytest.raises(tether.JournalError, match="deleted"):
+        with pytest.raises(tether.errors.JournalError, match="deleted"):
             await sup.journal.delegations()
         os.replace(tmp_path / "aside.db", path)
         assert await sup.journal.delegations() == []
@@ -111,7 +111,7 @@ async def test_a_relative_journal_survives_a_change_of_directory(
         monkeypatch.chdir(tmp_path / "elsewhere")
         assert await sup.journal.delegations() == []
         os.replace(tmp_path / "state" / "journal.db", tmp_path / "aside.db")
-        with pytest.raises(tether.JournalError, match="deleted"):
+        with pytest.raises(tether.errors.JournalError, match="deleted"):
             await sup.journal.delegations()
         os.replace(tmp_path / "aside.db", tmp_path / "state" / "journal.db")
 

@@ -32,6 +32,16 @@ from tether._core.model import (
 from tether._journal import ops
 from tether._journal.rows import Begin, NewAction, NewDelegation
 from tether._journal.sqlite import connect
+from tether.errors import (
+    AlreadyFinished,
+    IdempotencyConflict,
+    InvalidTransition,
+    KeyInUse,
+    StaleEpoch,
+    StaleSequence,
+    UnknownKey,
+)
+from tether.protocol import ControlIntent, ControlKind, SigningKey, TrustedKeys
 
 S = tether.DelegationState
 A = tether.ActionState
@@ -40,7 +50,7 @@ A = tether.ActionState
 def test_terminal_delegations_only_move_to_reconciliation() -> None:
     for state in S:
         if state.terminal and state not in (S.RECONCILED, S.NEEDS_ATTENTION, S.CANCELLED):
-            with pytest.raises(tether.AlreadyFinished):
+            with pytest.raises(AlreadyFinished):
                 check_delegation_move("d", state, S.RECALLING)
             check_delegation_move("d", state, S.RECONCILED)
 
@@ -48,15 +58,15 @@ def test_terminal_delegations_only_move_to_reconciliation() -> None:
 def test_a_cancelled_attempt_never_moves_again() -> None:
     # It was torn down before its code ran: nothing of it can need reconciling.
     for state in S:
-        with pytest.raises(tether.InvalidTransition):
+        with pytest.raises(InvalidTransition):
             check_delegation_move("d", S.CANCELLED, state)
 
 
 def test_recall_twice_is_an_invalid_transition_but_terminate_escalates() -> None:
-    with pytest.raises(tether.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         check_delegation_move("d", S.RECALLING, S.RECALLING)
     check_delegation_move("d", S.RECALLING, S.TERMINATING)
-    with pytest.raises(tether.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         check_delegation_move("d", S.TERMINATING, S.RECALLING)
 
 
@@ -95,8 +105,8 @@ def test_bad_policy_is_refused() -> None:
 
 # -- model-based ---------------------------------------------------------------------------
 
-KEY = tether.SigningKey.generate()
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.generate()
+TRUSTED = TrustedKeys([KEY.public])
 
 
 @dataclass
@@ -193,11 +203,11 @@ class JournalRules(RuleBasedStateMachine):
         prior = [(a, v) for a, v in self.model.actions.items() if v[1] == key]
         try:
             result = self.tx(lambda db: ops.begin_action(db, new, 5.0))
-        except tether.IdempotencyConflict:
+        except IdempotencyConflict:
             assert self.model.live(did)
             assert any(v[2] != digest for _, v in prior)
             return
-        except tether.KeyInUse:  # an outcome nobody knows, past its deadline: a person decides
+        except KeyInUse:  # an outcome nobody knows, past its deadline: a person decides
             raise AssertionError("every call here is within its deadline") from None
         if not self.model.live(did):  # I2: the fence answers first, and nothing is written
             assert result.status in (Begin.FENCED, Begin.STALE_EPOCH)
@@ -261,30 +271,30 @@ class JournalRules(RuleBasedStateMachine):
             self.resettle(d.parent)
 
     @precondition(lambda self: self.model.delegations)
-    @rule(data=st.data(), kind=st.sampled_from(list(tether.ControlKind)),
+    @rule(data=st.data(), kind=st.sampled_from(list(ControlKind)),
           offset=st.sampled_from([0, 1, 1, 1, 2]), forged=st.booleans())
-    def control(self, data: st.DataObject, kind: tether.ControlKind, offset: int,
+    def control(self, data: st.DataObject, kind: ControlKind, offset: int,
                 forged: bool) -> None:
         did = data.draw(st.sampled_from(sorted(self.model.delegations)))
         d = self.model.delegations[did]
-        grace = 1.0 if kind is tether.ControlKind.RECALL else None
-        intent = tether.ControlIntent(kind, did, d.epoch, d.seq + offset, grace, "r", 4.0)
-        signer = tether.SigningKey.generate() if forged else KEY
+        grace = 1.0 if kind is ControlKind.RECALL else None
+        intent = ControlIntent(kind, did, d.epoch, d.seq + offset, grace, "r", 4.0)
+        signer = SigningKey.generate() if forged else KEY
         signed = signer.sign(intent) if intent.seq >= 1 else None
         if signed is None:
             return
         if forged:  # I5: refused before any write
-            with pytest.raises(tether.UnknownKey):
-                TRUSTED.verify(signed, tether.ControlIntent)
+            with pytest.raises(UnknownKey):
+                TRUSTED.verify(signed, ControlIntent)
             return
-        checked = TRUSTED.verify(signed, tether.ControlIntent)
+        checked = TRUSTED.verify(signed, ControlIntent)
         try:
             self.tx(lambda db: ops.accept_control(db, signed, checked, "me", 4.0))
-        except tether.StaleSequence as exc:
+        except StaleSequence as exc:
             current = exc.current
             assert offset != 1 and current == d.seq
             return
-        except tether.InvalidTransition:
+        except InvalidTransition:
             assert offset == 1
             assert d.state.terminal or kind.target not in (S.RECALLING, S.TERMINATING) \
                 or d.state in (S.RECALLING, S.TERMINATING)
@@ -308,7 +318,7 @@ class JournalRules(RuleBasedStateMachine):
         new = NewDelegation(new_id, d.task, None, 1, "a", (), {}, "o", 5.0,
                             redelegate_from_epoch=d.epoch)
         if d.epoch != self.model.epochs[d.task]:
-            with pytest.raises(tether.StaleEpoch):  # I4: only one caller moves an epoch
+            with pytest.raises(StaleEpoch):  # I4: only one caller moves an epoch
                 self.tx(lambda db: ops.create_delegation(db, new))
             return
         self.tx(lambda db: ops.create_delegation(db, new))

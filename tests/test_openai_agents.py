@@ -135,7 +135,7 @@ async def test_a_stream_cut_before_any_tool_is_re_dispatched(refunds: Refunds,
         events = await sup.journal.events(attempts)
     assert len(attempts) == 2
     decisions = [e.detail["code"] for e in events if e.kind == "redispatch_decision"]
-    assert decisions[0] == tether.Code.REDISPATCH_NO_TOOL_RAN.value
+    assert decisions[0] == tether.protocol.Code.REDISPATCH_NO_TOOL_RAN.value
     assert refunds.pay.refund_count("A") == 1
 
 
@@ -151,10 +151,10 @@ async def test_a_stream_cut_after_a_refund_is_never_re_dispatched(refunds: Refun
         attempts = handle.attempts
         report = await handle.report()
         events = await sup.journal.events(attempts)
-    assert len(attempts) == 1 and isinstance(partial, tether.Partial)
+    assert len(attempts) == 1 and isinstance(partial, tether.protocol.Partial)
     assert report.outcome is S.SUCCEEDED_PARTIAL
     decisions = [e.detail["code"] for e in events if e.kind == "redispatch_decision"]
-    assert decisions == [tether.Code.PARTIAL_SALVAGED.value]
+    assert decisions == [tether.protocol.Code.PARTIAL_SALVAGED.value]
     assert refunds.pay.refund_count("A") == 1
 
 
@@ -188,7 +188,7 @@ async def test_a_cut_stream_is_refused_when_the_policy_allows_no_retry(
         events = await sup.journal.events(handle.attempts)
     assert len(handle.attempts) == 1
     assert [e.detail["code"] for e in events if e.kind == "redispatch_decision"] == [
-        tether.Code.RETRY_DISABLED.value]
+        tether.protocol.Code.RETRY_DISABLED.value]
 
 
 async def test_a_tool_that_raised_is_in_doubt_and_probed_not_reported_done(

@@ -27,6 +27,7 @@ from agents.testing import ModelStep, ScriptedModel, assistant_message, function
 
 import tether
 from tether.openai_agents import as_tether_agent, idempotency_key
+from tether.protocol import Code
 from tether.testing import PaymentService
 
 from .conftest import events_of
@@ -203,22 +204,22 @@ async def test_a_surface_with_an_unmediated_tool_is_never_re_dispatched(
         events = await sup.journal.events(handle.attempts)
     assert len(handle.attempts) == 1
     codes = [e.detail["code"] for e in events if e.kind == "redispatch_decision"]
-    assert codes == [tether.Code.UNKNOWN_TOOL.value]
+    assert codes == [Code.UNKNOWN_TOOL.value]
 
 
 def test_no_tool_ran_is_unprovable_when_a_reachable_tool_is_granted_by_name() -> None:
     from tether._core.redispatch import AttemptFacts, Ending, decide_redispatch
 
-    def decide(surface: tuple[str, ...], agents: dict[str, tuple[str, ...]]) -> tether.Code:
+    def decide(surface: tuple[str, ...], agents: dict[str, tuple[str, ...]]) -> Code:
         return decide_redispatch(AttemptFacts(
             ending=Ending.STREAM_CUT, partial_usable=False, attempt=1, side_effects_started=0,
             tools_ran=0, surface=surface, agents=agents, known_tools=frozenset({"refund"}),
             generation_at_start=0, generation_now=0), tether.RedispatchPolicy()).code
 
-    assert decide(("refund",), {}) is tether.Code.REDISPATCH_NO_TOOL_RAN
-    assert decide(("refund", "web_search"), {}) is tether.Code.TOOL_NOT_RETRY_SAFE
+    assert decide(("refund",), {}) is Code.REDISPATCH_NO_TOOL_RAN
+    assert decide(("refund", "web_search"), {}) is Code.TOOL_NOT_RETRY_SAFE
     assert decide(("agent:sub",), {"sub": ("web_search",)}) is \
-        tether.Code.DELEGATE_REACHES_UNSAFE
+        Code.DELEGATE_REACHES_UNSAFE
 
 
 async def test_run_options_input_items_and_the_stream_are_the_users(

@@ -32,6 +32,8 @@ from tests.test_chain import before_the_chain
 from tether._core.model import ControlKind
 from tether._journal.rows import NewDelegation
 from tether._runtime.control import ControlRequest, send_control
+from tether.errors import JournalCorrupt, KeyInUse, StaleSequence
+from tether.protocol import ControlIntent
 from tether.testing import VirtualClock
 
 from .conftest import PG_URL
@@ -650,7 +652,7 @@ async def test_a_corrupt_deadline_is_journal_corrupt_naming_the_row(
     # A hand edit: text in SQLite's REAL column; PostgreSQL's takes no text, but NaN.
     bad = "soon" if journal_url.startswith("sqlite") else float("nan")
     run_sql(journal_url, "UPDATE actions SET deadline_at = ?", (bad,))
-    with pytest.raises(tether.JournalCorrupt) as caught:
+    with pytest.raises(JournalCorrupt) as caught:
         async with supervising(journal_url, vclock, keys, [tool], jump_on_close=False):
             pass  # reconciles on start: the in-doubt action is read
     assert action.id in str(caught.value) and "deadline_at" in str(caught.value)
@@ -711,7 +713,7 @@ async def test_a_key_whose_earlier_call_is_unknown_fails_past_its_deadline(
         failure = result.exception()
     assert isinstance(failure, tether.DelegationError), failure
     cause = failure.__cause__
-    assert isinstance(cause, tether.KeyInUse), f"{failure!r} caused by {cause!r}"
+    assert isinstance(cause, KeyInUse), f"{failure!r} caused by {cause!r}"
     assert cause.action_id == earlier.id and earlier.id in str(cause)
     assert held.sent == [earlier.idempotency_key]  # never sent again
 
@@ -738,7 +740,7 @@ async def test_the_loser_of_two_racing_cli_recalls_gets_stale_sequence(
     lost = [o for o in outcomes if not isinstance(o, dict)]
     assert len(won) == 1 and len(lost) == 1, outcomes
     assert won[0]["seq"] == 1 and row.control_seq == 1
-    assert isinstance(lost[0], tether.StaleSequence), \
+    assert isinstance(lost[0], StaleSequence), \
         f"the loser got {type(lost[0]).__name__}: {lost[0]}"
     assert lost[0].current == 1 and "current sequence is 1" in str(lost[0])
 
@@ -759,7 +761,7 @@ async def test_recovery_on_a_row_read_before_anothers_intent_still_settles(
         id="d1", task_id="t1", parent_id=None, attempt=1, agent="agent", surface=("pay",),
         args={}, owner_id="gone", now=clock.wall()))
     row = await sup.journal.get("d1")  # the recovering process's read
-    recall = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", clock.wall())
+    recall = ControlIntent(ControlKind.RECALL, "d1", 0, 1, 5.0, "r", clock.wall())
     await sup.journal.accept_control(sup.keys.signer.sign(recall), sup.keys.trusted, "cli",
                                      clock.wall())
     report = await sup.recover_delegation(row, "owner is gone")

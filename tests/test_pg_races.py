@@ -22,12 +22,14 @@ import tether
 from tether._journal import ops
 from tether._journal.journal import Journal
 from tether._journal.rows import Begin, NewAction, NewDelegation
+from tether.errors import AlreadyFinished, InvalidTransition, StaleSequence
+from tether.protocol import ControlIntent, ControlKind, Signed, SigningKey, TrustedKeys
 
 from .conftest import PG_URL
 from .journal_helpers import pay_action, root_delegation
 
-KEY = tether.SigningKey.generate()
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.generate()
+TRUSTED = TrustedKeys([KEY.public])
 
 
 def _schema_of(url: str) -> str:
@@ -84,8 +86,8 @@ async def _race(url: str, first: Any, second: Any, *, table: str = "delegations"
     return ja, results
 
 
-def _recall() -> tether.Signed:
-    return KEY.sign(tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0))
+def _recall() -> Signed:
+    return KEY.sign(ControlIntent(ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0))
 
 
 async def test_a_recall_and_the_childs_own_end_cannot_both_win(pg_url: str) -> None:
@@ -102,10 +104,10 @@ async def test_a_recall_and_the_childs_own_end_cannot_both_win(pg_url: str) -> N
         winners = [r for r in (ended, accepted) if not isinstance(r, BaseException)]
         assert len(winners) == 1, (ended, accepted)
         if isinstance(accepted, BaseException):
-            assert isinstance(accepted, tether.AlreadyFinished), accepted
+            assert isinstance(accepted, AlreadyFinished), accepted
             assert row.state is tether.DelegationState.SUCCEEDED and controls == []
         else:
-            assert isinstance(ended, tether.InvalidTransition), ended
+            assert isinstance(ended, InvalidTransition), ended
             assert row.state is tether.DelegationState.RECALLING and len(controls) == 1
     finally:
         await ja.close()
@@ -149,7 +151,7 @@ async def test_two_ends_of_one_delegation_cannot_both_win(pg_url: str) -> None:
         winners = [r for r in (one, two) if not isinstance(r, BaseException)]
         assert len(winners) == 1, (one, two)
         loser = one if isinstance(one, BaseException) else two
-        assert isinstance(loser, tether.AlreadyFinished), loser
+        assert isinstance(loser, AlreadyFinished), loser
         assert row.state is winners[0][0].state
     finally:
         await ja.close()
@@ -160,9 +162,9 @@ async def test_racing_intents_one_accepted_the_other_told_the_sequence(
         pg_url: str, kinds: tuple[str, str]) -> None:
     """Two processes offer sequence 1 at once: one is accepted, the other is refused with
     the current sequence (I4), never both accepted."""
-    def intent(kind: str) -> tether.Signed:
-        k = tether.ControlKind(kind)
-        return KEY.sign(tether.ControlIntent(k, "d1", 0, 1, 5.0 if k is tether.ControlKind.RECALL
+    def intent(kind: str) -> Signed:
+        k = ControlKind(kind)
+        return KEY.sign(ControlIntent(k, "d1", 0, 1, 5.0 if k is ControlKind.RECALL
                                              else None, "r", 3.0))
 
     ja, results = await _race(
@@ -172,7 +174,7 @@ async def test_racing_intents_one_accepted_the_other_told_the_sequence(
     try:
         refused = [r for r in results if isinstance(r, BaseException)]
         assert len(refused) == 1, results
-        assert isinstance(refused[0], tether.StaleSequence), refused[0]
+        assert isinstance(refused[0], StaleSequence), refused[0]
         assert len(await ja.controls("d1")) == 1
     finally:
         await ja.close()

@@ -13,6 +13,8 @@ from psycopg import sql
 import tether
 from tether._journal.journal import Journal
 from tether._journal.rows import NewDelegation
+from tether.errors import JournalError, NotAJournal, SchemaTooNew
+from tether.protocol import ControlIntent, ControlKind, SigningKey
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,13 +61,13 @@ async def test_sequences_and_epochs_have_one_winner_across_processes(pg_url: str
 
 
 async def test_unreachable_server_is_a_clear_error() -> None:
-    with pytest.raises(tether.JournalError, match="cannot connect to the journal"):
+    with pytest.raises(JournalError, match="cannot connect to the journal"):
         await Journal("postgresql://postgres@127.0.0.1:1/test").open()
 
 
 async def test_wrong_credentials_are_a_clear_error(pg_url: str) -> None:
     url = pg_url.replace("postgres@", "no_such_role_tether@", 1)
-    with pytest.raises(tether.JournalError, match="cannot connect") as info:
+    with pytest.raises(JournalError, match="cannot connect") as info:
         await Journal(url).open()
     assert "no_such_role_tether" in str(info.value)
 
@@ -76,7 +78,7 @@ async def test_a_schema_that_is_not_a_journal_is_refused_untouched(pg_url: str) 
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("CREATE TABLE {}.users (id int)").format(sql.Identifier(schema)))
-    with pytest.raises(tether.NotAJournal, match="not a tether journal"):
+    with pytest.raises(NotAJournal, match="not a tether journal"):
         await Journal(pg_url).open()
     with psycopg.connect(conninfo, autocommit=True) as conn:
         tables = conn.execute("SELECT table_name FROM information_schema.tables WHERE "
@@ -91,7 +93,7 @@ async def test_a_newer_schema_is_refused(pg_url: str) -> None:
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute(sql.SQL("UPDATE {}.tether_meta SET value = '99' WHERE key = "
                              "'schema_version'").format(sql.Identifier(schema)))
-    with pytest.raises(tether.SchemaTooNew):
+    with pytest.raises(SchemaTooNew):
         await Journal(pg_url).open()
 
 
@@ -133,8 +135,8 @@ def fence_waits_for_insert(actor: psycopg.Connection[tuple[object, ...]],
         "a1", "d1", 0, 0, "pay", tether.Effect.EXTERNAL, args,
         hashlib.sha256(args.encode()).hexdigest(), "k1", 2.0, 32.0), 5.0)
     assert begun.status is Begin.STARTED  # not committed yet
-    key = tether.SigningKey.from_raw(bytes(32))
-    intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0)
+    key = SigningKey.from_raw(bytes(32))
+    intent = ControlIntent(ControlKind.RECALL, "d1", 0, 1, 5.0, "r", 3.0)
     seen: list[int] = []
 
     def fence() -> None:

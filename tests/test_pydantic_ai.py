@@ -85,7 +85,7 @@ async def test_a_run_the_application_cancels_is_never_re_dispatched(sqlite_url: 
         events = await sup.journal.events(handle.attempts)
     assert len(handle.attempts) == 1
     assert [e.detail["code"] for e in events if e.kind == "redispatch_decision"] == [
-        tether.Code.CEILING.value]
+        tether.protocol.Code.CEILING.value]
 
 
 def test_a_toolset_tether_cannot_mediate_is_refused() -> None:

@@ -21,11 +21,13 @@ from tether._journal.queue import owner as queue_owner
 from tether._journal.rows import Begin, NewAction, NewDelegation, OwnerRow
 from tether._runtime.clock import SystemClock
 from tether._runtime.remote import owner_alive
+from tether.errors import LeaseLost
+from tether.protocol import ControlIntent, ControlKind, SigningKey, TrustedKeys
 
 from .test_trust import raw
 
-KEY = tether.SigningKey.from_raw(bytes(range(32)))
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.from_raw(bytes(range(32)))
+TRUSTED = TrustedKeys([KEY.public])
 
 
 @pytest.fixture
@@ -52,7 +54,7 @@ def action(aid: str, did: str, now: float) -> NewAction:
 
 
 async def recall(j: Journal, did: str, now: float) -> None:
-    intent = tether.ControlIntent(tether.ControlKind.RECALL, did, 0, 1, 5.0, "r", now)
+    intent = ControlIntent(ControlKind.RECALL, did, 0, 1, 5.0, "r", now)
     await j.accept_control(KEY.sign(intent), TRUSTED, "orchestrator", now)
 
 
@@ -91,7 +93,7 @@ async def test_a_claimed_delegation_is_not_taken_back(journal: Journal) -> None:
     await recall(journal, "d1", 11.0)
     assert not await journal.unclaim("d1", "orchestrator", 12.0)  # the worker drains it
     (control,) = await journal.controls_to_adopt("w1", 0)
-    assert control.delegation_id == "d1" and control.kind is tether.ControlKind.RECALL
+    assert control.delegation_id == "d1" and control.kind is ControlKind.RECALL
 
 
 async def test_a_claim_undone_by_hand_is_never_claimed_or_dequeued_again(
@@ -205,7 +207,7 @@ async def test_any_supervisor_reconciles_a_worker_whose_lease_ran_out(journal: J
     t=15, long ago for the wall clock) is terminated and its pending action put in doubt.
     The worker's writes are sealed with its key, as a worker's are: reconciliation refuses a
     delegation whose records nobody trusted sealed (docs/security.md, "The chain")."""
-    pins = tether.TrustedKeys([KEY.public])  # this test's configuration: its own memory
+    pins = TrustedKeys([KEY.public])  # this test's configuration: its own memory
     journal.seal_with(KEY, pins)
     await journal.create_delegation(queued("d1"))
     assert await journal.renew_lease("w1", 10.0, 5.0)
@@ -271,7 +273,7 @@ async def test_a_worker_that_cannot_settle_a_fault_stops_and_keeps_its_lease(
                 raise RuntimeError("journal bookkeeping broke")
 
             monkeypatch.setattr(worker, "_settle_after_fault", cannot_settle)
-            with pytest.raises(tether.LeaseLost, match="worker fault"):
+            with pytest.raises(LeaseLost, match="worker fault"):
                 await worker.run()
         owner = await sup.journal.peek(queue_owner, worker.owner_id)
         row = await sup.journal.get("d-bad")
@@ -296,7 +298,7 @@ async def test_a_worker_whose_clock_is_off_the_servers_does_not_start(pg_url: st
     agent = tether.Agent("fine", fine, ())
     async with tether.Supervisor(pg_url, recover=False) as sup:
         handle = await sup.delegate(agent, remote=True)
-        with pytest.raises(tether.LeaseLost, match=r"clock is \+3600\.\d s off"):
+        with pytest.raises(LeaseLost, match=r"clock is \+3600\.\d s off"):
             async with tether.Worker(pg_url, [agent], clock=SkewedClock(3600.0)):
                 pass
         entry = await sup.journal.queue_entry(handle.id)
@@ -325,6 +327,6 @@ async def test_a_worker_whose_clock_drifts_off_stops_at_its_next_renewal(pg_url:
     clock = SkewedClock(0.0)
     async with tether.Worker(pg_url, [agent], clock=clock, lease=3.0) as worker:
         clock.offset = -3600.0  # from now on: checked at the next renewal, a second away
-        with pytest.raises(tether.LeaseLost, match=r"clock is -3600\.\d s off"):
+        with pytest.raises(LeaseLost, match=r"clock is -3600\.\d s off"):
             await worker.run()
     assert worker.supervisor.abandoned

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 import tether
+from tether.errors import ControlRefused
+from tether.protocol import ControlIntent, ControlKind, Signed
 from tether.testing import PaymentService, VirtualClock
 
 from .conftest import Countdown, Shop, events_of
@@ -252,9 +254,9 @@ async def foreign_recall(journal_url: str, keys: tether.KeyRing, delegation_id: 
                          grace: float, now: float) -> None:
     """What `tether recall` does from another process: its own journal connection."""
 
-    def make(row: Any) -> tether.Signed:
-        return keys.signer.sign(tether.ControlIntent(
-            tether.ControlKind.RECALL, row.id, row.epoch, row.control_seq + 1, grace, "cli", now))
+    def make(row: Any) -> Signed:
+        return keys.signer.sign(ControlIntent(
+            ControlKind.RECALL, row.id, row.epoch, row.control_seq + 1, grace, "cli", now))
 
     async with tether.Journal(journal_url, create=False) as other:
         await other.sign_and_accept(delegation_id, make, keys.trusted, "cli:other", now)
@@ -337,7 +339,7 @@ async def test_the_loser_of_two_racing_recalls_is_told_the_current_sequence(
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     assert len(reports) == 1 and len(errors) == 2, outcomes
     for error in errors:
-        assert isinstance(error, tether.ControlRefused), error
+        assert isinstance(error, ControlRefused), error
         assert "current sequence is 1" in str(error) or \
             "current control sequence 1" in str(error), error
     assert reports[0].outcome is tether.DelegationState.RECALLED

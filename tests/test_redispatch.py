@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tether
-from tether import Code
+from tether.protocol import Code
 from tether.testing import VirtualClock
 
 RETRY_SAFE = frozenset({"read_file", "grep", "web_fetch"})
-CUT = tether.CutReason.STREAM_INCOMPLETE
+CUT = tether.protocol.CutReason.STREAM_INCOMPLETE
 
 
 @tether.tool(effect=tether.Effect.READ_ONLY)
@@ -160,7 +160,7 @@ async def test_research_child_is_redispatched_once_as_a_fresh_child(world: World
 @pytest.mark.parametrize(("surface", "code"), [
     ([read_file, bash], Code.SHELL_TOOL),
     ([read_file, write_file], Code.TOOL_NOT_RETRY_SAFE),
-    ([read_file, tether.UNRESTRICTED], Code.UNRESTRICTED_SURFACE),
+    ([read_file, tether.protocol.UNRESTRICTED], Code.UNRESTRICTED_SURFACE),
     ([read_file, git_investigator, scribe], Code.TOOL_NOT_RETRY_SAFE),
     ([read_file, tether.agent(name="lead", tools=[scribe])(git_investigator.fn)],
      Code.DELEGATE_REACHES_UNSAFE),
@@ -188,8 +188,8 @@ async def test_unsafe_surfaces_are_not_redispatched(world: World, surface: list[
 async def test_a_delegate_cycle_fails_closed() -> None:
     a = tether.agent(name="a", tools=["agent:b"])(git_investigator.fn)
     b = tether.agent(name="b", tools=[a])(git_investigator.fn)
-    verdict = tether.decide_redispatch(tether.AttemptFacts(
-        tether.Ending.STREAM_CUT, False, 1, 0, 1, ("agent:a",),
+    verdict = tether.protocol.decide_redispatch(tether.protocol.AttemptFacts(
+        tether.protocol.Ending.STREAM_CUT, False, 1, 0, 1, ("agent:a",),
         {"a": ("agent:b",), "b": ("agent:a",)}, frozenset(), 0, 0), tether.RedispatchPolicy())
     assert verdict.code is Code.DELEGATE_CYCLE
     assert b.tools == (a,)
@@ -212,7 +212,7 @@ async def test_safe_looking_surface_with_a_journaled_side_effect_is_not_redispat
 
 async def test_when_no_tool_ran_the_surface_does_not_matter(world: World) -> None:
     async def cut_at_once(ctx: tether.Context) -> None:
-        raise tether.StreamCut(tether.CutReason.CONNECT_TIMEOUT)
+        raise tether.StreamCut(tether.protocol.CutReason.CONNECT_TIMEOUT)
 
     async def write(ctx: tether.Context) -> str:
         return "done"
@@ -293,7 +293,7 @@ async def test_budget(world: World, budget: int, attempts: int, last: str) -> No
 
 async def test_a_requested_ceiling_is_never_redispatched(world: World) -> None:
     async def capped(ctx: tether.Context) -> None:
-        raise tether.CeilingReached("tool_loop_cap", "50 tool calls")
+        raise tether.errors.CeilingReached("tool_loop_cap", "50 tool calls")
 
     handle = await world.sup.delegate(capped, tools=RESEARCH)
     with pytest.raises(tether.DelegationError):
@@ -305,11 +305,11 @@ async def test_a_requested_ceiling_is_never_redispatched(world: World) -> None:
 async def test_a_salvaged_partial_is_the_result(world: World) -> None:
     async def cut_with_text(ctx: tether.Context) -> None:
         await ctx.call(read_file, path="x")
-        raise tether.StreamCut(CUT, tether.Partial(text="half the answer"))
+        raise tether.StreamCut(CUT, tether.protocol.Partial(text="half the answer"))
 
     handle = await world.sup.delegate(cut_with_text, tools=RESEARCH)
     partial = await handle.result()
-    assert isinstance(partial, tether.Partial) and partial.text == "half the answer"
+    assert isinstance(partial, tether.protocol.Partial) and partial.text == "half the answer"
     row = await world.sup.journal.get(handle.id)
     assert row.state is tether.DelegationState.SUCCEEDED_PARTIAL
     assert row.result == {"partial": True, "text": "half the answer", "tool_results": []}
@@ -368,8 +368,8 @@ def test_policy_is_checked() -> None:
 
 def test_the_retry_safe_set_is_literal_and_never_admits_a_shell() -> None:
     policy = tether.RedispatchPolicy(retry_safe=frozenset({"bash", "read_file"}))
-    verdict = tether.decide_redispatch(tether.AttemptFacts(
-        tether.Ending.STREAM_CUT, False, 1, 0, 1, ("read_file", "bash"), {},
+    verdict = tether.protocol.decide_redispatch(tether.protocol.AttemptFacts(
+        tether.protocol.Ending.STREAM_CUT, False, 1, 0, 1, ("read_file", "bash"), {},
         frozenset({"read_file", "bash"}), 0, 0), policy)
     assert verdict.code is Code.SHELL_TOOL
 
@@ -385,7 +385,7 @@ def test_research_registry_entry_is_eligible_by_the_pure_decision() -> None:
     surface, agents, known = surface_facts(rt)
     assert surface == ("read_file", "web_fetch", "agent:git_investigator")
     assert agents == {"git_investigator": ("read_file", "grep")}
-    verdict = tether.decide_redispatch(tether.AttemptFacts(
-        tether.Ending.STREAM_CUT, False, 1, 0, 3, surface, agents, known, 0, 0),
+    verdict = tether.protocol.decide_redispatch(tether.protocol.AttemptFacts(
+        tether.protocol.Ending.STREAM_CUT, False, 1, 0, 3, surface, agents, known, 0, 0),
         tether.RedispatchPolicy(retry_safe=RETRY_SAFE))
     assert verdict.code is Code.REDISPATCH

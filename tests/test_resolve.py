@@ -159,7 +159,7 @@ async def test_a_decision_signed_by_an_untrusted_key_is_refused(journal_url: str
             action_id=stuck.action, delegation_id=stuck.delegation, outcome=A.COMPLETED,
             note="trust me", operator="Mallory", issued_at=1.0))
         ring = tether.KeyRing.load(j.keys_dir)
-        with pytest.raises(tether.ControlRefused):
+        with pytest.raises(tether.errors.ControlRefused):
             await j.resolve(signed, ring.trusted, 2.0)
         assert (await j.action(stuck.action)).state is A.UNKNOWN
         assert await j.resolutions([stuck.delegation]) == []

@@ -224,7 +224,7 @@ async def test_a_rolled_back_delegation_is_not_recovered_by_an_orchestrator_wait
                                                     (owner,)))
     async with tether.Supervisor(journal_url, keys=keys, tools=[pay], recover=False) as sup:
         row = await sup.journal.get(h.id)
-        with pytest.raises(tether.Tampered, match="rolled back"):
+        with pytest.raises(tether.errors.Tampered, match="rolled back"):
             await sup.recover_delegation(row, "owner is gone")
         after = await sup.journal.get(h.id)
     assert after.state is tether.DelegationState.RUNNING and not after.fenced  # untouched
@@ -259,7 +259,7 @@ async def test_a_running_process_does_not_act_on_a_head_older_than_one_it_sealed
         await restore(sup.journal, h.id, saved)
         older = await head_length(sup.journal, h.id)
         assert older < sealed
-        with pytest.raises(tether.Tampered, match=ROLLED_BACK) as refused:
+        with pytest.raises(tether.errors.Tampered, match=ROLLED_BACK) as refused:
             await sup.journal.untampered([h.id], ring.trusted, "re-delegate it")
         numbers = re.search(ROLLED_BACK, str(refused.value))
         assert numbers is not None and int(numbers[1]) >= sealed and int(numbers[2]) == older

@@ -276,7 +276,7 @@ async def test_runtime_redispatches_no_child_after_its_parent_was_terminated(
     @tether.agent(tools=[pay])
     async def child(ctx: tether.Context) -> None:
         if ctx.attempt == 1:  # cut before any tool ran: re-dispatched after the delay
-            raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+            raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
         await ctx.call(pay, n=1)
 
     @tether.agent(tools=[child])

@@ -160,7 +160,7 @@ async def test_two_orchestrators_recall_and_run_a_workflow_again_and_one_refund_
         assert reports, outcomes
         for other in outcomes:
             if not isinstance(other, tether.Report):
-                assert isinstance(other, tether.ControlRefused), other
+                assert isinstance(other, tether.errors.ControlRefused), other
                 assert "sequence" in str(other) and "1" in str(other), other
         assert len(await boss.journal.controls(call.delegation_id)) == 1  # one winner
         for report in reports:

@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 import tether
+from tether.errors import ControlRefused, InvalidTransition, StaleEpoch, StaleSequence
+from tether.protocol import ControlKind
 from tether.testing import PaymentService, VirtualClock
 
 from .conftest import Countdown, Shop, events_of, settled
@@ -46,7 +48,7 @@ async def test_terminate_cuts_a_recall_grace_window_short(
     (action,) = report.actions
     assert action.state is A.IN_DOUBT and report.outcome is S.TERMINATING
     intents = await sup.journal.controls(child.id)
-    assert [c.kind for c in intents] == [tether.ControlKind.RECALL, tether.ControlKind.TERMINATE]
+    assert [c.kind for c in intents] == [ControlKind.RECALL, ControlKind.TERMINATE]
     await clock.sleeping(1, at_least=29.0)  # the owner probes again at the dispatch deadline
     clock.advance(20.0)
     await pay.applied()  # the request lands; nobody is left to hear the reply
@@ -169,18 +171,18 @@ async def test_racing_recall_and_redelegate_exactly_one_wins(
     shop.gate = asyncio.Event()
     child = await sup.delegate(shop.refund_agent, "R-2", tools=shop.tools)
     won: list[tether.Handle] = []
-    lost: list[tether.ControlRefused] = []
+    lost: list[ControlRefused] = []
 
     async def worker() -> None:
         try:
             await child.recall(grace=5.0)
             won.append(await child.redelegate())
-        except tether.ControlRefused as exc:
+        except ControlRefused as exc:
             lost.append(exc)
 
     await asyncio.gather(worker(), worker())
     assert len(won) == 1 and len(lost) == 1
-    assert isinstance(lost[0], tether.StaleSequence | tether.InvalidTransition)
+    assert isinstance(lost[0], StaleSequence | InvalidTransition)
     assert "current sequence is 1" in str(lost[0]) or "RECALLING" in str(lost[0])
     shop.gate.set()
     await clock.sleeping(1)
@@ -193,10 +195,10 @@ async def test_redelegate_needs_a_recall_first_and_a_stale_epoch_loses(
         sup: tether.Supervisor, shop: Shop, clock: VirtualClock) -> None:
     shop.gate = asyncio.Event()
     child = await sup.delegate(shop.refund_agent, "R-3", tools=shop.tools)
-    with pytest.raises(tether.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         await child.redelegate()
     await child.terminate()
     await child.redelegate()
-    with pytest.raises(tether.StaleEpoch) as info:
+    with pytest.raises(StaleEpoch) as info:
         await child.redelegate()  # this handle still holds epoch 0
     assert info.value.current == 1

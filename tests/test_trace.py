@@ -24,7 +24,7 @@ async def test_trace_analyze_reports_counts_and_enrichment(journal_url: str,
             async def child(ctx: tether.Context, life: float = life, cut: bool = cut) -> str:
                 await clock.sleep(life)
                 if cut:
-                    raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+                    raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
                 return "ok"
 
             handles[name] = await sup.delegate(child, model=model)
@@ -55,7 +55,7 @@ async def test_trace_show_renders_a_task_across_attempts(journal_url: str,
                                                          clock: VirtualClock) -> None:
     async def flaky(ctx: tether.Context) -> str:
         if ctx.attempt == 1:
-            raise tether.StreamCut(tether.CutReason.CONNECT_ERROR)
+            raise tether.StreamCut(tether.protocol.CutReason.CONNECT_ERROR)
         return "second time lucky"
 
     async with tether.Supervisor(journal_url, clock=clock,

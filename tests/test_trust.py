@@ -22,6 +22,8 @@ from tests.test_cli import tether_cli
 from tether._core.documents import KeyGrant
 from tether._core.trust import bound, effective
 from tether._journal.journal import Journal
+from tether.errors import ControlRefused
+from tether.protocol import ControlIntent, ControlKind, Signed, SigningKey, TrustedKeys
 
 
 async def raw(journal: Journal, sql: str, *params: Any) -> None:
@@ -174,23 +176,23 @@ async def test_a_forged_row_at_the_next_sequence_is_named(
 
 
 def test_a_replay_of_another_sequence_epoch_or_kind_is_unbound() -> None:
-    intent = tether.ControlIntent(tether.ControlKind.RECALL, "d1", 2, 3, 5.0, "r", 1.0)
-    recall, terminate = tether.ControlKind.RECALL, tether.ControlKind.TERMINATE
+    intent = ControlIntent(ControlKind.RECALL, "d1", 2, 3, 5.0, "r", 1.0)
+    recall, terminate = ControlKind.RECALL, ControlKind.TERMINATE
     bound(intent, "d1", 3, recall, 2)
     for row in (("d2", 3, recall, 2), ("d1", 4, recall, 2), ("d1", 3, terminate, 2),
                 ("d1", 3, recall, 3)):
-        with pytest.raises(tether.ControlRefused, match="copied or replayed"):
+        with pytest.raises(ControlRefused, match="copied or replayed"):
             bound(intent, *row)
 
 
 def test_the_registry_believes_only_entries_signed_by_trusted_keys() -> None:
-    root, friend, stranger = (tether.SigningKey.generate() for _ in range(3))
+    root, friend, stranger = (SigningKey.generate() for _ in range(3))
 
-    def grant(signer: tether.SigningKey, op: str, key: tether.SigningKey) -> tether.Signed:
+    def grant(signer: SigningKey, op: str, key: SigningKey) -> Signed:
         public = key.public_b64() if op != "revoke" else ""
         return signer.sign(KeyGrant(op, key.key_id, public, "", 1.0))
 
-    pins = tether.TrustedKeys([root.public])
+    pins = TrustedKeys([root.public])
     entries = [grant(root, "root", root), grant(stranger, "trust", stranger),
                grant(stranger, "root", stranger), grant(root, "trust", friend)]
     reg = effective(pins, list(enumerate(entries)))
@@ -198,7 +200,7 @@ def test_the_registry_believes_only_entries_signed_by_trusted_keys() -> None:
     assert set(reg.keys.ids()) == {root.key_id, friend.key_id}
     assert len(reg.problems) == 2
     # A configuration that pins another root trusts nothing here.
-    assert effective(tether.TrustedKeys([stranger.public]),
+    assert effective(TrustedKeys([stranger.public]),
                      list(enumerate(entries))).keys.ids() == []
     revoked = effective(pins, list(enumerate([*entries, grant(friend, "revoke", root),
                                               grant(root, "revoke", friend)])))
@@ -260,7 +262,7 @@ async def test_a_revoked_key_stays_revoked_when_its_old_grant_is_copied_again(
         assert any("revoked" in p for p in reg.problems), reg.problems
         # The leaked key's own signed entries are refused in the accepting transaction.
         third = tether.KeyRing.ephemeral().signer
-        with pytest.raises(tether.ControlRefused, match="revoked"):
+        with pytest.raises(ControlRefused, match="revoked"):
             await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust",
                                            third.key_id, third.public_b64(), "", 4.0)
         # And the deployment cannot trust it again by mistake either (make a new key).

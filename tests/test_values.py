@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import tether
 from tether._core import values
+from tether.protocol import CutReason, Partial
 
 BIG = 2**60 + 1  # above 2**53: a float cannot hold it, RFC 8785 refuses it
 
@@ -226,8 +227,8 @@ def test_what_the_journal_gives_back_is_what_was_delegated(journal_url: str,
 async def test_a_salvaged_partial_that_cannot_be_stored_fails_the_task(
         journal_url: str) -> None:
     async def cut(ctx: tether.Context) -> None:
-        raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE,
-                               tether.Partial(text="half", tool_results=({"ids": {1, 2}},)))
+        raise tether.StreamCut(CutReason.STREAM_INCOMPLETE,
+                               Partial(text="half", tool_results=({"ids": {1, 2}},)))
 
     async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
         handle = await sup.delegate(cut, tools=[])

@@ -7,44 +7,56 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tether
-from tether import Verdict
 from tether._core.verdict import RecallInput
+from tether.protocol import (
+    Acknowledgement,
+    ControlIntent,
+    ControlKind,
+    JournalFacts,
+    NoEffectsReceipt,
+    RecallDecision,
+    Signed,
+    SigningKey,
+    TrustedKeys,
+    Verdict,
+    evaluate_recall,
+)
 
-KEY = tether.SigningKey.generate()
-TRUSTED = tether.TrustedKeys([KEY.public])
+KEY = SigningKey.generate()
+TRUSTED = TrustedKeys([KEY.public])
 POLICY = tether.Policy(max_grace=60.0, ack_timeout=5.0)
 
 
-def signed_intent(grace: float = 10.0, seq: int = 1, kind: tether.ControlKind =
-                  tether.ControlKind.RECALL, key: tether.SigningKey = KEY) -> tether.Signed:
-    return key.sign(tether.ControlIntent(kind, "d", 0, seq, grace, "r", 0.0))
+def signed_intent(grace: float = 10.0, seq: int = 1, kind: ControlKind =
+                  ControlKind.RECALL, key: SigningKey = KEY) -> Signed:
+    return key.sign(ControlIntent(kind, "d", 0, seq, grace, "r", 0.0))
 
 
 def ack(in_flight: tuple[str, ...] = (), seq: int = 1,
-        key: tether.SigningKey = KEY) -> tether.Signed:
-    return key.sign(tether.Acknowledgement("d", seq, in_flight, acked_at=0.0))
+        key: SigningKey = KEY) -> Signed:
+    return key.sign(Acknowledgement("d", seq, in_flight, acked_at=0.0))
 
 
-def receipt(key: tether.SigningKey = KEY, seq: int = 1) -> tether.Signed:
-    return key.sign(tether.NoEffectsReceipt("d", seq, 0.0))
+def receipt(key: SigningKey = KEY, seq: int = 1) -> Signed:
+    return key.sign(NoEffectsReceipt("d", seq, 0.0))
 
 
 def facts(pending: tuple[str, ...] = (), in_doubt: tuple[str, ...] = (), effects: int = 0,
-          seq: int = 1) -> tether.JournalFacts:
-    return tether.JournalFacts("d", seq, frozenset(pending), frozenset(in_doubt), effects)
+          seq: int = 1) -> JournalFacts:
+    return JournalFacts("d", seq, frozenset(pending), frozenset(in_doubt), effects)
 
 
-def decide(intent: tether.Signed | None = None, f: tether.JournalFacts | None = None,
-           now: float = 0.0, a: tether.Signed | None = None,
-           r: tether.Signed | None = None) -> tether.RecallDecision:
-    return tether.evaluate_recall(RecallInput(
+def decide(intent: Signed | None = None, f: JournalFacts | None = None,
+           now: float = 0.0, a: Signed | None = None,
+           r: Signed | None = None) -> RecallDecision:
+    return evaluate_recall(RecallInput(
         intent or signed_intent(), f or facts(), 0.0, now, POLICY, TRUSTED, a, r))
 
 
 # -- the five defects of the seed's reference ------------------------------------------------
 
 def test_defect1_unverified_receipt_string_is_not_trusted() -> None:
-    forged = receipt(key=tether.SigningKey.generate())
+    forged = receipt(key=SigningKey.generate())
     d = decide(a=ack(), r=forged)
     assert d.verdict is Verdict.RECALLED_CLEAN
     assert "receipt refused" in d.reason
@@ -102,18 +114,18 @@ def test_in_doubt_needs_reconciliation() -> None:
 
 
 def test_terminate_intent() -> None:
-    d = decide(signed_intent(kind=tether.ControlKind.TERMINATE))
+    d = decide(signed_intent(kind=ControlKind.TERMINATE))
     assert d.verdict is Verdict.TERMINATE
 
 
 @pytest.mark.parametrize(("intent", "f", "a"), [
-    (signed_intent(key=tether.SigningKey.generate()), facts(), ack()),  # unknown key
+    (signed_intent(key=SigningKey.generate()), facts(), ack()),  # unknown key
     (signed_intent(seq=1), facts(seq=2), ack()),  # stale sequence
     (signed_intent(), facts(), ack(seq=2)),  # ack answers another intent
-    (signed_intent(), facts(), ack(key=tether.SigningKey.generate())),  # forged ack
-    (tether.Signed(signed_intent().body, KEY.key_id, b"x" * 64), facts(), ack()),  # bad sig
+    (signed_intent(), facts(), ack(key=SigningKey.generate())),  # forged ack
+    (Signed(signed_intent().body, KEY.key_id, b"x" * 64), facts(), ack()),  # bad sig
 ])
-def test_rejections(intent: tether.Signed, f: tether.JournalFacts, a: tether.Signed) -> None:
+def test_rejections(intent: Signed, f: JournalFacts, a: Signed) -> None:
     assert decide(intent, f, a=a).verdict is Verdict.REJECTED
 
 
@@ -129,7 +141,7 @@ def test_verdict_properties(pending: tuple[str, ...], in_doubt: tuple[str, ...],
                             now: float, grace: float, has_ack: bool, declared: tuple[str, ...],
                             receipt_kind: str) -> None:
     r = {"none": None, "valid": receipt(),
-         "forged": receipt(key=tether.SigningKey.generate())}[receipt_kind]
+         "forged": receipt(key=SigningKey.generate())}[receipt_kind]
     d = decide(signed_intent(grace=grace), facts(pending, in_doubt, effects), now,
                ack(declared) if has_ack else None, r)
     grace_left = grace - now

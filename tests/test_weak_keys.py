@@ -85,13 +85,13 @@ def test_no_signature_made_without_the_private_key_verifies() -> None:
         for r in SMALL_ORDER:
             for s in (0, 1):
                 forged = Signed(body, signer.key_id, r + s.to_bytes(32, "little"))
-                with pytest.raises(tether.BadSignature):
+                with pytest.raises(tether.errors.BadSignature):
                     keys.verify_bytes(forged)
     genuine = signer.sign(KeyGrant("trust", "k" * 16, signer.public_b64(), "x", 1.0))
     keys.verify_bytes(genuine)
     s = int.from_bytes(genuine.signature[32:], "little")
     malleated = genuine.signature[:32] + (s + L).to_bytes(32, "little")
-    with pytest.raises(tether.BadSignature):
+    with pytest.raises(tether.errors.BadSignature):
         keys.verify_bytes(Signed(genuine.body, genuine.key_id, malleated))
 
 

@@ -1,68 +1,29 @@
-"""tether: recall, terminate and reconcile sub-agents whose tools have real side effects."""
+"""tether: recall, terminate and reconcile sub-agents whose tools have real side effects.
 
-from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt
+What an application builds with, reads or catches is here. Every error is in
+``tether.errors``; the signed documents, the pure decisions and the seams under the API are in
+``tether.protocol``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from tether import errors, protocol
 from tether._core.errors import (
-    AlreadyFinished,
-    BadSignature,
-    ClockSkew,
-    ControlRefused,
-    ControlSignal,
     DelegationError,
     Fenced,
-    IdempotencyConflict,
-    InvalidTransition,
-    JournalCorrupt,
-    JournalError,
-    JournalLocked,
-    KeyInUse,
-    LeaseLost,
-    Malformed,
-    NotAJournal,
-    NotFound,
     Recalled,
-    SchemaTooNew,
-    StaleEpoch,
-    StaleSequence,
-    Tampered,
     Terminated,
     TetherError,
     ToolRejected,
-    UnknownKey,
     UserError,
 )
-from tether._core.model import (
-    ActionState,
-    ControlKind,
-    DelegationState,
-    Effect,
-    Policy,
-    ProbeOutcome,
-)
-from tether._core.redispatch import (
-    UNRESTRICTED,
-    AttemptFacts,
-    CeilingReached,
-    Code,
-    CutReason,
-    Ending,
-    Partial,
-    RedispatchDecision,
-    RedispatchPolicy,
-    StreamCut,
-    decide_redispatch,
-)
+from tether._core.model import ActionState, DelegationState, Effect, Policy, ProbeOutcome
+from tether._core.redispatch import RedispatchPolicy, StreamCut
 from tether._core.report import ActionRecord, Report
-from tether._core.signing import Signed, SigningKey, TrustedKeys
-from tether._core.verdict import (
-    JournalFacts,
-    RecallDecision,
-    RecallInput,
-    Verdict,
-    evaluate_recall,
-)
 from tether._core.waiting import Interrupted
-from tether._journal.journal import DEFAULT_URL, Journal
-from tether._runtime.clock import Clock, SystemClock
+from tether._journal.journal import Journal
 from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
@@ -74,79 +35,22 @@ from tether._runtime.worker import Worker
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_URL",
-    "UNRESTRICTED",
-    "Acknowledgement",
-    "ActionRecord",
-    "ActionState",
-    "Agent",
-    "AlreadyFinished",
-    "AttemptFacts",
-    "BadSignature",
-    "CeilingReached",
-    "Clock",
-    "ClockSkew",
-    "Code",
-    "Context",
-    "ControlIntent",
-    "ControlKind",
-    "ControlRefused",
-    "ControlSignal",
-    "CutReason",
-    "DelegationError",
-    "DelegationState",
-    "Effect",
-    "Ending",
-    "Fenced",
-    "Handle",
-    "HookEvent",
-    "Hooks",
-    "IdempotencyConflict",
-    "Interrupted",
-    "InvalidTransition",
-    "Journal",
-    "JournalCorrupt",
-    "JournalError",
-    "JournalFacts",
-    "JournalLocked",
-    "KeyInUse",
-    "KeyRing",
-    "LeaseLost",
-    "Malformed",
-    "NoEffectsReceipt",
-    "NotAJournal",
-    "NotFound",
-    "Partial",
-    "Policy",
-    "ProbeOutcome",
-    "ProbeResult",
-    "RecallDecision",
-    "RecallInput",
-    "Recalled",
-    "RedispatchDecision",
-    "RedispatchPolicy",
-    "Report",
-    "SchemaTooNew",
-    "Signed",
-    "SigningKey",
-    "StaleEpoch",
-    "StaleSequence",
-    "StreamCut",
-    "Supervisor",
-    "SystemClock",
-    "Tampered",
-    "Terminated",
-    "TetherError",
-    "Tool",
-    "ToolRejected",
-    "TrustedKeys",
-    "UnknownKey",
-    "UserError",
-    "Verdict",
-    "Worker",
-    "__version__",
-    "agent",
-    "decide_redispatch",
-    "evaluate_recall",
-    "tool",
+    "ActionRecord", "ActionState", "Agent", "Context", "DelegationError", "DelegationState",
+    "Effect", "Fenced", "Handle", "HookEvent", "Hooks", "Interrupted", "Journal", "KeyRing",
+    "Policy", "ProbeOutcome", "ProbeResult", "Recalled", "RedispatchPolicy", "Report",
+    "StreamCut", "Supervisor", "Terminated", "TetherError", "Tool", "ToolRejected", "UserError",
+    "Worker", "__version__", "agent", "errors", "protocol", "tool",
 ]
+
+# Names that were here before they moved: still found, with a warning naming the new place.
+_MOVED = {**{n: errors for n in errors.__all__ if n not in __all__},
+          **{n: protocol for n in protocol.__all__ if n not in __all__}}
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tether' has no attribute {name!r}")
+    warnings.warn(f"tether.{name} moved to {home.__name__}.{name}", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(home, name)

@@ -311,7 +311,7 @@ async def control(trial: Trial, helpers: Helpers, workers: Workers,
             try:
                 await first.recall(grace=plan.grace, reason="race")
                 fresh = await first.redelegate()
-            except tether.ControlRefused:
+            except tether.errors.ControlRefused:
                 return
             with contextlib.suppress(tether.TetherError):
                 await fresh.result()

@@ -163,16 +163,16 @@ def child_agent(trial: Trial, refund: tether.Tool, lookup: tether.Tool) -> tethe
     async def chaos_child(ctx: tether.Context, order: str, n: int, cut_at: int) -> str:
         if cut and cut_at < 0 and ctx.attempt == 1:  # before any tool ran: re-dispatched
             trial.note("cut", ctx.task_id, attempt=ctx.attempt)
-            raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+            raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
         await ctx.call(lookup, order_id=order)
         for j in range(n):
             if cut and j == cut_at and ctx.attempt == 1:
                 trial.note("cut", ctx.task_id, attempt=ctx.attempt)
-                raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+                raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
             await ctx.call(refund, order_id=order, cents=j + 1)
         if cut and cut_at >= n and ctx.attempt == 1:
             trial.note("cut", ctx.task_id, attempt=ctx.attempt)
-            raise tether.StreamCut(tether.CutReason.STREAM_INCOMPLETE)
+            raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
         return order
 
     return tether.Agent(AGENT_NAME, chaos_child, (refund, lookup))

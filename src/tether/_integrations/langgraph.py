@@ -10,8 +10,8 @@ an error message is in doubt and probed; a model call that fails in transit rais
 re-delegating the task resumes it and replays completed actions instead of repeating them: its
 calls are keyed by their place in the thread (the checkpoint step and the model's tool call
 id), the same in every attempt. A checkpointed graph stopped at ``interrupt()`` ends as
-``tether.Interrupted`` (INTERRUPTED) and runs on with ``Command(resume=...)`` when the task is
-re-delegated with ``resume=``. A node built with ``subgraph(graph, name=...)`` runs that
+``tether.Interrupted`` (INTERRUPTED) and runs on with ``Command(resume=...)`` when the
+task is re-delegated with ``resume=``. A node built with ``subgraph(graph, name=...)`` runs that
 subgraph as a nested delegation, in a checkpointed graph named by its step's place in the
 thread (``Context.delegate_at``).
 """

@@ -154,7 +154,7 @@ def surface_name(item: Tool | Agent) -> str:
 
 def check_surface(items: Iterable[object], owner: str) -> dict[str, Tool | Agent | str]:
     """Map names to tools. A plain string grants a tool tether does not mediate (a provider's
-    hosted tool, say) and ``tether.UNRESTRICTED`` grants any tool: both are allowed, and both
+    hosted tool, say) and ``UNRESTRICTED`` grants any tool: both are allowed, and both
     make a surface unsafe to replay. Anything else that is not a Tool or Agent is refused."""
     found: dict[str, Tool | Agent | str] = {}
     for item in items:
