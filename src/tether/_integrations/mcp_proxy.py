@@ -53,6 +53,7 @@ from tether._integrations.mcp_gateway import (
     wrap_tools,
 )
 from tether._integrations.mcp_relay import (
+    AsClient,
     ClientRelay,
     RawParams,
     forward,
@@ -97,7 +98,6 @@ def _line(text: str) -> str:
 MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
 # Where client keys are journaled; automatic keys start with a task id ("t..."), never this.
 CLIENT_KEYS = "client:"
-ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
 
 
 class Proxy:
@@ -123,16 +123,17 @@ class Proxy:
         self._waiting: dict[ClientSession, dict[int, ServerRequestContext[Any]]] = {}
         self._ordinals: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
-        self._roots: asyncio.Future[Any] | None = None
 
     # -- upstreams ------------------------------------------------------------------------------
-    def session_for(self, read: Any, write: Any, tasks: bool = False) -> ClientSession:
+    def session_for(self, read: Any, write: Any, tasks: bool = False,
+                    declared: mcp_types.ClientCapabilities | None = None) -> ClientSession:
+        """An upstream session declaring what the client ``declared`` it can do."""
         relay = self.relay
         handler, known_as = relay.notifications()
-        session = ClientSession(read, write, sampling_callback=relay.sampling,
-                                elicitation_callback=relay.elicitation,
-                                list_roots_callback=relay.roots, message_handler=handler,
-                                extensions={TASKS: {}} if tasks else None)
+        session = AsClient(read, write, sampling_callback=relay.sampling,
+                           elicitation_callback=relay.elicitation,
+                           list_roots_callback=relay.roots, message_handler=handler,
+                           extensions={TASKS: {}} if tasks else None, declared=declared)
         known_as(session)
         return session
 
@@ -217,14 +218,10 @@ class Proxy:
     async def track(self, ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
         """Middleware: remembers the client's session and its requests in flight."""
         self.client = ctx.session
-        if ctx.method == "initialize":
-            self._expect_roots(ctx.params or {})
         if ctx.request_id is None or ctx.method == "initialize":
             return await call_next(ctx)
-        if self._roots is not None and not self._roots.done():
-            # Upstreams that asked for roots before this client came ask again now: their
-            # answers come first, so that the client's first call sees them in effect.
-            await asyncio.wait({self._roots}, timeout=ROOTS_WAIT)
+        self.relay.ready.set()  # a request after initialize: past the handshake (or sessionless)
+        await self.relay.early_roots()
         self._in_flight[id(ctx)] = ctx
         try:
             return await call_next(ctx)
@@ -307,23 +304,22 @@ class Proxy:
         for up in self.upstreams:
             await up.session.send_notification(mcp_types.RootsListChangedNotification())
 
-    def _expect_roots(self, params: Mapping[str, Any]) -> None:
-        caps = params.get("capabilities")
-        refused = self.relay.roots_refused
-        if not refused or not isinstance(caps, dict) or caps.get("roots") is None:
-            return
-        events = {up: asyncio.Event() for up in refused}
-        self.relay.roots_answered.update(events)
-        self._roots = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in events.values())))
-
     async def client_initialized(self, ctx: ServerRequestContext[Any],
                                  params: mcp_types.NotificationParams) -> None:
-        """The upstreams were connected before the client: one that asked for roots then was
-        told no client is connected. Now that a client with roots is here, they ask again."""
+        """The client's handshake is done: what the upstreams asked or said meanwhile goes."""
         self.client = ctx.session
-        refused, self.relay.roots_refused = self.relay.roots_refused, set()
-        for session in refused:
-            await session.send_notification(mcp_types.RootsListChangedNotification())
+        self.relay.ready.set()
+
+    def server_info(self) -> mcp_types.Implementation:
+        """The ``serverInfo`` the client sees: with one upstream, the upstream's own; with
+        several, no one server's: ``tether-mcp-proxy (a, b)`` and tether's version."""
+        if len(self.upstreams) == 1 and (info := self.upstreams[0].session.server_info):
+            return info
+        from tether import __version__
+
+        return mcp_types.Implementation(
+            name=f"tether-mcp-proxy ({', '.join(up.name for up in self.upstreams)})",
+            version=__version__)
 
     # -- tools ----------------------------------------------------------------------------------
     async def session_agent(self, ctx: Context) -> None:
