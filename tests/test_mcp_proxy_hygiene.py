@@ -86,3 +86,15 @@ async def test_the_startup_tools_list_changed_reaches_the_client(tmp_path: Path)
 
         async with everything(journal, message_handler=on_message):
             await asyncio.wait_for(changed.wait(), 30)
+
+
+async def test_an_http_session_declares_its_clients_capabilities(tmp_path: Path) -> None:
+    from tests.test_mcp_proxy_http import http_client, proxy_http
+
+    async with everything(None) as direct:
+        expected = sorted(tool.name for tool in (await direct.list_tools()).tools)
+    async with proxy_http(f"sqlite:///{tmp_path / 'j.db'}",
+                          upstream=f"everything={everything_server()} stdio") as url, \
+            http_client(url) as proxied:
+        got = sorted(tool.name for tool in (await proxied.list_tools()).tools)
+    assert got == expected  # the client declared nothing, as `everything(None)` did
