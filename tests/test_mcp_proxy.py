@@ -32,11 +32,18 @@ async def session_delegation(journal: str) -> tether.Report:
         return await build_report(j, row.id)
 
 
+# A client's first words: the stdio proxy starts its upstreams' sessions when they come.
+INITIALIZE = json.dumps({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+    "protocolVersion": "2025-11-25", "capabilities": {},
+    "clientInfo": {"name": "test", "version": "1"}}}).encode() + b"\n"
+
+
 async def cli(*args: str) -> tuple[int, str, str]:
+    """``tether ARGS`` with a client that sends ``initialize`` and then closes stdin."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tether", *args, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
+        sys.executable, "-m", "tether", *args, cwd=ROOT, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate(INITIALIZE)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 

@@ -35,6 +35,7 @@ from tether._integrations.mcp_serve import (
     build_server,
     connect_upstreams,
     end_session,
+    equip,
     first_error,
     one_line,
     start_session,
@@ -111,9 +112,14 @@ class HttpSessions:
         proxy = Proxy(self.config)
         proxy.shared = shared
         proxy.client = session.client  # known before the upstreams connect (and ask for roots)
+        proxy.relay.ready.set()  # its first request after initialize started this
+        # A sessionless client's capabilities are its request's; those sharing the proxy may
+        # differ, so its upstreams are offered all the proxy can relay.
+        declared = None if shared else (session.client.client_capabilities
+                                     or mcp_types.ClientCapabilities())
         try:
             async with AsyncExitStack() as stack:
-                await connect_upstreams(proxy, stack, self.children)
+                await connect_upstreams(proxy, stack, self.children, declared)
                 handle = await start_session(proxy, self.sup, self.journal)
                 session.ready.set_result(proxy)
                 await session.done.wait()
@@ -145,6 +151,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
     try:
         async with AsyncExitStack() as stack:
             template = Proxy(config)  # the upstreams' capabilities, and the config checked
+            template.relay.ready.set()  # it has no client: what its upstreams ask is refused
             children = Children()
             probe = await stack.enter_async_context(AsyncExitStack())
             await connect_upstreams(template, probe, children)
@@ -160,7 +167,8 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
             # deployment's Python tools) is never imported here.
             sup = await stack.enter_async_context(Supervisor(journal, recover=False, tools=()))
             sessions = HttpSessions(journal, config, sup, children)
-            server = build_server(template, sessions.resolve)
+            server = build_server(sessions.resolve)
+            equip(server, template)
             await probe.aclose()
             app = server.streamable_http_app(host=host, transport_security=guard(host),
                                             session_idle_timeout=idle_timeout)

@@ -24,11 +24,8 @@ import asyncio
 import contextlib
 import dataclasses
 import shlex
-import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 from mcp import ClientSession
@@ -50,22 +47,29 @@ from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.mcp_config import ProxyConfig
 from tether._integrations.mcp_gateway import (
     KEY_META,
-    REJECTED_BEFORE_RUNNING,
     McpToolError,
     ServerPolicy,
     argument_error,
     wrap_tools,
 )
 from tether._integrations.mcp_relay import (
+    AsClient,
     ClientRelay,
     RawParams,
-    RawRequest,
-    RawResult,
     forward,
     outgoing,
-    progress_relay,
 )
-from tether._integrations.mcp_tasks import TASKS, TaskBook, is_task, offers_tasks, outcome
+from tether._integrations.mcp_tasks import TASKS, TaskBook, offers_tasks
+from tether._integrations.mcp_upstream import (
+    CALL,
+    Call,
+    Upstream,
+    UpstreamErrorResult,
+    UpstreamFailed,
+    UpstreamRejected,
+    error_result,
+    forwarder,
+)
 from tether._runtime.gateway import Context
 from tether._runtime.reconcile import probe_all
 from tether._runtime.supervisor import Supervisor
@@ -91,146 +95,9 @@ def _line(text: str) -> str:
     return " ".join("".join(c if c.isprintable() else " " for c in text).split())
 
 
-def error_result(text: str) -> dict[str, Any]:
-    return {"content": [{"type": "text", "text": text}], "isError": True}
-
-
-class UpstreamErrorResult(McpToolError):
-    """The upstream answered ``isError``: in doubt, and its result goes to the client as is."""
-
-    def __init__(self, result: dict[str, Any]) -> None:
-        texts = [c.get("text", "") for c in result.get("content", []) if isinstance(c, dict)]
-        super().__init__(" ".join(t for t in texts if t) or "the tool reported an error")
-        self.result = result
-
-
-class UpstreamRejected(ToolRejected):
-    """The upstream refused the request before running it (invalid params, no such method)."""
-
-    def __init__(self, error: MCPError) -> None:
-        super().__init__(error.error.message)
-        self.error = error
-
-
-class UpstreamFailed(Exception):
-    """Any other JSON-RPC error: the call may have applied first, so it is in doubt."""
-
-    def __init__(self, error: MCPError) -> None:
-        super().__init__(error.error.message)
-        self.error = error
-
-
-class ClientCancelled(Exception):
-    """The client gave up on a call that was running upstream: in doubt, then probed."""
-
-
-@dataclass(eq=False)
-class _Call:
-    """One client ``tools/call`` on its way: what the tool function forwards, and its task."""
-
-    request: ServerRequestContext[Any]
-    params: dict[str, Any]  # the client's own (fields this proxy does not know included)
-    meta: dict[str, Any]
-    wants_progress: bool
-    task: asyncio.Task[Any] | None = None
-    cancelled: bool = False
-
-
-_CALL: ContextVar[_Call | None] = ContextVar("tether_mcp_call", default=None)
 MAX_KEY = 255  # characters in a client's idempotency key (Stripe's bound)
 # Where client keys are journaled; automatic keys start with a task id ("t..."), never this.
 CLIENT_KEYS = "client:"
-ROOTS_WAIT = 5.0  # seconds a client's first request waits for upstreams to take its roots
-# Upstream sessions whose connection closed (an upstream that exited): never reopened.
-_GONE: weakref.WeakSet[ClientSession] = weakref.WeakSet()
-
-
-def _upstream_error(exc: MCPError, session: ClientSession) -> Exception:
-    if exc.code == mcp_types.CONNECTION_CLOSED:  # it may have applied; the next not
-        _GONE.add(session)
-    if exc.code in REJECTED_BEFORE_RUNNING:
-        return UpstreamRejected(exc)
-    return UpstreamFailed(exc)
-
-
-def _forwarder(session: ClientSession, spec: mcp_types.Tool,
-               book: TaskBook | None = None) -> ToolFn:
-    """The function the gateway runs for one upstream tool: the client's request, forwarded.
-    With a ``book``, an upstream's task handle is journaled and waited on (``mcp_tasks``)."""
-    name = spec.name
-
-    async def call(idempotency_key: str | None = None, **arguments: Any) -> Any:
-        mine = _CALL.get()
-        if mine is not None and mine.cancelled:
-            raise ToolRejected(f"{name}: the client cancelled the call before it was sent")
-        if session in _GONE:  # certainly not sent: not a call for a person to reconcile
-            raise ToolRejected(f"{name}: the upstream server's connection is closed; the call "
-                               "was not sent")
-        meta = dict(mine.meta) if mine is not None else {}
-        if idempotency_key:
-            meta[KEY_META] = idempotency_key
-        params: dict[str, Any] = {**(mine.params if mine is not None else {}),
-                                  "name": name, "arguments": arguments}
-        params.pop("_meta", None)
-        if meta:
-            params["_meta"] = meta
-        if mine is not None:
-            mine.task = asyncio.current_task()
-        relay = progress_relay(mine.request, mine.wants_progress) if mine else None
-        try:
-            res = await session.send_request(RawRequest(method="tools/call", params=params),
-                                             RawResult, progress_callback=relay)
-        except asyncio.CancelledError:
-            # The SDK has sent notifications/cancelled upstream for the request by now.
-            if mine is not None and mine.cancelled:
-                raise ClientCancelled(f"{name}: the client cancelled the call while it "
-                                      "ran upstream") from None
-            raise
-        except MCPError as exc:
-            raise _upstream_error(exc, session) from None
-        result = res.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if book is not None and is_task(result):
-            result = await _await_task(book, result, idempotency_key, mine, name)
-        if result.get("isError"):
-            raise UpstreamErrorResult(result)
-        return result
-
-    call.__name__ = name
-    return call
-
-
-async def _await_task(book: TaskBook, handle: dict[str, Any], key: str | None,
-                      mine: _Call | None, name: str) -> dict[str, Any]:
-    """The call became a task upstream: its id journaled, then its outcome read."""
-    task_id = str(handle["taskId"])
-    try:
-        if key:
-            await book.record(key, task_id)
-        task = await book.wait(handle)
-        return outcome(task)
-    except asyncio.CancelledError:
-        book.cancel(task_id)  # as notifications/cancelled is sent for an ordinary call
-        if mine is not None and mine.cancelled:
-            raise ClientCancelled(f"{name}: the client cancelled the call while its task "
-                                  "ran upstream") from None
-        raise
-    except MCPError as exc:  # the task failed (its error), or tasks/get did
-        raise _upstream_error(exc, book.session) from None
-
-
-@dataclass(eq=False)
-class Upstream:
-    name: str
-    session: ClientSession
-    policy: ServerPolicy
-    prefix: str = ""
-    tools: dict[str, tuple[Tool, mcp_types.Tool]] = field(default_factory=dict)
-    book: TaskBook | None = None  # the upstream answers calls with tasks (``mcp_tasks``)
-
-    @property
-    def capabilities(self) -> mcp_types.ServerCapabilities:
-        caps = self.session.server_capabilities
-        return caps if caps is not None else mcp_types.ServerCapabilities()
 
 
 class Proxy:
@@ -256,16 +123,17 @@ class Proxy:
         self._waiting: dict[ClientSession, dict[int, ServerRequestContext[Any]]] = {}
         self._ordinals: Counter[str] = Counter()
         self._background: set[asyncio.Task[Any]] = set()
-        self._roots: asyncio.Future[Any] | None = None
 
     # -- upstreams ------------------------------------------------------------------------------
-    def session_for(self, read: Any, write: Any, tasks: bool = False) -> ClientSession:
+    def session_for(self, read: Any, write: Any, tasks: bool = False,
+                    declared: mcp_types.ClientCapabilities | None = None) -> ClientSession:
+        """An upstream session declaring what the client ``declared`` it can do."""
         relay = self.relay
         handler, known_as = relay.notifications()
-        session = ClientSession(read, write, sampling_callback=relay.sampling,
-                                elicitation_callback=relay.elicitation,
-                                list_roots_callback=relay.roots, message_handler=handler,
-                                extensions={TASKS: {}} if tasks else None)
+        session = AsClient(read, write, sampling_callback=relay.sampling,
+                           elicitation_callback=relay.elicitation,
+                           list_roots_callback=relay.roots, message_handler=handler,
+                           extensions={TASKS: {}} if tasks else None, declared=declared)
         known_as(session)
         return session
 
@@ -295,7 +163,7 @@ class Proxy:
         book = up.book
 
         def make(session: ClientSession, spec: mcp_types.Tool) -> ToolFn:
-            return _forwarder(session, spec, book)
+            return forwarder(session, spec, book)
 
         found = await wrap_tools(up.session, up.policy, make=make)
         if book is not None:  # each call's task, if it became one, is its probe's answer
@@ -350,14 +218,10 @@ class Proxy:
     async def track(self, ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
         """Middleware: remembers the client's session and its requests in flight."""
         self.client = ctx.session
-        if ctx.method == "initialize":
-            self._expect_roots(ctx.params or {})
         if ctx.request_id is None or ctx.method == "initialize":
             return await call_next(ctx)
-        if self._roots is not None and not self._roots.done():
-            # Upstreams that asked for roots before this client came ask again now: their
-            # answers come first, so that the client's first call sees them in effect.
-            await asyncio.wait({self._roots}, timeout=ROOTS_WAIT)
+        self.relay.ready.set()  # a request after initialize: past the handshake (or sessionless)
+        await self.relay.early_roots()
         self._in_flight[id(ctx)] = ctx
         try:
             return await call_next(ctx)
@@ -440,23 +304,22 @@ class Proxy:
         for up in self.upstreams:
             await up.session.send_notification(mcp_types.RootsListChangedNotification())
 
-    def _expect_roots(self, params: Mapping[str, Any]) -> None:
-        caps = params.get("capabilities")
-        refused = self.relay.roots_refused
-        if not refused or not isinstance(caps, dict) or caps.get("roots") is None:
-            return
-        events = {up: asyncio.Event() for up in refused}
-        self.relay.roots_answered.update(events)
-        self._roots = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in events.values())))
-
     async def client_initialized(self, ctx: ServerRequestContext[Any],
                                  params: mcp_types.NotificationParams) -> None:
-        """The upstreams were connected before the client: one that asked for roots then was
-        told no client is connected. Now that a client with roots is here, they ask again."""
+        """The client's handshake is done: what the upstreams asked or said meanwhile goes."""
         self.client = ctx.session
-        refused, self.relay.roots_refused = self.relay.roots_refused, set()
-        for session in refused:
-            await session.send_notification(mcp_types.RootsListChangedNotification())
+        self.relay.ready.set()
+
+    def server_info(self) -> mcp_types.Implementation:
+        """The ``serverInfo`` the client sees: with one upstream, the upstream's own; with
+        several, no one server's: ``tether-mcp-proxy (a, b)`` and tether's version."""
+        if len(self.upstreams) == 1 and (info := self.upstreams[0].session.server_info):
+            return info
+        from tether import __version__
+
+        return mcp_types.Implementation(
+            name=f"tether-mcp-proxy ({', '.join(up.name for up in self.upstreams)})",
+            version=__version__)
 
     # -- tools ----------------------------------------------------------------------------------
     async def session_agent(self, ctx: Context) -> None:
@@ -517,8 +380,8 @@ class Proxy:
         assert self.ctx is not None and self.sup is not None
         # The proxy does not offer tasks: a task-augmented request runs as an ordinary call.
         forwarded = {k: v for k, v in (out or {}).items() if k not in ("task", "_meta")}
-        call = _Call(request, forwarded, meta, wants)
-        _CALL.set(call)  # copied into the action's task with this context
+        call = Call(request, forwarded, meta, wants)
+        CALL.set(call)  # copied into the action's task with this context
         try:
             with self.waiting_on(found[2], request):
                 result = await self.ctx.call(tool, idempotency_key=key, **arguments)
@@ -581,7 +444,7 @@ class Proxy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _reconcile_cancelled(self, call: _Call, tool: Tool, key: str) -> None:
+    async def _reconcile_cancelled(self, call: Call, tool: Tool, key: str) -> None:
         """A call its client cancelled: cancel it upstream (the SDK sends
         ``notifications/cancelled``), then declare it in doubt and ask its probe."""
         assert self.sup is not None and self.ctx is not None

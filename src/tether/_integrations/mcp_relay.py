@@ -6,11 +6,19 @@ serves them; notifications (logs, list changes, resource updates) and server-to-
 (sampling, elicitation, roots) from an upstream to the client. None of it is a journaled
 action: reads change nothing, and what an upstream asks of the client is the client's to answer.
 Progress notifications ride every forwarded request, in the direction the protocol allows.
+
+Upstreams connect once the client's first request (its ``initialize``) is in, declaring the
+client's own sampling, elicitation and roots capabilities (``AsClient``): a server that offers
+tools by what its client can do offers the proxy's client what it would offer it directly.
+What an upstream asks or says before the client finished its handshake waits for it (the
+startup ``tools/list_changed`` of a server that adds tools at ``initialized``, its roots
+request), and then reaches the client, as it would over a direct connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -25,6 +33,30 @@ from mcp.shared.message import ServerMessageMetadata
 from pydantic import ConfigDict
 
 RESERVED = "io.modelcontextprotocol/"
+# Seconds an upstream's request waits for the client to finish its handshake, and the
+# client's first request for the answers to roots requests made meanwhile.
+HANDSHAKE_WAIT = 5.0
+
+
+class AsClient(ClientSession):
+    """An upstream session that declares the proxy's client's sampling, elicitation and roots
+    as the client declared them (``None``: all three, for a client not yet known). The SDK
+    derives them from the callbacks given, which the relay always gives; its
+    ``_build_capabilities`` is where it does, for the handshake and the 2026-07-28 envelope
+    alike."""
+
+    def __init__(self, *args: Any, declared: mcp_types.ClientCapabilities | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._declared = declared
+
+    def _build_capabilities(self, version: str) -> mcp_types.ClientCapabilities:
+        caps = super()._build_capabilities(version)
+        if self._declared is None:
+            return caps
+        mine = self._declared
+        return caps.model_copy(update={"sampling": mine.sampling,
+                                       "elicitation": mine.elicitation, "roots": mine.roots})
 
 
 class RawParams(mcp_types.RequestParams):
@@ -95,10 +127,27 @@ class ClientRelay:
                  on_tools_changed: Callable[[], Awaitable[None]] | None = None) -> None:
         self._client = client
         self._on_tools_changed = on_tools_changed
-        # Upstreams that asked for roots before a client was there, and, once a client with
-        # roots is, the event each sets when its roots request was answered.
-        self.roots_refused: set[ClientSession] = set()
-        self.roots_answered: dict[ClientSession, asyncio.Event] = {}
+        # Set once the client finished its handshake (``notifications/initialized``, or its
+        # first request after ``initialize``): the protocol lets a server ask or notify its
+        # client only from then on.
+        self.ready = asyncio.Event()
+        # Answered when each roots request made before that is.
+        self._early_roots: list[asyncio.Event] = []
+
+    async def handshake(self, origin: ClientSession | None) -> None:
+        """Wait (bounded) for the client's handshake, when there is a client to wait for."""
+        if not self.ready.is_set() and self._client(origin) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), HANDSHAKE_WAIT)
+
+    async def early_roots(self) -> None:
+        """Roots asked before the client's handshake answered first (bounded), so that its
+        first request sees them in effect at the upstream."""
+        early, self._early_roots = self._early_roots, []
+        if early:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in early)),
+                                       HANDSHAKE_WAIT)
 
     def _target(self, what: str, origin: ClientSession) -> tuple[ServerSession, Any]:
         found = self._client(origin)
@@ -110,6 +159,7 @@ class ClientRelay:
 
     async def _ask(self, what: str, origin: ClientSession, request: mcp_types.ServerRequest,
                    result: type[Any]) -> Any:
+        await self.handshake(origin)
         session, related = self._target(what, origin)
         try:
             return await session.send_request(
@@ -130,13 +180,14 @@ class ClientRelay:
                                mcp_types.ElicitRequest(params=params), mcp_types.ElicitResult)
 
     async def roots(self, context: ClientRequestContext) -> Any:
-        if self._client(context.session) is None:
-            self.roots_refused.add(context.session)
-        answer = await self._ask("roots", context.session, mcp_types.ListRootsRequest(),
-                                 mcp_types.ListRootsResult)
-        if (event := self.roots_answered.get(context.session)) is not None:
-            event.set()
-        return answer
+        answered = asyncio.Event()
+        if not self.ready.is_set():
+            self._early_roots.append(answered)
+        try:
+            return await self._ask("roots", context.session, mcp_types.ListRootsRequest(),
+                                   mcp_types.ListRootsResult)
+        finally:
+            answered.set()
 
     def notifications(self) -> tuple[MessageHandlerFnT, Callable[[ClientSession], None]]:
         """A message handler for one upstream session, and how to tell it which session it
@@ -154,6 +205,8 @@ class ClientRelay:
             return  # a transport fault of an upstream: its requests fail on their own
         if isinstance(message, mcp_types.ToolListChangedNotification) and self._on_tools_changed:
             await self._on_tools_changed()
+        if self._client(origin) is not None:
+            await self.ready.wait()  # each notification is handled in a task of its own
         found = self._client(origin)
         if found is None:
             return

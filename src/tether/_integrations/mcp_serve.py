@@ -4,8 +4,9 @@ starting the session's delegation, and serving the client over stdio."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -14,6 +15,7 @@ from mcp.client.stdio import get_default_environment
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
+from mcp.server.runner import serve_dual_era_loop
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from mcp_types.methods import CACHEABLE_METHODS
@@ -54,9 +56,12 @@ def first_error(exc: BaseException) -> BaseException:
 
 class ProxyServer(Server[Any]):
     """A lowlevel server whose initialization advertises the upstreams' list-changed flags,
-    however it is run (the HTTP session manager asks with no options)."""
+    however it is run (the HTTP session manager asks with no options), and which serves the
+    capabilities of the upstreams ``equip`` gave it."""
 
     notes = NotificationOptions()
+    # Per capability an upstream may offer, the methods served for it and their handler.
+    offered: dict[str, list[tuple[str, Any]]]
 
     def create_initialization_options(
             self, notification_options: NotificationOptions | None = None,
@@ -64,6 +69,14 @@ class ProxyServer(Server[Any]):
             extensions: dict[str, dict[str, Any]] | None = None) -> InitializationOptions:
         return super().create_initialization_options(
             notification_options or self.notes, experimental_capabilities, extensions)
+
+    async def serve(self, read: Any, write: Any) -> None:
+        """``run``, with the ``initialize`` result built when the client asks for it (over
+        stdio the upstreams connect then, and ``equip`` runs before it is answered), not
+        when serving starts."""
+        async with self.lifespan(self) as state:
+            await serve_dual_era_loop(self, read, write, lifespan_state=state,
+                                      init_options=None)
 
 
 def for_client(ctx: ServerRequestContext[Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -79,20 +92,10 @@ def for_client(ctx: ServerRequestContext[Any], result: dict[str, Any]) -> dict[s
     return {**filled, **result}
 
 
-def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
-    """The MCP server the client sees: the upstreams' capabilities (as ``template``'s upstreams
-    declare them), each request handled by the proxy of its client session."""
-    caps = [up.capabilities for up in template.upstreams]
-    instructions = "\n\n".join(i for up in template.upstreams
-                               if (i := up.session.instructions)) or None
-    names = ", ".join(up.name for up in template.upstreams)
-    server = ProxyServer(f"tether-mcp-proxy ({names})", instructions=instructions)
-    server.notes = NotificationOptions(
-        prompts_changed=any(c.prompts is not None and bool(c.prompts.list_changed)
-                            for c in caps),
-        resources_changed=any(c.resources is not None and bool(c.resources.list_changed)
-                              for c in caps),
-        tools_changed=any(c.tools is not None and bool(c.tools.list_changed) for c in caps))
+def build_server(resolve: Resolve) -> ProxyServer:
+    """The MCP server the client sees, each request handled by the proxy of its client
+    session; what it serves is ``equip``'s to say."""
+    server = ProxyServer("tether-mcp-proxy")
 
     async def track(ctx: ServerRequestContext[Any], call_next: CallNext) -> HandlerResult:
         proxy = await resolve(ctx, False)
@@ -125,27 +128,48 @@ def build_server(template: Proxy, resolve: Resolve) -> ProxyServer:
             await proxy.client_initialized(ctx, params)
 
     server.middleware.append(track)
-    if any(c.tools is not None for c in caps):
-        server.add_request_handler("tools/list", RawParams, list_tools)
-        server.add_request_handler("tools/call", RawParams, call_tool)
-    passing = {
-        "resources": ("resources/list", "resources/templates/list", "resources/read"),
-        "prompts": ("prompts/list", "prompts/get"),
-        "completions": ("completion/complete",),
-        "logging": ("logging/setLevel",),
+    server.offered = {
+        "tools": [("tools/list", list_tools), ("tools/call", call_tool)],
+        **{capability: [(method, pass_through) for method in methods] for capability, methods in {
+            "resources": ("resources/list", "resources/templates/list", "resources/read"),
+            "prompts": ("prompts/list", "prompts/get"),
+            "completions": ("completion/complete",),
+            "logging": ("logging/setLevel",),
+            "subscribe": ("resources/subscribe", "resources/unsubscribe"),
+        }.items()},
     }
-    for capability, methods in passing.items():
-        if any(getattr(c, capability) is not None for c in caps):
-            for method in methods:
-                server.add_request_handler(method, RawParams, pass_through)
-    if any(c.resources is not None and c.resources.subscribe for c in caps):
-        for method in ("resources/subscribe", "resources/unsubscribe"):
-            server.add_request_handler(method, RawParams, pass_through)
     server.add_notification_handler("notifications/roots/list_changed",
                                     mcp_types.NotificationParams, roots_changed)
     server.add_notification_handler("notifications/initialized",
                                     mcp_types.NotificationParams, initialized)
     return server
+
+
+def equip(server: ProxyServer, template: Proxy) -> None:
+    """What ``template``'s upstreams offer, served and advertised: their capabilities (a
+    method none serves is not found, as at the upstream), list-changed flags, instructions,
+    and ``serverInfo`` (``Proxy.server_info``)."""
+    caps = [up.capabilities for up in template.upstreams]
+    info = template.server_info()
+    server.name, server.version, server.title = info.name, info.version, info.title
+    server.description, server.website_url, server.icons = (
+        info.description, info.website_url, info.icons)
+    server.instructions = "\n\n".join(i for up in template.upstreams
+                                       if (i := up.session.instructions)) or None
+    server.notes = NotificationOptions(
+        prompts_changed=any(c.prompts is not None and bool(c.prompts.list_changed)
+                            for c in caps),
+        resources_changed=any(c.resources is not None and bool(c.resources.list_changed)
+                              for c in caps),
+        tools_changed=any(c.tools is not None and bool(c.tools.list_changed) for c in caps))
+    offered = {capability for capability in ("tools", "resources", "prompts", "completions",
+                                             "logging")
+               if any(getattr(c, capability) is not None for c in caps)}
+    if any(c.resources is not None and c.resources.subscribe for c in caps):
+        offered.add("subscribe")
+    for capability in offered:
+        for method, handler in server.offered[capability]:
+            server.add_request_handler(method, RawParams, handler)
 
 
 async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack,
@@ -164,24 +188,47 @@ async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack,
         stdio_upstream(spec.command[0], list(spec.command[1:]), env, spec.cwd, children))
 
 
-async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack, children: Children) -> None:
+@contextlib.contextmanager
+def _starting(name: str, spec: UpstreamSpec) -> Iterator[None]:
+    """An upstream that cannot start (or fails its handshake) is one line."""
+    what = spec.url or spec.command[0]
+    try:
+        yield
+    except TetherError:
+        raise
+    except (OSError, MCPError) as exc:
+        raise UserError(f"cannot start upstream {name} ({what}): {exc}") from None
+    except BaseExceptionGroup as group:
+        cause = first_error(group)
+        if isinstance(cause, TetherError):
+            raise cause from None
+        raise UserError(f"cannot start upstream {name} ({what}): {cause}") from None
+
+
+async def open_upstreams(proxy: Proxy, stack: AsyncExitStack,
+                         children: Children) -> dict[str, tuple[Any, Any]]:
+    """Each upstream's streams: its process started, for a command."""
+    opened = {}
     for name, spec in proxy.specs.items():
-        what = spec.url or spec.command[0]
-        try:
-            read, write = await open_upstream(spec, stack, children)
+        with _starting(name, spec):
+            opened[name] = await open_upstream(spec, stack, children)
+    return opened
+
+
+async def connect_upstreams(proxy: Proxy, stack: AsyncExitStack, children: Children,
+                            declared: mcp_types.ClientCapabilities | None = None,
+                            opened: dict[str, tuple[Any, Any]] | None = None) -> None:
+    """Each upstream's session, declaring the client's capabilities (``declared``; None: all
+    the proxy can relay), on the streams ``opened`` already, or opened now."""
+    if opened is None:
+        opened = await open_upstreams(proxy, stack, children)
+    for name, spec in proxy.specs.items():
+        with _starting(name, spec):
+            read, write = opened[name]
             session = await stack.enter_async_context(
-                proxy.session_for(read, write, tasks=spec.tasks))
+                proxy.session_for(read, write, tasks=spec.tasks, declared=declared))
             await (connect_tasks(session) if spec.tasks else session.initialize())
             await proxy.add_upstream(name, session)
-        except TetherError:
-            raise
-        except (OSError, MCPError) as exc:
-            raise UserError(f"cannot start upstream {name} ({what}): {exc}") from None
-        except BaseExceptionGroup as group:
-            cause = first_error(group)
-            if isinstance(cause, TetherError):
-                raise cause from None
-            raise UserError(f"cannot start upstream {name} ({what}): {cause}") from None
 
 
 async def start_session(proxy: Proxy, sup: Supervisor, journal: str) -> Any:
@@ -203,45 +250,124 @@ async def end_session(proxy: Proxy, handle: Any) -> None:
     await handle.wait()
 
 
-def one_line(group: BaseExceptionGroup[Any]) -> TetherError:
+def one_line(group: BaseException) -> TetherError:
     cause = first_error(group)
     if isinstance(cause, TetherError):
         return cause
     return UserError(f"an upstream MCP server failed: {cause!r}")
 
 
+def declared(ctx: ServerRequestContext[Any]) -> mcp_types.ClientCapabilities:
+    """What the client says it can do: in its ``initialize`` (not yet recorded on its
+    session when the request is handled), else in its request's 2026-07-28 envelope."""
+    if ctx.method != "initialize":
+        return ctx.session.client_capabilities or mcp_types.ClientCapabilities()
+    raw = (ctx.params or {}).get("capabilities")
+    try:
+        return mcp_types.ClientCapabilities.model_validate(raw if isinstance(raw, dict) else {})
+    except ValueError:  # the SDK refuses the request itself
+        return mcp_types.ClientCapabilities()
+
+
+class StdioSession:
+    """The stdio proxy's one client session. Its upstream processes start at once (a command
+    that cannot start is one line before anything is served), and their sessions begin at the
+    client's first request, its ``initialize``, declaring the client's capabilities: a server
+    that offers what its client can do then offers the proxy's client what it would offer it
+    directly. The journal is then opened, what an earlier proxy left in doubt reconciled and
+    the session's delegation started, all before ``initialize`` is answered, as before the
+    proxy served anything when it connected at start."""
+
+    def __init__(self, proxy: Proxy, journal: str, children: Children) -> None:
+        loop = asyncio.get_running_loop()
+        self.proxy, self.journal, self.children = proxy, journal, children
+        self.server = build_server(self.resolve)
+        self.opened: asyncio.Future[None] = loop.create_future()
+        self.declared: asyncio.Future[mcp_types.ClientCapabilities] = loop.create_future()
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self.done = asyncio.Event()
+        self.failure: TetherError | None = None
+        self.task = asyncio.ensure_future(self._run())
+
+    async def resolve(self, ctx: ServerRequestContext[Any], start: bool) -> Proxy:
+        if not self.declared.done():
+            self.proxy.client = ctx.session  # what upstreams say meanwhile waits for it
+            self.declared.set_result(declared(ctx))
+        await asyncio.shield(self.ready)
+        return self.proxy
+
+    async def _run(self) -> None:
+        proxy = self.proxy
+        try:
+            async with AsyncExitStack() as stack:
+                opened = await open_upstreams(proxy, stack, self.children)
+                self.opened.set_result(None)
+                caps = await self.declared
+                await connect_upstreams(proxy, stack, self.children, caps, opened)
+                # The upstreams' tools (their probes, and the tasks their calls became)
+                # settle what an earlier proxy on this journal left in doubt when it died.
+                sup = await stack.enter_async_context(
+                    Supervisor(self.journal, tools=proxy.journaled_tools(), recover=False))
+                proxy.attach(sup)
+                await sup.recover()
+                handle = await start_session(proxy, sup, self.journal)
+                equip(self.server, proxy)
+                self.ready.set_result(None)
+                await self.done.wait()
+                await end_session(proxy, handle)
+        except asyncio.CancelledError:
+            self._fail(MCPError(code=mcp_types.INTERNAL_ERROR,
+                                message="tether mcp-proxy: stopping"))
+            raise
+        except BaseException as exc:
+            self.failure = one_line(exc)
+            self._fail(MCPError(code=mcp_types.INTERNAL_ERROR,
+                                message=f"tether mcp-proxy: {self.failure}"))
+            if not isinstance(exc, Exception):
+                raise
+
+    def _fail(self, error: MCPError) -> None:
+        for future in (self.opened, self.ready):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: nobody may be waiting on it
+
+    async def close(self, cancel: bool) -> None:
+        """The client is gone: the session ends (``cancel``: cut short, by a signal)."""
+        self.done.set()
+        if cancel or not self.declared.done():  # no client came: nothing to end but processes
+            self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
 async def serve_stdio(journal: str, config: ProxyConfig) -> None:
     proxy = Proxy(config)
     children = Children()
-
-    async def resolve(ctx: ServerRequestContext[Any], start: bool) -> Proxy:
-        return proxy
-
     with Stopper(children).installed() as stopper:
+        session: StdioSession | None = None
         try:
-            async with AsyncExitStack() as stack:
-                with stopper.serving():  # a signal cancels this; the exits below settle
-                    await connect_upstreams(proxy, stack, children)
-                    # The upstreams' tools (their probes, and the tasks their calls became)
-                    # settle what an earlier proxy on this journal left in doubt when it died.
-                    sup = await stack.enter_async_context(
-                        Supervisor(journal, tools=proxy.journaled_tools(), recover=False))
-                    proxy.attach(sup)
-                    await sup.recover()
-                    handle = await start_session(proxy, sup, journal)
-                    server = build_server(proxy, resolve)
-                    async with loop_stdio() as pipes:
-                        # Read and written on the event loop where they are pipes
-                        # (``mcp_stdio``).
-                        wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
-                        async with wire as (read, write):
-                            await server.run(read, write, server.create_initialization_options())
-                await end_session(proxy, handle)
+            with stopper.serving():  # a signal cancels this; the session settles below
+                session = StdioSession(proxy, journal, children)
+                try:
+                    await asyncio.shield(session.opened)
+                except MCPError:
+                    assert session.failure is not None
+                    raise session.failure from None
+                async with loop_stdio() as pipes:
+                    # Read and written on the event loop where they are pipes (``mcp_stdio``).
+                    wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
+                    async with wire as (read, write):
+                        await session.server.serve(read, write)
         except asyncio.CancelledError:
             if stopper.signal is None:
                 raise
-        except BaseExceptionGroup as group:  # an upstream that failed, inside the SDK's groups
+        except BaseExceptionGroup as group:  # inside the SDK's groups
             if stopper.signal is None:
                 raise one_line(group) from None
+        finally:
+            if session is not None:
+                await session.close(cancel=stopper.signal is not None)
+        if session is not None and session.failure is not None and stopper.signal is None:
+            raise session.failure
     if stopper.exit_code is not None:  # the session's delegation settled: now exit
         raise SystemExit(stopper.exit_code)
