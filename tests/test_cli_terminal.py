@@ -177,3 +177,28 @@ def test_tables_fit_a_100_column_terminal(tmp_path: Path) -> None:
     _, out, _ = invoke("show", parent, "--journal", url, "--json")
     (shown,) = json.loads(out)["actions"]
     assert shown["result"] == {"refund": "re_" + "9" * 120}
+
+
+def test_chaos_on_a_named_schema_is_refused_before_any_trial(tmp_path: Path) -> None:
+    # Each trial makes its own schema: a URL naming one made every trial crash, reported as
+    # a clean run that exited 0.
+    code, out, err = invoke("chaos", "--trials", "1", "--traces", str(tmp_path), "--journal",
+                            "postgresql://postgres@127.0.0.1:5432/test?schema=mine")
+    assert code == 2 and out == "", out
+    assert err.startswith("error:") and "schema" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_chaos_run_whose_trials_crashed_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial whose orchestrator crashed judged nothing: the run is not clean."""
+    from tether._chaos import harness
+
+    real = harness.run_chaos
+
+    def crashing(*args: object, **kwargs: object) -> dict[str, object]:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        result["trials_detail"][0].update(outcome="crashed", error="RuntimeError: boom")
+        return result
+
+    monkeypatch.setattr(harness, "run_chaos", crashing)
+    code, out, _ = invoke("chaos", "--trials", "1", "--faults", "probe_fail")
+    assert code == 1 and "crashed" in out and "RuntimeError: boom" in out, out

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import parse_qs, urlsplit
 
 import typer
 
@@ -327,6 +328,9 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
         raise UserError(f"unknown --inject {inject!r}; known: {', '.join(BUGS)}")
     if journal is not None and not journal.startswith(("postgresql://", "postgres://")):
         raise UserError("--journal for chaos takes a postgresql:// URL; SQLite is the default")
+    if journal is not None and "schema" in parse_qs(urlsplit(journal).query):
+        raise UserError("--journal for chaos names a server, not a schema: each trial makes "
+                        "its own schema there (drop schema= from the URL)")
     total = 1 if replay is not None else (
         trials if per_fault is None else per_fault * len(set(chosen)))
     with Progress(console=err, transient=True, disable=as_json) as bar:
@@ -334,9 +338,12 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
         result = run_chaos(trials, seed, chosen, replay, journal,
                            progress=lambda *_: bar.advance(task), per_fault=per_fault,
                            traces=traces, inject=inject or "", timeout=trial_timeout)
+    # A trial whose orchestrator crashed judged nothing: the run proves nothing either.
+    crashed = [t for t in result["trials_detail"] if t["outcome"] == "crashed"]
+    failed = 1 if result["violations"] or crashed else 0
     if as_json:
         emit_json(result)
-        raise typer.Exit(1 if result["violations"] else 0)
+        raise typer.Exit(failed)
     title = (f"tether chaos: replay of trial {replay}" if replay is not None
              else f"tether chaos: {result['trials']} trials, seed {seed}")
     out.print(trials_table(title, result["faults"]))
@@ -348,6 +355,9 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
         out.print(f"[red]{safe(v['class'])}[/red] (fault {safe(v['fault'])}): "
                   f"{safe(v['detail'])} - replay with: tether chaos --replay "
                   f"{v['trial_seed']}{safe(backend)}{safe(injected)}", highlight=False)
+    for t in crashed[:5]:
+        out.print(f"[red]crashed[/red] (fault {safe(t['fault'])}, trial {t['trial_seed']}): "
+                  f"{safe(t.get('error', ''))}", highlight=False)
     for path in result["records"][:5]:
         out.print(f"recorded: {safe(path)}", highlight=False)
     if replay is not None:
@@ -376,7 +386,7 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
             out.print(safe(f"the runs part at event {d['index']}: recorded "
                            f"{line(d['recorded'])!r}, replayed {line(d['replayed'])!r}"),
                       highlight=False)
-    raise typer.Exit(1 if result["violations"] else 0)
+    raise typer.Exit(failed)
 
 
 @trace_app.command("show")
