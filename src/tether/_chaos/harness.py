@@ -31,6 +31,7 @@ import tether
 from tether._chaos import trace as tracing
 from tether._chaos.disk import JournalDisk, check_can_mount
 from tether._chaos.ledger import Ledger, Network
+from tether._chaos.orchestrator import GAVE_UP
 from tether._chaos.pgserver import PrivateServer
 from tether._chaos.plan import (
     ALL_FAULTS,
@@ -65,10 +66,10 @@ class Violation:
 @dataclass
 class TrialResult:
     plan: Plan
-    outcome: str  # exited, killed, crashed or hung
+    outcome: str  # exited, killed, gave_up, crashed or hung
     violations: list[Violation]
     trace: list[tracing.Event] = field(default_factory=list)
-    error: str = ""  # the orchestrator's last words, when it crashed
+    error: str = ""  # the orchestrator's last words, when it crashed or gave up
 
     def record(self, full: bool) -> dict[str, Any]:
         """What replays this trial: its plan and its observed schedule (the whole trace for
@@ -156,8 +157,10 @@ def _stacks_of(proc: subprocess.Popen[bytes], log: Path) -> str:
 def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
                      ledger: Ledger, server: PrivateServer | None = None,
                      disk: JournalDisk | None = None) -> tuple[str, str]:
-    """('exited' | 'killed' | 'crashed' | 'hung', last words). The orchestrator leads a process
-    group of its own: whatever it started and left behind is ended with it, by that group id."""
+    """('exited' | 'killed' | 'gave_up' | 'crashed' | 'hung', last words). The orchestrator leads
+    a process group of its own: whatever it started and left behind is ended with it, by that
+    group id. It gives up (exit GAVE_UP) when its journal refuses to go on: an honest end only
+    when the trial's fault took the journal's disk away; otherwise it is a crash."""
     log = directory / "orchestrator.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -191,7 +194,10 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
         return "killed", ""
     if code != 0:
         lines = log.read_text(errors="replace").strip().splitlines()
-        return "crashed", lines[-1][:300] if lines else f"exit code {code}"
+        last = lines[-1][:300] if lines else f"exit code {code}"
+        if code == GAVE_UP and disk is not None:
+            return "gave_up", last
+        return "crashed", last
     return "exited", ""
 
 

@@ -27,6 +27,11 @@ from tether._chaos.world import Trial, build, policy
 
 WORKER_AGENTS = "tether._chaos.agents:AGENTS"
 START_TRIES = 15  # a worker that cannot start is tried this many times, 0.2 s apart
+GAVE_UP = 3  # the exit code of an orchestrator that gave up, its reason on its last line
+
+
+class GaveUp(Exception):
+    """No worker could start: the orchestrator's waits for their results would never end."""
 
 
 class Helpers:
@@ -44,7 +49,8 @@ class Helpers:
     async def spawn(self, role: str, *argv: str,
                     ready: str | None = None) -> asyncio.subprocess.Process:
         self._n += 1
-        log = (self.trial.directory / f"{role}-{self._n}.log").open("wb")
+        path = self.trial.directory / f"{role}-{self._n}.log"
+        log = path.open("wb")
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, *argv, env=self.trial.env(), stdout=asyncio.subprocess.PIPE,
@@ -58,6 +64,11 @@ class Helpers:
             async with asyncio.timeout(20):
                 line = (await proc.stdout.readline()).decode()
             if not line.startswith(ready):
+                if not line:  # it exited: its reason is the last line it wrote to stderr
+                    async with asyncio.timeout(20):
+                        await proc.wait()
+                    said = path.read_text(errors="replace").strip().splitlines()
+                    line = said[-1] if said else f"exit code {proc.returncode}"
                 raise RuntimeError(f"{role} did not start: {line!r}")
         return proc
 
@@ -156,26 +167,31 @@ class Workers:
             self.helpers.running.pop(proc.pid, None)
             self.helpers.trial.note("exit", "worker", pid=proc.pid, code=code)
             self.current = await self._restart()
+            if self.current is None:
+                return
 
-    async def _restart(self) -> asyncio.subprocess.Process:
+    async def _restart(self) -> asyncio.subprocess.Process | None:
         """As a service manager would: a worker that cannot start (its journal's disk is full)
         is tried again a moment later; after START_TRIES failures the orchestrator gives up
         (its waits for the workers' results would never end) and exits with the reason."""
+        last = ""
         for _ in range(START_TRIES):
             try:
                 return await self.helpers.worker()
             except RuntimeError as exc:
-                self.helpers.trial.note("worker_start_failed", "worker", error=str(exc)[:200])
+                last = str(exc)[:200]
+                self.helpers.trial.note("worker_start_failed", "worker", error=last)
                 await asyncio.sleep(0.2)
-        self.helpers.gave_up = f"no worker could start, {START_TRIES} tries in a row"
+        self.helpers.gave_up = (f"no worker could start, {START_TRIES} tries in a row; the "
+                                f"last: {last}")
         if self.main is not None:
-            self.main.cancel()
-        raise RuntimeError(self.helpers.gave_up)
+            self.main.cancel()  # which raises GaveUp, with the reason
+        return None
 
     async def stop(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         if self.current is not None:
             await self.helpers.stop(self.current)
@@ -189,7 +205,7 @@ async def run(directory: Path, plan: Plan, url: str) -> None:
         await orchestrate(trial, url, helpers)
     except asyncio.CancelledError:
         if helpers.gave_up:
-            raise RuntimeError(helpers.gave_up) from None
+            raise GaveUp(helpers.gave_up) from None
         raise
     finally:
         await helpers.finish()
@@ -353,8 +369,20 @@ async def wait_all_terminal(url: str, within: float) -> None:
             await asyncio.sleep(0.05)
 
 
+def main(directory: Path, plan: Plan, url: str) -> int:
+    """Exit 0 once the plan ran, GAVE_UP when its journal refused to go on (a JournalError:
+    the disk it lives on is full or read-only) or no worker could start. The harness accepts a
+    give-up only where the trial's fault explains it; any other exception is a crash."""
+    try:
+        asyncio.run(run(directory, plan, url))
+    except (tether.errors.JournalError, GaveUp) as exc:
+        print(f"gave up: {type(exc).__name__}: {exc}", flush=True)
+        return GAVE_UP
+    return 0
+
+
 if __name__ == "__main__":
     # A hung trial is asked for every thread's and task's stack (SIGUSR1) before it is
     # killed: the harness keeps them in the trial's record, so that a hang says where it waited.
     stacks.install()
-    asyncio.run(run(Path(sys.argv[1]), Plan.from_json(sys.argv[2]), sys.argv[3]))
+    sys.exit(main(Path(sys.argv[1]), Plan.from_json(sys.argv[2]), sys.argv[3]))

@@ -138,7 +138,8 @@ class ClientRelay:
         """Wait (bounded) for the client's handshake, when there is a client to wait for."""
         if not self.ready.is_set() and self._client(origin) is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.ready.wait(), HANDSHAKE_WAIT)
+                async with asyncio.timeout(HANDSHAKE_WAIT):
+                    await self.ready.wait()
 
     async def early_roots(self) -> None:
         """Roots asked before the client's handshake answered first (bounded), so that its
@@ -146,8 +147,8 @@ class ClientRelay:
         early, self._early_roots = self._early_roots, []
         if early:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in early)),
-                                       HANDSHAKE_WAIT)
+                async with asyncio.timeout(HANDSHAKE_WAIT):
+                    await asyncio.gather(*(e.wait() for e in early))
 
     def _target(self, what: str, origin: ClientSession) -> tuple[ServerSession, Any]:
         found = self._client(origin)
