@@ -11,6 +11,7 @@ import calendar
 import time
 from pathlib import Path
 
+import pytest
 from playwright.async_api import Browser, Page, expect
 
 import tether
@@ -162,6 +163,37 @@ def test_the_server_refuses_a_stop_without_a_reason(tmp_path: Path) -> None:
     assert asyncio.run(controls()) == []
 
 
+def test_the_server_refuses_a_grace_outcome_or_note_of_the_wrong_type(tmp_path: Path) -> None:
+    """A grace that is no number (true counts as none), an outcome or a note that is no string
+    (null is not the note "None"): refused with the field's name, and nothing is recorded."""
+    from starlette.testclient import TestClient
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = asyncio.run(busy_journal(url, n=12))
+    running = busy.ids[5]
+    headers = {"X-Tether-Token": TOKEN}
+    with TestClient(build(Console(url, None, TOKEN, operator="ada")),
+                    base_url="http://127.0.0.1") as client:
+        for grace in (True, [5], "30", {"s": 1}, None):
+            r = client.post(f"/api/delegations/{running}/recall",
+                            json={"reason": "r", "grace": grace}, headers=headers)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"] == "grace takes a number of seconds", r.text
+        for body in ({"outcome": "COMPLETED", "note": None}, {"outcome": "COMPLETED", "note": 7},
+                     {"outcome": None, "note": "n"}, {"outcome": ["COMPLETED"], "note": "n"}):
+            r = client.post(f"/api/actions/{busy.old.action}/resolve", json=body,
+                            headers=headers)
+            assert r.status_code == 400 and "takes a string" in r.json()["error"], r.text
+
+    async def recorded() -> tuple[list[object], str]:
+        async with tether.Journal(url, create=False) as j:
+            action = await j.action(busy.old.action)
+            assert action is not None
+            return list(await j.controls(running)), action.state.value
+
+    assert asyncio.run(recorded()) == ([], "UNKNOWN")
+
+
 async def test_filters_and_paging_reach_every_delegation(tmp_path: Path,
                                                          browser: Browser) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
@@ -274,3 +306,39 @@ async def test_what_the_operator_types_survives_a_live_refresh(tmp_path: Path,
     finally:
         await stop(served)
 
+
+
+def test_the_page_names_who_signed_not_the_issuer_column(tmp_path: Path) -> None:
+    """Someone with write access to the journal rewrites a recall's issuer column (which no
+    signature covers): the delegation's page still names who signed the recall."""
+    import sqlite3
+
+    from starlette.testclient import TestClient
+
+    from .operator_world import orphan
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    headers = {"X-Tether-Token": TOKEN}
+    with TestClient(build(Console(url, None, TOKEN, operator="Ada Lovelace")),
+                    base_url="http://127.0.0.1") as client:
+        r = client.post(f"/api/delegations/{delegation}/recall",
+                        json={"reason": "refund"}, headers=headers)
+        assert r.status_code == 200, r.text
+        with sqlite3.connect(tmp_path / "j.db") as db:
+            db.execute("UPDATE controls SET issuer = 'cli:Mallory'")
+        html = client.get(f"/api/view/d/{delegation}", headers=headers).text
+    intents = html[html.index('data-testid="intents"'):]
+    intents = intents[:intents.index("</table>")]
+    assert "Ada Lovelace" in intents and "Mallory" not in intents, intents
+
+
+def test_a_console_whose_operator_name_is_unreadable_does_not_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Console(operator=None) signs as $TETHER_OPERATOR or the login name: checked when it is
+    built, never in the middle of a request."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    asyncio.run(busy_journal(url, n=2))
+    monkeypatch.setenv("TETHER_OPERATOR", "eve\x1b[2J")
+    with pytest.raises(tether.UserError, match="TETHER_OPERATOR"):
+        build(Console(url, None, TOKEN))

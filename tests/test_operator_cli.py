@@ -239,3 +239,24 @@ def test_keys_registry_prints_hostile_labels_and_entries_literally(tmp_path: Pat
     assert raw_controls(out + err) == [], out
     assert "pay[/bold] [red]x[/red]" in out and "\\x1b[31m" in out
     assert out.count("pay[/bold]") == 2  # the label, and the ignored entry's signer
+
+
+@pytest.mark.parametrize("login", ["   ", "eve\x1b[2J", "mallory\u202e", "z" * 201])
+def test_a_login_name_that_is_no_readable_name_is_refused_and_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, login: str) -> None:
+    """With neither --by nor $TETHER_OPERATOR, the login name signs the intent: it comes from
+    $LOGNAME or $USER, which anyone may set, so it passes the same check as --by."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    monkeypatch.delenv("TETHER_OPERATOR", raising=False)
+    monkeypatch.setenv("LOGNAME", login)
+    for verb in ("recall", "terminate"):
+        code, out, err = invoke(verb, delegation, "--no-wait", "--journal", url)
+        assert code == 2 and out == "", out
+        assert err.startswith("error: the login name") and len(err.strip().splitlines()) == 1
+        assert "--by" in err, err
+    assert intents_of(url, delegation) == []
+    # A readable one is used, trimmed.
+    monkeypatch.setenv("LOGNAME", "  ada ")
+    code, out, _ = invoke("recall", delegation, "--no-wait", "--json", "--journal", url)
+    assert code == 0 and json.loads(out)["issuer"] == "cli:ada", out

@@ -7,7 +7,7 @@ What an application builds with, reads or catches is here. Every error is in
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tether import errors, protocol
 from tether._core.errors import (
@@ -47,10 +47,16 @@ _MOVED = {**{n: errors for n in errors.__all__ if n not in __all__},
           **{n: protocol for n in protocol.__all__ if n not in __all__}}
 
 
-def __getattr__(name: str) -> Any:
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tether' has no attribute {name!r}")
-    warnings.warn(f"tether.{name} moved to {home.__name__}.{name}", DeprecationWarning,
-                  stacklevel=2)
-    return getattr(home, name)
+if not TYPE_CHECKING:
+    # At run time only: to a type checker the moved names are gone (an error that names the
+    # attribute), rather than every ``tether.<anything>`` typed as Any.
+    def __getattr__(name: str) -> Any:
+        home = _MOVED.get(name)
+        if home is None:
+            raise AttributeError(f"module 'tether' has no attribute {name!r}")
+        warnings.warn(f"tether.{name} moved to {home.__name__}.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(home, name)
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_MOVED})

@@ -1,14 +1,18 @@
-"""Every error tether raises. The ones an application catches or raises itself (``TetherError``,
-``DelegationError``, ``Fenced``, ``Recalled``, ``Terminated``, ``ToolRejected``, ``StreamCut``,
-``UserError``) are also at ``tether``."""
+"""Every error tether raises, and ``ControlSignal``: the base of ``Recalled``, ``Fenced`` and
+``Terminated``, which stop a child and which ``except Exception`` does not catch. The ones an
+application catches or raises itself (``TetherError``, ``DelegationError``, ``Fenced``,
+``Recalled``, ``Terminated``, ``ToolRejected``, ``StreamCut``, ``UserError``) are also at
+``tether``."""
 
 from tether._core.errors import (
     AlreadyFinished,
     BadSignature,
     ClockSkew,
     ControlRefused,
+    ControlSignal,
     DelegationError,
     Fenced,
+    ForgedRow,
     IdempotencyConflict,
     InvalidTransition,
     JournalCorrupt,
@@ -20,6 +24,7 @@ from tether._core.errors import (
     NotAJournal,
     NotFound,
     Recalled,
+    RedispatchCancelled,
     SchemaTooNew,
     StaleEpoch,
     StaleSequence,
@@ -27,16 +32,18 @@ from tether._core.errors import (
     Terminated,
     TetherError,
     ToolRejected,
+    Unbound,
     UnknownKey,
     UserError,
+    WorkRefused,
 )
 from tether._core.redispatch import CeilingReached, StreamCut
 
 __all__ = [
     "AlreadyFinished", "BadSignature", "CeilingReached", "ClockSkew", "ControlRefused",
-    "DelegationError", "Fenced", "IdempotencyConflict", "InvalidTransition",
-    "JournalCorrupt", "JournalError", "JournalLocked", "KeyInUse", "LeaseLost", "Malformed",
-    "NotAJournal", "NotFound", "Recalled", "SchemaTooNew", "StaleEpoch", "StaleSequence",
-    "StreamCut", "Tampered", "Terminated", "TetherError", "ToolRejected", "UnknownKey",
-    "UserError",
+    "ControlSignal", "DelegationError", "Fenced", "ForgedRow", "IdempotencyConflict",
+    "InvalidTransition", "JournalCorrupt", "JournalError", "JournalLocked", "KeyInUse",
+    "LeaseLost", "Malformed", "NotAJournal", "NotFound", "Recalled", "RedispatchCancelled",
+    "SchemaTooNew", "StaleEpoch", "StaleSequence", "StreamCut", "Tampered", "Terminated",
+    "TetherError", "ToolRejected", "Unbound", "UnknownKey", "UserError", "WorkRefused",
 ]

@@ -31,13 +31,13 @@ import tether
 from tether._chaos import trace as tracing
 from tether._chaos.disk import JournalDisk, check_can_mount
 from tether._chaos.ledger import Ledger, Network
-from tether._chaos.orchestrator import GAVE_UP
 from tether._chaos.pgserver import PrivateServer
 from tether._chaos.plan import (
     ALL_FAULTS,
     CLOCK_TOLERANCE,
     DISK_FAULTS,
     FAULTS,
+    GAVE_UP,
     INFRA_FAULTS,
     LATE_APPLY_MAX,
     Plan,

@@ -22,12 +22,11 @@ from typing import Any
 
 import tether
 from tether._chaos import faults, stacks
-from tether._chaos.plan import Plan
+from tether._chaos.plan import GAVE_UP, Plan
 from tether._chaos.world import Trial, build, policy
 
 WORKER_AGENTS = "tether._chaos.agents:AGENTS"
 START_TRIES = 15  # a worker that cannot start is tried this many times, 0.2 s apart
-GAVE_UP = 3  # the exit code of an orchestrator that gave up, its reason on its last line
 
 
 class GaveUp(Exception):

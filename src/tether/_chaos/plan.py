@@ -47,6 +47,9 @@ DISK_FAULTS = (
     "journal_readonly",  # the journal's file system turns read-only (an error) mid-trial
 )
 NAMED_ONLY = INFRA_FAULTS + DISK_FAULTS
+# The exit code of an orchestrator that gave up (its journal refused to go on), its reason
+# on its last line: an honest end in a disk-fault trial, a crash anywhere else.
+GAVE_UP = 3
 ALL_FAULTS = FAULTS + NAMED_ONLY
 
 # The provider applies a request at most this many seconds after the tool sent it, or never

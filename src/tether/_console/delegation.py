@@ -111,6 +111,16 @@ def _record(a: dict[str, Any]) -> ActionRecord:
         ended_at=a["ended_at"], deadline_at=a["deadline_at"])
 
 
+def _who(intent: dict[str, Any]) -> str:
+    """Who asked: the name signed into the document; the journal's issuer column (which no
+    signature covers) only where none is, and said to be so."""
+    body = intent["body"]
+    signed = body.get("by") if body.get("type") == "control" else body.get("operator")
+    if isinstance(signed, str) and signed:
+        return e(signed)
+    return f'<span class="muted">issued by {e(intent["issuer"])} (not signed)</span>'
+
+
 def _verified(v: str) -> str:
     if v == "ok":
         return '<span class="badge s-COMPLETED">verified</span>'
@@ -142,9 +152,9 @@ def render(data: dict[str, Any], me: str, ancestors: list[DelegationRow], now: f
             f'{len(acts)} call(s), {len(open_)} for a person</p>')
     stop = "" if live.state.terminal else stop_form(live)
     intents = table(
-        ["delegation", "seq", "kind", "signature", "key", "issuer", "at", "reason or note"],
+        ["delegation", "seq", "kind", "signature", "key", "by", "at", "reason or note"],
         [[ident(i["delegation"]), e(i["seq"]), f"<b>{e(i['kind'])}</b>",
-          _verified(i["verified"]), ident(i["key_id"]), e(i["issuer"]),
+          _verified(i["verified"]), ident(i["key_id"]), _who(i),
           when(i["accepted_at"], now),
           e(i["body"].get("reason") or i["body"].get("note") or "")]
          for i in data["intents"]], "list", "intents")

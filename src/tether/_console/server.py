@@ -45,7 +45,7 @@ from tether._journal.journal import Journal
 from tether._journal.triage import ActionQuery, DelegationQuery
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import logger
-from tether._runtime.resolve import operator_name
+from tether._runtime.resolve import operator_of
 
 log = logger("console")
 ATTENTION = ("UNKNOWN", "IN_DOUBT")
@@ -84,6 +84,9 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
     """``host``: the loopback address the console listens on, when it is not one of the
     usual names (``--host 127.0.0.2``): the link printed at start names it."""
     journal = Journal(console.journal_url, create=False)
+    # Who signs, settled once: a name from the environment that is no readable name is a
+    # UserError here, at start, never a failed request later.
+    signer = operator_of(console.operator)
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -182,7 +185,7 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         kind = ControlKind.RECALL if request.path_params["verb"] == "recall" \
             else ControlKind.TERMINATE
         if "by" in body:
-            return _not_by(console)
+            return _not_by(signer)
         reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             # The intent carries the operator's words for whoever audits it, never a stock
@@ -192,10 +195,14 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         try:
             grace = None
             if kind is ControlKind.RECALL:
-                grace = check_grace(float(body.get("grace", 30.0)), Policy())
+                given = body.get("grace", 30.0)
+                if isinstance(given, bool) or not isinstance(given, int | float):
+                    return JSONResponse({"error": "grace takes a number of seconds"},
+                                        status_code=400)
+                grace = check_grace(float(given), Policy())
             answer = await send_control(ControlRequest(
                 console.journal_url, console.keys, request.path_params["id"], kind, grace,
-                reason.strip(), console.operator, via="console"))
+                reason.strip(), signer, via="console"))
         except (TetherError, ValueError, TypeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         log.info("%s accepted for %s from the console (%s)", kind.value, answer["delegation"],
@@ -211,13 +218,15 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
             return denied
         body = await _json(request)
         if "by" in body:
-            return _not_by(console)
+            return _not_by(signer)
+        outcome, note = body.get("outcome", ""), body.get("note", "")
+        for name, value in (("outcome", outcome), ("note", note)):
+            if not isinstance(value, str):
+                return JSONResponse({"error": f"{name} takes a string"}, status_code=400)
         try:
             ring = await asyncio.to_thread(KeyRing.load, console.keys or journal.keys_dir)
-            action = await record(journal, ring, request.path_params["id"],
-                                  str(body.get("outcome", "")).upper(),
-                                  str(body.get("note", "")), console.operator,
-                                  time.time())
+            action = await record(journal, ring, request.path_params["id"], outcome.upper(),
+                                  note, signer, time.time())
         except TetherError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"action": action.to_json()})
@@ -242,8 +251,7 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
                                  Middleware(_Headers)])
 
 
-def _not_by(console: Console) -> Response:
-    who = console.operator or operator_name()
+def _not_by(who: str) -> Response:
     return JSONResponse({"error": f"the console signs as its operator ({who}); a request "
                          "cannot name another (start the console with --by NAME)"},
                         status_code=400)

@@ -206,6 +206,10 @@ class DelegationError(TetherError):
         self.reason = reason
 
 
+class RedispatchCancelled(TetherError):
+    """The task was cancelled while a re-dispatch was being prepared."""
+
+
 class ToolRejected(TetherError):
     """Raised by a tool to say, with certainty, that its effect was not applied.
 

@@ -18,7 +18,7 @@ from tether._core.errors import (
     ControlRefused,
     DelegationError,
     InvalidTransition,
-    TetherError,
+    RedispatchCancelled,
 )
 from tether._core.model import ControlKind, DelegationState
 from tether._core.redispatch import (
@@ -60,10 +60,6 @@ async def end_children(sup: ports.Handles, rt: ChildRuntime, state: DelegationSt
         await asyncio.wait([run.done])
         if run.current.draining is not None:
             await asyncio.gather(run.current.draining, return_exceptions=True)
-
-
-class RedispatchCancelled(TetherError):
-    """The task was cancelled while a re-dispatch was being prepared."""
 
 
 def ending_of(value: object) -> tuple[Ending, str]:

@@ -21,9 +21,11 @@ def operator_name() -> str:
     if name.strip():
         return _checked(name, "$TETHER_OPERATOR")
     try:
-        return getpass.getuser()
+        login = getpass.getuser()  # $LOGNAME, $USER, ... first: anyone may set those
     except (OSError, KeyError):  # no login name (a container without a passwd entry)
         return f"uid {os.getuid()}"
+    return _checked(login, "the login name ($LOGNAME or $USER)",
+                    " (or name who decides with --by or $TETHER_OPERATOR)")
 
 
 # A name is for people reading an audit; a page of text is not a name.
@@ -32,15 +34,15 @@ NAME_LIMIT = 200
 _HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
 
 
-def _checked(name: str, source: str) -> str:
+def _checked(name: str, source: str, instead: str = "") -> str:
     if any(unicodedata.category(c) in _HIDDEN for c in name):
         raise UserError(f"{source} holds a control or invisible character: give a name "
-                        "people can read")
+                        f"people can read{instead}")
     name = name.strip()
     if not name:
-        raise UserError(f"{source} is blank: name who decides or asks")
+        raise UserError(f"{source} is blank: name who decides or asks{instead}")
     if len(name) > NAME_LIMIT:
-        raise UserError(f"{source} takes a name of at most {NAME_LIMIT} characters")
+        raise UserError(f"{source} takes a name of at most {NAME_LIMIT} characters{instead}")
     return name
 
 
