@@ -174,7 +174,7 @@ def test_the_server_refuses_a_grace_outcome_or_note_of_the_wrong_type(tmp_path: 
     headers = {"X-Tether-Token": TOKEN}
     with TestClient(build(Console(url, None, TOKEN, operator="ada")),
                     base_url="http://127.0.0.1") as client:
-        for grace in (True, [5], "30", {"s": 1}, None):
+        for grace in (True, [5], "30", {"s": 1}, None, int("9" * 400)):
             r = client.post(f"/api/delegations/{running}/recall",
                             json={"reason": "r", "grace": grace}, headers=headers)
             assert r.status_code == 400, r.text
@@ -184,6 +184,11 @@ def test_the_server_refuses_a_grace_outcome_or_note_of_the_wrong_type(tmp_path: 
             r = client.post(f"/api/actions/{busy.old.action}/resolve", json=body,
                             headers=headers)
             assert r.status_code == 400 and "takes a string" in r.json()["error"], r.text
+        # JSON nested past the parser's depth is no body at all, not a server error.
+        deep = "[" * 100_000 + "]" * 100_000
+        r = client.post(f"/api/delegations/{running}/recall", content=deep,
+                        headers={**headers, "content-type": "application/json"})
+        assert r.status_code == 400 and "needs a reason" in r.json()["error"], r.text
 
     async def recorded() -> tuple[list[object], str]:
         async with tether.Journal(url, create=False) as j:
@@ -331,6 +336,60 @@ def test_the_page_names_who_signed_not_the_issuer_column(tmp_path: Path) -> None
     intents = html[html.index('data-testid="intents"'):]
     intents = intents[:intents.index("</table>")]
     assert "Ada Lovelace" in intents and "Mallory" not in intents, intents
+
+
+def table_of(html: str, testid: str) -> str:
+    part = html[html.index(f'data-testid="{testid}"'):]
+    return part[:part.index("</table>")]
+
+
+def test_a_rewritten_decision_or_intent_is_not_shown_as_signed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With write access to the journal: a decision's event rewritten to name someone else,
+    and a recall's body rewritten (its signature no longer verifies). The page and
+    ``tether show`` flag the decision UNSIGNED and the name as a claim nobody signed."""
+    import sqlite3
+
+    from starlette.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from tether._cli.app import app
+
+    from .operator_world import orphan
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    busy = asyncio.run(busy_journal(url, n=2))
+    running = asyncio.run(orphan(url))
+    headers = {"X-Tether-Token": TOKEN}
+    with TestClient(build(Console(url, None, TOKEN, operator="Ada Lovelace")),
+                    base_url="http://127.0.0.1") as client:
+        r = client.post(f"/api/actions/{busy.old.action}/resolve",
+                        json={"outcome": "COMPLETED", "note": "bank says paid"},
+                        headers=headers)
+        assert r.status_code == 200, r.text
+        r = client.post(f"/api/delegations/{running}/recall", json={"reason": "r"},
+                        headers=headers)
+        assert r.status_code == 200, r.text
+        page = f"/api/view/d/{busy.old.delegation}"
+        before = table_of(client.get(page, headers=headers).text, "decisions")
+        assert "Ada Lovelace" in before and "UNSIGNED" not in before, before
+        with sqlite3.connect(tmp_path / "j.db") as db:
+            db.execute("UPDATE events SET detail = replace(detail, 'Ada Lovelace', "
+                       "'Mallory') WHERE kind = 'resolved'")
+            db.execute("UPDATE controls SET body = CAST(replace(CAST(body AS TEXT), "
+                       "'Ada Lovelace', 'Mallory') AS BLOB)")
+        decisions = table_of(client.get(page, headers=headers).text, "decisions")
+        assert "Mallory" in decisions and "UNSIGNED" in decisions, decisions
+        intents = table_of(client.get(f"/api/view/d/{running}", headers=headers).text,
+                           "intents")
+        assert "claims Mallory (signature refused)" in intents, intents
+    from tether._cli.common import out
+
+    monkeypatch.setattr(out, "width", 250)  # each row of the tables on one line
+    shown = CliRunner().invoke(app, ["show", busy.old.delegation, "--journal", url])
+    assert "UNSIGNED" in shown.stdout and "Mallory" in shown.stdout, shown.stdout
+    shown = CliRunner().invoke(app, ["show", running, "--journal", url])
+    assert "claimed by Mallory (unsigned)" in shown.stdout, shown.stdout
 
 
 def test_a_console_whose_operator_name_is_unreadable_does_not_start(

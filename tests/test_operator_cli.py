@@ -85,7 +85,7 @@ def test_markup_escapes_and_control_characters_pass_through_every_command(
 
 
 def test_error_lines_keep_brackets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tether._integrations.mcp_proxy", None)
+    monkeypatch.setitem(sys.modules, "mcp", None)  # the MCP SDK not installed
     code, _, err = invoke("mcp-proxy", "--upstream", "a=b")
     assert code == 2 and "pip install 'tether[mcp]'" in err, err
     code, _, err = invoke("ls", "--journal", f"sqlite:///{tmp_path}/[mcp].db")
@@ -148,7 +148,9 @@ def test_a_recall_and_a_terminate_name_the_person_who_asked(
 
 
 @pytest.mark.parametrize("by", ["", "   ", "x" * 201, "a\x00b", "alice\nbob", "\u200b",
-                                "\u202eeve", "\ud800"])
+                                "\u202eeve", "\ud800", "ada\u2028ERROR forged", "a\u2029b",
+                                "\u3164", "\u2800", "alice\ufe0f", "ali\u034fce",
+                                "a" + "\u0301" * 5, "\u0301ada"])
 def test_a_recall_without_a_readable_name_is_refused_and_changes_nothing(
         tmp_path: Path, by: str) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
@@ -260,3 +262,13 @@ def test_a_login_name_that_is_no_readable_name_is_refused_and_changes_nothing(
     monkeypatch.setenv("LOGNAME", "  ada ")
     code, out, _ = invoke("recall", delegation, "--no-wait", "--json", "--journal", url)
     assert code == 0 and json.loads(out)["issuer"] == "cli:ada", out
+
+
+@pytest.mark.parametrize("by", ["Nguyễn Thị Minh", "Nguye\u0323\u0302n", "देवनागरी",
+                                "José Ñúñez", "山田 太郎", "O'Brien-Smith (night shift)"])
+def test_names_in_any_script_are_signed_as_given(tmp_path: Path, by: str) -> None:
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    delegation = asyncio.run(orphan(url))
+    code, out, err = invoke("recall", delegation, "--by", by, "--no-wait", "--json",
+                            "--journal", url)
+    assert code == 0 and json.loads(out)["issuer"] == f"cli:{by}", (out, err)

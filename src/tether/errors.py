@@ -1,4 +1,4 @@
-"""Every error tether raises, and ``ControlSignal``: the base of ``Recalled``, ``Fenced`` and
+"""Every error tether's API raises, and ``ControlSignal``: the base of ``Recalled``, ``Fenced`` and
 ``Terminated``, which stop a child and which ``except Exception`` does not catch. The ones an
 application catches or raises itself (``TetherError``, ``DelegationError``, ``Fenced``,
 ``Recalled``, ``Terminated``, ``ToolRejected``, ``StreamCut``, ``UserError``) are also at

@@ -79,7 +79,7 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None,
                             "body": body})
     events = await journal.events(ids)
     return {
-        "decisions": await journal.resolutions(ids),
+        "decisions": [_signed_by(d, intents) for d in await journal.resolutions(ids)],
         "delegations": [{**r.to_json(), **_mark(marks, f"delegation {r.id}")} for r in rows],
         "actions": [{**a.to_json(), **_mark(marks, f"action {a.id}")} for a in actions],
         "intents": intents,
@@ -90,6 +90,23 @@ async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None,
                  "ok" if not tampered else "TAMPERED",
         "tampered": tampered,
     }
+
+
+def _signed_by(decision: dict[str, Any], intents: list[dict[str, Any]]) -> dict[str, Any]:
+    """A decision as its event tells it, with ``signed``: "ok" when a verified resolution
+    document says the same (action, outcome, person, note), else why not. The event is the
+    journal's word, which no signature covers; the document is the person's."""
+    if decision["kind"] != "resolved":
+        return decision
+    said = (decision.get("action"), decision.get("outcome"), decision.get("operator"),
+            decision.get("note"))
+    for i in intents:
+        body = i["body"]
+        if i["verified"] == "ok" and body.get("type") == "resolution" and (
+                body.get("action"), body.get("outcome"), body.get("operator"),
+                body.get("note")) == said:
+            return {**decision, "signed": "ok"}
+    return {**decision, "signed": "no verified resolution document says this"}
 
 
 def _mark(marks: dict[str, str], record: str) -> dict[str, str]:
@@ -161,6 +178,8 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
         if body.get("type") == "control":  # who asked: the signed name, else the issuer
             who = f"by {body['by']}" if isinstance(body.get("by"), str) else \
                 f"issued by {i['issuer']}"
+            if ok != "ok" and isinstance(body.get("by"), str):  # a claim nobody signed
+                who = f"claimed by {body['by']} (unsigned)"
             detail = f"{who}: {detail}" if detail else who
         signature = "[green]verified[/green]" if ok == "ok" else "[red]REFUSED[/red]"
         if ok != "ok":  # why, where there is room for it
@@ -224,9 +243,12 @@ def render_decisions(console: Console, decisions: list[dict[str, Any]]) -> None:
     table.add_column("note", overflow="fold", min_width=16)
     for d in decisions:
         if d["kind"] == "resolved":
+            unsigned = d.get("signed", "ok") != "ok"
             table.add_row(when(d["at"]), safe(d["action"]),
-                          f"{styled(d['old'])} -> {styled(d['outcome'])}",
-                          safe(d["operator"]), safe(d["key_id"]), safe(d["note"]))
+                          f"{styled(d['old'])} -> {styled(d['outcome'])}"
+                          + (" [bold red]UNSIGNED[/bold red]" if unsigned else ""),
+                          safe(d["operator"]), safe(d["key_id"]),
+                          safe(f"{d['signed']}; {d['note']}" if unsigned else d["note"]))
         else:
             table.add_row(when(d["at"]), safe(d["action"]),
                           f"[bold red]CONTRADICTED[/bold red] by {styled(d['new'])}", "", "",

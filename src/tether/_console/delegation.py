@@ -117,8 +117,22 @@ def _who(intent: dict[str, Any]) -> str:
     body = intent["body"]
     signed = body.get("by") if body.get("type") == "control" else body.get("operator")
     if isinstance(signed, str) and signed:
+        if intent["verified"] != "ok":  # the document says so, but no trusted key signed it
+            return f'<span class="muted">claims {e(signed)} (signature refused)</span>'
         return e(signed)
+    if body.get("type") != "control":  # an acknowledgement or receipt: the child's own
+        return '<span class="muted">the child</span>'
     return f'<span class="muted">issued by {e(intent["issuer"])} (not signed)</span>'
+
+
+def _decided(x: dict[str, Any]) -> str:
+    """A decision's move, flagged where no verified resolution document says the same."""
+    if x["kind"] != "resolved":
+        return f"CONTRADICTED by {badge(x['new'])}"
+    moved = f"{badge(x['old'])} &rarr; {badge(x['outcome'])}"
+    if x.get("signed", "ok") != "ok":
+        moved += f' <span class="badge s-FAILED" title="{e(x["signed"])}">UNSIGNED</span>'
+    return moved
 
 
 def _verified(v: str) -> str:
@@ -161,8 +175,7 @@ def render(data: dict[str, Any], me: str, ancestors: list[DelegationRow], now: f
     decisions = table(
         ["at", "action", "decision", "by", "key", "note"],
         [[when(x["at"], now), ident(x["action"]),
-          f"{badge(x['old'])} &rarr; {badge(x['outcome'])}" if x["kind"] == "resolved"
-          else f"CONTRADICTED by {badge(x['new'])}", e(x.get("operator") or ""),
+          _decided(x), e(x.get("operator") or ""),
           ident(x.get("key_id") or ""), e(x.get("note") or "")]
          for x in data["decisions"]], "list", "decisions")
     events = table(

@@ -196,10 +196,14 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
             grace = None
             if kind is ControlKind.RECALL:
                 given = body.get("grace", 30.0)
-                if isinstance(given, bool) or not isinstance(given, int | float):
+                try:
+                    if isinstance(given, bool) or not isinstance(given, int | float):
+                        raise TypeError
+                    seconds = float(given)
+                except (TypeError, OverflowError):  # OverflowError: an int past any float
                     return JSONResponse({"error": "grace takes a number of seconds"},
                                         status_code=400)
-                grace = check_grace(float(given), Policy())
+                grace = check_grace(seconds, Policy())
             answer = await send_control(ControlRequest(
                 console.journal_url, console.keys, request.path_params["id"], kind, grace,
                 reason.strip(), signer, via="console"))
@@ -294,7 +298,7 @@ def _actions_only(request: Request) -> Response | None:
 async def _json(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return {}
     return body if isinstance(body, dict) else {}
 

@@ -30,15 +30,32 @@ def operator_name() -> str:
 
 # A name is for people reading an audit; a page of text is not a name.
 NAME_LIMIT = 200
-# Control, format (bidi overrides, zero-width), surrogate: what would hide or fake a name.
-_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
+# Control, format (bidi overrides, zero-width), surrogate, private, unassigned, and line or
+# paragraph separators: what would hide a name, fake another, or break a log line.
+_HIDDEN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+# Letters and marks that render as nothing (Unicode's default-ignorable fillers, variation
+# selectors, the grapheme joiner, the braille blank): a name of them looks blank, or like
+# another name.
+_INVISIBLE = frozenset(
+    {0x034F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x2800, 0x3164, 0xFFA0,
+     *range(0x180B, 0x1810), *range(0xFE00, 0xFE10), *range(0xE0100, 0xE01F0)})
+# Combining marks in a row on one letter: a few make any script's letters; more stack
+# into a glyph that overruns the lines around it.
+_MARKS_IN_A_ROW = 4
 
 
 def _checked(name: str, source: str, instead: str = "") -> str:
-    if any(unicodedata.category(c) in _HIDDEN for c in name):
-        raise UserError(f"{source} holds a control or invisible character: give a name "
-                        f"people can read{instead}")
+    marks = 0
+    for c in name:
+        marks = marks + 1 if unicodedata.category(c).startswith("M") else 0
+        if unicodedata.category(c) in _HIDDEN or ord(c) in _INVISIBLE or \
+                marks > _MARKS_IN_A_ROW:
+            raise UserError(f"{source} holds a control, invisible or stacked character: "
+                            f"give a name people can read{instead}")
     name = name.strip()
+    if name and unicodedata.category(name[0]).startswith("M"):
+        raise UserError(f"{source} begins with a combining mark: give a name people can "
+                        f"read{instead}")
     if not name:
         raise UserError(f"{source} is blank: name who decides or asks{instead}")
     if len(name) > NAME_LIMIT:
