@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import shlex
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -48,10 +47,10 @@ from tether._integrations.mcp_config import ProxyConfig
 from tether._integrations.mcp_gateway import (
     KEY_META,
     McpToolError,
-    ServerPolicy,
     argument_error,
     wrap_tools,
 )
+from tether._integrations.mcp_policy import ServerPolicy
 from tether._integrations.mcp_relay import (
     AsClient,
     ClientRelay,
@@ -74,20 +73,6 @@ from tether._runtime.gateway import Context
 from tether._runtime.reconcile import probe_all
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Tool, ToolFn
-
-
-def parse_upstream(spec: str) -> tuple[str, list[str]]:
-    """``name=command arg ...`` (shell quoting) into the name and the command line."""
-    name, sep, command = spec.partition("=")
-    try:
-        argv = shlex.split(command) if sep else []
-    except ValueError as exc:  # an unbalanced quote, say
-        raise UserError(f"--upstream {spec!r}: {exc}") from None
-    if not sep or not name or not argv:
-        raise UserError(f"--upstream {spec!r} must be NAME=COMMAND, e.g. "
-                        "git='mcp-server-git --repository .'")
-    ServerPolicy(name)  # validates the name
-    return name, argv
 
 
 def _line(text: str) -> str:
@@ -428,13 +413,16 @@ class Proxy:
         controls = await self.sup.journal.controls(self.ctx.delegation_id)
         if not controls:
             return f"tether: this session was stopped ({signal}); {then}"
-        first = controls[0]
+        last = controls[-1]  # the stop in effect: a terminate after a recall ends it
         try:
-            intent = self.sup.keys.trusted.verify(first.signed, ControlIntent)
-            reason, who = intent.reason, intent.issued_by or first.issuer
-        except TetherError:  # unverified: say nothing it claims
+            intent = self.sup.keys.trusted.verify(last.signed, ControlIntent)
+            if (intent.delegation_id, intent.seq, intent.kind) != (
+                    self.ctx.delegation_id, last.seq, last.kind):
+                raise TetherError("signed for another delegation or place: a copy")
+            reason, who = intent.reason, intent.issued_by or last.issuer
+        except TetherError:  # unverified, or a copy: say nothing it claims
             reason, who = "", "an unverified intent"
-        verb = "recalled" if first.kind is ControlKind.RECALL else "terminated"
+        verb = "recalled" if last.kind is ControlKind.RECALL else "terminated"
         # One line for the agent to read: what a journal string holds cannot break out of it.
         return (f"tether: this session was {verb} by {_line(who)}: "
                 f"{_line(reason) or 'no reason given'}; {then}")
