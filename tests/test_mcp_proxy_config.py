@@ -175,3 +175,20 @@ def test_mcp_config_probes_do_not_shadow_modules_imported_later(tmp_path: Path) 
         if saved is not None:
             sys.modules["colorsys"] = saved
     assert loaded.policies["bank"].probes["pay"].__name__ == "landed"
+
+
+def test_a_config_servers_environment_is_the_sdks_default_plus_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy starts its upstreams before it imports the MCP SDK, with the SDK's default
+    environment read by tether: held here to the SDK's own."""
+    from mcp.client.stdio import get_default_environment
+
+    from tether._integrations.mcp_children import environment
+    from tether._integrations.mcp_config import UpstreamSpec
+
+    monkeypatch.setenv("SHELL", "() { evil; }")  # a shell function: neither passes it on
+    monkeypatch.setenv("SECRET_TOKEN", "s3cr3t")
+    spec = UpstreamSpec("x", ("true",), env={"MODE": "quiet"})
+    assert environment(spec) == {**get_default_environment(), "MODE": "quiet"}
+    assert "SHELL" not in environment(spec) and "SECRET_TOKEN" not in environment(spec)
+    assert environment(UpstreamSpec("y", ("true",)))["SECRET_TOKEN"] == "s3cr3t"

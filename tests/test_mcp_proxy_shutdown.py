@@ -73,3 +73,26 @@ async def test_the_proxy_stops_a_lingering_upstream_after_its_grace_on_eof(
         await client.aclose(mark)
     assert client.proc.returncode == 0
     assert await delegation_state(journal) is tether.DelegationState.SUCCEEDED
+
+
+async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(tmp_path: Path) -> None:
+    """The upstreams start before the proxy imports the MCP SDK (they boot meanwhile): a
+    signal then, before any client spoke, stops them with the proxy, which exits 128 + signal
+    with no traceback and no delegation."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    spec, mark = mark_upstream("slow", sys.executable, "-m", "tests.mcp_lingering")
+    client = await WireClient.start(journal, spec)
+    try:
+        await until(lambda: len(marked(mark)) >= 1, "the upstream started")
+        client.proc.send_signal(signal.SIGTERM)
+        await until(lambda: client.proc.returncode is not None, "the proxy exited")
+        assert marked(mark) == [], "the upstream outlived the proxy"
+        assert client.proc.stderr is not None
+        err = (await asyncio.wait_for(client.proc.stderr.read(), 30)).decode()
+    finally:
+        await client.aclose(mark)
+    assert client.proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err
+    if (tmp_path / "journal.db").exists():
+        async with tether.Journal(journal, create=False) as j:
+            assert await j.delegations() == []

@@ -11,11 +11,10 @@ try:
     from tether._integrations.mcp_gateway import (
         KEY_META,
         McpToolError,
-        ServerPolicy,
         effect_of,
-        load_policies,
         mcp_tools,
     )
+    from tether._integrations.mcp_policy import ServerPolicy, load_policies
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
     if exc.name is None or not exc.name.startswith("mcp"):
         raise

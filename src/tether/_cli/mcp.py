@@ -39,13 +39,13 @@ def mcp_proxy(
     """Serve the upstream servers over stdio (or --http), each tool call journaled and fenced;
     stop a session with `tether recall` / `tether terminate` (its delegation id is on
     stderr)."""
-    try:
-        from tether._integrations.mcp_config import ProxyConfig, combine, load_config
-        from tether._integrations.mcp_proxy import parse_upstream
-        from tether._integrations.mcp_serve import default_journal, serve_stdio
-    except ModuleNotFoundError as exc:
-        raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'") \
-            from exc
+    import importlib.util
+
+    # Checked before anything starts: the SDK itself is imported once the upstreams boot.
+    if importlib.util.find_spec("mcp") is None:
+        raise UserError("tether mcp-proxy needs the MCP SDK: pip install 'tether[mcp]'")
+    from tether._integrations.mcp_config import ProxyConfig, combine, load_config
+    from tether._integrations.mcp_policy import default_journal, parse_upstream
     configure_logs(log_level, log_format)
     specs = upstream or []
     servers = dict(parse_upstream(spec) for spec in specs)
@@ -63,7 +63,9 @@ def mcp_proxy(
 
     url = journal or default_journal()
     if listen is None:
-        asyncio.run(serve_stdio(url, settings))
+        from tether._integrations.mcp_children import run_stdio
+
+        asyncio.run(run_stdio(url, settings))
     else:
         asyncio.run(serve_http(url, settings, *listen, idle_timeout=idle_timeout))
 

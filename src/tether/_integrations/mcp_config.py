@@ -22,7 +22,7 @@ from typing import Any
 
 from tether._core.errors import UserError
 from tether._core.model import Effect
-from tether._integrations.mcp_gateway import ServerPolicy, load_policies
+from tether._integrations.mcp_policy import ServerPolicy, load_policies
 from tether._runtime.tools import ProbeFn
 
 SCHEMA = Path(__file__).with_name("mcp_proxy.schema.json")

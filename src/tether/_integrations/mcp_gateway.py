@@ -14,11 +14,8 @@ request since mcp 2.3); the action is then in doubt and probed like any other.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from mcp import ClientSession
@@ -28,45 +25,18 @@ from mcp.shared.exceptions import MCPError
 from tether._core.errors import ToolRejected, UserError
 from tether._core.model import Effect
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
-from tether._runtime.tools import ProbeFn, Tool, ToolFn
+from tether._integrations.mcp_policy import ServerPolicy
+from tether._runtime.tools import Tool, ToolFn
 
 KEY_META = "io.tether/idempotency-key"
 # JSON-RPC errors by which a server refuses a request before running anything: the call did
 # not apply, with certainty (FAILED, never a false alarm in doubt).
 REJECTED_BEFORE_RUNNING = frozenset({mcp_types.INVALID_PARAMS, mcp_types.METHOD_NOT_FOUND})
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
 class McpToolError(Exception):
     """The MCP tool answered with ``isError``: it ran and reported a failure. Whether it
     changed anything first is unknown, so the action is in doubt (probed), never FAILED."""
-
-
-@dataclass(frozen=True)
-class ServerPolicy:
-    """The operator's word on one MCP server: its name in tether (tools are named
-    ``server.tool``), whether its annotations are believed, and per-tool effects and probes
-    that override anything the server says, and dispatch deadlines (seconds after a call's
-    intent past which the server can no longer apply it; tether's default otherwise)."""
-
-    name: str
-    trusted: bool = False
-    effects: Mapping[str, Effect] = field(default_factory=dict)
-    probes: Mapping[str, ProbeFn] = field(default_factory=dict)
-    deadlines: Mapping[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise UserError(f"MCP server name {self.name!r} must be 1-64 letters, digits, "
-                            "'_', '-' or '.'")
-        if not isinstance(self.trusted, bool):
-            raise UserError(f"MCP server {self.name}: trusted must be true or false")
-        for tool, effect in self.effects.items():
-            if not isinstance(effect, Effect):
-                raise UserError(f"MCP server {self.name}: effect of {tool!r} must be one of "
-                                f"{', '.join(e.value for e in Effect if e is not Effect.DELEGATE)}")
-            if effect is Effect.DELEGATE:
-                raise UserError(f"MCP server {self.name}: {tool!r} cannot be DELEGATE")
 
 
 def effect_of(tool: mcp_types.Tool, policy: ServerPolicy) -> Effect:
@@ -189,29 +159,3 @@ async def wrap_tools(session: ClientSession, policy: ServerPolicy | str, *,
                            dispatch_deadline=policy.deadlines.get(
                                spec.name, DEFAULT_DISPATCH_DEADLINE)), spec))
     return tools
-
-
-def load_policies(path: Path) -> dict[str, ServerPolicy]:
-    """``{"git": {"trusted": true, "effects": {"git_commit": "EXTERNAL"}}, ...}`` from a JSON
-    file (probes are code: pass them to ``ServerPolicy`` in Python)."""
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise UserError(f"cannot read the MCP policy {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise UserError(f"MCP policy {path} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"MCP policy {path} must map server names to settings")
-    policies = {}
-    for name, settings in data.items():
-        if not isinstance(settings, dict) or set(settings) - {"trusted", "effects"}:
-            raise UserError(f"MCP policy {path}: {name!r} takes only 'trusted' and 'effects'")
-        raw = settings.get("effects", {})
-        if not isinstance(raw, dict):
-            raise UserError(f"MCP policy {path}: effects of {name!r} must be an object")
-        try:
-            effects = {tool: Effect(str(value).upper()) for tool, value in raw.items()}
-        except ValueError as exc:
-            raise UserError(f"MCP policy {path}: {exc}") from None
-        policies[name] = ServerPolicy(name, settings.get("trusted", False), effects)
-    return policies

@@ -28,8 +28,8 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
+from tether._integrations.mcp_children import Children
 from tether._integrations.mcp_config import ProxyConfig
-from tether._integrations.mcp_process import Children
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_serve import (
     build_server,

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from typing import Any
 
 from mcp import types as mcp_types
-from mcp.client.stdio import get_default_environment
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
@@ -22,8 +20,9 @@ from mcp_types.methods import CACHEABLE_METHODS
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from tether._core.errors import TetherError, UserError
+from tether._integrations.mcp_children import Children, Stopper, spawn
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
-from tether._integrations.mcp_process import Children, Stopper, stdio_upstream
+from tether._integrations.mcp_process import stdio_upstream
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_relay import RawParams
 from tether._integrations.mcp_stdio import loop_stdio
@@ -35,14 +34,6 @@ from tether._runtime.tools import Agent
 # The proxy of the client session a request belongs to (None: not started, for an HTTP
 # session's initialize); ``start`` says whether a new session's proxy may be started.
 Resolve = Callable[[ServerRequestContext[Any], bool], Awaitable[Proxy | None]]
-
-
-def default_journal() -> str:
-    """Per user, never relative to wherever the MCP host starts the proxy: the XDG state
-    directory (``$XDG_STATE_HOME``, else ``~/.local/state``), ``tether/journal.db``."""
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                             ".local", "state")
-    return f"sqlite:///{os.path.abspath(os.path.join(state, 'tether', 'journal.db'))}"
 
 
 def first_error(exc: BaseException) -> BaseException:
@@ -172,8 +163,11 @@ def equip(server: ProxyServer, template: Proxy) -> None:
             server.add_request_handler(method, RawParams, handler)
 
 
-async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack,
-                        children: Children) -> tuple[Any, Any]:
+async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack, children: Children,
+                        started: dict[str, asyncio.subprocess.Process] | None = None
+                        ) -> tuple[Any, Any]:
+    """Its streams: over HTTP, or the stdio of its process (taken from ``started`` if it was
+    started before the SDK was imported, else started now)."""
     if spec.url is not None:
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
@@ -183,9 +177,8 @@ async def open_upstream(spec: UpstreamSpec, stack: AsyncExitStack,
         streams = await stack.enter_async_context(
             streamable_http_client(spec.url, http_client=client))
         return streams[0], streams[1]
-    env = dict(os.environ) if spec.env is None else {**get_default_environment(), **spec.env}
-    return await stack.enter_async_context(
-        stdio_upstream(spec.command[0], list(spec.command[1:]), env, spec.cwd, children))
+    proc = (started or {}).pop(spec.name, None) or await spawn(spec, children)
+    return await stack.enter_async_context(stdio_upstream(proc, children))
 
 
 @contextlib.contextmanager
@@ -205,13 +198,15 @@ def _starting(name: str, spec: UpstreamSpec) -> Iterator[None]:
         raise UserError(f"cannot start upstream {name} ({what}): {cause}") from None
 
 
-async def open_upstreams(proxy: Proxy, stack: AsyncExitStack,
-                         children: Children) -> dict[str, tuple[Any, Any]]:
-    """Each upstream's streams: its process started, for a command."""
+async def open_upstreams(proxy: Proxy, stack: AsyncExitStack, children: Children,
+                         started: dict[str, asyncio.subprocess.Process] | None = None
+                         ) -> dict[str, tuple[Any, Any]]:
+    """Each upstream's streams: its process started (or taken from ``started``), for a
+    command."""
     opened = {}
     for name, spec in proxy.specs.items():
         with _starting(name, spec):
-            opened[name] = await open_upstream(spec, stack, children)
+            opened[name] = await open_upstream(spec, stack, children, started)
     return opened
 
 
@@ -278,9 +273,11 @@ class StdioSession:
     the session's delegation started, all before ``initialize`` is answered, as before the
     proxy served anything when it connected at start."""
 
-    def __init__(self, proxy: Proxy, journal: str, children: Children) -> None:
+    def __init__(self, proxy: Proxy, journal: str, children: Children,
+                 started: dict[str, asyncio.subprocess.Process] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self.proxy, self.journal, self.children = proxy, journal, children
+        self.started = started
         self.server = build_server(self.resolve)
         self.opened: asyncio.Future[None] = loop.create_future()
         self.declared: asyncio.Future[mcp_types.ClientCapabilities] = loop.create_future()
@@ -300,7 +297,7 @@ class StdioSession:
         proxy = self.proxy
         try:
             async with AsyncExitStack() as stack:
-                opened = await open_upstreams(proxy, stack, self.children)
+                opened = await open_upstreams(proxy, stack, self.children, self.started)
                 self.opened.set_result(None)
                 caps = await self.declared
                 await connect_upstreams(proxy, stack, self.children, caps, opened)
@@ -340,34 +337,36 @@ class StdioSession:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def serve_stdio(journal: str, config: ProxyConfig) -> None:
+async def serve_started(journal: str, config: ProxyConfig, stopper: Stopper,
+                        started: dict[str, asyncio.subprocess.Process]) -> None:
+    """Serve over stdio, the ``stopper``'s signal handlers installed, with the upstream
+    processes ``started`` already (``mcp_children.run_stdio``); the others start now."""
     proxy = Proxy(config)
-    children = Children()
-    with Stopper(children).installed() as stopper:
-        session: StdioSession | None = None
-        try:
-            with stopper.serving():  # a signal cancels this; the session settles below
-                session = StdioSession(proxy, journal, children)
-                try:
-                    await asyncio.shield(session.opened)
-                except MCPError:
-                    assert session.failure is not None
-                    raise session.failure from None
-                async with loop_stdio() as pipes:
-                    # Read and written on the event loop where they are pipes (``mcp_stdio``).
-                    wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
-                    async with wire as (read, write):
-                        await session.server.serve(read, write)
-        except asyncio.CancelledError:
-            if stopper.signal is None:
-                raise
-        except BaseExceptionGroup as group:  # inside the SDK's groups
-            if stopper.signal is None:
-                raise one_line(group) from None
-        finally:
-            if session is not None:
-                await session.close(cancel=stopper.signal is not None)
-        if session is not None and session.failure is not None and stopper.signal is None:
-            raise session.failure
+    children = stopper.children
+    session: StdioSession | None = None
+    try:
+        with stopper.serving():  # a signal cancels this; the session settles below
+            session = StdioSession(proxy, journal, children, started)
+            try:
+                await asyncio.shield(session.opened)
+            except MCPError:
+                assert session.failure is not None
+                raise session.failure from None
+            async with loop_stdio() as pipes:
+                # Read and written on the event loop where they are pipes (``mcp_stdio``).
+                wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
+                async with wire as (read, write):
+                    await session.server.serve(read, write)
+    except asyncio.CancelledError:
+        if stopper.signal is None:
+            raise
+    except BaseExceptionGroup as group:  # inside the SDK's groups
+        if stopper.signal is None:
+            raise one_line(group) from None
+    finally:
+        if session is not None:
+            await session.close(cancel=stopper.signal is not None)
+    if session is not None and session.failure is not None and stopper.signal is None:
+        raise session.failure
     if stopper.exit_code is not None:  # the session's delegation settled: now exit
         raise SystemExit(stopper.exit_code)

@@ -21,8 +21,8 @@ from tether._integrations.mcp_gateway import (
     KEY_META,
     REJECTED_BEFORE_RUNNING,
     McpToolError,
-    ServerPolicy,
 )
+from tether._integrations.mcp_policy import ServerPolicy
 from tether._integrations.mcp_relay import RawRequest, RawResult, progress_relay
 from tether._integrations.mcp_tasks import TaskBook, is_task, outcome
 from tether._runtime.tools import Tool, ToolFn
