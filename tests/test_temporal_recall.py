@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -209,3 +210,76 @@ async def test_a_recall_during_an_activity_retry_pays_once_and_reports_the_payme
         await closed(handle)
         assert provider.keys == ["temporal:wf-retrying:refund:1"]
         assert provider.pay.refund_count("R-1") == 1
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """``tether`` in this process (in a thread of its own: it runs its own event loop)."""
+    from typer.testing import CliRunner
+
+    from tether._cli.app import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+async def test_tether_recall_from_a_shell_stops_a_temporal_run_in_both(
+        client: Client, provider: Provider, journal_url: str, temporal_address: str) -> None:
+    """`tether recall ID --temporal ADDRESS`, as an operator types it: the run is fenced in the
+    journal, its in-flight refund finishes within the grace and is reported, and only then is
+    the workflow cancelled in Temporal. A wrong address, a wrong namespace and --no-wait are
+    one error line each, before anything is signed; without --temporal the command says that
+    Temporal was not told."""
+    pay = provider.pay
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        drained = events_of(host)
+        provider.hold = asyncio.Event()
+        handle = await start_refund(client, queue, "wf-shell", order="S-1")
+        await pay.applied()
+        (call,) = await actions(host, "wf-shell")
+        did = call.delegation_id
+        for bad, says in ((["--temporal", "127.0.0.1:1"], "cannot reach Temporal at"),
+                          (["--temporal", temporal_address, "--namespace", "nowhere"],
+                           "does not know workflow wf-shell"),
+                          (["--temporal", temporal_address, "--no-wait"], "--no-wait")):
+            code, out, err = await asyncio.to_thread(
+                cli, "recall", did, "--reason", "r", "--journal", journal_url, *bad)
+            assert code == 2 and out == "" and says in err, (bad, err)
+            assert len(err.strip().splitlines()) == 1, err
+        assert await host.journal.controls(did) == []
+        recall = asyncio.ensure_future(asyncio.to_thread(
+            cli, "recall", did, "--grace", "10", "--reason", "customer withdrew",
+            "--temporal", temporal_address, "--journal", journal_url, "--json"))
+        await drained("drain", did).wait()  # fenced; the refund is in flight
+        assert (await handle.describe()).status is WorkflowExecutionStatus.RUNNING
+        provider.hold.set()  # it finishes within the grace
+        code, out, err = await recall
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["report"]["outcome"] == "RECALLED"
+        done = set(answer["report"]["completed"])
+        assert [a["idempotency_key"] for a in answer["report"]["actions"]
+                if a["id"] in done] == ["temporal:wf-shell:refund:1"]
+        run_id = (await handle.describe()).run_id
+        assert answer["temporal"] == f"Temporal: workflow wf-shell run {run_id} cancelled.", \
+            answer
+        assert await closed(handle) in (WorkflowExecutionStatus.CANCELED,
+                                        WorkflowExecutionStatus.COMPLETED)
+        assert pay.refund_count("S-1") == 1
+        # Without --temporal: fenced in the journal, and said so.
+        provider.hold = asyncio.Event()
+        second = await start_refund(client, queue, "wf-shell-2", order="S-2")
+        await pay.applied()
+        (call,) = await actions(host, "wf-shell-2")
+        code, out, err = await asyncio.to_thread(
+            cli, "terminate", call.delegation_id, "--reason", "stop", "--journal",
+            journal_url, "--json")
+        assert code == 0, err
+        answer = json.loads(out)
+        assert "Temporal was not told" in answer["temporal"], answer
+        provider.hold.set()
+        # Temporal was not told: the run goes on, and its next step is refused (it fails).
+        assert await closed(second) in (WorkflowExecutionStatus.FAILED,
+                                        WorkflowExecutionStatus.COMPLETED)

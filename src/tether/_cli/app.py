@@ -97,12 +97,16 @@ def _load_keys_or_none(directory: Path) -> KeyRing | None:
 
 def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: float | None,
                  reason: str, by: str | None, wait: bool, keys: Path | None,
-                 as_json: bool) -> None:
+                 as_json: bool, temporal: tuple[str | None, str] = (None, "default")) -> None:
+    from tether._cli import temporal as on_temporal
     from tether._cli.render import render_report
     from tether._runtime.control import ControlRequest, send_control
+    from tether._runtime.resolve import operator_of
 
     if kind is ControlKind.RECALL:
         check_grace(grace, Policy())
+    operator_of(by)  # a name nobody can read is refused before Temporal is asked anything
+    run_handle, note = run(on_temporal.target(journal, delegation_id, *temporal, wait))
     request = ControlRequest(journal, keys, delegation_id, kind, grace, reason, by,
                              via="cli", wait=wait)
     try:
@@ -115,6 +119,10 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     # accepted intent for a settled one.
     settled = "report" in answer and answer["report"]["outcome"] not in ATTENTION
     code = 0 if settled or not wait else 1
+    if run_handle is not None:  # the journal's report first, as tether.temporal.recall
+        answer["temporal"] = run(on_temporal.stop_run(run_handle, kind, reason))
+    elif note:
+        answer["temporal"] = note
     if as_json:
         emit_json(answer)
         raise typer.Exit(code)
@@ -125,9 +133,17 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
         render_report(out, answer["report"])
     elif "waiting" in answer:
         out.print(f"[yellow]{safe(answer['waiting'])}[/yellow]", soft_wrap=True)
+    if "temporal" in answer:
+        out.print(safe(answer["temporal"]) if run_handle is not None else
+                  f"[yellow]{safe(answer['temporal'])}[/yellow]", soft_wrap=True)
     raise typer.Exit(code)
 
 
+TemporalOpt = Annotated[str | None, typer.Option(
+    "--temporal", envvar="TEMPORAL_ADDRESS", help="HOST:PORT of Temporal: a delegation that "
+    "is a Temporal workflow run is then stopped there too, after the journal's report.")]
+NamespaceOpt = Annotated[str, typer.Option(
+    "--namespace", envvar="TEMPORAL_NAMESPACE", help="The Temporal namespace (--temporal).")]
 # Outcomes a person must look at: a command that ends with one exits 1.
 ATTENTION = frozenset({"NEEDS_ATTENTION", "RECALLING", "TERMINATING", "RUNNING"})
 
@@ -140,10 +156,11 @@ def recall(delegation_id: str,
            reason: Annotated[str, typer.Option("--reason")] = "",
            by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
            wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+           temporal: TemporalOpt = None, namespace: NamespaceOpt = "default",
            as_json: JsonOpt = False) -> None:
     """Recall a delegation: signed intent, fence closed at once, grace for in-flight actions."""
     _control_cmd(ControlKind.RECALL, delegation_id, journal, grace, reason, by, wait, keys,
-                 as_json)
+                 as_json, (temporal, namespace))
 
 
 @app.command()
@@ -151,10 +168,11 @@ def recall(delegation_id: str,
 def terminate(delegation_id: str, reason: Annotated[str, typer.Option("--reason")] = "",
               by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
               wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+              temporal: TemporalOpt = None, namespace: NamespaceOpt = "default",
               as_json: JsonOpt = False) -> None:
     """Terminate a delegation now; its in-flight actions are probed."""
     _control_cmd(ControlKind.TERMINATE, delegation_id, journal, None, reason, by, wait, keys,
-                 as_json)
+                 as_json, (temporal, namespace))
 
 
 @app.command()

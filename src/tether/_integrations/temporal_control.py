@@ -17,7 +17,13 @@ from temporalio.service import RPCError, RPCStatusCode
 from tether._core.errors import UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
-from tether._integrations.temporal_worker import RunRefused, open_run, run_of, task_of
+from tether._integrations.temporal_worker import (
+    TASK_PREFIX,
+    RunRefused,
+    open_run,
+    run_of,
+    task_of,
+)
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context
@@ -103,3 +109,30 @@ async def _in_temporal(handle: temporalio.client.WorkflowHandle[Any, Any], kind:
     except RPCError as exc:
         if exc.status is not RPCStatusCode.NOT_FOUND:  # NOT_FOUND: the run already closed
             raise
+
+
+async def run_handle(address: str, namespace: str, row: DelegationRow
+                     ) -> temporalio.client.WorkflowHandle[Any, Any] | None:
+    """For ``tether recall --temporal``: the handle of the workflow run ``row`` hosts (None
+    when it is no Temporal run), checked to exist before anything is signed, so that a wrong
+    address, namespace or run changes nothing."""
+    if not row.task_id.startswith(TASK_PREFIX):
+        return None
+    workflow_id, run_id = row.task_id[len(TASK_PREFIX):], run_of(row)
+    try:
+        client = await temporalio.client.Client.connect(address, namespace=namespace)
+    except (RuntimeError, OSError, ValueError) as exc:  # the SDK's connect errors
+        raise UserError(f"cannot reach Temporal at {address}: {exc}") from None
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    try:
+        await handle.describe()
+    except RPCError as exc:
+        raise UserError(f"Temporal at {address} (namespace {namespace}) does not know "
+                        f"workflow {workflow_id} run {run_id}: {exc.message}") from None
+    return handle
+
+
+async def tell_temporal(handle: temporalio.client.WorkflowHandle[Any, Any],
+                        kind: ControlKind, reason: str) -> None:
+    """After the journal's report: cancel (recall) or terminate the run in Temporal."""
+    await _in_temporal(handle, kind, reason)

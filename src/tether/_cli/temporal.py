@@ -1,0 +1,47 @@
+"""``tether recall`` and ``terminate`` of a delegation that is a Temporal workflow run: with
+``--temporal ADDRESS`` the run is cancelled (or terminated) in Temporal too, once the journal's
+report is in, as ``tether.temporal.recall`` does; without it, the run is fenced in the journal
+and the command says that Temporal was not told."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tether._core.errors import UserError
+from tether._core.model import ControlKind
+from tether._journal.journal import Journal
+
+PREFIX = "temporal:"  # the task of a workflow's runs (``tether.temporal.task_of``)
+
+
+async def target(journal: str, delegation_id: str, address: str | None, namespace: str,
+                 wait: bool) -> tuple[Any, str]:
+    """(the run's handle or None, a note for the operator). Checked before anything is
+    signed: a wrong address, namespace or run, or ``--no-wait``, changes nothing."""
+    async with Journal(journal, create=False) as j:
+        row = await j.get(delegation_id)
+    if not row.task_id.startswith(PREFIX):
+        return None, ""
+    workflow = row.task_id[len(PREFIX):]
+    if address is None:
+        return None, (f"{delegation_id} is Temporal workflow {workflow}: it is fenced in the "
+                      "journal, but Temporal was not told; pass --temporal HOST:PORT (or set "
+                      "$TEMPORAL_ADDRESS) to stop the workflow there too")
+    if not wait:
+        raise UserError("--temporal stops the workflow in Temporal once the journal's report "
+                        "is in (after the grace): it cannot be used with --no-wait")
+    try:
+        from tether._integrations.temporal_control import run_handle
+    except ModuleNotFoundError:
+        raise UserError("--temporal needs the Temporal SDK: pip install 'tether[temporal]'") \
+            from None
+    handle = await run_handle(address, namespace, row)
+    return handle, ""
+
+
+async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:
+    from tether._integrations.temporal_control import tell_temporal
+
+    await tell_temporal(handle, kind, reason)
+    done = "cancelled" if kind is ControlKind.RECALL else "terminated"
+    return f"Temporal: workflow {handle.id} run {handle.run_id} {done}."
