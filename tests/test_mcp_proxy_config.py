@@ -192,3 +192,17 @@ def test_a_config_servers_environment_is_the_sdks_default_plus_its_own(
     assert environment(spec) == {**get_default_environment(), "MODE": "quiet"}
     assert "SHELL" not in environment(spec) and "SECRET_TOKEN" not in environment(spec)
     assert environment(UpstreamSpec("y", ("true",)))["SECRET_TOKEN"] == "s3cr3t"
+
+
+def test_a_config_server_the_os_cannot_start_is_one_error_line(tmp_path: Path) -> None:
+    """An env name with '=' (or a NUL byte) is refused by the OS's exec: one line, exit 2."""
+    import subprocess
+
+    config = write(tmp_path, {"mcpServers": {"a": {"command": "sleep", "args": ["600"],
+                                                  "env": {"A=B": "x"}}}})
+    done = subprocess.run([sys.executable, "-m", "tether", "mcp-proxy", "--config",
+                           str(config), "--journal", f"sqlite:///{tmp_path / 'j.db'}"],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: cannot start upstream a") and \
+        len(done.stderr.strip().splitlines()) == 1, done.stderr

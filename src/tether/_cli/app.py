@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import sys
 from pathlib import Path
@@ -488,10 +487,4 @@ _register_ops()
 
 
 def main() -> None:
-    try:
-        app()
-    finally:
-        # The command is done: the interpreter's last collection would walk every object the
-        # imports made (the MCP SDK's models: 0.15 s of an MCP client's wait for the proxy
-        # to exit). Frozen, they are left to the process's end; atexit handlers still run.
-        gc.freeze()
+    app()

@@ -111,7 +111,7 @@ async def spawn(spec: UpstreamSpec, children: Children) -> asyncio.subprocess.Pr
             spec.command[0], *spec.command[1:], stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, env=environment(spec), cwd=spec.cwd,
             start_new_session=True, limit=LINE_LIMIT)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a bad env name, a NUL byte
         raise UserError(f"cannot start upstream {spec.name} ({spec.command[0]}): {exc}") \
             from None
     children.groups.add(proc.pid)
@@ -197,8 +197,12 @@ async def run_stdio(journal: str, config: ProxyConfig) -> None:
         try:
             with stopper.serving():  # a signal before serving begins cancels this
                 started.update(await spawn_all(config.upstreams, stopper.children))
-                serve = await asyncio.to_thread(importlib.import_module,
-                                                "tether._integrations.mcp_serve")
+                try:
+                    serve = await asyncio.to_thread(importlib.import_module,
+                                                    "tether._integrations.mcp_serve")
+                except ModuleNotFoundError as exc:  # an SDK present but broken
+                    raise UserError("tether mcp-proxy needs the MCP SDK: pip install "
+                                    f"'tether[mcp]' ({exc})") from None
             await serve.serve_started(journal, config, stopper, started)
         except asyncio.CancelledError:
             if stopper.signal is None:
