@@ -11,11 +11,8 @@ from __future__ import annotations
 
 try:
     from tether._integrations.temporal_control import recall, terminate
-    from tether._integrations.temporal_worker import (
-        Plugin,
-        idempotency_key,
-        task_of,
-    )
+    from tether._integrations.temporal_task import task_of
+    from tether._integrations.temporal_worker import Plugin, idempotency_key
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
     if exc.name is None or not exc.name.startswith("temporalio"):
         raise

@@ -104,8 +104,11 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
 
     if kind is ControlKind.RECALL:
         check_grace(grace, Policy())
-    operator_of(by)  # a name nobody can read is refused before Temporal is asked anything
-    run_handle, note = run(on_temporal.target(journal, delegation_id, *temporal, wait))
+    address, namespace = temporal
+    run_handle = None
+    if address is not None:  # a name nobody can read is refused before Temporal is asked
+        operator_of(by)
+        run_handle = run(on_temporal.target(journal, delegation_id, address, namespace, wait))
     request = ControlRequest(journal, keys, delegation_id, kind, grace, reason, by,
                              via="cli", wait=wait)
     try:
@@ -120,7 +123,7 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     code = 0 if settled or not wait else 1
     if run_handle is not None:  # the journal's report first, as tether.temporal.recall
         answer["temporal"] = run(on_temporal.stop_run(run_handle, kind, reason))
-    elif note:
+    elif note := on_temporal.not_told(answer):
         answer["temporal"] = note
     if as_json:
         emit_json(answer)

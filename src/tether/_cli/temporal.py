@@ -9,24 +9,20 @@ from typing import Any
 
 from tether._core.errors import UserError
 from tether._core.model import ControlKind
+from tether._integrations.temporal_task import run_of, workflow_of
 from tether._journal.journal import Journal
 
-PREFIX = "temporal:"  # the task of a workflow's runs (``tether.temporal.task_of``)
 
-
-async def target(journal: str, delegation_id: str, address: str | None, namespace: str,
-                 wait: bool) -> tuple[Any, str]:
-    """(the run's handle or None, a note for the operator). Checked before anything is
-    signed: a wrong address, namespace or run, or ``--no-wait``, changes nothing."""
+async def target(journal: str, delegation_id: str, address: str, namespace: str,
+                 wait: bool) -> Any:
+    """The handle of the run the delegation hosts, or None when it is no Temporal run.
+    Checked before anything is signed: a wrong address, namespace or run, or ``--no-wait``,
+    changes nothing."""
     async with Journal(journal, create=False) as j:
         row = await j.get(delegation_id)
-    if not row.task_id.startswith(PREFIX):
-        return None, ""
-    workflow = row.task_id[len(PREFIX):]
-    if address is None:
-        return None, (f"{delegation_id} is Temporal workflow {workflow}: it is fenced in the "
-                      "journal, but Temporal was not told; pass --temporal HOST:PORT (or set "
-                      "$TEMPORAL_ADDRESS) to stop the workflow there too")
+    workflow = workflow_of(row.task_id)
+    if workflow is None:
+        return None
     if not wait:
         raise UserError("--temporal stops the workflow in Temporal once the journal's report "
                         "is in (after the grace): it cannot be used with --no-wait")
@@ -35,8 +31,17 @@ async def target(journal: str, delegation_id: str, address: str | None, namespac
     except ModuleNotFoundError:
         raise UserError("--temporal needs the Temporal SDK: pip install 'tether[temporal]'") \
             from None
-    handle = await run_handle(address, namespace, row)
-    return handle, ""
+    return await run_handle(address, namespace, workflow, run_of(row))
+
+
+def not_told(answer: dict[str, Any]) -> str:
+    """Without --temporal: what the operator must know of a run fenced in the journal only."""
+    workflow = workflow_of(answer["task"])
+    if workflow is None:
+        return ""
+    return (f"{answer['delegation']} is Temporal workflow {workflow}: it is fenced in the "
+            "journal, but Temporal was not told; pass --temporal HOST:PORT (or set "
+            "$TEMPORAL_ADDRESS) to stop the workflow there too")
 
 
 async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:

@@ -17,13 +17,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from tether._core.errors import UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
-from tether._integrations.temporal_worker import (
-    TASK_PREFIX,
-    RunRefused,
-    open_run,
-    run_of,
-    task_of,
-)
+from tether._integrations.temporal_task import run_of, task_of
+from tether._integrations.temporal_worker import RunRefused, open_run
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context
@@ -62,7 +57,7 @@ async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervi
         report = await mine.recall(grace, reason)
     else:
         report = await mine.terminate(reason)
-    await _in_temporal(handle, kind, reason)
+    await tell_temporal(handle, kind, reason)
     return report
 
 
@@ -99,8 +94,9 @@ async def _held(ctx: Context, workflow_id: str, run_id: str) -> None:
     await asyncio.Event().wait()
 
 
-async def _in_temporal(handle: temporalio.client.WorkflowHandle[Any, Any], kind: ControlKind,
-                       reason: str) -> None:
+async def tell_temporal(handle: temporalio.client.WorkflowHandle[Any, Any], kind: ControlKind,
+                        reason: str) -> None:
+    """After the journal's report: cancel (recall) or terminate the run in Temporal."""
     try:
         if kind is ControlKind.RECALL:
             await handle.cancel()
@@ -111,14 +107,10 @@ async def _in_temporal(handle: temporalio.client.WorkflowHandle[Any, Any], kind:
             raise
 
 
-async def run_handle(address: str, namespace: str, row: DelegationRow
-                     ) -> temporalio.client.WorkflowHandle[Any, Any] | None:
-    """For ``tether recall --temporal``: the handle of the workflow run ``row`` hosts (None
-    when it is no Temporal run), checked to exist before anything is signed, so that a wrong
-    address, namespace or run changes nothing."""
-    if not row.task_id.startswith(TASK_PREFIX):
-        return None
-    workflow_id, run_id = row.task_id[len(TASK_PREFIX):], run_of(row)
+async def run_handle(address: str, namespace: str, workflow_id: str, run_id: str | None
+                     ) -> temporalio.client.WorkflowHandle[Any, Any]:
+    """For ``tether recall --temporal``: the handle of a workflow run, checked to exist before
+    anything is signed, so that a wrong address, namespace or run changes nothing."""
     try:
         client = await temporalio.client.Client.connect(address, namespace=namespace)
     except (RuntimeError, OSError, ValueError) as exc:  # the SDK's connect errors
@@ -130,9 +122,3 @@ async def run_handle(address: str, namespace: str, row: DelegationRow
         raise UserError(f"Temporal at {address} (namespace {namespace}) does not know "
                         f"workflow {workflow_id} run {run_id}: {exc.message}") from None
     return handle
-
-
-async def tell_temporal(handle: temporalio.client.WorkflowHandle[Any, Any],
-                        kind: ControlKind, reason: str) -> None:
-    """After the journal's report: cancel (recall) or terminate the run in Temporal."""
-    await _in_temporal(handle, kind, reason)

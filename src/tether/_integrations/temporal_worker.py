@@ -41,8 +41,9 @@ from tether._core.errors import (
 )
 from tether._core.model import Effect
 from tether._core.redispatch import UNRESTRICTED
+from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
-from tether._journal.rows import DelegationRow, NewDelegation
+from tether._journal.rows import NewDelegation
 from tether._runtime.arguments import child_payload
 from tether._runtime.gateway import Context, replaced
 from tether._runtime.handle import Handle
@@ -51,22 +52,10 @@ from tether._runtime.state import ChildRuntime, new_id
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, Tool, check_surface
 
-TASK_PREFIX = "temporal:"
 # What a refused activity fails with: never retried by Temporal, since a retry would be
 # refused the same way (a fence does not reopen).
 REFUSED = "tether.Refused"
 BUSY = "tether.Busy"  # retryable: the run's delegation is hosted by another live worker
-
-
-def task_of(workflow_id: str) -> str:
-    """The tether task of every run of one workflow id."""
-    return TASK_PREFIX + workflow_id
-
-
-def run_of(row: DelegationRow) -> str | None:
-    """The workflow run a delegation hosts (its body's second argument)."""
-    args = row.args.get("args") if isinstance(row.args, dict) else None
-    return args[1] if isinstance(args, list) and len(args) == 2 else None
 
 
 @dataclass

@@ -58,7 +58,10 @@ async def send_control(req: ControlRequest) -> dict[str, Any]:
             offered = (await j.get(delegation_id)).control_seq + 1
         now = time.time()
 
+        task: list[str] = []  # the task of the delegation the intent is signed for
+
         def make(row: DelegationRow) -> Signed:
+            task[:] = [row.task_id]
             seq = row.control_seq + 1 if offered is None else offered
             return ring.signer.sign(ControlIntent(req.kind, row.id, row.epoch, seq, req.grace,
                                                   req.reason, now, issued_by=by))
@@ -78,8 +81,9 @@ async def send_control(req: ControlRequest) -> dict[str, Any]:
             delegation_id = latest.id
             intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
                                                 time.time)
-        answer: dict[str, Any] = {"delegation": delegation_id, "seq": intent.seq,
-                                  "kind": req.kind.value, "accepted": True, "issuer": issuer}
+        answer: dict[str, Any] = {"delegation": delegation_id, "task": task[0],
+                                  "seq": intent.seq, "kind": req.kind.value, "accepted": True,
+                                  "issuer": issuer}
         if req.wait:
             await _wait(j, delegation_id, req.grace, answer)
         return answer

@@ -1,0 +1,25 @@
+"""How a Temporal workflow run is named in the journal, without the Temporal SDK (the CLI
+reads it for any delegation): every run of a workflow id is one task, ``temporal:<id>``, and a
+run's delegation holds its run id as its body's second argument."""
+
+from __future__ import annotations
+
+from tether._journal.rows import DelegationRow
+
+TASK_PREFIX = "temporal:"
+
+
+def task_of(workflow_id: str) -> str:
+    """The tether task of every run of one workflow id."""
+    return TASK_PREFIX + workflow_id
+
+
+def workflow_of(task_id: str) -> str | None:
+    """The workflow id of a task of Temporal runs; None for any other task."""
+    return task_id[len(TASK_PREFIX):] if task_id.startswith(TASK_PREFIX) else None
+
+
+def run_of(row: DelegationRow) -> str | None:
+    """The workflow run a delegation hosts (its body's second argument)."""
+    args = row.args.get("args") if isinstance(row.args, dict) else None
+    return args[1] if isinstance(args, list) and len(args) == 2 else None
