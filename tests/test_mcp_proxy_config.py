@@ -206,3 +206,20 @@ def test_a_config_server_the_os_cannot_start_is_one_error_line(tmp_path: Path) -
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: cannot start upstream a") and \
         len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+async def test_a_probe_modules_unclosed_file_is_flushed_when_the_proxy_exits(
+        bank_env: Path, tmp_path: Path) -> None:
+    """Without user code the proxy's exit skips tearing down the SDK's objects (a frozen
+    collector); a probe is user code, whose module-level file only its finalizer flushes."""
+    out = tmp_path / "probe.log"
+    (tmp_path / "noting.py").write_text(
+        f"log = open({str(out)!r}, 'w')\nlog.write('imported')\n\n\n"
+        "async def pay(account: str, cents: int, *, idempotency_key: str) -> None:\n"
+        "    log.write(account)\n")
+    config = write(tmp_path, {"mcpServers": {
+        "bank": bank_entry(effects={"pay": "external"}, probes={"pay": "noting:pay"})}})
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
+                       "--journal", f"sqlite:///{tmp_path / 'journal.db'}") as session:
+        assert "pay" in {t.name for t in (await session.list_tools()).tools}
+    assert out.read_text() == "imported"
