@@ -53,26 +53,33 @@ def temporal_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip(why)
     log = tmp_path_factory.mktemp("temporal") / "server.log"
     for _ in range(3):  # a port found free may be taken by another process before the bind
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        with log.open("wb") as out:
-            server = subprocess.Popen(
-                [binary, "server", "start-dev", "--headless", "--ip", "127.0.0.1",
-                 "--port", str(port), "--http-port", str(free_port()),
-                 "--metrics-port", str(free_port()), "--log-level", "warn"],
-                stdout=out, stderr=subprocess.STDOUT)
-        if _serving(server, binary, address):
+        address = f"127.0.0.1:{free_port()}"
+        server = start_server(binary, address, log)
+        if serving(server, binary, address):
             break
-        _stop(server)
+        stop_server(server)
     else:
         pytest.fail(f"the Temporal dev server did not start: {log.read_text()[-2000:]}")
     try:
         yield address
     finally:
-        _stop(server)
+        stop_server(server)
 
 
-def _serving(server: subprocess.Popen[bytes], binary: str, address: str) -> bool:
+def start_server(binary: str, address: str, log: Path, db: Path | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """A dev server at ``address``: in memory, or kept in ``db`` (it then survives a restart
+    as a real cluster's history does)."""
+    port = address.rpartition(":")[2]
+    kept = [] if db is None else ["--db-filename", str(db)]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [binary, "server", "start-dev", "--headless", "--ip", "127.0.0.1", "--port", port,
+             "--http-port", str(free_port()), "--metrics-port", str(free_port()),
+             "--log-level", "warn", *kept], stdout=out, stderr=subprocess.STDOUT)
+
+
+def serving(server: subprocess.Popen[bytes], binary: str, address: str) -> bool:
     deadline = time.monotonic() + 60
     while not _healthy(binary, address):
         if server.poll() is not None or time.monotonic() > deadline:
@@ -81,7 +88,7 @@ def _serving(server: subprocess.Popen[bytes], binary: str, address: str) -> bool
     return True
 
 
-def _stop(server: subprocess.Popen[bytes]) -> None:
+def stop_server(server: subprocess.Popen[bytes]) -> None:
     server.terminate()
     try:
         server.wait(timeout=30)

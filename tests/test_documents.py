@@ -153,3 +153,24 @@ def test_an_intent_names_the_person_who_issued_it_only_when_one_did() -> None:
 def test_an_intent_whose_name_is_not_a_name_is_refused(by: object) -> None:
     with pytest.raises(Malformed):
         ControlIntent.from_json(intent().to_json() | {"by": by})
+
+
+def test_a_recovery_is_marked_in_the_signed_intent_only_when_it_is_one() -> None:
+    # Unmarked, the encoding is the one signed before the field existed.
+    assert "recovery" not in intent(kind=ControlKind.TERMINATE, grace=None).to_json()
+    marked = KEY.sign(intent(kind=ControlKind.TERMINATE, grace=None, recovery=True))
+    assert TRUSTED.verify(marked, ControlIntent).recovery is True
+    # The mark is signed: a stop cannot be passed off as a recovery by editing its bytes.
+    plain = KEY.sign(intent(kind=ControlKind.TERMINATE, grace=None))
+    forged = Signed(plain.body.replace(b'"reason"', b'"recovery":true,"reason"'),
+                    plain.key_id, plain.signature)
+    with pytest.raises(BadSignature):
+        TRUSTED.verify(forged, ControlIntent)
+
+
+@pytest.mark.parametrize("body", [{"recovery": False}, {"recovery": 1}, {"recovery": "yes"},
+                                  {"recovery": True, "kind": "RECALL"}])
+def test_a_recovery_mark_that_is_not_true_on_a_terminate_is_refused(
+        body: dict[str, object]) -> None:
+    with pytest.raises(Malformed):
+        ControlIntent.from_json(intent(kind=ControlKind.TERMINATE, grace=None).to_json() | body)

@@ -105,11 +105,14 @@ def _split(body: Mapping[str, Any], cls: type[Document]) -> tuple[int, dict[str,
 class ControlIntent(Document):
     """RECALL or TERMINATE for one delegation at one epoch, sequence-numbered (I4).
     ``issued_by`` names the person who asked (empty for a program's own intent); it is
-    encoded only when set, so an intent signed before it existed encodes as it was signed."""
+    encoded only when set, so an intent signed before it existed encodes as it was signed.
+    ``recovery`` marks tether's own settling of a delegation whose owner is gone: nobody
+    stopped the work, so an engine that runs it (Temporal) may go on with it at a new epoch;
+    encoded only when set, and only as true, for the same reason."""
 
     TYPE: ClassVar[str] = "control"
     KNOWN: ClassVar[tuple[str, ...]] = (
-        "kind", "delegation", "epoch", "seq", "grace", "reason", "issued_at", "by",
+        "kind", "delegation", "epoch", "seq", "grace", "reason", "issued_at", "by", "recovery",
     )
 
     kind: ControlKind
@@ -120,6 +123,7 @@ class ControlIntent(Document):
     reason: str
     issued_at: float
     issued_by: str = ""
+    recovery: bool = False
 
     def _fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {
@@ -133,6 +137,8 @@ class ControlIntent(Document):
         }
         if self.issued_by:
             fields["by"] = self.issued_by
+        if self.recovery:
+            fields["recovery"] = True
         return fields
 
     @classmethod
@@ -149,6 +155,10 @@ class ControlIntent(Document):
         issued_by = _str(body, "by") if "by" in body else ""
         if "by" in body and not issued_by:
             raise Malformed("field 'by' must name who issued the intent")
+        if "recovery" in body and body["recovery"] is not True:
+            raise Malformed("field 'recovery' is present only as true")
+        if "recovery" in body and kind is not ControlKind.TERMINATE:
+            raise Malformed("only a TERMINATE settles a delegation whose owner is gone")
         return cls(
             kind=kind,
             delegation_id=_str(body, "delegation"),
@@ -158,6 +168,7 @@ class ControlIntent(Document):
             reason=_str(body, "reason"),
             issued_at=_float(body, "issued_at") or 0.0,
             issued_by=issued_by,
+            recovery="recovery" in body,
             version=version,
             extra=extra,
         )

@@ -31,6 +31,7 @@ import temporalio.plugin
 import temporalio.worker
 from temporalio.exceptions import ApplicationError
 
+from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ControlSignal,
     KeyInUse,
@@ -43,7 +44,7 @@ from tether._core.model import Effect
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
-from tether._journal.rows import NewDelegation
+from tether._journal.rows import DelegationRow, NewDelegation
 from tether._runtime.arguments import child_payload
 from tether._runtime.gateway import Context, replaced
 from tether._runtime.handle import Handle
@@ -318,9 +319,11 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
                 raise
             # The task's row was inserted first elsewhere.
             raise RunRefused(str(exc), retry=True) from None
-    # An ended delegation is fenced too; one that a control intent was accepted for has a
-    # sequence above 0, and only that one keeps its run out for good.
-    if head.control_seq > 0 and run_of(head) == run_id:
+    # An ended delegation is fenced too; one that someone recalled or terminated has a
+    # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
+    # (tether settling the delegation of a worker that died) stopped nobody's work: the run
+    # goes on at a new epoch, as Temporal retries its activity elsewhere.
+    if head.control_seq > 0 and run_of(head) == run_id and await _stopped(sup, head):
         raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
                          f"{head.id}, control sequence {head.control_seq})")
     if not head.fenced and not head.state.terminal:
@@ -343,6 +346,20 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
         raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
     run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
     return Handle.for_run(sup, run)
+
+
+async def _stopped(sup: Supervisor, head: DelegationRow) -> bool:
+    """Whether any control intent accepted for ``head`` is someone's stop rather than a
+    recovery's; an intent whose signature this deployment does not trust counts as a stop
+    (fail closed: it never lets a run go on)."""
+    for control in await sup.journal.controls(head.id):
+        try:
+            intent = sup.keys.trusted.verify(control.signed, ControlIntent)
+        except TetherError:
+            return True
+        if not intent.recovery:
+            return True
+    return False
 
 
 async def _until_closed(client: temporalio.client.Client, hosted: _Hosted) -> str:

@@ -273,7 +273,8 @@ class Accounting:
             return await build_report(sup.journal, row.id)
         while row.state is DelegationState.RUNNING:
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
-                                   None, f"recovery: {reason}", sup.clock.wall())
+                                   None, f"recovery: {reason}", sup.clock.wall(),
+                                   recovery=True)
             try:
                 await sup.journal.accept_control(sup.keys.signer.sign(intent),
                                                  sup.keys.trusted, sup.owner_id,

@@ -280,7 +280,7 @@ class Supervisor:
         if state is _S.RUNNING:
             signed = self.env.signer.sign(ControlIntent(
                 ControlKind.TERMINATE, row.id, row.epoch, seq + 1, None,
-                f"recovery: {reason}", self.wall()))
+                f"recovery: {reason}", self.wall(), recovery=True))
             intent = self.env.trusted.verify(signed, ControlIntent)
             self.journal.accept_control(signed, intent, self.owner_id, self.wall())
             self.env.deliver()

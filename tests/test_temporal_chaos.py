@@ -1,0 +1,200 @@
+"""tether on Temporal under the faults Temporal users meet, on both journals: a worker process
+killed in the middle of an activity (before its provider applied the refund, or after it
+applied and before the reply), and the Temporal server itself restarted (killed, then started
+again on its own history) between a workflow's activities and during one. Temporal retries the
+activity on another worker; tether there finds the dead worker's call in its journal,
+reconciles it with the provider's own answer and either replays the result or makes the call,
+so the refund happens exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+
+import tether
+from tests.conftest import ONE_CLOCK, settled, until
+from tests.temporal_flows import Refund, TwoRefunds
+from tests.temporal_helpers import serving, start_server, stop_server, temporal_binary
+from tests.temporal_killable import refund_tool, worker
+from tests.temporal_world import actions
+from tether._chaos.pgserver import free_port
+from tether.testing import PaymentService
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Path:
+    (tmp_path / "world").mkdir()
+    return tmp_path / "world"
+
+
+@contextlib.asynccontextmanager
+async def killable(address: str, queue: str, journal: str, world: Path, stop: str
+                   ) -> AsyncIterator[asyncio.subprocess.Process]:
+    """The worker process of ``tests.temporal_killable``, once its refund reached ``stop``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with (world / "worker.log").open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.temporal_killable", address, queue, journal,
+            str(world), "--stop", stop, env=env, cwd=ROOT, stderr=log)
+        try:
+            await until(lambda: (world / "stopped").exists() or proc.returncode is not None,
+                        "the killable worker's refund under way")
+            assert proc.returncode is None, (world / "worker.log").read_text()[-2000:]
+            yield proc
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.parametrize("stop", ["before", "after"])
+async def test_a_worker_killed_mid_activity_leaves_one_refund(
+        client: Client, temporal_address: str, journal_url: str, world: Path,
+        stop: str) -> None:
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    workflow_id = f"wf-kill-{stop}"
+    handle = await client.start_workflow(Refund.run, args=["refund", "K-1", 1250],
+                                         id=workflow_id, task_queue=queue)
+    async with killable(temporal_address, queue, journal_url, world, stop) as proc:
+        proc.kill()  # SIGKILL: nothing of it runs on
+    # Temporal retries the activity once its heartbeat times out, here.
+    tool = refund_tool(world)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, tools=[tool]) as sup, \
+            worker(client, queue, sup, tool):
+        ref = await handle.result()
+        done = await actions(sup, workflow_id)
+    bank = PaymentService(path=str(world / "ledger.db"))
+    (entry,) = bank.entries("K-1")  # one refund, whoever applied it
+    assert ref == entry.ref
+    key = f"temporal:{workflow_id}:refund:1"
+    calls = (world / "calls").read_text().split()
+    # After: the refund was applied; the retry finds it in the provider's ledger (the probe)
+    # and replays it, without calling again. Before: the probe says nothing was applied, once
+    # past the call's dispatch deadline; the retry makes the call, under the same key.
+    assert calls == ([key] if stop == "after" else [key, key])
+    assert entry.key == key
+    # One action per call made, each on its own epoch's delegation: the dead worker's
+    # reconciled, the new epoch's completed (or replayed).
+    states = [(a.idempotency_key, a.state) for a in done]
+    A = tether.ActionState
+    if stop == "after":
+        assert (key, A.COMPLETED) in states
+        assert all(state is A.COMPLETED for _, state in states)
+    else:
+        assert states[-1] == (key, A.COMPLETED)
+        assert all(state in (A.NOT_APPLIED, A.COMPLETED) for _, state in states)
+
+
+async def test_the_temporal_server_restarted_mid_workflow_leaves_one_refund_each(
+        journal_url: str, world: Path, tmp_path: Path) -> None:
+    """The server is SIGKILLed (no shutdown of its own) while the worker waits for the
+    workflow's signal, and again while a refund is held after it applied, then restarted on
+    its history: the worker reconnects, the held activity's reply reaches Temporal (or its
+    retry replays it by key), and the workflow ends with each refund applied once."""
+    binary = temporal_binary()
+    assert binary is not None, "scripts/test installs the Temporal CLI"
+    address, db, log = f"127.0.0.1:{free_port()}", tmp_path / "temporal.db", tmp_path / "t.log"
+
+    def start() -> subprocess.Popen[bytes]:
+        server = start_server(binary, address, log, db)
+        if not serving(server, binary, address):
+            stop_server(server)
+            pytest.fail(f"the Temporal dev server did not start: {log.read_text()[-2000:]}")
+        return server
+
+    def kill(server: subprocess.Popen[bytes]) -> None:
+        server.kill()
+        server.wait()
+
+    server = start()
+    held = asyncio.Event()
+    held.set()
+    tool = refund_tool(world, hold=held)
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    try:
+        client = await Client.connect(address)
+        async with tether.Supervisor(journal_url, policy=ONE_CLOCK, tools=[tool]) as sup, \
+                worker(client, queue, sup, tool):
+            handle = await client.start_workflow(TwoRefunds.run, args=["R-1", "R-2"],
+                                                 id="wf-restart", task_queue=queue)
+            bank = PaymentService(path=str(world / "ledger.db"))
+            await recorded(sup, "wf-restart", 1)  # its reply to Temporal may be lost
+            held.clear()  # the second refund waits, applied, for the second restart
+            kill(server)
+            server = start()
+            await handle.signal(TwoRefunds.proceed)
+            await until(lambda: len(bank.entries("R-2")) == 1, "the second refund applied")
+            kill(server)
+            server = start()
+            held.set()
+            refs = await handle.result()
+            done = await actions(sup, "wf-restart")
+    finally:
+        stop_server(server)
+    assert [len(bank.entries(order)) for order in ("R-1", "R-2")] == [1, 1]
+    assert refs == [bank.entries("R-1")[0].ref, bank.entries("R-2")[0].ref]
+    keys = ["temporal:wf-restart:refund:1", "temporal:wf-restart:refund:2"]
+    # A retry after the restart (the reply to the first attempt lost with the server) finds
+    # the call completed under its key and replays it: each key reached the provider once.
+    assert (world / "calls").read_text().split() == keys
+    assert {(a.idempotency_key, a.state) for a in done} == {
+        (k, tether.ActionState.COMPLETED) for k in keys}
+
+
+async def recorded(sup: tether.Supervisor, workflow_id: str, count: int) -> None:
+    """Until ``count`` of the workflow's calls are completed in the journal (polled)."""
+    A = tether.ActionState
+    give_up = asyncio.get_running_loop().time() + 60
+    while sum(a.state is A.COMPLETED for a in await actions(sup, workflow_id)) < count:
+        assert asyncio.get_running_loop().time() < give_up, f"never: {count} calls completed"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_recalled_run_whose_worker_then_dies_stays_out(
+        client: Client, temporal_address: str, journal_url: str, world: Path) -> None:
+    """Someone recalls the run (in the journal only: Temporal is not told, so it retries the
+    activity), and its worker dies before its drain ends. The recovery that settles the
+    delegation is tether's own; the recall before it was someone's, and keeps the run out:
+    the retry on another worker is refused for good, and nothing is refunded."""
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    handle = await client.start_workflow(Refund.run, args=["refund", "K-2", 1250],
+                                         id="wf-kill-recalled", task_queue=queue)
+    tool = refund_tool(world)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, tools=[tool]) as sup:
+        async with killable(temporal_address, queue, journal_url, world, "before") as proc:
+            (row,) = await sup.journal.delegations()
+            recall = asyncio.ensure_future(sup.handle_for(row.id).recall(30.0, "operator"))
+            await wait_accepted(sup, row.id)  # before the kill
+            proc.kill()  # SIGKILL: nothing of it runs on
+        await recall  # in doubt until the call's dispatch deadline has passed
+        async with worker(client, queue, sup, tool):
+            with pytest.raises(WorkflowFailureError) as failed:
+                await handle.result()
+        report = await settled(sup, row.id)
+    assert "recalled or terminated" in str(failed.value.cause.__cause__)
+    assert PaymentService(path=str(world / "ledger.db")).entries("K-2") == []
+    assert [a.state for a in report.actions] == [tether.ActionState.NOT_APPLIED]
+
+
+async def wait_accepted(sup: tether.Supervisor, delegation_id: str) -> None:
+    give_up = asyncio.get_running_loop().time() + 30
+    while (await sup.journal.get(delegation_id)).control_seq == 0:
+        assert asyncio.get_running_loop().time() < give_up, "never: the recall accepted"
+        await asyncio.sleep(0.02)
