@@ -6,7 +6,10 @@ client's stderr), and the session's delegation is settled."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 
 import tether
 from tests.conftest import until
+from tests.mcp_helpers import PYTHONPATH, ROOT
 from tests.mcp_wire import WireClient, mark_upstream, marked
 
 
@@ -96,3 +100,63 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(tmp_path: Pat
     if (tmp_path / "journal.db").exists():
         async with tether.Journal(journal, create=False) as j:
             assert await j.delegations() == []
+
+
+async def test_a_client_that_leaves_before_a_silent_upstream_answers_ends_the_proxy(
+        tmp_path: Path) -> None:
+    """The client's initialize waits for the upstream's, which never comes; the client closes
+    stdin. The proxy stops connecting (nothing was journaled), stops the upstream and exits
+    by itself, instead of waiting for an answer forever."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    spec, mark = mark_upstream("mute", sys.executable, "-c", "'import time; time.sleep(600)'")
+    client = await WireClient.start(journal, spec)
+    try:
+        await until(lambda: len(marked(mark)) == 1, "the upstream started")
+        asked = asyncio.ensure_future(client.request("initialize", {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": "wire", "version": "1"}}))
+        client.close_stdin()
+        await until(lambda: client.proc.returncode is not None, "the proxy exited")
+        assert client.proc.stderr is not None
+        err = (await asyncio.wait_for(client.proc.stderr.read(), 30)).decode()
+        assert marked(mark) == [], f"the upstream outlived the proxy: {err}"
+    finally:
+        await client.aclose(mark)
+    assert client.proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    if asked.done():  # answered, if at all, with an error: never a session
+        assert "error" in asked.result()
+    else:
+        asked.cancel()
+    if (tmp_path / "journal.db").exists():
+        async with tether.Journal(journal, create=False) as j:
+            assert await j.delegations() == []
+
+
+@pytest.mark.parametrize("stdin", ["null", "file"])
+async def test_a_proxy_whose_stdin_is_no_pipe_serves_it_and_ends_cleanly(
+        tmp_path: Path, stdin: str) -> None:
+    """Stdin from ``/dev/null`` or a file (the event loop cannot watch either): the SDK's own
+    streams serve it, the session ends at its end, with no traceback."""
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "file", "version": "1"}}}) + "\n")
+    source = Path(os.devnull) if stdin == "null" else requests
+    done = await asyncio.to_thread(proxy_reading, source, f"sqlite:///{tmp_path / 'journal.db'}")
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert "Traceback" not in err, err
+    if stdin == "file":  # answered, the session started and ended
+        assert json.loads(done.stdout.splitlines()[0])["result"]["serverInfo"]["name"] == "bank"
+        async with tether.Journal(f"sqlite:///{tmp_path / 'journal.db'}", create=False) as j:
+            (row,) = await j.delegations()
+            assert row.state is tether.DelegationState.SUCCEEDED
+
+
+def proxy_reading(source: Path, journal: str) -> subprocess.CompletedProcess[bytes]:
+    with source.open("rb") as given:
+        return subprocess.run(
+            [sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal, "--upstream",
+             f"bank={sys.executable} -m tests.mcp_bank"], stdin=given, capture_output=True,
+            cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": PYTHONPATH}, check=False)

@@ -93,6 +93,22 @@ async def stop(proc: asyncio.subprocess.Process, children: Children) -> None:
         await _until(lambda: proc.returncode is not None, FORCE)
 
 
+async def stop_surely(proc: asyncio.subprocess.Process, children: Children) -> None:
+    """``stop``, carried to its end even if the task is cancelled meanwhile (every wait in it
+    is bounded): a cancel that lands while the proxy unwinds would otherwise leave the
+    upstream running, holding its client's stderr. The cancel is raised once it is done."""
+    stopping = asyncio.ensure_future(stop(proc, children))
+    cancelled = False
+    while not stopping.done():
+        try:
+            await asyncio.shield(stopping)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    stopping.result()
+
+
 def environment(spec: UpstreamSpec) -> dict[str, str]:
     """An ``--upstream``'s: the proxy's own, as a shell command's; a config file's server's:
     the SDK's default (no shell functions) plus its own ``env``."""
@@ -138,7 +154,7 @@ async def stop_all(started: dict[str, asyncio.subprocess.Process], children: Chi
     """Stop, and forget, what ``spawn_all`` started that nobody took."""
     procs = list(started.values())
     started.clear()
-    await asyncio.gather(*(stop(proc, children) for proc in procs))
+    await asyncio.gather(*(stop_surely(proc, children) for proc in procs))
 
 
 class Stopper:

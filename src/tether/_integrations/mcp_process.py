@@ -13,7 +13,7 @@ import mcp_types
 from mcp.client._transport import TransportStreams
 from mcp.shared.message import SessionMessage
 
-from tether._integrations.mcp_children import Children, stop
+from tether._integrations.mcp_children import Children, stop_surely
 
 FLUSH = 0.5  # seconds for messages already accepted to reach an upstream before its EOF
 
@@ -62,7 +62,7 @@ async def stdio_upstream(proc: asyncio.subprocess.Process,
     finally:
         write_stream.close()
         await asyncio.wait({writer}, timeout=FLUSH)
-        await stop(proc, children)
+        await stop_surely(proc, children)
         children.groups.discard(proc.pid)
         for task in (reader, writer):
             task.cancel()

@@ -284,6 +284,10 @@ class StdioSession:
         self.ready: asyncio.Future[None] = loop.create_future()
         self.done = asyncio.Event()
         self.failure: TetherError | None = None
+        # Until every upstream answered its initialize: an upstream may never answer, and a
+        # client that leaves meanwhile must not leave the proxy waiting for it.
+        self.connecting = True
+        self.cut = False
         self.task = asyncio.ensure_future(self._run())
 
     async def resolve(self, ctx: ServerRequestContext[Any], start: bool) -> Proxy:
@@ -301,6 +305,7 @@ class StdioSession:
                 self.opened.set_result(None)
                 caps = await self.declared
                 await connect_upstreams(proxy, stack, self.children, caps, opened)
+                self.connecting = False
                 # The upstreams' tools (their probes, and the tasks their calls became)
                 # settle what an earlier proxy on this journal left in doubt when it died.
                 sup = await stack.enter_async_context(
@@ -323,6 +328,22 @@ class StdioSession:
             if not isinstance(exc, Exception):
                 raise
 
+    async def watch(self, ended: asyncio.Event) -> None:
+        """The client closed stdin while an upstream has not answered its initialize: the
+        SDK waits for the client's own initialize to be answered before it ends, and the
+        upstream may never answer, so the session stops connecting (nothing was journaled
+        yet) and the client's request fails."""
+        await ended.wait()
+        if self.connecting:
+            self._cut()
+
+    def _cut(self) -> None:
+        """Cancel the session's task, once: a second cancel would land in its unwinding, and
+        cut short the stopping of its upstream processes."""
+        if not self.cut:
+            self.cut = True
+            self.task.cancel()
+
     def _fail(self, error: MCPError) -> None:
         for future in (self.opened, self.ready):
             if not future.done():
@@ -332,8 +353,10 @@ class StdioSession:
     async def close(self, cancel: bool) -> None:
         """The client is gone: the session ends (``cancel``: cut short, by a signal)."""
         self.done.set()
-        if cancel or not self.declared.done():  # no client came: nothing to end but processes
-            self.task.cancel()
+        # No client came, or it left before the upstreams answered: nothing was journaled,
+        # nothing is left to end but processes.
+        if cancel or not self.declared.done() or self.connecting:
+            self._cut()
         await asyncio.gather(self.task, return_exceptions=True)
 
 
@@ -355,8 +378,13 @@ async def serve_started(journal: str, config: ProxyConfig, stopper: Stopper,
             async with loop_stdio() as pipes:
                 # Read and written on the event loop where they are pipes (``mcp_stdio``).
                 wire = stdio_server(*pipes) if pipes else stdio_server()  # type: ignore[arg-type]
-                async with wire as (read, write):
-                    await session.server.serve(read, write)
+                watch = asyncio.ensure_future(session.watch(pipes[0].ended)) if pipes else None
+                try:
+                    async with wire as (read, write):
+                        await session.server.serve(read, write)
+                finally:
+                    if watch is not None:
+                        watch.cancel()
     except asyncio.CancelledError:
         if stopper.signal is None:
             raise

@@ -3,7 +3,8 @@ loop. The SDK's default wraps them as files whose every read, write and flush is
 worker thread and back (three per message the proxy answers); a pipe needs none of them. Like
 the SDK, while serving, fd 0 reads the null device and fd 1 writes to stderr, so nothing else
 the process or a child prints reaches the wire; both are restored after. Where stdin or stdout
-is not a pipe or socket (a file, say), ``None``: the SDK's own streams serve.
+is not a pipe, socket or terminal (a file, ``/dev/null``), ``None``: the SDK's own streams
+serve.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import selectors
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,6 +25,7 @@ class _Lines:
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
         self._reader = reader
+        self.ended = asyncio.Event()  # the client closed stdin
 
     def __aiter__(self) -> _Lines:
         return self
@@ -30,6 +33,7 @@ class _Lines:
     async def __anext__(self) -> str:
         line = await self._reader.readline()
         if not line:
+            self.ended.set()
             raise StopAsyncIteration
         return line.decode("utf-8", errors="replace")
 
@@ -48,6 +52,18 @@ class _Writer:
         await self._writer.drain()
 
 
+def _pollable(fd: int) -> bool:
+    """Whether the loop's selector can watch ``fd``: a pipe, a socket or a terminal can be, a
+    file or ``/dev/null`` cannot (epoll refuses them, which the loop would only report as a
+    traceback in a callback)."""
+    with selectors.DefaultSelector() as probe:
+        try:
+            probe.register(fd, selectors.EVENT_READ)
+        except (OSError, ValueError):
+            return False
+    return True
+
+
 def _divert(fd: int, to: int) -> int:
     """A private copy of ``fd`` for the wire; ``fd`` itself now points at ``to``."""
     private = os.dup(fd)
@@ -64,6 +80,8 @@ async def loop_stdio() -> AsyncIterator[tuple[_Lines, _Writer] | None]:
     transports: list[asyncio.BaseTransport] = []
     try:
         try:
+            if not (_pollable(stdin_fd) and _pollable(stdout_fd)):
+                raise ValueError("not a pipe, socket or terminal")
             reader = asyncio.StreamReader(limit=LINE_LIMIT)
             read_transport, _ = await loop.connect_read_pipe(
                 lambda: asyncio.StreamReaderProtocol(reader),
@@ -73,7 +91,7 @@ async def loop_stdio() -> AsyncIterator[tuple[_Lines, _Writer] | None]:
                 asyncio.streams.FlowControlMixin,
                 os.fdopen(stdout_fd, "wb", buffering=0, closefd=False))
             transports.append(write_transport)
-        except ValueError:  # not a pipe, socket or character device
+        except ValueError:  # not a pipe, socket or terminal
             for transport in transports:
                 transport.close()
             transports.clear()
