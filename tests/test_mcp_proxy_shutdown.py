@@ -79,16 +79,22 @@ async def test_the_proxy_stops_a_lingering_upstream_after_its_grace_on_eof(
     assert await delegation_state(journal) is tether.DelegationState.SUCCEEDED
 
 
-async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signals", [1, 2])
+async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
+        tmp_path: Path, signals: int) -> None:
     """The upstreams start before the proxy imports the MCP SDK (they boot meanwhile): a
     signal then, before any client spoke, stops them with the proxy, which exits 128 + signal
-    with no traceback and no delegation."""
+    with no traceback and no delegation; a second signal too, even one that lands while the
+    proxy's exit waits for the SDK's import to finish."""
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
     spec, mark = mark_upstream("slow", sys.executable, "-m", "tests.mcp_lingering")
     client = await WireClient.start(journal, spec)
     try:
         await until(lambda: len(marked(mark)) >= 1, "the upstream started")
         client.proc.send_signal(signal.SIGTERM)
+        if signals == 2:
+            await asyncio.sleep(0.05)  # apart, so the kernel does not merge the two
+            client.proc.send_signal(signal.SIGTERM)
         await until(lambda: client.proc.returncode is not None, "the proxy exited")
         assert marked(mark) == [], "the upstream outlived the proxy"
         assert client.proc.stderr is not None

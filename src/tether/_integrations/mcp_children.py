@@ -167,16 +167,13 @@ class Stopper:
         self.signal: int | None = None
         self._serving: asyncio.Task[Any] | None = None
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[Stopper]:
+    def install(self) -> None:
+        """For the rest of the event loop's life: its close removes them. Not sooner, since
+        ``asyncio.run`` then waits for the SDK's import thread (up to a second), and a second
+        signal meanwhile would take its default action: the proxy killed, not exiting."""
         loop = asyncio.get_running_loop()
         for sig in SIGNALS:
             loop.add_signal_handler(sig, self._received, sig)
-        try:
-            yield self
-        finally:
-            for sig in SIGNALS:
-                loop.remove_signal_handler(sig)
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
@@ -209,21 +206,21 @@ async def run_stdio(journal: str, config: ProxyConfig) -> None:
 
     stopper = Stopper(Children())
     started: dict[str, asyncio.subprocess.Process] = {}
-    with stopper.installed():
-        try:
-            with stopper.serving():  # a signal before serving begins cancels this
-                started.update(await spawn_all(config.upstreams, stopper.children))
-                try:
-                    serve = await asyncio.to_thread(importlib.import_module,
-                                                    "tether._integrations.mcp_serve")
-                except ModuleNotFoundError as exc:  # an SDK present but broken
-                    raise UserError("tether mcp-proxy needs the MCP SDK: pip install "
-                                    f"'tether[mcp]' ({exc})") from None
-            await serve.serve_started(journal, config, stopper, started)
-        except asyncio.CancelledError:
-            if stopper.signal is None:
-                raise
-        finally:
-            await stop_all(started, stopper.children)  # those no session took
+    stopper.install()
+    try:
+        with stopper.serving():  # a signal before serving begins cancels this
+            started.update(await spawn_all(config.upstreams, stopper.children))
+            try:
+                serve = await asyncio.to_thread(importlib.import_module,
+                                                "tether._integrations.mcp_serve")
+            except ModuleNotFoundError as exc:  # an SDK present but broken
+                raise UserError("tether mcp-proxy needs the MCP SDK: pip install "
+                                f"'tether[mcp]' ({exc})") from None
+        await serve.serve_started(journal, config, stopper, started)
+    except asyncio.CancelledError:
+        if stopper.signal is None:
+            raise
+    finally:
+        await stop_all(started, stopper.children)  # those no session took
     if stopper.exit_code is not None:
         raise SystemExit(stopper.exit_code)
