@@ -223,3 +223,22 @@ async def test_a_probe_modules_unclosed_file_is_flushed_when_the_proxy_exits(
                        "--journal", f"sqlite:///{tmp_path / 'journal.db'}") as session:
         assert "pay" in {t.name for t in (await session.list_tools()).tools}
     assert out.read_text() == "imported"
+
+
+async def test_user_code_on_the_import_path_keeps_its_unflushed_writes(
+        bank_env: Path, tmp_path: Path) -> None:
+    """No probe, but a ``sitecustomize`` on the proxy's PYTHONPATH (user code Python imports
+    at start-up) with a module-level file, reachable from a function: its last write is
+    flushed at exit, as without tether."""
+    out = tmp_path / "site.log"
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        f"log = open({str(out)!r}, 'w')\nlog.write('started')\n\n\n"
+        "def note(what: str) -> None:\n    log.write(what)\n")
+    config = write(tmp_path, {"mcpServers": {"bank": bank_entry()}})
+    async with connect(sys.executable, "-m", "tether", "mcp-proxy", "--config", str(config),
+                       "--journal", f"sqlite:///{tmp_path / 'journal.db'}",
+                       env={"PYTHONPATH": os.pathsep.join((str(tmp_path / "site"),
+                                                           PYTHONPATH))}) as session:
+        assert "pay" in {t.name for t in (await session.list_tools()).tools}
+    assert out.read_text() == "started"

@@ -80,11 +80,37 @@ def quick_exit(settings: ProxyConfig) -> None:
     """Let the interpreter's exit skip tearing down the MCP SDK's objects (about 0.3 s that a
     client waits for: the Inspector, like most, waits for the server to exit), by freezing the
     collector. Frozen objects are never finalized, so only where no user code was imported:
-    a probe's module may hold an open file whose last writes only its finalizer flushes. The
-    proxy closes its journal and its upstreams itself, and atexit handlers (logging, an
-    OpenTelemetry SDK) run as ever."""
-    if not any(policy.probes for policy in settings.policies.values()):
-        import gc
+    a probe's module, a ``sitecustomize``, anything from outside the installed packages (a
+    checkout on ``PYTHONPATH``) may hold an open file whose last writes only its finalizer
+    flushes. The proxy closes its journal and its upstreams itself, and atexit handlers
+    (logging, an OpenTelemetry SDK) run as ever."""
+    if any(policy.probes for policy in settings.policies.values()) or not _only_installed():
+        return
+    import gc
 
-        gc.freeze()
+    gc.freeze()
 
+
+def _only_installed() -> bool:
+    """Whether every module loaded is tether's, the standard library's or an installed
+    package's (and none is a site or user customization)."""
+    import os
+    import sys
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    import tether
+
+    places = (*(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib", "scripts")),
+              os.path.dirname(tether.__file__))
+    # As written first (a string test), then resolved (a venv's links): one realpath a module
+    # rather than a thousand.
+    roots = tuple({os.path.join(q, "") for p in places for q in (p, os.path.realpath(p))})
+    for name, module in list(sys.modules.items()):
+        if name in ("sitecustomize", "usercustomize"):
+            return False
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and not file.startswith(roots) and \
+                not os.path.realpath(file).startswith(roots):
+            return False
+    return True

@@ -20,7 +20,7 @@ from mcp_types.methods import CACHEABLE_METHODS
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from tether._core.errors import TetherError, UserError
-from tether._integrations.mcp_children import Children, Stopper, spawn
+from tether._integrations.mcp_children import GRACE, Children, Stopper, spawn
 from tether._integrations.mcp_config import ProxyConfig, UpstreamSpec
 from tether._integrations.mcp_process import stdio_upstream
 from tether._integrations.mcp_proxy import Proxy
@@ -287,6 +287,7 @@ class StdioSession:
         # Until every upstream answered its initialize: an upstream may never answer, and a
         # client that leaves meanwhile must not leave the proxy waiting for it.
         self.connecting = True
+        self.answered = asyncio.Event()  # connected, or failed to
         self.cut = False
         self.task = asyncio.ensure_future(self._run())
 
@@ -304,8 +305,11 @@ class StdioSession:
                 opened = await open_upstreams(proxy, stack, self.children, self.started)
                 self.opened.set_result(None)
                 caps = await self.declared
-                await connect_upstreams(proxy, stack, self.children, caps, opened)
-                self.connecting = False
+                try:
+                    await connect_upstreams(proxy, stack, self.children, caps, opened)
+                    self.connecting = False
+                finally:
+                    self.answered.set()
                 # The upstreams' tools (their probes, and the tasks their calls became)
                 # settle what an earlier proxy on this journal left in doubt when it died.
                 sup = await stack.enter_async_context(
@@ -331,9 +335,13 @@ class StdioSession:
     async def watch(self, ended: asyncio.Event) -> None:
         """The client closed stdin while an upstream has not answered its initialize: the
         SDK waits for the client's own initialize to be answered before it ends, and the
-        upstream may never answer, so the session stops connecting (nothing was journaled
-        yet) and the client's request fails."""
+        upstream may never answer, so after a grace the session stops connecting (nothing
+        was journaled yet) and the client's request fails."""
         await ended.wait()
+        # As long as an upstream gets to exit: one that fails soon is still reported.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(GRACE):
+                await self.answered.wait()
         if self.connecting:
             self._cut()
 
