@@ -504,6 +504,36 @@ async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole
         {k: p[k] for k in ("delegation", "record")} for p in json.loads(out)["problems"]], out
 
 
+async def test_the_newest_epoch_deleted_as_a_whole_is_named_by_the_one_before(
+        journal_url: str) -> None:
+    """The second epoch deleted with its chain, and the task's epoch set back: no gap is left
+    among the rows that remain, but the first epoch's chain records which delegation replaced
+    it. Re-delegating is refused (the deleted epoch may have held a recall that kept the task
+    out, or a key's COMPLETED call), and `tether verify` names the missing epoch."""
+    order, once = one_refund("N", cents=100)
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        first = await sup.delegate(once, tools=[refund])
+        assert await first.result() == "ok"
+        second = await first.redelegate()
+        assert await second.result() == "ok"
+        for sql in ("DELETE FROM events WHERE delegation_id = ? OR (delegation_id IS NULL "
+                    "AND action_id IN (SELECT id FROM actions WHERE delegation_id = ?))",
+                    "DELETE FROM actions WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM controls WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM documents WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM chain WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
+                    "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
+            await raw(sup.journal, sql, second.id, second.id)
+        await raw(sup.journal, "UPDATE tasks SET epoch = 0 WHERE id = ?", first.task_id)
+        with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
+            await first.redelegate()
+        assert "epoch 1 (deleted as a whole)" in str(refused.value)
+    code, out, _ = await tether_here("verify", "--journal", journal_url, "--json")
+    assert code == 1 and {"delegation": f"task {first.task_id}", "record": "epoch 1"} in [
+        {k: p[k] for k in ("delegation", "record")} for p in json.loads(out)["problems"]], out
+
+
 async def test_a_forged_receipt_under_a_key_a_call_will_use_is_not_replayed(
         journal_url: str) -> None:
     """An intruder writes a COMPLETED action, with a result of its own, under the key a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -21,12 +22,18 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError
 
 import tether
+import tether.temporal
+from tests.cli_helpers import tether_here
 from tests.conftest import ONE_CLOCK, settled, until
 from tests.temporal_flows import Refund, TwoRefunds
 from tests.temporal_helpers import serving, start_server, stop_server, temporal_binary
 from tests.temporal_killable import refund_tool, worker
 from tests.temporal_world import actions
+from tests.test_trust import raw
 from tether._chaos.pgserver import free_port
+from tether._core.documents import ControlIntent, decode
+from tether._core.signing import SigningKey
+from tether._integrations.temporal_worker import RunRefused, open_run, run_stopped
 from tether.testing import PaymentService
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,3 +205,94 @@ async def wait_accepted(sup: tether.Supervisor, delegation_id: str) -> None:
     while (await sup.journal.get(delegation_id)).control_seq == 0:
         assert asyncio.get_running_loop().time() < give_up, "never: the recall accepted"
         await asyncio.sleep(0.02)
+
+
+async def test_a_recall_after_a_dead_workers_recovery_keeps_the_run_out(
+        client: Client, temporal_address: str, journal_url: str, world: Path) -> None:
+    """The worker died and a recovery settled its delegation (which lets the run go on); then
+    the orchestrator recalls the run. The ended delegation has nothing left to recall, so the
+    recall opens the run's next epoch itself and fences it: the run stays out of the journal
+    whatever Temporal does, and nothing is refunded."""
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    workflow_id = f"wf-recall-recovered-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(Refund.run, args=["refund", "K-3", 1250],
+                                         id=workflow_id, task_queue=queue)
+    async with killable(temporal_address, queue, journal_url, world, "before") as proc:
+        proc.kill()
+    tool = refund_tool(world)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, tools=[tool]) as sup:
+        await sup.recover()
+        (dead,) = await sup.journal.delegations()
+        assert dead.fenced and dead.control_seq == 1  # the recovery's TERMINATE
+        report = await tether.temporal.recall(handle, supervisor=sup, grace=5.0,
+                                              reason="operator")
+        assert report.delegation_id != dead.id and report.actions == ()
+        head = await sup.journal.get(report.delegation_id)
+        assert (head.epoch, head.control_seq) == (1, 1)
+        with pytest.raises(RunRefused, match="recalled or terminated"):
+            await open_run(sup, workflow_id, (await handle.describe()).run_id,
+                           tether.Agent("temporal:Refund", held))
+        async with worker(client, queue, sup, tool):
+            with contextlib.suppress(WorkflowFailureError):
+                await handle.result()  # cancelled in Temporal, after the journal's fence
+        report = await settled(sup, dead.id)
+    assert PaymentService(path=str(world / "ledger.db")).entries("K-3") == []
+    assert [a.state for a in report.actions] == [tether.ActionState.NOT_APPLIED]
+
+
+async def held(ctx: tether.Context, workflow_id: str, run_id: str) -> None:
+    await asyncio.Event().wait()
+
+
+async def test_only_trusted_recoveries_for_the_same_row_let_a_run_go_on(
+        journal_url: str) -> None:
+    """What ``run_stopped`` believes: the recovery's own intent, as signed. Re-signed by a key
+    the deployment does not trust, or gone from its row, it counts as someone's stop (fail
+    closed), whatever the chain check after it would say."""
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        h = await sup.delegate(tether.Agent("temporal:Flow", held), "wf-unit", "run-1",
+                               task_id=tether.temporal.task_of("wf-unit"))
+        row = await sup.journal.get(h.id)
+        await sup.recover_delegation(row, "owner is gone")
+        head = await sup.journal.get(h.id)
+        assert head.control_seq == 1 and not await run_stopped(sup, head)
+        code, shown, _ = await tether_here("show", h.id, "--journal", journal_url)
+        assert code == 0 and "recovery (signed)" in " ".join(shown.split()), shown
+        (control,) = await sup.journal.controls(h.id)
+        intent = decode(control.signed.body)
+        assert isinstance(intent, ControlIntent) and intent.recovery
+        other = SigningKey.generate().sign(intent)
+        await raw(sup.journal, "UPDATE controls SET key_id = ?, signature = ? WHERE "
+                  "delegation_id = ?", other.key_id, other.signature, h.id)
+        assert await run_stopped(sup, head)
+        await raw(sup.journal, "DELETE FROM controls WHERE delegation_id = ?", h.id)
+        assert await run_stopped(sup, head)
+
+
+async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temporal(
+        client: Client, temporal_address: str, journal_url: str, world: Path) -> None:
+    """From a shell, the delegation of a worker that died, already settled by a recovery:
+    the journal has nothing left to recall, and says that the run would go on at a new epoch;
+    with --temporal the workflow is cancelled in Temporal all the same (exit 0)."""
+    from tests.test_temporal_recall import cli
+
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    workflow_id = f"wf-shell-recovered-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(Refund.run, args=["refund", "K-4", 1250],
+                                         id=workflow_id, task_queue=queue)
+    async with killable(temporal_address, queue, journal_url, world, "before") as proc:
+        proc.kill()
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        await sup.recover()
+        (dead,) = await sup.journal.delegations()
+        await settled(sup, dead.id)
+    code, out, err = await asyncio.to_thread(cli, "recall", dead.id, "--journal", journal_url)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "nothing to recall in the journal" in err and "goes on at a new epoch" in err, err
+    code, out, err = await asyncio.to_thread(
+        cli, "recall", dead.id, "--journal", journal_url, "--temporal", temporal_address,
+        "--json")
+    assert code == 0, err
+    run_id = (await handle.describe()).run_id
+    assert json.loads(out)["temporal"] == \
+        f"Temporal: workflow {workflow_id} run {run_id} cancelled."

@@ -114,8 +114,19 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     try:
         answer = run(send_control(request))
     except AlreadyFinished as exc:
-        raise UserError(f"nothing to {kind.value.lower()}: {exc} (a re-dispatch of its task, "
-                        "if one was pending, is cancelled)") from None
+        ended = (f"nothing to {kind.value.lower()} in the journal: {exc} (a re-dispatch of its "
+                 "task, if one was pending, is cancelled)")
+        if run_handle is None:
+            raise UserError(ended + run(on_temporal.run_goes_on(journal, delegation_id))) \
+                from None
+        # An ended epoch of a Temporal run that nobody stopped: its run may go on at a new
+        # epoch, so the operator's stop is Temporal's to carry out.
+        told = run(on_temporal.stop_run(run_handle, kind, reason))
+        if as_json:
+            emit_json({"delegation": delegation_id, "journal": ended, "temporal": told})
+        else:
+            out.print(f"{safe(ended)}.\n{safe(told)}", soft_wrap=True)
+        raise typer.Exit(0) from None
     # Exit 0 only when the delegation settled with nothing left for a person; 1 when it did
     # not settle (its owner is gone or slow) or needs attention: a script must not take an
     # accepted intent for a settled one.

@@ -181,6 +181,8 @@ def render_show(console: Console, data: dict[str, Any]) -> None:
             if ok != "ok" and isinstance(body.get("by"), str):  # a claim nobody signed
                 who = f"claimed by {body['by']} (unsigned)"
             detail = f"{who}: {detail}" if detail else who
+            if body.get("recovery") is True:  # tether's own settling, no one's stop
+                detail = f"recovery ({'signed' if ok == 'ok' else 'unsigned claim'}); {detail}"
         signature = "[green]verified[/green]" if ok == "ok" else "[red]REFUSED[/red]"
         if ok != "ok":  # why, where there is room for it
             detail = f"{ok}; {detail}" if detail else ok

@@ -44,6 +44,19 @@ def not_told(answer: dict[str, Any]) -> str:
             "$TEMPORAL_ADDRESS) to stop the workflow there too")
 
 
+async def run_goes_on(journal: str, delegation_id: str) -> str:
+    """For an ended delegation that is a Temporal run: what a stop without --temporal leaves
+    (a later activity of its run opens the next epoch, unless someone's intent stopped it)."""
+    async with Journal(journal, create=False) as j:
+        row = await j.get(delegation_id)
+    workflow = workflow_of(row.task_id)
+    if workflow is None:
+        return ""
+    return (f"; it is Temporal workflow {workflow}: if no one's intent ended it (its worker "
+            "stopped or died), the run goes on at a new epoch; pass --temporal HOST:PORT (or "
+            "set $TEMPORAL_ADDRESS) to stop it in Temporal, or use tether.temporal.recall")
+
+
 async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:
     from tether._integrations.temporal_control import tell_temporal
 

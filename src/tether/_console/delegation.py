@@ -122,6 +122,8 @@ def _who(intent: dict[str, Any]) -> str:
         return e(signed)
     if body.get("type") != "control":  # an acknowledgement or receipt: the child's own
         return '<span class="muted">the child</span>'
+    if body.get("recovery") is True and intent["verified"] == "ok":
+        return '<span class="muted">tether (a recovery: its owner was gone)</span>'
     return f'<span class="muted">issued by {e(intent["issuer"])} (not signed)</span>'
 
 

@@ -18,7 +18,7 @@ from tether._core.errors import UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
 from tether._integrations.temporal_task import run_of, task_of
-from tether._integrations.temporal_worker import RunRefused, open_run
+from tether._integrations.temporal_worker import RunRefused, open_run, run_stopped
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context
@@ -63,10 +63,11 @@ async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervi
 
 async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]
                          ) -> DelegationRow:
-    """The run's delegation. When no activity of the run has reached tether yet, this process
-    opens one for it (its body only waits to be stopped), so that the fence stands in the
-    journal before Temporal hears of the recall: an activity that starts afterwards is refused
-    as any activity of a recalled run is."""
+    """The run's delegation. When no activity of the run has reached tether yet, or the last
+    epoch's ended without anyone's intent, this process opens one for it (its body only waits
+    to be stopped), so that the fence stands in the journal before Temporal hears of the
+    recall: an activity that starts afterwards is refused as any activity of a recalled run
+    is."""
     described = None
     run_id = handle.run_id
     if run_id is None:  # a handle on the workflow id: its latest run
@@ -74,7 +75,7 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
         run_id = described.run_id
     for _ in range(_ATTEMPTS):
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
-        if head is not None and run_of(head) == run_id:
+        if head is not None and run_of(head) == run_id and not await _goes_on(sup, head):
             return head
         described = described or await handle.describe()
         agent = Agent(f"temporal:{described.workflow_type}", _held)
@@ -87,6 +88,14 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
         return await sup.journal.get(opened.id)
     raise UserError(f"workflow {handle.id}: its task kept moving while this recall looked "
                     "for the run's delegation; try again")
+
+
+async def _goes_on(sup: Supervisor, head: DelegationRow) -> bool:
+    """A delegation ended or fenced without anyone's intent (its worker stopped, or died and
+    was recovered, its calls perhaps still in doubt): the run's next activity would open the
+    next epoch, so the recall opens that epoch itself and fences it, as for a run with no
+    delegation yet."""
+    return (head.fenced or head.state.terminal) and not await run_stopped(sup, head)
 
 
 async def _held(ctx: Context, workflow_id: str, run_id: str) -> None:

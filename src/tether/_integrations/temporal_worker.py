@@ -36,6 +36,7 @@ from tether._core.errors import (
     ControlSignal,
     KeyInUse,
     StaleEpoch,
+    Tampered,
     TetherError,
     ToolRejected,
     UserError,
@@ -278,6 +279,8 @@ class Host:
                 await hosted.ready.wait()
             except RunRefused as exc:
                 raise _refused(str(exc), BUSY if exc.retry else REFUSED) from None
+            except Tampered as exc:  # a person decides: a retry would be refused the same
+                raise _refused(str(exc)) from None
             finally:
                 if not hosted.ready.is_set() and self.runs.get(key) is hosted:
                     del self.runs[key]
@@ -323,7 +326,7 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
     # (tether settling the delegation of a worker that died) stopped nobody's work: the run
     # goes on at a new epoch, as Temporal retries its activity elsewhere.
-    if head.control_seq > 0 and run_of(head) == run_id and await _stopped(sup, head):
+    if head.control_seq > 0 and run_of(head) == run_id and await run_stopped(sup, head):
         raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
                          f"{head.id}, control sequence {head.control_seq})")
     if not head.fenced and not head.state.terminal:
@@ -348,16 +351,21 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     return Handle.for_run(sup, run)
 
 
-async def _stopped(sup: Supervisor, head: DelegationRow) -> bool:
+async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:
     """Whether any control intent accepted for ``head`` is someone's stop rather than a
-    recovery's; an intent whose signature this deployment does not trust counts as a stop
-    (fail closed: it never lets a run go on)."""
-    for control in await sup.journal.controls(head.id):
+    recovery's. Fail closed: an intent whose signature this deployment does not trust, one
+    signed for another delegation, epoch or sequence, or a sequence with no intent to show
+    for it counts as a stop (it never lets a run go on)."""
+    controls = await sup.journal.controls(head.id)
+    if len(controls) != head.control_seq:
+        return True
+    for control in controls:
         try:
             intent = sup.keys.trusted.verify(control.signed, ControlIntent)
         except TetherError:
             return True
-        if not intent.recovery:
+        if not intent.recovery or (intent.delegation_id, intent.epoch, intent.seq) != (
+                head.id, head.epoch, control.seq):
             return True
     return False
 

@@ -148,23 +148,57 @@ def kin(db: Db, ids: Iterable[str]) -> list[str]:
     return list(found)
 
 
+def _superseded(db: Db, new: NewDelegation, epoch: int) -> None:
+    """In the chain of each root delegation of the epoch moved from, which one replaced it:
+    the newest epoch deleted as a whole, chain and all, is then named by the one before
+    (``epoch_gaps``), and deleting this event too is a rollback of that delegation's chain."""
+    for (old,) in db.execute(
+            "SELECT id FROM delegations WHERE task_id = ? AND epoch = ? AND parent_id IS NULL",
+            (new.task_id, new.redelegate_from_epoch)).fetchall():
+        event(db, new.now, "superseded", str(old), None, by=new.id, epoch=epoch)
+
+
 def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
-    """The tasks of ``ids`` whose delegations skip an epoch, and the epochs missing. Every
-    epoch move inserts its delegation in the same transaction, and `tether prune` removes a
-    task's epochs together: a gap is an epoch deleted as a whole by hand, chain and all (the
-    one record that held a key's COMPLETED call, which would then be paid again)."""
+    """The tasks of ``ids`` whose delegations skip an epoch, or whose newest epoch named as
+    a successor is gone, and the epochs missing. Every epoch move inserts its delegation in
+    the same transaction, and `tether prune` removes a task's epochs together: a gap is an
+    epoch deleted as a whole by hand, chain and all (the one record that held a key's
+    COMPLETED call, which would then be paid again, or a recall that kept a run out)."""
     tasks = sorted({str(r[0]) for part in chunks(sorted(set(ids))) for r in db.execute(
         f"SELECT task_id FROM delegations WHERE id IN ({', '.join('?' * len(part))})",
         tuple(part)).fetchall()})
     seen: dict[str, set[int]] = {}
+    named: dict[str, set[int]] = {}
     for part in chunks(tasks):
+        marks = ", ".join("?" * len(part))
         for task, epoch in db.execute(
-                "SELECT task_id, epoch FROM delegations WHERE task_id IN "
-                f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+                f"SELECT task_id, epoch FROM delegations WHERE task_id IN ({marks})",
+                tuple(part)).fetchall():
             if type(epoch) is int and 0 <= epoch < 1 << 20:
                 seen.setdefault(str(task), set()).add(epoch)
-    return {t: sorted(set(range(max(e) + 1)) - e) for t, e in seen.items()
-            if len(e) != max(e) + 1}
+        for task, detail in db.execute(
+                "SELECT d.task_id, e.detail FROM events e JOIN delegations d "
+                f"ON d.id = e.delegation_id WHERE e.kind = 'superseded' AND d.task_id IN "
+                f"({marks})", tuple(part)).fetchall():
+            successor = _detail_epoch(detail)
+            if successor is not None:
+                named.setdefault(str(task), set()).add(successor)
+    gaps = {}
+    for task, epochs in seen.items():
+        top = max(epochs | named.get(task, set()))
+        missing = sorted(set(range(top + 1)) - epochs)
+        if missing:
+            gaps[task] = missing
+    return gaps
+
+
+def _detail_epoch(detail: Any) -> int | None:
+    """A superseded event's successor epoch; an unreadable one is the chain's to name."""
+    try:
+        epoch = loads(detail).get("epoch")
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return epoch if type(epoch) is int and 0 <= epoch < 1 << 20 else None
 
 
 def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
@@ -203,6 +237,8 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     if new.parent_id is None:
         db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
         touch(db, "delegations", new.id)
+        if new.redelegate_from_epoch is not None:
+            _superseded(db, new, epoch)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
