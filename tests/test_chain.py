@@ -529,6 +529,7 @@ async def test_the_newest_epoch_deleted_as_a_whole_is_named_by_the_one_before(
         with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await first.redelegate()
         assert "epoch 1 (deleted as a whole)" in str(refused.value)
+    assert PAY.refund_count(order) == 1
     code, out, _ = await tether_here("verify", "--journal", journal_url, "--json")
     assert code == 1 and {"delegation": f"task {first.task_id}", "record": "epoch 1"} in [
         {k: p[k] for k in ("delegation", "record")} for p in json.loads(out)["problems"]], out
