@@ -272,8 +272,10 @@ async def test_only_trusted_recoveries_for_the_same_row_let_a_run_go_on(
 async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temporal(
         client: Client, temporal_address: str, journal_url: str, world: Path) -> None:
     """From a shell, the delegation of a worker that died, already settled by a recovery:
-    the journal has nothing left to recall, and says that the run would go on at a new epoch;
-    with --temporal the workflow is cancelled in Temporal all the same (exit 0)."""
+    the journal has nothing left to recall there, and says that the run would go on at a new
+    epoch; with --temporal the run's next epoch is opened and fenced in the journal (an
+    activity afterwards is refused, whatever Temporal does with the cancel), then the
+    workflow is cancelled in Temporal (exit 0)."""
     from tests.test_temporal_recall import cli
 
     queue = f"q-{uuid.uuid4().hex[:12]}"
@@ -293,6 +295,10 @@ async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temp
         cli, "recall", dead.id, "--journal", journal_url, "--temporal", temporal_address,
         "--json")
     assert code == 0, err
+    answer = json.loads(out)
     run_id = (await handle.describe()).run_id
-    assert json.loads(out)["temporal"] == \
-        f"Temporal: workflow {workflow_id} run {run_id} cancelled."
+    assert answer["temporal"] == f"Temporal: workflow {workflow_id} run {run_id} cancelled."
+    assert answer["report"]["epoch"] == 1 and answer["report"]["actions"] == []
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        with pytest.raises(RunRefused, match="recalled or terminated"):
+            await open_run(sup, workflow_id, run_id, tether.Agent("temporal:Refund", held))

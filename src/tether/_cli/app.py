@@ -119,14 +119,26 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
         if run_handle is None:
             raise UserError(ended + run(on_temporal.run_goes_on(journal, delegation_id))) \
                 from None
-        # An ended epoch of a Temporal run that nobody stopped: its run may go on at a new
-        # epoch, so the operator's stop is Temporal's to carry out.
-        told = run(on_temporal.stop_run(run_handle, kind, reason))
+        # An ended epoch of a Temporal run: the run's current epoch is stopped, or its next
+        # one opened and fenced (its run would go on there), then Temporal is told.
+        report = run(on_temporal.fence_run(journal, keys, run_handle, kind, grace, reason))
+        if report is None:  # someone's intent stopped the run already: Temporal, at least
+            run(on_temporal.stop_run(run_handle, kind, reason))
+        told = f"Temporal: workflow {run_handle.id} run {run_handle.run_id} " + (
+            "cancelled." if kind is ControlKind.RECALL else "terminated.")
+        code = 0 if report is None or report["outcome"] not in ATTENTION else 1
         if as_json:
-            emit_json({"delegation": delegation_id, "journal": ended, "temporal": told})
+            emit_json({"delegation": delegation_id, "journal": ended, "report": report,
+                       "temporal": told})
         else:
-            out.print(f"{safe(ended)}.\n{safe(told)}", soft_wrap=True)
-        raise typer.Exit(0) from None
+            out.print(f"{safe(ended)}.", soft_wrap=True)
+            if report is not None:
+                done = "recalled" if kind is ControlKind.RECALL else "terminated"
+                out.print(f"The run's delegation {safe(report['delegation'])} is {done} in "
+                          "the journal instead:", soft_wrap=True)
+                render_report(out, report)
+            out.print(safe(told), soft_wrap=True)
+        raise typer.Exit(code) from None
     # Exit 0 only when the delegation settled with nothing left for a person; 1 when it did
     # not settle (its owner is gone or slow) or needs attention: a script must not take an
     # accepted intent for a settled one.

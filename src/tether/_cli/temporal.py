@@ -5,9 +5,11 @@ and the command says that Temporal was not told."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
-from tether._core.errors import UserError
+from tether._core.errors import AlreadyFinished, UserError
 from tether._core.model import ControlKind
 from tether._integrations.temporal_task import run_of, workflow_of
 from tether._journal.journal import Journal
@@ -55,6 +57,27 @@ async def run_goes_on(journal: str, delegation_id: str) -> str:
     return (f"; it is Temporal workflow {workflow}: if no one's intent ended it (its worker "
             "stopped or died), the run goes on at a new epoch; pass --temporal HOST:PORT (or "
             "set $TEMPORAL_ADDRESS) to stop it in Temporal, or use tether.temporal.recall")
+
+
+async def fence_run(journal: str, keys: Path | None, handle: Any, kind: ControlKind,
+                    grace: float | None, reason: str) -> dict[str, Any] | None:
+    """A Temporal run whose delegation named has ended: the run's current epoch stopped, or
+    its next one opened and fenced if no one's intent stopped the last (as
+    ``tether.temporal.recall`` does, signed by this configuration's key), then Temporal
+    told. The report, or None when someone's intent had stopped the run already."""
+    from tether._integrations.temporal_control import stop
+    from tether._runtime.keys import KeyRing
+    from tether._runtime.supervisor import Supervisor
+
+    async with Journal(journal, create=False) as j:
+        directory = keys or j.keys_dir
+    ring = await asyncio.to_thread(KeyRing.load, directory)
+    async with Supervisor(journal, keys=ring, recover=False) as sup:
+        try:
+            report = await stop(handle, sup, kind, grace, reason)
+        except AlreadyFinished:
+            return None
+    return report.to_json()
 
 
 async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import temporalio.client
 from temporalio.service import RPCError, RPCStatusCode
 
-from tether._core.errors import UserError
+from tether._core.errors import Tampered, UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
 from tether._integrations.temporal_task import run_of, task_of
@@ -32,17 +32,17 @@ async def recall(handle: temporalio.client.WorkflowHandle[Any, Any], *, supervis
                  grace: float, reason: str = "") -> Report:
     """Stop the run's new work at once; let its in-flight activities finish within ``grace``
     seconds; then cancel the workflow, and account for every activity it started."""
-    return await _stop(handle, supervisor, ControlKind.RECALL, grace, reason)
+    return await stop(handle, supervisor, ControlKind.RECALL, grace, reason)
 
 
 async def terminate(handle: temporalio.client.WorkflowHandle[Any, Any], *,
                     supervisor: Supervisor, reason: str = "") -> Report:
     """Cut the run's in-flight activities now (each in doubt, then probed), terminate the
     workflow, and account for every activity it started."""
-    return await _stop(handle, supervisor, ControlKind.TERMINATE, None, reason)
+    return await stop(handle, supervisor, ControlKind.TERMINATE, None, reason)
 
 
-async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervisor,
+async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervisor,
                 kind: ControlKind, grace: float | None, reason: str) -> Report:
     if not isinstance(handle, temporalio.client.WorkflowHandle):
         raise UserError(f"expected a Temporal WorkflowHandle, not {type(handle).__name__}")
@@ -50,7 +50,11 @@ async def _stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervi
         raise UserError("supervisor must be an open tether.Supervisor on the workers' journal")
     if not isinstance(reason, str):
         raise UserError("reason must be a string")
-    row = await _delegation_of(sup, handle)
+    try:
+        row = await _delegation_of(sup, handle)
+    except Tampered:  # a person decides on the records; the run is stopped in Temporal still
+        await tell_temporal(handle, kind, reason)
+        raise
     mine = sup.handle_for(row.id)
     if kind is ControlKind.RECALL:
         assert grace is not None
