@@ -87,6 +87,28 @@ def test_export_is_json_lines_with_verification(tmp_path: Path) -> None:
     assert invoke("export", "--journal", url, "--since", "1h", "--until", "30m")[1] == ""
 
 
+def test_export_names_a_rewritten_column_no_signature_covers(tmp_path: Path) -> None:
+    """A recall's issuer column rewritten by hand: its signature still verifies (the column is
+    outside it), and the export says so no more than the chain allows: the control is
+    TAMPERED, the other records of its delegation are flagged, and before the rewrite every
+    record's chain was ok."""
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    stuck = asyncio.run(stuck_payment(url))
+    code, out, _ = invoke("export", "--journal", url)
+    assert code == 0
+    assert {json.loads(line)["chain"] for line in out.splitlines()} == {"ok"}
+    with sqlite3.connect(tmp_path / "j.db") as conn:
+        conn.execute("UPDATE controls SET issuer = 'cli:Mallory'")
+    code, out, _ = invoke("export", "--journal", url)
+    records = [json.loads(line) for line in out.splitlines()]
+    (control,) = [r for r in records if r["record"] == "control"]
+    assert control["verified"] == "ok" and control["issuer"] == "cli:Mallory"
+    assert control["chain"].startswith("TAMPERED: altered"), control
+    (delegation,) = [r for r in records if r["record"] == "delegation"]
+    assert delegation["id"] == stuck.delegation
+    assert delegation["chain"].startswith("its delegation's chain fails"), delegation
+
+
 def test_prune_removes_only_settled_trees_and_records_it(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'j.db'}"
     done = asyncio.run(paid(url, "P-1"))

@@ -12,7 +12,8 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -46,34 +47,76 @@ def verifier(trusted: TrustedKeys | None) -> Callable[[dict[str, Any]], str]:
     return status
 
 
-async def _trusted(j: Journal, keys: Path | None) -> TrustedKeys | None:
+@dataclass(frozen=True)
+class Checks:
+    """What a record is checked against: the keys its signature must verify with, and the
+    pins its delegation's chain is verified against (None: no keys here)."""
+
+    trusted: TrustedKeys | None = None
+    pins: TrustedKeys | None = None
+
+
+async def _trusted(j: Journal, keys: Path | None) -> Checks:
     from tether._runtime.keys import KeyRing
 
     directory = keys or j.keys_dir
     if not (directory / "signing.json").exists():
-        return None
+        return Checks()
     # The journal's key registry as this configuration roots it, as ``tether show`` reads it
     # (a granted operator's key is not one of the pins).
     ring = await asyncio.to_thread(KeyRing.load, directory)
-    return (await j.registry(ring.trusted)).keys
+    return Checks((await j.registry(ring.trusted)).keys, ring.trusted)
 
 
-async def _records(j: Journal, root_ids: list[str]) -> AsyncIterator[dict[str, Any]]:
-    for root in root_ids:
-        for record in await j.tree_records(root):
-            yield record
+def _named(record: dict[str, Any]) -> tuple[str | None, str]:
+    """A record's delegation and its name in that delegation's chain (``_core.chain``)."""
+    kind = record["record"]
+    if kind == "delegation":
+        return record["id"], f"delegation {record['id']}"
+    return record.get("delegation"), f"{kind} {record.get('id')}"
+
+
+async def _chain_marks(j: Journal, records: list[dict[str, Any]], pins: TrustedKeys | None
+                       ) -> dict[str, dict[str, str]]:
+    """Per delegation of these records whose chain fails: each record it names, and why."""
+    if pins is None:
+        return {}
+    ids = [r["id"] for r in records if r["record"] == "delegation"]
+    return {v.delegation_id: {p.record: p.problem for p in v.problems}
+            for v in await j.chain_verdicts(ids, pins) if not v.ok}
+
+
+def _chain_status(record: dict[str, Any], marks: dict[str, dict[str, str]],
+                  pins: TrustedKeys | None) -> str:
+    """``ok``, or what is wrong with the record or with its delegation's chain: a column no
+    signature covers (a control's issuer, a state) is believed only where the chain is."""
+    if pins is None:
+        return "not checked (no keys)"
+    delegation, name = _named(record)
+    problems = marks.get(delegation or "")
+    if problems is None:
+        return "ok"
+    if name in problems:
+        return f"TAMPERED: {problems[name]}"
+    return "its delegation's chain fails verification (tether verify names each record)"
 
 
 async def _write(j: Journal, root_ids: list[str], sink: IO[bytes],
-                 status: Callable[[dict[str, Any]], str]) -> tuple[int, str]:
-    """JSON Lines to ``sink``; the number of records and the SHA-256 of the bytes written."""
+                 checks: Checks) -> tuple[int, str]:
+    """JSON Lines to ``sink``; the number of records and the SHA-256 of the bytes written.
+    Each record says whether its signature verifies and whether its chain does."""
+    status = verifier(checks.trusted)
     digest, n = hashlib.sha256(), 0
-    async for record in _records(j, root_ids):
-        record["verified"] = status(record)
-        line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
-        sink.write(line)
-        digest.update(line)
-        n += 1
+    for root in root_ids:
+        records = await j.tree_records(root)
+        marks = await _chain_marks(j, records, checks.pins)
+        for record in records:
+            record["verified"] = status(record)
+            record["chain"] = _chain_status(record, marks, checks.pins)
+            line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
+            sink.write(line)
+            digest.update(line)
+            n += 1
     return n, digest.hexdigest()
 
 
@@ -97,14 +140,14 @@ def export_cmd(
 
     async def go(sink: IO[bytes]) -> tuple[int, str]:
         async with Journal(journal, create=False) as j:
-            status = verifier(await _trusted(j, keys))
+            checks = await _trusted(j, keys)
             total, after = 0, None
             digest = hashlib.sha256()
             while True:
                 page = await j.roots(since=lo, until=hi, after=after, limit=PAGE)
                 if not page:
                     return total, digest.hexdigest()
-                n, _ = await _write(j, page, sink, status)
+                n, _ = await _write(j, page, sink, checks)
                 total += n
                 after = page[-1]
 
@@ -207,7 +250,7 @@ def prune_cmd(
                         "root_ids": candidates}
             saved = None
             if archive is not None and candidates:
-                status = verifier(await _trusted(j, keys))
+                checks = await _trusted(j, keys)
                 try:  # private, like the journal it copies
                     fh = os.fdopen(os.open(archive, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                            0o600), "wb")
@@ -219,7 +262,7 @@ def prune_cmd(
                                     f"{exc.strerror or exc}") from None
                 try:
                     with fh:
-                        n, digest = await _write(j, candidates, fh, status)
+                        n, digest = await _write(j, candidates, fh, checks)
                         fh.flush()
                         os.fsync(fh.fileno())
                 except OSError as exc:  # a full disk, say: no half archive, nothing pruned

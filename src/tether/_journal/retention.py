@@ -51,7 +51,7 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
     out += [{"record": "action", **a.to_json()} for a in actions(db, ids)]
     for d in ids:
         for c in controls(db, d):
-            out.append({"record": "control", "delegation": d, "seq": c.seq,
+            out.append({"record": "control", "id": c.id, "delegation": d, "seq": c.seq,
                         "kind": c.kind.value, "issuer": c.issuer, "accepted_at": c.accepted_at,
                         "key_id": c.signed.key_id, "body": c.signed.body.decode("utf-8"),
                         "signature": _b64(c.signed.signature)})
