@@ -474,6 +474,19 @@ async def test_redelegation_refuses_when_an_earlier_epoch_holding_the_key_was_ta
     assert PAY.refund_count(order) == 1
 
 
+async def delete_whole(journal: Journal, delegation_id: str) -> None:
+    """A delegation deleted by hand with everything of it, chain and sealed head included."""
+    for sql in ("DELETE FROM events WHERE delegation_id = ? OR (delegation_id IS NULL "
+                "AND action_id IN (SELECT id FROM actions WHERE delegation_id = ?))",
+                "DELETE FROM actions WHERE delegation_id = ? AND ? <> ''",
+                "DELETE FROM controls WHERE delegation_id = ? AND ? <> ''",
+                "DELETE FROM documents WHERE delegation_id = ? AND ? <> ''",
+                "DELETE FROM chain WHERE delegation_id = ? AND ? <> ''",
+                "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
+                "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
+        await raw(journal, sql, delegation_id, delegation_id)
+
+
 async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole(
         journal_url: str) -> None:
     """The first epoch, which holds the COMPLETED refund, deleted with its chain: it reads as
@@ -486,15 +499,7 @@ async def test_redelegation_refuses_when_an_earlier_epoch_was_deleted_as_a_whole
         assert await first.result() == "ok"
         second = await first.redelegate()
         assert await second.result() == "ok"
-        for sql in ("DELETE FROM events WHERE delegation_id = ? OR (delegation_id IS NULL "
-                    "AND action_id IN (SELECT id FROM actions WHERE delegation_id = ?))",
-                    "DELETE FROM actions WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM controls WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM documents WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM chain WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
-            await raw(sup.journal, sql, first.id, first.id)
+        await delete_whole(sup.journal, first.id)
         with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await second.redelegate()
         assert "epoch 0" in str(refused.value)
@@ -516,15 +521,7 @@ async def test_the_newest_epoch_deleted_as_a_whole_is_named_by_the_one_before(
         assert await first.result() == "ok"
         second = await first.redelegate()
         assert await second.result() == "ok"
-        for sql in ("DELETE FROM events WHERE delegation_id = ? OR (delegation_id IS NULL "
-                    "AND action_id IN (SELECT id FROM actions WHERE delegation_id = ?))",
-                    "DELETE FROM actions WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM controls WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM documents WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM chain WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM chain_heads WHERE delegation_id = ? AND ? <> ''",
-                    "DELETE FROM delegations WHERE id = ? AND ? <> ''"):
-            await raw(sup.journal, sql, second.id, second.id)
+        await delete_whole(sup.journal, second.id)
         await raw(sup.journal, "UPDATE tasks SET epoch = 0 WHERE id = ?", first.task_id)
         with pytest.raises(tether.errors.JournalError, match="fail verification") as refused:
             await first.redelegate()
