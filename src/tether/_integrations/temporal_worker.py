@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +88,23 @@ async def _forward(**kwargs: Any) -> Any:
     pending = _PENDING.get()
     assert pending is not None, "a tether proxy tool runs only under the activity interceptor"
     _KEY.set(kwargs.get("idempotency_key"))  # the action task's own context
-    return await pending.next.execute_activity(pending.input)
+    result = await pending.next.execute_activity(pending.input)
+    return as_json(result, temporalio.activity.payload_converter())
+
+
+def as_json(value: Any, converter: temporalio.converter.PayloadConverter) -> Any:
+    """An activity's result as the worker's payload converter encodes it (a framework's
+    dataclass or model as its JSON): what the journal keeps, and what a replay by key hands
+    Temporal, which encodes it again to the same payload and decodes it in the workflow to
+    the type the workflow expects. A result the converter does not encode as JSON is kept as
+    it is."""
+    try:
+        (payload,) = converter.to_payloads([value])
+    except Exception:  # Temporal then fails the activity with the same error, as its own
+        return value
+    if payload.metadata.get("encoding") != b"json/plain":
+        return value
+    return json.loads(payload.data)
 
 
 def _parameters(tool: Tool) -> inspect.Signature:
@@ -131,10 +147,10 @@ def activity(tool: Tool) -> Callable[..., Awaitable[Any]]:
 
 
 def _json_args(args: Sequence[Any]) -> list[Any]:
-    """An undeclared activity's arguments as Temporal's converter encodes them: what the
-    journal compares (the Stripe rule) and shows."""
+    """An undeclared activity's arguments as the worker's payload converter encodes them:
+    what the journal compares (the Stripe rule) and shows."""
     out: list[Any] = []
-    for payload in temporalio.converter.default().payload_converter.to_payloads(args):
+    for payload in temporalio.activity.payload_converter().to_payloads(args):
         try:
             out.append(json.loads(payload.data))
         except ValueError:
@@ -165,7 +181,8 @@ class _Hosted:
 class Host:
     """The workflow runs whose delegations this worker process hosts."""
 
-    def __init__(self, supervisor: Supervisor, tools: Sequence[Tool]) -> None:
+    def __init__(self, supervisor: Supervisor, tools: Sequence[Tool],
+                 effects: Mapping[str, Effect] | None = None) -> None:
         if not isinstance(supervisor, Supervisor):
             raise UserError("tether.temporal.Plugin needs an open tether.Supervisor")
         self.sup = supervisor
@@ -173,6 +190,16 @@ class Host:
         if any(not isinstance(t, Tool) for t in self.declared.values()):
             raise UserError("tether.temporal.Plugin(tools=...): tools only (a Temporal "
                             "workflow is the agent)")
+        # The effect of an activity registered by someone else (a framework's model request
+        # is READ_ONLY, say): EXTERNAL, with no probe, for any activity not named here.
+        self.effects = dict(effects or {})
+        for name, effect in self.effects.items():
+            if not isinstance(name, str) or not isinstance(effect, Effect):
+                raise UserError("tether.temporal.Plugin(effects=...): activity names to "
+                                f"tether.Effect values, not {name!r}: {effect!r}")
+            if name in self.declared:
+                raise UserError(f"tether.temporal.Plugin: {name} is a tool, whose effect "
+                                "its declaration gives; leave it out of effects")
         # What the gateway calls: each activity as a proxy tool with its declared effect,
         # probe and deadline, forwarding to Temporal's chain; filled in by ``learn``.
         self.surface: dict[str, Tool | str] = {}
@@ -195,16 +222,16 @@ class Host:
                 self.surface[UNRESTRICTED] = UNRESTRICTED
                 continue
             declared = self.declared.get(defn.name)
-            self.surface[defn.name] = (replaced(declared, _forward)
-                                       if isinstance(declared, Tool)
-                                       else Tool(defn.name, Effect.EXTERNAL, _forward))
+            self.surface[defn.name] = (
+                replaced(declared, _forward) if isinstance(declared, Tool)
+                else Tool(defn.name, self.effects.get(defn.name, Effect.EXTERNAL), _forward))
 
     def _tool(self, name: str) -> Tool:
         found = self.surface.get(name)
         if isinstance(found, Tool):
             return found
         if UNRESTRICTED in self.surface:
-            return Tool(name, Effect.EXTERNAL, _forward)
+            return Tool(name, self.effects.get(name, Effect.EXTERNAL), _forward)
         raise _refused(f"activity {name} is not registered with tether's plugin")
 
     async def call(self, next: temporalio.worker.ActivityInboundInterceptor,
@@ -411,10 +438,13 @@ class Plugin(temporalio.plugin.SimplePlugin):
 
     Registers each tool as an activity of its name, and runs every activity of the worker
     through tether's gateway on ``supervisor``'s journal: a declared tool with its effect and
-    probe, any other activity as EXTERNAL with no probe."""
+    probe, an activity named in ``effects`` with that effect (a framework's own activities:
+    ``{"agent__support__model_request": Effect.READ_ONLY}``), any other as EXTERNAL with no
+    probe."""
 
-    def __init__(self, supervisor: Supervisor, *, tools: Sequence[Tool] = ()) -> None:
-        self.host = Host(supervisor, tools)
+    def __init__(self, supervisor: Supervisor, *, tools: Sequence[Tool] = (),
+                 effects: Mapping[str, Effect] | None = None) -> None:
+        self.host = Host(supervisor, tools, effects)
         declared = [activity(t) for t in self.host.declared.values() if isinstance(t, Tool)]
         super().__init__("tether.temporal", interceptors=[_Interceptor(self.host)],
                          activities=self._activities(declared), run_context=self._running)
