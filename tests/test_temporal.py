@@ -137,6 +137,11 @@ async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
     async with supervisor(sqlite_url, provider) as sup:
         with pytest.raises(tether.UserError, match="not a tether tool"):
             tether.temporal.Plugin(sup, tools=[print])  # type: ignore[list-item]
+        with pytest.raises(tether.UserError, match=r"activity names to tether\.Effect"):
+            tether.temporal.Plugin(sup, effects={"x": "READ_ONLY"})  # type: ignore[dict-item]
+        with pytest.raises(tether.UserError, match="refund is a tool"):
+            tether.temporal.Plugin(sup, tools=[provider.refund],
+                                   effects={"refund": tether.Effect.READ_ONLY})
         with pytest.raises(tether.UserError, match="expected a Temporal WorkflowHandle"):
             await tether.temporal.recall("wf-1", supervisor=sup,  # type: ignore[arg-type]
                                          grace=1.0)
