@@ -288,7 +288,13 @@ async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temp
         await sup.recover()
         (dead,) = await sup.journal.delegations()
         await settled(sup, dead.id)
-    code, out, err = await asyncio.to_thread(cli, "recall", dead.id, "--journal", journal_url)
+    # As an operator types it (a process of its own: no test's log handlers in it).
+    done = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "recall", dead.id, "--journal", journal_url, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT)))},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out_bytes, err_bytes = await done.communicate()
+    code, out, err = done.returncode, out_bytes.decode(), err_bytes.decode()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "nothing to recall in the journal" in err and "goes on at a new epoch" in err, err
     code, out, err = await asyncio.to_thread(
