@@ -107,6 +107,15 @@ def test_export_names_a_rewritten_column_no_signature_covers(tmp_path: Path) -> 
     (delegation,) = [r for r in records if r["record"] == "delegation"]
     assert delegation["id"] == stuck.delegation
     assert delegation["chain"].startswith("its delegation's chain fails"), delegation
+    # An event that names only its action (an outcome, say) is chained with the action's
+    # delegation: one inserted by hand is named too.
+    with sqlite3.connect(tmp_path / "j.db") as conn:
+        (forged,) = conn.execute(
+            "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES "
+            "(NULL, ?, 0, 'outcome', '{}') RETURNING id", (stuck.action,)).fetchone()
+    records = [json.loads(line) for line in invoke("export", "--journal", url)[1].splitlines()]
+    (event,) = [r for r in records if r["record"] == "event" and r["id"] == forged]
+    assert event["chain"].startswith("TAMPERED: inserted"), event
 
 
 def test_prune_removes_only_settled_trees_and_records_it(tmp_path: Path) -> None:

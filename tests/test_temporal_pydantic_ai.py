@@ -113,3 +113,4 @@ def test_a_replayed_result_decodes_in_the_workflow_to_the_type_it_had() -> None:
     (decoded,) = converter.from_payloads(converter.to_payloads([kept]), [Refunded])
     assert decoded == original
     assert as_json(b"\x00raw", converter) == b"\x00raw"  # not JSON: kept as it was
+    assert as_json(None, converter) is None

@@ -68,12 +68,14 @@ async def _trusted(j: Journal, keys: Path | None) -> Checks:
     return Checks((await j.registry(ring.trusted)).keys, ring.trusted)
 
 
-def _named(record: dict[str, Any]) -> tuple[str | None, str]:
-    """A record's delegation and its name in that delegation's chain (``_core.chain``)."""
+def _named(record: dict[str, Any], owners: dict[str, str]) -> tuple[str | None, str]:
+    """A record's delegation and its name in that delegation's chain (``_core.chain``): an
+    event that names only its action is chained with the action's delegation."""
     kind = record["record"]
     if kind == "delegation":
         return record["id"], f"delegation {record['id']}"
-    return record.get("delegation"), f"{kind} {record.get('id')}"
+    owner = record.get("delegation") or owners.get(str(record.get("action")))
+    return owner, f"{kind} {record.get('id')}"
 
 
 async def _chain_marks(j: Journal, records: list[dict[str, Any]], pins: TrustedKeys | None
@@ -87,12 +89,12 @@ async def _chain_marks(j: Journal, records: list[dict[str, Any]], pins: TrustedK
 
 
 def _chain_status(record: dict[str, Any], marks: dict[str, dict[str, str]],
-                  pins: TrustedKeys | None) -> str:
+                  pins: TrustedKeys | None, owners: dict[str, str]) -> str:
     """``ok``, or what is wrong with the record or with its delegation's chain: a column no
     signature covers (a control's issuer, a state) is believed only where the chain is."""
     if pins is None:
         return "not checked (no keys)"
-    delegation, name = _named(record)
+    delegation, name = _named(record, owners)
     problems = marks.get(delegation or "")
     if problems is None:
         return "ok"
@@ -110,9 +112,10 @@ async def _write(j: Journal, root_ids: list[str], sink: IO[bytes],
     for root in root_ids:
         records = await j.tree_records(root)
         marks = await _chain_marks(j, records, checks.pins)
+        owners = {r["id"]: r["delegation"] for r in records if r["record"] == "action"}
         for record in records:
             record["verified"] = status(record)
-            record["chain"] = _chain_status(record, marks, checks.pins)
+            record["chain"] = _chain_status(record, marks, checks.pins, owners)
             line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode("utf-8")
             sink.write(line)
             digest.update(line)

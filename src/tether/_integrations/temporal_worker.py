@@ -104,7 +104,12 @@ def as_json(value: Any, converter: temporalio.converter.PayloadConverter) -> Any
         return value
     if payload.metadata.get("encoding") != b"json/plain":
         return value
-    return json.loads(payload.data)
+    kept = json.loads(payload.data)
+    try:  # only where the JSON alone encodes to the same payload (no type in the metadata)
+        same = converter.to_payloads([kept]) == [payload]
+    except Exception:  # the value itself goes to Temporal then, as before
+        same = False
+    return kept if same else value
 
 
 def _parameters(tool: Tool) -> inspect.Signature:

@@ -317,7 +317,7 @@ def work_of(db: Db, delegation_id: str) -> Signed | None:
 
 _work = _decoded("delegations", lambda r: signed_of(r[1], r[2], r[3]))
 _document = _decoded("documents", lambda r: DocumentRow(
-    r[1], r[2], r[3], signed_of(r[4], r[5], r[6]), r[7]))
+    r[1], r[2], r[3], signed_of(r[4], r[5], r[6]), r[7], int(r[0])))
 
 
 def bump_cancel(db: Db, task_id: str, now: float, why: str) -> int:

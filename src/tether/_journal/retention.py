@@ -56,7 +56,7 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
                         "key_id": c.signed.key_id, "body": c.signed.body.decode("utf-8"),
                         "signature": _b64(c.signed.signature)})
         for doc in documents(db, d):
-            out.append({"record": "document", "delegation": d, "seq": doc.seq,
+            out.append({"record": "document", "id": doc.id, "delegation": d, "seq": doc.seq,
                         "type": doc.type, "recorded_at": doc.recorded_at,
                         "key_id": doc.signed.key_id, "body": doc.signed.body.decode("utf-8"),
                         "signature": _b64(doc.signed.signature)})

@@ -141,6 +141,7 @@ class DocumentRow:
     type: str
     signed: Signed
     recorded_at: float
+    id: int = 0  # its row, as the chain names it
 
 
 @dataclass(frozen=True)
