@@ -124,8 +124,7 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
         report = run(on_temporal.fence_run(journal, keys, run_handle, kind, grace, reason))
         if report is None:  # someone's intent stopped the run already: Temporal, at least
             run(on_temporal.stop_run(run_handle, kind, reason))
-        told = f"Temporal: workflow {run_handle.id} run {run_handle.run_id} " + (
-            "cancelled." if kind is ControlKind.RECALL else "terminated.")
+        told = on_temporal.told(run_handle, kind)
         code = 0 if report is None or report["outcome"] not in ATTENTION else 1
         if as_json:
             emit_json({"delegation": delegation_id, "journal": ended, "report": report,

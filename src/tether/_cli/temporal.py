@@ -84,5 +84,10 @@ async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:
     from tether._integrations.temporal_control import tell_temporal
 
     await tell_temporal(handle, kind, reason)
+    return told(handle, kind)
+
+
+def told(handle: Any, kind: ControlKind) -> str:
+    """What the operator is told once the run was cancelled or terminated in Temporal."""
     done = "cancelled" if kind is ControlKind.RECALL else "terminated"
     return f"Temporal: workflow {handle.id} run {handle.run_id} {done}."

@@ -98,6 +98,8 @@ def as_json(value: Any, converter: temporalio.converter.PayloadConverter) -> Any
     Temporal, which encodes it again to the same payload and decodes it in the workflow to
     the type the workflow expects. A result the converter does not encode as JSON is kept as
     it is."""
+    if value is None or type(value) in (str, int, bool):  # its own JSON: nothing to encode
+        return value
     try:
         (payload,) = converter.to_payloads([value])
     except Exception:  # Temporal then fails the activity with the same error, as its own
@@ -391,9 +393,10 @@ async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:
     controls = await sup.journal.controls(head.id)
     if len(controls) != head.control_seq:
         return True
+    trusted = await sup.current_trust()  # the registry's keys, as every intent is judged
     for control in controls:
         try:
-            intent = sup.keys.trusted.verify(control.signed, ControlIntent)
+            intent = trusted.verify(control.signed, ControlIntent)
         except TetherError:
             return True
         if not intent.recovery or (intent.delegation_id, intent.epoch, intent.seq) != (
