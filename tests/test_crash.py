@@ -108,7 +108,8 @@ async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(tmp_path: Pa
             refused.append(exc)
             raise
 
-    async with tether.Supervisor(journal, clock=clock, keys=keys) as paused:
+    # Paused: it polls for nothing (no heartbeat, no control rows others write) until resumed.
+    async with tether.Supervisor(journal, clock=clock, keys=keys, control_poll=3600) as paused:
         child = await paused.delegate(agent, tools=[refund])
         clock.advance(paused.policy.lease + 1)
         async with tether.Supervisor(journal, clock=clock, keys=keys, tools=[refund]) as fresh:

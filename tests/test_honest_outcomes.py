@@ -200,10 +200,10 @@ async def test_redelegating_while_the_first_call_is_live_never_pays_twice(
 
 # -- 2: a paused worker's payments ----------------------------------------------------------------
 
-async def start_worker(url: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+async def start_worker(url: str, env: dict[str, str], lease: float) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tether", "worker", "--journal", url,
-        "--agents", "tests.honest_agents:AGENTS", "--lease", "1", "--concurrency", "1",
+        "--agents", "tests.honest_agents:AGENTS", "--lease", str(lease), "--concurrency", "1",
         env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout is not None
     line = (await proc.stdout.readline()).decode()
@@ -281,15 +281,24 @@ async def test_a_paused_workers_payments_are_never_reported_not_applied(
     try:
         async with tether.Supervisor(journal_url, tools=honest_agents.TOOLS,
                                      recover=False) as sup:
-            proc = await start_worker(journal_url, env)
+            # A lease a loaded machine does not lose on its own: this test is about a pause.
+            # Losing it earlier starts the worker's bounded wait for its calls early, and a
+            # long pause could then use that wait up (honest, but another scenario).
+            proc = await start_worker(journal_url, env, lease=3.0)
             procs.append(proc)
             handle = await sup.delegate(honest_agents.payer, ["P-1", "P-2"], remote=True)
 
             async def sent() -> dict[str, dict[str, object]]:
                 return honest_agents.requests(here)
 
+            async def lease_lost() -> int:
+                return int(await sup.journal.peek(
+                    lambda db: db.execute("SELECT COUNT(*) FROM events WHERE kind = ?",
+                                          ("lease_lost",)).fetchone()[0]))
+
             await eventually(sent, lambda r: len(r) == 2, "both payments to be sent")
             await pause_outside_transactions(proc, journal_url, app)
+            assert await lease_lost() == 0, "the worker lost its lease before it was paused"
             # Waiting on the task, the orchestrator presumes the worker dead once its lease ran
             # out, and probes both payments: the provider has no entry for either key yet.
             waiter = asyncio.ensure_future(handle.wait())
@@ -308,11 +317,6 @@ async def test_a_paused_workers_payments_are_never_reported_not_applied(
                 with contextlib.suppress(asyncio.CancelledError):
                     await waiter
                 os.kill(proc.pid, signal.SIGCONT)
-
-            async def lease_lost() -> int:
-                return int(await sup.journal.peek(
-                    lambda db: db.execute("SELECT COUNT(*) FROM events WHERE kind = ?",
-                                          ("lease_lost",)).fetchone()[0]))
 
             # The worker wakes and learns that its lease is gone (or has already stopped).
             await eventually(lambda: _either(lease_lost(), proc),
