@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -294,3 +295,100 @@ async def test_a_bad_idle_timeout_is_one_line(tmp_path: Path) -> None:
                              "--upstream", "bank=x")
     assert code == 2 and err.startswith("error:") and "--idle-timeout" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "j.db").exists()
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (the upstreams a proxy started, and theirs)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            parents[int(entry.name)] = int(stat[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier}
+        found |= frontier
+    return {p for p in found if _alive(p)}
+
+
+async def test_a_signal_while_the_http_proxy_probes_its_upstreams_stops_them_with_it(
+        tmp_path: Path) -> None:
+    """SIGTERM before the proxy listens (an upstream that never answers ``initialize``): the
+    proxy stops its upstream and exits 128 + 15, with no traceback. It was killed by the
+    signal's default action, and its upstream ran on."""
+    marker = tmp_path / "upstream.pid"
+    silent = (f"{sys.executable} -c \"import os, pathlib, time; "
+              f"pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(60)\"")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "mcp-proxy", "--journal",
+        f"sqlite:///{tmp_path / 'journal.db'}", "--http", "127.0.0.1:0",
+        "--upstream", f"mute={silent}", cwd=ROOT, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        give_up = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < give_up and proc.returncode is None, "no upstream"
+            await asyncio.sleep(0.02)
+        upstream = int(marker.read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert "Traceback" not in err.decode()
+    give_up = time.monotonic() + 10
+    while _alive(upstream):
+        assert time.monotonic() < give_up, "the upstream outlived the proxy"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_signal_while_the_http_proxy_serves_stops_its_sessions_upstreams(
+        bank_env: Path, tmp_path: Path) -> None:
+    """SIGTERM while a session is open: the server stops, the session's upstream with it, and
+    the proxy exits 128 + 15 (uvicorn re-raised the signal once it had shut down, which killed
+    the proxy before it stopped its upstreams)."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "mcp-proxy", "--journal", journal,
+        "--http", "127.0.0.1:0", "--upstream", f"bank={sys.executable} -m tests.mcp_bank",
+        cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        line = ""
+        while "serving MCP at" not in line:
+            line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode()
+            assert line, "the proxy ended before it served"
+        url = line.split("serving MCP at ")[1].split()[0]
+        async with http_client(url) as session:
+            await session.list_tools()
+            upstreams = _descendants(proc.pid)
+            assert upstreams, "the session started no upstream"
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 128 + signal.SIGTERM
+    # The session's delegation was ended by the proxy itself, not left for a recovery.
+    (report,) = await reports(journal)
+    assert report.outcome.terminal, report
+    give_up = time.monotonic() + 10
+    while any(_alive(p) for p in upstreams):
+        assert time.monotonic() < give_up, "a session's upstream outlived the proxy"
+        await asyncio.sleep(0.02)

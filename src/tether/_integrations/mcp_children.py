@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tether._core.errors import UserError
@@ -166,6 +166,7 @@ class Stopper:
         self.children = children
         self.signal: int | None = None
         self._serving: asyncio.Task[Any] | None = None
+        self._then: list[Callable[[], None]] = []
 
     def install(self) -> None:
         """For the rest of the event loop's life: its close removes them. Not sooner, since
@@ -186,8 +187,14 @@ class Stopper:
         finally:
             self._serving = None
 
+    def then(self, hook: Callable[[], None]) -> None:
+        """Also call ``hook`` at each signal from now on (a server to stop, say)."""
+        self._then.append(hook)
+
     def _received(self, signum: int) -> None:
         self.children.stop_now()
+        for hook in self._then:
+            hook()
         if self.signal is None:
             self.signal = signum
             if self._serving is not None and not self._serving.done():

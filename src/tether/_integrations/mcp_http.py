@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
-from tether._integrations.mcp_children import Children
+from tether._integrations.mcp_children import HURRIED, Children, Stopper
 from tether._integrations.mcp_config import ProxyConfig
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_serve import (
@@ -148,21 +149,29 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                      idle_timeout: float = 300.0) -> None:
     import uvicorn
 
+    children = Children()
+    # The proxy's own signal handlers from the start: a signal while the upstreams are probed
+    # stops them with it (the default action killed the proxy and left them running), and
+    # once it serves, it stops the server too (uvicorn's own handlers are kept out: the
+    # signal they re-raise at the end killed the proxy before it stopped its upstreams).
+    stopper = Stopper(children)
+    stopper.install()
     try:
         async with AsyncExitStack() as stack:
             template = Proxy(config)  # the upstreams' capabilities, and the config checked
             template.relay.ready.set()  # it has no client: what its upstreams ask is refused
-            children = Children()
             probe = await stack.enter_async_context(AsyncExitStack())
-            await connect_upstreams(template, probe, children)
+            with stopper.serving():  # a signal before serving begins cancels this
+                await connect_upstreams(template, probe, children)
             # What an earlier proxy on this journal left in doubt when it died, settled with
             # the upstreams' tools (their probes, their tasks) while the template's sessions
             # are open; by a supervisor of its own, whose tools (those sessions') the sessions'
             # supervisor would otherwise keep in place of each session's own.
-            async with Supervisor(journal, tools=template.journaled_tools(),
-                                  recover=False) as recovering:
-                template.attach(recovering)
-                await recovering.recover()
+            with stopper.serving():
+                async with Supervisor(journal, tools=template.journaled_tools(),
+                                      recover=False) as recovering:
+                    template.attach(recovering)
+                    await recovering.recover()
             # tools=(): each session brings its own; what $TETHER_TOOLS names (the
             # deployment's Python tools) is never imported here.
             sup = await stack.enter_async_context(Supervisor(journal, recover=False, tools=()))
@@ -174,6 +183,10 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                                             session_idle_timeout=idle_timeout)
 
             class Web(uvicorn.Server):
+                @contextlib.contextmanager
+                def capture_signals(self) -> Iterator[None]:
+                    yield  # the proxy's own handlers (``stopper``) stop the server
+
                 async def startup(self, sockets: Any = None) -> None:
                     await super().startup(sockets)
                     # Said once it listens (a port of 0 is chosen by the system: say which).
@@ -183,13 +196,34 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                              f"http://{shown}:{bound}/mcp (journal {journal})",
                              url=f"http://{shown}:{bound}/mcp")
 
+            # Stopping, a client's open stream (its GET, a call in flight) is given HURRIED
+            # seconds, then cut: uvicorn would otherwise wait for it as long as the client
+            # keeps it open, and the upstreams it would reach are stopped already.
             web = Web(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                     lifespan="on"))
+                                     lifespan="on", timeout_graceful_shutdown=HURRIED))
+            stopper.then(lambda: _shut(web))
+            if stopper.signal is not None:
+                return
             try:
                 await web.serve()
             finally:
-                children.stop_now()  # stopped by a signal: the upstreams with the proxy
+                if stopper.signal is None:  # a signal stopped the upstreams already
+                    children.stop_now()
                 with contextlib.suppress(Exception):
                     await sessions.close()
+    except asyncio.CancelledError:
+        if stopper.signal is None:
+            raise
     except BaseExceptionGroup as group:
-        raise one_line(group) from None
+        failed = group.subgroup(lambda e: not isinstance(e, asyncio.CancelledError))
+        if stopper.signal is None or failed is not None:  # not only what the signal cut
+            raise one_line(group) from None
+    if stopper.exit_code is not None:
+        raise SystemExit(stopper.exit_code)
+
+
+def _shut(web: Any) -> None:
+    """A signal while serving: the server stops (a second one: at once)."""
+    if web.should_exit:
+        web.force_exit = True
+    web.should_exit = True
