@@ -29,7 +29,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 
 from tether._core.errors import UserError
-from tether._integrations.mcp_children import HURRIED, Children, Stopper
+from tether._integrations.mcp_children import Children, Stopper
 from tether._integrations.mcp_config import ProxyConfig
 from tether._integrations.mcp_proxy import Proxy
 from tether._integrations.mcp_serve import (
@@ -196,11 +196,11 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                              f"http://{shown}:{bound}/mcp (journal {journal})",
                              url=f"http://{shown}:{bound}/mcp")
 
-            # Stopping, a client's open stream (its GET, a call in flight) is given HURRIED
-            # seconds, then cut: uvicorn would otherwise wait for it as long as the client
-            # keeps it open, and the upstreams it would reach are stopped already.
+            # Stopping, a client's open stream (its GET, a call in flight) is given a second
+            # (uvicorn counts whole ones), then cut: uvicorn would otherwise wait for it as
+            # long as the client keeps it open, and the upstreams it would reach are stopped.
             web = Web(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                     lifespan="on", timeout_graceful_shutdown=HURRIED))
+                                     lifespan="on", timeout_graceful_shutdown=1))
             stopper.then(lambda: _shut(web))
             if stopper.signal is not None:
                 return
