@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
@@ -356,11 +357,15 @@ async def test_a_signal_while_the_http_proxy_probes_its_upstreams_stops_them_wit
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.parametrize("signals", [1, 2])
 async def test_a_signal_while_the_http_proxy_serves_stops_its_sessions_upstreams(
-        bank_env: Path, tmp_path: Path) -> None:
-    """SIGTERM while a session is open: the server stops, the session's upstream with it, and
-    the proxy exits 128 + 15 (uvicorn re-raised the signal once it had shut down, which killed
-    the proxy before it stopped its upstreams)."""
+        bank_env: Path, tmp_path: Path, signals: int) -> None:
+    """SIGTERM while a session is open (a second one soon after, too): the server stops, the
+    session's upstream with it, the session's delegation is terminated (not ended as if its
+    client had closed it), and the proxy exits 128 + 15 with nothing on stderr but its own
+    lines. uvicorn re-raised the signal once it had shut down, which killed the proxy before
+    it stopped its upstreams, and it waited for the client's open stream for as long as the
+    client kept it."""
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     proc = await asyncio.create_subprocess_exec(
@@ -378,17 +383,51 @@ async def test_a_signal_while_the_http_proxy_serves_stops_its_sessions_upstreams
             await session.list_tools()
             upstreams = _descendants(proc.pid)
             assert upstreams, "the session started no upstream"
-            proc.send_signal(signal.SIGTERM)
+            for _ in range(signals):
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.05)
             code = await asyncio.wait_for(proc.wait(), 30)
+            rest = (await proc.stderr.read()).decode()
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
     assert code == 128 + signal.SIGTERM
-    # The session's delegation was ended by the proxy itself, not left for a recovery.
+    assert "Traceback" not in rest and "ERROR" not in rest, rest
     (report,) = await reports(journal)
-    assert report.outcome.terminal, report
+    assert report.outcome is tether.DelegationState.TERMINATED, report
     give_up = time.monotonic() + 10
     while any(_alive(p) for p in upstreams):
         assert time.monotonic() < give_up, "a session's upstream outlived the proxy"
         await asyncio.sleep(0.02)
+
+
+async def test_a_signal_as_the_http_proxy_makes_its_server_exits_128_plus_it(
+        bank_env: Path, tmp_path: Path) -> None:
+    """SIGTERM after the upstreams were probed and before the server listens (the probe's
+    upstream takes its time to exit): the proxy exits 128 + 15, never 0 as if it had ended
+    of its own accord."""
+    marker = tmp_path / "probed"
+    lingering = tmp_path / "lingering.sh"
+    lingering.write_text(f"#!/bin/sh\ntrap '' TERM\n{sys.executable} -m tests.mcp_bank\n"
+                         f"echo done > {marker}\nexec sleep 30\n")
+    lingering.chmod(0o755)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tether", "mcp-proxy", "--journal",
+        f"sqlite:///{tmp_path / 'journal.db'}", "--http", "127.0.0.1:0",
+        "--upstream", f"bank={lingering}", cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        give_up = time.monotonic() + 60
+        while not marker.exists():  # its stdin closed: the proxy waits for it to exit
+            assert time.monotonic() < give_up and proc.returncode is None, "never probed"
+            await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+    assert "serving MCP at" not in err.decode()

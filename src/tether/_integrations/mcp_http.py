@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -91,6 +92,9 @@ class HttpSessions:
         self.journal, self.config, self.sup = journal, config, sup
         self.children = children
         self.sessions: dict[str, _Session] = {}
+        # Set by a signal: a session that ends from then on is cut, not ended by its client
+        # (its delegation terminated, as the stdio proxy's), whatever unwinds it.
+        self.cut = False
 
     async def resolve(self, ctx: ServerRequestContext[Any], start: bool) -> Proxy | None:
         # The SDK keeps a client's Connection (its session, and the exit stack it unwinds when
@@ -136,6 +140,8 @@ class HttpSessions:
     async def _ended(self, key: str) -> None:
         session = self.sessions.pop(key, None)
         if session is not None:
+            if self.cut and session.task is not None:
+                session.task.cancel()  # its delegation is terminated as the supervisor closes
             session.done.set()
             if session.task is not None:
                 await asyncio.wait({session.task}, timeout=self.sup.policy.ack_timeout)
@@ -201,16 +207,19 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
             # long as the client keeps it open, and the upstreams it would reach are stopped.
             web = Web(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                      lifespan="on", timeout_graceful_shutdown=1))
-            stopper.then(lambda: _shut(web))
-            if stopper.signal is not None:
-                return
+            stopper.then(lambda: _shut(web, sessions))
+            quiet = _Quiet(stopper)
+            logging.getLogger("uvicorn.error").addFilter(quiet)
             try:
-                await web.serve()
+                if stopper.signal is None:  # else a signal came as the server was made
+                    await web.serve()
             finally:
                 if stopper.signal is None:  # a signal stopped the upstreams already
                     children.stop_now()
+                sessions.cut = sessions.cut or stopper.signal is not None
                 with contextlib.suppress(Exception):
                     await sessions.close()
+                logging.getLogger("uvicorn.error").removeFilter(quiet)
     except asyncio.CancelledError:
         if stopper.signal is None:
             raise
@@ -222,8 +231,25 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
         raise SystemExit(stopper.exit_code)
 
 
-def _shut(web: Any) -> None:
-    """A signal while serving: the server stops (a second one: at once)."""
-    if web.should_exit:
-        web.force_exit = True
+def _shut(web: Any, sessions: HttpSessions) -> None:
+    """A signal while serving: the server stops, within its graceful-shutdown bound (not at
+    once at a second signal: its lifespan and streams would then be left to be cancelled as
+    the loop closes, each with a traceback), and the sessions it ends are cut."""
+    sessions.cut = True
     web.should_exit = True
+
+
+class _Quiet(logging.Filter):
+    """After a signal, uvicorn's account of the streams it cut at the end of its graceful
+    shutdown (the proxy's own doing, as the signal asked) is not an error to show."""
+
+    def __init__(self, stopper: Stopper) -> None:
+        super().__init__()
+        self.stopper = stopper
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.stopper.signal is None:
+            return True
+        cut = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(cut, asyncio.CancelledError | SystemExit)
+                    or "timeout graceful shutdown exceeded" in record.getMessage())
