@@ -269,6 +269,32 @@ async def test_only_trusted_recoveries_for_the_same_row_let_a_run_go_on(
         assert await run_stopped(sup, head)
 
 
+async def test_a_recovery_signed_by_a_key_the_registry_granted_lets_a_run_go_on(
+        journal_url: str, tmp_path: Path) -> None:
+    """A worker whose key the journal's root granted (``tether keys trust``), not one the
+    deployment pins, recovers a dead worker's run: its signed recovery is judged against the
+    registry, as every intent is, so the run goes on at a new epoch; and the orchestrator,
+    which pins only the root, reads it the same."""
+    root = tether.KeyRing.init(tmp_path / "root")
+    granted = tether.KeyRing.init(tmp_path / "worker")
+    granted.pin(root.signer.key_id, root.signer.public_b64())
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, keys=root) as orchestrator:
+        h = await orchestrator.delegate(tether.Agent("temporal:Flow", held), "wf-granted",
+                                        "run-1", task_id=tether.temporal.task_of("wf-granted"))
+        await orchestrator.journal.change_trust(
+            root.signer, root.trusted, "trust", granted.signer.key_id,
+            granted.signer.public_b64(), "worker", orchestrator.clock.wall())
+        async with tether.Supervisor(journal_url, policy=ONE_CLOCK, keys=granted,
+                                     recover=False) as recovering:
+            await recovering.recover_delegation(await recovering.journal.get(h.id),
+                                                "owner is gone")
+            head = await recovering.journal.get(h.id)
+            (control,) = await recovering.journal.controls(h.id)
+            assert control.signed.key_id == granted.signer.key_id  # not the root's
+            assert not await run_stopped(recovering, head)
+        assert not await run_stopped(orchestrator, head)
+
+
 async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temporal(
         client: Client, temporal_address: str, journal_url: str, world: Path) -> None:
     """From a shell, the delegation of a worker that died, already settled by a recovery:
