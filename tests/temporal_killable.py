@@ -15,7 +15,9 @@ import argparse
 import asyncio
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+from temporalio import activity
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -62,17 +64,43 @@ def worker(client: Client, queue: str, sup: tether.Supervisor, tool: tether.Tool
                   sticky_queue_schedule_to_start_timeout=timedelta(seconds=1))
 
 
+def undeclared_worker(client: Client, queue: str, sup: tether.Supervisor, tool: tether.Tool,
+                      *, probed: bool = True) -> Worker:
+    """The same refund as a plain Temporal activity (a framework's, say): not a tether tool,
+    so EXTERNAL, handing its provider ``tether.temporal.idempotency_key()``; its probe named
+    in the plugin's ``probes`` (unless ``probed`` is False)."""
+    assert tool.probe is not None
+    lookup = tool.probe
+
+    @activity.defn(name="refund")
+    async def refund(order_id: str, cents: int) -> str:
+        result: str = await tool.fn(order_id, cents,
+                                    idempotency_key=tether.temporal.idempotency_key())
+        return result
+
+    async def probe(args: list[Any], *, idempotency_key: str) -> tether.ProbeResult:
+        order_id, cents = args
+        return await lookup(order_id, cents, idempotency_key=idempotency_key)
+
+    plugin = tether.temporal.Plugin(sup, probes={"refund": probe} if probed else None)
+    return Worker(client, task_queue=queue, workflows=[Refund], activities=[refund],
+                  plugins=[plugin], sticky_queue_schedule_to_start_timeout=timedelta(seconds=1))
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("address", "queue", "journal", "world"):
         parser.add_argument(name)
     parser.add_argument("--stop", choices=("before", "after"), required=True)
+    parser.add_argument("--undeclared", action="store_true",
+                        help="the refund as a plain activity, its probe in the plugin's probes")
     args = parser.parse_args()
     world = Path(args.world)
     tool = refund_tool(world, args.stop, world / "stopped")
     client = await Client.connect(args.address)
-    async with tether.Supervisor(args.journal, policy=ONE_CLOCK, tools=[tool]) as sup, \
-            worker(client, args.queue, sup, tool):
+    async with tether.Supervisor(args.journal, policy=ONE_CLOCK,
+                                 tools=[] if args.undeclared else [tool]) as sup, \
+            (undeclared_worker if args.undeclared else worker)(client, args.queue, sup, tool):
         await asyncio.Event().wait()
 
 

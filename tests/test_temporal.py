@@ -7,6 +7,7 @@ import pytest
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.worker import Worker
 
 import tether
 import tether.temporal
@@ -142,6 +143,20 @@ async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
         with pytest.raises(tether.UserError, match="refund is a tool"):
             tether.temporal.Plugin(sup, tools=[provider.refund],
                                    effects={"refund": tether.Effect.READ_ONLY})
+        lookup = provider.refund.probe
+        assert lookup is not None
+        with pytest.raises(tether.UserError, match=r"activity names to async probe"):
+            tether.temporal.Plugin(sup, probes={"x": print})  # type: ignore[dict-item]
+        with pytest.raises(tether.UserError, match="refund is a tool, whose probe"):
+            tether.temporal.Plugin(sup, tools=[provider.refund], probes={"refund": lookup})
+        with pytest.raises(tether.UserError, match="READ_ONLY, which is never in doubt"):
+            tether.temporal.Plugin(sup, effects={"look": tether.Effect.READ_ONLY},
+                                   probes={"look": lookup})
+        with pytest.raises(tether.UserError, match="no activity nowhere is registered"):
+            Worker(await Client.connect("127.0.0.1:1", lazy=True), task_queue="q",
+                   workflows=[Refund],
+                   plugins=[tether.temporal.Plugin(sup, tools=[provider.refund],
+                                                   probes={"nowhere": lookup})])
         with pytest.raises(tether.UserError, match="expected a Temporal WorkflowHandle"):
             await tether.temporal.recall("wf-1", supervisor=sup,  # type: ignore[arg-type]
                                          grace=1.0)

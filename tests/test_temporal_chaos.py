@@ -27,7 +27,7 @@ from tests.cli_helpers import tether_here
 from tests.conftest import ONE_CLOCK, settled, until
 from tests.temporal_flows import Refund, TwoRefunds
 from tests.temporal_helpers import serving, start_server, stop_server, temporal_binary
-from tests.temporal_killable import refund_tool, worker
+from tests.temporal_killable import refund_tool, undeclared_worker, worker
 from tests.temporal_world import actions
 from tests.test_trust import raw
 from tether._chaos.pgserver import free_port
@@ -51,15 +51,15 @@ def world(tmp_path: Path) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def killable(address: str, queue: str, journal: str, world: Path, stop: str
-                   ) -> AsyncIterator[asyncio.subprocess.Process]:
+async def killable(address: str, queue: str, journal: str, world: Path, stop: str,
+                   *flags: str) -> AsyncIterator[asyncio.subprocess.Process]:
     """The worker process of ``tests.temporal_killable``, once its refund reached ``stop``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     with (world / "worker.log").open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.temporal_killable", address, queue, journal,
-            str(world), "--stop", stop, env=env, cwd=ROOT, stderr=log)
+            str(world), "--stop", stop, *flags, env=env, cwd=ROOT, stderr=log)
         try:
             await until(lambda: (world / "stopped").exists() or proc.returncode is not None,
                         "the killable worker's refund under way")
@@ -107,6 +107,43 @@ async def test_a_worker_killed_mid_activity_leaves_one_refund(
     else:
         assert states[-1] == (key, A.COMPLETED)
         assert all(state in (A.NOT_APPLIED, A.COMPLETED) for _, state in states)
+
+
+@pytest.mark.parametrize("probed", [True, False])
+async def test_a_plain_activity_killed_after_it_applied_is_settled_by_its_probe(
+        client: Client, temporal_address: str, journal_url: str, world: Path,
+        probed: bool) -> None:
+    """The refund as a plain Temporal activity (not a tether tool: a framework's, say), its
+    worker killed once the refund applied. With its probe named in the plugin's ``probes``,
+    the next worker's recovery finds it in the provider's ledger and the retry replays it:
+    one refund, one call, the workflow done. Without one, the call stays UNKNOWN, the retries
+    wait for it and the workflow fails (a person decides): still one refund, never a second."""
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    workflow_id = f"wf-plain-{uuid.uuid4().hex[:8]}"
+    handle = await client.start_workflow(Refund.run, args=["refund", "P-1", 1250],
+                                         id=workflow_id, task_queue=queue)
+    async with killable(temporal_address, queue, journal_url, world, "after",
+                        "--undeclared") as proc:
+        proc.kill()
+    tool = refund_tool(world)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, tools=[]) as sup, \
+            undeclared_worker(client, queue, sup, tool, probed=probed):
+        if probed:
+            ref = await handle.result()
+        else:  # each retry waits for the call in doubt (until its deadline), then gives up
+            with pytest.raises(WorkflowFailureError):
+                await handle.result()
+        done = await actions(sup, workflow_id)
+    bank = PaymentService(path=str(world / "ledger.db"))
+    (entry,) = bank.entries("P-1")  # one refund, whoever applied it
+    key = f"temporal:{workflow_id}:refund:1"
+    assert (world / "calls").read_text().split() == [key] and entry.key == key
+    A = tether.ActionState
+    if probed:
+        assert ref == entry.ref
+        assert [a.state for a in done] and all(a.state is A.COMPLETED for a in done)
+    else:
+        assert [a.state for a in done] == [A.UNKNOWN]
 
 
 async def test_the_temporal_server_restarted_mid_workflow_leaves_one_refund_each(

@@ -52,7 +52,7 @@ from tether._runtime.handle import Handle
 from tether._runtime.remote import owner_alive
 from tether._runtime.state import ChildRuntime, new_id
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.tools import Agent, Tool, check_surface
+from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
 
 # What a refused activity fails with: never retried by Temporal, since a retry would be
 # refused the same way (a fence does not reopen).
@@ -189,7 +189,8 @@ class Host:
     """The workflow runs whose delegations this worker process hosts."""
 
     def __init__(self, supervisor: Supervisor, tools: Sequence[Tool],
-                 effects: Mapping[str, Effect] | None = None) -> None:
+                 effects: Mapping[str, Effect] | None = None,
+                 probes: Mapping[str, ProbeFn] | None = None) -> None:
         if not isinstance(supervisor, Supervisor):
             raise UserError("tether.temporal.Plugin needs an open tether.Supervisor")
         self.sup = supervisor
@@ -207,6 +208,22 @@ class Host:
             if name in self.declared:
                 raise UserError(f"tether.temporal.Plugin: {name} is a tool, whose effect "
                                 "its declaration gives; leave it out of effects")
+        # The probe of an activity registered by someone else (a framework's tool call): it
+        # gets the call's journaled arguments (``args``, as the payload converter encodes
+        # them) and its key, as any probe does; without one, a call left in doubt stays
+        # UNKNOWN, and its run's next attempt of it is refused until a person decides.
+        self.probes = dict(probes or {})
+        for name, probe in self.probes.items():
+            if not isinstance(name, str) or not inspect.iscoroutinefunction(probe):
+                raise UserError("tether.temporal.Plugin(probes=...): activity names to async "
+                                f"probe functions, not {name!r}: {probe!r}")
+            if name in self.declared:
+                raise UserError(f"tether.temporal.Plugin: {name} is a tool, whose probe its "
+                                "declaration gives; leave it out of probes")
+            if not self.effects.get(name, Effect.EXTERNAL).journaled:
+                raise UserError(f"tether.temporal.Plugin: {name} is "
+                                f"{self.effects[name].value}, which is never in doubt: it "
+                                "needs no probe")
         # What the gateway calls: each activity as a proxy tool with its declared effect,
         # probe and deadline, forwarding to Temporal's chain; filled in by ``learn``.
         self.surface: dict[str, Tool | str] = {}
@@ -231,14 +248,25 @@ class Host:
             declared = self.declared.get(defn.name)
             self.surface[defn.name] = (
                 replaced(declared, _forward) if isinstance(declared, Tool)
-                else Tool(defn.name, self.effects.get(defn.name, Effect.EXTERNAL), _forward))
+                else self._undeclared(defn.name))
+        unknown = sorted(set(self.probes) - set(self.surface))
+        if unknown and UNRESTRICTED not in self.surface:
+            raise UserError(f"tether.temporal.Plugin(probes=...): no activity {unknown[0]} "
+                            "is registered on this worker")
+        # Known to the supervisor before any run is opened here: recovering a dead worker's
+        # run probes its calls in doubt with them, before this process delegates anything.
+        self.sup._learn(t for t in self.surface.values() if isinstance(t, Tool))
+
+    def _undeclared(self, name: str) -> Tool:
+        return Tool(name, self.effects.get(name, Effect.EXTERNAL), _forward,
+                    probe=self.probes.get(name))
 
     def _tool(self, name: str) -> Tool:
         found = self.surface.get(name)
         if isinstance(found, Tool):
             return found
         if UNRESTRICTED in self.surface:
-            return Tool(name, self.effects.get(name, Effect.EXTERNAL), _forward)
+            return self._undeclared(name)
         raise _refused(f"activity {name} is not registered with tether's plugin")
 
     async def call(self, next: temporalio.worker.ActivityInboundInterceptor,
@@ -447,12 +475,14 @@ class Plugin(temporalio.plugin.SimplePlugin):
     Registers each tool as an activity of its name, and runs every activity of the worker
     through tether's gateway on ``supervisor``'s journal: a declared tool with its effect and
     probe, an activity named in ``effects`` with that effect (a framework's own activities:
-    ``{"agent__support__model_request": Effect.READ_ONLY}``), any other as EXTERNAL with no
-    probe."""
+    ``{"agent__support__model_request": Effect.READ_ONLY}``), any other as EXTERNAL; such an
+    activity's probe is named in ``probes`` (it gets ``args``, the call's arguments as
+    journaled, and ``idempotency_key``), else a call of it left in doubt stays UNKNOWN."""
 
     def __init__(self, supervisor: Supervisor, *, tools: Sequence[Tool] = (),
-                 effects: Mapping[str, Effect] | None = None) -> None:
-        self.host = Host(supervisor, tools, effects)
+                 effects: Mapping[str, Effect] | None = None,
+                 probes: Mapping[str, ProbeFn] | None = None) -> None:
+        self.host = Host(supervisor, tools, effects, probes)
         declared = [activity(t) for t in self.host.declared.values() if isinstance(t, Tool)]
         super().__init__("tether.temporal", interceptors=[_Interceptor(self.host)],
                          activities=self._activities(declared), run_context=self._running)
@@ -474,9 +504,15 @@ class Plugin(temporalio.plugin.SimplePlugin):
 
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
-        if not self.host.sup.is_open:
+        sup = self.host.sup
+        if not sup.is_open:
             raise UserError("tether.temporal.Plugin: the supervisor is not open: run the "
                             "worker inside 'async with Supervisor(...)'")
+        if self.host.probes and sup._recover_on_start:
+            # The supervisor's recovery on start ran before these probes were known to it: a
+            # dead worker's call of such an activity was left UNKNOWN, and the run's retry
+            # would wait out its dispatch deadline. Probed now, before the first poll.
+            await sup.recover()
         try:
             yield
         finally:
