@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -332,25 +332,11 @@ async def test_a_signal_while_the_http_proxy_probes_its_upstreams_stops_them_wit
     marker = tmp_path / "upstream.pid"
     silent = (f"{sys.executable} -c \"import os, pathlib, time; "
               f"pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(60)\"")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tether", "mcp-proxy", "--journal",
-        f"sqlite:///{tmp_path / 'journal.db'}", "--http", "127.0.0.1:0",
-        "--upstream", f"mute={silent}", cwd=ROOT, env={**os.environ, "PYTHONPATH": PYTHONPATH},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        give_up = time.monotonic() + 60
-        while not marker.exists() or not marker.read_text():
-            assert time.monotonic() < give_up and proc.returncode is None, "no upstream"
-            await asyncio.sleep(0.02)
-        upstream = int(marker.read_text())
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
-    assert "Traceback" not in err.decode()
+    code, err = await _signalled_when(tmp_path, f"mute={silent}",
+                                      lambda: marker.exists() and bool(marker.read_text()))
+    upstream = int(marker.read_text())
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
     give_up = time.monotonic() + 10
     while _alive(upstream):
         assert time.monotonic() < give_up, "the upstream outlived the proxy"
@@ -412,16 +398,24 @@ async def test_a_signal_as_the_http_proxy_makes_its_server_exits_128_plus_it(
     lingering.write_text(f"#!/bin/sh\ntrap '' TERM\n{sys.executable} -m tests.mcp_bank\n"
                          f"echo done > {marker}\nexec sleep 30\n")
     lingering.chmod(0o755)
+    # Its stdin closed once probed, it lingers: the proxy waits for it to exit, and is signalled.
+    code, err = await _signalled_when(tmp_path, f"bank={lingering}", marker.exists)
+    assert code == 128 + signal.SIGTERM, err
+    assert "serving MCP at" not in err
+
+
+async def _signalled_when(tmp_path: Path, upstream: str, ready: Callable[[], bool]
+                          ) -> tuple[int, str]:
+    """An --http proxy of ``upstream``, sent SIGTERM once ``ready()``: its exit code and stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tether", "mcp-proxy", "--journal",
         f"sqlite:///{tmp_path / 'journal.db'}", "--http", "127.0.0.1:0",
-        "--upstream", f"bank={lingering}", cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": PYTHONPATH},
+        "--upstream", upstream, cwd=ROOT, env={**os.environ, "PYTHONPATH": PYTHONPATH},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         give_up = time.monotonic() + 60
-        while not marker.exists():  # its stdin closed: the proxy waits for it to exit
-            assert time.monotonic() < give_up and proc.returncode is None, "never probed"
+        while not ready():
+            assert time.monotonic() < give_up and proc.returncode is None, "never ready"
             await asyncio.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 30)
@@ -429,5 +423,5 @@ async def test_a_signal_as_the_http_proxy_makes_its_server_exits_128_plus_it(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, err.decode()
-    assert "serving MCP at" not in err.decode()
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
