@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -183,6 +184,16 @@ async def test_http_listen_mistakes_are_one_line(tmp_path: Path) -> None:
         code, _, err = await cli("mcp-proxy", "--http", spec, "--upstream", "x=y",
                                  "--journal", f"sqlite:///{tmp_path / 'j.db'}")
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    # A port in use: said before any upstream starts (uvicorn said it in its own words once
+    # the upstreams had been probed, and exited 3).
+    marker = tmp_path / "spawned"
+    upstream = f"x={sys.executable} -c \"import pathlib; pathlib.Path({str(marker)!r}).touch()\""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code, _, err = await cli("mcp-proxy", "--http", f"127.0.0.1:{port}", "--upstream",
+                                 upstream, "--journal", f"sqlite:///{tmp_path / 'j.db'}")
+    assert code == 2 and "cannot listen there" in err and len(err.splitlines()) == 1, err
+    assert not marker.exists()
 
 
 async def test_2026_clients_share_one_session_over_http(bank_env: Path, tmp_path: Path) -> None:

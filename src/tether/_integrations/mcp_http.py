@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import socket
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -155,6 +156,9 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
                      idle_timeout: float = 300.0) -> None:
     import uvicorn
 
+    # Listening first: a port in use, say, is the user's mistake, said in one line before
+    # anything starts (uvicorn logged it and exited 3 once the upstreams had been probed).
+    listener = _listen(host, port)
     children = Children()
     # The proxy's own signal handlers from the start: a signal while the upstreams are probed
     # stops them with it (the default action killed the proxy and left them running), and
@@ -212,7 +216,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
             logging.getLogger("uvicorn.error").addFilter(quiet)
             try:
                 if stopper.signal is None:  # else a signal came as the server was made
-                    await web.serve()
+                    await web.serve(sockets=[listener])
             finally:
                 if stopper.signal is None:  # a signal stopped the upstreams already
                     children.stop_now()
@@ -227,8 +231,19 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
         failed = group.subgroup(lambda e: not isinstance(e, asyncio.CancelledError))
         if stopper.signal is None or failed is not None:  # not only what the signal cut
             raise one_line(group) from None
+    finally:
+        listener.close()
     if stopper.exit_code is not None:
         raise SystemExit(stopper.exit_code)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise UserError(f"--http {host}:{port}: cannot listen there: "
+                        f"{exc.strerror or exc}") from None
 
 
 def _shut(web: Any, sessions: HttpSessions) -> None:
