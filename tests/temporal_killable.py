@@ -82,7 +82,8 @@ def undeclared_worker(client: Client, queue: str, sup: tether.Supervisor, tool: 
         order_id, cents = args
         return await lookup(order_id, cents, idempotency_key=idempotency_key)
 
-    plugin = tether.temporal.Plugin(sup, probes={"refund": probe} if probed else None)
+    plugin = tether.temporal.Plugin(sup, probes={"refund": tether.temporal.ActivityProbe(
+        probe, dispatch_deadline=60.0)} if probed else None)
     return Worker(client, task_queue=queue, workflows=[Refund], activities=[refund],
                   plugins=[plugin], sticky_queue_schedule_to_start_timeout=timedelta(seconds=1))
 

@@ -3,7 +3,10 @@ by its place in the workflow, fenced once its run is recalled."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -143,20 +146,39 @@ async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
         with pytest.raises(tether.UserError, match="refund is a tool"):
             tether.temporal.Plugin(sup, tools=[provider.refund],
                                    effects={"refund": tether.Effect.READ_ONLY})
-        lookup = provider.refund.probe
+        async def by_args(args: list[Any], *, idempotency_key: str) -> tether.ProbeResult:
+            return tether.ProbeResult(tether.ProbeOutcome.UNKNOWN, {})
+
+        probe = tether.temporal.ActivityProbe(by_args, dispatch_deadline=60.0)
+        with pytest.raises(tether.UserError, match="must be an async function"):
+            tether.temporal.ActivityProbe(print, dispatch_deadline=60.0)  # type: ignore[arg-type]
+        lookup = provider.refund.probe  # a tool's probe: called with the tool's arguments
         assert lookup is not None
-        with pytest.raises(tether.UserError, match=r"activity names to async probe"):
-            tether.temporal.Plugin(sup, probes={"x": print})  # type: ignore[dict-item]
+        with pytest.raises(tether.UserError, match=r"called as probe\(args="):
+            tether.temporal.ActivityProbe(lookup, dispatch_deadline=60.0)
+        with pytest.raises(tether.UserError, match="dispatch_deadline"):
+            tether.temporal.ActivityProbe(by_args, dispatch_deadline=0)
+        with pytest.raises(tether.UserError, match=r"tether\.temporal\.ActivityProbe values"):
+            tether.temporal.Plugin(sup, probes={"x": by_args})  # type: ignore[dict-item]
         with pytest.raises(tether.UserError, match="refund is a tool, whose probe"):
-            tether.temporal.Plugin(sup, tools=[provider.refund], probes={"refund": lookup})
+            tether.temporal.Plugin(sup, tools=[provider.refund], probes={"refund": probe})
         with pytest.raises(tether.UserError, match="READ_ONLY, which is never in doubt"):
             tether.temporal.Plugin(sup, effects={"look": tether.Effect.READ_ONLY},
-                                   probes={"look": lookup})
+                                   probes={"look": probe})
+        lazy = await Client.connect("127.0.0.1:1", lazy=True)
         with pytest.raises(tether.UserError, match="no activity nowhere is registered"):
-            Worker(await Client.connect("127.0.0.1:1", lazy=True), task_queue="q",
-                   workflows=[Refund],
+            Worker(lazy, task_queue="q", workflows=[Refund],
                    plugins=[tether.temporal.Plugin(sup, tools=[provider.refund],
-                                                   probes={"nowhere": lookup})])
+                                                   probes={"nowhere": probe})])
+
+        @activity.defn(name="refund")
+        async def plain(order_id: str, cents: int) -> str:
+            return "ref"
+
+        # A namesake: the supervisor probes calls of "refund" with the tool it was given.
+        with pytest.raises(tether.UserError, match="knows a tool refund with another"):
+            Worker(lazy, task_queue="q", workflows=[Refund], activities=[plain],
+                   plugins=[tether.temporal.Plugin(sup, probes={"refund": probe})])
         with pytest.raises(tether.UserError, match="expected a Temporal WorkflowHandle"):
             await tether.temporal.recall("wf-1", supervisor=sup,  # type: ignore[arg-type]
                                          grace=1.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 try:
     from tether._integrations.temporal_control import recall, terminate
     from tether._integrations.temporal_task import task_of
-    from tether._integrations.temporal_worker import Plugin, idempotency_key
+    from tether._integrations.temporal_worker import ActivityProbe, Plugin, idempotency_key
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
     if exc.name is None or not exc.name.startswith("temporalio"):
         raise
@@ -20,4 +20,4 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the e
         "tether.temporal needs the Temporal SDK: pip install 'tether[temporal]'",
         name=exc.name) from None
 
-__all__ = ["Plugin", "idempotency_key", "recall", "task_of", "terminate"]
+__all__ = ["ActivityProbe", "Plugin", "idempotency_key", "recall", "task_of", "terminate"]

@@ -41,7 +41,7 @@ from tether._core.errors import (
     ToolRejected,
     UserError,
 )
-from tether._core.model import Effect
+from tether._core.model import Effect, check_positive
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
@@ -170,6 +170,32 @@ def _refused(why: str, kind: str = REFUSED) -> ApplicationError:
     return ApplicationError(f"tether: {why}", type=kind, non_retryable=kind == REFUSED)
 
 
+@dataclass(frozen=True)
+class ActivityProbe:
+    """How to ask the provider whether a call of an activity that is not a tether tool (a
+    framework's) applied: ``probe(args=[...], idempotency_key=...)`` gets the call's arguments
+    as journaled (JSON where the worker's payload converter encodes them as JSON, else their
+    encoding and size) and returns a ``tether.ProbeResult``, whose ``result`` a COMPLETED call
+    replays as the activity's return value. ``dispatch_deadline``: seconds after the call's
+    intent past which nothing it sent can still apply at the provider (the activity's own
+    work included); until then a "not applied" answer is "not applied yet"."""
+
+    probe: ProbeFn
+    dispatch_deadline: float
+
+    def __post_init__(self) -> None:
+        if not inspect.iscoroutinefunction(self.probe):
+            raise UserError(f"tether.temporal.ActivityProbe: the probe must be an async "
+                            f"function, not {self.probe!r}")
+        try:
+            inspect.signature(self.probe).bind(args=[], idempotency_key="")
+        except TypeError as exc:
+            raise UserError(f"tether.temporal.ActivityProbe: the probe is called as "
+                            f"probe(args=[...], idempotency_key=...): {exc}") from None
+        check_positive(self.dispatch_deadline, "tether.temporal.ActivityProbe: "
+                       "dispatch_deadline")
+
+
 @dataclass(eq=False)
 class _Hosted:
     """One workflow run's delegation, hosted here."""
@@ -190,7 +216,7 @@ class Host:
 
     def __init__(self, supervisor: Supervisor, tools: Sequence[Tool],
                  effects: Mapping[str, Effect] | None = None,
-                 probes: Mapping[str, ProbeFn] | None = None) -> None:
+                 probes: Mapping[str, ActivityProbe] | None = None) -> None:
         if not isinstance(supervisor, Supervisor):
             raise UserError("tether.temporal.Plugin needs an open tether.Supervisor")
         self.sup = supervisor
@@ -199,7 +225,7 @@ class Host:
             raise UserError("tether.temporal.Plugin(tools=...): tools only (a Temporal "
                             "workflow is the agent)")
         # The effect of an activity registered by someone else (a framework's model request
-        # is READ_ONLY, say): EXTERNAL, with no probe, for any activity not named here.
+        # is READ_ONLY, say): EXTERNAL for any activity not named here.
         self.effects = dict(effects or {})
         for name, effect in self.effects.items():
             if not isinstance(name, str) or not isinstance(effect, Effect):
@@ -208,15 +234,15 @@ class Host:
             if name in self.declared:
                 raise UserError(f"tether.temporal.Plugin: {name} is a tool, whose effect "
                                 "its declaration gives; leave it out of effects")
-        # The probe of an activity registered by someone else (a framework's tool call): it
-        # gets the call's journaled arguments (``args``, as the payload converter encodes
-        # them) and its key, as any probe does; without one, a call left in doubt stays
-        # UNKNOWN, and its run's next attempt of it is refused until a person decides.
+        # The probe of an activity registered by someone else (a framework's tool call), with
+        # the deadline its answers are judged against; without one, a call left in doubt
+        # stays UNKNOWN, and its run's next attempt of it is refused until a person decides.
         self.probes = dict(probes or {})
         for name, probe in self.probes.items():
-            if not isinstance(name, str) or not inspect.iscoroutinefunction(probe):
-                raise UserError("tether.temporal.Plugin(probes=...): activity names to async "
-                                f"probe functions, not {name!r}: {probe!r}")
+            if not isinstance(name, str) or not isinstance(probe, ActivityProbe):
+                raise UserError("tether.temporal.Plugin(probes=...): activity names to "
+                                f"tether.temporal.ActivityProbe values, not {name!r}: "
+                                f"{probe!r}")
             if name in self.declared:
                 raise UserError(f"tether.temporal.Plugin: {name} is a tool, whose probe its "
                                 "declaration gives; leave it out of probes")
@@ -235,7 +261,8 @@ class Host:
 
     def learn(self, activities: Sequence[Callable[..., Any]]) -> None:
         """The worker's activities: a declared tool's proxy keeps its effect and probe; any
-        other activity is EXTERNAL, with no probe (fail closed, as everywhere in tether)."""
+        other activity has the effect ``effects`` names (else EXTERNAL: fail closed, as
+        everywhere in tether) and the probe ``probes`` names (else none)."""
         for fn in activities:
             # The SDK's private definition (within the pinned range, tested): it has no public
             # way to read an activity's registered name.
@@ -250,16 +277,29 @@ class Host:
                 replaced(declared, _forward) if isinstance(declared, Tool)
                 else self._undeclared(defn.name))
         unknown = sorted(set(self.probes) - set(self.surface))
-        if unknown and UNRESTRICTED not in self.surface:
+        if unknown:  # a dynamic activity's names get no probe
             raise UserError(f"tether.temporal.Plugin(probes=...): no activity {unknown[0]} "
-                            "is registered on this worker")
+                            "is registered on this worker (tether's plugin goes after the "
+                            "plugins that register activities)")
+        proxies = [t for t in self.surface.values() if isinstance(t, Tool)]
+        for proxy in proxies:
+            known = self.sup._known.get(proxy.name)
+            if known is not None and (known.probe, known.effect, known.dispatch_deadline) != (
+                    proxy.probe, proxy.effect, proxy.dispatch_deadline):
+                # Whichever the supervisor kept would probe the other's calls.
+                raise UserError(f"tether.temporal.Plugin: the supervisor knows a tool "
+                                f"{proxy.name} with another effect, probe or deadline than "
+                                "this worker's activity of that name")
         # Known to the supervisor before any run is opened here: recovering a dead worker's
         # run probes its calls in doubt with them, before this process delegates anything.
-        self.sup._learn(t for t in self.surface.values() if isinstance(t, Tool))
+        self.sup._learn(proxies)
 
     def _undeclared(self, name: str) -> Tool:
-        return Tool(name, self.effects.get(name, Effect.EXTERNAL), _forward,
-                    probe=self.probes.get(name))
+        effect, probe = self.effects.get(name, Effect.EXTERNAL), self.probes.get(name)
+        if probe is None:
+            return Tool(name, effect, _forward)
+        return Tool(name, effect, _forward, probe=probe.probe,
+                    dispatch_deadline=probe.dispatch_deadline)
 
     def _tool(self, name: str) -> Tool:
         found = self.surface.get(name)
@@ -476,12 +516,13 @@ class Plugin(temporalio.plugin.SimplePlugin):
     through tether's gateway on ``supervisor``'s journal: a declared tool with its effect and
     probe, an activity named in ``effects`` with that effect (a framework's own activities:
     ``{"agent__support__model_request": Effect.READ_ONLY}``), any other as EXTERNAL; such an
-    activity's probe is named in ``probes`` (it gets ``args``, the call's arguments as
-    journaled, and ``idempotency_key``), else a call of it left in doubt stays UNKNOWN."""
+    activity's probe, and the deadline it is judged against, is an ``ActivityProbe`` in
+    ``probes``, else a call of it left in doubt stays UNKNOWN. Listed after the plugins that
+    register activities."""
 
     def __init__(self, supervisor: Supervisor, *, tools: Sequence[Tool] = (),
                  effects: Mapping[str, Effect] | None = None,
-                 probes: Mapping[str, ProbeFn] | None = None) -> None:
+                 probes: Mapping[str, ActivityProbe] | None = None) -> None:
         self.host = Host(supervisor, tools, effects, probes)
         declared = [activity(t) for t in self.host.declared.values() if isinstance(t, Tool)]
         super().__init__("tether.temporal", interceptors=[_Interceptor(self.host)],
@@ -508,7 +549,7 @@ class Plugin(temporalio.plugin.SimplePlugin):
         if not sup.is_open:
             raise UserError("tether.temporal.Plugin: the supervisor is not open: run the "
                             "worker inside 'async with Supervisor(...)'")
-        if self.host.probes and sup._recover_on_start:
+        if sup._recover_on_start and any(p in self.host.surface for p in self.host.probes):
             # The supervisor's recovery on start ran before these probes were known to it: a
             # dead worker's call of such an activity was left UNKNOWN, and the run's retry
             # would wait out its dispatch deadline. Probed now, before the first poll.
