@@ -3,12 +3,14 @@ by its place in the workflow, fenced once its run is recalled."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import RawValue, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.worker import Worker
 
@@ -103,6 +105,32 @@ async def test_an_activity_that_is_no_tether_tool_is_journaled_as_external(
         assert done.args == {"args": ["A-1", 1250]} and done.result == ref
         assert provider.keys == [done.idempotency_key] == ["temporal:wf-plain:keyed_refund:1"]
         assert [e.key for e in provider.pay.entries("A-1")] == provider.keys
+
+
+async def test_a_dynamic_activity_is_journaled_with_its_arguments(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    """An activity with no name of its own (``dynamic=True``) gets any name a workflow calls:
+    it runs through the gateway as EXTERNAL, its arguments journaled as Temporal sent them.
+    It failed every attempt ("Payload is not JSON serializable": the SDK hands it its
+    arguments as one list of raw payloads)."""
+    seen: list[str] = []
+
+    @activity.defn(dynamic=True)
+    async def anything(args: Sequence[RawValue]) -> str:
+        seen.append(tether.temporal.idempotency_key())
+        return f"{activity.info().activity_type} done"
+
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    async with supervisor(sqlite_url, provider) as sup, \
+            Worker(client, task_queue=queue, workflows=[Refund], activities=[anything],
+                   plugins=[tether.temporal.Plugin(sup)]):
+        handle = await start_refund(client, queue, "wf-dynamic", "unheard_of")
+        assert await handle.result() == "unheard_of done"
+        (done,) = await actions(sup, "wf-dynamic")
+    assert (done.tool, done.effect, done.state) == (
+        "unheard_of", tether.Effect.EXTERNAL, tether.ActionState.COMPLETED)
+    assert done.args == {"args": ["A-1", 1250]}
+    assert seen == [done.idempotency_key] == ["temporal:wf-dynamic:unheard_of:1"]
 
 
 async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(

@@ -26,6 +26,7 @@ from typing import Any
 
 import temporalio.activity
 import temporalio.client
+import temporalio.common
 import temporalio.converter
 import temporalio.plugin
 import temporalio.worker
@@ -157,6 +158,9 @@ def _json_args(args: Sequence[Any]) -> list[Any]:
     """An undeclared activity's arguments as the worker's payload converter encodes them:
     what the journal compares (the Stripe rule) and shows."""
     out: list[Any] = []
+    if len(args) == 1 and isinstance(args[0], Sequence) and args[0] and all(
+            isinstance(a, temporalio.common.RawValue) for a in args[0]):
+        args = args[0]  # a dynamic activity's: its arguments as Temporal sent them
     for payload in temporalio.activity.payload_converter().to_payloads(args):
         try:
             out.append(json.loads(payload.data))
