@@ -27,6 +27,19 @@ class Refund:
 
 
 @workflow.defn
+class RefundRetriedOnce:
+    """``Refund`` with a single retry: the attempt after a killed worker's, then the end."""
+
+    @workflow.run
+    async def run(self, activity: str, order_id: str, cents: int) -> str:
+        ref: str = await workflow.execute_activity(
+            activity, args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=2), retry_policy=RetryPolicy(
+                initial_interval=timedelta(milliseconds=100), maximum_attempts=2))
+        return ref
+
+
+@workflow.defn
 class TwoRefunds:
     """A refund, then a second one once signalled ``go``: a step after a recall."""
 

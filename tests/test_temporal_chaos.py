@@ -25,7 +25,7 @@ import tether
 import tether.temporal
 from tests.cli_helpers import tether_here
 from tests.conftest import ONE_CLOCK, settled, until
-from tests.temporal_flows import Refund, TwoRefunds
+from tests.temporal_flows import Refund, RefundRetriedOnce, TwoRefunds
 from tests.temporal_helpers import serving, start_server, stop_server, temporal_binary
 from tests.temporal_killable import refund_tool, undeclared_worker, worker
 from tests.temporal_world import actions
@@ -116,11 +116,11 @@ async def test_a_plain_activity_killed_after_it_applied_is_settled_by_its_probe(
     """The refund as a plain Temporal activity (not a tether tool: a framework's, say), its
     worker killed once the refund applied. With its probe named in the plugin's ``probes``,
     the next worker's recovery finds it in the provider's ledger and the retry replays it:
-    one refund, one call, the workflow done. Without one, the call stays UNKNOWN, the retries
-    wait for it and the workflow fails (a person decides): still one refund, never a second."""
+    one refund, one call, the workflow done. Without one, the call stays UNKNOWN, the retry
+    waits for it and the workflow fails (a person decides): still one refund, never a second."""
     queue = f"q-{uuid.uuid4().hex[:12]}"
     workflow_id = f"wf-plain-{uuid.uuid4().hex[:8]}"
-    handle = await client.start_workflow(Refund.run, args=["refund", "P-1", 1250],
+    handle = await client.start_workflow(RefundRetriedOnce.run, args=["refund", "P-1", 1250],
                                          id=workflow_id, task_queue=queue)
     async with killable(temporal_address, queue, journal_url, world, "after",
                         "--undeclared") as proc:
@@ -130,7 +130,7 @@ async def test_a_plain_activity_killed_after_it_applied_is_settled_by_its_probe(
             undeclared_worker(client, queue, sup, tool, probed=probed):
         if probed:
             ref = await handle.result()
-        else:  # each retry waits for the call in doubt (until its deadline), then gives up
+        else:  # the retry waits for the call in doubt (until its deadline) and times out
             with pytest.raises(WorkflowFailureError):
                 await handle.result()
         done = await actions(sup, workflow_id)
