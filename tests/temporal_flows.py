@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from datetime import timedelta
 
 from temporalio import workflow
@@ -16,26 +17,15 @@ RETRIES = RetryPolicy(initial_interval=timedelta(milliseconds=100), backoff_coef
 
 @workflow.defn
 class Refund:
-    """One refund by the activity named ``activity`` (tether's tool, or a naive one)."""
+    """One refund by the activity named ``activity`` (tether's tool, or a naive one), tried at
+    most ``attempts`` times."""
 
     @workflow.run
-    async def run(self, activity: str, order_id: str, cents: int) -> str:
+    async def run(self, activity: str, order_id: str, cents: int, attempts: int = 5) -> str:
         ref: str = await workflow.execute_activity(
             activity, args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
-            heartbeat_timeout=timedelta(seconds=2), retry_policy=RETRIES)
-        return ref
-
-
-@workflow.defn
-class RefundRetriedOnce:
-    """``Refund`` with a single retry: the attempt after a killed worker's, then the end."""
-
-    @workflow.run
-    async def run(self, activity: str, order_id: str, cents: int) -> str:
-        ref: str = await workflow.execute_activity(
-            activity, args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
-            heartbeat_timeout=timedelta(seconds=2), retry_policy=RetryPolicy(
-                initial_interval=timedelta(milliseconds=100), maximum_attempts=2))
+            heartbeat_timeout=timedelta(seconds=2),
+            retry_policy=dataclasses.replace(RETRIES, maximum_attempts=attempts))
         return ref
 
 

@@ -23,7 +23,7 @@ from temporalio.worker import Worker
 
 import tether
 import tether.temporal
-from tests.temporal_flows import Refund, RefundRetriedOnce, TwoRefunds
+from tests.temporal_flows import Refund, TwoRefunds
 from tether.testing import PaymentService
 
 ONE_CLOCK = tether.Policy(clock_tolerance=0.25)  # as tests.conftest's
@@ -84,7 +84,7 @@ def undeclared_worker(client: Client, queue: str, sup: tether.Supervisor, tool: 
 
     plugin = tether.temporal.Plugin(sup, probes={"refund": tether.temporal.ActivityProbe(
         probe, dispatch_deadline=60.0)} if probed else None)
-    return Worker(client, task_queue=queue, workflows=[RefundRetriedOnce], activities=[refund],
+    return Worker(client, task_queue=queue, workflows=[Refund], activities=[refund],
                   plugins=[plugin], sticky_queue_schedule_to_start_timeout=timedelta(seconds=1))
 
 

@@ -25,7 +25,7 @@ import tether
 import tether.temporal
 from tests.cli_helpers import tether_here
 from tests.conftest import ONE_CLOCK, settled, until
-from tests.temporal_flows import Refund, RefundRetriedOnce, TwoRefunds
+from tests.temporal_flows import Refund, TwoRefunds
 from tests.temporal_helpers import serving, start_server, stop_server, temporal_binary
 from tests.temporal_killable import refund_tool, undeclared_worker, worker
 from tests.temporal_world import actions
@@ -120,7 +120,8 @@ async def test_a_plain_activity_killed_after_it_applied_is_settled_by_its_probe(
     waits for it and the workflow fails (a person decides): still one refund, never a second."""
     queue = f"q-{uuid.uuid4().hex[:12]}"
     workflow_id = f"wf-plain-{uuid.uuid4().hex[:8]}"
-    handle = await client.start_workflow(RefundRetriedOnce.run, args=["refund", "P-1", 1250],
+    # Retried once: the attempt after the killed worker's, then the end.
+    handle = await client.start_workflow(Refund.run, args=["refund", "P-1", 1250, 2],
                                          id=workflow_id, task_queue=queue)
     async with killable(temporal_address, queue, journal_url, world, "after",
                         "--undeclared") as proc:

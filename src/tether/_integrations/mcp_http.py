@@ -220,7 +220,6 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
             finally:
                 if stopper.signal is None:  # a signal stopped the upstreams already
                     children.stop_now()
-                sessions.cut = sessions.cut or stopper.signal is not None
                 with contextlib.suppress(Exception):
                     await sessions.close()
                 logging.getLogger("uvicorn.error").removeFilter(quiet)
