@@ -6,6 +6,7 @@ client's stderr), and the session's delegation is settled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -94,7 +95,10 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
         client.proc.send_signal(signal.SIGTERM)
         if signals == 2:
             await asyncio.sleep(0.05)  # apart, so the kernel does not merge the two
-            client.proc.send_signal(signal.SIGTERM)
+            # A proxy already gone (its exit was quicker than the gap) met one signal only,
+            # which is what the one-signal case checks; the checks below hold either way.
+            with contextlib.suppress(ProcessLookupError):
+                client.proc.send_signal(signal.SIGTERM)
         await until(lambda: client.proc.returncode is not None, "the proxy exited")
         assert marked(mark) == [], "the upstream outlived the proxy"
         assert client.proc.stderr is not None
