@@ -8,8 +8,13 @@ these rules exist to keep out.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+from tether._core.model import ActionState, DelegationState
+from tether._core.outcome import KEY_FREE
+from tether._journal.schema import MIGRATIONS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 CORE_MAY_NOT_IMPORT = frozenset({"asyncio", "sqlite3", "psycopg", "threading", "time", "socket",
@@ -140,3 +145,36 @@ def test_nothing_waits_with_asyncio_wait_for() -> None:
                     isinstance(node.value, ast.Name) and node.value.id == "asyncio":
                 found.append(f"{name}:{node.lineno}")
     assert found == [], found
+
+
+_STATES = "|".join(sorted({s.value for s in (*ActionState, *DelegationState)}, key=len,
+                          reverse=True))
+_STATE_IN_SQL = re.compile(rf"'({_STATES})'")
+# Frozen history: a migration states what a schema version was (its live-key index is checked
+# against the core's rule below).
+_HISTORY = {"tether._journal.schema"}
+
+
+def test_no_state_is_chosen_in_sql() -> None:
+    """Which state a statement reads or writes is the core's (``_core.model``, ``outcome``),
+    bound as a parameter: a state written into SQL text is a decision taken outside the core
+    (docs/design.md, "No state is chosen in SQL")."""
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith(("tether._core", "tether._sim")) or name in _HISTORY:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [f"{name}:{node.lineno}: {m.group(0)}"
+                          for m in _STATE_IN_SQL.finditer(node.value)]
+    assert found == []
+
+
+def test_the_live_key_index_frees_exactly_the_cores_free_outcomes() -> None:
+    """The schema's partial unique index lets a key be used again only after the outcomes the
+    core says prove nothing applied (``KEY_FREE``, I7)."""
+    ddl = next(s for steps in MIGRATIONS.values() for s in steps if "actions_live_key" in s)
+    listed = re.search(r"NOT IN \(([^)]*)\)", ddl)
+    assert listed is not None, ddl
+    assert {v.strip().strip("'") for v in listed.group(1).split(",")} == \
+        {s.value for s in KEY_FREE}

@@ -28,7 +28,10 @@ from tether._core.model import (
     action_may_move,
     check_delegation_move,
     check_grace,
+    executor_gone,
+    fenced_below,
 )
+from tether._core.outcome import ActionFacts, settle
 from tether._journal import ops
 from tether._journal.rows import Begin, NewAction, NewDelegation
 from tether._journal.sqlite import connect
@@ -80,6 +83,41 @@ def test_every_action_path_ends_in_a_final_state() -> None:
         assert nexts or state in ACTION_FINAL
         frontier += [n for n in nexts if n not in seen]
     assert A.IN_DOUBT in seen and A.UNKNOWN in seen
+
+
+@pytest.mark.parametrize("kind", list(ControlKind))
+def test_under_a_fenced_root_live_descendants_follow_it_and_ended_ones_stay(
+        kind: ControlKind) -> None:
+    """I10, decided in the core: a RUNNING or RECALLING descendant moves with the root (a
+    TERMINATE escalates a recall under way), by a move the state machine allows; any other keeps
+    its state."""
+    for state in S:
+        new = fenced_below(state, kind)
+        if state in (S.RUNNING, S.RECALLING):
+            assert new is kind.target
+            if new is not state:
+                check_delegation_move("d", state, new)
+        else:
+            assert new is state
+
+
+def test_only_a_call_with_no_outcome_yet_is_put_in_doubt_by_its_executor_going() -> None:
+    assert executor_gone(A.PENDING) is A.IN_DOUBT
+    assert action_may_move(A.PENDING, A.IN_DOUBT)
+    for state in set(A) - {A.PENDING}:
+        assert executor_gone(state) is state
+
+
+def test_a_contradicting_fact_holds_a_settled_node_for_a_person() -> None:
+    """``attention``: whatever the node would settle to, a person must look; a node that is
+    not settled yet, or a cancelled attempt, keeps what it is."""
+    probed = [ActionFacts(A.COMPLETED, True)]
+    assert settle(S.RECALLED, probed, S.RECALLED) is S.RECONCILED
+    assert settle(S.RECALLED, probed, S.RECALLED, attention=True) is S.NEEDS_ATTENTION
+    assert settle(S.RECONCILED, probed, S.RECONCILED, attention=True) is S.NEEDS_ATTENTION
+    assert settle(S.RECALLING, [ActionFacts(A.IN_DOUBT, False)], S.RECALLED,
+                  attention=True) is S.RECALLING
+    assert settle(S.CANCELLED, [], S.CANCELLED, attention=True) is S.CANCELLED
 
 
 def test_completed_is_never_undone() -> None:

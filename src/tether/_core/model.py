@@ -64,6 +64,18 @@ def action_may_move(old: ActionState, new: ActionState) -> bool:
     return new in _ACTION_MOVES[old]
 
 
+# What a probe may still settle: the reads of the accounting and the console's queue.
+AWAITING_PROBE = frozenset({ActionState.IN_DOUBT, ActionState.UNKNOWN})
+
+
+def executor_gone(state: ActionState) -> ActionState:
+    """An action whose executor is going away (cancelled, terminated, its process presumed
+    dead, its receipt refused by the disk): a call with no outcome yet is in doubt, for a
+    probe to settle; any other keeps its state. The journal writes the move guarded by the
+    state judged here."""
+    return ActionState.IN_DOUBT if state is ActionState.PENDING else state
+
+
 class DelegationState(StrEnum):
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -138,6 +150,20 @@ class ControlKind(StrEnum):
     @property
     def target(self) -> DelegationState:
         return _S.RECALLING if self is ControlKind.RECALL else _S.TERMINATING
+
+
+# A new attempt is forked only after one that ended FAILED (its stream cut, I6); the journal's
+# fork gate reads the failed attempt's state against this one.
+RETRIED_FROM = _S.FAILED
+
+
+def fenced_below(state: DelegationState, kind: ControlKind) -> DelegationState:
+    """A descendant of a delegation whose RECALL or TERMINATE was just accepted (I10): it is
+    fenced with the root, and a live one follows the root's state (a RECALLING one under a
+    TERMINATE is terminated); one that ended, or is already terminating, keeps its state."""
+    if state in (_S.RUNNING, _S.RECALLING):
+        return kind.target
+    return state
 
 
 class ProbeOutcome(StrEnum):

@@ -230,7 +230,8 @@ def natural_end(state: DelegationState, fallback: DelegationState) -> Delegation
 
 
 def settle(state: DelegationState, actions: Iterable[ActionFacts],
-           fallback: DelegationState, *, children_settled: bool = True) -> DelegationState:
+           fallback: DelegationState, *, children_settled: bool = True,
+           attention: bool = False) -> DelegationState:
     """A node's state once its accounting is done, or ``state`` unchanged while it is not.
 
     A node with an action that may still apply (PENDING or IN_DOUBT) is not settled: it keeps
@@ -240,8 +241,16 @@ def settle(state: DelegationState, actions: Iterable[ActionFacts],
     settled node, it re-opens the accounting: NEEDS_ATTENTION whose last UNKNOWN was settled
     moves to RECONCILED. A node whose children are not all settled keeps its
     state (a parent is not settled before its subtree), and a RUNNING node settles when its
-    code ends, never from outside."""
-    facts = list(actions)
+    code ends, never from outside. ``attention``: a new fact contradicts a final outcome (a
+    receipt for a freed key, for a person's decision): a node it settles needs a person."""
+    new = _settle(state, list(actions), fallback, children_settled)
+    if attention and new.terminal and new not in (_S.NEEDS_ATTENTION, _S.CANCELLED):
+        return _S.NEEDS_ATTENTION
+    return new
+
+
+def _settle(state: DelegationState, facts: list[ActionFacts], fallback: DelegationState,
+            children_settled: bool) -> DelegationState:
     if state in (_S.RECONCILED, _S.CANCELLED, _S.RUNNING) or not children_settled:
         return state
     if any(a.state in UNSETTLED for a in facts):

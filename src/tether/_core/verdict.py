@@ -28,6 +28,9 @@ class Verdict(StrEnum):
     RECONCILE = "RECONCILE"  # nothing in flight, but some outcomes are in doubt
     RECALLED_CLEAN = "RECALLED_CLEAN"  # every action has a receipt
     NO_SIDE_EFFECTS = "NO_SIDE_EFFECTS"  # journal shows none in the subtree AND receipt verifies
+    # Not answers of ``evaluate_recall``: how a delegation nobody could drain was settled.
+    RECOVERED = "RECOVERED"  # its owner died or gave up: recovery terminated and accounted it
+    NEVER_STARTED = "NEVER_STARTED"  # stopped while queued, before any worker claimed it
 
     @property
     def settled(self) -> bool:

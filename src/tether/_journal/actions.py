@@ -9,7 +9,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from tether._core.errors import IdempotencyConflict, KeyInUse, NotFound
-from tether._core.model import DELEGATION_TERMINAL, ActionState, DelegationState, Effect
+from tether._core.model import (
+    AWAITING_PROBE,
+    DELEGATION_TERMINAL,
+    ActionState,
+    DelegationState,
+    Effect,
+    executor_gone,
+)
 from tether._core.outcome import (
     KEY_FREE,
     ActionFacts,
@@ -34,9 +41,13 @@ from tether._journal.tables import (
     before,
     event,
     get_delegation,
+    marks,
     set_state,
     touch,
+    values,
 )
+
+_A = ActionState
 
 
 def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
@@ -99,12 +110,15 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
     fence refuses new intents, never receipts: a receipt for an action already declared in
     doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
     before(db, "actions", action_id)
-    if evidence is None and outcome in (ActionState.COMPLETED, ActionState.FAILED):
-        # The common case, a receipt for a PENDING action: one statement.
+    if evidence is None and judge_receipt(_A.PENDING, outcome, from_probe=False) \
+            is Receipt.RECORD:
+        # The common case, a receipt for a PENDING action: one statement, judged as if the
+        # action were PENDING and written only if it still is.
         cur = db.execute(
             "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
-            "WHERE id = ? AND state = 'PENDING'",
-            (outcome.value, None if result is None else dumps(result), error, now, action_id),
+            "WHERE id = ? AND state = ?",
+            (outcome.value, None if result is None else dumps(result), error, now, action_id,
+             _A.PENDING.value),
         )
         if cur.rowcount == 1:
             touch(db, "actions", action_id)
@@ -135,7 +149,8 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
             return old
         if old in KEY_FREE and outcome not in KEY_FREE and db.execute(
                 "SELECT 1 FROM actions WHERE idem_key = ? AND id <> ? AND state NOT IN "
-                "('FAILED', 'NOT_APPLIED')", (row[3], action_id)).fetchone() is not None:
+                f"({marks(KEY_FREE)})", (row[3], action_id, *values(KEY_FREE))
+        ).fetchone() is not None:
             # The key was used again after a final "not applied" (a provider that broke its
             # dispatch deadline): the fact is kept as an event, never dropped, for a person.
             event(db, now, "contradicting_receipt", None, action_id, old=old.value,
@@ -193,10 +208,7 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     """Re-open a stopped delegation's accounting after a new fact about one of its actions:
     it moves to its settled state once nothing of it or of its subtree may still apply, and
     so may its ancestors. A running delegation settles when it ends."""
-    row, new = _judge(db, delegation_id)
-    if attention and new.terminal and new not in (
-            DelegationState.NEEDS_ATTENTION, DelegationState.CANCELLED):
-        new = DelegationState.NEEDS_ATTENTION
+    row, new = _judge(db, delegation_id, attention=attention)
     if new is not row.state:
         event(db, now, "resettled", delegation_id, None, old=row.state.value, new=new.value,
               why=why)
@@ -206,7 +218,8 @@ def resettle(db: Db, delegation_id: str, now: float, why: str, *,
     return row
 
 
-def _judge(db: Db, delegation_id: str) -> tuple[DelegationRow, DelegationState]:
+def _judge(db: Db, delegation_id: str, *,
+           attention: bool = False) -> tuple[DelegationRow, DelegationState]:
     """A node and its settled state (``settle``), judged on the facts as they are now."""
     # The row is locked first (PostgreSQL), so that the facts below are read after any other
     # process's re-settling of it has committed: a judgement on stale facts never lands.
@@ -218,7 +231,8 @@ def _judge(db: Db, delegation_id: str) -> tuple[DelegationRow, DelegationState]:
                           (delegation_id,)).fetchall()
     new = settle(row.state, [ActionFacts(ActionState(r[0]), r[1] is not None) for r in mine],
                  row.state,
-                 children_settled=all(DelegationState(c[0]).terminal for c in children))
+                 children_settled=all(DelegationState(c[0]).terminal for c in children),
+                 attention=attention)
     return row, new
 
 
@@ -235,47 +249,55 @@ def settle_tree(db: Db, root_id: str, now: float) -> None:
 
 
 def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:
+    """Every call of a subtree whose executors are going away (``executor_gone``)."""
     rows = db.execute(
-        f"{SUBTREE} SELECT id FROM actions WHERE state = 'PENDING' "
+        f"{SUBTREE} SELECT id FROM actions WHERE state = ? "
         "AND delegation_id IN (SELECT id FROM sub)",
-        (root_id,),
+        (root_id, _A.PENDING.value),
     ).fetchall()
     ids = [r[0] for r in rows]
     for action_id in ids:
-        before(db, "actions", action_id)
-        cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? "
-                         "AND state = 'PENDING'", (action_id,))
-        if cur.rowcount == 1:
-            touch(db, "actions", action_id)
+        _gone(db, action_id, _A.PENDING)
         event(db, now, "in_doubt", None, action_id)
     return ids
 
 
 def action_in_doubt(db: Db, action_id: str, now: float, why: str) -> bool:
     """One PENDING action declared in doubt (its executor is going away with it running)."""
+    moved = _gone(db, action_id, _A.PENDING)
+    if moved:
+        event(db, now, "in_doubt", None, action_id, why=why)
+    return moved
+
+
+def _gone(db: Db, action_id: str, judged: ActionState) -> bool:
+    """The core's move for an action whose executor goes away, written only if the action is
+    still in the state it was judged in."""
+    new = executor_gone(judged)
+    if new is judged:
+        return False
     before(db, "actions", action_id)
-    cur = db.execute("UPDATE actions SET state = 'IN_DOUBT' WHERE id = ? AND state = 'PENDING'",
-                     (action_id,))
+    cur = db.execute("UPDATE actions SET state = ? WHERE id = ? AND state = ?",
+                     (new.value, action_id, judged.value))
     if cur.rowcount == 1:
         touch(db, "actions", action_id)
-        event(db, now, "in_doubt", None, action_id, why=why)
-    return cur.rowcount == 1
+    return bool(cur.rowcount == 1)
 
 
 def receipts_missing(db: Db, root_id: str | None) -> list[ActionRecord]:
     """PENDING actions of settled delegations: their receipt was never written (a full or
     read-only disk refused it) although their delegation went on and ended. Nobody will write
     it now, so they are in doubt, for a probe to settle."""
-    terminal = ", ".join(f"'{s.value}'" for s in DELEGATION_TERMINAL)
-    where = (f"state = 'PENDING' AND delegation_id IN (SELECT id FROM delegations "
-             f"WHERE state IN ({terminal}))")
+    where = (f"state = ? AND delegation_id IN (SELECT id FROM delegations "
+             f"WHERE state IN ({marks(DELEGATION_TERMINAL)}))")
+    states = (_A.PENDING.value, *values(DELEGATION_TERMINAL))
     if root_id is None:
         rows = db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE {where} "
-                          "ORDER BY started_at").fetchall()
+                          "ORDER BY started_at", states).fetchall()
     else:
         rows = db.execute(f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE {where} "
                           "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
-                          (root_id,)).fetchall()
+                          (root_id, *states)).fetchall()
     return [_action(r) for r in rows]
 
 
@@ -300,16 +322,17 @@ def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
 
 def unsettled_actions(db: Db, root_id: str | None) -> list[ActionRecord]:
     """IN_DOUBT and UNKNOWN actions (of one subtree, or of the whole journal)."""
+    where = f"state IN ({marks(AWAITING_PROBE)})"
     if root_id is None:
         rows = db.execute(
-            f"SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
-            "ORDER BY started_at"
+            f"SELECT {_ACTION_COLS} FROM actions WHERE {where} ORDER BY started_at",
+            values(AWAITING_PROBE),
         ).fetchall()
     else:
         rows = db.execute(
-            f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE state IN ('IN_DOUBT', 'UNKNOWN') "
+            f"{SUBTREE} SELECT {_ACTION_COLS} FROM actions WHERE {where} "
             "AND delegation_id IN (SELECT id FROM sub) ORDER BY started_at",
-            (root_id,),
+            (root_id, *values(AWAITING_PROBE)),
         ).fetchall()
     return [_action(r) for r in rows]
 

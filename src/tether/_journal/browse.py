@@ -10,9 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tether._core.model import AWAITING_PROBE, DelegationState
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow, EventRow, loads
-from tether._journal.tables import _ACTION_COLS, _DELEGATION_COLS, Db, _action, _delegation
+from tether._journal.tables import (
+    _ACTION_COLS,
+    _DELEGATION_COLS,
+    Db,
+    _action,
+    _delegation,
+    marks,
+    values,
+)
+
+_S = DelegationState
 
 ATTENTION = ("UNKNOWN", "IN_DOUBT")  # actions nobody settled: a probe or a person must
 
@@ -169,15 +180,20 @@ def actions(db: Db, q: Browse) -> Page:
     return _page(db, q, "actions")
 
 
+# Held for a person for another reason than a call of its own a probe may still settle.
+_NONE_AWAITING = ("NOT EXISTS (SELECT 1 FROM actions a WHERE a.delegation_id = d.id AND "
+                  f"a.state IN ({marks(AWAITING_PROBE)}))")
+
+
 def attention_delegations(db: Db, limit: int) -> list[tuple[DelegationRow, str | None]]:
     """NEEDS_ATTENTION delegations none of whose own actions is in doubt or unknown (a
     receipt that contradicts a decision or a final outcome put them there), oldest first,
     each with the newest reason the journal gave."""
     cols = ", ".join("d." + c.strip() for c in _DELEGATION_COLS.split(","))
     rows = db.execute(
-        f"SELECT {cols} FROM delegations d WHERE d.state = 'NEEDS_ATTENTION' AND NOT EXISTS "
-        "(SELECT 1 FROM actions a WHERE a.delegation_id = d.id AND a.state IN "
-        "('UNKNOWN', 'IN_DOUBT')) ORDER BY d.created_at, d.id LIMIT ?", (limit,)).fetchall()
+        f"SELECT {cols} FROM delegations d WHERE d.state = ? AND {_NONE_AWAITING} "
+        "ORDER BY d.created_at, d.id LIMIT ?",
+        (_S.NEEDS_ATTENTION.value, *values(AWAITING_PROBE), limit)).fetchall()
     found = []
     for r in rows:
         row = _delegation(r)
@@ -242,10 +258,9 @@ def locate(db: Db, text: str) -> str | None:
 def attention_count(db: Db) -> int:
     """What the queue holds: calls nobody settled, and delegations held for a person for
     another reason (read through ``actions_state_started`` and ``delegations_state``)."""
-    calls = db.execute("SELECT COUNT(*) FROM actions WHERE state IN ('UNKNOWN', 'IN_DOUBT')"
-                       ).fetchone()[0]
+    calls = db.execute(f"SELECT COUNT(*) FROM actions WHERE state IN ({marks(AWAITING_PROBE)})",
+                       values(AWAITING_PROBE)).fetchone()[0]
     held = db.execute(
-        "SELECT COUNT(*) FROM delegations d WHERE d.state = 'NEEDS_ATTENTION' AND NOT EXISTS "
-        "(SELECT 1 FROM actions a WHERE a.delegation_id = d.id AND a.state IN "
-        "('UNKNOWN', 'IN_DOUBT'))").fetchone()[0]
+        f"SELECT COUNT(*) FROM delegations d WHERE d.state = ? AND {_NONE_AWAITING}",
+        (_S.NEEDS_ATTENTION.value, *values(AWAITING_PROBE))).fetchone()[0]
     return int(calls) + int(held)

@@ -20,12 +20,20 @@ from tether._core.errors import (
     ForgedRow,
     InvalidTransition,
     JournalCorrupt,
+    JournalError,
     NotFound,
     StaleEpoch,
     StaleSequence,
     UserError,
 )
-from tether._core.model import DelegationState, check_delegation_move
+from tether._core.model import (
+    AWAITING_PROBE,
+    RETRIED_FROM,
+    ControlKind,
+    DelegationState,
+    check_delegation_move,
+    fenced_below,
+)
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed
 
@@ -57,6 +65,7 @@ from tether._journal.tables import (
     _ACTION_COLS,
     _CONTROL_COLS,
     _DELEGATION_COLS,
+    _MOVE_TRIES,
     LEASED,
     SUBTREE,
     Db,
@@ -66,8 +75,10 @@ from tether._journal.tables import (
     _delegation,
     before,
     chunks,
+    marks,
     signed_of,
     touch,
+    values,
 )
 from tether._journal.tables import event as event
 from tether._journal.tables import get_delegation as get_delegation
@@ -293,10 +304,10 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
     cur = db.execute(
         _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
         "JOIN tasks t ON t.id = f.task_id "
-        "WHERE f.id = ? AND f.state = 'FAILED' AND f.epoch = t.epoch AND NOT EXISTS "
+        "WHERE f.id = ? AND f.state = ? AND f.epoch = t.epoch AND NOT EXISTS "
         "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
         f"AND n.attempt > f.attempt) AND {LEASED.format('f')} /*LOCK f, t*/",
-        (*_values(new, prior.epoch), new.retry_of, new.now),
+        (*_values(new, prior.epoch), new.retry_of, RETRIED_FROM.value, new.now),
     )
     if cur.rowcount != 1:
         raise InvalidTransition(prior.id, prior.state.value, "re-dispatched")
@@ -364,8 +375,8 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
     row = set_state(db, delegation_id, new, now, result, error, failure)
     rows = db.execute(
         f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id = ? "
-        "AND state IN ('IN_DOUBT', 'UNKNOWN') ORDER BY started_at, ordinal",
-        (delegation_id,),
+        f"AND state IN ({marks(AWAITING_PROBE)}) ORDER BY started_at, ordinal",
+        (delegation_id, *values(AWAITING_PROBE)),
     ).fetchall()
     return row, [_action(r) for r in rows]
 
@@ -407,17 +418,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         f"{SUBTREE} UPDATE tasks SET cancel_gen = cancel_gen + 1 "
         "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
         (intent.delegation_id,))
-    # I10: every descendant is fenced before anybody waits; live ones follow the root's state.
-    for (below,) in db.execute(f"{SUBTREE} SELECT id FROM sub WHERE id <> ? ORDER BY id",
-                               (intent.delegation_id, intent.delegation_id)).fetchall():
-        before(db, "delegations", below)
-    for (fenced_id,) in db.execute(
-        f"{SUBTREE} UPDATE delegations SET fenced = 1, updated_at = ?, state = CASE "
-        "WHEN state IN ('RUNNING', 'RECALLING') THEN ? ELSE state END "
-        "WHERE id IN (SELECT id FROM sub) AND id <> ? RETURNING id",
-        (intent.delegation_id, accepted_at, target.value, intent.delegation_id),
-    ).fetchall():
-        touch(db, "delegations", fenced_id)
+    _fence_below(db, intent.delegation_id, intent.kind, accepted_at)
     squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
                           (intent.delegation_id, intent.seq)).fetchone()
     if squatter is not None:
@@ -443,6 +444,39 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
         notify(row.owner_id)
     return controls(db, intent.delegation_id)[-1]
 
+
+
+def _fence_below(db: Db, root_id: str, kind: ControlKind, at: float) -> None:
+    """I10: every descendant is fenced before anybody waits, each moved as the core decides
+    (``fenced_below``: live ones follow the root), written guarded by the state it was judged
+    in. The rows are locked first (PostgreSQL), so a guard fails only where nothing locks."""
+    ids = [r[0] for r in db.execute(f"{SUBTREE} SELECT id FROM sub WHERE id <> ? ORDER BY id",
+                                    (root_id, root_id)).fetchall()]
+    for below in ids:
+        before(db, "delegations", below)
+    for _ in range(_MOVE_TRIES):
+        judged: dict[DelegationState, list[str]] = {}
+        for part in chunks(ids):
+            for row_id, state in db.execute(
+                    f"SELECT id, state FROM delegations WHERE id IN ({', '.join('?' * len(part))})"
+                    " ORDER BY id", tuple(part)).fetchall():
+                judged.setdefault(DelegationState(state), []).append(row_id)
+        left: list[str] = []
+        for old, group in judged.items():
+            for part in chunks(group):
+                done = {r[0] for r in db.execute(
+                    "UPDATE delegations SET fenced = 1, updated_at = ?, state = ? "
+                    f"WHERE id IN ({', '.join('?' * len(part))}) AND state = ? RETURNING id",
+                    (at, fenced_below(old, kind).value, *part, old.value)).fetchall()}
+                for row_id in part:
+                    if row_id in done:
+                        touch(db, "delegations", row_id)
+                    else:
+                        left.append(row_id)
+        if not left:
+            return
+        ids = sorted(left)  # moved by another writer between the read and the write
+    raise JournalError(f"the subtree of {root_id} kept moving under its fence; try again")
 
 
 def controls(db: Db, delegation_id: str) -> list[ControlRow]:

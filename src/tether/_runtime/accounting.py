@@ -24,6 +24,7 @@ from tether._core.errors import (
 from tether._core.model import ControlKind, DelegationState
 from tether._core.outcome import PriorCall, final_at, holds_key, probe_again
 from tether._core.report import ActionRecord, Report
+from tether._core.verdict import Verdict
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import first_of
 from tether._runtime.declared import HOW
@@ -288,11 +289,11 @@ class Accounting:
                 break
         await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
         await self.account(row.id, DelegationState.TERMINATED)
-        sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict="RECOVERED",
+        sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict=Verdict.RECOVERED.value,
                           reason=reason)
         await sup.journal.flush()
         report = await build_report(sup.journal, row.id)
         log.warning("recovered %s: %s; settled %s", row.id, reason, report.outcome.value,
                     extra={"delegation": row.id, "outcome": report.outcome.value,
-                           "verdict": "RECOVERED"})
+                           "verdict": Verdict.RECOVERED.value})
         return report

@@ -17,6 +17,7 @@ from tether._core.errors import DelegationError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
+from tether._core.verdict import Verdict
 from tether._core.waiting import Interrupted
 from tether._journal import ops
 from tether._journal.rows import DelegationRow, OwnerRow
@@ -71,7 +72,7 @@ async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
         else DelegationState.TERMINATED
     await settle_subtree(sup.journal, delegation_id, sup.clock, final)
     sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
-                      verdict="NEVER_STARTED", reason="no worker had claimed it")
+                      verdict=Verdict.NEVER_STARTED.value, reason="no worker had claimed it")
     await sup.journal.flush()
     return await build_report(sup.journal, delegation_id)
 
