@@ -125,15 +125,10 @@ class Accounting:
             if kind is ControlKind.TERMINATE and task is not None:
                 task.cancel()
         terminate = kind is ControlKind.TERMINATE
-        if terminate:
-            await sup.journal.mark_in_doubt(root_id, sup.clock.wall())
-        await self.account(root_id, DelegationState.TERMINATED if terminate
-                           else DelegationState.RECALLED)
-        sup.journal.event(sup.clock.wall(), "verdict", root_id,
-                          verdict="TERMINATE" if terminate else "RECALLED_CLEAN",
-                          reason=f"{kind.value.lower()} of a delegation whose code had ended")
-        await sup.journal.flush()
-        return await build_report(sup.journal, root_id)
+        return await self.conclude(
+            root_id, DelegationState.TERMINATED if terminate else DelegationState.RECALLED,
+            in_doubt=terminate, verdict=Verdict.TERMINATE if terminate else Verdict.RECALLED_CLEAN,
+            reason=f"{kind.value.lower()} of a delegation whose code had ended")
 
     async def let_calls_finish(self) -> None:
         """Calls still running (left to finish after a recall's grace window, or by a lost
@@ -152,6 +147,21 @@ class Accounting:
                 await sup.journal.settle_pending(action_id, sup.clock.wall(),
                                                  "its supervisor closed while it ran")
             await sup.journal.flush()
+
+    async def conclude(self, root_id: str, fallback: DelegationState, *, in_doubt: bool,
+                       verdict: Verdict | None, reason: str = "") -> Report:
+        """The end of every settling (a drain, a stop of ended code, a recovery): calls left
+        running declared in doubt (``in_doubt``), the subtree accounted for, the verdict
+        journaled, all of it committed, and the report read back."""
+        sup = self._sup
+        if in_doubt:
+            await sup.journal.mark_in_doubt(root_id, sup.clock.wall())
+        await self.account(root_id, fallback)
+        if verdict is not None:
+            sup.journal.event(sup.clock.wall(), "verdict", root_id, verdict=verdict.value,
+                              reason=reason)
+        await sup.journal.flush()
+        return await build_report(sup.journal, root_id)
 
     async def account(self, root_id: str, fallback: DelegationState) -> None:
         """Probe what is in doubt, settle the subtree, and keep checking in the background
@@ -268,10 +278,8 @@ class Accounting:
         if not row.state.terminal and await sup.journal.drained(row.id):
             # Its owner drained it before going away, leaving calls in doubt: finish the
             # accounting, without a second verdict that would hide the first.
-            await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
-            await self.account(row.id, DelegationState.TERMINATED)
-            await sup.journal.flush()
-            return await build_report(sup.journal, row.id)
+            return await self.conclude(row.id, DelegationState.TERMINATED, in_doubt=True,
+                                       verdict=None)
         while row.state is DelegationState.RUNNING:
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
                                    None, f"recovery: {reason}", sup.clock.wall(),
@@ -287,12 +295,8 @@ class Accounting:
                 row = await sup.journal.get(row.id)
             else:
                 break
-        await sup.journal.mark_in_doubt(row.id, sup.clock.wall())
-        await self.account(row.id, DelegationState.TERMINATED)
-        sup.journal.event(sup.clock.wall(), "verdict", row.id, verdict=Verdict.RECOVERED.value,
-                          reason=reason)
-        await sup.journal.flush()
-        report = await build_report(sup.journal, row.id)
+        report = await self.conclude(row.id, DelegationState.TERMINATED, in_doubt=True,
+                                     verdict=Verdict.RECOVERED, reason=reason)
         log.warning("recovered %s: %s; settled %s", row.id, reason, report.outcome.value,
                     extra={"delegation": row.id, "outcome": report.outcome.value,
                            "verdict": Verdict.RECOVERED.value})

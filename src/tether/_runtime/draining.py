@@ -19,7 +19,6 @@ from tether._core.verdict import RecallInput, Verdict, evaluate_recall
 from tether._runtime.accounting import Accounting
 from tether._runtime.clock import first_of
 from tether._runtime.logs import logger
-from tether._runtime.reconcile import build_report
 from tether._runtime.state import ChildRuntime
 
 if TYPE_CHECKING:
@@ -52,13 +51,8 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     if children:
         await first_of(sup.clock, sup.policy.ack_timeout,
                        asyncio.gather(*children, return_exceptions=True))
-    if plan.mark_in_doubt:
-        await sup.journal.mark_in_doubt(rt.id, sup.clock.wall())
-    await accounts.account(rt.id, plan.fallback)
-    sup.journal.event(sup.clock.wall(), "verdict", rt.id, verdict=verdict.value,
-                      reason=reason)
-    await sup.journal.flush()
-    report = await build_report(sup.journal, rt.id)
+    report = await accounts.conclude(rt.id, plan.fallback, in_doubt=plan.mark_in_doubt,
+                                     verdict=verdict, reason=reason)
     if verdict is Verdict.GRACE_EXPIRED:
         sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
     log_verdict(report, verdict.value, reason)

@@ -111,10 +111,8 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "a terminate of a delegation whose code had ended leaves its running calls PENDING "
        "instead of in doubt",
        "_runtime.accounting",
-       "        if terminate:\n            await sup.journal.mark_in_doubt(root_id, "
-       "sup.clock.wall())",
-       "        if False:\n            await sup.journal.mark_in_doubt(root_id, "
-       "sup.clock.wall())",
+       "            in_doubt=terminate, verdict=",
+       "            in_doubt=False, verdict=",
        "crash,reply_lost,race", 1, 200),
     _m("freed_key_reuse",
        "a receipt for a call judged NOT_APPLIED, whose key was used again since, re-opens it "
