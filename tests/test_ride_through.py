@@ -164,9 +164,10 @@ async def test_a_renewal_run_after_its_lease_ended_writes_nothing(
 
 async def test_a_write_finds_the_server_back_within_a_small_step(
         private_pg: PrivateServer, private_url: str) -> None:
-    """Window 3 s (a worker's, for a 3 s lease), the server away for 1.7 s: the write that
+    """Window 3 s (a worker's, for a 3 s lease), the server away for 1 s: the write that
     waited commits soon after it is back (steps of at most 0.15 s; 1 s steps found it 0.5 to
-    0.8 s late, a quarter of the lease)."""
+    0.8 s late, a quarter of the lease). The server has the other 2 s of the window to start
+    again (a loaded machine took more than 1.3 s)."""
     async with Journal(private_url) as journal:
         await journal.flush()
         journal.reconnect_within = LEASE
@@ -175,7 +176,7 @@ async def test_a_write_finds_the_server_back_within_a_small_step(
         waiting = asyncio.ensure_future(journal.register_owner(
             OwnerRow("o-back", 1, "h", 1.0, 1.0)))
         try:
-            await asyncio.sleep(1.7)  # the outage itself
+            await asyncio.sleep(1.0)  # the outage itself
             assert not waiting.done()
         finally:
             await asyncio.to_thread(private_pg.up)
