@@ -28,6 +28,7 @@ from tether._core.model import (
     action_may_move,
     check_delegation_move,
     check_grace,
+    code_ended,
     executor_gone,
     fenced_below,
 )
@@ -99,6 +100,18 @@ def test_under_a_fenced_root_live_descendants_follow_it_and_ended_ones_stay(
                 check_delegation_move("d", state, new)
         else:
             assert new is state
+
+
+def test_where_a_childs_own_code_leaves_it() -> None:
+    """Decided in the core, each a move a RUNNING delegation may make."""
+    assert code_ended(returned=True) is S.SUCCEEDED
+    assert code_ended(returned=True, waiting=True) is S.INTERRUPTED
+    assert code_ended(returned=False, salvaged=True) is S.SUCCEEDED_PARTIAL
+    assert code_ended(returned=False) is S.FAILED
+    for returned in (True, False):
+        for flag in (True, False):
+            check_delegation_move("d", S.RUNNING, code_ended(returned=returned, waiting=flag))
+            check_delegation_move("d", S.RUNNING, code_ended(returned=returned, salvaged=flag))
 
 
 def test_only_a_call_with_no_outcome_yet_is_put_in_doubt_by_its_executor_going() -> None:

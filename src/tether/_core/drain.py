@@ -61,20 +61,20 @@ def grace_step(decision: RecallDecision, *, terminated: bool, live: int) -> Grac
 
 
 @dataclass(frozen=True)
-class Ending:
+class DrainPlan:
     terminate: bool  # stop waiting for the subtree's code: cancel every child task
     cut_calls: bool  # also cancel the in-flight calls (a terminate); a recall leaves them be
     mark_in_doubt: bool  # every call still PENDING becomes IN_DOUBT and is probed
     fallback: DelegationState  # where a node ends when nothing had to be probed
 
 
-def ending(verdict: Verdict, *, killed: bool) -> Ending:
+def ending(verdict: Verdict, *, killed: bool) -> DrainPlan:
     """How the drain ends. ``killed``: a TERMINATE reached the subtree (the intent itself, or
     one that cut a recall's window short). When a recall's grace ends, calls still in flight
     are left to finish on their own, so that a completion after the window is still recorded
     (a late receipt) instead of lost with its task; they are in doubt until then."""
     terminate = killed or verdict.must_terminate or verdict is Verdict.REJECTED
-    return Ending(
+    return DrainPlan(
         terminate=terminate,
         cut_calls=killed,
         mark_in_doubt=terminate,
@@ -93,5 +93,5 @@ def recheck_at(deadlines: Iterable[float], now: float, tolerance: float) -> floa
     return max(now, min(times))
 
 
-__all__ = ["Ending", "GraceStep", "Stop", "ending", "grace_step", "recheck_at",
+__all__ = ["DrainPlan", "GraceStep", "Stop", "ending", "grace_step", "recheck_at",
            "start"]

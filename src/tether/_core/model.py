@@ -152,6 +152,17 @@ class ControlKind(StrEnum):
         return _S.RECALLING if self is ControlKind.RECALL else _S.TERMINATING
 
 
+def code_ended(*, returned: bool, waiting: bool = False,
+               salvaged: bool = False) -> DelegationState:
+    """Where a child's own code leaves its delegation: it returned (SUCCEEDED, or INTERRUPTED
+    when what it returned asks for input, ``waiting``); it raised on a cut stream whose
+    salvaged output is its result (SUCCEEDED_PARTIAL: retrying would destroy it); it raised,
+    or its work was refused before it ran (FAILED)."""
+    if returned:
+        return _S.INTERRUPTED if waiting else _S.SUCCEEDED
+    return _S.SUCCEEDED_PARTIAL if salvaged else _S.FAILED
+
+
 # A new attempt is forked only after one that ended FAILED (its stream cut, I6); the journal's
 # fork gate reads the failed attempt's state against this one.
 RETRIED_FROM = _S.FAILED

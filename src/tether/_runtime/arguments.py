@@ -9,7 +9,7 @@ from typing import Any
 
 from tether._core import values
 from tether._core.errors import UserError
-from tether._core.model import DelegationState, Policy
+from tether._core.model import DelegationState, Policy, code_ended
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.waiting import Interrupted
 from tether._journal.journal import Journal
@@ -57,19 +57,20 @@ def stored_result(value: Any, agent: Agent) -> tuple[Any, Any]:
     return stored, shown
 
 
-Ending = tuple[DelegationState, Any, str | None, str | None]  # state, result, error, failure
+# What the journal records of a child's end: its state, result, error and failure code.
+EndRecord = tuple[DelegationState, Any, str | None, str | None]
 
 
-def ending_for(value: Any, agent: Agent) -> tuple[Ending, Any]:
-    """How a child that returned ``value`` ends, and what ``Handle.result`` gives: SUCCEEDED
-    with its result, or INTERRUPTED with the questions it waits on."""
+def ending_for(value: Any, agent: Agent) -> tuple[EndRecord, Any]:
+    """How a child that returned ``value`` ends (``code_ended``), and what ``Handle.result``
+    gives: its result, or the questions it waits on."""
     if isinstance(value, Interrupted):
         bad = unstorable(value.to_json(), agent.name)
         if bad is not None:
             raise UserError(f"the questions of {agent.name} cannot be stored: {bad}")
-        return (DelegationState.INTERRUPTED, value.to_json(), None, None), value
+        return (code_ended(returned=True, waiting=True), value.to_json(), None, None), value
     stored, shown = stored_result(value, agent)
-    return (DelegationState.SUCCEEDED, stored, None, None), shown
+    return (code_ended(returned=True), stored, None, None), shown
 
 
 def check_supervisor(journal: object, clock: object, keys: object, policy: object,

@@ -25,7 +25,7 @@ from tether._core.errors import (
     TetherError,
     UserError,
 )
-from tether._core.model import ControlKind, DelegationState, Policy, check_grace
+from tether._core.model import ControlKind, DelegationState, Policy, check_grace, code_ended
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed, TrustedKeys
@@ -37,6 +37,7 @@ from tether._runtime import draining
 from tether._runtime.accounting import Accounting
 from tether._runtime.adoption import Adoption
 from tether._runtime.arguments import (
+    EndRecord,
     check_supervisor,
     child_payload,
     ending_for,
@@ -424,7 +425,7 @@ class Supervisor:
                           started: asyncio.Event) -> tuple[bool, Any]:
         started.set()
         self._notify("started", rt.id)
-        ending: tuple[DelegationState, Any, str | None, str | None]
+        ending: EndRecord
         try:
             if rt.stop is not None:
                 raise rt.stop
@@ -451,16 +452,18 @@ class Supervisor:
             salvaged = cut.partial.to_json() if cut.partial.usable else None
             bad = None if salvaged is None else unstorable(salvaged, rt.agent.name)
             if bad is not None:  # raised here, no other handler of this try would see it
-                ending = (DelegationState.FAILED, None, f"UserError: {bad}", ending_of(bad)[1])
+                ending = (code_ended(returned=False), None, f"UserError: {bad}",
+                          ending_of(bad)[1])
                 outcome = (False, bad)
             elif salvaged is not None:  # retrying would destroy what was salvaged
-                ending = (DelegationState.SUCCEEDED_PARTIAL, salvaged, None, ending_of(cut)[1])
+                ending = (code_ended(returned=False, salvaged=True), salvaged, None,
+                          ending_of(cut)[1])
                 outcome = (True, cut.partial)
             else:
-                ending = (DelegationState.FAILED, None, str(cut), ending_of(cut)[1])
+                ending = (code_ended(returned=False), None, str(cut), ending_of(cut)[1])
                 outcome = (False, cut)
         except Exception as exc:
-            ending = (DelegationState.FAILED, None, f"{type(exc).__name__}: {exc}",
+            ending = (code_ended(returned=False), None, f"{type(exc).__name__}: {exc}",
                       ending_of(exc)[1])
             outcome = (False, exc)
         finally:

@@ -35,7 +35,7 @@ from tether._core.errors import (
     UserError,
     WorkRefused,
 )
-from tether._core.model import ControlKind, DelegationState, Policy, check_positive
+from tether._core.model import ControlKind, Policy, check_positive, code_ended
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.trust import check_work
 from tether._journal.journal import Journal
@@ -388,7 +388,7 @@ class Worker:
         except ControlRefused as exc:
             why = f"refused: {exc}"
             sup.journal.event(sup.clock.wall(), "work_refused", row.id, None, error=str(exc))
-            await sup.journal.set_state(row.id, DelegationState.FAILED, sup.clock.wall(),
+            await sup.journal.set_state(row.id, code_ended(returned=False), sup.clock.wall(),
                                         failure="refused:work", error=why)
             return
         agent = self.agents[row.agent]
@@ -397,7 +397,7 @@ class Worker:
             # Different definitions on the two sides: running it could act outside the
             # surface the orchestrator granted. Refuse, with the reason on record.
             await sup.journal.set_state(
-                row.id, DelegationState.FAILED, sup.clock.wall(), failure="error:surface",
+                row.id, code_ended(returned=False), sup.clock.wall(), failure="error:surface",
                 error=f"worker's {agent.name} grants {sorted(surface)}, "
                       f"the delegation grants {sorted(row.surface)}")
             return
