@@ -26,18 +26,6 @@ hypothesis.settings.load_profile("tether")
 # The Temporal dev server's fixture (``temporal_address``), for the tests that use it.
 pytest_plugins = ["tests.temporal_helpers"]
 
-# The files whose tests take longest (the slowest tests every run prints), sent to the workers
-# first: a parallel run then ends with many short tests, not with one long one left alone.
-SLOW_FIRST = ("test_chaos_infra.py", "test_chaos.py", "test_temporal_chaos.py",
-              "test_reconnect_workers.py", "test_mcp_proxy_http.py", "test_sim.py",
-              "test_workers.py", "test_mcp_proxy_calls.py", "test_mcp_proxy_tasks.py",
-              "test_temporal.py", "test_console.py", "test_operator_story.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
-
 
 @pytest.fixture
 def clock() -> VirtualClock:
