@@ -420,3 +420,37 @@ EXAMPLES = int(os.environ.get("TETHER_MODEL_EXAMPLES", "60"))
 JournalRules.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30,
                                           deadline=None)
 test_journal_rules = JournalRules.TestCase
+
+
+def _tx(db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        value = fn(db)
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+    return value
+
+
+def test_a_recall_fences_a_descendant_whose_state_was_edited_into_nonsense(
+        tmp_path: Path) -> None:
+    """I10 whatever a hand edit left: a descendant whose state does not decode is fenced with
+    the rest and keeps what it holds (``tether verify`` names it); the recall is not refused,
+    which would leave the whole subtree open. Its live sibling follows the root."""
+    db = connect(tmp_path / "j.db", create=True, synchronous="OFF", busy_timeout=1.0)
+    try:
+        _tx(db, lambda c: ops.create_delegation(c, NewDelegation(
+            "root", "t0", None, 1, "a", (), {}, "o", 1.0)))
+        for kid in ("odd", "kid"):
+            _tx(db, lambda c, kid=kid: ops.create_delegation(c, NewDelegation(
+                kid, f"t-{kid}", "root", 1, "a", (), {}, "o", 1.0, parent_epoch=0)))
+        db.execute("UPDATE delegations SET state = 'BOGUS' WHERE id = 'odd'")
+        intent = ControlIntent(ControlKind.RECALL, "root", 0, 1, 1.0, "r", 4.0)
+        signed = KEY.sign(intent)
+        _tx(db, lambda c: ops.accept_control(c, signed, TRUSTED.verify(signed, ControlIntent),
+                                             "me", 4.0))
+        rows = dict(db.execute("SELECT id, state || '/' || fenced FROM delegations"))
+        assert rows == {"root": "RECALLING/1", "kid": "RECALLING/1", "odd": "BOGUS/1"}
+    finally:
+        db.close()

@@ -455,19 +455,20 @@ def _fence_below(db: Db, root_id: str, kind: ControlKind, at: float) -> None:
     for below in ids:
         before(db, "delegations", below)
     for _ in range(_MOVE_TRIES):
-        judged: dict[DelegationState, list[str]] = {}
+        judged: dict[str, list[str]] = {}  # by the state as stored
         for part in chunks(ids):
             for row_id, state in db.execute(
                     f"SELECT id, state FROM delegations WHERE id IN ({', '.join('?' * len(part))})"
                     " ORDER BY id", tuple(part)).fetchall():
-                judged.setdefault(DelegationState(state), []).append(row_id)
+                judged.setdefault(state, []).append(row_id)
         left: list[str] = []
         for old, group in judged.items():
+            new = _fenced_state(old, kind)
             for part in chunks(group):
                 done = {r[0] for r in db.execute(
                     "UPDATE delegations SET fenced = 1, updated_at = ?, state = ? "
                     f"WHERE id IN ({', '.join('?' * len(part))}) AND state = ? RETURNING id",
-                    (at, fenced_below(old, kind).value, *part, old.value)).fetchall()}
+                    (at, new, *part, old)).fetchall()}
                 for row_id in part:
                     if row_id in done:
                         touch(db, "delegations", row_id)
@@ -477,6 +478,16 @@ def _fence_below(db: Db, root_id: str, kind: ControlKind, at: float) -> None:
             return
         ids = sorted(left)  # moved by another writer between the read and the write
     raise JournalError(f"the subtree of {root_id} kept moving under its fence; try again")
+
+
+def _fenced_state(stored: str, kind: ControlKind) -> str:
+    """A descendant's state once fenced. One that does not decode (a hand edit) is fenced all
+    the same and keeps what it holds: refusing the recall would leave the whole subtree open,
+    and ``tether verify`` names the row."""
+    try:
+        return fenced_below(DelegationState(stored), kind).value
+    except ValueError:
+        return stored
 
 
 def controls(db: Db, delegation_id: str) -> list[ControlRow]:
