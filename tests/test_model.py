@@ -7,6 +7,7 @@ reference model of what I2, I3, I4, I7 and I10 allow.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -443,8 +444,9 @@ def test_a_recall_fences_a_descendant_whose_state_was_edited_into_nonsense(
         _tx(db, lambda c: ops.create_delegation(c, NewDelegation(
             "root", "t0", None, 1, "a", (), {}, "o", 1.0)))
         for kid in ("odd", "kid"):
-            _tx(db, lambda c, kid=kid: ops.create_delegation(c, NewDelegation(
-                kid, f"t-{kid}", "root", 1, "a", (), {}, "o", 1.0, parent_epoch=0)))
+            child = NewDelegation(kid, f"t-{kid}", "root", 1, "a", (), {}, "o", 1.0,
+                                  parent_epoch=0)
+            _tx(db, functools.partial(ops.create_delegation, new=child))
         db.execute("UPDATE delegations SET state = 'BOGUS' WHERE id = 'odd'")
         intent = ControlIntent(ControlKind.RECALL, "root", 0, 1, 1.0, "r", 4.0)
         signed = KEY.sign(intent)
