@@ -62,6 +62,20 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        return None",
        "    if True:\n        return None",
        "crash,race", 1, 100, 64),
+    # The core's moves that SQL once chose (``CASE WHEN state IN ...``, ``SET state =
+    # 'IN_DOUBT'``): a wrong decision in the core must be found as surely.
+    _m("fenced_below",
+       "a recall's descendants are fenced but keep their RUNNING state: nothing drains them",
+       "_core.model",
+       "    if state in (_S.RUNNING, _S.RECALLING):\n        return kind.target",
+       "    if False:\n        return kind.target",
+       "crash,race,stream_cut", 1, 30, 6),
+    _m("executor_gone",
+       "a call whose executor goes away (terminated, owner dead) stays PENDING, never probed",
+       "_core.model",
+       "    return ActionState.IN_DOUBT if state is ActionState.PENDING else state",
+       "    return state",
+       "crash,reply_lost,race", 1, 30, 6),
 )
 
 # Defects fixed in code the simulator runs, that its faults have not found yet in the runs below
