@@ -94,7 +94,7 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
         await until(lambda: len(marked(mark)) >= 1, "the upstream started")
         client.proc.send_signal(signal.SIGTERM)
         if signals == 2:
-            await asyncio.sleep(0.05)  # apart, so the kernel does not merge the two
+            await asyncio.sleep(0.01)  # apart, so the kernel does not merge the two
             # A proxy already gone (its exit was quicker than the gap) met one signal only,
             # which is what the one-signal case checks; the checks below hold either way.
             with contextlib.suppress(ProcessLookupError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
 import sqlite3
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tether
+from tests.journal_helpers import pay_action, root_delegation
 from tether._core.model import (
     ACTION_FINAL,
     action_may_move,
@@ -454,5 +456,22 @@ def test_a_recall_fences_a_descendant_whose_state_was_edited_into_nonsense(
                                              "me", 4.0))
         rows = dict(db.execute("SELECT id, state || '/' || fenced FROM delegations"))
         assert rows == {"root": "RECALLING/1", "kid": "RECALLING/1", "odd": "BOGUS/1"}
+    finally:
+        db.close()
+
+
+def test_a_receipt_that_puts_a_call_in_doubt_is_journaled_as_a_move(tmp_path: Path) -> None:
+    """A tool that raised leaves its call IN_DOUBT: the move is in the event log, as every
+    receipt's is (the final receipts' one-statement path is for COMPLETED and FAILED only)."""
+    db = connect(tmp_path / "j.db", create=True, synchronous="OFF", busy_timeout=1.0)
+    try:
+        _tx(db, lambda c: ops.create_delegation(c, root_delegation("d1", "t1")))
+        _tx(db, lambda c: ops.begin_action(c, pay_action("a1", "d1", 2.0), 0.5))
+        _tx(db, lambda c: ops.finish_action(c, "a1", A.IN_DOUBT, 3.0, None, "boom"))
+        _tx(db, lambda c: ops.finish_action(c, "a1", A.COMPLETED, 4.0, "paid"))
+        moves = [(k, json.loads(d)) for k, d in db.execute(
+            "SELECT kind, detail FROM events WHERE action_id = 'a1' ORDER BY id")]
+        assert moves == [("outcome", {"old": "PENDING", "new": "IN_DOUBT"}),
+                         ("late_receipt", {"old": "IN_DOUBT", "new": "COMPLETED"})]
     finally:
         db.close()

@@ -25,7 +25,7 @@ from tether._cli.common import (
 from tether._cli.errors import Group, cli_errors, err
 from tether._cli.safe import plain, safe
 from tether._core.errors import AlreadyFinished, UserError
-from tether._core.model import ControlKind, Policy, check_grace
+from tether._core.model import ControlKind, DelegationState, Policy, check_grace
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._runtime.declared import HOW, deployment_tools, load_tools
 from tether._runtime.keys import KeyRing
@@ -168,8 +168,10 @@ TemporalOpt = Annotated[str | None, typer.Option(
     "is a Temporal workflow run is then stopped there too, after the journal's report.")]
 NamespaceOpt = Annotated[str, typer.Option(
     "--namespace", envvar="TEMPORAL_NAMESPACE", help="The Temporal namespace (--temporal).")]
-# Outcomes a person must look at: a command that ends with one exits 1.
-ATTENTION = frozenset({"NEEDS_ATTENTION", "RECALLING", "TERMINATING", "RUNNING"})
+# Outcomes a person must look at: a command that ends with one exits 1 (not settled yet, or
+# held for a person).
+ATTENTION = frozenset(s.value for s in DelegationState
+                      if not s.terminal or s is DelegationState.NEEDS_ATTENTION)
 
 
 @app.command()

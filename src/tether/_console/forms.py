@@ -9,9 +9,10 @@ from urllib.parse import quote
 from tether._console.html import e, utc
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, final_at
 from tether._core.report import ActionRecord
+from tether._journal.browse import ATTENTION
 from tether._journal.rows import DelegationRow
 
-DECIDABLE = ("UNKNOWN", "IN_DOUBT")
+DECIDABLE = ATTENTION  # a person decides what no probe could settle (``_core.resolution``)
 
 
 def deadline_rule(a: ActionRecord, now: float, tolerance: float) -> str:

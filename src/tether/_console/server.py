@@ -48,7 +48,7 @@ from tether._runtime.logs import logger
 from tether._runtime.resolve import operator_of
 
 log = logger("console")
-ATTENTION = ("UNKNOWN", "IN_DOUBT")
+ATTENTION = browse.ATTENTION
 
 
 @dataclass

@@ -64,8 +64,10 @@ def action_may_move(old: ActionState, new: ActionState) -> bool:
     return new in _ACTION_MOVES[old]
 
 
-# What a probe may still settle: the reads of the accounting and the console's queue.
-AWAITING_PROBE = frozenset({ActionState.IN_DOUBT, ActionState.UNKNOWN})
+# What a probe (or a person) may still settle, in the order a person should look at them: the
+# accounting's reads, the console's queue and its decisions, the CLI's exit codes.
+AWAITING = (ActionState.UNKNOWN, ActionState.IN_DOUBT)
+AWAITING_PROBE = frozenset(AWAITING)
 
 
 def executor_gone(state: ActionState) -> ActionState:

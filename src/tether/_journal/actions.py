@@ -10,6 +10,7 @@ from typing import Any
 
 from tether._core.errors import IdempotencyConflict, KeyInUse, NotFound
 from tether._core.model import (
+    ACTION_FINAL,
     AWAITING_PROBE,
     DELEGATION_TERMINAL,
     ActionState,
@@ -110,10 +111,11 @@ def finish_action(db: Db, action_id: str, outcome: ActionState, now: float, resu
     fence refuses new intents, never receipts: a receipt for an action already declared in
     doubt is a late receipt, kept and flagged, and it re-opens its delegation's accounting."""
     before(db, "actions", action_id)
-    if evidence is None and judge_receipt(_A.PENDING, outcome, from_probe=False) \
-            is Receipt.RECORD:
-        # The common case, a receipt for a PENDING action: one statement, judged as if the
-        # action were PENDING and written only if it still is.
+    if evidence is None and outcome in ACTION_FINAL and judge_receipt(
+            _A.PENDING, outcome, from_probe=False) is Receipt.RECORD:
+        # The common case, a final receipt for a PENDING action: one statement, judged as if
+        # the action were PENDING and written only if it still is. (A receipt that puts the
+        # call in doubt takes the path below, which journals the move.)
         cur = db.execute(
             "UPDATE actions SET state = ?, result = ?, error = ?, ended_at = ? "
             "WHERE id = ? AND state = ?",

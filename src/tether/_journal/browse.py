@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tether._core.model import AWAITING_PROBE, DelegationState
+from tether._core.model import AWAITING, AWAITING_PROBE, DelegationState
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow, EventRow, loads
 from tether._journal.tables import (
@@ -25,7 +25,7 @@ from tether._journal.tables import (
 
 _S = DelegationState
 
-ATTENTION = ("UNKNOWN", "IN_DOUBT")  # actions nobody settled: a probe or a person must
+ATTENTION = tuple(s.value for s in AWAITING)  # actions nobody settled: a probe or a person must
 
 
 @dataclass(frozen=True)
