@@ -112,6 +112,36 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
             assert await j.delegations() == []
 
 
+async def test_signals_while_the_proxy_exits_never_kill_it(tmp_path: Path) -> None:
+    """Once a signal stopped it, more signals (a supervisor's or a user's impatience, every
+    5 ms until it is gone) change nothing: it exits 128 + SIGTERM, its upstream stopped. The
+    loop's close gave the signals back their default action, and one landing in the
+    interpreter's teardown killed the proxy (-15) before."""
+    journal = f"sqlite:///{tmp_path / 'journal.db'}"
+    spec, mark = mark_upstream("slow", sys.executable, "-m", "tests.mcp_lingering")
+    client = await WireClient.start(journal, spec)
+    try:
+        await until(lambda: len(marked(mark)) >= 1, "the upstream started")
+        client.proc.send_signal(signal.SIGTERM)
+        sent = 1
+        while True:
+            await asyncio.sleep(0.005)
+            if client.proc.returncode is not None:
+                break
+            # Not ``send_signal``: its Popen would reap the exited proxy under asyncio's
+            # watcher, which then reports 255. (Gone: reaped, its code not yet delivered.)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(client.proc.pid, signal.SIGTERM)
+                sent += 1
+        assert client.proc.stderr is not None
+        err = (await asyncio.wait_for(client.proc.stderr.read(), 30)).decode()
+        assert marked(mark) == [], "the upstream outlived the proxy"
+    finally:
+        await client.aclose(mark)
+    assert client.proc.returncode == 128 + signal.SIGTERM, (client.proc.returncode, sent, err)
+    assert "Traceback" not in err, err
+
+
 async def test_a_client_that_leaves_before_a_silent_upstream_answers_ends_the_proxy(
         tmp_path: Path) -> None:
     """The client's initialize waits for the upstream's, which never comes; the client closes

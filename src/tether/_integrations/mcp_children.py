@@ -204,6 +204,21 @@ class Stopper:
     def exit_code(self) -> int | None:
         return None if self.signal is None else 128 + self.signal
 
+    def exit(self) -> None:
+        """Exit with ``128 + signal`` if a signal stopped the proxy (its upstreams stopped).
+        Signals are ignored from here on: the loop's close would give them back their
+        default action, and a second one in the interpreter's teardown (tens of ms) killed
+        the proxy instead (-15, not 143)."""
+        if self.signal is None:
+            return
+        loop = asyncio.get_running_loop()
+        for sig in SIGNALS:
+            # Taken off the loop first (its close then leaves them alone), ignored next: the
+            # default action stands between two statements, not through the teardown.
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + self.signal)
+
 
 async def run_stdio(journal: str, config: ProxyConfig) -> None:
     """``tether mcp-proxy`` over stdio, its upstreams started first: they boot while the MCP
@@ -229,5 +244,4 @@ async def run_stdio(journal: str, config: ProxyConfig) -> None:
             raise
     finally:
         await stop_all(started, stopper.children)  # those no session took
-    if stopper.exit_code is not None:
-        raise SystemExit(stopper.exit_code)
+    stopper.exit()

@@ -232,8 +232,7 @@ async def serve_http(journal: str, config: ProxyConfig, host: str, port: int, *,
             raise one_line(group) from None
     finally:
         listener.close()
-    if stopper.exit_code is not None:
-        raise SystemExit(stopper.exit_code)
+    stopper.exit()
 
 
 def _listen(host: str, port: int) -> socket.socket:

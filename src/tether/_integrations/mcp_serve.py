@@ -404,5 +404,4 @@ async def serve_started(journal: str, config: ProxyConfig, stopper: Stopper,
             await session.close(cancel=stopper.signal is not None)
     if session is not None and session.failure is not None and stopper.signal is None:
         raise session.failure
-    if stopper.exit_code is not None:  # the session's delegation settled: now exit
-        raise SystemExit(stopper.exit_code)
+    stopper.exit()  # for a signal, the session's delegation settled: now exit
