@@ -80,22 +80,23 @@ async def test_the_proxy_stops_a_lingering_upstream_after_its_grace_on_eof(
     assert await delegation_state(journal) is tether.DelegationState.SUCCEEDED
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
 @pytest.mark.parametrize("more", [False, True], ids=["one signal", "signals until it is gone"])
 async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
-        tmp_path: Path, more: bool) -> None:
+        tmp_path: Path, more: bool, sig: signal.Signals) -> None:
     """The upstreams start before the proxy imports the MCP SDK (they boot meanwhile): a
     signal then, before any client spoke, stops them with the proxy, which exits 128 + signal
     with no traceback and no delegation. More signals (a supervisor's or a user's impatience,
     every 5 ms until it is gone) change nothing, wherever they land in its exit: the loop's
     close gave the signals back their default action, and one landing in the interpreter's
-    teardown killed the proxy (-15) before."""
+    teardown killed the proxy (-15) before, and a SIGINT there raised KeyboardInterrupt."""
     journal = f"sqlite:///{tmp_path / 'journal.db'}"
     spec, mark = mark_upstream("slow", sys.executable, "-m", "tests.mcp_lingering")
     client = await WireClient.start(journal, spec)
     sent = 1
     try:
         await until(lambda: len(marked(mark)) >= 1, "the upstream started")
-        client.proc.send_signal(signal.SIGTERM)
+        client.proc.send_signal(sig)
         while more:
             await asyncio.sleep(0.005)
             if client.proc.returncode is not None:
@@ -103,7 +104,7 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
             # Not ``send_signal``: its Popen would reap the exited proxy under asyncio's
             # watcher, which then reports 255. (Gone: reaped, its code not yet delivered.)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(client.proc.pid, signal.SIGTERM)
+                os.kill(client.proc.pid, sig)
                 sent += 1
         await until(lambda: client.proc.returncode is not None, "the proxy exited")
         assert marked(mark) == [], "the upstream outlived the proxy"
@@ -111,7 +112,7 @@ async def test_a_signal_while_the_proxy_starts_stops_its_upstreams(
         err = (await asyncio.wait_for(client.proc.stderr.read(), 30)).decode()
     finally:
         await client.aclose(mark)
-    assert client.proc.returncode == 128 + signal.SIGTERM, (client.proc.returncode, sent, err)
+    assert client.proc.returncode == 128 + sig, (client.proc.returncode, sent, err)
     assert "Traceback" not in err, err
     if (tmp_path / "journal.db").exists():
         async with tether.Journal(journal, create=False) as j:

@@ -212,11 +212,16 @@ class Stopper:
         if self.signal is None:
             return
         loop = asyncio.get_running_loop()
-        for sig in SIGNALS:
-            # Taken off the loop first (its close then leaves them alone), ignored next: the
-            # default action stands between two statements, not through the teardown.
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
+        # Taken off the loop (its close then leaves them alone), then ignored, with the
+        # signals held meanwhile: between the two, the default action (for SIGINT, a
+        # KeyboardInterrupt) would otherwise stand.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+        try:
+            for sig in SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         raise SystemExit(128 + self.signal)
 
 
