@@ -12,6 +12,7 @@ only this test's own backends are terminated (by application name).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from pathlib import Path
@@ -206,7 +207,9 @@ async def test_payments_keep_flowing_through_a_server_restart(
     after it all complete, and the provider's ledger and the journal agree, key for key."""
     monkeypatch.setenv("TETHER_TEST_LEDGER", str(tmp_path / "ledger.db"))
     remote_agents.ledger.cache_clear()
-    refund = remote_agents.refund
+    # A restart on a loaded machine can hold an intent's commit past the shared tool's 3 s
+    # deadline, and the call is then rightly never sent: this test is of the ride-through.
+    refund = dataclasses.replace(remote_agents.refund, dispatch_deadline=WITHIN)
     n = 12
     first_done = asyncio.Semaphore(0)
     go = asyncio.Event()

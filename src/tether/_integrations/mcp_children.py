@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from tether._integrations.mcp_stdio import LINE_LIMIT
 GRACE = 2.0  # seconds an upstream has to exit after its stdin closes (the SDKs' own)
 FORCE = 2.0  # seconds after SIGTERM before SIGKILL
 HURRIED = 0.5  # the same, once a signal stops the proxy: its client may SIGKILL it soon
+EXIT_WITHIN = 10.0  # seconds a signalled proxy's exit may take, signals ignored meanwhile
 POLL = 0.01
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 # What a server from a config file inherits of the proxy's environment, beside its own
@@ -222,6 +224,12 @@ class Stopper:
                 signal.signal(sig, signal.SIG_IGN)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # No signal can end it now, so its exit is bounded here: past every bound of its own
+        # teardown (upstreams, journal, server), an atexit hook that hangs (a telemetry flush
+        # to a collector that is gone) must not keep it for ever.
+        last = threading.Timer(EXIT_WITHIN, os._exit, (128 + self.signal,))
+        last.daemon = True
+        last.start()
         raise SystemExit(128 + self.signal)
 
 
