@@ -179,6 +179,7 @@ class _Away(Runner):
     def pause(self, seconds: float) -> None:
         self.pauses.append(seconds)
         self.now += seconds
+        assert seconds > 0 and len(self.pauses) < 1000, "no progress in virtual time"
 
     def closing(self) -> bool:
         return False

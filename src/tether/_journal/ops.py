@@ -458,8 +458,8 @@ def _fence_below(db: Db, root_id: str, kind: ControlKind, at: float) -> None:
         judged: dict[str, list[str]] = {}  # by the state as stored
         for part in chunks(ids):
             for row_id, state in db.execute(
-                    f"SELECT id, state FROM delegations WHERE id IN ({', '.join('?' * len(part))})"
-                    " ORDER BY id", tuple(part)).fetchall():
+                    f"SELECT id, state FROM delegations WHERE id IN ({marks(part)}) ORDER BY id",
+                    tuple(part)).fetchall():
                 judged.setdefault(state, []).append(row_id)
         left: list[str] = []
         for old, group in judged.items():
@@ -467,7 +467,7 @@ def _fence_below(db: Db, root_id: str, kind: ControlKind, at: float) -> None:
             for part in chunks(group):
                 done = {r[0] for r in db.execute(
                     "UPDATE delegations SET fenced = 1, updated_at = ?, state = ? "
-                    f"WHERE id IN ({', '.join('?' * len(part))}) AND state = ? RETURNING id",
+                    f"WHERE id IN ({marks(part)}) AND state = ? RETURNING id",
                     (at, new, *part, old)).fetchall()}
                 for row_id in part:
                     if row_id in done:

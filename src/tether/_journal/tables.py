@@ -6,7 +6,7 @@ and moved), which both the delegation and the action operations build on.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence, Sized
 from typing import Any, Protocol, TypeVar
 
 from tether._core import chain
@@ -220,8 +220,9 @@ CHUNK = 500  # rows per statement (SQLite allows 32766 parameters)
 # States reach SQL as parameters, never as literals: which states a statement reads or moves
 # is the core's set (``_core.model``, ``_core.outcome``), bound as ``IN ({marks(s)})`` with
 # ``values(s)``, so no state is chosen in SQL.
-def marks(states: Collection[ActionState | DelegationState]) -> str:
-    return ", ".join("?" * len(states))
+def marks(items: Sized) -> str:
+    """``?, ?, ...``: one placeholder per item, for an ``IN (...)`` list."""
+    return ", ".join("?" * len(items))
 
 
 def values(states: Collection[ActionState | DelegationState]) -> tuple[str, ...]:
