@@ -311,8 +311,8 @@ def dbos_anchor(directory: Path, steps: int, workflows: int, wf_steps: int) -> d
 
 
 def sim_throughput(trials: int) -> float:
-    """Trials per minute of `tether sim` (every fault, one process)."""
-    from tether._sim.trial import run_sim
+    """Trials per minute of `tether sim` (the production runtime, every fault, one process)."""
+    from tether._sim.runs import run_sim
 
     start = time.perf_counter()
     run_sim(trials, 20_261)
@@ -408,7 +408,7 @@ def main() -> int:
         storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
-        sims = [sim_throughput(1000 if q else 5000) for _ in range(1 if q else 3)]
+        sims = [sim_throughput(100 if q else 500) for _ in range(1 if q else 3)]
         proxied = mcp_proxy_figures(d, 50 if q else 200)
         operator = operator_figures(d, 20_000 if q else 100_000)
         on_temporal = temporal_figures(2 if q else 5, 20 if q else 40)

@@ -1,72 +1,31 @@
-"""``tether sim``: the deterministic simulator of the protocol core.
-
-A clean bounded run, replay determinism, and mutation tests: a deliberately broken core
-decision must be caught, in the violation class it breaks. The simulator drives the real
-core functions through their modules, so swapping one with monkeypatch reaches every caller.
-"""
+"""``tether sim``: a trial's faults replay from its own list, the journal's notifications reach
+the simulated processes, a broken provider is caught, and the command line. The loop, the
+inline runner and the trials of the production runtime are in ``test_sim_production.py``;
+the catalogue of fixed defects put back is in ``test_sim_mutations.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 import tether
 from tether._cli.app import app
-from tether._core import outcome, redispatch
-from tether._core.model import ActionState, DelegationState, ProbeOutcome
+from tether._core.model import ActionState
+from tether._journal.inline import Bus, MemorySqlite
 from tether._sim import world
-from tether._sim.journal import FIXES
-from tether._sim.trial import run_sim, run_trial
+from tether._sim.loop import Host, HostClock, run
+from tether._sim.mutations import BY_NAME
+from tether._sim.plan import trial_seed
+from tether._sim.runs import run_sim
+from tether._sim.trial import Trial, run_trial
 from tether.testing import VirtualClock
 
-ALL_FIXES = frozenset(FIXES)
 runner = CliRunner()
-
-
-def classes(result: dict[str, object]) -> dict[str, int]:
-    counts = result["counts"]
-    assert isinstance(counts, dict)
-    return {k: v for k, v in counts.items() if v}
-
-
-# -- clean runs and determinism ----------------------------------------------------------
-
-def test_bounded_run_finds_no_violation() -> None:
-    """With the fixes of the defects it found applied to its model (see FIXES), thousands of
-    trials with every fault find nothing."""
-    result = run_sim(3000, 20261, fixes=ALL_FIXES)  # its speed is bench/run.py's to judge
-    assert result["violations"] == [], result["violations"][:5]
-    assert result["trials"] == 3000
-    faults = result["faults"]
-    assert isinstance(faults, dict) and set(faults) >= set(world.FAULTS)
-    totals = result["totals"]
-    assert isinstance(totals, dict)
-    # The faults really happened: restarts, lost commits read back, applied payments.
-    assert totals["restarts"] > 100 and totals["read_backs"] > 100 and totals["applied"] > 3000
-
-
-def test_the_faithful_model_is_clean_away_from_the_defects_it_found() -> None:
-    """Without cut streams, crashes and pauses (which the three defects need), the model as
-    the runtime is today finds nothing either."""
-    quiet = tuple(f for f in world.FAULTS if f not in ("stream_cut", "crash", "pause"))
-    result = run_sim(1500, 77, quiet)
-    assert result["violations"] == [], result["violations"][:5]
-
-
-def test_replay_is_step_for_step() -> None:
-    for seed in (7, 168, 34270):
-        first = run_trial(seed, trace=True)
-        again = run_trial(seed, trace=True)
-        assert first.trace is not None and len(first.trace) > 50
-        assert first.trace == again.trace
-        assert [v.to_json() for v in first.violations] == [v.to_json() for v in again.violations]
-    # Tracing draws nothing from the seed: an untraced run takes the same steps.
-    assert run_trial(168).steps == run_trial(168, trace=True).steps
 
 
 def test_a_trials_active_faults_replay_from_its_own_list() -> None:
@@ -74,170 +33,129 @@ def test_a_trials_active_faults_replay_from_its_own_list() -> None:
         chosen = world.active_faults(seed, world.FAULTS)
         if chosen:
             assert world.active_faults(seed, chosen) == chosen
-            assert run_trial(seed, chosen, trace=True).trace == \
-                run_trial(seed, world.FAULTS, trace=True).trace
+            assert run_trial(seed, chosen).digest == run_trial(seed, world.FAULTS).digest
 
 
-# -- what the simulator found in the journal and runtime rules it models -----------------
+# -- the journal's notifications ----------------------------------------------------------
 
-@pytest.mark.parametrize(("seed", "fix", "found"), [
-    (168, "attempt_fence", {"ghost"}),  # a cut child re-dispatched after its parent's terminate
-    (41197, "queued_fenced", {"stuck"}),  # recalled in the queue, its issuer crashed
-    (114217, "probe_time", {"dishonest", "lost"}),  # probe asked before the deadline
-])
-def test_defects_found_replay_and_their_fixes_remove_them(seed: int, fix: str,
-                                                           found: set[str]) -> None:
-    others = ALL_FIXES - {fix}
-    broken = {v.kind for v in run_trial(seed, fixes=others).violations}
-    assert broken >= found, broken
-    assert run_trial(seed, fixes=ALL_FIXES).violations == []
+def test_notifications_are_heard_when_their_transaction_commits_never_when_rolled_back() -> None:
+    """As PostgreSQL's NOTIFY: delivered on COMMIT to every listener, dropped with a rollback,
+    whole or to the savepoint of the operation that sent it."""
+    trial = Trial(3, ())
+    heard: list[str] = []
+    name = trial.name
 
+    def notify(payload: str, fail: bool = False) -> Any:
+        def op(db: Any) -> None:
+            db.notify(payload)
+            if fail:
+                raise ValueError("refused")
+        return op
 
-def test_the_faithful_model_finds_the_redispatch_ghost_often() -> None:
-    result = run_sim(300, 5, ("stream_cut", "race"), fixes=ALL_FIXES - {"attempt_fence"})
-    assert classes(result).get("ghost", 0) > 0
+    async def main() -> None:
+        bus = Bus(trial.loop, lambda: 0.001)
+        sender, listener = MemorySqlite(name, bus=bus), MemorySqlite(name, bus=bus)
+        await sender.start()
+        await listener.start()
+        assert listener.listen(heard.append)
+        ok = sender.submit(notify("kept"), write=True)
+        bad = sender.submit(notify("dropped", fail=True), write=True)  # same batch
+        assert ok is not None and bad is not None
+        await ok
+        with pytest.raises(ValueError, match="refused"):
+            await bad
+        await asyncio.sleep(0.01)
+        await listener.stop()
+        await sender.submit(notify("after"), write=True)  # type: ignore[misc]
+        await asyncio.sleep(0.01)
+        await sender.stop()
 
-
-# -- mutation tests: a broken core decision is caught ------------------------------------
-
-def broken_run(monkeypatch: pytest.MonkeyPatch, module: object, name: str, fn: object,
-               faults: Sequence[str], trials: int = 400, seed: int = 99) -> dict[str, int]:
-    monkeypatch.setattr(module, name, fn)
-    return classes(run_sim(trials, seed, tuple(faults), fixes=ALL_FIXES))
-
-
-def test_probe_not_applied_taken_as_final_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = outcome.judge_probe
-
-    def final(answer: ProbeOutcome, *, voided: bool, deadline_at: float,
-              now: float, tolerance: float) -> ActionState:
-        if answer is ProbeOutcome.NOT_APPLIED:
-            return ActionState.NOT_APPLIED  # ignores the dispatch deadline
-        return original(answer, voided=voided, deadline_at=deadline_at, now=now,
-                        tolerance=tolerance)
-
-    found = broken_run(monkeypatch, outcome, "judge_probe", final,
-                       ("late_apply", "reply_lost", "race"))
-    assert found.get("dishonest", 0) > 0 and found.get("duplicate", 0) > 0, found
+    run(trial.loop, main())
+    trial.anchor.close()
+    assert heard == ["kept"]
 
 
-def test_judging_deadlines_without_the_clock_tolerance_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deadlines are written on the executor's clock and judged on the prober's, each within
-    CLOCK_BOUND of the true time: judged without the tolerance, a probe's "not yet" on a clock
-    running ahead is taken as final while the request can still land."""
-    original = outcome.may_still_apply
+def test_a_queued_task_is_claimed_on_its_notification_not_at_the_next_poll() -> None:
+    """An idle worker polls the queue every 30 s here; the task is queued at t=1 s and done
+    within a second: the worker heard of it. (Without notifications it waited for its poll.)"""
+    trial = Trial(3, ())
+    took: list[float] = []
 
-    def exact(*, deadline_at: float, now: float, tolerance: float) -> bool:
-        return original(deadline_at=deadline_at, now=now, tolerance=0.0)
+    async def main() -> None:
+        worker_host, orchestrator = Host("w"), Host("o")
 
-    found = broken_run(monkeypatch, outcome, "may_still_apply", exact,
-                       ("clock", "late_apply"), trials=3000)
-    assert found.get("dishonest", 0) + found.get("duplicate", 0) > 0, found
+        async def work() -> None:
+            async with tether.Worker(trial.journal(worker_host), [trial.root, trial.child],
+                                     lease=3.0, poll=30.0, policy=trial.policy,
+                                     clock=HostClock(trial.loop, worker_host),
+                                     keys=trial.keyring()) as w:
+                await w.run()
 
+        trial.loop.start(worker_host, work())
+        finished = trial.loop.create_future()
 
-def test_a_gate_that_ignores_the_fence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = outcome.judge_gate
+        async def orchestrate() -> None:
+            async with tether.Supervisor(trial.journal(orchestrator), keys=trial.keyring(),
+                                         clock=HostClock(trial.loop, orchestrator),
+                                         policy=trial.policy, recover=False,
+                                         control_poll=30.0) as sup:
+                await asyncio.sleep(1.0)
+                started = trial.loop.time()
+                plan: dict[str, Any] = {"pays": 0, "cut": None, "reads": False, "kids": []}
+                handle = await sup.delegate(trial.root, plan, task_id="t", remote=True)
+                await handle.wait()
+                took.append(trial.loop.time() - started)
+            finished.set_result(None)
 
-    def open_gate(*, fenced: bool, epoch: int, task_epoch: int, caller_epoch: int,
-                  lease_until: float | None, now: float) -> outcome.Gate:
-        return original(fenced=False, epoch=epoch, task_epoch=task_epoch,
-                        caller_epoch=caller_epoch, lease_until=lease_until, now=now)
+        trial.loop.start(orchestrator, orchestrate())
+        await finished
+        trial.loop.crash(worker_host)
 
-    # The owner hears of an intent late (lost notifications, a pause): only the fence stops it.
-    found = broken_run(monkeypatch, outcome, "judge_gate", open_gate,
-                       ("race", "notify_lost", "pause"))
-    assert found.get("ghost", 0) > 0, found
-
-
-def test_keys_freed_while_in_doubt_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = outcome.decide_key
-    live = (ActionState.PENDING, ActionState.IN_DOUBT, ActionState.UNKNOWN)
-
-    def free(tool: str, args_hash: str, prior: Sequence[outcome.PriorCall],
-             now: float, tolerance: float) -> outcome.KeyDecision:
-        return original(tool, args_hash, [p for p in prior if p.state not in live], now,
-                        tolerance)
-
-    found = broken_run(monkeypatch, outcome, "decide_key", free,
-                       ("late_apply", "reply_lost", "race"))
-    assert found.get("duplicate", 0) > 0, found
+    run(trial.loop, main())
+    trial.anchor.close()
+    assert took and took[0] < 1.0, took
 
 
-def test_settling_with_calls_in_flight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = outcome.settle
-
-    def eager(state: DelegationState, actions: Iterable[outcome.ActionFacts],
-              fallback: DelegationState, *, children_settled: bool = True) -> DelegationState:
-        done = [a for a in actions if a.state not in outcome.UNSETTLED]
-        return original(state, done, fallback)  # as if nothing could still apply
-
-    found = broken_run(monkeypatch, outcome, "settle", eager,
-                       ("late_apply", "reply_lost", "race"))
-    assert found.get("dishonest", 0) > 0, found
-
-
-def test_completed_keys_not_replayed_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = outcome.decide_key
-
-    def forgetful(tool: str, args_hash: str, prior: Sequence[outcome.PriorCall],
-                  now: float, tolerance: float) -> outcome.KeyDecision:
-        return original(tool, args_hash,
-                        [p for p in prior if p.state is not ActionState.COMPLETED], now,
-                        tolerance)
-
-    found = broken_run(monkeypatch, outcome, "decide_key", forgetful, ("race",))
-    assert found.get("duplicate", 0) > 0, found
-
-
-def test_presuming_every_owner_alive_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def immortal(owner: outcome.OwnerFacts | None, *, now: float, server_now: float | None,
-                 heartbeat_lease: float) -> bool:
-        return owner is not None
-
-    found = broken_run(monkeypatch, outcome, "owner_alive", immortal, ("crash",), trials=150)
-    assert found.get("stuck", 0) > 0, found
-
-
-def test_ignoring_a_cancel_before_redispatch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    def never(at_start: int, now: int, code: redispatch.Code) -> None:
-        return None
-
-    found = broken_run(monkeypatch, redispatch, "cancelled", never,
-                       ("stream_cut", "race"), trials=600)
-    assert found.get("ghost", 0) > 0, found
-
+# -- the world's honesty is judged ---------------------------------------------------------
 
 def test_a_provider_that_applies_past_the_deadline_is_caught(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    found = broken_run(monkeypatch, world.Provider, "overdue", True, ("late_apply",))
-    assert found.get("dishonest", 0) > 0, found
+    """A provider that breaks its dispatch deadline makes a final NOT_APPLIED a lie that no
+    journal can prevent: the judge must see it (dishonest), or it would miss tether's own."""
+    monkeypatch.setattr(world.Provider, "overdue", True)
+    result = run_sim(40, 99, ("late_apply",))
+    assert result["counts"]["dishonest"] > 0, result["counts"]
 
 
-# -- the command line --------------------------------------------------------------------
+# -- the command line ------------------------------------------------------------------------
 
 def test_cli_json_has_the_chaos_shape() -> None:
-    result = runner.invoke(app, ["sim", "--trials", "60", "--seed", "4", "--json"])
+    result = runner.invoke(app, ["sim", "--trials", "8", "--seed", "4", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("trials", "seed", "replay", "backend", "faults", "outcomes", "violations",
                 "counts", "inject", "trials_detail", "records"):
         assert key in data
-    assert data["trials"] == 60 and data["violations"] == []
+    assert data["trials"] == 8 and data["violations"] == []
     assert set(data["counts"]) >= {"lost", "duplicate", "ghost", "unreconciled", "dishonest",
-                                   "stuck"}
+                                   "stuck", "error"}
     assert data["trials_per_minute"] > 0
 
 
-def test_cli_replay_prints_one_line_per_step_and_fails_like_the_run() -> None:
-    without = ["--without", "attempt_fence,probe_time"]
-    result = runner.invoke(app, ["sim", "--replay", "168", *without])
-    assert result.exit_code == 1
-    again = runner.invoke(app, ["sim", "--replay", "168", *without])
-    steps = [ln for ln in result.stdout.splitlines() if ln.endswith(" step")]
+def test_cli_replay_prints_the_trace_and_fails_like_the_run() -> None:
+    m = BY_NAME["intent_fence"]
+    assert m.found_in is not None
+    seed = trial_seed(m.seed, m.found_in - 1)
+    args = ["sim", "--mutate", m.name, "--replay", str(seed), "--faults", ",".join(m.faults)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    again = runner.invoke(app, args)
+    steps = [ln for ln in result.stdout.splitlines() if " step " in ln]
     assert len(steps) > 50
-    assert steps == [ln for ln in again.stdout.splitlines() if ln.endswith(" step")]
-    assert "ghost" in result.stdout and "tether sim --replay 168" in result.stdout
+    assert steps == [ln for ln in again.stdout.splitlines() if " step " in ln]
+    assert "ghost" in result.stdout
+    assert f"tether sim --replay {seed}" in result.stdout and "--mutate intent_fence" in \
+        result.stdout
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -249,7 +167,8 @@ def test_cli_replay_prints_one_line_per_step_and_fails_like_the_run() -> None:
     (["--faults", "crash,meteor"], "unknown fault kind(s) meteor"),
     (["--faults", ","], "unknown fault kind(s)"),
     (["--replay", "soon"], "--replay must be an integer"),
-    (["--without", "everything"], "unknown rule(s) everything"),
+    (["--engine", "mirror"], "No such option: --engine"),  # the model of the runtime is gone
+    (["--without", "probe_time"], "No such option: --without"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], says: str) -> None:
     result = runner.invoke(app, ["sim", *args])

@@ -1,5 +1,6 @@
-"""``tether sim``: many simulated orchestrators, workers and providers in virtual time, driving
-tether's pure core, each trial judged against the providers' ledgers."""
+"""``tether sim``: the production supervisors, workers and journal on a deterministic loop in
+virtual time, with simulated providers and faults, each trial judged against the providers'
+ledgers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from tether._cli.safe import safe
 from tether._core.errors import UserError
 
 out = Console()
-ENGINES = ("mirror", "production")
 
 
 def _integer(value: str, name: str) -> int:
@@ -46,60 +46,41 @@ def sim(trials: Annotated[str | None, typer.Option(
         replay: Annotated[str | None, typer.Option(
             "--replay", help="Run only the trial with this trial seed and print its trace, "
             "one line per step (give the same --faults).")] = None,
-        without: Annotated[str | None, typer.Option(
-            "--without", help="Remove rules from the simulator's model of the journal "
-            "(comma-separated, see docs/simulator.md), to show the defects they fixed.")] = None,
-        engine: Annotated[str | None, typer.Option(
-            "--engine", help="mirror (the default): the simulator's own model of the runtime "
-            "and journal; production: the production Supervisor, Worker and journal on the "
-            "simulator's loop (docs/simulator.md).")] = None,
         mutate: Annotated[str | None, typer.Option(
-            "--mutate", help="Run the production engine with this fixed defect put back in "
-            "the code that ships (docs/simulator.md lists them); by default on the "
-            "mutation's own faults, seed and trials.")] = None,
+            "--mutate", help="Put this fixed defect back in the code that ships for the run "
+            "(docs/simulator.md lists them); by default on the mutation's own faults, seed "
+            "and trials.")] = None,
         mutations: Annotated[bool, typer.Option(
             "--mutations", help="Run the whole catalogue of mutations; exit 1 unless each is "
             "found within its stated trials.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """Deterministic simulation of tether's protocol core: crashes, pauses, late applies,
-    lost replies and commits, failing probes, skewed clocks and control races, from one seed."""
-    from tether._sim.journal import FIXES
+    """Deterministic simulation of the production runtime and journal: crashes, pauses, late
+    applies, lost replies, commits and notifications, failing probes, skewed clocks and
+    control races, from one seed."""
+    from tether._sim.judge import CLASSES
     from tether._sim.mutate import applied
     from tether._sim.mutations import BY_NAME
-    from tether._sim.trial import CLASSES, run_sim
+    from tether._sim.runs import run_sim
     from tether._sim.world import FAULTS
 
     if mutations:
-        if mutate is not None or without is not None or replay is not None \
-                or engine == "mirror":
-            raise UserError("--mutations runs the catalogue on the production engine, each "
-                            "mutation on its own run; give no --mutate, --without, --replay "
-                            "or --engine mirror with it")
+        if mutate is not None or replay is not None:
+            raise UserError("--mutations runs the catalogue, each mutation on its own run; "
+                            "give no --mutate or --replay with it")
         _catalogue(as_json)
     m = None
     if mutate is not None:
         m = BY_NAME.get(mutate.strip())
         if m is None:
             raise UserError(f"unknown mutation {mutate!r}; known: {', '.join(BY_NAME)}")
-        if engine == "mirror" or without is not None:
-            raise UserError("--mutate puts a defect back in the code that ships: it runs the "
-                            "production engine, without --without or --engine mirror")
-        engine = "production"
-    engine = engine or "mirror"
     n = _integer(trials, "--trials") if trials is not None else (m.within if m else 1000)
     if n <= 0:
         raise UserError(f"--trials must be a positive integer, got {n}")
     run_seed = _integer(seed, "--seed") if seed is not None else (m.seed if m else 1)
     chosen = tuple(_names(faults, FAULTS, "fault kind(s)")) or (m.faults if m else FAULTS)
-    fixes = frozenset(FIXES) - frozenset(_names(without, sorted(FIXES), "rule(s)"))
     trial = None if replay is None else _integer(replay, "--replay")
-    if engine not in ENGINES:
-        raise UserError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    if engine == "production" and without is not None:
-        raise UserError("--without removes rules from the mirror's model; the production "
-                        "engine runs the code as it is")
     with applied(*(m.edits if m else ())):
-        result = run_sim(n, run_seed, chosen, trial, fixes=fixes, engine=engine)
+        result = run_sim(n, run_seed, chosen, trial)
     result["mutation"] = None if m is None else m.name
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
@@ -107,7 +88,7 @@ def sim(trials: Annotated[str | None, typer.Option(
     if trial is not None:
         for line in result["trace"]:
             out.print(line, highlight=False, markup=False, soft_wrap=True)
-    _summary(result, run_seed, chosen, fixes, CLASSES)
+    _summary(result, run_seed, chosen, CLASSES)
     raise typer.Exit(1 if result["violations"] else 0)
 
 
@@ -145,8 +126,7 @@ def _catalogue(as_json: bool) -> None:
 
 
 def _summary(result: dict[str, Any], seed: int, chosen: tuple[str, ...],
-             fixes: frozenset[str], classes: tuple[str, ...]) -> None:
-    from tether._sim.journal import FIXES
+             classes: tuple[str, ...]) -> None:
     from tether._sim.world import FAULTS
 
     title = (f"tether sim: replay of trial {result['replay']}" if result["replay"] is not None
@@ -158,12 +138,7 @@ def _summary(result: dict[str, Any], seed: int, chosen: tuple[str, ...],
     rate = result["trials_per_minute"]
     out.print(f"{result['trials']} trials in {result['elapsed_s']:.2f} s"
               + (f" ({rate:,} trials/minute)" if rate else ""), highlight=False)
-    removed = sorted(set(FIXES) - fixes)
-    extra = "" if not removed else f" --without {','.join(removed)}"
-    if result.get("mutation"):
-        extra += f" --mutate {result['mutation']}"
-    elif result.get("engine") == "production":
-        extra += " --engine production"
+    extra = f" --mutate {result['mutation']}" if result.get("mutation") else ""
     for v in result["violations"][:20]:
         active = v["faults"] or list(chosen)
         selection = "" if tuple(active) == FAULTS else f" --faults {','.join(active)}"

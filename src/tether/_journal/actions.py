@@ -315,7 +315,7 @@ def actions(db: Db, delegation_ids: Iterable[str]) -> list[ActionRecord]:
     if not ids:
         return []
     rows = db.execute(
-        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id IN ({', '.join('?' * len(ids))}) "
+        f"SELECT {_ACTION_COLS} FROM actions WHERE delegation_id IN ({marks(ids)}) "
         "ORDER BY started_at, ordinal",
         ids,
     ).fetchall()

@@ -62,7 +62,7 @@ def _filters(q: Browse, table: str) -> tuple[list[str], list[Any]]:
     where: list[str] = []
     params: list[Any] = []
     if q.states:
-        where.append(f"{d}.state IN ({', '.join('?' * len(q.states))})")
+        where.append(f"{d}.state IN ({marks(q.states)})")
         params.extend(q.states)
     if q.agent:
         where.append("d.agent = ?")
@@ -228,7 +228,7 @@ def action_events(db: Db, action_ids: list[str]) -> list[EventRow]:
         return []
     rows = db.execute(
         "SELECT id, delegation_id, action_id, at, kind, detail FROM events WHERE action_id IN "
-        f"({', '.join('?' * len(action_ids))}) ORDER BY id", action_ids).fetchall()
+        f"({marks(action_ids)}) ORDER BY id", action_ids).fetchall()
     return [EventRow(r[0], r[1], r[2], r[3], r[4], loads(r[5])) for r in rows]
 
 
@@ -239,7 +239,7 @@ def action_counts(db: Db, delegation_ids: list[str]) -> dict[str, dict[str, int]
     found: dict[str, dict[str, int]] = {}
     for d, state, n in db.execute(
             "SELECT delegation_id, state, COUNT(*) FROM actions WHERE delegation_id IN "
-            f"({', '.join('?' * len(delegation_ids))}) GROUP BY delegation_id, state",
+            f"({marks(delegation_ids)}) GROUP BY delegation_id, state",
             delegation_ids).fetchall():
         found.setdefault(str(d), {})[str(state)] = int(n)
     return found

@@ -27,7 +27,7 @@ from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
-from tether._journal.tables import Db, blob, chunks
+from tether._journal.tables import Db, blob, chunks, marks
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
@@ -193,7 +193,7 @@ def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]
     for table, pks in by_table.items():
         for part in chunks(pks):
             for row in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE id IN "
-                                  f"({', '.join('?' * len(part))})", tuple(part)).fetchall():
+                                  f"({marks(part)})", tuple(part)).fetchall():
                 found[(table, row[0])] = row
     return found
 
@@ -244,7 +244,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
     for part in chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
         for found_head in db.execute(
                 "SELECT length, hash, legacy, path, seal, signer, signature, delegation_id "
-                f"FROM chain_heads h WHERE delegation_id IN ({', '.join('?' * len(part))}) "
+                f"FROM chain_heads h WHERE delegation_id IN ({marks(part)}) "
                 "ORDER BY delegation_id /*XLOCK h*/", tuple(part)).fetchall():
             heads[str(found_head[7])] = _head(found_head)
     plan: list[tuple[Any, ...]] = []

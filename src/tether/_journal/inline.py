@@ -9,6 +9,8 @@ COMMIT, so each batch is atomic even when several runners share one database.
 
 ``MemorySqlite`` is the backend: one in-memory SQLite database shared by every simulated
 process of a trial (``file:NAME?mode=memory&cache=shared``), one connection per process.
+Given a ``Bus``, it has PostgreSQL's notifications (``listen``, and ``notify`` on the
+connection the operations get), delivered among the trial's processes on the loop.
 ``lose_commit`` is the seam for a lost commit reply: asked at each write batch's COMMIT, it
 may say that the reply is lost after the COMMIT ("after") or that the connection broke before
 it ("before"); either way the runner sees a lost connection at its COMMIT and reads back,
@@ -18,6 +20,7 @@ from a commit marker the batch wrote (as on PostgreSQL), whether it committed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -94,31 +97,70 @@ class InlineRunner(Runner):
         return self._loop.time() if self._loop is not None else 0.0
 
 
+class Bus:
+    """The journal's notifications among a trial's processes, as PostgreSQL's LISTEN/NOTIFY
+    gives them: a payload is heard by every listener once its transaction commits, never if it
+    rolls back, after ``latency()`` seconds of loop time, in the context the listener listened
+    from (so a crashed process hears nothing and a paused one hears when it resumes).
+    ``lose()`` may drop one delivery: notifications are hints, and polling covers a lost one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, latency: Callable[[], float],
+                 lose: Callable[[], bool] = lambda: False) -> None:
+        self._loop, self._latency, self._lose = loop, latency, lose
+        self._listeners: dict[int, tuple[Callable[[str], None], contextvars.Context]] = {}
+
+    def listen(self, who: object, callback: Callable[[str], None]) -> None:
+        self._listeners[id(who)] = (callback, contextvars.copy_context())
+
+    def unlisten(self, who: object) -> None:
+        self._listeners.pop(id(who), None)
+
+    def deliver(self, payloads: list[str]) -> None:
+        for payload in payloads:
+            for callback, context in list(self._listeners.values()):
+                if not self._lose():
+                    self._loop.call_later(self._latency(), callback, payload, context=context)
+
+
 class _Conn:
-    """A connection whose COMMIT a fault may break (``MemorySqlite.lose_commit``)."""
+    """A connection whose COMMIT a fault may break (``MemorySqlite.lose_commit``), and whose
+    ``notify`` queues a payload for the bus when its transaction commits (as ``pg_notify``):
+    one rolled back, whole or to its savepoint, drops what it queued."""
 
     def __init__(self, inner: sqlite3.Connection, lose: Callable[[], Loss],
-                 landed: Callable[[], None]) -> None:
+                 landed: Callable[[list[str]], None]) -> None:
         self.inner = inner
         self._lose = lose
         self._landed = landed
         self.closed = False
+        self._notes: list[str] = []
+        self._savepoint = 0
+
+    def notify(self, payload: str) -> None:
+        self._notes.append(payload)
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if self.closed:
             raise CommitLost("the connection is closed")
         if sql == "COMMIT" and self.inner.in_transaction:
+            notes, self._notes = self._notes, []
             loss = self._lose()
             if loss == "before":
                 self.inner.execute("ROLLBACK")
                 self.close()
                 raise CommitLost("connection lost before the COMMIT reached the database")
             cur = self.inner.execute(sql)
-            self._landed()
+            self._landed(notes)
             if loss == "after":
                 self.close()
                 raise CommitLost("connection lost before the COMMIT's reply came back")
             return cur
+        if sql.startswith("BEGIN") or sql == "ROLLBACK":
+            self._notes = []
+        elif sql == "SAVEPOINT op":
+            self._savepoint = len(self._notes)
+        elif sql == "ROLLBACK TO SAVEPOINT op":
+            del self._notes[self._savepoint:]
         return self.inner.execute(sql, *args)
 
     def close(self) -> None:
@@ -158,10 +200,12 @@ class MemorySqlite(InlineRunner):
 
     def __init__(self, name: str, *, latency: Callable[[], float] = lambda: 0.0,
                  lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit",
-                 on_commit: Callable[[MemorySqlite], None] | None = None) -> None:
+                 on_commit: Callable[[MemorySqlite], None] | None = None,
+                 bus: Bus | None = None) -> None:
         super().__init__(latency)
         self.name = name
         self.lose_commit = lose_commit
+        self.bus = bus
         # Told of every COMMIT that took effect (replies lost or not), for the simulation's
         # record of commit order; ``staged`` is what the batch gave its sealer.
         self.on_commit = on_commit
@@ -175,11 +219,21 @@ class MemorySqlite(InlineRunner):
         inner.execute("PRAGMA foreign_keys=ON")
         return _Conn(inner, self.lose_commit, self._landed)
 
-    def _landed(self) -> None:
+    def _landed(self, notes: list[str]) -> None:
         if self.on_commit is not None:
             self.on_commit(self)
+        if notes and self.bus is not None:
+            self.bus.deliver(notes)
+
+    def listen(self, callback: Callable[[str], None]) -> bool:
+        if self.bus is None:
+            return False
+        self.bus.listen(self, callback)
+        return True
 
     def close(self, conn: Any) -> None:
+        if self.bus is not None:
+            self.bus.unlisten(self)
         if conn is not None:
             conn.close()
 
@@ -208,4 +262,4 @@ class MemorySqlite(InlineRunner):
         return exc
 
 
-__all__ = ["CommitLost", "InlineRunner", "MemorySqlite", "shared_database"]
+__all__ = ["Bus", "CommitLost", "InlineRunner", "MemorySqlite", "shared_database"]

@@ -227,10 +227,7 @@ class Journal:
         """Have ``callback(owner_id)`` called (from any thread) when a control intent for one
         of that owner's delegations commits. False where the backend cannot push (SQLite):
         the caller then relies on polling alone."""
-        if self._pg is None:
-            return False
-        self._pg.listen(callback)
-        return True
+        return self._runner.listen(callback)
 
     async def flush(self, durable: bool = True) -> None:
         """Wait until everything queued before now is committed. ``durable=False``: committed

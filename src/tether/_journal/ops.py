@@ -109,7 +109,7 @@ def owners(db: Db) -> list[OwnerRow]:
 
 def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
     terminal = tuple(s.value for s in DelegationState if s.terminal)
-    where = f"WHERE state NOT IN ({', '.join('?' * len(terminal))})" if live_only else ""
+    where = f"WHERE state NOT IN ({marks(terminal)})" if live_only else ""
     rows = db.execute(
         f"SELECT {_DELEGATION_COLS} FROM delegations {where} ORDER BY created_at, id",
         terminal if live_only else (),
@@ -152,7 +152,7 @@ def kin(db: Db, ids: Iterable[str]) -> list[str]:
                 found.setdefault(str(r[0]))
                 tasks.add(str(r[1]))
         more = [str(r[0]) for part in chunks(sorted(tasks)) for r in db.execute(
-            f"SELECT id FROM delegations WHERE task_id IN ({', '.join('?' * len(part))})",
+            f"SELECT id FROM delegations WHERE task_id IN ({marks(part)})",
             tuple(part)).fetchall()]
         todo = [d for d in dict.fromkeys(more) if d not in found]
         found.update(dict.fromkeys(todo))
@@ -176,21 +176,20 @@ def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
     epoch deleted as a whole by hand, chain and all (the one record that held a key's
     COMPLETED call, which would then be paid again, or a recall that kept a run out)."""
     tasks = sorted({str(r[0]) for part in chunks(sorted(set(ids))) for r in db.execute(
-        f"SELECT task_id FROM delegations WHERE id IN ({', '.join('?' * len(part))})",
+        f"SELECT task_id FROM delegations WHERE id IN ({marks(part)})",
         tuple(part)).fetchall()})
     seen: dict[str, set[int]] = {}
     named: dict[str, set[int]] = {}
     for part in chunks(tasks):
-        marks = ", ".join("?" * len(part))
         for task, epoch in db.execute(
-                f"SELECT task_id, epoch FROM delegations WHERE task_id IN ({marks})",
+                f"SELECT task_id, epoch FROM delegations WHERE task_id IN ({marks(part)})",
                 tuple(part)).fetchall():
             if type(epoch) is int and 0 <= epoch < 1 << 20:
                 seen.setdefault(str(task), set()).add(epoch)
         for task, detail in db.execute(
                 "SELECT d.task_id, e.detail FROM events e JOIN delegations d "
                 f"ON d.id = e.delegation_id WHERE e.kind = 'superseded' AND d.task_id IN "
-                f"({marks})", tuple(part)).fetchall():
+                f"({marks(part)})", tuple(part)).fetchall():
             successor = _detail_epoch(detail)
             if successor is not None:
                 named.setdefault(str(task), set()).add(successor)

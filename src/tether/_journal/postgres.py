@@ -352,15 +352,16 @@ class PostgresRunner(ThreadRunner):
                 delay = min(delay * 2, self.backoff_cap())
 
     # -- notifications ----------------------------------------------------------------------
-    def listen(self, callback: Callable[[str], None]) -> None:
+    def listen(self, callback: Callable[[str], None]) -> bool:
         """Call ``callback(payload)`` from a thread for each NOTIFY on this journal's channel.
         Best effort: while the connection is down owners learn of intents by polling; once it
         is back, ``callback("reconnected")`` tells them that notifications may have been lost."""
         if self._listening.is_set():
-            return
+            return True
         self._listening.set()
         threading.Thread(target=self._listen, args=(callback,), name="tether-listen",
                          daemon=True).start()
+        return True
 
     def _listen(self, callback: Callable[[str], None]) -> None:
         delay, again = BACKOFF_FIRST, False

@@ -168,6 +168,12 @@ class Runner:
     def begin(self, conn: Any, write: bool) -> None:
         raise NotImplementedError
 
+    def listen(self, callback: Callable[[str], None]) -> bool:
+        """Have ``callback(payload)`` called (from any thread) for each notification an
+        operation sent (``notify`` on its connection) once its transaction commits. False
+        where the backend cannot push (SQLite's files): its readers poll."""
+        return False
+
     def relax(self, conn: Any, relaxed: bool) -> None:
         """Before ``begin``: whether the next commit may skip waiting for the disk."""
 

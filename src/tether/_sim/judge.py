@@ -12,7 +12,8 @@
   RECONCILED...) while one of its calls was still PENDING or IN_DOUBT;
 - stuck: a delegation not terminal at the end, or a trial that did not quiesce;
 - error: a simulated process raised what its code does not expect (a simulator defect, or a
-  core decision that broke an assumption of its callers).
+  core decision that broke an assumption of its callers), or a delegation failed on one of
+  the journal's constraints (the schema refused what the runtime decided).
 
 Orders are commit numbers of the journal, never clock readings.
 """
@@ -31,11 +32,10 @@ SIM_CLASSES = (*CLASSES, "error")
 
 
 class Facts(Protocol):
-    """What the judge reads of a journal: the mirror's in-memory one, or the production
-    engine's rows ordered by commit (``facts.View``). Delegations have ``id``, ``task_id``,
-    ``parent_id``, ``epoch``, ``attempt``, ``state`` and ``fence_seq`` (the commit of the
-    first fence on it); actions ``id``, ``delegation_id``, ``key``, ``state`` and ``seq`` (the
-    commit of its intent)."""
+    """What the judge reads of a journal: its rows ordered by commit (``facts.View``).
+    Delegations have ``id``, ``task_id``, ``parent_id``, ``epoch``, ``attempt``, ``state`` and
+    ``fence_seq`` (the commit of the first fence on it); actions ``id``, ``delegation_id``,
+    ``key``, ``state`` and ``seq`` (the commit of its intent)."""
 
     @property
     def rows(self) -> Mapping[str, Any]: ...

@@ -29,6 +29,7 @@ import heapq
 import itertools
 import random
 import selectors
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -265,7 +266,11 @@ class SimLoop(asyncio.BaseEventLoop):
     def call_soon_threadsafe(self, callback: Callable[..., object],  # type: ignore[override]
                              *args: Any,
                              context: contextvars.Context | None = None) -> asyncio.Handle:
-        raise RealIO(f"the simulation refuses another thread's callback ({callback!r})")
+        # Production code calls this from the threads that bring it news (a journal's
+        # listener); a simulation brings that news on the loop itself, which is no thread.
+        if threading.get_ident() != self._thread_id:  # type: ignore[attr-defined]
+            raise RealIO(f"the simulation refuses another thread's callback ({callback!r})")
+        return self.call_soon(callback, *args, context=context)
 
     def add_signal_handler(self, sig: int,  # type: ignore[override]
                            callback: Callable[..., object],

@@ -38,7 +38,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if gate is not Gate.OPEN:\n        if gate is Gate.LEASE_EXPIRED:",
        "    if gate is not Gate.OPEN and gate is not Gate.FENCED:\n"
        "        if gate is Gate.LEASE_EXPIRED:",
-       "race", 1, 30, 19),
+       "race", 1, 200, 96),
     _m("probe_final",
        "a probe's \"not applied\" is taken as final whatever the dispatch deadline says: the "
        "call may still land after the provider looked",
@@ -46,7 +46,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if voided or not may_still_apply(deadline_at=deadline_at, now=now, "
        "tolerance=tolerance):\n        return _A.NOT_APPLIED",
        "    if True:\n        return _A.NOT_APPLIED",
-       "late_apply,reply_lost,race", 99, 30, 6),
+       "late_apply,reply_lost,race", 99, 60, 19),
     _m("deadline_recheck",
        "a delegation ended with calls that may still apply is never checked again at their "
        "dispatch deadline",
@@ -54,14 +54,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback)\n"
        "        await self._recheck_later(root_id, fallback)",
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback)",
-       "late_apply,reply_lost,race", 1, 30, 12),
+       "late_apply,reply_lost,race", 1, 30, 6),
     _m("queued_fenced",
        "a fenced delegation no worker claimed stays queued: nobody settles it",
        "_runtime.remote",
        "    if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):\n"
        "        return None",
        "    if True:\n        return None",
-       "crash,race", 1, 100, 64),
+       "crash,race", 1, 30, 1),
     # The core's moves that SQL once chose (``CASE WHEN state IN ...``, ``SET state =
     # 'IN_DOUBT'``): a wrong decision in the core must be found as surely.
     _m("fenced_below",
@@ -69,14 +69,78 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.model",
        "    if state in (_S.RUNNING, _S.RECALLING):\n        return kind.target",
        "    if False:\n        return kind.target",
-       "crash,race,stream_cut", 1, 30, 6),
+       "crash,race,stream_cut", 1, 30, 7),
     _m("executor_gone",
        "a call whose executor goes away (terminated, owner dead) stays PENDING, never probed",
        "_core.model",
        "    return ActionState.IN_DOUBT if state is ActionState.PENDING else state",
        "    return state",
-       "crash,reply_lost,race", 1, 30, 6),
+       "crash,reply_lost,race", 1, 30, 7),
+    # The core's decisions, each broken as the simulator's former model of the runtime broke
+    # them (its mutation tests): found now in the code that ships.
+    _m("clock_tolerance",
+       "a dispatch deadline is judged without the clock tolerance: a probe's \"not yet\" on a "
+       "clock running ahead is final while the request can still land",
+       "_core.outcome",
+       "    return now < final_at(deadline_at, tolerance)",
+       "    return now < deadline_at",
+       "clock,late_apply", 2, 60, 23),
+    _m("gate_fence",
+       "the one gate for actions, children and attempts lets a fenced delegation through",
+       "_core.outcome",
+       "    if fenced:\n        return Gate.FENCED",
+       "    if False:\n        return Gate.FENCED",
+       "race,notify_lost,pause", 1, 150, 68),
+    _m("settle_in_flight",
+       "a delegation settles while one of its calls may still apply",
+       "_core.outcome",
+       "    if any(a.state in UNSETTLED for a in facts):\n        return state",
+       "    if False:\n        return state",
+       "late_apply,reply_lost,race", 1, 30, 6),
+    _m("owner_alive",
+       "every owner on record is presumed alive: what a dead process held is never recovered",
+       "_core.outcome",
+       "    if owner is None:\n        return False",
+       "    if True:\n        return owner is not None",
+       "crash", 1, 200, 13),
+    _m("redispatch_cancel",
+       "a re-dispatch does not see a cancel, recall or terminate that came while it prepared",
+       "_core.redispatch",
+       "    if now != at_start:",
+       "    if False:",
+       "stream_cut,race", 1, 250, 123),
+    # The key's rule has a second guard in the schema: the live-key index refuses a second
+    # live intent with one key, whatever ``decide_key`` said. The call then fails on the
+    # constraint instead of paying twice, which the judge counts as an error.
+    _m("key_in_flight",
+       "a key still in flight or in doubt is free for a new call",
+       "_core.outcome",
+       "        if holds_key(call, now, tolerance):\n            waiting = call",
+       "        if False:\n            waiting = call",
+       "late_apply,reply_lost,race", 1, 100, 38),
+    _m("key_replay",
+       "a key whose call COMPLETED is not replayed: the call runs again",
+       "_core.outcome",
+       "        if call.state is _A.COMPLETED:\n            return KeyDecision(KeyVerdict.REPLAY, "
+       "call)",
+       "        if False:\n            return KeyDecision(KeyVerdict.REPLAY, call)",
+       "race,reply_lost", 1, 30, 2),
+    Mutation(
+        "attempt_fence",
+        "a re-dispatched attempt is forked under a parent fenced meanwhile: the attempt's gate "
+        "skips the parent's fence, and a recall bumps the cancel generation of its own task "
+        "only, not of the tasks below it (either rule alone stops it)",
+        (Edit("tether._journal.ops",
+              "        if parent is None or parent[0]:\n"
+              "            raise FenceRefused(Begin.FENCED)",
+              "        if parent is None:\n            raise FenceRefused(Begin.FENCED)"),
+         Edit("tether._journal.ops",
+              '"WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",',
+              '"WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id '
+              'AND sub.depth = 0)",')),
+        ("stream_cut", "race"), 1, 250, 101),
 )
+
 
 # Defects fixed in code the simulator runs, that its faults have not found yet in the runs below
 # (docs/simulator.md says what each would need); each edit is kept applicable all the same.
@@ -109,12 +173,6 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "    for child in list(rt.children):\n        run = child.run",
        "    for child in ():\n        run = child.run",
        "crash,probe_raise,commit_lost,race", 1, 200),
-    _m("attempt_fence",
-       "a re-dispatched attempt is forked under a parent fenced meanwhile",
-       "_journal.ops",
-       "        if parent is None or parent[0]:\n            raise FenceRefused(Begin.FENCED)",
-       "        if parent is None:\n            raise FenceRefused(Begin.FENCED)",
-       "stream_cut,race", 1, 200),
     _m("send_after_deadline",
        "a call paused between its intent and its send is sent after its dispatch deadline",
        "_runtime.gateway",
@@ -134,7 +192,8 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "_journal.actions",
        "        if old in KEY_FREE and outcome not in KEY_FREE and db.execute(",
        "        if False and db.execute(",
-       "late_apply,reply_lost,race", 1, 200),)
+       "late_apply,reply_lost,race", 1, 200),
+)
 
 BY_NAME = {m.name: m for m in (*CATALOGUE, *UNCAUGHT)}
 
@@ -153,14 +212,14 @@ class Found:
 
 def hunt(m: Mutation, within: int | None = None) -> Found:
     """Run ``m``'s trials with its defect in the code until one is judged a violation."""
-    from tether._sim import production
-    from tether._sim.trial import trial_seed
+    from tether._sim.plan import trial_seed
+    from tether._sim.trial import run_trial
 
     budget = m.within if within is None else within
     with applied(*m.edits):
         for i in range(budget):
             seed = trial_seed(m.seed, i)
-            result = production.run_trial(seed, m.faults)
+            result = run_trial(seed, m.faults)
             if result.violations:
                 kinds = tuple(sorted({v.kind for v in result.violations}))
                 return Found(m.name, i + 1, seed, kinds)

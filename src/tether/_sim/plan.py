@@ -1,6 +1,6 @@
 """What a trial is made of, from its seed: the tasks (a root with children making payments),
 the orchestrators' scripts of recalls, terminates and re-delegations, the signing key, and the
-result's shape. Both engines (``trial``, the hand-written model; ``production``) use it."""
+result's shape."""
 
 from __future__ import annotations
 
@@ -9,14 +9,34 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tether._core.signing import SigningKey, TrustedKeys
-from tether._sim.actors import Act
 from tether._sim.judge import Violation
-from tether._sim.runtime import Spec
 
 HORIZON = 120.0  # virtual seconds for the orchestrators to finish
 ACTS = ("recall", "terminate", "cancel", "recall+redelegate", "terminate+redelegate", "child")
 
 _KEYS: tuple[SigningKey, TrustedKeys] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What an agent does: a root starts ``kids`` children (or pays itself when it has none);
+    a child makes ``pays`` payments. ``cut``: where attempt 1's model stream is cut (-1 before
+    any tool, j before payment j, ``pays`` after the last), or None."""
+
+    kind: str
+    pays: int
+    kids: tuple[Spec, ...] = ()
+    cut: int | None = None
+    reads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Act:
+    """An orchestrator's move on a task at a time: one of ``ACTS``."""
+
+    at: float
+    task: str
+    kind: str
 
 
 def keys() -> tuple[SigningKey, TrustedKeys]:

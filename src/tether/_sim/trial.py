@@ -1,239 +1,531 @@
-"""One simulated trial from its seed, and runs of many (``tether sim``).
+"""One trial of ``tether sim``: the production runtime on the simulator's loop.
 
-A trial: orchestrators delegate one or two queued tasks (a root with children making
-payments); workers claim and run them; orchestrators recall, terminate, cancel and re-delegate
-by script; faults strike. When every orchestrator is done (or the step budget is spent), every
-host is stopped, time runs past every deadline and lease, a recovery with working probes
-runs twice (``tether reconcile``), and the judge compares the journal with the ledger.
+Everything a trial runs is the code that ships: ``Supervisor`` (the orchestrators, a
+reconciler and the final recovery), ``Worker`` (claims, leases, adoption of other processes'
+intents), the gateway, drains, accounting and recovery, and every journal operation through
+the production batch runner (``tether._journal.inline``) on one in-memory SQLite journal the
+simulated processes share. The simulator supplies only the outside world and the faults:
+
+- the loop (``loop.SimLoop``): virtual time, a seeded order, hosts that crash and pause;
+- the provider (``world.Provider``, unchanged) behind the pay tool and its probe, on the
+  loop's time;
+- lost commit replies at the runner's COMMIT, failing and slow probes, late applies, skewed
+  wall clocks.
+
+A trial's seed fixes everything: the plan (``plan.tasks``, ``plan.acts``), the world's
+knobs (``world.knobs``), every latency and fault, the ids (``state.id_source``) and the order
+of callbacks due at one instant. Its step trace is the loop's callbacks in the order they ran.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import itertools
 import random
-import time
+import sqlite3
+import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from tether._core.model import Policy
-from tether._core.redispatch import RedispatchPolicy
-from tether._sim.actors import Orchestrator, Worker, reconciler
-from tether._sim.journal import FIXES, Journal
-from tether._sim.judge import CLASSES, SIM_CLASSES, Violation, judge
-from tether._sim.plan import HORIZON, TrialResult, keys, trial_seed
+import tether
+from tether._core.errors import TetherError
+from tether._core.model import DelegationState, Policy, ProbeOutcome
+from tether._core.redispatch import CutReason, RedispatchPolicy, StreamCut
+from tether._core.signing import TrustedKeys
+from tether._journal.inline import Bus, Loss, MemorySqlite, shared_database
+from tether._journal.journal import Journal
+from tether._runtime.gateway import ACTION
+from tether._runtime.handle import Handle
+from tether._runtime.keys import KeyRing
+from tether._runtime.state import id_source
+from tether._runtime.tools import ProbeResult, Tool
+from tether._runtime.worker import Worker
+from tether._sim.facts import Commits, one
+from tether._sim.judge import Violation, judge
+from tether._sim.loop import WALL0, Host, HostClock, SimLoop, StepBudget
+from tether._sim.plan import HORIZON, TrialResult, keys
 from tether._sim.plan import acts as _acts
 from tether._sim.plan import tasks as _tasks
-from tether._sim.runtime import Env, Supervisor
-from tether._sim.sched import Host, OutOfSteps, Sched, Step
-from tether._sim.world import CLOCK_TOLERANCE, FAULTS, Provider, active_faults, knobs
+from tether._sim.world import (
+    CLOCK_BOUND,
+    CLOCK_TOLERANCE,
+    FAULTS,
+    Knobs,
+    Provider,
+    Request,
+    active_faults,
+    knobs,
+)
 
-STEP_BUDGET = 40_000
+STEP_BUDGET = 400_000  # callbacks
+_S = DelegationState
+_trials = itertools.count()  # names each trial's shared database apart within a process
 
 
-def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *, trace: bool = False,
-              fixes: frozenset[str] = frozenset(FIXES)) -> TrialResult:
-    active = active_faults(seed, selected)
-    on = frozenset(active)
-    rng = random.Random(seed)
-    lines: list[str] | None = [] if trace else None
-    sched = Sched(rng, lines, STEP_BUDGET)
-    signer, trusted = keys()
-    k = knobs(rng, on)
-    policy = Policy(max_grace=5.0, ack_timeout=0.5, probe_timeout=rng.choice((0.3, 1.0)),
-                    lease=k.lease, clock_tolerance=CLOCK_TOLERANCE)
-    retry_safe = frozenset({"lookup", "pay"} if k.retry_safe_pay else {"lookup"})
-    env = Env(sched, Journal(trusted), Provider(sched, rng, reply_loss=k.reply_loss), k, signer,
-              trusted, policy, RedispatchPolicy(retry_safe, 1, k.settle_delay))
-    env.journal.fixes = fixes
-    skewed = "clock" in on
-    specs = _tasks(rng, "stream_cut" in on)
-    task_ids = [f"t{i}" for i in range(len(specs))]
-    by_task = dict(zip(task_ids, specs, strict=True))
-    n_orch = rng.randint(2, 3) if "race" in on else 1
-    scripts = _acts(rng, task_ids, n_orch, "race" in on)
-    restarts: Counter[str] = Counter()
-    orchestrators: list[Orchestrator] = []
-    pending = [0]
+class _Net:
+    """What ``world.Provider`` schedules on: the loop's time, in no host's name (a request
+    in the network lands whatever happens to its sender)."""
 
-    def worker_exit(w: Worker) -> None:  # a worker that lost its lease is restarted
-        restart(w.host.name.split(".")[0], rng.uniform(0.2, 1.0) * k.lease)
+    def __init__(self, loop: SimLoop, notes: list[str] | None) -> None:
+        self.loop, self.notes = loop, notes
 
-    def start_worker(base: str) -> None:
-        Worker(env, f"{base}.{restarts[base]}", by_task, skewed, worker_exit)
+    @property
+    def now(self) -> float:
+        return self.loop.time()
 
-    def start_orchestrator(base: str, index: int, resumed: bool) -> None:
+    def call_at(self, when: float, fn: Callable[[], None]) -> None:
+        self.loop.call_at(when, fn, context=contextvars.Context())
+
+    def note(self, text: str) -> None:
+        if self.notes is not None:
+            self.notes.append(f"{self.loop.time():.6f} world {text}")
+
+
+class _Reply:
+    def __init__(self, future: asyncio.Future[str]) -> None:
+        self.future = future
+
+    def resolve(self, value: str) -> None:
+        if not self.future.done():
+            self.future.set_result(value)
+
+
+def _offset(rng: random.Random, skewed: bool) -> Callable[[float], float]:
+    """A host's wall-clock offset at true time t: a skew, a drift and up to two jumps,
+    always within CLOCK_BOUND of the journal server's (the true) time."""
+    if not skewed:
+        return lambda _t: 0.0
+    b = CLOCK_BOUND
+    base, drift = rng.uniform(-b, b), rng.uniform(-0.01, 0.01)
+    jumps: list[tuple[float, float]] = []
+    t = 0.0
+    for _ in range(rng.randint(0, 2)):
+        t += rng.uniform(0.2, 4.0)
+        jumps.append((t, rng.uniform(-b, b)))
+
+    def offset(now: float) -> float:
+        value = base + drift * now
+        for at, to in jumps:
+            if now >= at:
+                value = to
+        return max(-b, min(b, value))
+
+    return offset
+
+
+class Trial:
+    """One trial's world: its loop, journal, provider, agents and processes."""
+
+    def __init__(self, seed: int, active: tuple[str, ...]) -> None:
+        self.seed, self.on = seed, frozenset(active)
+        self.rng = rng = random.Random(seed)
+        self.lines: list[str] = []  # the step trace (hashed, printed on replay)
+        self.loop = SimLoop(rng, trace=self.lines, max_steps=STEP_BUDGET)
+        self.k: Knobs = knobs(rng, self.on)
+        self.policy = Policy(max_grace=5.0, ack_timeout=0.5,
+                             probe_timeout=rng.choice((0.3, 1.0)), lease=self.k.lease,
+                             clock_tolerance=CLOCK_TOLERANCE)
+        retry_safe = frozenset({"lookup", "pay"} if self.k.retry_safe_pay else {"lookup"})
+        self.redispatch = RedispatchPolicy(retry_safe, 1, self.k.settle_delay)
+        self.name = f"sim-{seed}-{next(_trials)}"
+        self.anchor = shared_database(self.name)
+        self.commits = Commits(self.anchor)
+        self.provider = Provider(_Net(self.loop, self.lines), rng,
+                                 reply_loss=self.k.reply_loss)
+        self.reliable = False  # the final recovery's probes answer in time
+        # The journal's notifications, as PostgreSQL gives them; lost under ``notify_lost``.
+        self.bus = Bus(self.loop, lambda: rng.uniform(0.0005, 0.003),
+                       lambda: bool(self.k.notify_loss) and rng.random() < self.k.notify_loss)
+        self.stops: list[tuple[str, int, int]] = []
+        self.errors: list[str] = []
+        self.stats: Counter[str] = Counter()
+        self.workers: list[Host] = []
+        self.orchestrators: list[Host] = []
+        self.others: list[Host] = []
+        self.restarts: Counter[str] = Counter()
+        self.pending = 0  # restarts scheduled, not yet made
+        self.done: set[str] = set()  # orchestrators that finished their script and waits
+        self.ids = itertools.count()
+        self.plans: dict[str, dict[str, Any]] = {}  # task id -> what its root does
+        self._build_agents()
+
+    # -- the world's pieces ---------------------------------------------------------------
+    def note(self, text: str) -> None:
+        self.lines.append(f"{self.loop.time():.6f} note {text}")
+
+    def _id_bytes(self) -> bytes:
+        return struct.pack(">QQ", next(self.ids), self.rng.getrandbits(64))
+
+    def _lose(self) -> Loss:
+        if self.k.commit_loss and self.rng.random() < self.k.commit_loss:
+            self.stats["commits_lost"] += 1
+            return "after" if self.rng.random() < 0.5 else "before"
+        return None
+
+    def journal(self, host: Host, *, lossy: bool = True) -> Journal:
+        runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
+                              lose_commit=self._lose if lossy else (lambda: None),
+                              mark=f"{host.name}", on_commit=self.commits.landed,
+                              bus=self.bus)
+        journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
+                          wall=HostClock(self.loop, host).wall)
+        self.commits.watch(runner)
+        return journal
+
+    def keyring(self) -> KeyRing:
+        signer, _ = keys()
+        return KeyRing(signer, TrustedKeys([signer.public]))
+
+    def _build_agents(self) -> None:
+        trial, loop, rng, k = self, self.loop, self.rng, self.k
+
+        async def send(task: str, n: int, *, idempotency_key: str) -> str:
+            action_id = ACTION.get() or "?"
+            row = one(trial.anchor.execute("SELECT deadline_at FROM actions WHERE id = ?",
+                                           (action_id,)))
+            expires = float(row[0]) - WALL0  # the journaled deadline, on the true clock
+            lo, hi = k.latency
+            delay = rng.uniform(lo, hi)
+            if rng.random() < k.late:  # held in the network, some until just past expiry
+                delay = max(delay, expires - loop.time() + rng.uniform(-0.3, 0.05))
+            reply: asyncio.Future[str] = loop.create_future()
+            trial.provider.send(Request(idempotency_key, action_id, f"{task}#{n}", expires,
+                                        _Reply(reply)), delay, rng.uniform(lo, hi))
+            try:
+                async with asyncio.timeout(k.tool_timeout):
+                    state = await reply
+            except TimeoutError:
+                raise ConnectionError(f"no reply for {idempotency_key}") from None
+            if state == "refused":
+                raise tether.ToolRejected(f"provider refused {idempotency_key}")
+            return "paid"
+
+        async def probe(task: str, n: int, *, idempotency_key: str) -> ProbeResult:
+            limit = trial.policy.probe_timeout
+            if not trial.reliable:
+                r = rng.random()
+                if r < k.probe_raise:
+                    await asyncio.sleep(0.002)
+                    raise ConnectionError("probe failed")
+                if r < k.probe_raise + k.probe_hang:
+                    await asyncio.sleep(limit * 3)
+            latency = rng.uniform(0.0, k.probe_latency)
+            if trial.reliable:
+                latency = min(latency, limit / 2)
+            await asyncio.sleep(latency / 2)
+            applied, voided = trial.provider.lookup(idempotency_key, k.void)
+            await asyncio.sleep(latency / 2)
+            if applied:
+                return ProbeResult(ProbeOutcome.COMPLETED, result="paid")
+            return ProbeResult(ProbeOutcome.NOT_APPLIED, voided=voided)
+
+        self.pay = pay = Tool("pay", tether.Effect.EXTERNAL, send, probe,
+                              dispatch_deadline=k.deadline)
+
+        async def balance(task: str, n: int) -> int:
+            await asyncio.sleep(rng.uniform(0.0, 0.01))
+            return len(trial.provider.ledger)
+
+        lookup = Tool("lookup", tether.Effect.READ_ONLY, balance)
+
+        async def pays(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            cut = plan.get("cut") if ctx.attempt == 1 else None
+            if cut == -1:
+                raise StreamCut(CutReason.STREAM_INCOMPLETE)
+            for j in range(plan["pays"]):
+                if cut == j:
+                    raise StreamCut(CutReason.STREAM_INCOMPLETE)
+                await asyncio.sleep(rng.uniform(0.0, 0.05))  # the model thinks
+                if plan["reads"]:  # a READ_ONLY call first: journaled, never fenced in doubt
+                    await ctx.call(lookup, task=ctx.task_id, n=j)
+                await ctx.call(pay, task=ctx.task_id, n=j)
+            if cut == plan["pays"]:
+                raise StreamCut(CutReason.STREAM_INCOMPLETE)
+            return "paid"
+
+        @tether.agent(tools=[pay, lookup])
+        async def child(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            return await pays(ctx, plan)
+
+        @tether.agent(tools=[pay, lookup, child])
+        async def root(ctx: tether.Context, plan: dict[str, Any]) -> str:
+            if not plan["kids"]:
+                return await pays(ctx, plan)
+            handles = [await ctx.delegate(child, kid) for kid in plan["kids"]]
+            for h in handles:
+                await h.result()
+            return "done"
+
+        self.root, self.child = root, child
+
+    # -- processes ------------------------------------------------------------------------
+    def start(self, host: Host, main: Coroutine[Any, Any, None]) -> None:
+        async def guarded() -> None:
+            try:
+                await main
+            except (TetherError, asyncio.CancelledError):
+                pass
+            except Exception as exc:  # what production raised that its caller never expects
+                if not host.alive:  # being closed where it stood (``SimLoop.crash``)
+                    raise
+                self.errors.append(f"{host.name}: {type(exc).__name__}: {exc}")
+        self.loop.start(host, guarded())
+
+    def new_host(self, base: str, group: list[Host]) -> Host:
+        host = Host(f"{base}.{self.restarts[base]}", _offset(self.rng, "clock" in self.on))
+        group.append(host)
+        return host
+
+    def supervisor(self, host: Host, *, lossy: bool = True) -> tether.Supervisor:
+        return tether.Supervisor(self.journal(host, lossy=lossy),
+                                 clock=HostClock(self.loop, host), keys=self.keyring(),
+                                 policy=self.policy, tools=[self.pay], recover=False,
+                                 redispatch=self.redispatch, control_poll=self.k.poll)
+
+    def start_worker(self, base: str) -> None:
+        host = self.new_host(base, self.workers)
+
+        async def work() -> None:
+            try:
+                async with Worker(self.journal(host), [self.root, self.child], lease=self.k.lease,
+                                  poll=self.k.poll, concurrency=4,
+                                  clock=HostClock(self.loop, host), policy=self.policy,
+                                  keys=self.keyring(), redispatch=self.redispatch) as w:
+                    await w.run()
+            except TetherError as exc:  # LeaseLost, or a journal error on its way out
+                self.note(f"{host.name} stopped: {type(exc).__name__}: {exc}")
+            if host.alive:  # a worker that stopped is started again (its supervisor's job)
+                self.restart(base, self.rng.uniform(0.2, 1.0) * self.k.lease)
+
+        self.start(host, work())
+
+    def start_orchestrator(self, base: str, index: int, scripts: list[list[Any]],
+                           plans: dict[str, dict[str, Any]], resumed: bool) -> None:
+        host = self.new_host(base, self.orchestrators)
         acts = [] if resumed else scripts[index]
-        orchestrators.append(Orchestrator(env, f"{base}.{restarts[base]}", task_ids, acts,
-                                          creator=index == 0, skewed=skewed))
 
-    def restart(base: str, delay: float) -> None:
-        pending[0] += 1
+        async def orchestrate() -> None:
+            async with self.supervisor(host) as sup:
+                if index == 0 and not resumed:
+                    for task, plan in plans.items():
+                        await sup.delegate(self.root, plan, task_id=task, remote=True)
+                while len(await self.roots(sup)) < len(plans):  # another creates them
+                    await sup.wake(self.k.poll)
+                for act in acts:
+                    await asyncio.sleep(max(0.0, act.at - self.loop.time()))
+                    try:
+                        await self.act(sup, act.task, act.kind)
+                    except TetherError as exc:
+                        self.note(f"{act.kind} {act.task}: {type(exc).__name__}: {exc}")
+                for task in plans:
+                    while True:
+                        first = (await self.roots(sup))[task]
+                        try:
+                            await Handle.detached(sup, first.id).wait()
+                        except TetherError as exc:
+                            self.note(f"wait for {task}: {type(exc).__name__}: {exc}")
+                        if (await self.roots(sup))[task].id == first.id:
+                            break
+            self.done.add(host.name)
+
+        self.start(host, orchestrate())
+
+    async def roots(self, sup: tether.Supervisor) -> dict[str, Any]:
+        """Each task's newest epoch's first attempt (its root row). An epoch's attempts are
+        numbered on from the task's last (a re-delegation of a task at attempt 2 starts at 2),
+        so the first is the newest epoch's lowest attempt."""
+        out: dict[str, Any] = {}
+        for row in await sup.journal.delegations():
+            if row.parent_id is None and (
+                    row.task_id not in out
+                    or (row.epoch, -row.attempt) > (out[row.task_id].epoch,
+                                                    -out[row.task_id].attempt)):
+                out[row.task_id] = row
+        return out
+
+    async def act(self, sup: tether.Supervisor, task: str, kind: str) -> None:
+        first = (await self.roots(sup))[task]
+        grace = self.rng.choice((0.2, 1.0, 3.0))
+        if kind == "child":
+            kids = [r for r in await sup.journal.delegations()
+                    if r.parent_id == first.id and not r.state.terminal]
+            if kids:
+                await Handle.detached(sup, kids[0].id).recall(grace, "sim")
+            return
+        handle = Handle.detached(sup, first.id)
+        if kind == "cancel":
+            await handle.cancel("sim")
+        elif kind.startswith("recall"):
+            await handle.recall(grace, "sim")
+        else:
+            await handle.terminate("sim")
+        row = await sup.journal.latest_attempt(first.id)
+        self.stops.append((row.task_id, row.epoch, self.commits.seq))
+        self.note(f"{kind} of {task} returned")
+        if kind.endswith("+redelegate"):
+            await handle.redelegate()
+
+    def start_reconciler(self, times: list[float]) -> None:
+        host = self.new_host("rec", self.others)
+
+        async def reconcile() -> None:
+            async with self.supervisor(host) as sup:
+                for at in times:
+                    await asyncio.sleep(max(0.0, at - self.loop.time()))
+                    try:
+                        await sup.recover()
+                    except TetherError as exc:
+                        self.note(f"reconcile failed: {exc}")
+
+        self.start(host, reconcile())
+
+    def restart(self, base: str, delay: float) -> None:
+        self.restarts[base] += 1
+        self.start_later(base, delay)
+
+    def start_later(self, base: str, delay: float) -> None:
+        """Start a worker (``w...``) or resume an orchestrator (``o...``) after ``delay``; the
+        trial does not end while one is still to come."""
+        self.pending += 1
 
         def again() -> None:
-            pending[0] -= 1
-            restarts[base] += 1
+            self.pending -= 1
             if base.startswith("w"):
-                start_worker(base)
-            elif base.startswith("o"):
-                start_orchestrator(base, int(base[1:]), True)
+                self.start_worker(base)
+            else:
+                self.start_orchestrator(base, int(base[1:]), [], self.plans, True)
 
-        sched.call_at(sched.now + delay, again)
+        self.loop.call_later(delay, again, context=contextvars.Context())
 
+    def faults(self) -> None:
+        rng, loop = self.rng, self.loop
+        if "crash" in self.on:
+            for at in sorted(rng.uniform(0.05, 6.0) for _ in range(rng.randint(1, 2))):
+                pick = rng.random()
+
+                def crash(pick: float = pick) -> None:
+                    hosts = [h for h in (*self.workers, *self.orchestrators, *self.others)
+                             if h.alive]
+                    if not hosts:
+                        return
+                    host = hosts[int(pick * len(hosts))]
+                    self.note(f"crash {host.name}")
+                    loop.crash(host)
+                    base = host.name.split(".")[0]
+                    if base[0] in "wo":
+                        self.restart(base, rng.uniform(0.1, 2.0) * self.k.lease)
+
+                loop.call_at(at, crash, context=contextvars.Context())
+        if "pause" in self.on:
+            for _ in range(rng.randint(1, 2)):
+                at, pick = rng.uniform(0.05, 4.0), rng.random()
+                length = self.k.lease * rng.uniform(1.2, 2.5)
+
+                def pause(pick: float = pick, length: float = length) -> None:
+                    hosts = [h for h in (*self.workers, *self.orchestrators) if h.alive]
+                    if hosts:
+                        host = hosts[int(pick * len(hosts))]
+                        self.note(f"pause {host.name} for {length:.2f}s")
+                        loop.pause(host, loop.time() + length)
+
+                loop.call_at(at, pause, context=contextvars.Context())
+
+
+def _plan(spec: Any) -> dict[str, Any]:
+    return {"pays": spec.pays, "cut": spec.cut, "reads": spec.reads,
+            "kids": [_plan(k) for k in spec.kids]}
+
+
+async def _main(t: Trial) -> str | None:
+    """The trial: its processes and faults until every orchestrator is done; then every host
+    stops, time runs past every deadline and lease, and a recovery runs twice."""
+    rng, loop = t.rng, t.loop
+    specs = _tasks(rng, "stream_cut" in t.on)
+    plans = t.plans = {f"t{i}": _plan(s) for i, s in enumerate(specs)}
+    n_orch = rng.randint(2, 3) if "race" in t.on else 1
+    scripts = _acts(rng, list(plans), n_orch, "race" in t.on)
     for i in range(rng.randint(1, 2)):
-        start_worker(f"w{i}")
+        # Half of the time the tasks wait in the queue before a worker comes up, so that
+        # recalls and terminates also meet tasks nobody has claimed yet.
+        later = rng.uniform(0.0, 1.5) if rng.random() < 0.5 else 0.0
+        t.start_later(f"w{i}", later)
     for i in range(n_orch):
-        start_orchestrator(f"o{i}", i, False)
-    if on & {"probe_early", "crash", "pause"}:
-        times = ([rng.uniform(0.1, 0.5) * j for j in range(1, 16)] if "probe_early" in on
-                 else sorted(rng.uniform(0.5, 6.0) for _ in range(2)))
-        reconciler(env, "rec", times, skewed)
-    _faults(env, rng, on, restart)
-
-    def finished() -> bool:
-        return pending[0] == 0 and all(o.done or not o.host.alive for o in orchestrators) \
-            and any(o.done for o in orchestrators)
-
+        t.start_orchestrator(f"o{i}", i, scripts, plans, False)
+    if t.on & {"probe_early", "crash", "pause"}:
+        t.start_reconciler([rng.uniform(0.1, 0.5) * j for j in range(1, 16)]
+                           if "probe_early" in t.on
+                           else sorted(rng.uniform(0.5, 6.0) for _ in range(2)))
+    t.faults()
     quiesced: str | None = None
-    try:
-        if not sched.run(finished, HORIZON):
-            quiesced = f"orchestrators still waiting at t={sched.now:.1f}s"
-    except OutOfSteps as exc:
-        quiesced = f"step budget spent ({exc})"
-    _final_recovery(env)
-    found = judge(env.journal, env.provider, env.stops, sched.errors, quiesced)
+    while not (t.pending == 0 and any(t.done) and all(
+            h.name in t.done or not h.alive for h in t.orchestrators)):
+        if loop.time() > HORIZON:
+            quiesced = f"orchestrators still waiting at t={loop.time():.1f}s"
+            break
+        await asyncio.sleep(0.25)  # the trial's own clock: time to look
+    for host in (*t.workers, *t.orchestrators, *t.others):
+        if host.alive:
+            loop.crash(host)
+    deadlines = [float(r[0]) - WALL0 for r in t.anchor.execute(
+        "SELECT deadline_at FROM actions WHERE deadline_at IS NOT NULL")]
+    end = max([loop.time(), t.provider.last_arrival, *deadlines]) \
+        + t.policy.lease + t.policy.clock_tolerance + 1.0
+    await asyncio.sleep(end - loop.time())
+    t.reliable = True
+    final = Host("final")
+    recovered: asyncio.Future[None] = loop.create_future()
+
+    async def twice() -> None:
+        try:
+            async with t.supervisor(final, lossy=False) as sup:
+                await sup.recover()
+                await sup.recover()
+        except Exception as exc:
+            t.errors.append(f"the final recovery failed: {type(exc).__name__}: {exc}")
+        recovered.set_result(None)
+
+    loop.start(final, twice())
+    await recovered
+    return quiesced
+
+
+def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
+              trace: bool = False) -> TrialResult:
+    """Run one trial from its seed and judge it; ``digest`` hashes its step trace."""
+    active = active_faults(seed, selected)
+    t = Trial(seed, active)
+    quiesced: str | None
+    with id_source(t._id_bytes):
+        try:
+            quiesced = t.loop.run_until_complete(_main(t))
+        except StepBudget as exc:
+            quiesced = f"step budget spent ({exc})"
+        finally:
+            with contextlib.suppress(Exception):
+                t.loop.close()
+    events = t.anchor.execute(
+        "SELECT detail FROM events WHERE kind = 'supervisor_error' ORDER BY id").fetchall()
+    # The schema refused what the runtime asked of it (the live-key index, a foreign key): a
+    # decision the journal's own constraints had to catch, never a fault of the world.
+    refused = t.anchor.execute(
+        "SELECT id, error FROM delegations WHERE error LIKE '%constraint failed%' ORDER BY id"
+    ).fetchall()
+    errors = [*t.errors, *(f"supervisor_error: {d}" for (d,) in events),
+              *(f"{i} failed on a journal constraint: {e}" for i, e in refused)]
+    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced)
+    t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
+                   commits=t.commits.seq, actions=len(t.commits.intents))
+    with contextlib.suppress(sqlite3.Error):
+        t.anchor.close()
+    lines = t.lines or []
     result = TrialResult(seed, active, [Violation(seed, active, c, d) for c, d in found],
-                         sched.steps, sched.now, lines)
-    result.stats.update(restarts=sum(restarts.values()), read_backs=env.reading_back,
-                        applied=len(env.provider.ledger), actions=len(env.journal.actions),
-                        controls=sum(len(c) for c in env.journal.controls.values()))
+                         t.loop.steps, t.loop.time(), lines if trace else None, t.stats)
+    result.digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
     return result
 
 
-def _faults(env: Env, rng: random.Random, on: frozenset[str],
-            restart: Callable[[str, float], None]) -> None:
-    sched = env.sched
-    if "crash" in on:
-        targets = sorted(rng.randint(1, 600) for _ in range(rng.randint(1, 2)))
-
-        def crash(host: Host) -> None:
-            if targets and sched.steps >= targets[0] and host.name[0] in "wor":
-                targets.pop(0)
-                sched.note(f"crash {host.name}")
-                sched.kill(host)
-                if host.name[0] in "wo":
-                    restart(host.name.split(".")[0], rng.uniform(0.1, 2.0) * env.knobs.lease)
-
-        sched.on_step = crash
-    if "pause" in on:
-        for _ in range(rng.randint(1, 2)):
-            at = rng.uniform(0.05, 4.0)
-            length = env.knobs.lease * rng.uniform(1.2, 2.5)
-            pick = rng.random()
-
-            def pause(pick: float = pick, length: float = length) -> None:
-                hosts = [h for h in (*env.workers, *env.orchestrators) if h.alive]
-                if hosts:
-                    host = hosts[int(pick * len(hosts))]
-                    host.paused_until = sched.now + length
-                    sched.note(f"pause {host.name} for {length:.2f}s")
-
-            sched.call_at(at, pause)
-
-
-def _final_recovery(env: Env) -> None:
-    """Stop every host, let time pass every deadline and lease, then reconcile twice with
-    probes that work (the operator's ``tether reconcile`` after the incident)."""
-    sched, journal = env.sched, env.journal
-    for host in env.hosts.values():
-        if host.alive:
-            sched.kill(host)
-    deadlines = [a.deadline_at for a in journal.actions.values()]
-    leases = [o.lease_until or 0.0 for o in journal.owners.values()]
-    end = max([sched.now, env.provider.last_arrival, *deadlines, *leases]) \
-        + env.policy.lease + env.policy.clock_tolerance + 1.0
-    sched.run(horizon=end)
-    sched.now = max(sched.now, end)
-    host = Host("final")
-    sup = Supervisor(env, host, env.new_id("r"), lossy=False, reliable_probes=True)
-
-    def twice() -> Step:
-        yield from sup.recover()
-        yield from sup.recover()
-
-    sched.spawn(host, "reconcile", twice(), daemon=True)
-    sched.budget = sched.steps + STEP_BUDGET
-    try:
-        sched.run()
-    except OutOfSteps:
-        sched.errors.append("the final recovery did not finish")
-
-
-def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
-            replay: int | None = None, progress: Callable[[int], None] | None = None,
-            fixes: frozenset[str] = frozenset(FIXES), engine: str = "mirror") -> dict[str, Any]:
-    """The run's trials (or one replayed, with its trace), summarised in ``tether chaos
-    --json``'s shape, with the simulator's own fields added. ``engine``: ``mirror`` (the
-    hand-written model) or ``production`` (the production runtime and journal on the
-    simulator's loop, ``tether._sim.production``; it takes no ``fixes``)."""
-    one: Callable[..., TrialResult] = run_trial
-    if engine == "production":
-        from tether._sim import production
-
-        def one(s: int, faults: tuple[str, ...], *, trace: bool,
-                fixes: frozenset[str]) -> TrialResult:
-            return production.run_trial(s, faults, trace=trace)
-
-    seeds = [replay] if replay is not None else [trial_seed(seed, i) for i in range(trials)]
-    per_fault: dict[str, Counter[str]] = {f: Counter() for f in (*FAULTS, "none")}
-    violations: list[Violation] = []
-    details: list[dict[str, Any]] = []
-    totals: Counter[str] = Counter()
-    started = time.perf_counter()
-    results = []
-    for i, s in enumerate(seeds):
-        result = one(s, faults, trace=replay is not None, fixes=fixes)
-        results.append(result)
-        totals.update(result.stats)
-        totals["steps"] += result.steps
-        for f in result.faults or ("none",):
-            c = per_fault[f]
-            c["trials"] += 1
-            c["violations"] += len(result.violations)
-            for v in result.violations:
-                c[f"class:{v.kind}"] += 1
-        violations += result.violations
-        if result.violations or replay is not None:
-            details.append({"trial_seed": s, "faults": list(result.faults),
-                            "violations": len(result.violations), "steps": result.steps,
-                            "virtual_s": round(result.virtual, 3),
-                            **({"trace_sha256": result.digest} if result.digest else {}),
-                            "found": [v.to_json() for v in result.violations]})
-        if progress is not None:
-            progress(i)
-    elapsed = time.perf_counter() - started
-    by_class = Counter(v.kind for v in violations)
-    out: dict[str, Any] = {
-        "trials": len(seeds), "seed": seed, "replay": replay, "backend": "sim",
-        "engine": engine,
-        "faults": {f: {"trials": c["trials"], "violations": c["violations"],
-                       "classes": {k: c[f"class:{k}"] for k in SIM_CLASSES if c[f"class:{k}"]}}
-                   for f, c in per_fault.items() if c["trials"]},
-        "selected_faults": list(faults),
-        "fixes": sorted(fixes),
-        "outcomes": {"failing_trials": sum(1 for r in results if r.violations),
-                     "clean_trials": sum(1 for r in results if not r.violations)},
-        "violations": [v.to_json() for v in violations],
-        "counts": {k: by_class.get(k, 0) for k in SIM_CLASSES},
-        "inject": None,
-        "trials_detail": details,
-        "records": [],
-        "elapsed_s": round(elapsed, 3),
-        "trials_per_minute": round(len(seeds) / elapsed * 60) if elapsed > 0 else None,
-        "totals": dict(totals),
-    }
-    if replay is not None:
-        out["trace"] = results[0].trace
-    return out
-
-
-__all__ = ["CLASSES", "run_sim", "run_trial", "trial_seed"]
+__all__ = ["Trial", "run_trial"]

@@ -10,9 +10,9 @@ and never applied, and a probe may void a key so that nothing with it applies an
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-
-from tether._sim.sched import Future, Sched
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 FAULTS = (
     "crash",  # crash a host at any step; it restarts (a new process, a new owner id)
@@ -43,13 +43,29 @@ CLOCK_BOUND = CLOCK_TOLERANCE / 2
 DEADLINE_MARGIN = 0.0
 
 
+class Net(Protocol):
+    """What the provider runs on: the true time, timers outside any simulated process (a
+    request in the network lands whatever happens to its sender), and the trial's notes."""
+
+    @property
+    def now(self) -> float: ...
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+class Reply(Protocol):
+    def resolve(self, value: str) -> None: ...
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     key: str
     action_id: str
     logical: str
     expires_at: float  # on the provider's clock
-    reply: Future = field(default_factory=Future)
+    reply: Reply
     state: str = "sent"  # sent, applied, refused
 
 
@@ -67,8 +83,8 @@ class Provider:
 
     overdue = False  # a deliberately broken provider (mutation tests): applies past expiry
 
-    def __init__(self, sched: Sched, rng: random.Random, *, reply_loss: float) -> None:
-        self.sched = sched
+    def __init__(self, net: Net, rng: random.Random, *, reply_loss: float) -> None:
+        self.net = net
         self.rng = rng
         self.reply_loss = reply_loss
         self.ledger: list[Application] = []
@@ -81,26 +97,26 @@ class Provider:
         self.in_network += 1
         if self.overdue:  # slow as well as careless: requests land well past their expiry
             delay *= 2
-        arrival = self.sched.now + delay
+        arrival = self.net.now + delay
         self.last_arrival = max(self.last_arrival, arrival)
-        self.sched.call_at(arrival, lambda: self._arrive(req, reply_delay))
+        self.net.call_at(arrival, lambda: self._arrive(req, reply_delay))
 
     def _arrive(self, req: Request, reply_delay: float) -> None:
         self.in_network -= 1
-        sched = self.sched
-        if req.key in self.voided or (sched.now >= req.expires_at and not self.overdue):
+        net = self.net
+        if req.key in self.voided or (net.now >= req.expires_at and not self.overdue):
             req.state = "refused"
-            sched.note(f"provider refused {req.key} ({req.action_id})")
+            net.note(f"provider refused {req.key} ({req.action_id})")
         else:
             req.state = "applied"
             self.applied[req.key] = self.applied.get(req.key, 0) + 1
-            self.ledger.append(Application(req.key, req.action_id, req.logical, sched.now))
-            sched.note(f"provider applied {req.key} ({req.action_id})")
+            self.ledger.append(Application(req.key, req.action_id, req.logical, net.now))
+            net.note(f"provider applied {req.key} ({req.action_id})")
         if self.rng.random() < self.reply_loss:
-            sched.note(f"reply for {req.action_id} lost")
+            net.note(f"reply for {req.action_id} lost")
             return
         state = req.state
-        sched.call_at(sched.now + reply_delay, lambda: req.reply.resolve(sched, state))
+        net.call_at(net.now + reply_delay, lambda: req.reply.resolve(state))
 
     def lookup(self, key: str, void: bool) -> tuple[int, bool]:
         """(applications of the key, whether it is now voided). Voiding refuses every later
@@ -137,7 +153,7 @@ def knobs(rng: random.Random, active: frozenset[str]) -> Knobs:
     return Knobs(
         lease=lease,
         deadline=rng.choice((2.0, 3.0, 5.0)),
-        poll=rng.choice((0.05, 0.1, 0.25)),
+        poll=rng.choice((0.05, 0.1, 0.25)) * (1 if "notify_lost" in active else 10),
         tool_timeout=rng.choice((0.8, 1.5, 3.0)),
         latency=(0.005, rng.choice((0.02, 0.1, 0.3))),
         late=0.5 if "late_apply" in active or "probe_early" in active else 0.0,
@@ -164,4 +180,4 @@ def active_faults(seed: int, selected: tuple[str, ...]) -> tuple[str, ...]:
 
 
 __all__ = ["CLOCK_BOUND", "CLOCK_TOLERANCE", "DEADLINE_MARGIN", "FAULTS", "Application",
-           "Knobs", "Provider", "Request", "active_faults", "knobs"]
+           "Knobs", "Net", "Provider", "Reply", "Request", "active_faults", "knobs"]
