@@ -178,3 +178,42 @@ def test_the_live_key_index_frees_exactly_the_cores_free_outcomes() -> None:
     assert listed is not None, ddl
     assert {v.strip().strip("'") for v in listed.group(1).split(",")} == \
         {s.value for s in KEY_FREE}
+
+
+# A placeholder row, never written: a handle known only by id has read nothing of it yet.
+_NOT_A_MOVE = {("tether._runtime.handle", "DelegationState.RUNNING")}
+
+
+def _chosen_states(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Each ``DelegationState.X`` / ``ActionState.X`` that is not read in a comparison (``is``,
+    ``in``, ``==``): a state the code names to write, return or pass on is one it chose."""
+    compared: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for part in (node.left, *node.comparators):
+                compared |= {id(n) for n in ast.walk(part)}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in ("DelegationState", "ActionState", "_S", "_A")
+                and node.attr.isupper() and id(node) not in compared):
+            yield node.lineno, f"{node.value.id}.{node.attr}"
+
+
+def test_the_runtime_chooses_no_state() -> None:
+    """Every state a delegation or action moves to is the core's decision (``_core.model``:
+    ``receipt_of``, ``ControlKind.settled``, ``code_ended``, ``FORK_REFUSED``...); the runtime
+    reads states, it does not name the one to write (docs/design.md)."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("tether._runtime"):
+            continue
+        for line, state in _chosen_states(ast.parse(path.read_text(encoding="utf-8"))):
+            if (name, state) not in _NOT_A_MOVE:
+                found.append(f"{name}:{line}: {state}")
+    assert found == []
+
+
+def test_the_state_finder_tells_a_choice_from_a_reading() -> None:
+    tree = ast.parse("if s is ActionState.FAILED or s in (DelegationState.RUNNING,): pass\n"
+                     "journal.finish(a, ActionState.COMPLETED)\nx = _S.FAILED\n")
+    assert sorted(_chosen_states(tree)) == [(2, "ActionState.COMPLETED"), (3, "_S.FAILED")]

@@ -28,12 +28,17 @@ import tether
 from tests.journal_helpers import pay_action, root_delegation
 from tether._core.model import (
     ACTION_FINAL,
+    DELEGATION_TERMINAL,
+    ActionState,
+    CallEnd,
+    DelegationState,
     action_may_move,
     check_delegation_move,
     check_grace,
     code_ended,
     executor_gone,
     fenced_below,
+    receipt_of,
 )
 from tether._core.outcome import ActionFacts, settle
 from tether._journal import ops
@@ -475,3 +480,19 @@ def test_a_receipt_that_puts_a_call_in_doubt_is_journaled_as_a_move(tmp_path: Pa
                          ("late_receipt", {"old": "IN_DOUBT", "new": "COMPLETED"})]
     finally:
         db.close()
+
+
+def test_a_calls_receipt_and_a_stops_end_are_the_cores() -> None:
+    """What the gateway records when a call's code ends, and where a recall or terminate
+    leaves a delegation once drained: named once, in the core."""
+    assert receipt_of(CallEnd.RETURNED) is ActionState.COMPLETED
+    assert receipt_of(CallEnd.REJECTED) is ActionState.FAILED  # the tool is certain: no apply
+    assert receipt_of(CallEnd.PAST_DEADLINE) is ActionState.FAILED  # never sent
+    assert receipt_of(CallEnd.RAISED) is ActionState.IN_DOUBT  # it may have applied
+    assert receipt_of(CallEnd.CUT) is ActionState.IN_DOUBT
+    for end in CallEnd:  # a receipt is a move the journal allows from PENDING
+        assert action_may_move(ActionState.PENDING, receipt_of(end))
+    assert ControlKind.RECALL.settled is DelegationState.RECALLED
+    assert ControlKind.TERMINATE.settled is DelegationState.TERMINATED
+    for kind in ControlKind:
+        assert kind.settled in DELEGATION_TERMINAL

@@ -64,6 +64,26 @@ def action_may_move(old: ActionState, new: ActionState) -> bool:
     return new in _ACTION_MOVES[old]
 
 
+class CallEnd(StrEnum):
+    """How a tool call's code ended in the gateway; its receipt's state is ``receipt_of``'s."""
+
+    RETURNED = "returned"
+    REJECTED = "rejected"  # the tool said with certainty that it did not apply (ToolRejected)
+    PAST_DEADLINE = "past_deadline"  # never sent: paused past its dispatch deadline
+    RAISED = "raised"  # any other exception: the request may have reached the world
+    CUT = "cut"  # cancelled on its way: nothing is written, the intent stays as it was
+
+
+def receipt_of(end: CallEnd) -> ActionState:
+    """What the gateway records when a call's code ends (for ``CUT``, what its span says:
+    the journal keeps the intent, which the drain or recovery marks in doubt)."""
+    if end is CallEnd.RETURNED:
+        return ActionState.COMPLETED
+    if end in (CallEnd.REJECTED, CallEnd.PAST_DEADLINE):
+        return ActionState.FAILED
+    return ActionState.IN_DOUBT
+
+
 # What a probe (or a person) may still settle, in the order a person should look at them: the
 # accounting's reads, the console's queue and its decisions, the CLI's exit codes.
 AWAITING = (ActionState.UNKNOWN, ActionState.IN_DOUBT)
@@ -151,7 +171,13 @@ class ControlKind(StrEnum):
 
     @property
     def target(self) -> DelegationState:
+        """Where an accepted intent moves a live delegation: its drain runs from there."""
         return _S.RECALLING if self is ControlKind.RECALL else _S.TERMINATING
+
+    @property
+    def settled(self) -> DelegationState:
+        """Where its drain (or recovery) ends it once nothing it started can still apply."""
+        return _S.RECALLED if self is ControlKind.RECALL else _S.TERMINATED
 
 
 def code_ended(*, returned: bool, waiting: bool = False,
@@ -168,6 +194,8 @@ def code_ended(*, returned: bool, waiting: bool = False,
 # A new attempt is forked only after one that ended FAILED (its stream cut, I6); the journal's
 # fork gate reads the failed attempt's state against this one.
 RETRIED_FROM = _S.FAILED
+# An attempt forked while a cancel came (I6): refused before its code ran, nothing of it ran.
+FORK_REFUSED = _S.CANCELLED
 
 
 def fenced_below(state: DelegationState, kind: ControlKind) -> DelegationState:

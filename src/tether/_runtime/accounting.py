@@ -126,8 +126,8 @@ class Accounting:
                 task.cancel()
         terminate = kind is ControlKind.TERMINATE
         return await self.conclude(
-            root_id, DelegationState.TERMINATED if terminate else DelegationState.RECALLED,
-            in_doubt=terminate, verdict=Verdict.TERMINATE if terminate else Verdict.RECALLED_CLEAN,
+            root_id, kind.settled, in_doubt=terminate,
+            verdict=Verdict.TERMINATE if terminate else Verdict.RECALLED_CLEAN,
             reason=f"{kind.value.lower()} of a delegation whose code had ended")
 
     async def let_calls_finish(self) -> None:
@@ -278,7 +278,7 @@ class Accounting:
         if not row.state.terminal and await sup.journal.drained(row.id):
             # Its owner drained it before going away, leaving calls in doubt: finish the
             # accounting, without a second verdict that would hide the first.
-            return await self.conclude(row.id, DelegationState.TERMINATED, in_doubt=True,
+            return await self.conclude(row.id, ControlKind.TERMINATE.settled, in_doubt=True,
                                        verdict=None)
         while row.state is DelegationState.RUNNING:
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
@@ -295,7 +295,7 @@ class Accounting:
                 row = await sup.journal.get(row.id)
             else:
                 break
-        report = await self.conclude(row.id, DelegationState.TERMINATED, in_doubt=True,
+        report = await self.conclude(row.id, ControlKind.TERMINATE.settled, in_doubt=True,
                                      verdict=Verdict.RECOVERED, reason=reason)
         log.warning("recovered %s: %s; settled %s", row.id, reason, report.outcome.value,
                     extra={"delegation": row.id, "outcome": report.outcome.value,

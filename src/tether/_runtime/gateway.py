@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tether._core import values
 from tether._core.errors import Fenced, ToolRejected, UserError
-from tether._core.model import ActionState
+from tether._core.model import CallEnd, receipt_of
 from tether._core.redispatch import UNRESTRICTED
 from tether._journal.rows import Begin, NewAction
 from tether._runtime.handle import Handle
@@ -227,29 +227,32 @@ class Context:
         if clock.wall() >= deadline_at:
             # Paused between the intent and the send: past its deadline the call would break
             # the tool's promise that nothing applies later, so it is never sent.
-            journal.finish_action(action_id, ActionState.FAILED, clock.wall(),
+            state = receipt_of(CallEnd.PAST_DEADLINE)
+            journal.finish_action(action_id, state, clock.wall(),
                                   error="dispatch deadline passed before the call was sent")
-            telemetry.finish(span, ActionState.FAILED.value, "dispatch_deadline")
+            telemetry.finish(span, state.value, "dispatch_deadline")
             raise ToolRejected(f"{tool.name}: dispatch deadline passed before the call was sent")
         ACTION.set(action_id)  # this task's own context: the action's, to its end
         try:
             with current(span):  # this task's own context, as ACTION's
                 result = await tool.fn(**kwargs, idempotency_key=key)
         except ToolRejected as exc:
-            journal.finish_action(action_id, ActionState.FAILED, clock.wall(), error=str(exc))
-            telemetry.finish(span, ActionState.FAILED.value, exc)
+            state = receipt_of(CallEnd.REJECTED)
+            journal.finish_action(action_id, state, clock.wall(), error=str(exc))
+            telemetry.finish(span, state.value, exc)
             raise
         except Exception as exc:  # it may have applied: reconciliation decides
-            journal.finish_action(action_id, ActionState.IN_DOUBT, clock.wall(), error=repr(exc))
-            telemetry.finish(span, ActionState.IN_DOUBT.value, exc)
+            state = receipt_of(CallEnd.RAISED)
+            journal.finish_action(action_id, state, clock.wall(), error=repr(exc))
+            telemetry.finish(span, state.value, exc)
             raise
         except asyncio.CancelledError:
             # Cut while on its way: the journal holds it in doubt until a probe says.
-            telemetry.finish(span, ActionState.IN_DOUBT.value, "cancelled")
+            telemetry.finish(span, receipt_of(CallEnd.CUT).value, "cancelled")
             raise
-        telemetry.finish(span, ActionState.COMPLETED.value)
-        journal.finish_action(action_id, ActionState.COMPLETED, clock.wall(),
-                              result=values.storable(result))
+        state = receipt_of(CallEnd.RETURNED)
+        telemetry.finish(span, state.value)
+        journal.finish_action(action_id, state, clock.wall(), result=values.storable(result))
         return result
 
     async def delegate(self, agent: Agent, /, *args: Any, **kwargs: Any) -> Handle:

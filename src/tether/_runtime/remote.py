@@ -68,9 +68,7 @@ async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
     intent committed leaves nothing stuck. None if a worker holds it or it is not queued."""
     if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
         return None
-    final = DelegationState.RECALLED if kind is ControlKind.RECALL \
-        else DelegationState.TERMINATED
-    await settle_subtree(sup.journal, delegation_id, sup.clock, final)
+    await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled)
     sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
                       verdict=Verdict.NEVER_STARTED.value, reason="no worker had claimed it")
     await sup.journal.flush()

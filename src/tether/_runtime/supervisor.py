@@ -25,7 +25,14 @@ from tether._core.errors import (
     TetherError,
     UserError,
 )
-from tether._core.model import ControlKind, DelegationState, Policy, check_grace, code_ended
+from tether._core.model import (
+    FORK_REFUSED,
+    ControlKind,
+    DelegationState,
+    Policy,
+    check_grace,
+    code_ended,
+)
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
 from tether._core.report import ActionRecord, Report
 from tether._core.signing import Signed, TrustedKeys
@@ -401,7 +408,7 @@ class Supervisor:
                 await record(self, rt, moved, "after_fork")
                 with contextlib.suppress(AlreadyFinished, InvalidTransition):
                     # (a cancel from another process may have terminated it first)
-                    await self.journal.set_state(rt.id, DelegationState.CANCELLED,
+                    await self.journal.set_state(rt.id, FORK_REFUSED,
                                                  self.clock.wall(),
                                                  error="cancelled before it ran",
                                                  failure="cancelled")
