@@ -29,28 +29,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tether._core import columns
 from tether._core.documents import ChainSeal
 from tether._core.errors import ControlRefused, Malformed
 from tether._core.headmark import HeadMark
 from tether._core.signing import Signed
 from tether._core.trust import Registry
 
-# The columns of each chained table, in the order their rows are hashed. Every column: a
-# record's whole row is what the writer committed.
-COLUMNS: dict[str, str] = {
-    "delegations": (
-        "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, "
-        "fenced, control_seq, created_at, updated_at, result, error, failure, model, "
-        "trace_id, ended_at, work_body, work_key, work_sig"),
-    "actions": (
-        "id, delegation_id, ordinal, tool, effect, args, args_hash, idem_key, state, result, "
-        "error, evidence, late, started_at, ended_at, deadline_at"),
-    "controls": (
-        "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"),
-    "documents": (
-        "id, delegation_id, seq, type, body, key_id, signature, recorded_at"),
-    "events": "id, delegation_id, action_id, at, kind, detail",
-}
+# The columns of each chained table, in the order their rows are hashed (``columns``: the
+# order each table was made in, which a journal's hashes depend on). Every column: a record's
+# whole row is what the writer committed.
+COLUMNS: dict[str, str] = {t.name: t.select() for t in (
+    columns.DELEGATIONS, columns.ACTIONS, columns.CONTROLS, columns.DOCUMENTS, columns.EVENTS)}
 # What a record is called in a chain, and in a report: "action a-1", "event 17".
 KIND = {"delegations": "delegation", "actions": "action", "controls": "control",
         "documents": "document", "events": "event"}

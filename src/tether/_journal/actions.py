@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from tether._core.columns import ACTIONS
 from tether._core.errors import IdempotencyConflict, KeyInUse, NotFound
 from tether._core.model import (
     ACTION_FINAL,
@@ -49,6 +50,11 @@ from tether._journal.tables import (
 )
 
 _A = ActionState
+
+
+# An intent: the call's identity, its key and deadline, PENDING; its outcome columns wait.
+_INTENT = ACTIONS.insert(("id", "delegation_id", "ordinal", "tool", "effect", "args", "idem_key",
+                          "state", "started_at", "deadline_at", "args_hash"))
 
 
 def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
@@ -96,8 +102,7 @@ def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
         assert found is not None
         raise KeyInUse(new.idem_key, found.action_id, found.state.value)
     db.execute(
-        f"INSERT INTO actions ({_ACTION_COLS.replace('result, error, evidence, late, ', '')}"
-        ", args_hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)",
+        _INTENT,
         (new.id, new.delegation_id, new.ordinal, new.tool, new.effect.value, new.args_json,
          new.idem_key, ActionState.PENDING.value, new.now, new.deadline_at, new.args_hash),
     )

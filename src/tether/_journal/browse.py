@@ -14,8 +14,9 @@ from tether._core.model import AWAITING, AWAITING_PROBE, DelegationState
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow, EventRow, loads
 from tether._journal.tables import (
-    _ACTION_COLS,
+    _ACTION_READ,
     _DELEGATION_COLS,
+    _DELEGATION_READ,
     Db,
     _action,
     _delegation,
@@ -97,9 +98,9 @@ def _filters(q: Browse, table: str) -> tuple[list[str], list[Any]]:
 
 def _sql(table: str) -> tuple[str, str, str]:
     if table == "delegations":
-        return (f"SELECT {', '.join('d.' + c.strip() for c in _DELEGATION_COLS.split(','))} "
+        return (f"SELECT {', '.join('d.' + c for c in _DELEGATION_READ)} "
                 "FROM delegations d", "d", "created_at")
-    cols = ", ".join(f"a.{c.strip()}" for c in _ACTION_COLS.split(","))
+    cols = ", ".join(f"a.{c}" for c in _ACTION_READ)
     return (f"SELECT {cols}, d.agent, d.state FROM actions a "
             "JOIN delegations d ON d.id = a.delegation_id", "a", "started_at")
 
@@ -165,7 +166,7 @@ def row_id(row: DelegationRow | tuple[ActionRecord, str, str]) -> str:
 
 
 def _actions(raw: list[Any]) -> list[tuple[ActionRecord, str, str]]:
-    width = len(_ACTION_COLS.split(","))
+    width = len(_ACTION_READ)
     return [(_action(r[:width]), r[width], r[width + 1]) for r in raw]
 
 
@@ -189,7 +190,7 @@ def attention_delegations(db: Db, limit: int) -> list[tuple[DelegationRow, str |
     """NEEDS_ATTENTION delegations none of whose own actions is in doubt or unknown (a
     receipt that contradicts a decision or a final outcome put them there), oldest first,
     each with the newest reason the journal gave."""
-    cols = ", ".join("d." + c.strip() for c in _DELEGATION_COLS.split(","))
+    cols = ", ".join("d." + c for c in _DELEGATION_READ)
     rows = db.execute(
         f"SELECT {cols} FROM delegations d WHERE d.state = ? AND {_NONE_AWAITING} "
         "ORDER BY d.created_at, d.id LIMIT ?",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tether._core import chain
+from tether._core.columns import CHAIN, CHAIN_HEADS
 from tether._core.documents import ChainSeal
 from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
@@ -31,6 +32,7 @@ from tether._journal.tables import Db, blob, chunks, marks
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
+_NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLICT DO NOTHING")
 _HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
          "WHERE delegation_id = ?")
 
@@ -204,8 +206,7 @@ def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
     inserted = 0
     for part in chunks(plan):
         inserted += db.execute(
-            "INSERT INTO chain (delegation_id, seq, record, content, pre, hash) VALUES "
-            f"{', '.join(['(?, ?, ?, ?, ?, ?)'] * len(part))} ON CONFLICT DO NOTHING",
+            CHAIN.insert(CHAIN.names, " ON CONFLICT DO NOTHING", rows=len(part)),
             tuple(v for entry in part for v in entry)).rowcount
     if inserted != len(plan):
         db.execute("ROLLBACK TO SAVEPOINT chain")
@@ -254,8 +255,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
         if head is None:
             # A delegation this transaction created (nobody else can see it yet); or one
             # whose head was deleted by hand, whose entries then refuse the appends below.
-            db.execute("INSERT INTO chain_heads (delegation_id, length, hash) "
-                       "VALUES (?, 0, '') ON CONFLICT DO NOTHING", (delegation_id,))
+            db.execute(_NEW_HEAD, (delegation_id, 0, ""))
             head = chain.Head(0, "", False, None, None)
         if not sealer.trusts(delegation_id, head, registry) or \
                 sealer.older(db, delegation_id, head):

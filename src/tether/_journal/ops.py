@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tether._core.columns import CONTROLS, DELEGATIONS, DOCUMENTS, OWNERS, QUEUE, TASKS
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ForgedRow,
@@ -36,9 +37,6 @@ from tether._core.model import (
 )
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed
-
-# The action operations live in actions.py and the shared row helpers in tables.py; ops still
-# names every operation (``X as X`` marks a re-export).
 from tether._journal.actions import action_in_doubt as action_in_doubt
 from tether._journal.actions import actions as actions
 from tether._journal.actions import begin_action as begin_action
@@ -61,10 +59,14 @@ from tether._journal.rows import (
     dumps,
     loads,
 )
+
+# The action operations live in actions.py and the shared row helpers in tables.py; ops still
+# names every operation (``X as X`` marks a re-export).
 from tether._journal.tables import (
     _ACTION_COLS,
     _CONTROL_COLS,
     _DELEGATION_COLS,
+    _DELEGATION_READ,
     _MOVE_TRIES,
     LEASED,
     SUBTREE,
@@ -88,8 +90,7 @@ from tether._journal.tables import set_state as set_state
 
 def register_owner(db: Db, owner: OwnerRow) -> None:
     db.execute(
-        "INSERT INTO owners (id, pid, host, started_at, heartbeat_at, lease_until) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
+        OWNERS.insert(OWNERS.names),
         (owner.id, owner.pid, owner.host, owner.started_at, owner.heartbeat_at,
          owner.lease_until),
     )
@@ -101,7 +102,7 @@ def heartbeat(db: Db, owner_id: str, now: float) -> None:
 
 def owners(db: Db) -> list[OwnerRow]:
     rows = db.execute(
-        "SELECT id, pid, host, started_at, heartbeat_at, lease_until FROM owners").fetchall()
+        f"SELECT {OWNERS.select()} FROM owners").fetchall()
     return [OwnerRow(*r) for r in rows]
 
 
@@ -120,7 +121,7 @@ def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
 def subtree(db: Db, root_id: str) -> list[DelegationRow]:
     """The delegation and all its descendants, parents before children."""
     get_delegation(db, root_id)
-    cols = ", ".join(f"d.{c.strip()}" for c in _DELEGATION_COLS.split(","))
+    cols = ", ".join(f"d.{c}" for c in _DELEGATION_READ)
     rows = db.execute(
         f"{SUBTREE} SELECT {cols} FROM delegations d JOIN sub ON sub.id = d.id "
         "ORDER BY sub.depth, d.created_at, d.id",
@@ -231,7 +232,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     else:
         known = db.execute("SELECT epoch FROM tasks WHERE id = ?", (new.task_id,)).fetchone()
         if known is None:
-            db.execute("INSERT INTO tasks (id, epoch) VALUES (?, 0)", (new.task_id,))
+            db.execute(_NEW_TASK, (new.task_id, 0))
             epoch = 0
         elif new.parent_id is not None:
             # A re-delegated parent starts its children again under the same task ids, so their
@@ -245,14 +246,14 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
             )
     values = _values(new, epoch)
     if new.parent_id is None:
-        db.execute(_INSERT + "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
+        db.execute(f"{_INSERT}VALUES ({_MARKS})", values)
         touch(db, "delegations", new.id)
         if new.redelegate_from_epoch is not None:
             _superseded(db, new, epoch)
     else:
         # The parent's fence and epoch are checked by the insert itself.
         cur = db.execute(
-            _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations p "
+            f"{_INSERT}SELECT {_MARKS} FROM delegations p "
             "JOIN tasks t ON t.id = p.task_id "
             "WHERE p.id = ? AND p.fenced = 0 AND p.epoch = ? AND t.epoch = p.epoch AND "
             f"{LEASED.format('p')} /*LOCK p, t*/",
@@ -262,8 +263,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
             raise FenceRefused(Begin.FENCED)
         touch(db, "delegations", new.id)
     if new.queued:
-        db.execute("INSERT INTO queue (delegation_id, task_id, agent, enqueued_at) "
-                   "VALUES (?, ?, ?, ?)", (new.id, new.task_id, new.agent, new.now))
+        db.execute(_QUEUED, (new.id, new.task_id, new.agent, new.now))
         notify = getattr(db, "notify", None)
         if notify is not None:  # wakes idle workers
             notify("queued")
@@ -272,10 +272,14 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
     return get_delegation(db, new.id)
 
 
-_INSERT = (
-    "INSERT INTO delegations (id, task_id, parent_id, epoch, attempt, agent, surface, args, "
-    "owner_id, state, created_at, updated_at, model, trace_id, work_body, work_key, work_sig) "
-)
+_NEW_TASK = TASKS.insert(("id", "epoch"))
+_QUEUED = QUEUE.insert(("delegation_id", "task_id", "agent", "enqueued_at"))
+# A new delegation's columns, in ``_values``'s order; the rest keep their defaults.
+_NEW = DELEGATIONS.named((
+    "id", "task_id", "parent_id", "epoch", "attempt", "agent", "surface", "args", "owner_id",
+    "state", "created_at", "updated_at", "model", "trace_id", "work_body", "work_key", "work_sig"))
+_INSERT = DELEGATIONS.into(_NEW) + " "
+_MARKS = ", ".join("?" * len(_NEW))
 
 
 def _values(new: NewDelegation, epoch: int) -> tuple[Any, ...]:
@@ -301,7 +305,7 @@ def _create_attempt(db: Db, new: NewDelegation) -> DelegationRow:
         if parent is None or parent[0]:
             raise FenceRefused(Begin.FENCED)
     cur = db.execute(
-        _INSERT + "SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ? FROM delegations f "
+        f"{_INSERT}SELECT {_MARKS} FROM delegations f "
         "JOIN tasks t ON t.id = f.task_id "
         "WHERE f.id = ? AND f.state = ? AND f.epoch = t.epoch AND NOT EXISTS "
         "(SELECT 1 FROM delegations n WHERE n.task_id = f.task_id AND n.epoch = f.epoch "
@@ -428,8 +432,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
                         f"{row.control_seq}: that row was not written by an accepted intent "
                         "(forged or edited); remove it, then retry")
     inserted = db.execute(
-        "INSERT INTO controls (delegation_id, seq, kind, body, key_id, signature, accepted_at, "
-        "issuer) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        CONTROLS.insert(CONTROLS.pick(without=("id",)), " RETURNING id"),
         (intent.delegation_id, intent.seq, intent.kind.value, signed.body, signed.key_id,
          signed.signature, accepted_at, issuer),
     ).fetchone()
@@ -512,8 +515,7 @@ def last_control_id(db: Db) -> int:
 def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Signed,
                     now: float) -> None:
     inserted = db.execute(
-        "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        DOCUMENTS.insert(DOCUMENTS.pick(without=("id",)), " RETURNING id"),
         (delegation_id, seq, type_, signed.body, signed.key_id, signed.signature, now),
     ).fetchone()
     touch(db, "documents", inserted[0])

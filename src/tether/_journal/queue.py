@@ -8,10 +8,10 @@ first leaves the row unclaimed, and its issuer takes it off the queue and settle
 
 from __future__ import annotations
 
+from tether._core.columns import CONTROLS, OWNERS
 from tether._core.model import DelegationState
 from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
 from tether._journal.tables import (
-    _CONTROL_COLS,
     _DELEGATION_COLS,
     Db,
     _control,
@@ -36,10 +36,12 @@ def renew_lease(db: Db, owner_id: str, now: float, lease: float) -> bool:
     return cur.rowcount == 1
 
 
+_OWNER = f"SELECT {OWNERS.select()} FROM owners WHERE id = ?"
+
+
 def owner(db: Db, owner_id: str) -> OwnerRow | None:
     """One owner, for the liveness check made on every poll (the table only grows)."""
-    row = db.execute("SELECT id, pid, host, started_at, heartbeat_at, lease_until FROM owners "
-                     "WHERE id = ?", (owner_id,)).fetchone()
+    row = db.execute(_OWNER, (owner_id,)).fetchone()
     return None if row is None else OwnerRow(*row)
 
 
@@ -162,7 +164,7 @@ def controls_for_owner(db: Db, owner_id: str) -> list[ControlRow]:
     """The latest intent of each of this owner's delegations that is being recalled or
     terminated. Unlike "every intent after id N", this cannot miss an intent whose id was
     assigned before, but committed after, one already seen (PostgreSQL assigns ids at insert)."""
-    cols = ", ".join(f"c.{c.strip()}" for c in _CONTROL_COLS.split(","))
+    cols = CONTROLS.select(alias="c")
     rows = db.execute(
         f"SELECT {cols} FROM delegations d JOIN controls c ON c.delegation_id = d.id "
         "AND c.seq = d.control_seq WHERE d.owner_id = ? AND d.state IN (?, ?) ORDER BY c.id",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tether._core.columns import DOCUMENTS
 from tether._core.errors import Malformed, UserError
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.report import ActionRecord
@@ -59,8 +60,7 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
     seq = db.execute("SELECT COUNT(*) FROM documents WHERE delegation_id = ? AND type = ?",
                      (action.delegation_id, Resolution.TYPE)).fetchone()[0] + 1
     doc = db.execute(
-        "INSERT INTO documents (delegation_id, seq, type, body, key_id, signature, recorded_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
+        DOCUMENTS.insert(DOCUMENTS.pick(without=("id",)), " RETURNING id"),
         (action.delegation_id, seq, Resolution.TYPE, signed.body, signed.key_id,
          signed.signature, now)).fetchone()
     touch(db, "documents", doc[0])

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Sequence, Sized
 from typing import Any, Protocol, TypeVar
 
 from tether._core import chain
+from tether._core.columns import ACTIONS, CONTROLS, DELEGATIONS, EVENTS, positions
 from tether._core.errors import JournalCorrupt, JournalError, NotFound
 from tether._core.model import (
     ActionState,
@@ -52,14 +53,14 @@ SUBTREE = f"""WITH RECURSIVE sub(id, depth) AS (
     UNION ALL SELECT d.id, sub.depth + 1 FROM delegations d JOIN sub ON d.parent_id = sub.id
     WHERE sub.depth < {MAX_DEPTH})"""
 
-_DELEGATION_COLS = (
-    "id, task_id, parent_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
-    "control_seq, created_at, updated_at, result, error, failure, model, trace_id, ended_at"
-)
-_ACTION_COLS = (
-    "id, delegation_id, ordinal, tool, effect, args, idem_key, state, result, error, evidence, "
-    "late, started_at, ended_at, deadline_at"
-)
+# What the operations read of a delegation (its signed work order apart) and of an action (its
+# arguments' hash apart), in the declared order; the decoders read those rows by name.
+_DELEGATION_READ = DELEGATIONS.pick(without=("work_body", "work_key", "work_sig"))
+_ACTION_READ = ACTIONS.pick(without=("args_hash",))
+_DELEGATION_COLS = ", ".join(_DELEGATION_READ)
+_ACTION_COLS = ", ".join(_ACTION_READ)
+_D = positions(_DELEGATION_READ)
+_A = positions(_ACTION_READ)
 
 
 def _decoded(table: str, parse: Callable[[Any], T]) -> Callable[[Any], T]:
@@ -78,21 +79,29 @@ def _decoded(table: str, parse: Callable[[Any], T]) -> Callable[[Any], T]:
 
 
 def _delegation_row(row: Any) -> DelegationRow:
+    d = _D
     return DelegationRow(
-        id=row[0], task_id=row[1], parent_id=row[2], epoch=row[3], attempt=row[4], agent=row[5],
-        surface=tuple(loads(row[6])), args=loads(row[7]), owner_id=row[8],
-        state=DelegationState(row[9]), fenced=bool(row[10]), control_seq=row[11],
-        created_at=row[12], updated_at=row[13], result=loads(row[14]), error=row[15],
-        failure=row[16], model=row[17], trace_id=row[18], ended_at=row[19],
+        id=row[d["id"]], task_id=row[d["task_id"]], parent_id=row[d["parent_id"]],
+        epoch=row[d["epoch"]], attempt=row[d["attempt"]], agent=row[d["agent"]],
+        surface=tuple(loads(row[d["surface"]])), args=loads(row[d["args"]]),
+        owner_id=row[d["owner_id"]], state=DelegationState(row[d["state"]]),
+        fenced=bool(row[d["fenced"]]), control_seq=row[d["control_seq"]],
+        created_at=row[d["created_at"]], updated_at=row[d["updated_at"]],
+        result=loads(row[d["result"]]), error=row[d["error"]], failure=row[d["failure"]],
+        model=row[d["model"]], trace_id=row[d["trace_id"]], ended_at=row[d["ended_at"]],
     )
 
 
 def _action_row(row: Any) -> ActionRecord:
+    a = _A
     return ActionRecord(
-        id=row[0], delegation_id=row[1], ordinal=row[2], tool=row[3], effect=Effect(row[4]),
-        args=loads(row[5]), idempotency_key=row[6], state=ActionState(row[7]),
-        result=loads(row[8]), error=row[9], evidence=loads(row[10]), late=bool(row[11]),
-        started_at=row[12], ended_at=row[13], deadline_at=_finite_or_none(row[14]),
+        id=row[a["id"]], delegation_id=row[a["delegation_id"]], ordinal=row[a["ordinal"]],
+        tool=row[a["tool"]], effect=Effect(row[a["effect"]]), args=loads(row[a["args"]]),
+        idempotency_key=row[a["idem_key"]], state=ActionState(row[a["state"]]),
+        result=loads(row[a["result"]]), error=row[a["error"]],
+        evidence=loads(row[a["evidence"]]), late=bool(row[a["late"]]),
+        started_at=row[a["started_at"]], ended_at=row[a["ended_at"]],
+        deadline_at=_finite_or_none(row[a["deadline_at"]]),
     )
 
 
@@ -133,11 +142,13 @@ def before(db: Db, table: str, pk: Any) -> None:
     pre[(table, pk)] = "" if row is None else chain.content_hash(row)
 
 
+_EVENT = EVENTS.insert(("delegation_id", "action_id", "at", "kind", "detail"), " RETURNING id")
+
+
 def event(db: Db, at: float, what: str, delegation_id: str | None = None,
           action_id: str | None = None, /, **detail: Any) -> None:
     row = db.execute(
-        "INSERT INTO events (delegation_id, action_id, at, kind, detail) VALUES (?, ?, ?, ?, ?) "
-        "RETURNING id",
+        _EVENT,
         (delegation_id, action_id, at, what, dumps(detail)),
     ).fetchone()
     if delegation_id is not None or action_id is not None:
@@ -160,15 +171,21 @@ def signed_of(body: Any, key_id: Any, signature: Any) -> Signed:
     return Signed(blob(body), key_id, blob(signature))
 
 
+_CONTROL_COLS = CONTROLS.select()
+_C = positions(CONTROLS.names)
+
+
 def _control_row(r: Any) -> ControlRow:
+    c = _C
     return ControlRow(
-        id=r[0], delegation_id=r[1], seq=r[2], kind=ControlKind(r[3]),
-        signed=signed_of(r[4], r[5], r[6]), accepted_at=r[7], issuer=r[8],
+        id=r[c["id"]], delegation_id=r[c["delegation_id"]], seq=r[c["seq"]],
+        kind=ControlKind(r[c["kind"]]),
+        signed=signed_of(r[c["body"]], r[c["key_id"]], r[c["signature"]]),
+        accepted_at=r[c["accepted_at"]], issuer=r[c["issuer"]],
     )
 
 
 _control = _decoded("controls", _control_row)
-_CONTROL_COLS = "id, delegation_id, seq, kind, body, key_id, signature, accepted_at, issuer"
 
 
 def get_delegation(db: Db, delegation_id: str) -> DelegationRow:

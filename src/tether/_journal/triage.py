@@ -8,7 +8,13 @@ from typing import Any
 
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow
-from tether._journal.tables import _ACTION_COLS, _DELEGATION_COLS, Db, _action, _delegation
+from tether._journal.tables import (
+    _ACTION_READ,
+    _DELEGATION_COLS,
+    Db,
+    _action,
+    _delegation,
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ def _action_filter(q: ActionQuery) -> tuple[str, list[Any]]:
 def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
     """Actions oldest first (the longest stuck at the top), each with its delegation's agent
     and state."""
-    cols = ", ".join(f"a.{c.strip()}" for c in _ACTION_COLS.split(","))
+    cols = ", ".join(f"a.{c}" for c in _ACTION_READ)
     where, params = _action_filter(q)
     sql = (f"SELECT {cols}, d.agent, d.state FROM actions a "
            "JOIN delegations d ON d.id = a.delegation_id" + where
@@ -82,7 +88,7 @@ def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
         sql += " LIMIT ?"
         params.append(q.limit)
     rows = db.execute(sql, params).fetchall()
-    width = len(_ACTION_COLS.split(","))
+    width = len(_ACTION_READ)
     return [(_action(r[:width]), r[width], r[width + 1]) for r in rows]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tether._core.columns import TRUST
 from tether._core.documents import KeyGrant
 from tether._core.errors import UserError
 from tether._core.signing import Signed, SigningKey, TrustedKeys
@@ -51,8 +52,7 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
 
 def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str = "") -> int:
     cur = db.execute(
-        "INSERT INTO trust (op, key_id, body, signer, signature, recorded_at) "
-        f"VALUES (?, ?, ?, ?, ?, ?){conflict}",
+        TRUST.insert(TRUST.pick(without=("id",)), conflict),
         (grant.op, grant.key_id, signed.body, signed.key_id, signed.signature, now))
     return int(cur.rowcount)
 
