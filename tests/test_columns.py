@@ -9,10 +9,10 @@ from urllib.parse import parse_qs, urlparse
 import psycopg
 import pytest
 
+from tests.conftest import PG_URL
 from tether._core import chain, columns
 from tether._core.columns import TABLES
 from tether._journal.journal import Journal
-from tests.conftest import PG_URL
 
 _PG_TYPES = {"TEXT": {"text"}, "INTEGER": {"integer", "bigint"}, "REAL": {"double precision"},
              "BLOB": {"bytea"}}

@@ -225,8 +225,9 @@ class Journal:
 
     def on_notify(self, callback: Callable[[str], None]) -> bool:
         """Have ``callback(owner_id)`` called (from any thread) when a control intent for one
-        of that owner's delegations commits. False where the backend cannot push (SQLite):
-        the caller then relies on polling alone."""
+        of that owner's delegations commits. False where the backend cannot push (a SQLite
+        journal whose wake-up directory is not this user's own, ``wake``): the caller then
+        relies on polling alone."""
         return self._runner.listen(callback)
 
     async def flush(self, durable: bool = True) -> None:

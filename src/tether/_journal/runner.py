@@ -171,7 +171,7 @@ class Runner:
     def listen(self, callback: Callable[[str], None]) -> bool:
         """Have ``callback(payload)`` called (from any thread) for each notification an
         operation sent (``notify`` on its connection) once its transaction commits. False
-        where the backend cannot push (SQLite's files): its readers poll."""
+        where the backend cannot push: its readers poll."""
         return False
 
     def relax(self, conn: Any, relaxed: bool) -> None:

@@ -6,7 +6,9 @@ import contextlib
 import os
 import sqlite3
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tether._core.errors import (
     JournalCorrupt,
@@ -15,6 +17,7 @@ from tether._core.errors import (
     NotAJournal,
     SchemaTooNew,
 )
+from tether._journal import wake
 from tether._journal.runner import ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 
@@ -219,6 +222,24 @@ def connect(path: Path, *, create: bool, synchronous: str,
     return conn
 
 
+class _Db:
+    """What a batch's operations get: the connection, and ``notify`` (as on PostgreSQL),
+    whose payloads the runner sends to the journal's other processes once it committed."""
+
+    __slots__ = ("_notes", "execute", "inner")
+
+    def __init__(self, inner: sqlite3.Connection, notes: list[str]) -> None:
+        self.inner = inner
+        self.execute = inner.execute
+        self._notes = notes
+
+    def notify(self, payload: str) -> None:
+        self._notes.append(payload)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class SqliteRunner(ThreadRunner):
     """The embedded backend: one connection to one file, written by one thread."""
 
@@ -233,6 +254,10 @@ class SqliteRunner(ThreadRunner):
         self._sidecars: dict[str, tuple[int, int] | None] = {}
         self._where = path
         self._level = synchronous  # the connection's synchronous setting now (``relax``)
+        # Wake-ups for the journal's other processes (``wake``): what this batch's operations
+        # notified, sent once it committed; and this process's own listener.
+        self._notes: list[str] = []
+        self._listener: wake.Listener | None = None
 
     def connect(self) -> sqlite3.Connection:
         # Absolute as of now: a process that changes directory later still checks this file.
@@ -260,7 +285,24 @@ class SqliteRunner(ThreadRunner):
             conn.execute(f"PRAGMA synchronous={level}")
             self._level = level
 
+    def db(self, conn: sqlite3.Connection) -> _Db:
+        return _Db(conn, self._notes)
+
+    def listen(self, callback: Callable[[str], None]) -> bool:
+        if self._listener is None:
+            self._listener = wake.listen(Path(os.path.abspath(self.path)), callback)
+        return self._listener is not None
+
+    async def stop(self) -> None:
+        try:
+            await super().stop()
+        finally:
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.close()
+
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
+        self._notes.clear()  # what a batch that did not commit notified is dropped with it
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         # A file deleted or moved over the journal's path leaves this connection on the old
         # inode: every commit would land in a file nobody will ever open. Checked once the
@@ -274,6 +316,10 @@ class SqliteRunner(ThreadRunner):
 
     def landed(self, conn: sqlite3.Connection) -> None:
         self._same_files()
+        if self._notes:
+            notes = list(self._notes)
+            self._notes.clear()
+            wake.send(self._where, notes)
 
     def _same_files(self) -> None:
         now = identity(self._where)

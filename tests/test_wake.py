@@ -1,0 +1,128 @@
+"""Wake-ups across processes (``_journal/wake.py`` on SQLite, LISTEN/NOTIFY on PostgreSQL): a
+recall from another process reaches a supervisor at once, not at its next poll; a wake-up is a
+hint that only ever causes a read."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tether._journal import wake
+from tether._journal.journal import Journal
+
+HOUR = 3600.0
+
+
+async def test_a_recall_from_another_process_wakes_a_supervisor_that_polls_hourly(
+        journal_url: str) -> None:
+    """The supervisor looks for other processes' intents once an hour here: the recall that
+    `tether recall` commits in its own process is acted on because the journal woke it. (On
+    SQLite it was not woken before: the recall waited for the hour; the 60 s bound below is
+    a hang guard, not a timing goal.)"""
+    started = asyncio.Event()
+
+    @tether.tool(dispatch_deadline=0.5)
+    async def hang(n: int, *, idempotency_key: str) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async def agent(ctx: tether.Context) -> None:
+        await ctx.call(hang, n=1)
+
+    policy = tether.Policy(ack_timeout=0.2, probe_timeout=0.5, clock_tolerance=0.2)
+    async with tether.Supervisor(journal_url, control_poll=HOUR, policy=policy) as sup:
+        handle = await sup.delegate(agent, tools=[hang])
+        await started.wait()
+        cli = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tether", "recall", handle.id, "--grace", "0.1", "--no-wait",
+            "--journal", journal_url, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = await cli.communicate()
+        assert cli.returncode == 0, err.decode()
+        async with asyncio.timeout(60):
+            await handle.wait()
+        row = await sup.journal.get(handle.id)
+    # Ended by the recall (its hanging call has no probe: in doubt, a person decides).
+    assert row.state.terminal and row.state.value != "SUCCEEDED", row.state
+
+
+async def test_a_committed_notification_reaches_another_journal_on_the_file(
+        sqlite_url: str) -> None:
+    """A queued task wakes the journal's other processes (an idle worker); here a second
+    journal object listens, as another process would, on its own socket."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        return "done"
+
+    async with tether.Supervisor(sqlite_url, recover=False) as sup, \
+            Journal(sqlite_url, create=False) as other:
+        def hear(payload: str) -> None:  # from the listener's thread
+            loop.call_soon_threadsafe(heard.put_nowait, payload)
+
+        assert other.on_notify(hear)
+        await sup.delegate(job, task_id="t1", remote=True)
+        async with asyncio.timeout(60):
+            assert await heard.get() == "queued"
+
+
+def test_a_listener_ignores_what_is_not_its_users_and_stale_sockets_go(tmp_path: Path) -> None:
+    journal = tmp_path / "journal.db"
+    where = wake.directory(journal)
+    got: list[str] = []
+    listener = wake.listen(journal, got.append)
+    assert listener is not None
+    try:
+        assert oct(os.stat(where).st_mode & 0o777) == "0o700"
+        # A process that died left its socket: the next send removes it, and still delivers.
+        dead = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        dead.bind(str(where / "0-dead"))
+        dead.close()
+        wake.send(journal, ["queued", "queued", "x" * 1000])
+        assert not (where / "0-dead").exists()
+        deadline = 200
+        while len(got) < 2 and deadline:
+            deadline -= 1
+            listener._closed.wait(0.05)
+        assert got == ["queued", "x" * wake.MAX_PAYLOAD]  # once each, bounded
+    finally:
+        listener.close()
+    assert not where.exists()  # the last listener out removes the directory
+
+
+def test_a_directory_others_may_write_to_is_not_used(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    journal = tmp_path / "journal.db"
+    where = wake.directory(journal)
+    where.mkdir()
+    where.chmod(0o777)  # planted: anyone could bind there, or read the hints
+    assert wake.listen(journal, lambda _p: None) is None
+    wake.send(journal, ["queued"])  # nothing to send to, and nothing raised
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xfe", b""])
+def test_a_forged_datagram_costs_a_read_never_an_error(tmp_path: Path, payload: bytes) -> None:
+    journal = tmp_path / "journal.db"
+    got: list[Any] = []
+    listener = wake.listen(journal, got.append)
+    assert listener is not None
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(payload, str(next(wake.directory(journal).iterdir())))
+        for _ in range(200):
+            if got:
+                break
+            listener._closed.wait(0.05)
+        assert len(got) == 1 and isinstance(got[0], str)
+    finally:
+        listener.close()
