@@ -167,6 +167,7 @@ def test_cli_replay_prints_the_trace_and_fails_like_the_run() -> None:
     (["--faults", "crash,meteor"], "unknown fault kind(s) meteor"),
     (["--faults", ","], "unknown fault kind(s)"),
     (["--replay", "soon"], "--replay must be an integer"),
+    (["--replay", "5", "--seed", "3"], "give no --trials or --seed"),
     (["--engine", "mirror"], "No such option: --engine"),  # the model of the runtime is gone
     (["--without", "probe_time"], "No such option: --without"),
 ])

@@ -68,6 +68,8 @@ def test_an_edit_whose_text_is_gone_is_refused() -> None:
 @pytest.mark.parametrize(("args", "says"), [
     (["--mutate", "nope"], "unknown mutation"),
     (["--mutations", "--mutate", "intent_fence"], "--mutations"),
+    (["--mutations", "--faults", "bogus"], "--faults with it"),
+    (["--mutations", "--seed", "x"], "--seed with it"),
 ])
 def test_cli_mutation_bad_input_is_one_line(args: list[str], says: str) -> None:
     result = runner.invoke(app, ["sim", "--trials", "1", *args])

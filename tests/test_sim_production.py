@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -236,7 +237,7 @@ def test_a_worker_that_lost_its_lease_is_started_again_and_claims_what_was_queue
 
 async def test_a_parent_that_failed_leaves_no_child_paying_after_terminate(
         tmp_path: Path) -> None:
-    """Found by ``tether sim --engine production --replay 1910862834 --faults
+    """Found (in the runtime of then) by ``tether sim --replay 1910862834 --faults
     crash,probe_raise,commit_lost,race`` (ghost): the root awaited its first child, which was
     recalled, and raised; its second child went on; cancel() of the task found the root
     finished and returned; the second child's next payment landed after that."""
@@ -311,3 +312,43 @@ async def test_a_parent_that_returned_ends_after_the_children_it_started(
     assert rows["parent"].state is tether.DelegationState.SUCCEEDED
     assert rows["pays_later"].ended_at is not None and rows["parent"].ended_at is not None
     assert rows["pays_later"].ended_at <= rows["parent"].ended_at
+
+
+# -- what the judge counts as an error of the code that ships -------------------------------
+
+def test_a_thread_or_an_exception_in_a_callback_of_production_code_is_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal listener that starts a thread, or raises: the loop refuses the thread and
+    the exception is logged by asyncio, neither raised to a caller the trial watches. Both
+    are judged errors (a review found them passing for clean trials)."""
+    from tether._runtime.supervisor import Supervisor
+
+    original = Supervisor._notified
+
+    def leaky(self: Supervisor, payload: str) -> None:
+        threading.Thread(target=lambda: None).start()
+        original(self, payload)
+
+    monkeypatch.setattr(Supervisor, "_notified", leaky)
+    found = production.run_trial(5, ("race",)).violations
+    assert found and {v.kind for v in found} == {"error"}
+    assert "refuses threads" in found[0].detail
+
+    def failing(self: Supervisor, payload: str) -> None:
+        raise ValueError("a listener's failure")
+
+    monkeypatch.setattr(Supervisor, "_notified", failing)
+    found = production.run_trial(5, ("race",)).violations
+    assert found and "a listener's failure" in found[0].detail
+
+
+def test_a_write_the_schema_refuses_is_an_error_even_when_nobody_waits_for_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heartbeat is posted: its batch's answer goes to nobody. A constraint that refuses it
+    (here a duplicate key) is still the runtime asking the journal for something wrong."""
+    def heartbeat(db: Any, owner_id: str, now: float) -> None:
+        db.execute("INSERT INTO tether_meta (key, value) VALUES ('app', 'x')")
+
+    monkeypatch.setattr(ops, "heartbeat", heartbeat)
+    found = production.run_trial(trial_seed(11, 0)).violations
+    assert any("constraints refused" in v.detail for v in found), found

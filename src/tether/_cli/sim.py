@@ -64,10 +64,16 @@ def sim(trials: Annotated[str | None, typer.Option(
     from tether._sim.world import FAULTS
 
     if mutations:
-        if mutate is not None or replay is not None:
-            raise UserError("--mutations runs the catalogue, each mutation on its own run; "
-                            "give no --mutate or --replay with it")
+        given = [name for name, value in (("--mutate", mutate), ("--replay", replay),
+                                          ("--trials", trials), ("--seed", seed),
+                                          ("--faults", faults)) if value is not None]
+        if given:
+            raise UserError("--mutations runs the catalogue, each mutation on its own faults, "
+                            f"seed and trials; give no {', '.join(given)} with it")
         _catalogue(as_json)
+    if replay is not None and (trials is not None or seed is not None):
+        raise UserError("--replay runs the one trial its seed names; give no --trials or "
+                        "--seed with it (only the run's --faults)")
     m = None
     if mutate is not None:
         m = BY_NAME.get(mutate.strip())

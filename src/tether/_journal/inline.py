@@ -11,7 +11,7 @@ COMMIT, so each batch is atomic even when several runners share one database.
 process of a trial (``file:NAME?mode=memory&cache=shared``), one connection per process.
 Given a ``Bus``, it has PostgreSQL's notifications (``listen``, and ``notify`` on the
 connection the operations get), delivered among the trial's processes on the loop.
-``lose_commit`` is the seam for a lost commit reply: asked at each write batch's COMMIT, it
+``lose_commit`` is the seam for a lost commit reply: asked at each batch's COMMIT, it
 may say that the reply is lost after the COMMIT ("after") or that the connection broke before
 it ("before"); either way the runner sees a lost connection at its COMMIT and reads back,
 from a commit marker the batch wrote (as on PostgreSQL), whether it committed.
@@ -110,7 +110,8 @@ class Bus:
         self._listeners: dict[int, tuple[Callable[[str], None], contextvars.Context]] = {}
 
     def listen(self, who: object, callback: Callable[[str], None]) -> None:
-        self._listeners[id(who)] = (callback, contextvars.copy_context())
+        # The first callback stays, as with PostgreSQL's listener (``PostgresRunner.listen``).
+        self._listeners.setdefault(id(who), (callback, contextvars.copy_context()))
 
     def unlisten(self, who: object) -> None:
         self._listeners.pop(id(who), None)
@@ -201,11 +202,13 @@ class MemorySqlite(InlineRunner):
     def __init__(self, name: str, *, latency: Callable[[], float] = lambda: 0.0,
                  lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit",
                  on_commit: Callable[[MemorySqlite], None] | None = None,
-                 bus: Bus | None = None) -> None:
+                 bus: Bus | None = None,
+                 on_refusal: Callable[[str], None] | None = None) -> None:
         super().__init__(latency)
         self.name = name
         self.lose_commit = lose_commit
         self.bus = bus
+        self.on_refusal = on_refusal  # told of each write the schema's constraints refused
         # Told of every COMMIT that took effect (replies lost or not), for the simulation's
         # record of commit order; ``staged`` is what the batch gave its sealer.
         self.on_commit = on_commit
@@ -257,6 +260,8 @@ class MemorySqlite(InlineRunner):
         return f"simulated journal {self.name}"
 
     def map_error(self, exc: Exception) -> Exception:
+        if isinstance(exc, sqlite3.IntegrityError) and self.on_refusal is not None:
+            self.on_refusal(str(exc))
         if isinstance(exc, sqlite3.Error):
             return sqlite_backend._map_error(exc, Path(self.name))
         return exc

@@ -30,7 +30,7 @@ import itertools
 import random
 import selectors
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ class _NoSelector(selectors.BaseSelector):
         self._loop = loop
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        raise RealIO(f"the simulation refuses real I/O (a file descriptor: {fileobj!r})")
+        raise self._loop.refuse(f"real I/O (a file descriptor: {fileobj!r})")
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         raise KeyError(fileobj)
@@ -126,6 +126,7 @@ class SimLoop(asyncio.BaseEventLoop):
         self.steps = 0  # callbacks run (the trace's lines, traced or not)
         self.max_steps = max_steps
         self.errors: list[str] = []  # exceptions no one retrieved, as the handler saw them
+        self.refused: list[str] = []  # the real I/O and threads production code reached for
         self.set_exception_handler(self._unhandled)
         # Ready callbacks are put in a canonical order before they are shuffled: a task's by
         # when the task was made, any other by when it was scheduled. Their order as queued
@@ -217,7 +218,7 @@ class SimLoop(asyncio.BaseEventLoop):
         pass
 
     def _write_to_self(self) -> None:
-        raise RealIO("the simulation refuses another thread's wake-up (call_soon_threadsafe)")
+        raise self.refuse("another thread's wake-up (call_soon_threadsafe)")
 
     # -- hosts ----------------------------------------------------------------------------
     def create_task(self, coro: Any, *, name: Any = None,
@@ -261,7 +262,7 @@ class SimLoop(asyncio.BaseEventLoop):
     # -- what the simulation refuses ------------------------------------------------------
     def run_in_executor(self, executor: Any, func: Callable[..., T],  # type: ignore[override]
                         *args: Any) -> asyncio.Future[T]:
-        raise RealIO(f"the simulation refuses threads (run_in_executor of {func!r})")
+        raise self.refuse(f"threads (run_in_executor of {func!r})")
 
     def call_soon_threadsafe(self, callback: Callable[..., object],  # type: ignore[override]
                              *args: Any,
@@ -269,13 +270,36 @@ class SimLoop(asyncio.BaseEventLoop):
         # Production code calls this from the threads that bring it news (a journal's
         # listener); a simulation brings that news on the loop itself, which is no thread.
         if threading.get_ident() != self._thread_id:  # type: ignore[attr-defined]
-            raise RealIO(f"the simulation refuses another thread's callback ({callback!r})")
+            raise self.refuse(f"another thread's callback ({callback!r})")
         return self.call_soon(callback, *args, context=context)
 
     def add_signal_handler(self, sig: int,  # type: ignore[override]
                            callback: Callable[..., object],
                            *args: Any) -> None:
-        raise RealIO("the simulation refuses signal handlers")
+        raise self.refuse("signal handlers")
+
+    def refuse(self, what: str) -> RealIO:
+        """Record what production code reached for (the trial's judge sees it, even where a
+        broad ``except`` in that code swallows the exception) and make the exception."""
+        self.refused.append(what)
+        return RealIO(f"the simulation refuses {what}")
+
+    @contextlib.contextmanager
+    def no_threads(self) -> Iterator[None]:
+        """While the loop runs a trial: a thread started from the loop's thread is refused."""
+        start = threading.Thread.start
+        loop_thread = threading.get_ident()
+
+        def refused(thread: threading.Thread) -> None:
+            if threading.get_ident() == loop_thread:
+                raise self.refuse(f"threads (a thread {thread.name!r} started)")
+            start(thread)
+
+        threading.Thread.start = refused  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            threading.Thread.start = start  # type: ignore[method-assign]
 
     def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")

@@ -183,8 +183,8 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "a terminate of a delegation whose code had ended leaves its running calls PENDING "
        "instead of in doubt",
        "_runtime.accounting",
-       "            in_doubt=terminate, verdict=",
-       "            in_doubt=False, verdict=",
+       "            root_id, kind.settled, in_doubt=terminate,",
+       "            root_id, kind.settled, in_doubt=False,",
        "crash,reply_lost,race", 1, 200),
     _m("freed_key_reuse",
        "a receipt for a call judged NOT_APPLIED, whose key was used again since, re-opens it "

@@ -160,6 +160,12 @@ class Trial:
     def _id_bytes(self) -> bytes:
         return struct.pack(">QQ", next(self.ids), self.rng.getrandbits(64))
 
+    def refusal(self, what: str) -> None:
+        """The schema refused what the runtime asked of it (the live-key index, a foreign
+        key): a decision the journal's own constraints had to catch, never a fault of the
+        world. Recorded where it happens: a heartbeat's or a receipt's is answered to nobody."""
+        self.errors.append(f"the journal's constraints refused a write: {what}")
+
     def _lose(self) -> Loss:
         if self.k.commit_loss and self.rng.random() < self.k.commit_loss:
             self.stats["commits_lost"] += 1
@@ -168,6 +174,7 @@ class Trial:
 
     def journal(self, host: Host, *, lossy: bool = True) -> Journal:
         runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
+                              on_refusal=self.refusal,
                               lose_commit=self._lose if lossy else (lambda: None),
                               mark=f"{host.name}", on_commit=self.commits.landed,
                               bus=self.bus)
@@ -499,7 +506,7 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
     active = active_faults(seed, selected)
     t = Trial(seed, active)
     quiesced: str | None
-    with id_source(t._id_bytes):
+    with id_source(t._id_bytes), t.loop.no_threads():
         try:
             quiesced = t.loop.run_until_complete(_main(t))
         except StepBudget as exc:
@@ -509,13 +516,9 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
                 t.loop.close()
     events = t.anchor.execute(
         "SELECT detail FROM events WHERE kind = 'supervisor_error' ORDER BY id").fetchall()
-    # The schema refused what the runtime asked of it (the live-key index, a foreign key): a
-    # decision the journal's own constraints had to catch, never a fault of the world.
-    refused = t.anchor.execute(
-        "SELECT id, error FROM delegations WHERE error LIKE '%constraint failed%' ORDER BY id"
-    ).fetchall()
     errors = [*t.errors, *(f"supervisor_error: {d}" for (d,) in events),
-              *(f"{i} failed on a journal constraint: {e}" for i, e in refused)]
+              *(f"an exception nobody retrieved: {e}" for e in t.loop.errors),
+              *(f"production code reached for {r}" for r in t.loop.refused)]
     found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced)
     t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
                    commits=t.commits.seq, actions=len(t.commits.intents))
