@@ -341,3 +341,54 @@ async def test_an_interrupt_without_a_checkpointer_fails_clearly(sqlite_url: str
         handle = await sup.delegate(as_tether_agent(big_refund_graph(shop)), "refund A and B")
         with pytest.raises(tether.DelegationError, match=r"interrupt\(\) and has no checkpointer"):
             await handle.result()
+
+
+def two_questions_graph(saver: Any) -> Any:
+    """Two nodes run at once from the start, each asking at ``interrupt()``; a third joins."""
+    def ask(order: str) -> Any:
+        def node(state: MessagesState) -> dict[str, Any]:
+            return {"messages": [AIMessage(content=f"{order}={interrupt(f'approve {order}?')}")]}
+        return node
+
+    def join(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [AIMessage(content="joined")]}
+
+    g = StateGraph(MessagesState)
+    g.add_node("ask_a", ask("A"))
+    g.add_node("ask_b", ask("B"))
+    g.add_node("join", join)
+    g.add_edge(START, "ask_a")
+    g.add_edge(START, "ask_b")
+    g.add_edge(["ask_a", "ask_b"], "join")
+    g.add_edge("join", END)
+    return g.compile(checkpointer=saver)
+
+
+async def test_interrupts_of_parallel_nodes_are_all_asked_and_all_answered(
+        sqlite_url: str) -> None:
+    """Both questions are reported (the stream's last chunk had only one), and a task with one
+    answered and one not still waits: it is never SUCCEEDED while its thread waits (a review
+    found 'SUCCEEDED' with the join never run)."""
+    saver = InMemorySaver()
+    graph = two_questions_graph(saver)
+    async with tether.Supervisor(sqlite_url) as sup:
+        first = await sup.delegate(as_tether_agent(graph, name="two-q"), "go", task_id="q")
+        asked = await first.result()
+        assert isinstance(asked, tether.Interrupted)
+        by_text = {v: k for k, v in asked.questions.items()}
+        assert set(by_text) == {"approve A?", "approve B?"}
+        with pytest.raises(tether.UserError, match="several questions"):
+            await first.redelegate(resume="yes")
+        second = await first.redelegate(resume={by_text["approve A?"]: "yes"})
+        still = await second.result()
+        assert isinstance(still, tether.Interrupted), still
+        assert list(still.questions.values()) == ["approve B?"]
+        assert (await second.report()).outcome is tether.DelegationState.INTERRUPTED
+        third = await second.redelegate(resume="no")
+        done = await third.result()
+        assert (await third.report()).outcome is tether.DelegationState.SUCCEEDED
+    state = await graph.aget_state({"configurable": {"thread_id": "q"}})
+    assert not state.next and not state.interrupts
+    assert [m.content for m in state.values["messages"]][-3:] == ["A=yes", "B=no", "joined"] \
+        or [m.content for m in state.values["messages"]][-3:] == ["B=no", "A=yes", "joined"]
+    assert done == "joined"

@@ -380,11 +380,16 @@ def as_tether_agent(graph: Any, *, effects: Mapping[str, Effect] | None = None,
         finally:
             _BINDING.reset(token)
         asked = last.get("__interrupt__") if isinstance(last, dict) else None
-        if asked:
-            if not checkpointed:
-                raise UserError("the graph stopped at interrupt() and has no checkpointer to "
-                                "resume from: compile it with one")
-            return Interrupted({i.id: i.value for i in asked})
+        if checkpointed:
+            # The thread's checkpoint, not the stream's last chunk, says what it waits for:
+            # nodes that ran at once may each have asked, and a run answering some of them
+            # still waits for the others (the last chunk names one, or none).
+            after = await graph.aget_state(cast(RunnableConfig, cfg))
+            if after.interrupts:
+                return Interrupted({i.id: i.value for i in after.interrupts})
+        elif asked:
+            raise UserError("the graph stopped at interrupt() and has no checkpointer to "
+                            "resume from: compile it with one")
         return last if whole_state else _output(last)
 
     return Agent(name or getattr(graph, "name", None) or "graph", run,
