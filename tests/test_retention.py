@@ -181,6 +181,12 @@ def test_what_may_be_pruned() -> None:
     assert not prunable([NodeFacts(S.SUCCEEDED, 15.0)], final, before=10, now=20, tolerance=2)
     assert not prunable([*done, NodeFacts(S.RECALLING, None)], final, before=10, now=20,
                         tolerance=2)
+    # An INTERRUPTED attempt waits for an answer, until its task was re-delegated with one.
+    assert not prunable([NodeFacts(S.INTERRUPTED, 5.0)], final, before=10, now=20, tolerance=2)
+    assert prunable([NodeFacts(S.INTERRUPTED, 5.0, superseded=True), *done], final, before=10,
+                    now=20, tolerance=2)
+    assert not prunable([NodeFacts(S.NEEDS_ATTENTION, 5.0, superseded=True)], final, before=10,
+                        now=20, tolerance=2)
 
 
 async def test_prune_removes_nested_trees_on_both_backends(journal_url: str) -> None:

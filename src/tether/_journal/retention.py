@@ -94,11 +94,14 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
     marks = ", ".join("?" * len(ids))
     calls = db.execute(f"SELECT state, deadline_at FROM actions a WHERE delegation_id IN "
                        f"({marks}) ORDER BY id /*XLOCK a*/", ids).fetchall()
-    states = {r[0]: (r[1], r[2]) for r in db.execute(
-        f"SELECT id, state, ended_at FROM delegations d WHERE id IN ({marks}) "
+    states = {r[0]: (r[1], r[2], r[3]) for r in db.execute(
+        f"SELECT id, state, ended_at, epoch FROM delegations d WHERE id IN ({marks}) "
         "ORDER BY id /*XLOCK d*/", ids).fetchall()}
+    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
     nodes = [(i, *states[i]) for i in ids if i in states]
-    ok = prunable([NodeFacts(DelegationState(n[1]), n[2]) for n in nodes],
+    ok = prunable([NodeFacts(DelegationState(n[1]), n[2],
+                             superseded=current is not None and n[3] < current[0])
+                   for n in nodes],
                   [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now,
                   tolerance=tolerance)
     return ids if ok and len(nodes) == len(ids) else None
