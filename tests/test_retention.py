@@ -266,3 +266,28 @@ async def test_pruning_a_re_delegated_tasks_old_attempt_does_not_pay_twice(
         done = await j.prune(await j.prunable(roots, far, far), far, far, None)
         assert done["delegations"] == 2 and done["kept"] == []
     assert paid == [f"{first.task_id}:charge:0"]  # once
+
+
+async def test_an_answered_task_goes_with_a_child_that_was_interrupted(sqlite_url: str) -> None:
+    """Its child's task had been re-delegated (a place used again), so the child's own epoch
+    says nothing of its root's: superseded is judged per tree, by the root's epoch (a review
+    found the answered task never pruned)."""
+    @tether.agent()
+    async def asker(ctx: tether.Context, n: int) -> Any:
+        return tether.Interrupted({"q": "approve?"}) if n == 1 else "fine"
+
+    @tether.agent(tools=[asker])
+    async def parent(ctx: tether.Context, resume: Any = None) -> Any:
+        if resume is not None:
+            return f"done with {resume}"
+        await (await ctx.delegate_at("s1", asker, 0)).result()
+        await (await ctx.delegate_at("s1", asker, 1)).result()  # its task at epoch 1
+        return tether.Interrupted({"q": "approve?"})
+
+    async with tether.Supervisor(sqlite_url, recover=False) as sup:
+        first = await sup.delegate(parent)
+        await first.wait()
+        second = await first.redelegate(resume="yes")
+        assert await second.result() == "done with {'q': 'yes'}"
+        later = time.time() + 10**6
+        assert await sup.journal.prunable([first.id], later, later) == [first.id]

@@ -99,9 +99,38 @@ def test_a_listener_ignores_what_is_not_its_users_and_stale_sockets_go(tmp_path:
     assert not where.exists()  # the last listener out removes the directory
 
 
+def test_the_place_does_not_depend_on_the_session(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recall run from cron, ssh or sudo -u has another XDG_RUNTIME_DIR or TMPDIR: it must
+    still find the supervisor's socket (a review found it polling instead)."""
+    journal = tmp_path / "journal.db"
+    before = wake.directory(journal)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "other"))
+    assert wake.directory(journal) == before
+
+
+async def test_a_wake_up_that_cannot_be_sent_never_fails_the_committed_batch(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors when the hint is sent, after the COMMIT: the delegation is queued all
+    the same (a review saw 'journal write failed', and the retry found the task existing)."""
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        return "done"
+
+    async with tether.Supervisor(sqlite_url, recover=False) as sup:
+        def no_descriptors(*_: Any, **__: Any) -> socket.socket:
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(socket, "socket", no_descriptors)  # wake imports the module
+        handle = await sup.delegate(job, task_id="t1", remote=True)
+        monkeypatch.undo()
+        assert (await sup.journal.get(handle.id)).task_id == "t1"
+
+
 def test_a_directory_others_may_write_to_is_not_used(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(wake, "BASE", tmp_path)
     journal = tmp_path / "journal.db"
     where = wake.directory(journal)
     where.mkdir()

@@ -79,12 +79,19 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
                       (root_id,)).fetchone()
     if task is None:
         return None
-    family = [r[0] for r in db.execute(
-        "SELECT id FROM delegations WHERE task_id = ? AND parent_id IS NULL "
-        "ORDER BY created_at, id", (task[0],)).fetchall()]
-    ids = [n[0] for root in family for n in db.execute(
-        f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub ON sub.id = d.id "
-        "ORDER BY sub.depth", (root,)).fetchall()]
+    family = db.execute(
+        "SELECT id, epoch FROM delegations WHERE task_id = ? AND parent_id IS NULL "
+        "ORDER BY created_at, id", (task[0],)).fetchall()
+    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
+    # A tree whose root's epoch was re-delegated since is superseded, every node in it (a
+    # node's own epoch counts its own task's re-delegations, not its root's).
+    superseded: dict[str, bool] = {}
+    for root, epoch in family:
+        later = current is not None and epoch < current[0]
+        for n in db.execute(f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub "
+                            "ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall():
+            superseded[n[0]] = later
+    ids = list(superseded)
     if not ids:
         return None
     # Locked (PostgreSQL) before they are judged, actions first as a receipt locks them (its
@@ -94,13 +101,11 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
     marks = ", ".join("?" * len(ids))
     calls = db.execute(f"SELECT state, deadline_at FROM actions a WHERE delegation_id IN "
                        f"({marks}) ORDER BY id /*XLOCK a*/", ids).fetchall()
-    states = {r[0]: (r[1], r[2], r[3]) for r in db.execute(
-        f"SELECT id, state, ended_at, epoch FROM delegations d WHERE id IN ({marks}) "
+    states = {r[0]: (r[1], r[2]) for r in db.execute(
+        f"SELECT id, state, ended_at FROM delegations d WHERE id IN ({marks}) "
         "ORDER BY id /*XLOCK d*/", ids).fetchall()}
-    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
     nodes = [(i, *states[i]) for i in ids if i in states]
-    ok = prunable([NodeFacts(DelegationState(n[1]), n[2],
-                             superseded=current is not None and n[3] < current[0])
+    ok = prunable([NodeFacts(DelegationState(n[1]), n[2], superseded=superseded[n[0]])
                    for n in nodes],
                   [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now,
                   tolerance=tolerance)

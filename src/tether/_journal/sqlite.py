@@ -290,7 +290,7 @@ class SqliteRunner(ThreadRunner):
 
     def listen(self, callback: Callable[[str], None]) -> bool:
         if self._listener is None:
-            self._listener = wake.listen(Path(os.path.abspath(self.path)), callback)
+            self._listener = wake.listen(self._where, callback)  # as ``landed`` sends
         return self._listener is not None
 
     async def stop(self) -> None:
@@ -319,7 +319,10 @@ class SqliteRunner(ThreadRunner):
         if self._notes:
             notes = list(self._notes)
             self._notes.clear()
-            wake.send(self._where, notes)
+            # Committed: a wake-up that cannot be sent (no descriptor left) is a missed hint,
+            # never the batch's failure.
+            with contextlib.suppress(Exception):
+                wake.send(self._where, notes)
 
     def _same_files(self) -> None:
         now = identity(self._where)

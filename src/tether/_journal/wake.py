@@ -2,8 +2,10 @@
 journal, for a file on one host.
 
 Each process that listens binds a Unix datagram socket in a directory named after the
-journal's file, private to its user (``$XDG_RUNTIME_DIR``, else the temporary directory); a
-write batch that notified sends each payload, once it committed, to every socket there. A
+journal's file, private to its user (under ``/run/user/UID`` where the system keeps one for
+the user, else ``/tmp``: never a per-session variable, so that a recall run from cron, ssh or
+sudo -u finds the same place); a write batch that notified sends each payload, once it
+committed, to every socket there. A
 datagram is a hint, never a fact: whoever gets one reads the journal, as its poll would, so a
 lost, late, stale or forged one costs a read, never an action, and polling stays the fallback
 (a directory that is not this user's own, a full socket buffer, another host).
@@ -17,7 +19,6 @@ import os
 import secrets
 import socket
 import stat
-import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,11 +27,23 @@ TICK = 0.25  # how often a listener's thread checks that it should stop
 MAX_PAYLOAD = 256  # bytes: an owner id, "queued", "done"
 
 
+BASE: Path | None = None  # where the directories go (None: ``_base``); tests set their own
+
+
+def _base() -> Path:
+    if BASE is not None:
+        return BASE
+    run = Path(f"/run/user/{os.getuid()}")
+    with contextlib.suppress(OSError):
+        if run.is_dir() and run.stat().st_uid == os.getuid():
+            return run
+    return Path("/tmp")
+
+
 def directory(journal: Path) -> Path:
     """Where the listeners of ``journal`` (an absolute path) bind, for this user."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     key = hashlib.sha256(os.fsencode(os.path.realpath(journal))).hexdigest()[:16]
-    return Path(base) / f"tether-wake-{os.getuid()}-{key}"
+    return _base() / f"tether-wake-{os.getuid()}-{key}"
 
 
 def _own(where: Path, make: bool) -> bool:
@@ -56,7 +69,19 @@ class Listener:
         self._callback = callback
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._path = where / f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._sock.bind(str(self._path))
+        try:
+            for _ in range(3):  # the last listener out may remove the directory meanwhile
+                try:
+                    self._sock.bind(str(self._path))
+                    break
+                except FileNotFoundError:
+                    if not _own(where, make=True):
+                        raise
+            else:
+                raise FileNotFoundError(str(self._path))
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.settimeout(TICK)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="tether-wake", daemon=True)
@@ -70,16 +95,23 @@ class Listener:
                 continue
             except OSError:
                 return  # closed under us
+            if self._closed.is_set():
+                return
             with contextlib.suppress(Exception):  # a listener's failure is a missed hint
                 self._callback(data.decode("utf-8", "replace"))
 
     def close(self) -> None:
+        """Stop at once: an empty datagram to itself ends the thread's wait (closing the
+        socket does not), so that closing a journal never holds its event loop."""
         self._closed.set()
+        with contextlib.suppress(OSError), \
+                socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:
+            poke.sendto(b"", str(self._path))
+        if self._thread is not threading.current_thread():
+            self._thread.join(TICK * 4)
         with contextlib.suppress(OSError):
             self._path.unlink()
         self._sock.close()
-        if self._thread is not threading.current_thread():
-            self._thread.join(TICK * 4)
         with contextlib.suppress(OSError):  # the last one out: an empty directory goes
             self.where.rmdir()
 
@@ -91,7 +123,9 @@ def listen(journal: Path, callback: Callable[[str], None]) -> Listener | None:
         return None
     try:
         return Listener(where, callback)
-    except OSError:
+    except OSError:  # a path too long for a socket, a full disk: polling does the work
+        with contextlib.suppress(OSError):
+            where.rmdir()
         return None
 
 
