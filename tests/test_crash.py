@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 import tether
 from tether.protocol import ControlIntent, ControlKind
 
@@ -84,7 +86,8 @@ async def test_reconcile_without_probes_says_unknown_never_guesses(tmp_path: Pat
     assert "no tool named 'refund'" in report["actions"][0]["evidence"]["reason"]
 
 
-async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(tmp_path: Path) -> None:
+async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A supervisor that stops heartbeating (a paused VM) loses its delegations: the next one
     terminates and reconciles them, and the paused one's late actions are refused."""
     from tether.testing import PaymentService, VirtualClock
@@ -108,8 +111,11 @@ async def test_owner_with_an_expired_lease_is_fenced_and_reconciled(tmp_path: Pa
             refused.append(exc)
             raise
 
-    # Paused: it polls for nothing (no heartbeat, no control rows others write) until resumed.
-    async with tether.Supervisor(journal, clock=clock, keys=keys, control_poll=3600) as paused:
+    # Paused: it polls for nothing (no heartbeat, no control rows others write) and hears no
+    # wake-up until resumed, as a stopped process would.
+    silent = tether.Journal(journal)
+    monkeypatch.setattr(silent, "on_notify", lambda callback: False)
+    async with tether.Supervisor(silent, clock=clock, keys=keys, control_poll=3600) as paused:
         child = await paused.delegate(agent, tools=[refund])
         clock.advance(paused.policy.lease + 1)
         async with tether.Supervisor(journal, clock=clock, keys=keys, tools=[refund]) as fresh:
