@@ -322,7 +322,7 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
     try:
         deadline = time.monotonic() + within
         while time.monotonic() < deadline and proc.poll() is None:
-            if asyncio.run(_all_terminal(url)):
+            if asyncio.run(_nothing_for_a_worker(url)):
                 break
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -338,9 +338,23 @@ def fleet_resumes(directory: Path, plan: Plan, url: str, ledger: Ledger,
         proc.wait()
 
 
-async def _all_terminal(url: str) -> bool:
+async def _nothing_for_a_worker(url: str) -> bool:
+    """Whether the worker started after the disk came back can still move anything: nothing is
+    queued unclaimed, and nothing is held by an owner whose lease still runs (that worker
+    itself, at work). What a dead process held waits for the recovery that comes next, which
+    no worker does: waiting out the whole window for it only made the trial slower."""
     async with tether.Journal(url, create=False) as j:
-        return all(r.state.terminal for r in await j.delegations())
+        leased = {o.id for o in await j.owners()
+                  if o.lease_until is not None and o.lease_until > time.time()}
+        for row in await j.delegations():
+            if row.state.terminal:
+                continue
+            if row.owner_id in leased:
+                return False
+            entry = await j.queue_entry(row.id)
+            if entry is not None and entry.claimed_by is None and entry.done_at is None:
+                return False
+    return True
 
 
 def recovery_policy(plan: Plan) -> tether.Policy:
