@@ -24,6 +24,7 @@ from tether._core.model import ActionState, DelegationState, Effect
 from tether._journal import ops
 from tether._journal.journal import Journal
 from tether._journal.rows import NewAction, NewDelegation
+from tether._journal.sqlite import SqliteDb
 from tether._journal.triage import DelegationQuery
 from tether._runtime.state import new_id
 
@@ -46,7 +47,7 @@ def fill(path: Path, n: int) -> None:
         for i in range(base, min(n, base + 10_000)):
             now = start + i
             did = new_id("d")
-            ops.create_delegation(conn, NewDelegation(
+            ops.create_delegation(SqliteDb(conn), NewDelegation(
                 id=did, task_id=new_id("t"), parent_id=None, attempt=1,
                 agent=("refund", "mail", "search")[i % 3], surface=("pay",),
                 args={"args": [f"order-{i}"], "kwargs": {}}, owner_id="o_bench", now=now))

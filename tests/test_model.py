@@ -43,7 +43,7 @@ from tether._core.model import (
 from tether._core.outcome import ActionFacts, settle
 from tether._journal import ops
 from tether._journal.rows import Begin, NewAction, NewDelegation
-from tether._journal.sqlite import connect
+from tether._journal.sqlite import SqliteDb, connect
 from tether.errors import (
     AlreadyFinished,
     IdempotencyConflict,
@@ -210,11 +210,11 @@ class JournalRules(RuleBasedStateMachine):
         self.db.close()
         self.tmp.cleanup()
 
-    def tx(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    def tx(self, fn: Callable[[SqliteDb], Any]) -> Any:
         """One operation, one transaction, as the backends run them."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            value = fn(self.db)
+            value = fn(SqliteDb(self.db))
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
@@ -430,10 +430,10 @@ JournalRules.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_c
 test_journal_rules = JournalRules.TestCase
 
 
-def _tx(db: sqlite3.Connection, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+def _tx(db: sqlite3.Connection, fn: Callable[[SqliteDb], Any]) -> Any:
     db.execute("BEGIN IMMEDIATE")
     try:
-        value = fn(db)
+        value = fn(SqliteDb(db))
     except BaseException:
         db.execute("ROLLBACK")
         raise

@@ -352,3 +352,17 @@ def test_a_write_the_schema_refuses_is_an_error_even_when_nobody_waits_for_it(
     monkeypatch.setattr(ops, "heartbeat", heartbeat)
     found = production.run_trial(trial_seed(11, 0)).violations
     assert any("constraints refused" in v.detail for v in found), found
+
+
+def test_a_crashed_hosts_generator_exit_is_no_error_but_anything_else_is() -> None:
+    """A crash closes a dead host's coroutines (GeneratorExit), and a future one awaited may be
+    left holding it, unretrieved: the process is gone, so that is no error (fresh seeds found
+    five such trials judged errors). Any other unretrieved exception is one."""
+    loop = SimLoop(random.Random(0))
+    loop.call_exception_handler({"message": "Future exception was never retrieved",
+                                 "exception": GeneratorExit()})
+    assert loop.errors == []
+    loop.call_exception_handler({"message": "Future exception was never retrieved",
+                                 "exception": ValueError("lost")})
+    assert loop.errors == ["Future exception was never retrieved: ValueError('lost')"]
+    loop.close()

@@ -140,6 +140,9 @@ class _Conn:
     def notify(self, payload: str) -> None:
         self._notes.append(payload)
 
+    def server_time(self) -> None:  # a simulation's processes share the loop's clock
+        return None
+
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if self.closed:
             raise CommitLost("the connection is closed")

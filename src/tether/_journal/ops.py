@@ -70,6 +70,7 @@ from tether._journal.tables import (
     _MOVE_TRIES,
     LEASED,
     SUBTREE,
+    Conn,
     Db,
     _action,
     _control,
@@ -212,7 +213,7 @@ def _detail_epoch(detail: Any) -> int | None:
     return epoch if type(epoch) is int and 0 <= epoch < 1 << 20 else None
 
 
-def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
+def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
     """Insert a delegation: a fresh task at epoch 0, a re-delegation at epoch + 1 (CAS), a
     re-dispatch of a failed attempt, or a child under a parent that is neither fenced nor stale
     (I2, I10)."""
@@ -264,9 +265,7 @@ def create_delegation(db: Db, new: NewDelegation) -> DelegationRow:
         touch(db, "delegations", new.id)
     if new.queued:
         db.execute(_QUEUED, (new.id, new.task_id, new.agent, new.now))
-        notify = getattr(db, "notify", None)
-        if notify is not None:  # wakes idle workers
-            notify("queued")
+        db.notify("queued")  # wakes idle workers
     event(db, new.now, "delegated", new.id, task=new.task_id, epoch=epoch,
           attempt=new.attempt, parent=new.parent_id, agent=new.agent, queued=new.queued)
     return get_delegation(db, new.id)
@@ -386,7 +385,7 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
 
 # -- control --------------------------------------------------------------------------------
 
-def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
+def accept_control(db: Conn, signed: Signed, intent: ControlIntent, issuer: str,
                    stamp: float | Callable[[], float]) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
     The signature was verified by the caller against the journal's trusted keys. ``stamp``
@@ -441,9 +440,7 @@ def accept_control(db: Db, signed: Signed, intent: ControlIntent, issuer: str,
           seq=intent.seq, grace=intent.grace, reason=intent.reason, issuer=issuer)
     # Wakes the owner at once where the backend can (LISTEN/NOTIFY, delivered on commit);
     # owners also poll, so a lost notification only delays the drain.
-    notify = getattr(db, "notify", None)
-    if notify is not None:
-        notify(row.owner_id)
+    db.notify(row.owner_id)
     return controls(db, intent.delegation_id)[-1]
 
 

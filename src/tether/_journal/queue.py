@@ -13,6 +13,7 @@ from tether._core.model import DelegationState
 from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
 from tether._journal.tables import (
     _DELEGATION_COLS,
+    Conn,
     Db,
     _control,
     _delegation,
@@ -45,14 +46,13 @@ def owner(db: Db, owner_id: str) -> OwnerRow | None:
     return None if row is None else OwnerRow(*row)
 
 
-def server_time(db: Db) -> float | None:
+def server_time(db: Conn) -> float | None:
     """The database server's clock on PostgreSQL, shared by every host; None on SQLite, whose
     processes share the host's clock."""
-    read = getattr(db, "server_time", None)
-    return None if read is None else float(read())
+    return db.server_time()
 
 
-def liveness(db: Db, owner_id: str) -> tuple[OwnerRow | None, float | None]:
+def liveness(db: Conn, owner_id: str) -> tuple[OwnerRow | None, float | None]:
     """An owner's row and the server's clock, read together to judge whether it is alive."""
     return owner(db, owner_id), server_time(db)
 
@@ -121,13 +121,11 @@ def queue_entry(db: Db, delegation_id: str) -> QueueEntry | None:
     return None if row is None else QueueEntry(*row)
 
 
-def queue_done(db: Db, delegation_id: str, now: float) -> None:
+def queue_done(db: Conn, delegation_id: str, now: float) -> None:
     """The task behind this queue row has ended and been accounted for."""
     db.execute("UPDATE queue SET done_at = COALESCE(done_at, ?) WHERE delegation_id = ?",
                (now, delegation_id))
-    notify = getattr(db, "notify", None)
-    if notify is not None:  # wakes an orchestrator waiting on the task
-        notify("done")
+    db.notify("done")  # wakes an orchestrator waiting on the task
 
 
 def latest_attempt(db: Db, delegation_id: str) -> DelegationRow:
@@ -153,7 +151,7 @@ def task_head(db: Db, task_id: str) -> DelegationRow | None:
     return None if row is None else _delegation(row)
 
 
-def progress(db: Db, delegation_id: str) -> QueueProgress:
+def progress(db: Conn, delegation_id: str) -> QueueProgress:
     """The queue row, the task's newest attempt and the claimant's lease: one read per poll."""
     entry = queue_entry(db, delegation_id)
     claimant = None if entry is None or entry.claimed_by is None else owner(db, entry.claimed_by)

@@ -77,6 +77,8 @@ class Tx:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.execute = inner.execute
+        self.notify = inner.notify
+        self.server_time = inner.server_time
         self.dirty: list[tuple[str, Any]] = []
         # Each updated record's row as this transaction found it, read under its lock before
         # the first write (``tables.before``): the chain keeps it beside the row written.

@@ -222,19 +222,23 @@ def connect(path: Path, *, create: bool, synchronous: str,
     return conn
 
 
-class _Db:
-    """What a batch's operations get: the connection, and ``notify`` (as on PostgreSQL),
-    whose payloads the runner sends to the journal's other processes once it committed."""
+class SqliteDb:
+    """What a batch's operations get (``tables.Conn``): the connection, and ``notify`` (as on
+    PostgreSQL), whose payloads the runner sends to the journal's other processes once it
+    committed (kept, and dropped, by whoever made it without a runner)."""
 
     __slots__ = ("_notes", "execute", "inner")
 
-    def __init__(self, inner: sqlite3.Connection, notes: list[str]) -> None:
+    def __init__(self, inner: sqlite3.Connection, notes: list[str] | None = None) -> None:
         self.inner = inner
         self.execute = inner.execute
-        self._notes = notes
+        self._notes = [] if notes is None else notes
 
     def notify(self, payload: str) -> None:
         self._notes.append(payload)
+
+    def server_time(self) -> None:  # the processes of a file share their host's clock
+        return None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -285,8 +289,8 @@ class SqliteRunner(ThreadRunner):
             conn.execute(f"PRAGMA synchronous={level}")
             self._level = level
 
-    def db(self, conn: sqlite3.Connection) -> _Db:
-        return _Db(conn, self._notes)
+    def db(self, conn: sqlite3.Connection) -> SqliteDb:
+        return SqliteDb(conn, self._notes)
 
     def listen(self, callback: Callable[[str], None]) -> bool:
         if self._listener is None:

@@ -39,6 +39,20 @@ class Db(Protocol):
     def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
 
 
+class Conn(Db, Protocol):
+    """What a runner hands an operation: SQL, and what the backend can do beyond it,
+    declared (every runner's connection has both: a no-op or None where the backend
+    cannot). The operations that tell or ask the backend take this."""
+
+    def notify(self, payload: str) -> None:
+        """Tell the journal's other processes, once this transaction commits (never if it
+        rolls back): LISTEN/NOTIFY on PostgreSQL, ``wake`` on a SQLite file."""
+
+    def server_time(self) -> float | None:
+        """The database server's clock, which every host shares (PostgreSQL); None where
+        the processes share the host's clock (SQLite)."""
+
+
 # A worker whose lease ran out is fenced by the journal itself: a paused process that wakes up
 # after others presumed it dead cannot act, whether or not anybody reconciled it yet.
 LEASED = ("NOT EXISTS (SELECT 1 FROM owners o WHERE o.id = {}.owner_id "

@@ -303,6 +303,11 @@ class SimLoop(asyncio.BaseEventLoop):
 
     def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
+        if isinstance(exc, GeneratorExit):
+            # A crash closes a dead host's coroutines where they stand (``crash``): a future
+            # one of them awaited is left holding the GeneratorExit. The process is gone; no
+            # code of it could have retrieved it.
+            return
         self.errors.append(f"{context.get('message')}: {exc!r}" if exc is not None
                            else str(context.get("message")))
 
