@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from tether._core import values
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState, ProbeOutcome
@@ -32,13 +33,18 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
             tool.probe(**action.args, idempotency_key=action.idempotency_key))
     except Exception as exc:  # e.g. a probe whose signature does not fit the tool's arguments
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe could not be called: {exc!r}"})
+    # However it ends (a probe cut at its timeout may raise its own error on the way out),
+    # its end is looked at: never "Task exception was never retrieved" on the user's stderr.
+    call.add_done_callback(_looked_at)
     timer = asyncio.ensure_future(clock.sleep(limit))
     try:
         await asyncio.wait({call, timer}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         timer.cancel()
-    if not call.done():
-        call.cancel()
+        timed_out = not call.done()
+        if timed_out:  # or this prober was cancelled: the probe never runs on unwatched
+            call.cancel()
+    if timed_out:
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": f"probe timed out after {limit:g}s"})
     if call.cancelled():
         return ProbeResult(ProbeOutcome.UNKNOWN, {"reason": "probe was cancelled"})
@@ -59,6 +65,11 @@ async def probe_one(action: ActionRecord, tool: Tool | None, clock: Clock,
     if evidence is answer.evidence and result is answer.result:
         return answer
     return dataclasses.replace(answer, evidence=evidence, result=result)
+
+
+def _looked_at(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def deadline_of(action: ActionRecord, tools: Mapping[str, Tool]) -> float:
