@@ -14,9 +14,10 @@ from tether._core.model import AWAITING, AWAITING_PROBE, DelegationState
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow, EventRow, loads
 from tether._journal.tables import (
+    _ACTION_COLS_A,
     _ACTION_READ,
     _DELEGATION_COLS,
-    _DELEGATION_READ,
+    _DELEGATION_COLS_D,
     Db,
     _action,
     _delegation,
@@ -98,9 +99,9 @@ def _filters(q: Browse, table: str) -> tuple[list[str], list[Any]]:
 
 def _sql(table: str) -> tuple[str, str, str]:
     if table == "delegations":
-        return (f"SELECT {', '.join('d.' + c for c in _DELEGATION_READ)} "
+        return (f"SELECT {_DELEGATION_COLS_D} "
                 "FROM delegations d", "d", "created_at")
-    cols = ", ".join(f"a.{c}" for c in _ACTION_READ)
+    cols = _ACTION_COLS_A
     return (f"SELECT {cols}, d.agent, d.state FROM actions a "
             "JOIN delegations d ON d.id = a.delegation_id", "a", "started_at")
 
@@ -190,7 +191,7 @@ def attention_delegations(db: Db, limit: int) -> list[tuple[DelegationRow, str |
     """NEEDS_ATTENTION delegations none of whose own actions is in doubt or unknown (a
     receipt that contradicts a decision or a final outcome put them there), oldest first,
     each with the newest reason the journal gave."""
-    cols = ", ".join("d." + c for c in _DELEGATION_READ)
+    cols = _DELEGATION_COLS_D
     rows = db.execute(
         f"SELECT {cols} FROM delegations d WHERE d.state = ? AND {_NONE_AWAITING} "
         "ORDER BY d.created_at, d.id LIMIT ?",

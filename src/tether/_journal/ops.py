@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tether._core.columns import CONTROLS, DELEGATIONS, DOCUMENTS, OWNERS, QUEUE, TASKS
+from tether._core.columns import CONTROLS, DELEGATIONS, OWNERS, QUEUE, TASKS
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ForgedRow,
@@ -37,6 +37,9 @@ from tether._core.model import (
 )
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed
+
+# The action operations live in actions.py and the shared row helpers in tables.py; ops still
+# names every operation (``X as X`` marks a re-export).
 from tether._journal.actions import action_in_doubt as action_in_doubt
 from tether._journal.actions import actions as actions
 from tether._journal.actions import begin_action as begin_action
@@ -59,15 +62,13 @@ from tether._journal.rows import (
     dumps,
     loads,
 )
-
-# The action operations live in actions.py and the shared row helpers in tables.py; ops still
-# names every operation (``X as X`` marks a re-export).
 from tether._journal.tables import (
     _ACTION_COLS,
     _CONTROL_COLS,
     _DELEGATION_COLS,
-    _DELEGATION_READ,
+    _DELEGATION_COLS_D,
     _MOVE_TRIES,
+    DOCUMENT_INSERT,
     LEASED,
     SUBTREE,
     Conn,
@@ -89,9 +90,14 @@ from tether._journal.tables import set_state as set_state
 
 # -- owners ---------------------------------------------------------------------------------
 
+_NEW_OWNER = OWNERS.insert(OWNERS.names)
+_OWNERS = f"SELECT {OWNERS.select()} FROM owners"
+_CONTROL_INSERT = CONTROLS.insert(CONTROLS.pick(without=("id",)), " RETURNING id")
+
+
 def register_owner(db: Db, owner: OwnerRow) -> None:
     db.execute(
-        OWNERS.insert(OWNERS.names),
+        _NEW_OWNER,
         (owner.id, owner.pid, owner.host, owner.started_at, owner.heartbeat_at,
          owner.lease_until),
     )
@@ -103,7 +109,7 @@ def heartbeat(db: Db, owner_id: str, now: float) -> None:
 
 def owners(db: Db) -> list[OwnerRow]:
     rows = db.execute(
-        f"SELECT {OWNERS.select()} FROM owners").fetchall()
+        _OWNERS).fetchall()
     return [OwnerRow(*r) for r in rows]
 
 
@@ -122,7 +128,7 @@ def list_delegations(db: Db, live_only: bool = False) -> list[DelegationRow]:
 def subtree(db: Db, root_id: str) -> list[DelegationRow]:
     """The delegation and all its descendants, parents before children."""
     get_delegation(db, root_id)
-    cols = ", ".join(f"d.{c}" for c in _DELEGATION_READ)
+    cols = _DELEGATION_COLS_D
     rows = db.execute(
         f"{SUBTREE} SELECT {cols} FROM delegations d JOIN sub ON sub.id = d.id "
         "ORDER BY sub.depth, d.created_at, d.id",
@@ -431,7 +437,7 @@ def accept_control(db: Conn, signed: Signed, intent: ControlIntent, issuer: str,
                         f"{row.control_seq}: that row was not written by an accepted intent "
                         "(forged or edited); remove it, then retry")
     inserted = db.execute(
-        CONTROLS.insert(CONTROLS.pick(without=("id",)), " RETURNING id"),
+        _CONTROL_INSERT,
         (intent.delegation_id, intent.seq, intent.kind.value, signed.body, signed.key_id,
          signed.signature, accepted_at, issuer),
     ).fetchone()
@@ -512,7 +518,7 @@ def last_control_id(db: Db) -> int:
 def record_document(db: Db, delegation_id: str, seq: int, type_: str, signed: Signed,
                     now: float) -> None:
     inserted = db.execute(
-        DOCUMENTS.insert(DOCUMENTS.pick(without=("id",)), " RETURNING id"),
+        DOCUMENT_INSERT,
         (delegation_id, seq, type_, signed.body, signed.key_id, signed.signature, now),
     ).fetchone()
     touch(db, "documents", inserted[0])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tether._core.columns import DOCUMENTS
 from tether._core.errors import Malformed, UserError
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE
 from tether._core.report import ActionRecord
@@ -14,7 +13,7 @@ from tether._core.resolution import Resolution, judge_resolution
 from tether._core.signing import Signed
 from tether._journal.actions import CONTRADICTED, RESOLVED, get_action, resettle
 from tether._journal.rows import dumps, loads
-from tether._journal.tables import Db, before, event, touch
+from tether._journal.tables import DOCUMENT_INSERT, Db, before, event, touch
 
 
 def _contradicted(db: Db, action_id: str) -> bool:
@@ -60,7 +59,7 @@ def resolve_action(db: Db, signed: Signed, res: Resolution, now: float,
     seq = db.execute("SELECT COUNT(*) FROM documents WHERE delegation_id = ? AND type = ?",
                      (action.delegation_id, Resolution.TYPE)).fetchone()[0] + 1
     doc = db.execute(
-        DOCUMENTS.insert(DOCUMENTS.pick(without=("id",)), " RETURNING id"),
+        DOCUMENT_INSERT,
         (action.delegation_id, seq, Resolution.TYPE, signed.body, signed.key_id,
          signed.signature, now)).fetchone()
     touch(db, "documents", doc[0])

@@ -10,7 +10,7 @@ from collections.abc import Callable, Collection, Sequence, Sized
 from typing import Any, Protocol, TypeVar
 
 from tether._core import chain
-from tether._core.columns import ACTIONS, CONTROLS, DELEGATIONS, EVENTS, positions
+from tether._core.columns import ACTIONS, CONTROLS, DELEGATIONS, DOCUMENTS, EVENTS, positions
 from tether._core.errors import JournalCorrupt, JournalError, NotFound
 from tether._core.model import (
     ActionState,
@@ -73,6 +73,8 @@ _DELEGATION_READ = DELEGATIONS.pick(without=("work_body", "work_key", "work_sig"
 _ACTION_READ = ACTIONS.pick(without=("args_hash",))
 _DELEGATION_COLS = ", ".join(_DELEGATION_READ)
 _ACTION_COLS = ", ".join(_ACTION_READ)
+_DELEGATION_COLS_D = ", ".join(f"d.{c}" for c in _DELEGATION_READ)  # aliased ``d``
+_ACTION_COLS_A = ", ".join(f"a.{c}" for c in _ACTION_READ)  # aliased ``a``
 _D = positions(_DELEGATION_READ)
 _A = positions(_ACTION_READ)
 
@@ -186,6 +188,8 @@ def signed_of(body: Any, key_id: Any, signature: Any) -> Signed:
 
 
 _CONTROL_COLS = CONTROLS.select()
+# A signed document (an acknowledgement, a receipt, a person's resolution): its id is the row's.
+DOCUMENT_INSERT = DOCUMENTS.insert(DOCUMENTS.pick(without=("id",)), " RETURNING id")
 _C = positions(CONTROLS.names)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from tether._core.report import ActionRecord
 from tether._journal.rows import DelegationRow
 from tether._journal.tables import (
+    _ACTION_COLS_A,
     _ACTION_READ,
     _DELEGATION_COLS,
     Db,
@@ -79,7 +80,7 @@ def _action_filter(q: ActionQuery) -> tuple[str, list[Any]]:
 def find_actions(db: Db, q: ActionQuery) -> list[tuple[ActionRecord, str, str]]:
     """Actions oldest first (the longest stuck at the top), each with its delegation's agent
     and state."""
-    cols = ", ".join(f"a.{c}" for c in _ACTION_READ)
+    cols = _ACTION_COLS_A
     where, params = _action_filter(q)
     sql = (f"SELECT {cols}, d.agent, d.state FROM actions a "
            "JOIN delegations d ON d.id = a.delegation_id" + where

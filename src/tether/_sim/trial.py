@@ -247,7 +247,7 @@ class Trial:
                 if cut == j:
                     raise StreamCut(CutReason.STREAM_INCOMPLETE)
                 await asyncio.sleep(rng.uniform(0.0, 0.05))  # the model thinks
-                if plan["reads"]:  # a READ_ONLY call first: journaled, never fenced in doubt
+                if plan["reads"]:  # a READ_ONLY call first: an event, not an action to account
                     await ctx.call(lookup, task=ctx.task_id, n=j)
                 await ctx.call(pay, task=ctx.task_id, n=j)
             if cut == plan["pays"]:
