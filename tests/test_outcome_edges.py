@@ -1090,3 +1090,44 @@ async def test_a_child_cut_while_it_adopts_its_own_fence_ends_with_an_error_not_
         with contextlib.suppress(BaseException):
             await stopping
     assert paid == []
+
+
+
+def look_after_each_settle(owner: tether.Supervisor, other: tether.Supervisor,
+                           seen: list[tuple[S, str | None]]) -> None:
+    """Each time ``owner`` settles a subtree, ``other`` reads its root's state and verdict."""
+    settle_tree = owner.journal.settle_tree
+
+    async def settle_then_look(root_id: str, now: float) -> None:
+        await settle_tree(root_id, now)
+        row = await other.journal.get(root_id)
+        last = await other.journal.last_verdict(root_id)
+        seen.append((row.state, None if last is None else last.get("verdict")))
+
+    owner.journal.settle_tree = settle_then_look  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("where", ["drained", "never-claimed"])
+async def test_whoever_sees_a_delegation_settled_also_sees_its_verdict(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing, where: str) -> None:
+    """The settle and the verdict commit together: another supervisor that finds the
+    delegation settled (and builds its report from the journal, as a terminate from another
+    process does) never reads a report without the verdict. Observed from the other
+    supervisor the moment the owner's settle returns: after a drain, and for a queued task
+    no worker had claimed."""
+    held = Held(voids=True)
+    seen: list[tuple[S, str | None]] = []
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        look_after_each_settle(a, b, seen)
+        if where == "drained":
+            child = await a.delegate(payer(held.tool), tools=[held.tool])
+            await within(held.entered.wait(), 5.0, "the payment to be sent")
+        else:
+            child = await a.delegate(payer(held.tool), tools=[held.tool], remote=True)
+        report = await within(child.terminate(reason="kill now"), 5.0, "the terminate")
+    expected = "TERMINATE" if where == "drained" else "NEVER_STARTED"
+    assert report.verdict == expected
+    settled = [verdict for state, verdict in seen if state.terminal]
+    assert settled, f"the owner's settles, as seen from elsewhere: {seen}"
+    assert settled == [expected] * len(settled), seen

@@ -31,6 +31,9 @@ from tether._runtime.worker import RENEWALS, Worker
 
 WITHIN = 60.0  # seconds: a test that has not ended by then hangs, and fails
 LEASE = 3.0
+# The ride-through's lease: its outage is LEASE / 2 plus a stop and a start of the server,
+# which under a loaded suite took up to 2 s more (the worker rightly gave up at 3 s).
+RIDE_LEASE = 2 * LEASE
 
 
 @pytest.fixture
@@ -68,18 +71,20 @@ async def away(pg: PrivateServer, mode: str, seconds: float) -> float:
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 async def test_a_worker_keeps_its_claims_while_the_server_is_away_for_less_than_its_lease(
         private_pg: PrivateServer, private_url: str, gates: None, mode: str) -> None:
-    """Down for half the lease right after a renewal, and then some (stopping, starting, the
-    backoff that finds it back): the worker renews before its lease runs out, keeps the
-    delegation it holds and finishes it, paying once."""
+    """Down for a quarter of the lease right after a renewal, and then some (stopping,
+    starting, the backoff that finds it back): the worker renews before its lease runs out,
+    keeps the delegation it holds and finishes it, paying once."""
     assert private_pg.fsync
     async with tether.Supervisor(private_url, tools=remote_agents.TOOLS, recover=False) as sup, \
-            Worker(private_url, remote_agents.AGENTS, lease=LEASE) as worker:
+            Worker(private_url, remote_agents.AGENTS, lease=RIDE_LEASE) as worker:
         run = asyncio.ensure_future(worker.run())
         started = await remote_agents.listen_gate("started")
         handle = await sup.delegate(remote_agents.refunder, "reply-1", remote=True)
         assert await asyncio.wait_for(started, WITHIN) == "applied reply-1"
         await just_renewed(worker, run)
-        await away(private_pg, mode, LEASE / 2)
+        gone = asyncio.get_running_loop().time()
+        back = await away(private_pg, mode, LEASE / 2)
+        assert back - gone < RIDE_LEASE, f"the premise: away {back - gone:.1f} s, under the lease"
         await just_renewed(worker, run)  # renewed after the outage, the lease still held
         assert not run.done(), run
         remote_agents.open_gate("release")

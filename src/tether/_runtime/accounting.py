@@ -156,21 +156,25 @@ class Accounting:
         sup = self._sup
         if in_doubt:
             await sup.journal.mark_in_doubt(root_id, sup.clock.wall())
-        await self.account(root_id, fallback)
-        if verdict is not None:
-            sup.journal.event(sup.clock.wall(), "verdict", root_id, verdict=verdict.value,
-                              reason=reason)
+        await self.account(root_id, fallback, verdict, reason)
         await sup.journal.flush()
         return await build_report(sup.journal, root_id)
 
-    async def account(self, root_id: str, fallback: DelegationState) -> None:
-        """Probe what is in doubt, settle the subtree, and keep checking in the background
-        what may still apply (``drain.recheck_at``) until it is final."""
+    async def account(self, root_id: str, fallback: DelegationState,
+                      verdict: Verdict | None = None, reason: str = "") -> None:
+        """Probe what is in doubt, settle the subtree (with the verdict, if any), and keep
+        checking in the background what may still apply (``drain.recheck_at``) until it is
+        final."""
         sup = self._sup
         await sup.journal.flush()
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await self._probe(doubtful)
+        if verdict is not None:
+            # Posted before the settle, so committed no later: whoever finds the delegation
+            # settled (a terminate from another process builds its report then) reads why.
+            sup.journal.event(sup.clock.wall(), "verdict", root_id, verdict=verdict.value,
+                              reason=reason)
         await settle_subtree(sup.journal, root_id, sup.clock, fallback)
         await self._recheck_later(root_id, fallback)
 

@@ -68,9 +68,10 @@ async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
     intent committed leaves nothing stuck. None if a worker holds it or it is not queued."""
     if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
         return None
-    await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled)
+    # The verdict is posted before the settle, so it commits no later (``Accounting.account``).
     sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
                       verdict=Verdict.NEVER_STARTED.value, reason="no worker had claimed it")
+    await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled)
     await sup.journal.flush()
     return await build_report(sup.journal, delegation_id)
 
