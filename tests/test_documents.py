@@ -7,11 +7,11 @@ import json
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tether
-from tether._core.documents import canonical, decode, manifest_digest, parse_body
+from tether._core.documents import ChainSeal, canonical, decode, manifest_digest, parse_body
 from tether.errors import BadSignature, Malformed, UnknownKey
 from tether.protocol import (
     Acknowledgement,
@@ -174,3 +174,27 @@ def test_a_recovery_mark_that_is_not_true_on_a_terminate_is_refused(
         body: dict[str, object]) -> None:
     with pytest.raises(Malformed):
         ControlIntent.from_json(intent(kind=ControlKind.TERMINATE, grace=None).to_json() | body)
+
+
+@settings(max_examples=3000)
+@given(root=st.one_of(st.text(alphabet="0123456789abcdef", max_size=64), st.text(max_size=8)),
+       heads=st.integers(min_value=1, max_value=2**70),
+       sealed_at=st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                           st.floats(min_value=1e-5, max_value=1e17),
+                           st.integers(min_value=-2**60, max_value=2**60).map(float),
+                           st.sampled_from([0.0, -0.0, 1e-4, 9.999e-5, 1e16, 2.0**53,
+                                            2.0**53 + 2, 1e21, 1e-7, 1800000000.123456])),
+       extra=st.dictionaries(st.sampled_from(["later", "z"]), st.integers(), max_size=1))
+def test_a_chain_seal_encodes_as_rfc_8785_whatever_its_values(
+        root: str, heads: int, sealed_at: float, extra: dict[str, int]) -> None:
+    """The seal, written once per commit, has its own writer: byte for byte the library's."""
+    seal = ChainSeal(root, heads, sealed_at, extra=extra)
+    try:
+        expected: bytes | str = canonical(seal.to_json())
+    except tether.UserError as exc:  # beyond what JSON carries exactly: refused the same
+        expected = str(exc)
+    try:
+        got: bytes | str = seal.encode()
+    except tether.UserError as exc:
+        got = str(exc)
+    assert got == expected

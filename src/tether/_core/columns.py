@@ -11,7 +11,7 @@ and the column lists of inserts.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TYPES = frozenset({"TEXT", "INTEGER", "REAL", "BLOB"})
 
@@ -27,10 +27,10 @@ class Column:
 class Table:
     name: str
     columns: tuple[Column, ...]
+    names: tuple[str, ...] = field(init=False)  # the columns' names, in order
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.columns)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", tuple(c.name for c in self.columns))
 
     def pick(self, without: Collection[str] = ()) -> tuple[str, ...]:
         """The columns in their order, less ``without`` (each of which must be one)."""

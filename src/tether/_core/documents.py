@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -37,6 +38,21 @@ def digest(value: object) -> str:
 def manifest_digest(delegation_id: str, seq: int, action_ids: Iterable[str]) -> str:
     """Binds the delegation, the control sequence and the exact set of in-flight actions."""
     return digest({"delegation": delegation_id, "seq": seq, "actions": sorted(action_ids)})
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _plain_number(value: object) -> str | None:
+    """``value`` as RFC 8785 writes it (ECMAScript's number to string), when that is Python's
+    own spelling: an integral float below 2**53 without its ``.0``, or a float whose ``repr``
+    has no exponent in the range where neither writes one. None: leave it to the library."""
+    if type(value) is not float or not math.isfinite(value):
+        return None
+    size = abs(value)
+    if value.is_integer():  # exact below 2**53, where the shortest digits are all of them
+        return str(int(value)) if size < 2.0 ** 53 else None
+    return repr(value) if 1e-4 <= size < 1e16 else None
 
 
 def _str(body: Mapping[str, Any], name: str) -> str:
@@ -322,6 +338,16 @@ class ChainSeal(Document):
 
     def _fields(self) -> dict[str, Any]:
         return {"root": self.root, "heads": self.heads, "sealed_at": self.sealed_at}
+
+    def encode(self) -> bytes:
+        # One per commit: written out directly when every field has one plain spelling (the
+        # RFC 8785 bytes exactly, as a test checks on any value), else by the library.
+        at = _plain_number(self.sealed_at)
+        if (at is None or self.extra or type(self.heads) is not int
+                or not 0 <= self.heads < 2 ** 53 or not _HEX.fullmatch(self.root)):
+            return super().encode()
+        return (f'{{"heads":{self.heads},"root":"{self.root}","sealed_at":{at},'
+                f'"type":"seal","v":{self.version}}}').encode()
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> ChainSeal:

@@ -17,6 +17,7 @@ after sealing, then ran again, must not read as a rollback of itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -200,14 +201,18 @@ def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]
     return found
 
 
+@functools.lru_cache(maxsize=64)
+def _entries_insert(rows: int) -> str:
+    return CHAIN.insert(CHAIN.names, " ON CONFLICT DO NOTHING", rows=rows)
+
+
 def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
     """Insert the planned entries; False (and nothing inserted) if any was there already."""
     db.execute("SAVEPOINT chain")
     inserted = 0
     for part in chunks(plan):
-        inserted += db.execute(
-            CHAIN.insert(CHAIN.names, " ON CONFLICT DO NOTHING", rows=len(part)),
-            tuple(v for entry in part for v in entry)).rowcount
+        inserted += db.execute(_entries_insert(len(part)),
+                               tuple(v for entry in part for v in entry)).rowcount
     if inserted != len(plan):
         db.execute("ROLLBACK TO SAVEPOINT chain")
     db.execute("RELEASE SAVEPOINT chain")

@@ -167,7 +167,7 @@ def _private_dirs(directory: Path) -> None:
             made.mkdir(mode=0o700)
 
 
-def identity(path: Path) -> tuple[int, int] | None:
+def identity(path: str | Path) -> tuple[int, int] | None:
     """The file's device and inode: what tells the journal a process opened from another
     file moved over its path. None: no file there any more."""
     try:
@@ -255,8 +255,10 @@ class SqliteRunner(ThreadRunner):
         self._synchronous = synchronous
         self._busy_timeout = busy_timeout
         self._identity: tuple[int, int] | None = None
+        # The write-ahead log's and shared index's paths, and their identities as found.
         self._sidecars: dict[str, tuple[int, int] | None] = {}
         self._where = path
+        self._at = str(path)  # ``_where`` as a string: stat'ed twice a batch, no Path made
         self._level = synchronous  # the connection's synchronous setting now (``relax``)
         # Wake-ups for the journal's other processes (``wake``): what this batch's operations
         # notified, sent once it committed; and this process's own listener.
@@ -266,18 +268,19 @@ class SqliteRunner(ThreadRunner):
     def connect(self) -> sqlite3.Connection:
         # Absolute as of now: a process that changes directory later still checks this file.
         self._where = Path(os.path.abspath(self.path))
-        before = identity(self._where)
+        self._at = str(self._where)
+        before = identity(self._at)
         conn = connect(self.path, create=self._create, synchronous=self._synchronous,
                        busy_timeout=self._busy_timeout)
         self._level = self._synchronous
-        self._identity = identity(self._where)
+        self._identity = identity(self._at)
         if before is not None and self._identity != before:
             # Replaced while this connection opened it (opening may wait its turn for the
             # creation lock): the connection may be on the old file, the path on another.
             conn.close()
             raise JournalError(f"journal {self.path} was replaced while this process opened "
                                "it; open it again")
-        self._sidecars = {suffix: identity(Path(f"{self._where}{suffix}"))
+        self._sidecars = {f"{self._at}{suffix}": identity(f"{self._at}{suffix}")
                           for suffix in SIDECARS}
         return conn
 
@@ -329,7 +332,7 @@ class SqliteRunner(ThreadRunner):
                 wake.send(self._where, notes)
 
     def _same_files(self) -> None:
-        now = identity(self._where)
+        now = identity(self._at)
         if now != self._identity:
             what = "deleted" if now is None else "replaced by another file"
             raise JournalError(
@@ -339,12 +342,13 @@ class SqliteRunner(ThreadRunner):
         # connection that is open, so one deleted or replaced under it was removed by hand, and
         # every commit since lands in a log that no other process reads and that a crash loses
         # (with what it held before).
-        for suffix, known in self._sidecars.items():
-            side = identity(Path(f"{self._where}{suffix}"))
+        for side_path, known in self._sidecars.items():
+            side = identity(side_path)
             if known is None:  # not made yet when the connection opened
-                self._sidecars[suffix] = side
+                self._sidecars[side_path] = side
             elif side != known:
                 what = "deleted" if side is None else "replaced by another file"
+                suffix = side_path[len(self._at):]
                 raise JournalError(
                     f"the journal's {'write-ahead log' if suffix == '-wal' else 'shared index'}"
                     f" {self.path}{suffix} was {what} while this process had it open: what "
