@@ -8,8 +8,10 @@
   stop of that task and epoch returned to the orchestrator that asked for it;
 - unreconciled: an action PENDING or IN_DOUBT once every deadline passed and recovery ran;
 - dishonest: NOT_APPLIED or FAILED for an action whose own request was applied, COMPLETED
-  for a key never applied, or a stopped delegation settled (RECALLED, TERMINATED,
-  RECONCILED...) while one of its calls was still PENDING or IN_DOUBT;
+  for a key never applied, a stopped delegation settled (RECALLED, TERMINATED,
+  RECONCILED...) while one of its calls was still PENDING or IN_DOUBT, or a call sent at or
+  past the dispatch deadline its executor journaled, by that executor's own clock (the
+  tool's promise that nothing is sent after it; the provider refuses it, another may not);
 - stuck: a delegation not terminal at the end, or a trial that did not quiesce;
 - error: a simulated process raised what its code does not expect (a simulator defect, or a
   core decision that broke an assumption of its callers), or a delegation failed on one of
@@ -64,7 +66,8 @@ class Violation:
 
 
 def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
-          errors: list[str], quiesced: str | None) -> list[tuple[str, str]]:
+          errors: list[str], quiesced: str | None,
+          broken: Sequence[str] = ()) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
 
     def flag(kind: str, detail: str) -> None:
@@ -74,6 +77,8 @@ def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
         flag("stuck", f"the trial did not quiesce: {quiesced}")
     for error in errors:
         flag("error", error)
+    for promise in broken:
+        flag("dishonest", promise)
     for did, state, calls in journal.early:
         flag("dishonest", f"{did} settled {state} while {calls} could still apply")
     rows = journal.rows

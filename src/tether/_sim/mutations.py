@@ -139,6 +139,19 @@ CATALOGUE: tuple[Mutation, ...] = (
               '"WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id '
               'AND sub.depth = 0)",')),
         ("stream_cut", "race"), 1, 250, 101),
+    _m("send_after_deadline",
+       "a call paused between its intent and its send is sent after its dispatch deadline",
+       "_runtime.gateway",
+       "        if clock.wall() >= deadline_at:\n            # Paused between",
+       "        if False:\n            # Paused between",
+       "pause,race", 1, 200, 83),
+    _m("probe_time",
+       "a probe's answer is judged at the time it came back, not when it was sent: a probe "
+       "sent before the dispatch deadline and answered after it is a final NOT_APPLIED",
+       "_runtime.reconcile",
+       "deadline_at=deadline,\n                            now=sent,",
+       "deadline_at=deadline,\n                            now=now,",
+       "late_apply,probe_hang,pause,race", 1, 200, 9),
 )
 
 
@@ -152,13 +165,6 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "    return state is _A.UNKNOWN and can_probe and (asked_at is None or may_still_apply(",
        "    return False and (asked_at is None or may_still_apply(",
        "probe_raise,probe_hang,late_apply,reply_lost", 1, 200),
-    _m("probe_time",
-       "a probe's answer is judged at the time it came back, not when it was sent: a probe "
-       "sent before the dispatch deadline and answered after it is a final NOT_APPLIED",
-       "_runtime.reconcile",
-       "deadline_at=deadline,\n                            now=sent,",
-       "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200),
     _m("reprobe_asked_at",
        "whether to probe again is judged on when the last probe answered, not when it was "
        "asked",
@@ -173,12 +179,6 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "    for child in list(rt.children):\n        run = child.run",
        "    for child in ():\n        run = child.run",
        "crash,probe_raise,commit_lost,race", 1, 200),
-    _m("send_after_deadline",
-       "a call paused between its intent and its send is sent after its dispatch deadline",
-       "_runtime.gateway",
-       "        if clock.wall() >= deadline_at:\n            # Paused between",
-       "        if False:\n            # Paused between",
-       "pause,race", 1, 200),
     _m("terminate_in_doubt",
        "a terminate of a delegation whose code had ended leaves its running calls PENDING "
        "instead of in doubt",

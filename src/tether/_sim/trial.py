@@ -46,7 +46,7 @@ from tether._runtime.tools import ProbeResult, Tool
 from tether._runtime.worker import Worker
 from tether._sim.facts import Commits, one
 from tether._sim.judge import Violation, judge
-from tether._sim.loop import WALL0, Host, HostClock, SimLoop, StepBudget
+from tether._sim.loop import HOST, WALL0, Host, HostClock, SimLoop, StepBudget
 from tether._sim.plan import HORIZON, TrialResult, keys
 from tether._sim.plan import acts as _acts
 from tether._sim.plan import tasks as _tasks
@@ -142,6 +142,7 @@ class Trial:
                        lambda: bool(self.k.notify_loss) and rng.random() < self.k.notify_loss)
         self.stops: list[tuple[str, int, int]] = []
         self.errors: list[str] = []
+        self.broken: list[str] = []  # the tool's promise broken: a call sent past its deadline
         self.stats: Counter[str] = Counter()
         self.workers: list[Host] = []
         self.orchestrators: list[Host] = []
@@ -173,15 +174,50 @@ class Trial:
         return None
 
     def journal(self, host: Host, *, lossy: bool = True) -> Journal:
+        def landed(runner: MemorySqlite) -> None:
+            calls = any(table == "actions" for table, _ in runner.staged)
+            self.commits.landed(runner)
+            if calls:
+                self.pause_here("after a call's row committed", host)
+
         runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
                               on_refusal=self.refusal,
                               lose_commit=self._lose if lossy else (lambda: None),
-                              mark=f"{host.name}", on_commit=self.commits.landed,
-                              bus=self.bus)
+                              mark=f"{host.name}", on_commit=landed, bus=self.bus)
         journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
                           wall=HostClock(self.loop, host).wall)
         self.commits.watch(runner)
         return journal
+
+    def pause_here(self, what: str, host: Host | None = None) -> None:
+        """Under ``pause``, now and then: the host (by default, the one running) pauses at
+        this very step (a VM stopped, a long collection) for longer than a call's dispatch
+        deadline, so that what it does next comes after that deadline. Never in the final
+        recovery."""
+        host = host or HOST.get()
+        if (host is None or self.reliable or not self.k.call_pause
+                or self.rng.random() >= self.k.call_pause):
+            return
+        length = self.k.deadline * self.rng.uniform(1.0, 1.5)
+        self.note(f"pause {host.name} for {length:.2f}s {what}")
+        self.loop.pause(host, self.loop.time() + length)
+
+    def pause_prober(self, key: str) -> None:
+        """Under ``pause``, half the time a probe looked before its call's deadline: its host
+        pauses until past that deadline and its tolerance, so the answer comes back after
+        the deadline while a request still in the network may land in between."""
+        host = HOST.get()
+        if host is None or self.reliable or not self.k.call_pause:
+            return
+        found = one(self.anchor.execute("SELECT MAX(deadline_at) FROM actions WHERE "
+                                        "idem_key = ?", (key,)))
+        if found is None or found[0] is None:
+            return
+        left = float(found[0]) - WALL0 - self.loop.time()
+        if left > 0 and self.rng.random() < 0.5:
+            length = left + CLOCK_TOLERANCE + self.rng.uniform(0.05, 0.5)
+            self.note(f"pause {host.name} for {length:.2f}s after its probe of {key} looked")
+            self.loop.pause(host, self.loop.time() + length)
 
     def keyring(self) -> KeyRing:
         signer, _ = keys()
@@ -195,6 +231,12 @@ class Trial:
             row = one(trial.anchor.execute("SELECT deadline_at FROM actions WHERE id = ?",
                                            (action_id,)))
             expires = float(row[0]) - WALL0  # the journaled deadline, on the true clock
+            host = HOST.get()
+            sent = HostClock(loop, host).wall() if host is not None else loop.time() + WALL0
+            if sent >= float(row[0]):  # by the executor's own clock, which wrote the deadline
+                trial.broken.append(
+                    f"{action_id} ({idempotency_key}) sent at {sent - WALL0:.3f} by its "
+                    f"executor's clock, past its dispatch deadline {expires:.3f}")
             lo, hi = k.latency
             delay = rng.uniform(lo, hi)
             if rng.random() < k.late:  # held in the network, some until just past expiry
@@ -225,6 +267,7 @@ class Trial:
                 latency = min(latency, limit / 2)
             await asyncio.sleep(latency / 2)
             applied, voided = trial.provider.lookup(idempotency_key, k.void)
+            trial.pause_prober(idempotency_key)
             await asyncio.sleep(latency / 2)
             if applied:
                 return ProbeResult(ProbeOutcome.COMPLETED, result="paid")
@@ -519,7 +562,7 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
     errors = [*t.errors, *(f"supervisor_error: {d}" for (d,) in events),
               *(f"an exception nobody retrieved: {e}" for e in t.loop.errors),
               *(f"production code reached for {r}" for r in t.loop.refused)]
-    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced)
+    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced, t.broken)
     t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
                    commits=t.commits.seq, actions=len(t.commits.intents))
     with contextlib.suppress(sqlite3.Error):

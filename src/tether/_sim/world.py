@@ -146,6 +146,7 @@ class Knobs:
     void: bool  # the provider can void a key from a probe
     retry_safe_pay: bool  # the operator listed pay as retry-safe (I6 still needs no effect)
     settle_delay: float
+    call_pause: float  # probability a host pauses the moment one of its call's rows commits
 
 
 def knobs(rng: random.Random, active: frozenset[str]) -> Knobs:
@@ -166,6 +167,7 @@ def knobs(rng: random.Random, active: frozenset[str]) -> Knobs:
         void=rng.random() < 0.3,
         retry_safe_pay=rng.random() < 0.5,
         settle_delay=rng.choice((0.05, 0.3, 1.0)),
+        call_pause=0.03 if "pause" in active else 0.0,  # (no draw: other trials stay as they were)
     )
 
 
