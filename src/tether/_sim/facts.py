@@ -4,8 +4,9 @@ Every write batch that commits on the shared journal is numbered here (``Commits
 called by the runner right after its COMMIT), with the records it wrote (the batch's chain
 records, handed to the sealer). From that the judge gets what it compares with the ledger:
 the commit at which each intent landed, the commit of the first recall or terminate accepted
-on each delegation (its fence), and every stop that settled a delegation while one of its
-calls could still apply. The rows themselves are read from the journal at the end.
+on each delegation (its fence), every stop that settled a delegation while one of its
+calls could still apply, and every delegation that ended while a child it started was still
+RUNNING. The rows themselves are read from the journal at the end.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class View:
     actions: dict[str, ActionFact]
     by_key: dict[str, list[ActionFact]]
     early: list[tuple[str, str, str]] = field(default_factory=list)
+    orphans: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def one(cursor: sqlite3.Cursor) -> Any:
@@ -68,6 +70,7 @@ class Commits:
         self.fences: dict[str, int] = {}  # delegation id -> its first fencing control's commit
         self.states: dict[str, str] = {}  # delegation id -> its state as last committed
         self.early: list[tuple[str, str, str]] = []
+        self.orphans: list[tuple[str, str, str]] = []  # ended while a child still ran
 
     def watch(self, runner: MemorySqlite) -> None:
         """Keep, for each batch of ``runner``, the records it hands its sealer."""
@@ -100,6 +103,14 @@ class Commits:
                     continue
                 before, now = self.states.get(pk), row[0]
                 self.states[pk] = now
+                if DelegationState(now).terminal and (before is None or not
+                                                       DelegationState(before).terminal):
+                    # Ended: no child it started may still run (its code could still pay).
+                    running = [r[0] for r in db.execute(
+                        "SELECT id FROM delegations WHERE parent_id = ? AND state = ?",
+                        (pk, DelegationState.RUNNING.value))]
+                    if running:
+                        self.orphans.append((pk, now, ", ".join(running)))
                 if before in _STOPPING and DelegationState(now).terminal:
                     # A stop's report is final: none of the node's calls may still apply.
                     open_calls = [r[0] for r in db.execute(
@@ -121,7 +132,7 @@ class Commits:
         by_key: dict[str, list[ActionFact]] = {}
         for a in actions.values():
             by_key.setdefault(a.key, []).append(a)
-        return View(rows, actions, by_key, list(self.early))
+        return View(rows, actions, by_key, list(self.early), list(self.orphans))
 
 
 __all__ = ["ActionFact", "Commits", "DelegationFact", "View", "one"]

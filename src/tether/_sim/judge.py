@@ -9,9 +9,11 @@
 - unreconciled: an action PENDING or IN_DOUBT once every deadline passed and recovery ran;
 - dishonest: NOT_APPLIED or FAILED for an action whose own request was applied, COMPLETED
   for a key never applied, a stopped delegation settled (RECALLED, TERMINATED,
-  RECONCILED...) while one of its calls was still PENDING or IN_DOUBT, or a call sent at or
-  past the dispatch deadline its executor journaled, by that executor's own clock (the
-  tool's promise that nothing is sent after it; the provider refuses it, another may not);
+  RECONCILED...) while one of its calls was still PENDING or IN_DOUBT, a delegation that
+  ended while a child it started was still RUNNING (its code could still pay), or a call
+  sent at or past the dispatch deadline its executor journaled, by that executor's own
+  clock (the tool's promise that nothing is sent after it; the provider refuses it, another
+  may not);
 - stuck: a delegation not terminal at the end, or a trial that did not quiesce;
 - error: a simulated process raised what its code does not expect (a simulator defect, or a
   core decision that broke an assumption of its callers), or a delegation failed on one of
@@ -47,6 +49,8 @@ class Facts(Protocol):
     def by_key(self) -> Mapping[str, Sequence[Any]]: ...
     @property
     def early(self) -> Sequence[tuple[str, str, str]]: ...
+    @property
+    def orphans(self) -> Sequence[tuple[str, str, str]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,8 @@ def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
         flag("dishonest", promise)
     for did, state, calls in journal.early:
         flag("dishonest", f"{did} settled {state} while {calls} could still apply")
+    for did, state, children in journal.orphans:
+        flag("dishonest", f"{did} ended {state} while its child {children} was still RUNNING")
     rows = journal.rows
     for row in rows.values():
         if not row.state.terminal:

@@ -152,6 +152,13 @@ CATALOGUE: tuple[Mutation, ...] = (
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
        "late_apply,probe_hang,pause,race", 1, 200, 9),
+    _m("end_children",
+       "a delegation whose code raised ends while a child it started still runs; a "
+       "terminate of the task finds its root ended and the child goes on paying",
+       "_runtime.attempts",
+       "    for child in list(rt.children):\n        run = child.run",
+       "    for child in ():\n        run = child.run",
+       "crash,probe_raise,commit_lost,race", 1, 200, 76),
 )
 
 
@@ -172,13 +179,6 @@ UNCAUGHT: tuple[Mutation, ...] = (
        'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
        'asked_at = evidence.get("probed_at")',
        "late_apply,probe_hang,pause,race", 1, 200),
-    _m("end_children",
-       "a delegation whose code raised ends while a child it started still runs; a "
-       "terminate of the task finds its root ended and the child goes on paying",
-       "_runtime.attempts",
-       "    for child in list(rt.children):\n        run = child.run",
-       "    for child in ():\n        run = child.run",
-       "crash,probe_raise,commit_lost,race", 1, 200),
     _m("terminate_in_doubt",
        "a terminate of a delegation whose code had ended leaves its running calls PENDING "
        "instead of in doubt",
