@@ -6,7 +6,9 @@
 - ghost: an application with no intent; an intent committed after a fence closed on its
   delegation or an ancestor; an intent of a task's attempt (or its subtree) committed after a
   stop of that task and epoch returned to the orchestrator that asked for it;
-- unreconciled: an action PENDING or IN_DOUBT once every deadline passed and recovery ran;
+- unreconciled: an action PENDING or IN_DOUBT once every deadline passed and recovery ran; or
+  one a process probed while it could still apply and left IN_DOUBT or UNKNOWN, though that
+  process stayed up, open and unpaused past the call's deadline (it never probed it again);
 - dishonest: NOT_APPLIED or FAILED for an action whose own request was applied, COMPLETED
   for a key never applied, a stopped delegation settled (RECALLED, TERMINATED,
   RECONCILED...) while one of its calls was still PENDING or IN_DOUBT, a delegation that
@@ -71,7 +73,8 @@ class Violation:
 
 def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
           errors: list[str], quiesced: str | None,
-          broken: Sequence[str] = ()) -> list[tuple[str, str]]:
+          broken: Sequence[str] = (), neglected: Sequence[str] = ()
+          ) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
 
     def flag(kind: str, detail: str) -> None:
@@ -83,6 +86,8 @@ def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
         flag("error", error)
     for promise in broken:
         flag("dishonest", promise)
+    for call in neglected:
+        flag("unreconciled", call)
     for did, state, calls in journal.early:
         flag("dishonest", f"{did} settled {state} while {calls} could still apply")
     for did, state, children in journal.orphans:

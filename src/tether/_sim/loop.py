@@ -55,6 +55,7 @@ class Host:
         self.offset = offset or (lambda _t: 0.0)
         self.tasks: list[asyncio.Task[Any]] = []
         self.deferred: list[asyncio.Handle] = []
+        self.pauses: list[tuple[float, float]] = []  # (from, until), on the true clock
 
     def __repr__(self) -> str:
         return f"Host({self.name})"
@@ -258,6 +259,7 @@ class SimLoop(asyncio.BaseEventLoop):
     def pause(self, host: Host, until: float) -> None:
         """Defer every callback of the host due before ``until``."""
         host.paused_until = max(host.paused_until, until)
+        host.pauses.append((self._now, until))
 
     # -- what the simulation refuses ------------------------------------------------------
     def run_in_executor(self, executor: Any, func: Callable[..., T],  # type: ignore[override]

@@ -143,12 +143,17 @@ class Trial:
         self.stops: list[tuple[str, int, int]] = []
         self.errors: list[str] = []
         self.broken: list[str] = []  # the tool's promise broken: a call sent past its deadline
+        # Each key's last probe: by which host, when (true time) and when by that host's clock.
+        self.asked: dict[str, tuple[Host, float, float]] = {}
+        self.sups: dict[str, tether.Supervisor] = {}  # each host's supervisor (a worker's own)
+        self.neglected: list[str] = []  # calls left in doubt by a process that could re-probe
         self.stats: Counter[str] = Counter()
         self.workers: list[Host] = []
         self.orchestrators: list[Host] = []
         self.others: list[Host] = []
         self.restarts: Counter[str] = Counter()
         self.pending = 0  # restarts scheduled, not yet made
+        self.stopped = False  # every process was stopped for the final recovery
         self.done: set[str] = set()  # orchestrators that finished their script and waits
         self.ids = itertools.count()
         self.plans: dict[str, dict[str, Any]] = {}  # task id -> what its root does
@@ -201,6 +206,34 @@ class Trial:
         length = self.k.deadline * self.rng.uniform(1.0, 1.5)
         self.note(f"pause {host.name} for {length:.2f}s {what}")
         self.loop.pause(host, self.loop.time() + length)
+
+    def unprobed(self) -> list[str]:
+        """Calls a process probed while they could still apply and left IN_DOUBT or UNKNOWN,
+        though it stayed up, open and unpaused past their deadlines: each should have been
+        probed again then (``outcome.probe_again``), when its answer is final."""
+        out = []
+        for action_id, key, state, deadline_at in self.anchor.execute(
+                "SELECT id, idem_key, state, deadline_at FROM actions WHERE state IN (?, ?)",
+                ("IN_DOUBT", "UNKNOWN")).fetchall():
+            asked = self.asked.get(key)
+            if asked is None or deadline_at is None:
+                continue  # never probed: its executor's end is for a recovery to find
+            host, at, wall = asked
+            sup = self.sups.get(host.name)
+            if not host.alive or sup is None or not sup.is_open or sup.presumed_dead():
+                continue  # gone, closed, or its lease lost: whoever recovers it probes
+            if any(until > at and (until - start >= 0.9 * self.k.lease
+                                   or until > self.loop.time() - self.policy.probe_timeout - 0.5)
+                   for start, until in host.pauses):
+                # Paused since for most of a lease (its lease may have lapsed while its
+                # re-probe was due: it judges nothing then), or too lately to have answered.
+                continue
+            if state == "UNKNOWN" and wall >= float(deadline_at) + CLOCK_TOLERANCE:
+                continue  # asked when an answer was final: it could not tell, a person decides
+            out.append(f"{action_id} ({key}) left {state}: {host.name} probed it at "
+                       f"{at:.3f} while it could still apply and stayed up past its deadline "
+                       f"{float(deadline_at) - WALL0:.3f}, but never probed it again")
+        return out
 
     def pause_prober(self, key: str) -> None:
         """Under ``pause``, half the time a probe looked before its call's deadline: its host
@@ -255,6 +288,9 @@ class Trial:
 
         async def probe(task: str, n: int, *, idempotency_key: str) -> ProbeResult:
             limit = trial.policy.probe_timeout
+            host = HOST.get()
+            if host is not None and not trial.reliable:
+                trial.asked[idempotency_key] = (host, loop.time(), HostClock(loop, host).wall())
             if not trial.reliable:
                 r = rng.random()
                 if r < k.probe_raise:
@@ -345,6 +381,7 @@ class Trial:
                                   poll=self.k.poll, concurrency=4,
                                   clock=HostClock(self.loop, host), policy=self.policy,
                                   keys=self.keyring(), redispatch=self.redispatch) as w:
+                    self.sups[host.name] = w.supervisor
                     await w.run()
             except TetherError as exc:  # LeaseLost, or a journal error on its way out
                 self.note(f"{host.name} stopped: {type(exc).__name__}: {exc}")
@@ -360,6 +397,7 @@ class Trial:
 
         async def orchestrate() -> None:
             async with self.supervisor(host) as sup:
+                self.sups[host.name] = sup
                 if index == 0 and not resumed:
                     for task, plan in plans.items():
                         await sup.delegate(self.root, plan, task_id=task, remote=True)
@@ -380,7 +418,10 @@ class Trial:
                             self.note(f"wait for {task}: {type(exc).__name__}: {exc}")
                         if (await self.roots(sup))[task].id == first.id:
                             break
-            self.done.add(host.name)
+                # Done, and still up: it keeps accounting for what it settled (its re-probes
+                # at the calls' deadlines) until the trial stops every process.
+                self.done.add(host.name)
+                await self.loop.create_future()
 
         self.start(host, orchestrate())
 
@@ -424,6 +465,7 @@ class Trial:
 
         async def reconcile() -> None:
             async with self.supervisor(host) as sup:
+                self.sups[host.name] = sup
                 for at in times:
                     await asyncio.sleep(max(0.0, at - self.loop.time()))
                     try:
@@ -444,6 +486,8 @@ class Trial:
 
         def again() -> None:
             self.pending -= 1
+            if self.stopped:  # the trial stopped its processes: none is started any more
+                return
             if base.startswith("w"):
                 self.start_worker(base)
             else:
@@ -517,6 +561,20 @@ async def _main(t: Trial) -> str | None:
             quiesced = f"orchestrators still waiting at t={loop.time():.1f}s"
             break
         await asyncio.sleep(0.25)  # the trial's own clock: time to look
+    open_calls = [float(r[0]) - WALL0 for r in t.anchor.execute(
+        "SELECT deadline_at FROM actions WHERE deadline_at IS NOT NULL AND state IN (?, ?, ?)",
+        ("PENDING", "IN_DOUBT", "UNKNOWN"))]
+    if quiesced is None and open_calls:
+        # Every process stays up until each call still open can no longer apply, and its
+        # re-probe then (at the deadline plus the tolerance, by a clock up to CLOCK_BOUND
+        # off) has answered.
+        # A host paused then does it once it resumes.
+        resumed = [until for h in (*t.workers, *t.orchestrators, *t.others) if h.alive
+                   for _, until in h.pauses]
+        await asyncio.sleep(max([max(open_calls) + CLOCK_TOLERANCE + CLOCK_BOUND, *resumed])
+                            + t.policy.probe_timeout + 0.5 - loop.time())
+        t.neglected = t.unprobed()
+    t.stopped = True
     for host in (*t.workers, *t.orchestrators, *t.others):
         if host.alive:
             loop.crash(host)
@@ -562,7 +620,8 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
     errors = [*t.errors, *(f"supervisor_error: {d}" for (d,) in events),
               *(f"an exception nobody retrieved: {e}" for e in t.loop.errors),
               *(f"production code reached for {r}" for r in t.loop.refused)]
-    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced, t.broken)
+    found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced, t.broken,
+                  t.neglected)
     t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
                    commits=t.commits.seq, actions=len(t.commits.intents))
     with contextlib.suppress(sqlite3.Error):
