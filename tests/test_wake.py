@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -153,5 +154,66 @@ def test_a_forged_datagram_costs_a_read_never_an_error(tmp_path: Path, payload: 
                 break
             listener._closed.wait(0.05)
         assert len(got) == 1 and isinstance(got[0], str)
+    finally:
+        listener.close()
+
+
+async def test_what_a_rolled_back_operation_notified_is_never_sent(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two operations share a batch; the first notifies, then fails, and is rolled back to its
+    savepoint: only the second's wake-up is sent once the batch commits (as a NOTIFY inside a
+    rolled-back savepoint is never delivered on PostgreSQL)."""
+    sent: list[list[str]] = []
+    monkeypatch.setattr(wake, "send", lambda where, notes: sent.append(list(notes)))
+    gate = threading.Event()
+
+    def hold(db: Any) -> None:  # keeps the writer busy while the batch under test is queued
+        gate.wait(10)
+
+    def refused(db: Any) -> None:
+        db.notify("refused")
+        raise ValueError("this operation fails")
+
+    def kept(db: Any) -> None:
+        db.notify("kept")
+
+    async with Journal(sqlite_url) as journal:
+        held = asyncio.ensure_future(journal._write(hold))
+        await asyncio.sleep(0)  # (queued first: the writer takes it alone)
+        failing = asyncio.ensure_future(journal._write(refused))
+        passing = asyncio.ensure_future(journal._write(kept))
+        await asyncio.sleep(0)
+        gate.set()
+        await held
+        with pytest.raises(ValueError, match="this operation fails"):
+            await failing
+        await passing
+    assert ["kept"] in sent and not any("refused" in notes for notes in sent), sent
+
+
+def test_a_forked_process_closing_what_it_inherited_leaves_its_parent_listening(
+        tmp_path: Path) -> None:
+    """A worker pool forked after the journal opened closes its copy of the journal: the
+    parent's socket stays where senders find it, and its wake-ups still arrive."""
+    journal = tmp_path / "journal.db"
+    got: list[str] = []
+    listener = wake.listen(journal, got.append)
+    assert listener is not None
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: close the inherited listener, and go
+            try:
+                listener.close()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert listener._path.exists()
+        wake.send(journal, ["queued"])
+        for _ in range(200):
+            if got:
+                break
+            listener._closed.wait(0.05)
+        assert got == ["queued"]
     finally:
         listener.close()

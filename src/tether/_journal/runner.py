@@ -332,6 +332,15 @@ class Runner:
             finally:
                 self._busy_since = None
 
+    def op_mark(self) -> int:
+        """Where an operation's notifications begin among those its batch queued (a backend
+        that queues them itself): a failed one's are dropped with it (``op_undone``), as a
+        NOTIFY inside a savepoint rolled back is on PostgreSQL."""
+        return 0
+
+    def op_undone(self, mark: int) -> None:
+        pass
+
     def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
         done: Done = []
         write = any(op.write for op in batch)
@@ -353,11 +362,13 @@ class Runner:
                 if not alone:
                     conn.execute("SAVEPOINT op")
                 mark = 0 if dirty is None else len(dirty)
+                queued = self.op_mark()
                 try:
                     value = op.fn(db)
                 except Exception as exc:  # refused or failed: undo this operation only
                     if dirty is not None:
                         del dirty[mark:]  # what it wrote is rolled back with it
+                    self.op_undone(queued)  # and what it notified
                     if self.is_lost(conn, exc):
                         raise
                     mapped = self.map_error(exc)

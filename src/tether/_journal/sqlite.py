@@ -321,6 +321,12 @@ class SqliteRunner(ThreadRunner):
             conn.execute("ROLLBACK")
             raise
 
+    def op_mark(self) -> int:
+        return len(self._notes)
+
+    def op_undone(self, mark: int) -> None:
+        del self._notes[mark:]
+
     def landed(self, conn: sqlite3.Connection) -> None:
         self._same_files()
         if self._notes:

@@ -68,7 +68,8 @@ class Listener:
         self.where = where
         self._callback = callback
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._path = where / f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._pid = os.getpid()
+        self._path = where / f"{self._pid}-{secrets.token_hex(4)}"
         try:
             for _ in range(3):  # the last listener out may remove the directory meanwhile
                 try:
@@ -102,7 +103,12 @@ class Listener:
 
     def close(self) -> None:
         """Stop at once: an empty datagram to itself ends the thread's wait (closing the
-        socket does not), so that closing a journal never holds its event loop."""
+        socket does not), so that closing a journal never holds its event loop. In a process
+        forked from the one that listens, only the inherited descriptor goes: the socket's
+        path, its thread and the directory are its parent's."""
+        if os.getpid() != self._pid:
+            self._sock.close()
+            return
         self._closed.set()
         with contextlib.suppress(OSError), \
                 socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:
