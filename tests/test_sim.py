@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +261,20 @@ async def test_runtime_judges_a_probe_at_the_time_it_was_sent(tmp_path: Path) ->
     assert ledger, "the provider applied the payment"
     assert report.all_actions()[0].state is not ActionState.NOT_APPLIED, \
         "the report says NOT_APPLIED for a payment the provider applied"
+
+
+def test_a_trial_replays_the_same_whatever_the_process_string_hashing() -> None:
+    """A trial's seed fixes it in any process: string hashing differs per process (Python
+    picks PYTHONHASHSEED at random), so nothing that decides an order may iterate a set of
+    strings. Trials 1213471002 and 799889768 replayed two ways before recovery settled its
+    roots in the journal's order instead of a set's."""
+    def digests(hash_seed: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", "import sys\nfrom tether._sim.trial import run_trial\n"
+             "print(*(run_trial(int(s)).digest for s in sys.argv[1:]))",
+             "1213471002", "799889768", "1308048792"],
+            env={**os.environ, "PYTHONHASHSEED": hash_seed}, capture_output=True, text=True,
+            check=True)
+        return out.stdout.split()
+
+    assert digests("1") == digests("2")

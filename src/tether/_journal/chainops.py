@@ -359,7 +359,7 @@ def _read_at(db: Db, delegation_id: str, found: Any
         for r in db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} WHERE {where}",
                             params).fetchall():
             rows[chain.record(table, r[0])] = chain.content_hash(r)
-    for rec in {e.record for e in entries} - set(rows):
+    for rec in sorted({e.record for e in entries} - set(rows)):
         # Named by the chain but no longer the delegation's (moved to another by hand), or
         # gone: read it where it is, if anywhere.
         kind, _, pk = rec.partition(" ")

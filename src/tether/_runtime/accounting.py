@@ -240,12 +240,14 @@ class Accounting:
                                                  "its receipt was never recorded")
         doubtful = [a for a in await sup.journal.unsettled(delegation_id)
                     if sup.runtime(a.delegation_id) is None and a.id not in self._calls]
-        tampered = {d: await self._refused(d) for d in {a.delegation_id for a in doubtful}}
+        # Delegations in the journal's order, never a set's: that would follow the process's
+        # string hashing, and a simulated trial would not replay from its seed.
+        tampered = {d: await self._refused(d)
+                    for d in dict.fromkeys(a.delegation_id for a in doubtful)}
         doubtful = [a for a in doubtful if not tampered[a.delegation_id]]
         if doubtful:
             await self._probe(doubtful)
-            roots = {a.delegation_id for a in doubtful}
-            for root in roots:
+            for root in dict.fromkeys(a.delegation_id for a in doubtful):
                 row = await sup.journal.get(root)
                 await settle_subtree(sup.journal, root, sup.clock, row.state)
                 await self._recheck_later(root, row.state)
