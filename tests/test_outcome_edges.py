@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlparse
 
@@ -30,13 +30,14 @@ from psycopg import sql
 import tether
 from tests.test_chain import before_the_chain
 from tether._core.model import ControlKind
+from tether._journal import ops
 from tether._journal.rows import NewDelegation
 from tether._runtime.control import ControlRequest, send_control
 from tether.errors import JournalCorrupt, KeyInUse, StaleSequence
 from tether.protocol import ControlIntent
 from tether.testing import VirtualClock
 
-from .conftest import PG_URL
+from .conftest import PG_URL, until
 from .honest_agents import Provider
 from .journal_helpers import FixedClock, pay_action, root_delegation
 
@@ -1098,8 +1099,9 @@ def look_after_each_settle(owner: tether.Supervisor, other: tether.Supervisor,
     """Each time ``owner`` settles a subtree, ``other`` reads its root's state and verdict."""
     settle_tree = owner.journal.settle_tree
 
-    async def settle_then_look(root_id: str, now: float) -> None:
-        await settle_tree(root_id, now)
+    async def settle_then_look(root_id: str, now: float,
+                               verdict: Mapping[str, str] | None = None) -> None:
+        await settle_tree(root_id, now, verdict)
         row = await other.journal.get(root_id)
         last = await other.journal.last_verdict(root_id)
         seen.append((row.state, None if last is None else last.get("verdict")))
@@ -1131,3 +1133,83 @@ async def test_whoever_sees_a_delegation_settled_also_sees_its_verdict(
     settled = [verdict for state, verdict in seen if state.terminal]
     assert settled, f"the owner's settles, as seen from elsewhere: {seen}"
     assert settled == [expected] * len(settled), seen
+
+
+async def test_a_verdict_never_commits_without_its_settle(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's settle fails (its operation alone): its verdict is not on record either, so
+    another process never reads the delegation as drained while it is not settled (it would
+    return a report that is not final, and never recover it while the owner lives)."""
+    held = Held(voids=True)
+
+    def refused(db: Any, root_id: str, now: float,
+                verdict: Mapping[str, str] | None = None) -> None:
+        raise RuntimeError("the settle failed")  # this operation only: the batch goes on
+
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        child = await a.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        monkeypatch.setattr(ops, "settle_tree", refused)
+        settle_tree = a.journal.settle_tree
+
+        async def after_a_flush(*args: Any) -> None:
+            await a.journal.flush()  # whatever was queued before the settle commits first
+            await settle_tree(*args)
+
+        a.journal.settle_tree = after_a_flush  # type: ignore[method-assign,assignment]
+        with pytest.raises(RuntimeError, match="the settle failed"):
+            await within(child.terminate(reason="kill now"), 5.0, "the terminate")
+        monkeypatch.undo()
+        assert not await b.journal.drained(child.id)
+        assert await b.journal.last_verdict(child.id) is None
+
+
+async def test_a_terminate_from_elsewhere_waits_for_the_owners_verdict(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """The owner's probe of the cut call voids it, which settles the delegation (RECONCILED)
+    before the owner's drain records its verdict with its own settle. The other supervisor's
+    terminate, polling in between, waits for the verdict: it returned a report with none."""
+    held = Held(voids=True)
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        release = asyncio.Event()
+        settle_tree = a.journal.settle_tree
+
+        entered = asyncio.Event()
+
+        async def held_settle(root_id: str, now: float,
+                              verdict: Mapping[str, str] | None = None) -> None:
+            entered.set()  # its probes answered and were recorded
+            await release.wait()
+            await settle_tree(root_id, now, verdict)
+
+        a.journal.settle_tree = held_settle  # type: ignore[method-assign]
+        looks = 0
+        peek = b.journal.peek
+
+        async def counted(*args: Any) -> Any:
+            nonlocal looks
+            looks += 1
+            return await peek(*args)
+
+        b.journal.peek = counted  # type: ignore[method-assign,assignment]
+        child = await a.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        recall = asyncio.ensure_future(child.recall(grace=60.0, reason="slow"))
+        await within(vclock.sleeping(1, at_least=59.0), 5.0, "the grace window to start")
+        terminate = asyncio.ensure_future(b.handle_for(child.id).terminate(reason="kill now"))
+        await until(lambda: looks > 0, "the other supervisor to look")
+        await within(entered.wait(), 10.0, "the owner to settle its drain")
+        # The owner's probe voided the call, which settled the delegation already.
+        assert (await b.journal.get(child.id)).state is S.RECONCILED
+        seen = looks
+        await until(lambda: looks > seen + 1 or terminate.done(),
+                    "the other supervisor to look at the settled delegation")
+        early = terminate.done()
+        release.set()
+        terminated = await within(asyncio.shield(terminate), 5.0, "the terminate")
+        await within(asyncio.shield(recall), 5.0, "the recall")
+    assert not early, f"returned before the owner's verdict: {terminated.verdict}"
+    assert terminated.verdict == "TERMINATE", terminated

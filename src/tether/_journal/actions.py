@@ -5,7 +5,7 @@ one transaction, like every operation in ``ops`` (which re-exports these).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tether._core.columns import ACTIONS
@@ -243,16 +243,20 @@ def _judge(db: Db, delegation_id: str, *,
     return row, new
 
 
-def settle_tree(db: Db, root_id: str, now: float) -> None:
+def settle_tree(db: Db, root_id: str, now: float,
+                verdict: Mapping[str, str] | None = None) -> None:
     """Every node of a subtree, deepest first, to its settled state, each judged under its
     lock on the facts as they are when it is written (never on facts read in an earlier
-    transaction, which another process's probe or receipt may have changed since)."""
+    transaction, which another process's probe or receipt may have changed since); then the
+    root's ``verdict`` event, if any, in the same transaction."""
     ids = [r[0] for r in db.execute(f"{SUBTREE} SELECT id FROM sub ORDER BY depth DESC, id",
                                     (root_id,)).fetchall()]
     for delegation_id in ids:
         row, new = _judge(db, delegation_id)
         if new is not row.state:
             set_state(db, delegation_id, new, now)
+    if verdict is not None:
+        event(db, now, "verdict", root_id, **verdict)
 
 
 def mark_in_doubt(db: Db, root_id: str, now: float) -> list[str]:

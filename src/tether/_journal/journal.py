@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
@@ -279,9 +279,13 @@ class Journal:
             self._persist()
         return row
 
-    async def settle_tree(self, root_id: str, now: float) -> None:
-        """Every node of the subtree, deepest first, to its settled state, in one transaction."""
-        await self._write(ops.settle_tree, root_id, now)
+    async def settle_tree(self, root_id: str, now: float,
+                          verdict: Mapping[str, str] | None = None) -> None:
+        """Every node of the subtree, deepest first, to its settled state, in one transaction;
+        with the verdict of the drain or recovery that settles it, if any, in the same one:
+        whoever reads the verdict (``drained``) finds the settle committed, and whoever finds
+        the delegation settled reads why."""
+        await self._write(ops.settle_tree, root_id, now, verdict)
         self._persist()
 
     async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,

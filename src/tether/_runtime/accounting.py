@@ -170,12 +170,10 @@ class Accounting:
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await self._probe(doubtful)
-        if verdict is not None:
-            # Posted before the settle, so committed no later: whoever finds the delegation
-            # settled (a terminate from another process builds its report then) reads why.
-            sup.journal.event(sup.clock.wall(), "verdict", root_id, verdict=verdict.value,
-                              reason=reason)
-        await settle_subtree(sup.journal, root_id, sup.clock, fallback)
+        # The verdict commits with the settle, in one transaction: whoever finds the
+        # delegation settled (a terminate from another process builds its report then) reads
+        # why, and whoever finds the verdict (``drained``) finds the settle done.
+        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)
         await self._recheck_later(root_id, fallback)
 
     async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:

@@ -99,9 +99,9 @@ async def _wait(j: Journal, delegation_id: str, grace: float | None,
     next_look = loop.time() + 0.5
     while loop.time() < deadline:
         current = await j.get(delegation_id)
-        # Settled, or drained by its owner with calls left in doubt (still in flight): the
-        # report says which.
-        if current.state.terminal or await j.drained(delegation_id):
+        # Drained by its owner: settled, or with calls left in doubt (still in flight); the
+        # report says which. Not a terminal state alone (``remote.settle_elsewhere``).
+        if await j.drained(delegation_id):
             answer["report"] = (await build_report(j, delegation_id)).to_json()
             return
         if loop.time() >= next_look:  # a dead owner settles nothing: do not wait on it

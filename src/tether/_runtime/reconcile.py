@@ -12,6 +12,7 @@ from tether._core import values
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState, ProbeOutcome
 from tether._core.outcome import DEFAULT_DISPATCH_DEADLINE, final_at, judge_probe
 from tether._core.report import ActionRecord, Report
+from tether._core.verdict import Verdict
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._runtime.clock import Clock
@@ -113,14 +114,17 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
 
 
 async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
-                         fallback: DelegationState) -> None:
+                         fallback: DelegationState, verdict: Verdict | None = None,
+                         reason: str = "") -> None:
     """Move every node (deepest first) to its settled state (``_core.outcome.settle``). A node
     with a call that may still apply keeps its state until that call is settled. Judged in the
     journal, under each row's lock, on the facts as they are when it moves: another process's
     probe or receipt may land between any read here and a write. (``fallback`` is where a
-    running node would end; ``settle`` never ends a RUNNING node, so it decides nothing.)"""
+    running node would end; ``settle`` never ends a RUNNING node, so it decides nothing.)
+    ``verdict``: the drain's or recovery's, journaled in the same transaction."""
     del fallback
-    await journal.settle_tree(root_id, clock.wall())
+    await journal.settle_tree(root_id, clock.wall(), None if verdict is None else {
+        "verdict": verdict.value, "reason": reason})
 
 
 async def build_report(journal: Journal, root_id: str) -> Report:

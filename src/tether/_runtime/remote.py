@@ -68,10 +68,8 @@ async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
     intent committed leaves nothing stuck. None if a worker holds it or it is not queued."""
     if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):
         return None
-    # The verdict is posted before the settle, so it commits no later (``Accounting.account``).
-    sup.journal.event(sup.clock.wall(), "verdict", delegation_id,
-                      verdict=Verdict.NEVER_STARTED.value, reason="no worker had claimed it")
-    await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled)
+    await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled,
+                         Verdict.NEVER_STARTED, "no worker had claimed it")
     await sup.journal.flush()
     return await build_report(sup.journal, delegation_id)
 
@@ -97,9 +95,11 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
     deadline = loop.time() + budget
     while loop.time() < deadline:
         row = await sup.journal.peek(ops.get_delegation, delegation_id)
-        # Settled, or drained by its owner with calls left in doubt (the owner probes them
-        # again at their deadlines): the report says which.
-        if row.state.terminal or await sup.journal.drained(delegation_id):
+        # Drained by its owner: settled, or with calls left in doubt (the owner probes them
+        # again at their deadlines); the report says which. A terminal state alone is not
+        # enough: a probe's answer can settle it before the owner's drain records its
+        # verdict, which commits with the drain's settle.
+        if await sup.journal.drained(delegation_id):
             await sup.journal.flush()
             return await build_report(sup.journal, delegation_id)
         if not await owner_alive(sup, row.owner_id):
