@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import hashlib
 import itertools
+import json
 import random
 import sqlite3
 import struct
@@ -212,13 +213,23 @@ class Trial:
         though it stayed up, open and unpaused past their deadlines: each should have been
         probed again then (``outcome.probe_again``), when its answer is final."""
         out = []
-        for action_id, key, state, deadline_at in self.anchor.execute(
-                "SELECT id, idem_key, state, deadline_at FROM actions WHERE state IN (?, ?)",
-                ("IN_DOUBT", "UNKNOWN")).fetchall():
+        for action_id, key, state, deadline_at, evidence in self.anchor.execute(
+                "SELECT id, idem_key, state, deadline_at, evidence FROM actions "
+                "WHERE state IN (?, ?)", ("IN_DOUBT", "UNKNOWN")).fetchall():
             asked = self.asked.get(key)
             if asked is None or deadline_at is None:
                 continue  # never probed: its executor's end is for a recovery to find
-            host, at, wall = asked
+            host, at, last = asked
+            # When the probe whose answer the journal kept was asked, by its prober's clock
+            # (a later probe that could not tell either changes nothing on record), and when
+            # the last probe of all was, by its own.
+            kept = json.loads(evidence) if evidence else {}
+            wall = kept.get("asked_at", kept.get("probed_at"))
+            if not isinstance(wall, int | float):
+                continue
+            final = float(deadline_at) + CLOCK_TOLERANCE
+            if state == "UNKNOWN" and max(wall, last) >= final:
+                continue  # asked when an answer was final: it could not tell, a person decides
             sup = self.sups.get(host.name)
             if not host.alive or sup is None or not sup.is_open or sup.presumed_dead():
                 continue  # gone, closed, or its lease lost: whoever recovers it probes
@@ -228,8 +239,6 @@ class Trial:
                 # Paused since for most of a lease (its lease may have lapsed while its
                 # re-probe was due: it judges nothing then), or too lately to have answered.
                 continue
-            if state == "UNKNOWN" and wall >= float(deadline_at) + CLOCK_TOLERANCE:
-                continue  # asked when an answer was final: it could not tell, a person decides
             out.append(f"{action_id} ({key}) left {state}: {host.name} probed it at "
                        f"{at:.3f} while it could still apply and stayed up past its deadline "
                        f"{float(deadline_at) - WALL0:.3f}, but never probed it again")
