@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -184,17 +185,24 @@ def test_a_recovery_mark_that_is_not_true_on_a_terminate_is_refused(
                            st.integers(min_value=-2**60, max_value=2**60).map(float),
                            st.sampled_from([0.0, -0.0, 1e-4, 9.999e-5, 1e16, 2.0**53,
                                             2.0**53 + 2, 1e21, 1e-7, 1800000000.123456])),
-       extra=st.dictionaries(st.sampled_from(["later", "z"]), st.integers(), max_size=1))
+       extra=st.one_of(st.dictionaries(st.sampled_from(["later", "z"]), st.integers(),
+                                       max_size=1), st.none()),
+       version=st.one_of(st.just(1), st.integers(min_value=-2, max_value=2**60), st.booleans(),
+                         st.floats(allow_nan=False), st.text(max_size=2)),
+       odd_root=st.one_of(st.none(), st.binary(max_size=4), st.integers()))
 def test_a_chain_seal_encodes_as_rfc_8785_whatever_its_values(
-        root: str, heads: int, sealed_at: float, extra: dict[str, int]) -> None:
-    """The seal, written once per commit, has its own writer: byte for byte the library's."""
-    seal = ChainSeal(root, heads, sealed_at, extra=extra)
+        root: str, heads: int, sealed_at: float, extra: dict[str, int] | None, version: Any,
+        odd_root: Any) -> None:
+    """The seal, written once per commit, has its own writer: byte for byte the library's,
+    or the library's own refusal, for any field of any type."""
+    seal = ChainSeal(root if odd_root is None else odd_root, heads, sealed_at,
+                     extra=extra, version=version)  # type: ignore[arg-type]
     try:
         expected: bytes | str = canonical(seal.to_json())
-    except tether.UserError as exc:  # beyond what JSON carries exactly: refused the same
-        expected = str(exc)
+    except (tether.UserError, TypeError) as exc:  # beyond what JSON carries: refused alike
+        expected = f"{type(exc).__name__}: {exc}"
     try:
         got: bytes | str = seal.encode()
-    except tether.UserError as exc:
-        got = str(exc)
+    except (tether.UserError, TypeError) as exc:
+        got = f"{type(exc).__name__}: {exc}"
     assert got == expected

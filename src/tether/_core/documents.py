@@ -43,6 +43,10 @@ def manifest_digest(delegation_id: str, seq: int, action_ids: Iterable[str]) -> 
 _HEX = re.compile(r"[0-9a-f]*")
 
 
+def _plain_int(value: object) -> bool:
+    return type(value) is int and 0 <= value < 2 ** 53
+
+
 def _plain_number(value: object) -> str | None:
     """``value`` as RFC 8785 writes it (ECMAScript's number to string), when that is Python's
     own spelling: an integral float below 2**53 without its ``.0``, or a float whose ``repr``
@@ -343,8 +347,9 @@ class ChainSeal(Document):
         # One per commit: written out directly when every field has one plain spelling (the
         # RFC 8785 bytes exactly, as a test checks on any value), else by the library.
         at = _plain_number(self.sealed_at)
-        if (at is None or self.extra or type(self.heads) is not int
-                or not 0 <= self.heads < 2 ** 53 or not _HEX.fullmatch(self.root)):
+        if (at is None or self.extra != {} or not _plain_int(self.heads)
+                or not _plain_int(self.version) or type(self.root) is not str
+                or not _HEX.fullmatch(self.root)):
             return super().encode()
         return (f'{{"heads":{self.heads},"root":"{self.root}","sealed_at":{at},'
                 f'"type":"seal","v":{self.version}}}').encode()
