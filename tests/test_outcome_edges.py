@@ -911,6 +911,27 @@ async def test_an_owner_probes_again_at_the_deadline_after_a_probe_failed(
     assert held.applied == {}
 
 
+async def test_a_probe_that_keeps_failing_past_the_deadline_is_asked_once_more_not_forever(
+        journal_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """The provider's lookup stays down. The probe after a terminate fails while the call may
+    still apply, so the owner asks again at the deadline; that one fails too, and then an
+    answer is final anyway: UNKNOWN stays for a person. The second failure is recorded (when
+    it was asked), so the owner stops asking. It asked again at once, forever, before: some
+    600 probes a second of real time while virtual time stood still."""
+    held = Flaky(failures=10**9, dispatch_deadline=1.0)
+    async with supervising(journal_url, vclock, keys, [held.tool]) as sup:
+        child = await sup.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        report = await within(child.terminate(reason="kill it"), 5.0, "the terminate")
+        assert [a.state for a in report.actions] == [A.UNKNOWN] and held.probes == 1
+        vclock.autojump(0.01)
+        await within(vclock.sleep(30.0), 10.0, "30 virtual seconds past the deadline")
+        final = await sup.report(child.id)
+    assert [a.state for a in final.actions] == [A.UNKNOWN]
+    assert final.outcome is S.NEEDS_ATTENTION
+    assert held.probes == 2, held.probes  # once when terminated, once at the deadline
+
+
 # -- two processes reaching one key at once (PostgreSQL) ------------------------------------------
 
 # The first intent for the key stops after its insert, before its commit, until the test lets

@@ -96,10 +96,13 @@ def judge_receipt(old: ActionState, new: ActionState, *, from_probe: bool,
     a probe that found the call applied could not tell; it is kept (late)."""
     if old is _A.COMPLETED and new is _A.COMPLETED and fills_result and not from_probe:
         return Receipt.LATE
-    if old is new and not (from_probe and old is _A.IN_DOUBT):
+    if old is new and not (from_probe and old in (_A.IN_DOUBT, _A.UNKNOWN)):
         return Receipt.IGNORE
-    if old is _A.IN_DOUBT and new is _A.IN_DOUBT:
-        return Receipt.RECORD  # a probe's "not yet": evidence recorded, still in doubt
+    if old is new:
+        # A probe's "not yet" (IN_DOUBT), or another probe that could not tell (UNKNOWN):
+        # its evidence is recorded, and with it when it was asked, which says whether to ask
+        # again (``probe_again``): one asked once nothing could apply any more is the last.
+        return Receipt.RECORD
     if not action_may_move(old, new):
         return Receipt.IGNORE
     if old is _A.PENDING or from_probe:
