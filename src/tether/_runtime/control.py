@@ -20,7 +20,7 @@ from tether._journal.rows import DelegationRow
 from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
-from tether._runtime.remote import owner_alive
+from tether._runtime.remote import owner_alive, verdict_overdue
 from tether._runtime.resolve import operator_of
 
 
@@ -97,14 +97,18 @@ async def _wait(j: Journal, delegation_id: str, grace: float | None,
     deadline = loop.time() + budget
     watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
     next_look = loop.time() + 0.5
+    settled_at: float | None = None
     while loop.time() < deadline:
         current = await j.get(delegation_id)
         # Drained by its owner: settled, or with calls left in doubt (still in flight); the
-        # report says which. Not a terminal state alone (``remote.settle_elsewhere``).
-        if await j.drained(delegation_id):
+        # report says which. Settled without a verdict: as ``remote.settle_elsewhere``.
+        if current.state.terminal and settled_at is None:
+            settled_at = loop.time()
+        if await j.drained(delegation_id) or (
+                settled_at is not None and verdict_overdue(settled_at, loop.time(), policy)):
             answer["report"] = (await build_report(j, delegation_id)).to_json()
             return
-        if loop.time() >= next_look:  # a dead owner settles nothing: do not wait on it
+        if settled_at is None and loop.time() >= next_look:  # a dead owner settles nothing
             next_look = loop.time() + 0.5
             if not await owner_alive(watcher, current.owner_id):
                 answer["waiting"] = (

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tether._core import outcome
 from tether._core.documents import ControlIntent
 from tether._core.errors import DelegationError
-from tether._core.model import ControlKind, DelegationState
+from tether._core.model import ControlKind, DelegationState, Policy
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._core.verdict import Verdict
@@ -79,6 +79,14 @@ def _kind_of(row: DelegationRow) -> ControlKind:
         else ControlKind.TERMINATE
 
 
+def verdict_overdue(settled_at: float, now: float, policy: Policy) -> bool:
+    """Settled, and no verdict yet: a probe's answer can settle a delegation before its
+    owner's drain records the verdict (with the drain's own settle), so it is waited for a
+    bounded while; an intent that came once the drain had ended gets none, and its report
+    is the settled delegation's as it stands."""
+    return now - settled_at >= policy.ack_timeout + policy.probe_timeout
+
+
 async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed) -> Report:
     """The delegation is not run by this process. Still queued: take it off the queue and
     settle it here (nothing ran). Claimed: wait for its owner to settle it, and reconcile it
@@ -93,16 +101,19 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
     budget = (intent.grace or 0.0) + sup.policy.ack_timeout + sup.policy.probe_timeout
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
+    settled_at: float | None = None
     while loop.time() < deadline:
         row = await sup.journal.peek(ops.get_delegation, delegation_id)
         # Drained by its owner: settled, or with calls left in doubt (the owner probes them
-        # again at their deadlines); the report says which. A terminal state alone is not
-        # enough: a probe's answer can settle it before the owner's drain records its
-        # verdict, which commits with the drain's settle.
-        if await sup.journal.drained(delegation_id):
+        # again at their deadlines); the report says which.
+        drained = await sup.journal.drained(delegation_id)
+        if row.state.terminal and settled_at is None:
+            settled_at = loop.time()
+        if drained or (settled_at is not None and verdict_overdue(settled_at, loop.time(),
+                                                                  sup.policy)):
             await sup.journal.flush()
             return await build_report(sup.journal, delegation_id)
-        if not await owner_alive(sup, row.owner_id):
+        if settled_at is None and not await owner_alive(sup, row.owner_id):
             return await sup.recover_delegation(row, "owner is gone")
         await sup.wake(sup.control_poll)
     return await sup.recover_delegation(row, "owner did not settle the delegation in time")
