@@ -932,6 +932,37 @@ async def test_a_probe_that_keeps_failing_past_the_deadline_is_asked_once_more_n
     assert held.probes == 2, held.probes  # once when terminated, once at the deadline
 
 
+async def test_a_settled_delegation_whose_verdict_never_comes_is_never_recovered_from_elsewhere(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing) -> None:
+    """The owner's probe settles the delegation, and its drain never records a verdict (here
+    it hangs; a terminate accepted once a drain had ended gets none either). The other
+    supervisor's terminate returns the settled report once the verdict is overdue, and never
+    recovers the delegation of an owner that is alive (it waited out its budget and wrote
+    RECOVERED)."""
+    held = Held(voids=True)
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        entered = asyncio.Event()
+
+        async def never(root_id: str, now: float,
+                        verdict: Mapping[str, str] | None = None) -> None:
+            entered.set()
+            await asyncio.Event().wait()
+
+        a.journal.settle_tree = never  # type: ignore[method-assign]
+        child = await a.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        recall = asyncio.ensure_future(child.recall(grace=60.0, reason="slow"))
+        await within(vclock.sleeping(1, at_least=59.0), 5.0, "the grace window to start")
+        terminate = asyncio.ensure_future(b.handle_for(child.id).terminate(reason="kill now"))
+        await within(entered.wait(), 10.0, "the owner's probe to settle the delegation")
+        terminated = await within(asyncio.shield(terminate), 30.0, "the terminate")
+        said = await verdicts(b.journal, [child.id])
+        recall.cancel()
+    assert terminated.outcome is S.RECONCILED, terminated.outcome
+    assert "RECOVERED" not in said, f"verdicts on record: {said}"
+
+
 # -- two processes reaching one key at once (PostgreSQL) ------------------------------------------
 
 # The first intent for the key stops after its insert, before its commit, until the test lets

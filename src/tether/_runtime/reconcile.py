@@ -91,10 +91,13 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
     deadline, may differ) keeps it IN_DOUBT with the probe's evidence: it may still land."""
 
     async def one(action: ActionRecord) -> None:
+        tool = tools.get(action.tool)
+        if action.state is ActionState.UNKNOWN and (tool is None or tool.probe is None):
+            return  # nothing can be asked here: what the journal holds (and why) stands
         # Judged at the time the probe was sent: an answer that comes back after the deadline
         # says nothing of a request that landed between the look and the deadline.
         sent = clock.wall()
-        answer = await probe_one(action, tools.get(action.tool), clock, limit)
+        answer = await probe_one(action, tool, clock, limit)
         now = clock.wall()
         deadline = deadline_of(action, tools)
         state = judge_probe(answer.outcome, voided=answer.voided, deadline_at=deadline,

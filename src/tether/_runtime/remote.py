@@ -84,7 +84,7 @@ def verdict_overdue(settled_at: float, now: float, policy: Policy) -> bool:
     owner's drain records the verdict (with the drain's own settle), so it is waited for a
     bounded while; an intent that came once the drain had ended gets none, and its report
     is the settled delegation's as it stands."""
-    return now - settled_at >= policy.ack_timeout + policy.probe_timeout
+    return now - settled_at >= policy.ack_timeout
 
 
 async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed) -> Report:
@@ -116,6 +116,10 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
         if settled_at is None and not await owner_alive(sup, row.owner_id):
             return await sup.recover_delegation(row, "owner is gone")
         await sup.wake(sup.control_poll)
+    row = await sup.journal.peek(ops.get_delegation, delegation_id)
+    if row.state.terminal:  # settled by its live owner: never recovered from here
+        await sup.journal.flush()
+        return await build_report(sup.journal, delegation_id)
     return await sup.recover_delegation(row, "owner did not settle the delegation in time")
 
 
