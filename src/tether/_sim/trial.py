@@ -210,8 +210,10 @@ class Trial:
 
     def unprobed(self) -> list[str]:
         """Calls a process probed while they could still apply and left IN_DOUBT or UNKNOWN,
-        though it stayed up, open and unpaused past their deadlines: each should have been
-        probed again then (``outcome.probe_again``), when its answer is final."""
+        though it stayed up, open, not presumed dead and not paused for most of a lease past
+        their deadlines: each should have been probed again then (``outcome.probe_again``),
+        when its answer is final. Judged without ``probe_again`` itself, which a mutation
+        may have edited."""
         out = []
         for action_id, key, state, deadline_at, evidence in self.anchor.execute(
                 "SELECT id, idem_key, state, deadline_at, evidence FROM actions "
