@@ -151,7 +151,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.reconcile",
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200, 9),
+       "late_apply,probe_hang,pause,race", 1, 200, 85),
     _m("end_children",
        "a delegation whose code raised ends while a child it started still runs; a "
        "terminate of the task finds its root ended and the child goes on paying",

@@ -195,13 +195,11 @@ class Trial:
         self.commits.watch(runner)
         return journal
 
-    def pause_here(self, what: str, host: Host | None = None) -> None:
-        """Under ``pause``, now and then: the host (by default, the one running) pauses at
-        this very step (a VM stopped, a long collection) for longer than a call's dispatch
-        deadline, so that what it does next comes after that deadline. Never in the final
-        recovery."""
-        host = host or HOST.get()
-        if (host is None or self.reliable or not self.k.call_pause
+    def pause_here(self, what: str, host: Host) -> None:
+        """Under ``pause``, now and then: ``host`` pauses at this very step (a VM stopped, a
+        long collection) for longer than a call's dispatch deadline, so that what it does
+        next comes after that deadline. Never in the final recovery."""
+        if (self.reliable or not self.k.call_pause
                 or self.rng.random() >= self.k.call_pause):
             return
         length = self.k.deadline * self.rng.uniform(1.0, 1.5)
