@@ -83,3 +83,26 @@ class RefundLocally:
             "refund", args=[order_id, cents], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
         return ref
+
+
+@workflow.defn
+class ParentOfRefunds:
+    """Starts ``TwoRefunds`` as a child workflow (on its task queue), waits for it, then
+    refunds ``own``: a tree whose parent has no activity before its child's. ``abandon``: the
+    child is left alone when the parent is cancelled or closes (Temporal's ABANDON)."""
+
+    @workflow.run
+    async def run(self, child_id: str, first: str, second: str, own: str,
+                  abandon: bool = False) -> list[str]:
+        # Abandoned: Temporal tells the child nothing when the parent is cancelled or closes.
+        policy, cancel = ((workflow.ParentClosePolicy.ABANDON,
+                           workflow.ChildWorkflowCancellationType.ABANDON) if abandon
+                          else (workflow.ParentClosePolicy.TERMINATE,
+                                workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED))
+        refs: list[str] = await workflow.execute_child_workflow(
+            TwoRefunds.run, args=[first, second], id=child_id, parent_close_policy=policy,
+            cancellation_type=cancel)
+        refs.append(await workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES))
+        return refs

@@ -19,7 +19,7 @@ from temporalio.worker import Worker
 import tether
 import tether.temporal
 from tests.conftest import ONE_CLOCK
-from tests.temporal_flows import Refund, RefundAnyway, RefundLocally, TwoRefunds
+from tests.temporal_flows import ParentOfRefunds, Refund, RefundAnyway, RefundLocally, TwoRefunds
 from tether.testing import PaymentService
 
 
@@ -91,7 +91,8 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     queue = queue or f"q-{uuid.uuid4().hex[:12]}"
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
-                      workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally],
+                      workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally,
+                                 ParentOfRefunds],
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,

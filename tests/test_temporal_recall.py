@@ -166,6 +166,7 @@ async def test_two_orchestrators_recall_and_run_a_workflow_again_and_one_refund_
         assert len(await boss.journal.controls(call.delegation_id)) == 1  # one winner
         for report in reports:
             assert [a.tool for a in report.completed] == ["refund"]
+        await closed(handle)  # cancelled by the winner: a new run of its id waits for that
         for _ in range(2):
             await (await start_refund(client, queue, "wf-race", order="T-3")).result()
         assert pay.refund_count("T-3") == 1

@@ -326,8 +326,7 @@ class Host:
                       else {"args": _json_args(input.args)})
         except UserError as exc:
             raise _refused(str(exc)) from None
-        hosted = await self._hosted(info.workflow_id, info.workflow_run_id,
-                                      info.workflow_type or "workflow")
+        hosted = await self._hosted(info.workflow_id, info.workflow_run_id)
         assert hosted.ctx is not None
         # The call's place in its workflow: the same in every retry of the activity and in
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
@@ -355,42 +354,63 @@ class Host:
         finally:
             _PENDING.reset(token)
 
-    async def _hosted(self, workflow_id: str, run_id: str, workflow_type: str) -> _Hosted:
-        sup = self.sup
+    async def _hosted(self, workflow_id: str, run_id: str) -> _Hosted:
         found = self.runs.get((workflow_id, run_id))
-        if found is not None and found.live(sup):
+        if found is not None and found.live(self.sup):
             return found
         async with self._lock:
-            found = self.runs.get((workflow_id, run_id))
-            if found is not None and found.live(sup):
-                return found
-            hosted = _Hosted(workflow_id, run_id)
-            client = self.client or temporalio.activity.client()
-            key = (workflow_id, run_id)
-
-            async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
-                hosted.ctx = ctx
-                hosted.ready.set()
-                try:
-                    return await _until_closed(client, hosted)
-                finally:  # a long-lived worker keeps no record of the runs it served
-                    if self.runs.get(key) is hosted:
-                        del self.runs[key]
-
-            agent = Agent(f"temporal:{workflow_type}", body,
-                          tuple(self.surface.values()))
-            self.runs[key] = hosted
             try:
-                hosted.handle = await open_run(sup, workflow_id, run_id, agent)
-                await hosted.ready.wait()
+                return await self._open(workflow_id, run_id)
             except RunRefused as exc:
                 raise _refused(str(exc), BUSY if exc.retry else REFUSED) from None
             except Tampered as exc:  # a person decides: a retry would be refused the same
                 raise _refused(str(exc)) from None
-            finally:
-                if not hosted.ready.is_set() and self.runs.get(key) is hosted:
+
+    async def _open(self, workflow_id: str, run_id: str) -> _Hosted:
+        """The run's delegation, hosted here (under ``self._lock``). A child workflow's run is
+        a child delegation of its parent run's, which is opened here first if need be: a
+        recall of the parent then fences the child's activities too, and its drain waits for
+        them (one tree, in one process)."""
+        sup = self.sup
+        key = (workflow_id, run_id)
+        found = self.runs.get(key)
+        if found is not None and found.live(sup):
+            return found
+        client = self.client or temporalio.activity.client()
+        described = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+        parent: _Hosted | None = None
+        if described.parent_id is not None and described.parent_run_id is not None:
+            try:
+                parent = await self._open(described.parent_id, described.parent_run_id)
+            except RunRefused as exc:
+                raise RunRefused(f"workflow {workflow_id} is a child of workflow "
+                                 f"{described.parent_id}: {exc}", retry=exc.retry) from None
+        hosted = _Hosted(workflow_id, run_id)
+
+        async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
+            hosted.ctx = ctx
+            hosted.ready.set()
+            try:
+                return await _until_closed(client, hosted)
+            finally:  # a long-lived worker keeps no record of the runs it served
+                if self.runs.get(key) is hosted:
                     del self.runs[key]
-            return hosted
+
+        agent = Agent(f"temporal:{described.workflow_type}", body,
+                      tuple(self.surface.values()))
+        self.runs[key] = hosted
+        try:
+            if parent is None:
+                hosted.handle = await open_run(sup, workflow_id, run_id, agent)
+            else:
+                assert parent.handle is not None
+                hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
+                                                 agent)
+            await hosted.ready.wait()
+        finally:
+            if not hosted.ready.is_set() and self.runs.get(key) is hosted:
+                del self.runs[key]
+        return hosted
 
     async def close(self) -> None:
         """The worker stopped: each hosted run's delegation ends here without a fence, so
@@ -428,6 +448,45 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
                 raise
             # The task's row was inserted first elsewhere.
             raise RunRefused(str(exc), retry=True) from None
+    head = await _next_epoch_of(sup, head, workflow_id, run_id)
+    args = (workflow_id, run_id)
+    surface = check_surface(agent.tools, agent.name)
+    try:
+        row = await sup.journal.create_delegation(NewDelegation(
+            id=new_id("d"), task_id=task, parent_id=None, attempt=head.attempt,
+            agent=agent.name, surface=tuple(surface), args=child_payload(args, {}, agent.name),
+            owner_id=sup.owner_id, now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
+    except StaleEpoch:
+        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
+    run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
+    return Handle.for_run(sup, run)
+
+
+async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: str,
+                     agent: Agent) -> Handle:
+    """Start a child workflow run's delegation in ``sup``, as a child of its parent run's
+    delegation ``parent_id`` (hosted here): the task's first epoch, else its next, whose
+    completed calls replay by key (as a re-delegated parent's children do). The journal
+    refuses it once the parent is fenced, as any child of a recalled delegation."""
+    task = task_of(workflow_id)
+    parent = sup.runtime(parent_id)
+    if parent is None:
+        raise RunRefused(f"the parent's delegation {parent_id} ended here", retry=True)
+    head = await sup.journal.peek(queue.task_head, task)
+    if head is not None:
+        await _next_epoch_of(sup, head, workflow_id, run_id)
+    try:
+        run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task)
+    except ControlSignal as signal:
+        raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
+                         f"{type(signal).__name__.lower()}: {signal}") from None
+    return Handle.for_run(sup, run)
+
+
+async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
+                         run_id: str) -> DelegationRow:
+    """The task's latest delegation, settled, before its next epoch opens here; refused for
+    a run a control intent was accepted for, or one another live process hosts."""
     # An ended delegation is fenced too; one that someone recalled or terminated has a
     # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
     # (tether settling the delegation of a worker that died) stopped nobody's work: the run
@@ -444,17 +503,7 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     # The new epoch trusts the old records only if they verify.
     await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
                                  f"re-delegate {head.id}")
-    args = (workflow_id, run_id)
-    surface = check_surface(agent.tools, agent.name)
-    try:
-        row = await sup.journal.create_delegation(NewDelegation(
-            id=new_id("d"), task_id=task, parent_id=None, attempt=head.attempt,
-            agent=agent.name, surface=tuple(surface), args=child_payload(args, {}, agent.name),
-            owner_id=sup.owner_id, now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
-    except StaleEpoch:
-        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
-    run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
-    return Handle.for_run(sup, run)
+    return head
 
 
 async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:

@@ -347,17 +347,19 @@ class Supervisor:
         return dataclasses.replace(new, work=self.keys.signer.sign(order))
 
     async def start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
-                          kwargs: dict[str, Any], place: str | None = None) -> TaskRun:
+                          kwargs: dict[str, Any], place: str | None = None, *,
+                          task_id: str | None = None) -> TaskRun:
         """A grandchild of ``parent`` (``Context.delegate``), unless the journal fences it. Its
         task is named by its ``place``, or by its count among the attempt's delegations of
-        ``agent``."""
+        ``agent``; or is ``task_id``, where the task has a name of its own elsewhere (a
+        Temporal child workflow's id)."""
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
         payload = child_payload(args, kwargs, agent.name)
         n = parent.ordinals[agent.grant]
         name = f"{agent.name}@{place}" if place is not None else f"{agent.name}#{n}"
         try:
             row = await self.journal.create_delegation(NewDelegation(
-                id=new_id("d"), task_id=f"{parent.row.task_id}/{name}",
+                id=new_id("d"), task_id=task_id or f"{parent.row.task_id}/{name}",
                 parent_id=parent.id, attempt=1, agent=agent.name, surface=tuple(surface),
                 args=payload, owner_id=self.owner_id, now=self.clock.wall(),
                 parent_epoch=parent.row.epoch,

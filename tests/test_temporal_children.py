@@ -1,0 +1,146 @@
+"""Child workflows are child delegations: a parent run's recall or terminate reaches the
+activities of the child workflows it started, waits for them within its grace and reports
+them, whatever Temporal does with the children; a worker that stops hands the whole tree on,
+each run at its next epoch. Judged by the provider's ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+
+import tether
+import tether.temporal
+from tests.conftest import events_of, until
+from tests.temporal_flows import ParentOfRefunds, TwoRefunds
+from tests.temporal_world import Provider, supervisor, worker
+
+
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture
+def provider() -> Provider:
+    return Provider()
+
+
+@contextlib.asynccontextmanager
+async def both(url: str, provider: Provider
+               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
+    """The worker's supervisor, then the orchestrator's, on one journal."""
+    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
+        yield host, boss
+
+
+async def start_tree(client: Client, queue: str, parent_id: str, child_id: str, order: str,
+                     *, abandon: bool = False) -> WorkflowHandle[Any, Any]:
+    """A parent whose child refunds ``order``-1, then (signalled) ``order``-2; then the
+    parent refunds ``order``-3."""
+    return await client.start_workflow(
+        ParentOfRefunds.run, args=[child_id, f"{order}-1", f"{order}-2", f"{order}-3", abandon],
+        id=parent_id, task_queue=queue)
+
+
+async def quiet(handle: WorkflowHandle[Any, Any], within: float = 60.0) -> None:
+    """Until the run has no activity and no workflow task pending in Temporal."""
+    for _ in range(int(within / 0.05)):
+        raw = (await handle.describe()).raw_description
+        if not raw.pending_activities and not raw.HasField("pending_workflow_task"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never quiet: workflow {handle.id}")
+
+
+async def delegation_of(sup: tether.Supervisor, workflow_id: str) -> list[Any]:
+    await sup.journal.flush()
+    return [d for d in await sup.journal.delegations()
+            if d.task_id == tether.temporal.task_of(workflow_id)]
+
+
+async def test_a_parents_recall_waits_for_its_childs_refund_and_fences_the_child(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The child workflow's refund is in flight when its parent is recalled. The child's run is
+    a child delegation of the parent's (opened with it: the parent ran nothing yet), so the
+    fence covers it, the grace window waits for its refund and the report has it. The child
+    is abandoned by Temporal (the parent's cancel never reaches it): its next refund is
+    refused all the same."""
+    pay = provider.pay
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        drained = events_of(host)
+        provider.hold = asyncio.Event()
+        parent = await start_tree(client, queue, "wf-tree", "wf-tree-kid", "K", abandon=True)
+        await pay.applied()  # the child's first refund applied; its reply is held
+        (top,) = await delegation_of(boss, "wf-tree")
+        (kid,) = await delegation_of(boss, "wf-tree-kid")
+        assert (top.parent_id, kid.parent_id) == (None, top.id)
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
+        await drained("drain", top.id).wait()  # fenced; the child's refund is in flight
+        provider.hold.set()  # and it finishes within the grace window
+        report = await recall
+        assert report.outcome is tether.DelegationState.RECALLED
+        (child_report,) = report.children
+        assert (child_report.delegation_id, child_report.outcome) == (
+            kid.id, tether.DelegationState.RECALLED)
+        assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+            ("temporal:wf-tree-kid:refund:1", tether.ActionState.COMPLETED)]
+        child = client.get_workflow_handle("wf-tree-kid")
+        await child.signal(TwoRefunds.proceed)  # Temporal lets the abandoned child go on
+        with pytest.raises(WorkflowFailureError) as failed:
+            await child.result()
+        assert "recall" in str(failed.value.cause.__cause__), failed.value.cause.__cause__
+        assert [pay.refund_count(f"K-{n}") for n in (1, 2, 3)] == [1, 0, 0]
+
+
+async def test_a_parents_terminate_cuts_its_childs_refund_and_probes_it(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Terminating the parent cuts the child's refund, whose reply never came: in doubt, then
+    probed, and reported COMPLETED with the provider's evidence, in the parent's report."""
+    pay = provider.pay
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        provider.hold = asyncio.Event()
+        parent = await start_tree(client, queue, "wf-cut", "wf-cut-kid", "C")
+        await pay.applied()
+        report = await tether.temporal.terminate(parent, supervisor=boss, reason="cut it")
+        (done,) = report.all_actions()
+        assert done.state is tether.ActionState.COMPLETED
+        assert done.idempotency_key == "temporal:wf-cut-kid:refund:1"
+        assert done.evidence is not None
+        assert done.evidence["provider_ref"] == pay.entries("C-1")[0].ref
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+        assert [pay.refund_count(f"C-{n}") for n in (1, 2, 3)] == [1, 0, 0]
+
+
+async def test_a_stopped_workers_tree_goes_on_at_the_next_epoch_on_another_worker(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The worker hosting a parent and its child stops between the child's two refunds; the
+    next worker on the queue opens the parent's next epoch and the child's under it, and the
+    tree finishes with each refund made once."""
+    pay = provider.pay
+    async with supervisor(journal_url, provider) as first, \
+            worker(client, first, provider) as queue:
+        parent = await start_tree(client, queue, "wf-moved", "wf-moved-kid", "M")
+        await until(lambda: pay.refund_count("M-1") == 1, "the child's first refund")
+        for handle in (parent, client.get_workflow_handle("wf-moved-kid")):
+            # Stopped once the refund's completion reached Temporal and between workflow
+            # tasks (one a stopping worker held would first time out, in 10 s): the child
+            # waits for its signal.
+            await quiet(handle)
+    async with supervisor(journal_url, provider) as second, \
+            worker(client, second, provider, queue):
+        await client.get_workflow_handle("wf-moved-kid").signal(TwoRefunds.proceed)
+        refs = await parent.result()
+        tops = await delegation_of(second, "wf-moved")
+        kids = await delegation_of(second, "wf-moved-kid")
+    assert [d.epoch for d in tops] == [0, 1] and [d.epoch for d in kids] == [0, 1]
+    assert [k.parent_id for k in kids] == [t.id for t in tops]
+    assert len(refs) == 3 and [pay.refund_count(f"M-{n}") for n in (1, 2, 3)] == [1, 1, 1]
