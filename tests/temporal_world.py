@@ -34,6 +34,8 @@ class Provider:
         self.reject_first = 0  # this many calls are refused by the provider before applying
         self.lose_reply = 0  # this many calls apply, then their reply is lost
         self.hold: asyncio.Event | None = None  # when set, replies wait for it (after applying)
+        self.holds: dict[str, asyncio.Event] = {}  # the same, for one order's refund
+        self.cut = 0  # refunds whose wait for their hold was cancelled (cut)
         pay = self.pay
 
         @tether.tool(effect=tether.Effect.EXTERNAL, probe=pay.lookup, dispatch_deadline=2.0)
@@ -48,6 +50,13 @@ class Provider:
                 raise ConnectionResetError("the provider's reply was lost")
             if self.hold is not None:
                 await self.hold.wait()
+            held = self.holds.get(order_id)
+            if held is not None:
+                try:
+                    await held.wait()
+                except asyncio.CancelledError:
+                    self.cut += 1
+                    raise
             return ref
 
         @activity.defn(name="naive_refund")
@@ -85,9 +94,11 @@ _THREADS = concurrent.futures.ThreadPoolExecutor(4)  # for the activities that a
 
 @contextlib.asynccontextmanager
 async def worker(client: Client, sup: tether.Supervisor | None, provider: Provider,
-                 queue: str | None = None) -> AsyncIterator[str]:
+                 queue: str | None = None, activities: int | None = None
+                 ) -> AsyncIterator[str]:
     """A worker on ``queue`` (by default a task queue of its own; its name is yielded): with
-    tether's plugin on ``sup``'s journal, or, with no supervisor, plain Temporal."""
+    tether's plugin on ``sup``'s journal, or, with no supervisor, plain Temporal; running at
+    most ``activities`` activities at once."""
     queue = queue or f"q-{uuid.uuid4().hex[:12]}"
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
@@ -96,6 +107,7 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,
+                      max_concurrent_activities=activities,
                       # a run whose worker stopped goes on at another within a second
                       sticky_queue_schedule_to_start_timeout=timedelta(seconds=1)):
         yield queue

@@ -33,7 +33,7 @@ from tests.test_trust import raw
 from tether._chaos.pgserver import free_port
 from tether._core.documents import ControlIntent, decode
 from tether._core.signing import SigningKey
-from tether._integrations.temporal_worker import RunRefused, open_run, run_stopped
+from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
 from tether.testing import PaymentService
 
 ROOT = Path(__file__).resolve().parents[1]

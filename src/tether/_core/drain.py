@@ -44,18 +44,22 @@ class GraceStep:
     reason: str = ""
 
 
-def grace_step(decision: RecallDecision, *, terminated: bool, live: int) -> GraceStep:
+def grace_step(decision: RecallDecision, *, terminated: bool, live: int,
+               guests: bool = False) -> GraceStep:
     """One look at a recall's grace window.
 
     ``decision`` is ``evaluate_recall`` on facts read *after* ``live`` was counted: ``live`` is
     how many in-flight calls had a running task just before the journal was read. A call whose
     task ended before that count posted its receipt before ending, so the read includes it; a
-    pending intent with no task counted before the read really has no executor here."""
+    pending intent with no task counted before the read really has no executor here. Unless
+    ``guests``: the subtree's calls may run in other processes (a Temporal run's activities on
+    other workers of its queue), so such an intent may well have a live executor, whose
+    receipt the journal will show: it is waited for within the grace like any other."""
     if terminated:
         return GraceStep(None, Verdict.TERMINATE, "terminated during the grace window")
     if decision.verdict not in (Verdict.WAIT_IN_FLIGHT, Verdict.AWAIT_ACK):
         return GraceStep(None, decision.verdict, decision.reason)
-    if decision.verdict is Verdict.WAIT_IN_FLIGHT and live == 0:
+    if decision.verdict is Verdict.WAIT_IN_FLIGHT and live == 0 and not guests:
         return GraceStep(None, Verdict.GRACE_EXPIRED, "in-flight action has no live task")
     return GraceStep(decision.wait, decision.verdict, decision.reason)
 

@@ -17,8 +17,8 @@ from temporalio.service import RPCError, RPCStatusCode
 from tether._core.errors import Tampered, UserError
 from tether._core.model import ControlKind
 from tether._core.report import Report
+from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
 from tether._integrations.temporal_task import run_of, task_of
-from tether._integrations.temporal_worker import RunRefused, open_run, run_stopped
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context

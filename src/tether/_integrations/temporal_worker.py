@@ -36,29 +36,29 @@ from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ControlSignal,
     KeyInUse,
-    StaleEpoch,
+    Recalled,
     Tampered,
     TetherError,
     ToolRejected,
     UserError,
 )
-from tether._core.model import Effect, check_positive
+from tether._core.model import ControlKind, Effect, check_positive
 from tether._core.redispatch import UNRESTRICTED
+from tether._integrations.temporal_runs import RunRefused, open_child, open_run, run_stopped
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
-from tether._journal.rows import DelegationRow, NewDelegation
-from tether._runtime.arguments import child_payload
+from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context, replaced
 from tether._runtime.handle import Handle
-from tether._runtime.remote import owner_alive
-from tether._runtime.state import ChildRuntime, new_id
+from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
 
 # What a refused activity fails with: never retried by Temporal, since a retry would be
 # refused the same way (a fence does not reopen).
 REFUSED = "tether.Refused"
-BUSY = "tether.Busy"  # retryable: the run's delegation is hosted by another live worker
+BUSY = "tether.Busy"  # retryable: the run's delegation moves on, or its host opens it
+_DESCRIBED = 4096  # runs whose workflow type and parent a worker keeps
 
 
 @dataclass
@@ -210,6 +210,9 @@ class _Hosted:
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # this worker is stopping
     ctx: Context | None = None
     handle: Handle | None = None
+    # A run another live process hosts: this worker makes its calls as a guest, in that
+    # delegation (the journal's fence, epoch and lease gate them as any), for one activity.
+    guest: ChildRuntime | None = None
 
     def live(self, sup: Supervisor) -> bool:
         return self.handle is not None and sup.runtime(self.handle.id) is not None
@@ -261,6 +264,7 @@ class Host:
         # The worker's client, which each hosted run's body watches the run with (the SDK offers one
         # to ``async def`` activities only); set as the worker is configured.
         self.client: temporalio.client.Client | None = None
+        self._described: dict[tuple[str, str], tuple[str, tuple[str, str] | None]] = {}
         self._lock = asyncio.Lock()
 
     def learn(self, activities: Sequence[Callable[..., Any]]) -> None:
@@ -332,9 +336,16 @@ class Host:
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
         key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
         token = _PENDING.set(_Pending(next, input))
+        watch = None if hosted.guest is None else asyncio.create_task(
+            watch_host(self.sup, hosted.guest))
         try:
             return await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
         except ControlSignal as signal:
+            if hosted.guest is not None and not await stopped(self.sup, hosted.guest.id):
+                # The host's delegation ended without anyone's intent (its worker stopped,
+                # or lost its lease): the run goes on at its next epoch, opened by a retry.
+                raise _refused(f"{type(signal).__name__.lower()}: {signal}; the run goes "
+                               "on at its next epoch", BUSY) from None
             raise _refused(f"{type(signal).__name__.lower()}: {signal}") from None
         except (UserError, KeyInUse) as exc:
             raise _refused(str(exc)) from None
@@ -353,6 +364,8 @@ class Host:
             raise
         finally:
             _PENDING.reset(token)
+            if watch is not None:
+                watch.cancel()
 
     async def _hosted(self, workflow_id: str, run_id: str) -> _Hosted:
         found = self.runs.get((workflow_id, run_id))
@@ -377,14 +390,14 @@ class Host:
         if found is not None and found.live(sup):
             return found
         client = self.client or temporalio.activity.client()
-        described = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+        workflow_type, parent_key = await self._describe(client, workflow_id, run_id)
         parent: _Hosted | None = None
-        if described.parent_id is not None and described.parent_run_id is not None:
+        if parent_key is not None:
             try:
-                parent = await self._open(described.parent_id, described.parent_run_id)
+                parent = await self._open(*parent_key)
             except RunRefused as exc:
                 raise RunRefused(f"workflow {workflow_id} is a child of workflow "
-                                 f"{described.parent_id}: {exc}", retry=exc.retry) from None
+                                 f"{parent_key[0]}: {exc}", retry=exc.retry) from None
         hosted = _Hosted(workflow_id, run_id)
 
         async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
@@ -396,21 +409,59 @@ class Host:
                 if self.runs.get(key) is hosted:
                     del self.runs[key]
 
-        agent = Agent(f"temporal:{described.workflow_type}", body,
-                      tuple(self.surface.values()))
+        agent = Agent(f"temporal:{workflow_type}", body, tuple(self.surface.values()))
+        parent_id = None if parent is None or parent.handle is None else parent.handle.id
+        if parent is not None and parent_id is None:
+            # The parent's tree is hosted by another live process: the child's calls are made
+            # there, or here as its guest once that process opened the child's delegation.
+            return await self._guest_of_child(workflow_id, run_id, agent)
         self.runs[key] = hosted
         try:
-            if parent is None:
+            if parent_id is None:
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
             else:
-                assert parent.handle is not None
-                hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
-                                                 agent)
+                hosted.handle = await open_child(sup, parent_id, workflow_id, run_id, agent)
             await hosted.ready.wait()
+        except RunRefused as exc:
+            if exc.host is None:
+                raise
+            return self._guest(workflow_id, run_id, exc.host, agent)
         finally:
             if not hosted.ready.is_set() and self.runs.get(key) is hosted:
                 del self.runs[key]
         return hosted
+
+    async def _describe(self, client: temporalio.client.Client, workflow_id: str,
+                        run_id: str) -> tuple[str, tuple[str, str] | None]:
+        """The run's workflow type and its parent run, if it is a child workflow's: asked of
+        Temporal once per run (they never change), and kept for the runs of late."""
+        key = (workflow_id, run_id)
+        found = self._described.get(key)
+        if found is None:
+            described = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
+            parent = ((described.parent_id, described.parent_run_id)
+                      if described.parent_id is not None
+                      and described.parent_run_id is not None else None)
+            found = self._described[key] = (described.workflow_type, parent)
+            while len(self._described) > _DESCRIBED:
+                del self._described[next(iter(self._described))]
+        return found
+
+    def _guest(self, workflow_id: str, run_id: str, row: DelegationRow,
+               agent: Agent) -> _Hosted:
+        """A run another live process hosts: this activity's call is made here, as a guest
+        in its delegation (a runtime of this call alone: the host drains the delegation)."""
+        rt = ChildRuntime(row, agent, check_surface(agent.tools, agent.name))
+        guest = _Hosted(workflow_id, run_id, guest=rt, ctx=Context(self.sup, rt))
+        guest.ready.set()
+        return guest
+
+    async def _guest_of_child(self, workflow_id: str, run_id: str, agent: Agent) -> _Hosted:
+        head = await self.sup.journal.peek(queue.task_head, task_of(workflow_id))
+        if head is None or head.fenced or head.state.terminal or run_of(head) != run_id:
+            raise RunRefused("its parent's run is hosted by another live process, which "
+                             "opens the child's delegation", retry=True)
+        return self._guest(workflow_id, run_id, head, agent)
 
     async def close(self) -> None:
         """The worker stopped: each hosted run's delegation ends here without a fence, so
@@ -424,106 +475,36 @@ class Host:
         self.runs.clear()
 
 
-class RunRefused(TetherError):
-    """This process may not open a delegation for the workflow run; ``retry``: it may later
-    (another live process hosts the run's task, or moved it on first)."""
-
-    def __init__(self, why: str, *, retry: bool = False) -> None:
-        super().__init__(why)
-        self.retry = retry
+async def stopped(sup: Supervisor, delegation_id: str) -> bool:
+    """Whether someone recalled or terminated the delegation (not merely ended it)."""
+    row = await sup.journal.get(delegation_id)
+    return row.control_seq > 0 and await run_stopped(sup, row)
 
 
-async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent) -> Handle:
-    """Start the run's delegation in ``sup``: epoch 0 of a task the journal does not know, else
-    the task's next epoch, whose completed calls replay by key (as ``Handle.redelegate``);
-    never for a run a control intent was accepted for. Two processes opening one task race
-    in the journal (the task's insert, the epoch's compare-and-set): one wins."""
-    task = task_of(workflow_id)
-    head = await sup.journal.peek(queue.task_head, task)
-    if head is None:
-        try:
-            return await sup.delegate(agent, workflow_id, run_id, task_id=task)
-        except UserError as exc:
-            if await sup.journal.peek(queue.task_head, task) is None:
-                raise
-            # The task's row was inserted first elsewhere.
-            raise RunRefused(str(exc), retry=True) from None
-    head = await _next_epoch_of(sup, head, workflow_id, run_id)
-    args = (workflow_id, run_id)
-    surface = check_surface(agent.tools, agent.name)
-    try:
-        row = await sup.journal.create_delegation(NewDelegation(
-            id=new_id("d"), task_id=task, parent_id=None, attempt=head.attempt,
-            agent=agent.name, surface=tuple(surface), args=child_payload(args, {}, agent.name),
-            owner_id=sup.owner_id, now=sup.clock.wall(), redelegate_from_epoch=head.epoch))
-    except StaleEpoch:
-        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
-    run = await sup.launch(ChildRuntime(row, agent, surface), args, {}, sup.redispatch)
-    return Handle.for_run(sup, run)
-
-
-async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: str,
-                     agent: Agent) -> Handle:
-    """Start a child workflow run's delegation in ``sup``, as a child of its parent run's
-    delegation ``parent_id`` (hosted here): the task's first epoch, else its next, whose
-    completed calls replay by key (as a re-delegated parent's children do). The journal
-    refuses it once the parent is fenced, as any child of a recalled delegation."""
-    task = task_of(workflow_id)
-    parent = sup.runtime(parent_id)
-    if parent is None:
-        raise RunRefused(f"the parent's delegation {parent_id} ended here", retry=True)
-    head = await sup.journal.peek(queue.task_head, task)
-    if head is not None:
-        await _next_epoch_of(sup, head, workflow_id, run_id)
-    try:
-        run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task)
-    except ControlSignal as signal:
-        raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
-                         f"{type(signal).__name__.lower()}: {signal}") from None
-    return Handle.for_run(sup, run)
-
-
-async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
-                         run_id: str) -> DelegationRow:
-    """The task's latest delegation, settled, before its next epoch opens here; refused for
-    a run a control intent was accepted for, or one another live process hosts."""
-    # An ended delegation is fenced too; one that someone recalled or terminated has a
-    # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
-    # (tether settling the delegation of a worker that died) stopped nobody's work: the run
-    # goes on at a new epoch, as Temporal retries its activity elsewhere.
-    if head.control_seq > 0 and run_of(head) == run_id and await run_stopped(sup, head):
-        raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
-                         f"{head.id}, control sequence {head.control_seq})")
-    if not head.fenced and not head.state.terminal:
-        if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
-            raise RunRefused(f"delegation {head.id} of workflow {workflow_id} is hosted by "
-                             "another live process", retry=True)
-        await sup.recover_delegation(head, "owner is gone")
-        head = await sup.journal.get(head.id)
-    # The new epoch trusts the old records only if they verify.
-    await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
-                                 f"re-delegate {head.id}")
-    return head
-
-
-async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:
-    """Whether any control intent accepted for ``head`` is someone's stop rather than a
-    recovery's. Fail closed: an intent whose signature this deployment does not trust, one
-    signed for another delegation, epoch or sequence, or a sequence with no intent to show
-    for it counts as a stop (it never lets a run go on)."""
-    controls = await sup.journal.controls(head.id)
-    if len(controls) != head.control_seq:
-        return True
-    trusted = await sup.current_trust()  # the registry's keys, as every intent is judged
-    for control in controls:
-        try:
-            intent = trusted.verify(control.signed, ControlIntent)
-        except TetherError:
-            return True
-        if not intent.recovery or (intent.delegation_id, intent.epoch, intent.seq) != (
-                head.id, head.epoch, control.seq):
-            return True
-    return False
+async def watch_host(sup: Supervisor, guest: ChildRuntime) -> None:
+    """While a guest's call runs: a control intent accepted for the host's delegation, once
+    its signature verifies, reaches the call here as at the host. A recall stops the guest
+    (the journal refuses its new calls anyway); a terminate cuts its call now, which the
+    host's drain then probes. Polled: the host's wake-ups go to the host."""
+    seen = guest.row.control_seq
+    while True:
+        await asyncio.sleep(sup.control_poll)
+        row = await sup.journal.get(guest.id)
+        if row.control_seq <= seen:
+            continue
+        trusted = await sup.current_trust()
+        for control in (await sup.journal.controls(guest.id))[seen:]:
+            try:
+                intent = trusted.verify(control.signed, ControlIntent)
+            except TetherError:
+                continue  # not acted on here, as the host would not (docs/security.md)
+            if (intent.delegation_id, intent.seq) != (guest.id, control.seq):
+                continue
+            if intent.kind is ControlKind.TERMINATE:
+                guest.cut(actions=True)
+                return
+            guest.stop = guest.stop or Recalled(guest.id, intent.reason)
+        seen = row.control_seq
 
 
 async def _until_closed(client: temporalio.client.Client, hosted: _Hosted) -> str:

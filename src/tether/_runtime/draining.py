@@ -74,12 +74,16 @@ async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
     """Acknowledge with the in-flight manifest, then wait while actions finish, at most
     until the grace window ends or a terminate cuts it short."""
     nodes = rt.walk()
+    guests = any(n.guests for n in nodes)
     signer, trusted = sup.keys.signer, await sup.current_trust()
     ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(
         a for n in nodes for a in n.inflight), acked_at=sup.clock.wall()))
     await sup.journal.record_ack(ack, trusted, sup.clock.wall())
     receipt = None
-    if sum(n.effects_started for n in nodes) == 0:
+    # With guests, only the journal knows whether another process started a side effect
+    # here (the fence, accepted before this drain, stops any new one).
+    if sum(n.effects_started for n in nodes) == 0 and not (
+            guests and (await sup.journal.facts(rt.id)).side_effecting):
         receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, sup.clock.wall()))
         await sup.journal.record_receipt(receipt, trusted, sup.clock.wall())
     while True:
@@ -90,9 +94,12 @@ async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
         facts = await sup.journal.facts(rt.id)
         decision = evaluate_recall(RecallInput(
             signed, facts, accepted_at, sup.clock.now(), sup.policy, trusted, ack, receipt))
-        step = protocol.grace_step(decision, live=len(running), terminated=any(
+        step = protocol.grace_step(decision, live=len(running), guests=guests, terminated=any(
             isinstance(n.stop, Terminated) for n in nodes))
         if step.wait is None:
             return step.verdict, step.reason
         waits = [asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)] if running else []
-        await first_of(sup.clock, step.wait, *waits)
+        # A guest's receipt reaches this process through the journal alone: looked for at
+        # each poll.
+        wait = min(step.wait, sup.control_poll) if guests else step.wait
+        await first_of(sup.clock, wait, *waits)

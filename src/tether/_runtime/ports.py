@@ -122,6 +122,9 @@ class Drains(Journaled, Protocol):
     def policy(self) -> Policy: ...
 
     @property
+    def control_poll(self) -> float: ...
+
+    @property
     def telemetry(self) -> Telemetry: ...
 
     @property

@@ -74,6 +74,9 @@ class ChildRuntime:
     span: Span | None = None
     final: DelegationRow | None = None  # the row as the child's own ending left it
     outcome: str | None = None  # its state when its stop hook fired (telemetry)
+    # Other processes may run calls of this delegation (a Temporal run's activities on other
+    # workers of its queue): its drain waits for intents it has no task for.
+    guests: bool = False
 
     @property
     def id(self) -> str:

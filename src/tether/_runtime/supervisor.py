@@ -348,11 +348,11 @@ class Supervisor:
 
     async def start_child(self, parent: ChildRuntime, agent: Agent, args: Sequence[Any],
                           kwargs: dict[str, Any], place: str | None = None, *,
-                          task_id: str | None = None) -> TaskRun:
+                          task_id: str | None = None, guests: bool = False) -> TaskRun:
         """A grandchild of ``parent`` (``Context.delegate``), unless the journal fences it. Its
         task is named by its ``place``, or by its count among the attempt's delegations of
         ``agent``; or is ``task_id``, where the task has a name of its own elsewhere (a
-        Temporal child workflow's id)."""
+        Temporal child workflow's id). ``guests``: other processes make calls of it too."""
         surface = check_surface(agent.tools, f"delegation of {agent.name}")
         payload = child_payload(args, kwargs, agent.name)
         n = parent.ordinals[agent.grant]
@@ -367,7 +367,7 @@ class Supervisor:
         except FenceRefused:
             raise parent.stop or Recalled(parent.id, "parent is fenced") from None
         parent.ordinals[agent.grant] += 1
-        rt = ChildRuntime(row, agent, surface, parent=parent)
+        rt = ChildRuntime(row, agent, surface, parent=parent, guests=guests)
         parent.children.append(rt)
         if parent.stop is not None:  # fenced while the insert was queued: never run it
             rt.stop = parent.stop

@@ -1,0 +1,137 @@
+"""Opening a Temporal workflow run's delegation in the journal, for a worker that hosts it or
+an orchestrator that fences it before any of its activities ran: the task's first epoch, or
+its next after an epoch that ended without anyone's intent; never for a run someone recalled
+or terminated; a child workflow's under its parent's."""
+
+from __future__ import annotations
+
+from tether._core.documents import ControlIntent
+from tether._core.errors import ControlSignal, StaleEpoch, TetherError, UserError
+from tether._integrations.temporal_task import run_of, task_of
+from tether._journal import queue
+from tether._journal.rows import DelegationRow, NewDelegation
+from tether._runtime.arguments import child_payload
+from tether._runtime.handle import Handle
+from tether._runtime.remote import owner_alive
+from tether._runtime.state import ChildRuntime, new_id
+from tether._runtime.supervisor import Supervisor
+from tether._runtime.tools import Agent, check_surface
+
+
+class RunRefused(TetherError):
+    """This process may not open a delegation for the workflow run; ``retry``: it may later
+    (another live process hosts the run's task, or moved it on first); ``host``: the run's
+    live delegation, hosted by another process (whose calls this one may make as a guest)."""
+
+    def __init__(self, why: str, *, retry: bool = False,
+                 host: DelegationRow | None = None) -> None:
+        super().__init__(why)
+        self.retry = retry
+        self.host = host
+
+
+async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent) -> Handle:
+    """Start the run's delegation in ``sup``: epoch 0 of a task the journal does not know, else
+    the task's next epoch, whose completed calls replay by key (as ``Handle.redelegate``);
+    never for a run a control intent was accepted for. Two processes opening one task race
+    in the journal (the task's insert, the epoch's compare-and-set): one wins."""
+    task = task_of(workflow_id)
+    head = await sup.journal.peek(queue.task_head, task)
+    if head is not None:
+        head = await _next_epoch_of(sup, head, workflow_id, run_id)
+    args = (workflow_id, run_id)
+    surface = check_surface(agent.tools, agent.name)
+    try:
+        row = await sup.journal.create_delegation(NewDelegation(
+            id=new_id("d"), task_id=task, parent_id=None,
+            attempt=1 if head is None else head.attempt, agent=agent.name,
+            surface=tuple(surface), args=child_payload(args, {}, agent.name),
+            owner_id=sup.owner_id, now=sup.clock.wall(),
+            redelegate_from_epoch=None if head is None else head.epoch))
+    except StaleEpoch:
+        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True,
+                         host=await _opened_elsewhere(sup, task)) from None
+    except UserError as exc:
+        if head is not None or await sup.journal.peek(queue.task_head, task) is None:
+            raise
+        # Its first epoch was opened elsewhere first.
+        raise RunRefused(str(exc), retry=True,
+                         host=await _opened_elsewhere(sup, task)) from None
+    # Other workers of the run's queue make calls of it too (as guests): its drains wait for
+    # theirs.
+    run = await sup.launch(ChildRuntime(row, agent, surface, guests=True), args, {},
+                           sup.redispatch)
+    return Handle.for_run(sup, run)
+
+
+async def _opened_elsewhere(sup: Supervisor, task: str) -> DelegationRow | None:
+    """The task's live delegation another process opened as this one tried to."""
+    head = await sup.journal.peek(queue.task_head, task)
+    if head is None or head.fenced or head.state.terminal or head.owner_id == sup.owner_id:
+        return None
+    return head
+
+
+async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: str,
+                     agent: Agent) -> Handle:
+    """Start a child workflow run's delegation in ``sup``, as a child of its parent run's
+    delegation ``parent_id`` (hosted here): the task's first epoch, else its next, whose
+    completed calls replay by key (as a re-delegated parent's children do). The journal
+    refuses it once the parent is fenced, as any child of a recalled delegation."""
+    task = task_of(workflow_id)
+    parent = sup.runtime(parent_id)
+    if parent is None:
+        raise RunRefused(f"the parent's delegation {parent_id} ended here", retry=True)
+    head = await sup.journal.peek(queue.task_head, task)
+    if head is not None:
+        await _next_epoch_of(sup, head, workflow_id, run_id)
+    try:
+        run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task,
+                                    guests=True)
+    except ControlSignal as signal:
+        raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
+                         f"{type(signal).__name__.lower()}: {signal}") from None
+    return Handle.for_run(sup, run)
+
+
+async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
+                         run_id: str) -> DelegationRow:
+    """The task's latest delegation, settled, before its next epoch opens here; refused for
+    a run a control intent was accepted for, or one another live process hosts."""
+    # An ended delegation is fenced too; one that someone recalled or terminated has a
+    # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
+    # (tether settling the delegation of a worker that died) stopped nobody's work: the run
+    # goes on at a new epoch, as Temporal retries its activity elsewhere.
+    if head.control_seq > 0 and run_of(head) == run_id and await run_stopped(sup, head):
+        raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
+                         f"{head.id}, control sequence {head.control_seq})")
+    if not head.fenced and not head.state.terminal:
+        if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
+            raise RunRefused(f"delegation {head.id} of workflow {workflow_id} is hosted by "
+                             "another live process", retry=True, host=head)
+        await sup.recover_delegation(head, "owner is gone")
+        head = await sup.journal.get(head.id)
+    # The new epoch trusts the old records only if they verify.
+    await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
+                                 f"re-delegate {head.id}")
+    return head
+
+
+async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:
+    """Whether any control intent accepted for ``head`` is someone's stop rather than a
+    recovery's. Fail closed: an intent whose signature this deployment does not trust, one
+    signed for another delegation, epoch or sequence, or a sequence with no intent to show
+    for it counts as a stop (it never lets a run go on)."""
+    controls = await sup.journal.controls(head.id)
+    if len(controls) != head.control_seq:
+        return True
+    trusted = await sup.current_trust()  # the registry's keys, as every intent is judged
+    for control in controls:
+        try:
+            intent = trusted.verify(control.signed, ControlIntent)
+        except TetherError:
+            return True
+        if not intent.recovery or (intent.delegation_id, intent.epoch, intent.seq) != (
+                head.id, head.epoch, control.seq):
+            return True
+    return False

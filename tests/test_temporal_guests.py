@@ -1,0 +1,128 @@
+"""Several workers on one task queue: a run's delegation is hosted by one of them, and an
+activity of the run that another worker picks up runs there as a guest in that delegation
+(journaled, keyed and fenced as any), instead of being turned away. The host's recall waits
+for a guest's call within its grace, and a terminate cuts it where it runs. Judged by the
+provider's ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+
+import tether
+import tether.temporal
+from tests.conftest import until
+from tests.temporal_flows import TwoRefunds
+from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
+from tether._core import drain
+
+
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture
+def provider() -> Provider:
+    return Provider()
+
+
+@contextlib.asynccontextmanager
+async def guest_call(client: Client, provider: Provider, url: str, workflow_id: str,
+                     order: str) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor,
+                                                        WorkflowHandle[Any, Any]]]:
+    """Worker A (one activity at a time) hosts a run: its first refund ran there. A's one slot
+    is then taken by another workflow's held refund, so the run's second refund, held, is
+    picked up by worker B on the same queue, while A is live. Yields A's supervisor, the
+    orchestrator's, and the run."""
+    first = asyncio.Event()
+    provider.holds[f"{order}-busy"] = first
+    async with supervisor(url, provider) as a, supervisor(url, provider) as b, \
+            supervisor(url, provider) as boss, \
+            worker(client, a, provider, activities=1) as queue:
+        handle = await client.start_workflow(TwoRefunds.run, args=[f"{order}-1", f"{order}-2"],
+                                             id=workflow_id, task_queue=queue)
+        await until(lambda: provider.pay.refund_count(f"{order}-1") == 1, "the first refund")
+        (hosting,) = {c.delegation_id for c in await actions(boss, workflow_id)}
+        assert (await boss.journal.get(hosting)).owner_id == a.owner_id
+        busy = await start_refund(client, queue, f"{workflow_id}-busy", order=f"{order}-busy")
+        await until(lambda: provider.pay.refund_count(f"{order}-busy") == 1, "A's slot taken")
+        provider.holds[f"{order}-2"] = asyncio.Event()
+        # Its own client, as another process has (the SDK allows one worker per queue and
+        # client).
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(other, b, provider, queue):
+            await handle.signal(TwoRefunds.proceed)
+            await until(lambda: provider.pay.refund_count(f"{order}-2") == 1,
+                        "the second refund, on B")
+            calls = await actions(boss, workflow_id)
+            assert {c.delegation_id for c in calls} == {hosting}  # a guest: A's delegation
+            try:
+                yield a, boss, handle
+            finally:
+                for held in provider.holds.values():
+                    held.set()
+                with contextlib.suppress(WorkflowFailureError):
+                    await busy.result()
+
+
+async def test_an_activity_another_worker_picks_up_runs_there_as_a_guest_of_the_host(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """B runs the host's run's refund in the host's delegation, and the run finishes."""
+    async with guest_call(client, provider, journal_url, "wf-guest", "G") as (_a, boss, run):
+        provider.holds["G-2"].set()
+        assert len(await run.result()) == 2
+        assert [(c.idempotency_key, c.state) for c in await actions(boss, "wf-guest")] == [
+            ("temporal:wf-guest:refund:1", tether.ActionState.COMPLETED),
+            ("temporal:wf-guest:refund:2", tether.ActionState.COMPLETED)]
+    assert [provider.pay.refund_count(f"G-{n}") for n in (1, 2)] == [1, 1]
+
+
+async def test_the_hosts_recall_waits_within_its_grace_for_a_guests_call(
+        client: Client, provider: Provider, journal_url: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host has nothing in flight of the run, B has its refund: the recall's grace waits
+    for B's receipt (it does not end at its first look for want of a call of its own), and
+    reports it COMPLETED, the run RECALLED."""
+    looked = asyncio.Event()  # the drain judged its grace window once, B's call in flight
+    judge = drain.grace_step
+
+    def observed(*args: Any, **kwargs: Any) -> drain.GraceStep:
+        step = judge(*args, **kwargs)
+        looked.set()
+        return step
+
+    monkeypatch.setattr(drain, "grace_step", observed)
+    async with guest_call(client, provider, journal_url, "wf-guest-recall", "R") as (
+            _a, boss, run):
+        recall = asyncio.create_task(tether.temporal.recall(
+            run, supervisor=boss, grace=10.0, reason="customer withdrew"))
+        await looked.wait()
+        provider.holds["R-2"].set()  # B's call finishes within the grace window
+        report = await recall
+        assert (report.outcome, report.verdict) == (
+            tether.DelegationState.RECALLED, "RECALLED_CLEAN"), report
+        assert [(a.idempotency_key, a.late) for a in report.completed] == [
+            ("temporal:wf-guest-recall:refund:1", False),
+            ("temporal:wf-guest-recall:refund:2", False)]
+    assert [provider.pay.refund_count(f"R-{n}") for n in (1, 2)] == [1, 1]
+
+
+async def test_the_hosts_terminate_cuts_a_guests_call_where_it_runs(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A terminate cuts B's call at B (its reply never comes), and the host's probe reports it
+    COMPLETED with the provider's evidence: the money moved."""
+    async with guest_call(client, provider, journal_url, "wf-guest-cut", "T") as (
+            _a, boss, run):
+        report = await tether.temporal.terminate(run, supervisor=boss, reason="cut it")
+        await until(lambda: provider.cut == 1, "B's call cut")
+        (_, done) = report.completed
+        assert done.idempotency_key == "temporal:wf-guest-cut:refund:2"
+        assert done.evidence is not None
+        assert done.evidence["provider_ref"] == provider.pay.entries("T-2")[0].ref
+    assert [provider.pay.refund_count(f"T-{n}") for n in (1, 2)] == [1, 1]
