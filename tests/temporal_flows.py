@@ -106,3 +106,47 @@ class ParentOfRefunds:
             "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES))
         return refs
+
+
+@workflow.defn
+class Leaver:
+    """Refunds ``own``; starts ``TwoRefunds`` as an abandoned child if ``child_id``; waits for
+    ``proceed``; refunds ``second`` if given. It may close while its child runs on."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, own: str, child_id: str, first: str, second_of_child: str,
+                  second: str) -> str:
+        await workflow.execute_activity("refund", args=[own, 1250],
+                                        start_to_close_timeout=timedelta(seconds=60),
+                                        retry_policy=RETRIES)
+        if child_id:
+            await workflow.start_child_workflow(
+                TwoRefunds.run, args=[first, second_of_child], id=child_id,
+                parent_close_policy=workflow.ParentClosePolicy.ABANDON)
+        await workflow.wait_condition(lambda: self.go)
+        if second:
+            await workflow.execute_activity("refund", args=[second, 1250],
+                                            start_to_close_timeout=timedelta(seconds=60),
+                                            retry_policy=RETRIES)
+        return "done"
+
+
+@workflow.defn
+class ParentElsewhere:
+    """Refunds ``own``, then runs ``Refund`` as a child workflow on ``child_queue``."""
+
+    @workflow.run
+    async def run(self, own: str, child_id: str, child_queue: str, order: str) -> list[str]:
+        mine: str = await workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        child: str = await workflow.execute_child_workflow(
+            Refund.run, args=["refund", order, 1250, 3], id=child_id, task_queue=child_queue)
+        return [mine, child]

@@ -19,7 +19,15 @@ from temporalio.worker import Worker
 import tether
 import tether.temporal
 from tests.conftest import ONE_CLOCK
-from tests.temporal_flows import ParentOfRefunds, Refund, RefundAnyway, RefundLocally, TwoRefunds
+from tests.temporal_flows import (
+    Leaver,
+    ParentElsewhere,
+    ParentOfRefunds,
+    Refund,
+    RefundAnyway,
+    RefundLocally,
+    TwoRefunds,
+)
 from tether.testing import PaymentService
 
 
@@ -103,7 +111,7 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
                       workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally,
-                                 ParentOfRefunds],
+                                 ParentOfRefunds, Leaver, ParentElsewhere],
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,

@@ -16,7 +16,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import ParentOfRefunds, TwoRefunds
+from tests.temporal_flows import Leaver, ParentElsewhere, ParentOfRefunds, TwoRefunds
 from tests.temporal_world import Provider, supervisor, worker
 
 
@@ -144,3 +144,97 @@ async def test_a_stopped_workers_tree_goes_on_at_the_next_epoch_on_another_worke
     assert [d.epoch for d in tops] == [0, 1] and [d.epoch for d in kids] == [0, 1]
     assert [k.parent_id for k in kids] == [t.id for t in tops]
     assert len(refs) == 3 and [pay.refund_count(f"M-{n}") for n in (1, 2, 3)] == [1, 1, 1]
+
+
+async def test_a_child_recalled_by_its_own_id_stays_out(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A recall of the child's delegation alone (`tether recall ID` without --temporal): the
+    child's next refund is refused, as for any recalled run; its parent goes on."""
+    pay = provider.pay
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        parent = await start_tree(client, queue, "wf-own", "wf-own-kid", "Q")
+        await until(lambda: pay.refund_count("Q-1") == 1, "the child's first refund")
+        (kid,) = await delegation_of(boss, "wf-own-kid")
+        report = await boss.handle_for(kid.id).recall(5.0, "stop the child only")
+        assert report.outcome is tether.DelegationState.RECALLED
+        child = client.get_workflow_handle("wf-own-kid")
+        await child.signal(TwoRefunds.proceed)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await child.result()
+        assert "recalled or terminated" in str(failed.value.cause.__cause__)
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+        assert [d.control_seq for d in await delegation_of(boss, "wf-own-kid")] == [1]
+        assert pay.refund_count("Q-2") == 0
+
+
+async def test_a_child_workflow_recalled_by_its_handle_reports_its_refund(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """``tether.temporal.recall`` of a child workflow's own handle finds its delegation (a
+    child's, not a root's) and recalls it, its refund finishing within the grace."""
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        provider.hold = asyncio.Event()
+        parent = await start_tree(client, queue, "wf-by-handle", "wf-by-handle-kid", "H")
+        await provider.pay.applied()
+        (kid,) = await delegation_of(boss, "wf-by-handle-kid")
+        recall = asyncio.create_task(tether.temporal.recall(
+            client.get_workflow_handle("wf-by-handle-kid"), supervisor=boss, grace=5.0,
+            reason="stop the child"))
+        await until(lambda: getattr(host.runtime(kid.id), "stop", True) is not None,
+                    "the child's fence reached its host")
+        provider.hold.set()
+        report = await recall
+        assert (report.delegation_id, report.outcome) == (kid.id,
+                                                          tether.DelegationState.RECALLED)
+        assert [a.idempotency_key for a in report.completed] == [
+            "temporal:wf-by-handle-kid:refund:1"]
+        with contextlib.suppress(WorkflowFailureError):  # its child was cancelled
+            await parent.result()
+
+
+async def test_a_child_on_a_queue_another_worker_serves_is_in_its_parents_tree(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent runs on worker A's queue, its child on a queue only worker B serves: B
+    opens the child's delegation under A's parent delegation, and both refunds run once."""
+    async with both(journal_url, provider) as (a, b):
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(client, a, provider) as first, \
+                worker(other, b, provider) as second:
+            parent = await client.start_workflow(
+                ParentElsewhere.run, args=["E-1", "wf-far-kid", second, "E-2"],
+                id="wf-far", task_queue=first)
+            assert len(await parent.result()) == 2
+            (top,) = await delegation_of(a, "wf-far")
+            (kid,) = await delegation_of(a, "wf-far-kid")
+    assert (kid.parent_id, top.owner_id, kid.owner_id) == (top.id, a.owner_id, b.owner_id)
+    assert [provider.pay.refund_count(o) for o in ("E-1", "E-2")] == [1, 1]
+
+
+async def test_a_parents_next_run_leaves_its_abandoned_child_alone(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run 1 closes while its abandoned child runs on; run 2 of the same workflow id opens
+    the task's next epoch without touching the child (which is no longer run 1's to keep):
+    the child's refunds both go through."""
+    pay = provider.pay
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        provider.holds["L-1"] = asyncio.Event()  # the child's first refund, held
+        first = await client.start_workflow(Leaver.run, args=["P-1", "wf-left", "L-1", "L-2",
+                                                              ""], id="wf-leaver",
+                                            task_queue=queue)
+        await until(lambda: pay.refund_count("L-1") == 1, "the child's first refund")
+        await first.signal(Leaver.proceed)
+        assert await first.result() == "done"
+        second = await client.start_workflow(Leaver.run, args=["P-1", "", "", "", "P-2"],
+                                             id="wf-leaver", task_queue=queue)
+        await second.signal(Leaver.proceed)
+        assert await second.result() == "done"
+        provider.holds["L-1"].set()
+        child = client.get_workflow_handle("wf-left")
+        await child.signal(TwoRefunds.proceed)
+        assert len(await child.result()) == 2
+        tops = await delegation_of(host, "wf-leaver")
+    assert [d.epoch for d in tops] == [0, 1] and provider.cut == 0
+    assert [pay.refund_count(o) for o in ("P-1", "P-2", "L-1", "L-2")] == [1, 1, 1, 1]

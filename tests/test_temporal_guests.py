@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +19,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 import tether
 import tether.temporal
 from tests.conftest import until
-from tests.temporal_flows import TwoRefunds
+from tests.temporal_flows import Leaver, RefundAnyway, TwoRefunds
 from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
 from tether._core import drain
 
@@ -30,6 +32,13 @@ async def client(temporal_address: str) -> Client:
 @pytest.fixture
 def provider() -> Provider:
     return Provider()
+
+
+@contextlib.asynccontextmanager
+async def both(url: str, provider: Provider
+               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
+    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
+        yield host, boss
 
 
 @contextlib.asynccontextmanager
@@ -126,3 +135,96 @@ async def test_the_hosts_terminate_cuts_a_guests_call_where_it_runs(
         assert done.evidence is not None
         assert done.evidence["provider_ref"] == provider.pay.entries("T-2")[0].ref
     assert [provider.pay.refund_count(f"T-{n}") for n in (1, 2)] == [1, 1]
+
+
+async def test_a_guests_call_outlives_its_hosts_death_and_the_run_goes_on(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The host dies while B's call runs as its guest; the next process on the journal
+    settles the host's delegation (a recovery's terminate, which stopped nobody's work): B's
+    call is not cut, its receipt is kept, and the run finishes at its next epoch."""
+    async with guest_call(client, provider, journal_url, "wf-guest-dies", "D") as (
+            a, boss, run):
+        (_, second) = await actions(boss, "wf-guest-dies")
+        a.abandon()  # the host is presumed dead, and writes nothing more
+        await boss.recover_delegation(await boss.journal.get(second.delegation_id),
+                                      "owner is gone")
+        provider.holds["D-2"].set()
+        assert len(await run.result()) == 2
+        assert provider.cut == 0
+        (_, kept) = await actions(boss, "wf-guest-dies")
+        assert (kept.id, kept.state) == (second.id, tether.ActionState.COMPLETED)
+    assert [provider.pay.refund_count(f"D-{n}") for n in (1, 2)] == [1, 1]
+
+
+async def test_a_row_written_by_hand_never_makes_a_recalled_run_act_as_a_guest(
+        client: Client, provider: Provider, sqlite_url: str) -> None:
+    """Someone with write access to the journal but no key inserts an unfenced next epoch
+    of a recalled run, owned by a live process: a worker would act there as its guest. The
+    guest first verifies the host's records, names them tampered, and refuses."""
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    async with supervisor(sqlite_url, provider) as a, supervisor(sqlite_url, provider) as b, \
+            supervisor(sqlite_url, provider) as boss:
+        run = await client.start_workflow(RefundAnyway.run, args=["X-1"], id="wf-forged",
+                                          task_queue=queue)
+        report = await tether.temporal.recall(run, supervisor=boss, grace=5.0,
+                                              reason="stop it")
+        assert report.outcome is tether.DelegationState.RECALLED
+        await boss.journal.flush()
+        db = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
+        columns = [r[1] for r in db.execute("PRAGMA table_info(delegations)")]
+        row = dict(zip(columns, db.execute(
+            "SELECT * FROM delegations WHERE task_id = 'temporal:wf-forged'").fetchone(),
+            strict=True))
+        row.update(id="d_forged", epoch=1, owner_id=a.owner_id, state="RUNNING", fenced=0,
+                   control_seq=0, ended_at=None, result=None, error=None, failure=None)
+        db.execute(f"INSERT INTO delegations ({', '.join(row)}) VALUES "
+                   f"({', '.join('?' * len(row))})", tuple(row.values()))
+        db.execute("UPDATE tasks SET epoch = 1 WHERE id = 'temporal:wf-forged'")
+        db.commit()
+        db.close()
+        async with worker(client, b, provider, queue):
+            with pytest.raises(WorkflowFailureError) as failed:
+                await run.result()
+        why = str(failed.value.cause.__cause__)
+        assert "refusing to act as a guest of d_forged" in why, why
+        assert "fail verification against their signed chain" in why, why
+        assert provider.keys == [] and provider.pay.refund_count("X-1") == 0
+
+
+async def test_a_new_run_of_the_workflow_id_gets_a_delegation_of_its_own(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run 1 closed (its abandoned child runs on); run 2 of the id, on another worker, opens
+    the task's next epoch rather than acting in run 1's delegation, and is recalled there."""
+    pay = provider.pay
+    async with both(journal_url, provider) as (a, boss), \
+            supervisor(journal_url, provider) as b, worker(client, a, provider) as first:
+        run1 = await client.start_workflow(
+            Leaver.run, args=["N-1", "wf-again-kid", "N-k1", "N-k2", ""], id="wf-again",
+            task_queue=first)
+        await until(lambda: pay.refund_count("N-k1") == 1, "the child's first refund")
+        await run1.signal(Leaver.proceed)
+        assert await run1.result() == "done"
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(other, b, provider) as second:
+            run2 = await client.start_workflow(
+                Leaver.run, args=["N-1", "", "", "", "N-2"], id="wf-again", task_queue=second)
+            report = await tether.temporal.recall(run2, supervisor=boss, grace=5.0,
+                                                  reason="stop run 2")
+            await run2.signal(Leaver.proceed)
+            with contextlib.suppress(WorkflowFailureError):
+                await run2.result()
+            tops = await both_epochs(boss, "wf-again")
+        assert report.outcome is tether.DelegationState.RECALLED
+        assert report.delegation_id == tops[-1].id and tops[-1].epoch >= 1
+        assert tops[-1].args["args"][1] == run2.result_run_id
+        assert tops[0].args["args"][1] == run1.result_run_id
+        assert pay.refund_count("N-2") == 0
+        kid = client.get_workflow_handle("wf-again-kid")
+        await kid.signal(TwoRefunds.proceed)
+        assert len(await kid.result()) == 2
+
+
+async def both_epochs(sup: tether.Supervisor, workflow_id: str) -> list[Any]:
+    await sup.journal.flush()
+    return sorted((d for d in await sup.journal.delegations()
+                   if d.task_id == tether.temporal.task_of(workflow_id)), key=lambda d: d.epoch)

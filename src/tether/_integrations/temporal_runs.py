@@ -49,14 +49,12 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
             owner_id=sup.owner_id, now=sup.clock.wall(),
             redelegate_from_epoch=None if head is None else head.epoch))
     except StaleEpoch:
-        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True,
-                         host=await _opened_elsewhere(sup, task)) from None
+        # (A retry judges the new epoch, and may make its calls as a guest.)
+        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
     except UserError as exc:
         if head is not None or await sup.journal.peek(queue.task_head, task) is None:
             raise
-        # Its first epoch was opened elsewhere first.
-        raise RunRefused(str(exc), retry=True,
-                         host=await _opened_elsewhere(sup, task)) from None
+        raise RunRefused(str(exc), retry=True) from None  # its first epoch opened elsewhere
     # Other workers of the run's queue make calls of it too (as guests): its drains wait for
     # theirs.
     run = await sup.launch(ChildRuntime(row, agent, surface, guests=True), args, {},
@@ -64,40 +62,39 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     return Handle.for_run(sup, run)
 
 
-async def _opened_elsewhere(sup: Supervisor, task: str) -> DelegationRow | None:
-    """The task's live delegation another process opened as this one tried to."""
-    head = await sup.journal.peek(queue.task_head, task)
-    if head is None or head.fenced or head.state.terminal or head.owner_id == sup.owner_id:
-        return None
-    return head
-
-
-async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: str,
-                     agent: Agent) -> Handle:
+async def open_child(sup: Supervisor, parent_row: DelegationRow, workflow_id: str,
+                     run_id: str, agent: Agent) -> Handle:
     """Start a child workflow run's delegation in ``sup``, as a child of its parent run's
-    delegation ``parent_id`` (hosted here): the task's first epoch, else its next, whose
-    completed calls replay by key (as a re-delegated parent's children do). The journal
-    refuses it once the parent is fenced, as any child of a recalled delegation."""
+    delegation ``parent_row`` (hosted here, or by another live process): the task's first
+    epoch, else its next, whose completed calls replay by key (as a re-delegated parent's
+    children do). The journal refuses it once the parent is fenced, as any child of a
+    recalled delegation."""
     task = task_of(workflow_id)
-    parent = sup.runtime(parent_id)
-    if parent is None:
-        raise RunRefused(f"the parent's delegation {parent_id} ended here", retry=True)
     head = await sup.journal.peek(queue.task_head, task)
     if head is not None:
         await _next_epoch_of(sup, head, workflow_id, run_id)
+    parent = sup.runtime(parent_row.id)
+    # A parent hosted elsewhere: a stand-in for the journal's gate (its fence, epoch and its
+    # host's lease); the child is a root here (closing this process terminates it).
+    elsewhere = parent is None
+    if parent is None:
+        parent = ChildRuntime(parent_row, agent, {})
     try:
         run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task,
                                     guests=True)
     except ControlSignal as signal:
-        raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
+        raise RunRefused(f"its parent's delegation {parent_row.id} is fenced: "
                          f"{type(signal).__name__.lower()}: {signal}") from None
+    if elsewhere:
+        run.current.parent = None
     return Handle.for_run(sup, run)
 
 
 async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
                          run_id: str) -> DelegationRow:
     """The task's latest delegation, settled, before its next epoch opens here; refused for
-    a run a control intent was accepted for, or one another live process hosts."""
+    a run a control intent was accepted for, or one another live process hosts (then, for
+    the same run and records that verify, ``host`` names it: this process may be its guest)."""
     # An ended delegation is fenced too; one that someone recalled or terminated has a
     # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
     # (tether settling the delegation of a worker that died) stopped nobody's work: the run
@@ -106,9 +103,22 @@ async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
         raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
                          f"{head.id}, control sequence {head.control_seq})")
     if not head.fenced and not head.state.terminal:
+        if head.owner_id == sup.owner_id and sup.runtime(head.id) is not None:
+            # This process's own, still live: an earlier run's whose close it has not seen
+            # yet (a run continued as new, say). Never recovered from under itself.
+            raise RunRefused(f"delegation {head.id} of workflow {workflow_id} is still "
+                             "ending here", retry=True)
         if head.owner_id != sup.owner_id and await owner_alive(sup, head.owner_id):
+            host = None
+            if run_of(head) == run_id:
+                # A guest acts in the host's delegation only if its records verify: a row
+                # written by hand (an unfenced epoch after a recall) would let a stopped run
+                # act.
+                await sup.journal.untampered(await sup.journal.kin([head.id]),
+                                             sup.keys.trusted, f"act as a guest of {head.id}")
+                host = head
             raise RunRefused(f"delegation {head.id} of workflow {workflow_id} is hosted by "
-                             "another live process", retry=True, host=head)
+                             "another live process", retry=True, host=host)
         await sup.recover_delegation(head, "owner is gone")
         head = await sup.journal.get(head.id)
     # The new epoch trusts the old records only if they verify.

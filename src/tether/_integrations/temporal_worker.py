@@ -38,6 +38,7 @@ from tether._core.errors import (
     KeyInUse,
     Recalled,
     Tampered,
+    Terminated,
     TetherError,
     ToolRejected,
     UserError,
@@ -45,8 +46,6 @@ from tether._core.errors import (
 from tether._core.model import ControlKind, Effect, check_positive
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.temporal_runs import RunRefused, open_child, open_run, run_stopped
-from tether._integrations.temporal_task import run_of, task_of
-from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context, replaced
 from tether._runtime.handle import Handle
@@ -59,6 +58,8 @@ from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
 REFUSED = "tether.Refused"
 BUSY = "tether.Busy"  # retryable: the run's delegation moves on, or its host opens it
 _DESCRIBED = 4096  # runs whose workflow type and parent a worker keeps
+_LINEAGE = 64  # ancestors a call made under a delegation hosted elsewhere watches, at most
+STOPPED = "worker stopped"  # a hosted run's body's result when this worker stops
 
 
 @dataclass
@@ -213,6 +214,10 @@ class _Hosted:
     # A run another live process hosts: this worker makes its calls as a guest, in that
     # delegation (the journal's fence, epoch and lease gate them as any), for one activity.
     guest: ChildRuntime | None = None
+    # Delegations hosted elsewhere whose control intents this run's calls watch while they
+    # run (a guest's host, and its ancestors; a child's parent run hosted elsewhere), each
+    # with the control sequence it had when this run was opened here.
+    watched: tuple[tuple[str, int], ...] = ()
 
     def live(self, sup: Supervisor) -> bool:
         return self.handle is not None and sup.runtime(self.handle.id) is not None
@@ -336,17 +341,22 @@ class Host:
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
         key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
         token = _PENDING.set(_Pending(next, input))
-        watch = None if hosted.guest is None else asyncio.create_task(
-            watch_host(self.sup, hosted.guest))
+        rt = hosted.guest or (None if hosted.handle is None
+                              else self.sup.runtime(hosted.handle.id))
+        watch = None if rt is None or not hosted.watched else asyncio.create_task(
+            watch_controls(self.sup, rt, hosted.watched))
         try:
             return await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
         except ControlSignal as signal:
-            if hosted.guest is not None and not await stopped(self.sup, hosted.guest.id):
-                # The host's delegation ended without anyone's intent (its worker stopped,
-                # or lost its lease): the run goes on at its next epoch, opened by a retry.
-                raise _refused(f"{type(signal).__name__.lower()}: {signal}; the run goes "
-                               "on at its next epoch", BUSY) from None
-            raise _refused(f"{type(signal).__name__.lower()}: {signal}") from None
+            why = f"{type(signal).__name__.lower()}: {signal}"
+            if not await stopped(self.sup, hosted.ctx.delegation_id):
+                # Its delegation ended without anyone's intent (its host stopped, or was
+                # settled as gone), or an ancestor's fence reached it: a retry judges the run
+                # again, and opens its next epoch or is refused.
+                if self.runs.get((info.workflow_id, info.workflow_run_id)) is hosted:
+                    del self.runs[(info.workflow_id, info.workflow_run_id)]
+                raise _refused(f"{why}; the run is judged again", BUSY) from None
+            raise _refused(why) from None
         except (UserError, KeyInUse) as exc:
             raise _refused(str(exc)) from None
         except ToolRejected as exc:  # certainly not applied: Temporal may retry it
@@ -366,11 +376,17 @@ class Host:
             _PENDING.reset(token)
             if watch is not None:
                 watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
 
     async def _hosted(self, workflow_id: str, run_id: str) -> _Hosted:
         found = self.runs.get((workflow_id, run_id))
         if found is not None and found.live(self.sup):
             return found
+        # Asked of Temporal before the lock, which a slow answer would hold for every run.
+        client = self.client or temporalio.activity.client()
+        parent = (await self._describe(client, workflow_id, run_id))[1]
+        while parent is not None:
+            parent = (await self._describe(client, *parent))[1]
         async with self._lock:
             try:
                 return await self._open(workflow_id, run_id)
@@ -404,28 +420,31 @@ class Host:
             hosted.ctx = ctx
             hosted.ready.set()
             try:
-                return await _until_closed(client, hosted)
+                status = await _until_closed(client, hosted)
+                if status != STOPPED:
+                    _detach(sup, ctx.delegation_id)
+                return status
             finally:  # a long-lived worker keeps no record of the runs it served
                 if self.runs.get(key) is hosted:
                     del self.runs[key]
 
         agent = Agent(f"temporal:{workflow_type}", body, tuple(self.surface.values()))
-        parent_id = None if parent is None or parent.handle is None else parent.handle.id
-        if parent is not None and parent_id is None:
-            # The parent's tree is hosted by another live process: the child's calls are made
-            # there, or here as its guest once that process opened the child's delegation.
-            return await self._guest_of_child(workflow_id, run_id, agent)
+        parent_row = None if parent is None else await parent_of(sup, parent)
         self.runs[key] = hosted
         try:
-            if parent_id is None:
+            if parent_row is None:
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
             else:
-                hosted.handle = await open_child(sup, parent_id, workflow_id, run_id, agent)
+                hosted.handle = await open_child(sup, parent_row, workflow_id, run_id, agent)
+                if sup.runtime(parent_row.id) is None:  # its parent runs elsewhere
+                    hosted.watched = await lineage(sup, parent_row)
             await hosted.ready.wait()
         except RunRefused as exc:
             if exc.host is None:
                 raise
-            return self._guest(workflow_id, run_id, exc.host, agent)
+            guest = self._guest(workflow_id, run_id, exc.host, agent)
+            guest.watched = await lineage(sup, exc.host)
+            return guest
         finally:
             if not hosted.ready.is_set() and self.runs.get(key) is hosted:
                 del self.runs[key]
@@ -456,13 +475,6 @@ class Host:
         guest.ready.set()
         return guest
 
-    async def _guest_of_child(self, workflow_id: str, run_id: str, agent: Agent) -> _Hosted:
-        head = await self.sup.journal.peek(queue.task_head, task_of(workflow_id))
-        if head is None or head.fenced or head.state.terminal or run_of(head) != run_id:
-            raise RunRefused("its parent's run is hosted by another live process, which "
-                             "opens the child's delegation", retry=True)
-        return self._guest(workflow_id, run_id, head, agent)
-
     async def close(self) -> None:
         """The worker stopped: each hosted run's delegation ends here without a fence, so
         that a later activity of its run, on another worker, continues at a new epoch."""
@@ -481,30 +493,74 @@ async def stopped(sup: Supervisor, delegation_id: str) -> bool:
     return row.control_seq > 0 and await run_stopped(sup, row)
 
 
-async def watch_host(sup: Supervisor, guest: ChildRuntime) -> None:
-    """While a guest's call runs: a control intent accepted for the host's delegation, once
-    its signature verifies, reaches the call here as at the host. A recall stops the guest
-    (the journal refuses its new calls anyway); a terminate cuts its call now, which the
-    host's drain then probes. Polled: the host's wake-ups go to the host."""
-    seen = guest.row.control_seq
+async def parent_of(sup: Supervisor, parent: _Hosted) -> DelegationRow:
+    """The delegation a child run opens under: its parent run's, hosted here or elsewhere."""
+    if parent.guest is not None:
+        return parent.guest.row
+    assert parent.handle is not None
+    rt = sup.runtime(parent.handle.id)
+    return rt.row if rt is not None else await sup.journal.get(parent.handle.id)
+
+
+async def lineage(sup: Supervisor, row: DelegationRow) -> tuple[tuple[str, int], ...]:
+    """``row`` and its ancestors, nearest first, with their control sequences as read: whose
+    control intents reach a call made under ``row`` (a recall or terminate of any fences it).
+    ``row`` as its caller judged it: an intent accepted since is one the watch acts on."""
+    found = [(row.id, row.control_seq)]
+    while row.parent_id is not None and len(found) < _LINEAGE:
+        row = await sup.journal.get(row.parent_id)
+        found.append((row.id, row.control_seq))
+    return tuple(found)
+
+
+async def watch_controls(sup: Supervisor, rt: ChildRuntime,
+                         watched: Sequence[tuple[str, int]]) -> None:
+    """While a call runs here under a delegation hosted elsewhere (a guest's, or a child
+    whose parent runs elsewhere): a control intent accepted for one of ``watched``, once its
+    signature verifies, reaches the call as it would at the host. A recall stops new calls
+    (the journal refuses them anyway); a terminate cuts the call now, which the host's drain
+    marks in doubt and probes. A recovery's terminate stopped nobody's work: the call runs on
+    and records its receipt. Polled: the host's wake-ups go to the host."""
+    seen = dict(watched)
     while True:
         await asyncio.sleep(sup.control_poll)
-        row = await sup.journal.get(guest.id)
-        if row.control_seq <= seen:
-            continue
-        trusted = await sup.current_trust()
-        for control in (await sup.journal.controls(guest.id))[seen:]:
+        for delegation_id, known in seen.items():
             try:
-                intent = trusted.verify(control.signed, ControlIntent)
-            except TetherError:
-                continue  # not acted on here, as the host would not (docs/security.md)
-            if (intent.delegation_id, intent.seq) != (guest.id, control.seq):
+                row = await sup.journal.get(delegation_id)
+                if row.control_seq <= known:
+                    continue
+                trusted = await sup.current_trust()
+                controls = await sup.journal.controls(delegation_id)
+            except TetherError:  # the journal is away: looked at again at the next poll
                 continue
-            if intent.kind is ControlKind.TERMINATE:
-                guest.cut(actions=True)
-                return
-            guest.stop = guest.stop or Recalled(guest.id, intent.reason)
-        seen = row.control_seq
+            for control in controls[known:]:
+                try:
+                    intent = trusted.verify(control.signed, ControlIntent)
+                except TetherError:
+                    continue  # not acted on here, as the host would not (docs/security.md)
+                if (intent.delegation_id, intent.seq) != (delegation_id, control.seq) or \
+                        intent.recovery:
+                    continue
+                for node in rt.walk():
+                    if intent.kind is ControlKind.TERMINATE:
+                        node.stop = Terminated(node.id, intent.reason)
+                        for call in node.inflight.values():
+                            call.cancel()
+                    else:
+                        node.stop = node.stop or Recalled(node.id, intent.reason)
+            seen[delegation_id] = row.control_seq
+
+
+def _detach(sup: Supervisor, delegation_id: str) -> None:
+    """The run closed: its delegation ends now. A child workflow still running (Temporal's
+    ABANDON) goes on on its own, as it does in Temporal, instead of keeping its parent's
+    delegation, and so the parent's next run (continued as new, say), from its task."""
+    rt = sup.runtime(delegation_id)
+    if rt is None:
+        return
+    for child in [c for c in rt.children if c.run is not None and not c.run.done.done()]:
+        rt.children.remove(child)
+        child.parent = None  # a root here from now on: closing this process terminates it
 
 
 async def _until_closed(client: temporalio.client.Client, hosted: _Hosted) -> str:
@@ -520,7 +576,7 @@ async def _until_closed(client: temporalio.client.Client, hosted: _Hosted) -> st
             waiter.cancel()
         await asyncio.gather(result, stopped, return_exceptions=True)
     if not result.done() or result.cancelled():
-        return "worker stopped"
+        return STOPPED
     status = (await handle.describe()).status
     return status.name if status is not None else "CLOSED"
 

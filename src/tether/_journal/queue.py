@@ -141,11 +141,12 @@ def latest_attempt(db: Db, delegation_id: str) -> DelegationRow:
 
 
 def task_head(db: Db, task_id: str) -> DelegationRow | None:
-    """The task's root delegation at its newest epoch, newest attempt first; None for a task
-    the journal does not know (an engine that names its own work, Temporal's workflow ids,
-    finds the delegation it runs under by task)."""
+    """The task's delegation at its newest epoch, newest attempt first (a root's, or a
+    child's: a Temporal child workflow's task); None for a task the journal does not know (an
+    engine that names its own work, Temporal's workflow ids, finds the delegation it runs
+    under by task)."""
     row = db.execute(
-        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE task_id = ? AND parent_id IS NULL "
+        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE task_id = ? "
         "ORDER BY epoch DESC, attempt DESC, created_at DESC LIMIT 1", (task_id,),
     ).fetchone()
     return None if row is None else _delegation(row)
