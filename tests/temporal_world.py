@@ -141,3 +141,13 @@ async def actions(sup: tether.Supervisor, workflow_id: str) -> Sequence[tether.A
     rows = [d for d in await sup.journal.delegations()
             if d.task_id == tether.temporal.task_of(workflow_id)]
     return await sup.journal.actions([d.id for d in rows])
+
+
+async def quiet(handle: WorkflowHandle[Any, Any], within: float = 60.0) -> None:
+    """Until the run has no activity and no workflow task pending in Temporal."""
+    for _ in range(int(within / 0.05)):
+        raw = (await handle.describe()).raw_description
+        if not raw.pending_activities and not raw.HasField("pending_workflow_task"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never quiet: workflow {handle.id}")

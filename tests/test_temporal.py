@@ -18,7 +18,7 @@ import tether
 import tether.temporal
 from tests.conftest import until
 from tests.temporal_flows import Refund, RefundLocally, TwoRefunds
-from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
+from tests.temporal_world import Provider, actions, quiet, start_refund, supervisor, worker
 
 
 @pytest.fixture
@@ -143,6 +143,9 @@ async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
         handle = await client.start_workflow(TwoRefunds.run, args=["M-1", "M-2"],
                                              id="wf-move", task_queue=queue)
         await until(lambda: provider.pay.refund_count("M-1") == 1, "the first refund")
+        # Stopped between workflow tasks (one a stopping worker held would first time out,
+        # in 10 s): the run waits for its signal.
+        await quiet(handle)
     async with supervisor(journal_url, provider) as second, \
             worker(client, second, provider, queue):
         await handle.signal(TwoRefunds.proceed)

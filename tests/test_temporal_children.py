@@ -17,7 +17,7 @@ import tether
 import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import Leaver, ParentElsewhere, ParentOfRefunds, TwoRefunds
-from tests.temporal_world import Provider, supervisor, worker
+from tests.temporal_world import Provider, quiet, supervisor, worker
 
 
 @pytest.fixture
@@ -45,16 +45,6 @@ async def start_tree(client: Client, queue: str, parent_id: str, child_id: str, 
     return await client.start_workflow(
         ParentOfRefunds.run, args=[child_id, f"{order}-1", f"{order}-2", f"{order}-3", abandon],
         id=parent_id, task_queue=queue)
-
-
-async def quiet(handle: WorkflowHandle[Any, Any], within: float = 60.0) -> None:
-    """Until the run has no activity and no workflow task pending in Temporal."""
-    for _ in range(int(within / 0.05)):
-        raw = (await handle.describe()).raw_description
-        if not raw.pending_activities and not raw.HasField("pending_workflow_task"):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never quiet: workflow {handle.id}")
 
 
 async def delegation_of(sup: tether.Supervisor, workflow_id: str) -> list[Any]:
