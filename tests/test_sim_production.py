@@ -111,7 +111,7 @@ def test_a_lost_commit_reply_is_read_back_and_the_write_lands_once(loss: str) ->
     name = f"lost-{loss}"
     anchor = shared_database(name)
     losses: list[Loss] = [loss]  # type: ignore[list-item]
-    runner = Counted(name, lose_commit=lambda: losses.pop() if losses else None)
+    runner = Counted(name, lose_commit=lambda wrote: losses.pop() if losses else None)
     journal = Journal("sqlite:///sim/journal.db", runner=runner, wall=lambda: 1.0)
 
     async def main() -> list[OwnerRow]:

@@ -11,10 +11,11 @@ COMMIT, so each batch is atomic even when several runners share one database.
 process of a trial (``file:NAME?mode=memory&cache=shared``), one connection per process.
 Given a ``Bus``, it has PostgreSQL's notifications (``listen``, and ``notify`` on the
 connection the operations get), delivered among the trial's processes on the loop.
-``lose_commit`` is the seam for a lost commit reply: asked at each batch's COMMIT, it
-may say that the reply is lost after the COMMIT ("after") or that the connection broke before
-it ("before"); either way the runner sees a lost connection at its COMMIT and reads back,
-from a commit marker the batch wrote (as on PostgreSQL), whether it committed.
+``lose_commit`` is the seam for a lost commit reply: asked at each batch's COMMIT (told
+whether the transaction wrote anything), it may say that the reply is lost after the COMMIT
+("after") or that the connection broke before it ("before"); either way the runner sees a
+lost connection at its COMMIT and reads back, from a commit marker the batch wrote (as on
+PostgreSQL), whether it committed.
 """
 
 from __future__ import annotations
@@ -128,10 +129,11 @@ class _Conn:
     ``notify`` queues a payload for the bus when its transaction commits (as ``pg_notify``):
     one rolled back, whole or to its savepoint, drops what it queued."""
 
-    def __init__(self, inner: sqlite3.Connection, lose: Callable[[], Loss],
+    def __init__(self, inner: sqlite3.Connection, lose: Callable[[bool], Loss],
                  landed: Callable[[list[str]], None]) -> None:
         self.inner = inner
         self._lose = lose
+        self._changes = inner.total_changes  # at BEGIN: whether a COMMIT writes anything
         self._landed = landed
         self.closed = False
         self._notes: list[str] = []
@@ -148,7 +150,7 @@ class _Conn:
             raise CommitLost("the connection is closed")
         if sql == "COMMIT" and self.inner.in_transaction:
             notes, self._notes = self._notes, []
-            loss = self._lose()
+            loss = self._lose(self.inner.total_changes != self._changes)
             if loss == "before":
                 self.inner.execute("ROLLBACK")
                 self.close()
@@ -161,6 +163,7 @@ class _Conn:
             return cur
         if sql.startswith("BEGIN") or sql == "ROLLBACK":
             self._notes = []
+            self._changes = self.inner.total_changes
         elif sql == "SAVEPOINT op":
             self._savepoint = len(self._notes)
         elif sql == "ROLLBACK TO SAVEPOINT op":
@@ -203,7 +206,8 @@ class MemorySqlite(InlineRunner):
     """One simulated process's runner on a trial's shared in-memory journal."""
 
     def __init__(self, name: str, *, latency: Callable[[], float] = lambda: 0.0,
-                 lose_commit: Callable[[], Loss] = lambda: None, mark: str = "commit",
+                 lose_commit: Callable[[bool], Loss] = lambda wrote: None,
+                 mark: str = "commit",
                  on_commit: Callable[[MemorySqlite], None] | None = None,
                  bus: Bus | None = None,
                  on_refusal: Callable[[str], None] | None = None) -> None:

@@ -173,9 +173,11 @@ class Trial:
         world. Recorded where it happens: a heartbeat's or a receipt's is answered to nobody."""
         self.errors.append(f"the journal's constraints refused a write: {what}")
 
-    def _lose(self) -> Loss:
+    def _lose(self, wrote: bool) -> Loss:
         if self.k.commit_loss and self.rng.random() < self.k.commit_loss:
-            self.stats["commits_lost"] += 1
+            # Counted where the commit wrote, as ``commits`` counts landed writes: a read's
+            # lost COMMIT reply is a fault all the same, and costs a retry.
+            self.stats["commits_lost"] += wrote
             return "after" if self.rng.random() < 0.5 else "before"
         return None
 
@@ -188,7 +190,7 @@ class Trial:
 
         runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
                               on_refusal=self.refusal,
-                              lose_commit=self._lose if lossy else (lambda: None),
+                              lose_commit=self._lose if lossy else (lambda wrote: None),
                               mark=f"{host.name}", on_commit=landed, bus=self.bus)
         journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
                           wall=HostClock(self.loop, host).wall)
