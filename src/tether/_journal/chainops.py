@@ -29,7 +29,7 @@ from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
-from tether._journal.tables import Db, blob, chunks, marks
+from tether._journal.tables import Db, Tx, blob, chunks, marks
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
@@ -113,10 +113,11 @@ class Sealer:
         """An awaited operation returned: the batch it last ran in (``noting``) committed, so
         the heads that batch sealed are remembered (once per batch, by the first of its
         operations to return)."""
-        sealed = getattr(ran[-1], "sealed", None) if ran else None
+        last = ran[-1] if ran else None
+        sealed = last.sealed if isinstance(last, Tx) else None
         witness = self.witness
-        if sealed and witness is not None:
-            ran[-1].sealed = None
+        if sealed and witness is not None and isinstance(last, Tx):
+            last.sealed = None
             for delegation_id, length, tip in sealed:
                 witness.note(delegation_id, length, tip)
 
@@ -230,7 +231,7 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
         return read[0]
 
     signer = sealer.signer
-    pre: dict[tuple[str, Any], str] = getattr(db, "pre", {})
+    pre: dict[tuple[str, Any], str] = db.pre if isinstance(db, Tx) else {}
     keys = list(dict.fromkeys(dirty))
     rows = _rows(db, keys)
     # delegation -> record -> (content, the row as this transaction found it); last wins
@@ -296,8 +297,8 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
                    (length, tip, chain.encode_path(path), signed.body, signed.key_id,
                     signed.signature, delegation_id))
         sealer.sealed(delegation_id, length, tip)
-    if hasattr(db, "dirty"):  # a batch's connection (``runner.Tx``): confirmed after COMMIT
-        db.sealed = [(d, length, tip) for d, length, tip, _ in moved]  # type: ignore[attr-defined]
+    if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
+        db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
 
 
 def _head(found: Any) -> chain.Head:

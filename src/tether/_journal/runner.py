@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tether._core.errors import JournalError
+from tether._journal.tables import Tx
 
 T = TypeVar("T")
 MAX_BATCH = 1024
@@ -68,24 +69,6 @@ def busy() -> bool:
     an event loop. A test clock moves time on its own only when none has
     (``VirtualClock.autojump``): a loop waiting for a commit is not waiting for time."""
     return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None)
-
-
-class Tx:
-    """What a write batch's operations receive: the backend's connection, plus the records
-    they wrote (``tables.touch``), for the sealer to chain before the COMMIT."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.execute = inner.execute
-        self.notify = inner.notify
-        self.server_time = inner.server_time
-        self.dirty: list[tuple[str, Any]] = []
-        # Each updated record's row as this transaction found it, read under its lock before
-        # the first write (``tables.before``): the chain keeps it beside the row written.
-        self.pre: dict[tuple[str, Any], str] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 class Retry(Exception):
@@ -345,7 +328,7 @@ class Runner:
         done: Done = []
         write = any(op.write for op in batch)
         db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
-        dirty: list[tuple[str, Any]] | None = getattr(db, "dirty", None)
+        dirty = db.dirty if isinstance(db, Tx) else None
         try:
             self.relax(conn, relaxed_batch(batch))
             self.begin(conn, write)

@@ -135,14 +135,33 @@ _delegation = _decoded("delegations", _delegation_row)
 _action = _decoded("actions", _action_row)
 
 
+class Tx:
+    """What a write batch's operations receive: the backend's connection, plus the records
+    they wrote (``touch``), for the sealer to chain before the COMMIT."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.execute = inner.execute
+        self.notify = inner.notify
+        self.server_time = inner.server_time
+        self.dirty: list[tuple[str, Any]] = []
+        # Each updated record's row as this transaction found it, read under its lock before
+        # the first write (``before``): the chain keeps it beside the row written.
+        self.pre: dict[tuple[str, Any], str] = {}
+        # The heads its seal moved, (delegation, length, hash): remembered once it committed.
+        self.sealed: list[tuple[str, int, str]] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def touch(db: Db, table: str, pk: Any) -> None:
     """Note a record this transaction wrote (and holds locked until it commits), for the
     writer to chain and seal before its COMMIT (``chainops.seal``). A connection that does not
     collect (a read, a migration) ignores it."""
-    dirty = getattr(db, "dirty", None)
-    if dirty is not None:
-        dirty.append((table, pk))
-        db.pre.setdefault((table, pk), "")  # type: ignore[attr-defined]  # inserted: none
+    if isinstance(db, Tx):
+        db.dirty.append((table, pk))
+        db.pre.setdefault((table, pk), "")  # inserted: no row before
 
 
 def before(db: Db, table: str, pk: Any) -> None:
@@ -150,9 +169,9 @@ def before(db: Db, table: str, pk: Any) -> None:
     lock (PostgreSQL), for the chain to keep its hash with the new entry. A row altered by
     hand since its last entry is then told apart from the writer's own update of it, instead
     of being sealed as if the writer had written it (``chain.judge``)."""
-    pre = getattr(db, "pre", None)
-    if pre is None or (table, pk) in pre:
+    if not isinstance(db, Tx) or (table, pk) in db.pre:
         return
+    pre = db.pre
     row = db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} x WHERE id = ? /*XLOCK x*/",
                      (pk,)).fetchone()
     pre[(table, pk)] = "" if row is None else chain.content_hash(row)
