@@ -139,14 +139,30 @@ class Leaver:
 
 
 @workflow.defn
-class ParentElsewhere:
-    """Refunds ``own``, then runs ``Refund`` as a child workflow on ``child_queue``."""
+class Middle:
+    """A child with no activity of its own: runs ``Refund`` as its own child."""
 
     @workflow.run
-    async def run(self, own: str, child_id: str, child_queue: str, order: str) -> list[str]:
+    async def run(self, kid_id: str, order: str) -> str:
+        ref: str = await workflow.execute_child_workflow(
+            Refund.run, args=["refund", order, 1250, 3], id=kid_id)
+        return ref
+
+
+@workflow.defn
+class ParentElsewhere:
+    """Refunds ``own``, then runs ``Refund`` as a child workflow on ``child_queue``, or,
+    given ``middle``, ``Middle`` there (whose child refunds)."""
+
+    @workflow.run
+    async def run(self, own: str, child_id: str, child_queue: str, order: str,
+                  middle: str = "") -> list[str]:
         mine: str = await workflow.execute_activity(
             "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
-        child: str = await workflow.execute_child_workflow(
-            Refund.run, args=["refund", order, 1250, 3], id=child_id, task_queue=child_queue)
+        child: str = await (workflow.execute_child_workflow(
+            Middle.run, args=[child_id, order], id=middle, task_queue=child_queue) if middle
+            else workflow.execute_child_workflow(
+                Refund.run, args=["refund", order, 1250, 3], id=child_id,
+                task_queue=child_queue))
         return [mine, child]

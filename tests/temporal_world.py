@@ -21,6 +21,7 @@ import tether.temporal
 from tests.conftest import ONE_CLOCK
 from tests.temporal_flows import (
     Leaver,
+    Middle,
     ParentElsewhere,
     ParentOfRefunds,
     Refund,
@@ -111,7 +112,7 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
                       workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally,
-                                 ParentOfRefunds, Leaver, ParentElsewhere],
+                                 ParentOfRefunds, Leaver, ParentElsewhere, Middle],
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,

@@ -184,22 +184,64 @@ async def test_a_child_workflow_recalled_by_its_handle_reports_its_refund(
             await parent.result()
 
 
-async def test_a_child_on_a_queue_another_worker_serves_is_in_its_parents_tree(
+async def test_a_recall_of_the_parent_stops_a_child_that_runs_on_another_worker(
         client: Client, provider: Provider, journal_url: str) -> None:
-    """The parent runs on worker A's queue, its child on a queue only worker B serves: B
-    opens the child's delegation under A's parent delegation, and both refunds run once."""
-    async with both(journal_url, provider) as (a, b):
+    """The parent runs on worker A's queue, its child on a queue only worker B serves: the
+    child's run is a delegation of its own on B (a tree is one process's). A recall of the
+    parent fences the parent, then stops that child too, within the same grace, and reports
+    its refund with the parent's."""
+    async with both(journal_url, provider) as (a, boss), \
+            supervisor(journal_url, provider) as b:
         other = await Client.connect(client.service_client.config.target_host)
         async with worker(client, a, provider) as first, \
                 worker(other, b, provider) as second:
+            drained = events_of(b)
+            provider.holds["E-2"] = asyncio.Event()
             parent = await client.start_workflow(
                 ParentElsewhere.run, args=["E-1", "wf-far-kid", second, "E-2"],
                 id="wf-far", task_queue=first)
-            assert len(await parent.result()) == 2
-            (top,) = await delegation_of(a, "wf-far")
-            (kid,) = await delegation_of(a, "wf-far-kid")
-    assert (kid.parent_id, top.owner_id, kid.owner_id) == (top.id, a.owner_id, b.owner_id)
+            await until(lambda: provider.pay.refund_count("E-2") == 1, "the child's refund")
+            (kid,) = await delegation_of(boss, "wf-far-kid")
+            assert (kid.parent_id, kid.owner_id) == (None, b.owner_id)
+            recall = asyncio.create_task(tether.temporal.recall(
+                parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
+            await drained("drain", kid.id).wait()  # the child's fence, after the parent's
+            provider.holds["E-2"].set()
+            report = await recall
+            with contextlib.suppress(WorkflowFailureError):
+                await parent.result()
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert [(r.delegation_id, r.outcome) for r in report.children] == [
+        (kid.id, tether.DelegationState.RECALLED)]
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-far:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-far-kid:refund:1", tether.ActionState.COMPLETED)]
     assert [provider.pay.refund_count(o) for o in ("E-1", "E-2")] == [1, 1]
+
+
+async def test_a_terminate_of_the_parent_cuts_a_grandchilds_call_on_another_worker(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent on worker A; its child (no activity of its own) and grandchild on worker
+    B, one tree there. A terminate of the parent reaches the grandchild's refund and cuts
+    it at B before Temporal hears of the terminate; the probe reports it COMPLETED."""
+    async with both(journal_url, provider) as (a, boss), \
+            supervisor(journal_url, provider) as b:
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(client, a, provider) as first, \
+                worker(other, b, provider) as second:
+            provider.holds["F-2"] = asyncio.Event()
+            parent = await client.start_workflow(
+                ParentElsewhere.run, args=["F-1", "wf-deep-kid", second, "F-2", "wf-deep-mid"],
+                id="wf-deep", task_queue=first)
+            await until(lambda: provider.pay.refund_count("F-2") == 1, "the grandchild's")
+            report = await tether.temporal.terminate(parent, supervisor=boss, reason="cut")
+            assert provider.cut == 1  # cut at B by the terminate, not left to run on
+            with contextlib.suppress(WorkflowFailureError):
+                await parent.result()
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-deep:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-deep-kid:refund:1", tether.ActionState.COMPLETED)]
+    assert [provider.pay.refund_count(o) for o in ("F-1", "F-2")] == [1, 1]
 
 
 async def test_a_parents_next_run_leaves_its_abandoned_child_alone(

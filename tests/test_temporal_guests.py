@@ -159,8 +159,8 @@ async def test_a_guests_call_outlives_its_hosts_death_and_the_run_goes_on(
 async def test_a_row_written_by_hand_never_makes_a_recalled_run_act_as_a_guest(
         client: Client, provider: Provider, sqlite_url: str) -> None:
     """Someone with write access to the journal but no key inserts an unfenced next epoch
-    of a recalled run, owned by a live process: a worker would act there as its guest. The
-    guest first verifies the host's records, names them tampered, and refuses."""
+    of a recalled run, owned by a live process, for a worker to act in as its guest: the
+    worker finds the run's recall at its earlier epoch, and refuses."""
     queue = f"q-{uuid.uuid4().hex[:12]}"
     async with supervisor(sqlite_url, provider) as a, supervisor(sqlite_url, provider) as b, \
             supervisor(sqlite_url, provider) as boss:
@@ -186,8 +186,9 @@ async def test_a_row_written_by_hand_never_makes_a_recalled_run_act_as_a_guest(
             with pytest.raises(WorkflowFailureError) as failed:
                 await run.result()
         why = str(failed.value.cause.__cause__)
-        assert "refusing to act as a guest of d_forged" in why, why
-        assert "fail verification against their signed chain" in why, why
+        # Refused by the recall of the run's first epoch (every epoch of a run is looked at),
+        # and, were that gone too, by the forged row's own chain.
+        assert "was recalled or terminated" in why, why
         assert provider.keys == [] and provider.pay.refund_count("X-1") == 0
 
 
@@ -210,8 +211,7 @@ async def test_a_new_run_of_the_workflow_id_gets_a_delegation_of_its_own(
                 Leaver.run, args=["N-1", "", "", "", "N-2"], id="wf-again", task_queue=second)
             report = await tether.temporal.recall(run2, supervisor=boss, grace=5.0,
                                                   reason="stop run 2")
-            await run2.signal(Leaver.proceed)
-            with contextlib.suppress(WorkflowFailureError):
+            with contextlib.suppress(WorkflowFailureError):  # cancelled, or refused
                 await run2.result()
             tops = await both_epochs(boss, "wf-again")
         assert report.outcome is tether.DelegationState.RECALLED

@@ -9,6 +9,7 @@ Temporal, so that its in-flight activities got their grace and no new one can st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import temporalio.client
@@ -43,7 +44,10 @@ async def terminate(handle: temporalio.client.WorkflowHandle[Any, Any], *,
 
 
 async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervisor,
-                kind: ControlKind, grace: float | None, reason: str) -> Report:
+               kind: ControlKind, grace: float | None, reason: str, *,
+               told: bool = True) -> Report:
+    """``told``: cancel (recall) or terminate the run in Temporal once its report is in (a
+    child workflow stopped with its parent is left to Temporal's own policy for it)."""
     if not isinstance(handle, temporalio.client.WorkflowHandle):
         raise UserError(f"expected a Temporal WorkflowHandle, not {type(handle).__name__}")
     if not isinstance(sup, Supervisor) or not sup.is_open:
@@ -61,8 +65,40 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.recall(grace, reason)
     else:
         report = await mine.terminate(reason)
-    await tell_temporal(handle, kind, reason)
-    return report
+    # Its child workflows whose runs are delegations of their own (opened on a worker that
+    # did not host this run): stopped now too, once this run's fence stands (no child of it
+    # can act any more), and reported with it. Listed before Temporal closes the run.
+    # Temporal is told last: its cancel or terminate of this run reaches the children too,
+    # and a child's calls Temporal cancelled run on, shielded, where tether's terminate cuts.
+    others = await _children_apart(sup, handle)
+    reports = await asyncio.gather(*(stop(h, sup, kind, grace, reason, told=False)
+                                     for h in others))
+    if told:
+        await tell_temporal(handle, kind, reason)
+    return dataclasses.replace(report, children=(*report.children, *reports)) if reports \
+        else report
+
+
+async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]
+                          ) -> list[temporalio.client.WorkflowHandle[Any, Any]]:
+    """The run's child workflows (as Temporal lists them, still running) whose live
+    delegation is a root of its own rather than in this run's subtree."""
+    try:
+        described = await handle.describe()
+    except RPCError as exc:
+        if exc.status is RPCStatusCode.NOT_FOUND:
+            return []
+        raise
+    apart = []
+    for child in described.raw_description.pending_children:
+        head = await sup.journal.peek(queue.task_head, task_of(child.workflow_id))
+        if head is None or head.parent_id is not None or run_of(head) != child.run_id \
+                or head.fenced or head.state.terminal:
+            continue  # in the tree (fenced with it), never opened (refused), or ended
+        # The SDK's handle keeps its client private (within the pinned range, tested).
+        apart.append(handle._client.get_workflow_handle(child.workflow_id,
+                                                        run_id=child.run_id))
+    return apart
 
 
 async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]

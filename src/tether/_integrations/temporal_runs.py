@@ -62,32 +62,35 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
     return Handle.for_run(sup, run)
 
 
-async def open_child(sup: Supervisor, parent_row: DelegationRow, workflow_id: str,
-                     run_id: str, agent: Agent) -> Handle:
+async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: str,
+                     agent: Agent) -> Handle:
     """Start a child workflow run's delegation in ``sup``, as a child of its parent run's
-    delegation ``parent_row`` (hosted here, or by another live process): the task's first
-    epoch, else its next, whose completed calls replay by key (as a re-delegated parent's
-    children do). The journal refuses it once the parent is fenced, as any child of a
-    recalled delegation."""
+    delegation ``parent_id``, hosted here: the task's first epoch, else its next, whose
+    completed calls replay by key (as a re-delegated parent's children do). The journal
+    refuses it once the parent is fenced, as any child of a recalled delegation."""
     task = task_of(workflow_id)
+    parent = sup.runtime(parent_id)
+    if parent is None:
+        raise RunRefused(f"the parent's delegation {parent_id} ended here", retry=True)
     head = await sup.journal.peek(queue.task_head, task)
     if head is not None:
         await _next_epoch_of(sup, head, workflow_id, run_id)
-    parent = sup.runtime(parent_row.id)
-    # A parent hosted elsewhere: a stand-in for the journal's gate (its fence, epoch and its
-    # host's lease); the child is a root here (closing this process terminates it).
-    elsewhere = parent is None
-    if parent is None:
-        parent = ChildRuntime(parent_row, agent, {})
     try:
         run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task,
                                     guests=True)
     except ControlSignal as signal:
-        raise RunRefused(f"its parent's delegation {parent_row.id} is fenced: "
+        raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
                          f"{type(signal).__name__.lower()}: {signal}") from None
-    if elsewhere:
-        run.current.parent = None
     return Handle.for_run(sup, run)
+
+
+async def stopped_run(sup: Supervisor, task: str, run_id: str) -> DelegationRow | None:
+    """A delegation of ``task`` for the workflow run ``run_id`` that someone recalled or
+    terminated, at any epoch (a later epoch of another run of the id never reopens it)."""
+    for row in await sup.journal.peek(queue.task_delegations, task):
+        if row.control_seq > 0 and run_of(row) == run_id and await run_stopped(sup, row):
+            return row
+    return None
 
 
 async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
@@ -99,9 +102,10 @@ async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
     # sequence above 0, and only that one keeps its run out for good. A recovery's terminate
     # (tether settling the delegation of a worker that died) stopped nobody's work: the run
     # goes on at a new epoch, as Temporal retries its activity elsewhere.
-    if head.control_seq > 0 and run_of(head) == run_id and await run_stopped(sup, head):
+    stop = await stopped_run(sup, head.task_id, run_id)
+    if stop is not None:
         raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
-                         f"{head.id}, control sequence {head.control_seq})")
+                         f"{stop.id}, control sequence {stop.control_seq})")
     if not head.fenced and not head.state.terminal:
         if head.owner_id == sup.owner_id and sup.runtime(head.id) is not None:
             # This process's own, still live: an earlier run's whose close it has not seen

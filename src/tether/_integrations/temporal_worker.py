@@ -45,10 +45,19 @@ from tether._core.errors import (
 )
 from tether._core.model import ControlKind, Effect, check_positive
 from tether._core.redispatch import UNRESTRICTED
-from tether._integrations.temporal_runs import RunRefused, open_child, open_run, run_stopped
+from tether._integrations.temporal_runs import (
+    RunRefused,
+    open_child,
+    open_run,
+    run_stopped,
+    stopped_run,
+)
+from tether._integrations.temporal_task import run_of, task_of
+from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context, replaced
 from tether._runtime.handle import Handle
+from tether._runtime.remote import owner_alive
 from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
@@ -214,9 +223,9 @@ class _Hosted:
     # A run another live process hosts: this worker makes its calls as a guest, in that
     # delegation (the journal's fence, epoch and lease gate them as any), for one activity.
     guest: ChildRuntime | None = None
-    # Delegations hosted elsewhere whose control intents this run's calls watch while they
-    # run (a guest's host, and its ancestors; a child's parent run hosted elsewhere), each
-    # with the control sequence it had when this run was opened here.
+    # Delegations hosted elsewhere whose control intents a guest's call watches while it
+    # runs (its host's and their ancestors), each with the control sequence it had when the
+    # guest judged the host.
     watched: tuple[tuple[str, int], ...] = ()
 
     def live(self, sup: Supervisor) -> bool:
@@ -341,10 +350,8 @@ class Host:
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
         key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
         token = _PENDING.set(_Pending(next, input))
-        rt = hosted.guest or (None if hosted.handle is None
-                              else self.sup.runtime(hosted.handle.id))
-        watch = None if rt is None or not hosted.watched else asyncio.create_task(
-            watch_controls(self.sup, rt, hosted.watched))
+        watch = None if hosted.guest is None else asyncio.create_task(
+            watch_controls(self.sup, hosted.guest, hosted.watched))
         try:
             return await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
         except ControlSignal as signal:
@@ -396,10 +403,10 @@ class Host:
                 raise _refused(str(exc)) from None
 
     async def _open(self, workflow_id: str, run_id: str) -> _Hosted:
-        """The run's delegation, hosted here (under ``self._lock``). A child workflow's run is
-        a child delegation of its parent run's, which is opened here first if need be: a
-        recall of the parent then fences the child's activities too, and its drain waits for
-        them (one tree, in one process)."""
+        """The run's delegation, hosted here (under ``self._lock``), or the host's, as its
+        guest. A child workflow's run is a child delegation of its parent run's where that is
+        hosted here (opened first if need be): a recall of the parent then fences the child's
+        activities too, and its drain waits for them (one tree, in one process)."""
         sup = self.sup
         key = (workflow_id, run_id)
         found = self.runs.get(key)
@@ -407,13 +414,8 @@ class Host:
             return found
         client = self.client or temporalio.activity.client()
         workflow_type, parent_key = await self._describe(client, workflow_id, run_id)
-        parent: _Hosted | None = None
-        if parent_key is not None:
-            try:
-                parent = await self._open(*parent_key)
-            except RunRefused as exc:
-                raise RunRefused(f"workflow {workflow_id} is a child of workflow "
-                                 f"{parent_key[0]}: {exc}", retry=exc.retry) from None
+        parent = None if parent_key is None else await self._parent(client, workflow_id,
+                                                                    parent_key)
         hosted = _Hosted(workflow_id, run_id)
 
         async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
@@ -429,15 +431,13 @@ class Host:
                     del self.runs[key]
 
         agent = Agent(f"temporal:{workflow_type}", body, tuple(self.surface.values()))
-        parent_row = None if parent is None else await parent_of(sup, parent)
         self.runs[key] = hosted
         try:
-            if parent_row is None:
+            if parent is None or parent.handle is None:
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
             else:
-                hosted.handle = await open_child(sup, parent_row, workflow_id, run_id, agent)
-                if sup.runtime(parent_row.id) is None:  # its parent runs elsewhere
-                    hosted.watched = await lineage(sup, parent_row)
+                hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
+                                                 agent)
             await hosted.ready.wait()
         except RunRefused as exc:
             if exc.host is None:
@@ -449,6 +449,34 @@ class Host:
             if not hosted.ready.is_set() and self.runs.get(key) is hosted:
                 del self.runs[key]
         return hosted
+
+    async def _parent(self, client: temporalio.client.Client, workflow_id: str,
+                      parent_key: tuple[str, str]) -> _Hosted | None:
+        """The parent run's delegation a child run opens under, hosted here (opened now if the
+        parent runs and nobody hosts it); None where the child is a delegation of its own: its
+        parent's is hosted by another live worker (one tree is one process), or its parent's
+        run has closed (an abandoned child goes on on its own, as in Temporal). Refused for a
+        child of a run someone recalled or terminated."""
+        sup = self.sup
+        parent_id, parent_run = parent_key
+        stop = await stopped_run(sup, task_of(parent_id), parent_run)
+        if stop is not None:
+            raise RunRefused(f"workflow {workflow_id} is a child of workflow {parent_id}, "
+                             f"whose run {parent_run} was recalled or terminated (delegation "
+                             f"{stop.id})")
+        found = self.runs.get(parent_key)
+        if found is not None and found.live(sup):
+            return found
+        described = await client.get_workflow_handle(parent_id, run_id=parent_run).describe()
+        if described.status is not temporalio.client.WorkflowExecutionStatus.RUNNING:
+            return None
+        head = await sup.journal.peek(queue.task_head, task_of(parent_id))
+        if head is not None and run_of(head) == parent_run and not head.fenced \
+                and not head.state.terminal and head.owner_id != sup.owner_id \
+                and await owner_alive(sup, head.owner_id):
+            return None
+        parent = await self._open(parent_id, parent_run)
+        return None if parent.guest is not None else parent
 
     async def _describe(self, client: temporalio.client.Client, workflow_id: str,
                         run_id: str) -> tuple[str, tuple[str, str] | None]:
@@ -493,15 +521,6 @@ async def stopped(sup: Supervisor, delegation_id: str) -> bool:
     return row.control_seq > 0 and await run_stopped(sup, row)
 
 
-async def parent_of(sup: Supervisor, parent: _Hosted) -> DelegationRow:
-    """The delegation a child run opens under: its parent run's, hosted here or elsewhere."""
-    if parent.guest is not None:
-        return parent.guest.row
-    assert parent.handle is not None
-    rt = sup.runtime(parent.handle.id)
-    return rt.row if rt is not None else await sup.journal.get(parent.handle.id)
-
-
 async def lineage(sup: Supervisor, row: DelegationRow) -> tuple[tuple[str, int], ...]:
     """``row`` and its ancestors, nearest first, with their control sequences as read: whose
     control intents reach a call made under ``row`` (a recall or terminate of any fences it).
@@ -515,8 +534,8 @@ async def lineage(sup: Supervisor, row: DelegationRow) -> tuple[tuple[str, int],
 
 async def watch_controls(sup: Supervisor, rt: ChildRuntime,
                          watched: Sequence[tuple[str, int]]) -> None:
-    """While a call runs here under a delegation hosted elsewhere (a guest's, or a child
-    whose parent runs elsewhere): a control intent accepted for one of ``watched``, once its
+    """While a guest's call runs here under a delegation another worker hosts: a control
+    intent accepted for one of ``watched`` (that delegation and its ancestors), once its
     signature verifies, reaches the call as it would at the host. A recall stops new calls
     (the journal refuses them anyway); a terminate cuts the call now, which the host's drain
     marks in doubt and probes. A recovery's terminate stopped nobody's work: the call runs on

@@ -152,6 +152,16 @@ def task_head(db: Db, task_id: str) -> DelegationRow | None:
     return None if row is None else _delegation(row)
 
 
+def task_delegations(db: Db, task_id: str) -> list[DelegationRow]:
+    """Every delegation of a task, oldest epoch first (a Temporal run's task: whether any
+    epoch of one run was stopped)."""
+    rows = db.execute(
+        f"SELECT {_DELEGATION_COLS} FROM delegations WHERE task_id = ? "
+        "ORDER BY epoch, attempt, created_at", (task_id,),
+    ).fetchall()
+    return [_delegation(r) for r in rows]
+
+
 def progress(db: Conn, delegation_id: str) -> QueueProgress:
     """The queue row, the task's newest attempt and the claimant's lease: one read per poll."""
     entry = queue_entry(db, delegation_id)
