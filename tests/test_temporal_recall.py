@@ -284,3 +284,26 @@ async def test_tether_recall_from_a_shell_stops_a_temporal_run_in_both(
         # Temporal was not told: the run goes on, and its next step is refused (it fails).
         assert await closed(second) in (WorkflowExecutionStatus.FAILED,
                                         WorkflowExecutionStatus.COMPLETED)
+
+
+async def test_a_recalled_run_stays_out_after_an_older_run_of_its_id_is_recalled_too(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run 2 of an id is recalled before it acted; then someone recalls the closed run 1 by
+    its handle, which opens (and fences) a later epoch for run 1. Run 2's step is refused all
+    the same: every epoch of a run is looked at, not only the task's newest."""
+    pay = provider.pay
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        # Run 1 refunds through another activity, so that run 2's refund has a key of its own.
+        first = await start_refund(client, queue, "wf-twice", "keyed_refund", "Y-1")
+        await first.result()
+        second = await client.start_workflow(RefundAnyway.run, args=["Y-2"], id="wf-twice",
+                                             task_queue=queue)
+        await tether.temporal.recall(second, supervisor=boss, grace=2.0, reason="stop run 2")
+        await tether.temporal.recall(
+            client.get_workflow_handle("wf-twice", run_id=first.result_run_id),
+            supervisor=boss, grace=2.0, reason="stop run 1 too")
+        with pytest.raises(WorkflowFailureError) as failed:  # cancelled, it steps on anyway
+            await second.result()
+        assert "recalled or terminated" in str(failed.value.cause.__cause__)
+        assert [pay.refund_count(o) for o in ("Y-1", "Y-2")] == [1, 0]
