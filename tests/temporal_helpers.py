@@ -15,10 +15,16 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tether._chaos.pgserver import free_port
+
+if TYPE_CHECKING:
+    from temporalio.client import Client
+
+    from tests.temporal_world import Provider
 
 
 def temporal_binary() -> str | None:
@@ -95,3 +101,20 @@ def stop_server(server: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+# Imported when used: this module is a plugin of every test, Temporal's or not.
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    """A client of the tests' dev server."""
+    from temporalio.client import Client
+
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture
+def provider() -> Provider:
+    """The payment provider of the Temporal tests (``temporal_world``)."""
+    from tests.temporal_world import Provider
+
+    return Provider()

@@ -152,3 +152,11 @@ async def quiet(handle: WorkflowHandle[Any, Any], within: float = 60.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"never quiet: workflow {handle.id}")
+
+
+@contextlib.asynccontextmanager
+async def both(url: str, provider: Provider
+               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
+    """The worker's supervisor, then the orchestrator's, on one journal."""
+    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
+        yield host, boss

@@ -21,16 +21,6 @@ from tests.temporal_flows import Refund, RefundLocally, TwoRefunds
 from tests.temporal_world import Provider, actions, quiet, start_refund, supervisor, worker
 
 
-@pytest.fixture
-async def client(temporal_address: str) -> Client:
-    return await Client.connect(temporal_address)
-
-
-@pytest.fixture
-def provider() -> Provider:
-    return Provider()
-
-
 # -- keys ---------------------------------------------------------------------------------------
 async def test_a_retry_of_an_activity_gets_the_key_of_its_first_attempt(
         client: Client, provider: Provider, journal_url: str) -> None:

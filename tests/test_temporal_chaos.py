@@ -40,11 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-async def client(temporal_address: str) -> Client:
-    return await Client.connect(temporal_address)
-
-
-@pytest.fixture
 def world(tmp_path: Path) -> Path:
     (tmp_path / "world").mkdir()
     return tmp_path / "world"

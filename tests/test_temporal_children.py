@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -17,25 +16,7 @@ import tether
 import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import Leaver, ParentElsewhere, ParentOfRefunds, TwoRefunds
-from tests.temporal_world import Provider, quiet, supervisor, worker
-
-
-@pytest.fixture
-async def client(temporal_address: str) -> Client:
-    return await Client.connect(temporal_address)
-
-
-@pytest.fixture
-def provider() -> Provider:
-    return Provider()
-
-
-@contextlib.asynccontextmanager
-async def both(url: str, provider: Provider
-               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
-    """The worker's supervisor, then the orchestrator's, on one journal."""
-    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
-        yield host, boss
+from tests.temporal_world import Provider, both, quiet, supervisor, worker
 
 
 async def start_tree(client: Client, queue: str, parent_id: str, child_id: str, order: str,

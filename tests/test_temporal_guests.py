@@ -20,25 +20,8 @@ import tether
 import tether.temporal
 from tests.conftest import until
 from tests.temporal_flows import Leaver, RefundAnyway, TwoRefunds
-from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
+from tests.temporal_world import Provider, actions, both, start_refund, supervisor, worker
 from tether._core import drain
-
-
-@pytest.fixture
-async def client(temporal_address: str) -> Client:
-    return await Client.connect(temporal_address)
-
-
-@pytest.fixture
-def provider() -> Provider:
-    return Provider()
-
-
-@contextlib.asynccontextmanager
-async def both(url: str, provider: Provider
-               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
-    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
-        yield host, boss
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,25 +22,7 @@ import tether
 import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import RefundAnyway
-from tests.temporal_world import Provider, actions, start_refund, supervisor, worker
-
-
-@pytest.fixture
-async def client(temporal_address: str) -> Client:
-    return await Client.connect(temporal_address)
-
-
-@pytest.fixture
-def provider() -> Provider:
-    return Provider()
-
-
-@contextlib.asynccontextmanager
-async def both(url: str, provider: Provider
-               ) -> AsyncIterator[tuple[tether.Supervisor, tether.Supervisor]]:
-    """The worker's supervisor, then the orchestrator's, on one journal."""
-    async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
-        yield host, boss
+from tests.temporal_world import Provider, actions, both, start_refund, supervisor, worker
 
 
 async def closed(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
