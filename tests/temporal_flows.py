@@ -140,29 +140,39 @@ class Leaver:
 
 @workflow.defn
 class Middle:
-    """A child with no activity of its own: runs ``Refund`` as its own child."""
+    """Refunds ``own`` if given (else a child with no activity of its own), then runs
+    ``Refund`` as its own child (on ``kid_queue`` if given)."""
 
     @workflow.run
-    async def run(self, kid_id: str, order: str) -> str:
+    async def run(self, kid_id: str, order: str, kid_queue: str = "", own: str = "") -> str:
+        if own:
+            await workflow.execute_activity("refund", args=[own, 1250],
+                                            start_to_close_timeout=timedelta(seconds=60),
+                                            retry_policy=RETRIES)
         ref: str = await workflow.execute_child_workflow(
-            Refund.run, args=["refund", order, 1250, 3], id=kid_id)
+            Refund.run, args=["refund", order, 1250, 3], id=kid_id,
+            task_queue=kid_queue or None)
         return ref
 
 
 @workflow.defn
 class ParentElsewhere:
     """Refunds ``own``, then runs ``Refund`` as a child workflow on ``child_queue``, or,
-    given ``middle``, ``Middle`` there (whose child refunds)."""
+    given ``middle``, ``Middle`` there (whose child refunds), or (``middle_here``) ``Middle``
+    on this queue and its child there."""
 
     @workflow.run
     async def run(self, own: str, child_id: str, child_queue: str, order: str,
-                  middle: str = "") -> list[str]:
+                  middle: str = "", middle_here: bool = False) -> list[str]:
         mine: str = await workflow.execute_activity(
             "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
-        child: str = await (workflow.execute_child_workflow(
-            Middle.run, args=[child_id, order], id=middle, task_queue=child_queue) if middle
+        child: str = await (workflow.execute_child_workflow(  # Middle here, its child there
+            Middle.run, args=[child_id, order, child_queue, f"{own}-mid"], id=middle)
+            if middle_here
             else workflow.execute_child_workflow(
+                Middle.run, args=[child_id, order], id=middle, task_queue=child_queue)
+            if middle else workflow.execute_child_workflow(
                 Refund.run, args=["refund", order, 1250, 3], id=child_id,
                 task_queue=child_queue))
         return [mine, child]

@@ -225,6 +225,39 @@ async def test_a_terminate_of_the_parent_cuts_a_grandchilds_call_on_another_work
     assert [provider.pay.refund_count(o) for o in ("F-1", "F-2")] == [1, 1]
 
 
+async def test_a_recall_reaches_a_grandchild_apart_behind_a_child_in_the_tree(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent and its child on worker A, one tree; the grandchild on worker B, a
+    delegation of its own. A recall of the parent looks through the
+    child for children apart, stops the grandchild within the same grace, and its report
+    carries the grandchild's refund."""
+    async with both(journal_url, provider) as (a, boss), \
+            supervisor(journal_url, provider) as b:
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(client, a, provider) as first, \
+                worker(other, b, provider) as second:
+            drained = events_of(b)
+            provider.holds["J-2"] = asyncio.Event()
+            parent = await client.start_workflow(
+                ParentElsewhere.run,
+                args=["J-1", "wf-behind-kid", second, "J-2", "wf-behind-mid", True],
+                id="wf-behind", task_queue=first)
+            await until(lambda: provider.pay.refund_count("J-2") == 1, "the grandchild's")
+            (kid,) = await delegation_of(boss, "wf-behind-kid")
+            recall = asyncio.create_task(tether.temporal.recall(
+                parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
+            await asyncio.wait_for(drained("drain", kid.id).wait(), 60)
+            provider.holds["J-2"].set()
+            report = await recall
+            with contextlib.suppress(WorkflowFailureError):
+                await parent.result()
+    assert (kid.parent_id, report.outcome) == (None, tether.DelegationState.RECALLED)
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-behind:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-behind-mid:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-behind-kid:refund:1", tether.ActionState.COMPLETED)]
+
+
 async def test_a_parents_next_run_leaves_its_abandoned_child_alone(
         client: Client, provider: Provider, journal_url: str) -> None:
     """Run 1 closes while its abandoned child runs on; run 2 of the same workflow id opens

@@ -1,7 +1,8 @@
 """``tether recall`` and ``terminate`` of a delegation that is a Temporal workflow run: with
 ``--temporal ADDRESS`` the run is cancelled (or terminated) in Temporal too, once the journal's
-report is in, as ``tether.temporal.recall`` does; without it, the run is fenced in the journal
-and the command says that Temporal was not told."""
+report is in, as ``tether.temporal.recall`` does (which also stops the run's child workflows
+running apart on other workers; this command does not); without it, the run is fenced in the
+journal and the command says that Temporal was not told."""
 
 from __future__ import annotations
 

@@ -15,9 +15,10 @@ from typing import Any
 import temporalio.client
 from temporalio.service import RPCError, RPCStatusCode
 
-from tether._core.errors import Tampered, UserError
-from tether._core.model import ControlKind
+from tether._core.errors import Tampered, TetherError, UserError
+from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
+from tether._core.verdict import Verdict
 from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
@@ -27,6 +28,7 @@ from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
 
 _ATTEMPTS = 5  # a worker opening the run's delegation while this process does
+_DEPTH = 32  # generations of child workflows a stop looks through for children apart
 
 
 async def recall(handle: temporalio.client.WorkflowHandle[Any, Any], *, supervisor: Supervisor,
@@ -55,9 +57,10 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
     if not isinstance(reason, str):
         raise UserError("reason must be a string")
     try:
-        row = await _delegation_of(sup, handle)
+        row = await _delegation_of(sup, handle, reopen=told)
     except Tampered:  # a person decides on the records; the run is stopped in Temporal still
-        await tell_temporal(handle, kind, reason)
+        if told:
+            await tell_temporal(handle, kind, reason)
         raise
     mine = sup.handle_for(row.id)
     if kind is ControlKind.RECALL:
@@ -66,23 +69,69 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
     else:
         report = await mine.terminate(reason)
     # Its child workflows whose runs are delegations of their own (opened on a worker that
-    # did not host this run): stopped now too, once this run's fence stands (no child of it
-    # can act any more), and reported with it. Listed before Temporal closes the run.
-    # Temporal is told last: its cancel or terminate of this run reaches the children too,
-    # and a child's calls Temporal cancelled run on, shielded, where tether's terminate cuts.
-    others = await _children_apart(sup, handle)
-    reports = await asyncio.gather(*(stop(h, sup, kind, grace, reason, told=False)
-                                     for h in others))
-    if told:
-        await tell_temporal(handle, kind, reason)
-    return dataclasses.replace(report, children=(*report.children, *reports)) if reports \
-        else report
+    # did not host their parent's), at any depth: stopped now too, once this run's fence
+    # stands, and reported with it. Listed before Temporal closes the run, and told last:
+    # its cancel or terminate reaches the children too, and a child's calls Temporal
+    # cancelled run on, shielded, where tether's terminate cuts them.
+    apart: list[temporalio.client.WorkflowHandle[Any, Any]] = []
+    outcomes: list[Report | BaseException] = []
+    try:
+        apart = await _children_apart(sup, handle)
+        outcomes = list(await asyncio.gather(
+            *(stop(h, sup, kind, grace, reason, told=False) for h in apart),
+            return_exceptions=True))
+    except (TetherError, RPCError) as exc:  # the children could not be listed
+        outcomes = [exc]
+    finally:
+        if told:
+            await tell_temporal(handle, kind, reason)
+    return _with_children(report, [h.id for h in apart], outcomes)
 
 
-async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]
-                          ) -> list[temporalio.client.WorkflowHandle[Any, Any]]:
-    """The run's child workflows (as Temporal lists them, still running) whose live
-    delegation is a root of its own rather than in this run's subtree."""
+# How far a verdict is from "nothing happened": a report with children stopped apart carries
+# the worst of theirs and its own.
+_RANK = {v: n for n, v in enumerate((
+    Verdict.NEVER_STARTED, Verdict.NO_SIDE_EFFECTS, Verdict.RECALLED_CLEAN, Verdict.RECONCILE,
+    Verdict.RECOVERED, Verdict.GRACE_EXPIRED, Verdict.ESCALATE_NO_ACK, Verdict.TERMINATE,
+    Verdict.REJECTED))}
+
+
+def _rank(verdict: str) -> int:
+    try:
+        return _RANK[Verdict(verdict)]
+    except (ValueError, KeyError):  # one this process does not know: the worst
+        return len(_RANK)
+
+
+def _with_children(report: Report, ids: list[str],
+                   outcomes: list[Report | BaseException]) -> Report:
+    """The run's report with its children stopped apart: their reports added, the verdict
+    the worst of all, and NEEDS_ATTENTION where one needs a person or could not be stopped
+    (the run itself is stopped all the same)."""
+    if not outcomes:
+        return report
+    reports = [o for o in outcomes if isinstance(o, Report)]
+    failed = [f"{ids[n] if n < len(ids) else 'its children'}: {type(o).__name__}: {o}"
+              for n, o in enumerate(outcomes) if not isinstance(o, Report)]
+    verdicts = [v for v in (report.verdict, *(r.verdict for r in reports)) if v is not None]
+    worst = max(verdicts, key=_rank, default=report.verdict)
+    said = [f"workflow {r.task_id.removeprefix('temporal:')} {r.outcome.value} ({r.verdict})"
+            for r in reports]
+    reason = report.reason + "; child workflows stopped apart: " + ", ".join(said + [
+        f"not stopped: {f}" for f in failed])
+    attention = bool(failed) or any(r.needs_attention or
+                                    r.outcome is DelegationState.NEEDS_ATTENTION
+                                    for r in reports)
+    return dataclasses.replace(
+        report, children=(*report.children, *reports), verdict=worst, reason=reason,
+        outcome=DelegationState.NEEDS_ATTENTION if attention else report.outcome)
+
+
+async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
+                          depth: int = 0) -> list[temporalio.client.WorkflowHandle[Any, Any]]:
+    """The run's descendant workflows (as Temporal lists them, still running) whose live
+    delegation is a root of its own rather than in this run's subtree: the nearest such
+    under each branch (its own stop walks on from it)."""
     try:
         described = await handle.describe()
     except RPCError as exc:
@@ -91,18 +140,19 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
         raise
     apart = []
     for child in described.raw_description.pending_children:
-        head = await sup.journal.peek(queue.task_head, task_of(child.workflow_id))
-        if head is None or head.parent_id is not None or run_of(head) != child.run_id \
-                or head.fenced or head.state.terminal:
-            continue  # in the tree (fenced with it), never opened (refused), or ended
         # The SDK's handle keeps its client private (within the pinned range, tested).
-        apart.append(handle._client.get_workflow_handle(child.workflow_id,
-                                                        run_id=child.run_id))
+        found = handle._client.get_workflow_handle(child.workflow_id, run_id=child.run_id)
+        head = await sup.journal.peek(queue.task_head, task_of(child.workflow_id))
+        if head is not None and head.parent_id is None and run_of(head) == child.run_id \
+                and not head.fenced and not head.state.terminal:
+            apart.append(found)
+        elif depth < _DEPTH:  # in the tree, or not opened yet: its own children may be apart
+            apart.extend(await _children_apart(sup, found, depth + 1))
     return apart
 
 
-async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any]
-                         ) -> DelegationRow:
+async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
+                         *, reopen: bool = True) -> DelegationRow:
     """The run's delegation. When no activity of the run has reached tether yet, or the last
     epoch's ended without anyone's intent, this process opens one for it (its body only waits
     to be stopped), so that the fence stands in the journal before Temporal hears of the
@@ -115,8 +165,9 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
         run_id = described.run_id
     for _ in range(_ATTEMPTS):
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
-        if head is not None and run_of(head) == run_id and not await _goes_on(sup, head):
-            return head
+        if head is not None and run_of(head) == run_id and (
+                not reopen or not await _goes_on(sup, head)):
+            return head  # (a child stopped with its parent: its last epoch as it stands)
         described = described or await handle.describe()
         agent = Agent(f"temporal:{described.workflow_type}", _held)
         try:

@@ -1,12 +1,24 @@
 """Opening a Temporal workflow run's delegation in the journal, for a worker that hosts it or
 an orchestrator that fences it before any of its activities ran: the task's first epoch, or
 its next after an epoch that ended without anyone's intent; never for a run someone recalled
-or terminated; a child workflow's under its parent's."""
+or terminated; a child workflow's under its parent's. And what a guest's call watches of the
+delegation it is made in."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 from tether._core.documents import ControlIntent
-from tether._core.errors import ControlSignal, StaleEpoch, TetherError, UserError
+from tether._core.errors import (
+    ControlSignal,
+    Recalled,
+    StaleEpoch,
+    Terminated,
+    TetherError,
+    UserError,
+)
+from tether._core.model import ControlKind
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
 from tether._journal.rows import DelegationRow, NewDelegation
@@ -16,6 +28,8 @@ from tether._runtime.remote import owner_alive
 from tether._runtime.state import ChildRuntime, new_id
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, check_surface
+
+_LINEAGE = 64  # ancestors a guest's call watches, at most
 
 
 class RunRefused(TetherError):
@@ -149,3 +163,58 @@ async def run_stopped(sup: Supervisor, head: DelegationRow) -> bool:
                 head.id, head.epoch, control.seq):
             return True
     return False
+
+
+async def stopped(sup: Supervisor, delegation_id: str) -> bool:
+    """Whether someone recalled or terminated the delegation (not merely ended it)."""
+    row = await sup.journal.get(delegation_id)
+    return row.control_seq > 0 and await run_stopped(sup, row)
+
+
+async def lineage(sup: Supervisor, row: DelegationRow) -> tuple[tuple[str, int], ...]:
+    """``row`` and its ancestors, nearest first, with their control sequences as read: whose
+    control intents reach a call made under ``row`` (a recall or terminate of any fences it).
+    ``row`` as its caller judged it: an intent accepted since is one the watch acts on."""
+    found = [(row.id, row.control_seq)]
+    while row.parent_id is not None and len(found) < _LINEAGE:
+        row = await sup.journal.get(row.parent_id)
+        found.append((row.id, row.control_seq))
+    return tuple(found)
+
+
+async def watch_controls(sup: Supervisor, rt: ChildRuntime,
+                         watched: Sequence[tuple[str, int]]) -> None:
+    """While a guest's call runs here under a delegation another worker hosts: a control
+    intent accepted for one of ``watched`` (that delegation and its ancestors), once its
+    signature verifies, reaches the call as it would at the host. A recall stops new calls
+    (the journal refuses them anyway); a terminate cuts the call now, which the host's drain
+    marks in doubt and probes. A recovery's terminate stopped nobody's work: the call runs on
+    and records its receipt. Polled: the host's wake-ups go to the host."""
+    seen = dict(watched)
+    while True:
+        await asyncio.sleep(sup.control_poll)
+        for delegation_id, known in seen.items():
+            try:
+                row = await sup.journal.get(delegation_id)
+                if row.control_seq <= known:
+                    continue
+                trusted = await sup.current_trust()
+                controls = await sup.journal.controls(delegation_id)
+            except TetherError:  # the journal is away: looked at again at the next poll
+                continue
+            for control in controls[known:]:
+                try:
+                    intent = trusted.verify(control.signed, ControlIntent)
+                except TetherError:
+                    continue  # not acted on here, as the host would not (docs/security.md)
+                if (intent.delegation_id, intent.seq) != (delegation_id, control.seq) or \
+                        intent.recovery:
+                    continue
+                for node in rt.walk():
+                    if intent.kind is ControlKind.TERMINATE:
+                        node.stop = Terminated(node.id, intent.reason)
+                        for call in node.inflight.values():
+                            call.cancel()
+                    else:
+                        node.stop = node.stop or Recalled(node.id, intent.reason)
+            seen[delegation_id] = row.control_seq

@@ -32,25 +32,24 @@ import temporalio.plugin
 import temporalio.worker
 from temporalio.exceptions import ApplicationError
 
-from tether._core.documents import ControlIntent
 from tether._core.errors import (
     ControlSignal,
     KeyInUse,
-    Recalled,
     Tampered,
-    Terminated,
     TetherError,
     ToolRejected,
     UserError,
 )
-from tether._core.model import ControlKind, Effect, check_positive
+from tether._core.model import Effect, check_positive
 from tether._core.redispatch import UNRESTRICTED
 from tether._integrations.temporal_runs import (
     RunRefused,
+    lineage,
     open_child,
     open_run,
-    run_stopped,
+    stopped,
     stopped_run,
+    watch_controls,
 )
 from tether._integrations.temporal_task import run_of, task_of
 from tether._journal import queue
@@ -67,7 +66,6 @@ from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
 REFUSED = "tether.Refused"
 BUSY = "tether.Busy"  # retryable: the run's delegation moves on, or its host opens it
 _DESCRIBED = 4096  # runs whose workflow type and parent a worker keeps
-_LINEAGE = 64  # ancestors a call made under a delegation hosted elsewhere watches, at most
 STOPPED = "worker stopped"  # a hosted run's body's result when this worker stops
 
 
@@ -435,6 +433,8 @@ class Host:
         try:
             if parent is None or parent.handle is None:
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
+                if parent_key is not None:
+                    await self._still_wanted(client, hosted.handle, parent_key)
             else:
                 hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
                                                  agent)
@@ -478,6 +478,23 @@ class Host:
         parent = await self._open(parent_id, parent_run)
         return None if parent.guest is not None else parent
 
+    async def _still_wanted(self, client: temporalio.client.Client, handle: Handle,
+                            parent_key: tuple[str, str]) -> None:
+        """A child run just opened as a delegation of its own: looked at again, its
+        ancestors' runs. A stop of one of them lists the runs' children apart after its
+        intent is accepted; this looks after the child's row is written: whichever comes
+        second sees the other, so the child is stopped by one or refused here (its new
+        delegation terminated, nothing having run in it)."""
+        key: tuple[str, str] | None = parent_key
+        while key is not None:
+            stop = await stopped_run(self.sup, task_of(key[0]), key[1])
+            if stop is not None:
+                with contextlib.suppress(TetherError):
+                    await handle.terminate(f"workflow {key[0]} was recalled or terminated")
+                raise RunRefused(f"an ancestor's run, of workflow {key[0]}, was recalled or "
+                                 f"terminated (delegation {stop.id})")
+            key = (await self._describe(client, *key))[1]
+
     async def _describe(self, client: temporalio.client.Client, workflow_id: str,
                         run_id: str) -> tuple[str, tuple[str, str] | None]:
         """The run's workflow type and its parent run, if it is a child workflow's: asked of
@@ -513,61 +530,6 @@ class Host:
             with contextlib.suppress(Exception):
                 await handle.wait()
         self.runs.clear()
-
-
-async def stopped(sup: Supervisor, delegation_id: str) -> bool:
-    """Whether someone recalled or terminated the delegation (not merely ended it)."""
-    row = await sup.journal.get(delegation_id)
-    return row.control_seq > 0 and await run_stopped(sup, row)
-
-
-async def lineage(sup: Supervisor, row: DelegationRow) -> tuple[tuple[str, int], ...]:
-    """``row`` and its ancestors, nearest first, with their control sequences as read: whose
-    control intents reach a call made under ``row`` (a recall or terminate of any fences it).
-    ``row`` as its caller judged it: an intent accepted since is one the watch acts on."""
-    found = [(row.id, row.control_seq)]
-    while row.parent_id is not None and len(found) < _LINEAGE:
-        row = await sup.journal.get(row.parent_id)
-        found.append((row.id, row.control_seq))
-    return tuple(found)
-
-
-async def watch_controls(sup: Supervisor, rt: ChildRuntime,
-                         watched: Sequence[tuple[str, int]]) -> None:
-    """While a guest's call runs here under a delegation another worker hosts: a control
-    intent accepted for one of ``watched`` (that delegation and its ancestors), once its
-    signature verifies, reaches the call as it would at the host. A recall stops new calls
-    (the journal refuses them anyway); a terminate cuts the call now, which the host's drain
-    marks in doubt and probes. A recovery's terminate stopped nobody's work: the call runs on
-    and records its receipt. Polled: the host's wake-ups go to the host."""
-    seen = dict(watched)
-    while True:
-        await asyncio.sleep(sup.control_poll)
-        for delegation_id, known in seen.items():
-            try:
-                row = await sup.journal.get(delegation_id)
-                if row.control_seq <= known:
-                    continue
-                trusted = await sup.current_trust()
-                controls = await sup.journal.controls(delegation_id)
-            except TetherError:  # the journal is away: looked at again at the next poll
-                continue
-            for control in controls[known:]:
-                try:
-                    intent = trusted.verify(control.signed, ControlIntent)
-                except TetherError:
-                    continue  # not acted on here, as the host would not (docs/security.md)
-                if (intent.delegation_id, intent.seq) != (delegation_id, control.seq) or \
-                        intent.recovery:
-                    continue
-                for node in rt.walk():
-                    if intent.kind is ControlKind.TERMINATE:
-                        node.stop = Terminated(node.id, intent.reason)
-                        for call in node.inflight.values():
-                            call.cancel()
-                    else:
-                        node.stop = node.stop or Recalled(node.id, intent.reason)
-            seen[delegation_id] = row.control_seq
 
 
 def _detach(sup: Supervisor, delegation_id: str) -> None:
