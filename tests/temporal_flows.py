@@ -176,3 +176,20 @@ class ParentElsewhere:
                 Refund.run, args=["refund", order, 1250, 3], id=child_id,
                 task_queue=child_queue))
         return [mine, child]
+
+
+@workflow.defn
+class ParentBusy:
+    """Starts ``TwoRefunds`` on ``child_queue``, refunds ``own`` meanwhile, then waits for the
+    child: a parent with a call in flight while its child, elsewhere, goes on."""
+
+    @workflow.run
+    async def run(self, child_id: str, child_queue: str, first: str, second: str,
+                  own: str) -> list[str]:
+        child = await workflow.start_child_workflow(
+            TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue)
+        mine: str = await workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        refs: list[str] = await child
+        return [mine, *refs]

@@ -22,6 +22,7 @@ from tests.conftest import ONE_CLOCK
 from tests.temporal_flows import (
     Leaver,
     Middle,
+    ParentBusy,
     ParentElsewhere,
     ParentOfRefunds,
     Refund,
@@ -112,7 +113,8 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
                       workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally,
-                                 ParentOfRefunds, Leaver, ParentElsewhere, Middle],
+                                 ParentOfRefunds, Leaver, ParentElsewhere, Middle,
+                                 ParentBusy],
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,

@@ -15,7 +15,13 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import Leaver, ParentElsewhere, ParentOfRefunds, TwoRefunds
+from tests.temporal_flows import (
+    Leaver,
+    ParentBusy,
+    ParentElsewhere,
+    ParentOfRefunds,
+    TwoRefunds,
+)
 from tests.temporal_world import Provider, both, quiet, supervisor, worker
 
 
@@ -256,6 +262,41 @@ async def test_a_recall_reaches_a_grandchild_apart_behind_a_child_in_the_tree(
         ("temporal:wf-behind:refund:1", tether.ActionState.COMPLETED),
         ("temporal:wf-behind-mid:refund:1", tether.ActionState.COMPLETED),
         ("temporal:wf-behind-kid:refund:1", tether.ActionState.COMPLETED)]
+
+
+async def test_a_child_apart_starts_nothing_once_its_parent_is_recalled(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent's own refund is in flight on worker A (its grace runs) while its child,
+    apart on worker B, is asked for its second refund: refused at once, not after the
+    parent's grace, though the parent's fence does not reach a delegation of its own."""
+    async with both(journal_url, provider) as (a, boss), \
+            supervisor(journal_url, provider) as b:
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(client, a, provider) as first, \
+                worker(other, b, provider) as second:
+            drained = events_of(a)
+            provider.holds["W-own"] = asyncio.Event()
+            parent = await client.start_workflow(
+                ParentBusy.run, args=["wf-busy-kid", second, "W-1", "W-2", "W-own"],
+                id="wf-busy", task_queue=first)
+            await until(lambda: provider.pay.refund_count("W-own") == 1
+                        and provider.pay.refund_count("W-1") == 1, "both first refunds")
+            (top,) = await delegation_of(boss, "wf-busy")
+            recall = asyncio.create_task(tether.temporal.recall(
+                parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
+            await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+            child = client.get_workflow_handle("wf-busy-kid")
+            await child.signal(TwoRefunds.proceed)
+            with pytest.raises(WorkflowFailureError) as failed:
+                await child.result()  # refused while the parent's grace still runs
+            assert not recall.done()
+            assert "recalled or terminated" in str(failed.value.cause.__cause__)
+            provider.holds["W-own"].set()
+            report = await recall
+            with contextlib.suppress(WorkflowFailureError):
+                await parent.result()
+    assert report.outcome is tether.DelegationState.RECALLED
+    assert [provider.pay.refund_count(o) for o in ("W-own", "W-1", "W-2")] == [1, 1, 0]
 
 
 async def test_a_parents_next_run_leaves_its_abandoned_child_alone(

@@ -36,7 +36,6 @@ from tether._core.errors import (
     ControlSignal,
     KeyInUse,
     Tampered,
-    TetherError,
     ToolRejected,
     UserError,
 )
@@ -225,6 +224,9 @@ class _Hosted:
     # runs (its host's and their ancestors), each with the control sequence it had when the
     # guest judged the host.
     watched: tuple[tuple[str, int], ...] = ()
+    # A child run that is a delegation of its own here (its parent's tree is elsewhere): its
+    # parent's run, whose ancestors each of its calls looks at first.
+    apart_of: tuple[str, str] | None = None
 
     def live(self, sup: Supervisor) -> bool:
         return self.handle is not None and sup.runtime(self.handle.id) is not None
@@ -347,6 +349,14 @@ class Host:
         # The call's place in its workflow: the same in every retry of the activity and in
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
         key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
+        if hosted.apart_of is not None:
+            # Not in its ancestors' tree, so their fence does not reach it: a stop of one of
+            # them is looked for before each call (one accepted during their grace included).
+            try:
+                await self._still_wanted(self.client or temporalio.activity.client(),
+                                         hosted.apart_of)
+            except RunRefused as exc:
+                raise _refused(str(exc)) from None
         token = _PENDING.set(_Pending(next, input))
         watch = None if hosted.guest is None else asyncio.create_task(
             watch_controls(self.sup, hosted.guest, hosted.watched))
@@ -433,8 +443,7 @@ class Host:
         try:
             if parent is None or parent.handle is None:
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
-                if parent_key is not None:
-                    await self._still_wanted(client, hosted.handle, parent_key)
+                hosted.apart_of = parent_key
             else:
                 hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
                                                  agent)
@@ -478,19 +487,17 @@ class Host:
         parent = await self._open(parent_id, parent_run)
         return None if parent.guest is not None else parent
 
-    async def _still_wanted(self, client: temporalio.client.Client, handle: Handle,
+    async def _still_wanted(self, client: temporalio.client.Client,
                             parent_key: tuple[str, str]) -> None:
-        """A child run just opened as a delegation of its own: looked at again, its
-        ancestors' runs. A stop of one of them lists the runs' children apart after its
+        """Before each call of a child run that is a delegation of its own: its ancestors'
+        runs, looked at again. A stop of one of them lists the runs' children apart after its
         intent is accepted; this looks after the child's row is written: whichever comes
-        second sees the other, so the child is stopped by one or refused here (its new
-        delegation terminated, nothing having run in it)."""
+        second sees the other, so the child is stopped by one or refused here: no new call
+        starts in it (its calls already on their way finish, as within any grace)."""
         key: tuple[str, str] | None = parent_key
         while key is not None:
             stop = await stopped_run(self.sup, task_of(key[0]), key[1])
             if stop is not None:
-                with contextlib.suppress(TetherError):
-                    await handle.terminate(f"workflow {key[0]} was recalled or terminated")
                 raise RunRefused(f"an ancestor's run, of workflow {key[0]}, was recalled or "
                                  f"terminated (delegation {stop.id})")
             key = (await self._describe(client, *key))[1]
