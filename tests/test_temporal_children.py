@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,6 +24,19 @@ from tests.temporal_flows import (
     TwoRefunds,
 )
 from tests.temporal_world import Provider, both, quiet, supervisor, worker
+
+
+@contextlib.asynccontextmanager
+async def two_workers(client: Client, url: str, provider: Provider) -> AsyncIterator[
+        tuple[tether.Supervisor, tether.Supervisor, tether.Supervisor, str, str]]:
+    """Workers A and B on queues of their own, each with its supervisor (and B with its own
+    client, as another process has), the orchestrator's supervisor, on one journal: yields
+    A's, B's and the orchestrator's supervisors, then A's and B's queues."""
+    async with both(url, provider) as (a, boss), supervisor(url, provider) as b:
+        other = await Client.connect(client.service_client.config.target_host)
+        async with worker(client, a, provider) as first, \
+                worker(other, b, provider) as second:
+            yield a, b, boss, first, second
 
 
 async def start_tree(client: Client, queue: str, parent_id: str, child_id: str, order: str,
@@ -177,26 +191,22 @@ async def test_a_recall_of_the_parent_stops_a_child_that_runs_on_another_worker(
     child's run is a delegation of its own on B (a tree is one process's). A recall of the
     parent fences the parent, then stops that child too, within the same grace, and reports
     its refund with the parent's."""
-    async with both(journal_url, provider) as (a, boss), \
-            supervisor(journal_url, provider) as b:
-        other = await Client.connect(client.service_client.config.target_host)
-        async with worker(client, a, provider) as first, \
-                worker(other, b, provider) as second:
-            drained = events_of(b)
-            provider.holds["E-2"] = asyncio.Event()
-            parent = await client.start_workflow(
-                ParentElsewhere.run, args=["E-1", "wf-far-kid", second, "E-2"],
-                id="wf-far", task_queue=first)
-            await until(lambda: provider.pay.refund_count("E-2") == 1, "the child's refund")
-            (kid,) = await delegation_of(boss, "wf-far-kid")
-            assert (kid.parent_id, kid.owner_id) == (None, b.owner_id)
-            recall = asyncio.create_task(tether.temporal.recall(
-                parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
-            await drained("drain", kid.id).wait()  # the child's fence, after the parent's
-            provider.holds["E-2"].set()
-            report = await recall
-            with contextlib.suppress(WorkflowFailureError):
-                await parent.result()
+    async with two_workers(client, journal_url, provider) as (_a, b, boss, first, second):
+        drained = events_of(b)
+        provider.holds["E-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["E-1", "wf-far-kid", second, "E-2"],
+            id="wf-far", task_queue=first)
+        await until(lambda: provider.pay.refund_count("E-2") == 1, "the child's refund")
+        (kid,) = await delegation_of(boss, "wf-far-kid")
+        assert (kid.parent_id, kid.owner_id) == (None, b.owner_id)
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
+        await drained("drain", kid.id).wait()  # the child's fence, after the parent's
+        provider.holds["E-2"].set()
+        report = await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
     assert report.outcome is tether.DelegationState.RECALLED
     assert [(r.delegation_id, r.outcome) for r in report.children] == [
         (kid.id, tether.DelegationState.RECALLED)]
@@ -211,20 +221,16 @@ async def test_a_terminate_of_the_parent_cuts_a_grandchilds_call_on_another_work
     """The parent on worker A; its child (no activity of its own) and grandchild on worker
     B, one tree there. A terminate of the parent reaches the grandchild's refund and cuts
     it at B before Temporal hears of the terminate; the probe reports it COMPLETED."""
-    async with both(journal_url, provider) as (a, boss), \
-            supervisor(journal_url, provider) as b:
-        other = await Client.connect(client.service_client.config.target_host)
-        async with worker(client, a, provider) as first, \
-                worker(other, b, provider) as second:
-            provider.holds["F-2"] = asyncio.Event()
-            parent = await client.start_workflow(
-                ParentElsewhere.run, args=["F-1", "wf-deep-kid", second, "F-2", "wf-deep-mid"],
-                id="wf-deep", task_queue=first)
-            await until(lambda: provider.pay.refund_count("F-2") == 1, "the grandchild's")
-            report = await tether.temporal.terminate(parent, supervisor=boss, reason="cut")
-            assert provider.cut == 1  # cut at B by the terminate, not left to run on
-            with contextlib.suppress(WorkflowFailureError):
-                await parent.result()
+    async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
+        provider.holds["F-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["F-1", "wf-deep-kid", second, "F-2", "wf-deep-mid"],
+            id="wf-deep", task_queue=first)
+        await until(lambda: provider.pay.refund_count("F-2") == 1, "the grandchild's")
+        report = await tether.temporal.terminate(parent, supervisor=boss, reason="cut")
+        assert provider.cut == 1  # cut at B by the terminate, not left to run on
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
     assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
         ("temporal:wf-deep:refund:1", tether.ActionState.COMPLETED),
         ("temporal:wf-deep-kid:refund:1", tether.ActionState.COMPLETED)]
@@ -237,26 +243,22 @@ async def test_a_recall_reaches_a_grandchild_apart_behind_a_child_in_the_tree(
     delegation of its own. A recall of the parent looks through the
     child for children apart, stops the grandchild within the same grace, and its report
     carries the grandchild's refund."""
-    async with both(journal_url, provider) as (a, boss), \
-            supervisor(journal_url, provider) as b:
-        other = await Client.connect(client.service_client.config.target_host)
-        async with worker(client, a, provider) as first, \
-                worker(other, b, provider) as second:
-            drained = events_of(b)
-            provider.holds["J-2"] = asyncio.Event()
-            parent = await client.start_workflow(
-                ParentElsewhere.run,
-                args=["J-1", "wf-behind-kid", second, "J-2", "wf-behind-mid", True],
-                id="wf-behind", task_queue=first)
-            await until(lambda: provider.pay.refund_count("J-2") == 1, "the grandchild's")
-            (kid,) = await delegation_of(boss, "wf-behind-kid")
-            recall = asyncio.create_task(tether.temporal.recall(
-                parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
-            await asyncio.wait_for(drained("drain", kid.id).wait(), 60)
-            provider.holds["J-2"].set()
-            report = await recall
-            with contextlib.suppress(WorkflowFailureError):
-                await parent.result()
+    async with two_workers(client, journal_url, provider) as (_a, b, boss, first, second):
+        drained = events_of(b)
+        provider.holds["J-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run,
+            args=["J-1", "wf-behind-kid", second, "J-2", "wf-behind-mid", True],
+            id="wf-behind", task_queue=first)
+        await until(lambda: provider.pay.refund_count("J-2") == 1, "the grandchild's")
+        (kid,) = await delegation_of(boss, "wf-behind-kid")
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
+        await asyncio.wait_for(drained("drain", kid.id).wait(), 60)
+        provider.holds["J-2"].set()
+        report = await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
     assert (kid.parent_id, report.outcome) == (None, tether.DelegationState.RECALLED)
     assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
         ("temporal:wf-behind:refund:1", tether.ActionState.COMPLETED),
@@ -269,32 +271,28 @@ async def test_a_child_apart_starts_nothing_once_its_parent_is_recalled(
     """The parent's own refund is in flight on worker A (its grace runs) while its child,
     apart on worker B, is asked for its second refund: refused at once, not after the
     parent's grace, though the parent's fence does not reach a delegation of its own."""
-    async with both(journal_url, provider) as (a, boss), \
-            supervisor(journal_url, provider) as b:
-        other = await Client.connect(client.service_client.config.target_host)
-        async with worker(client, a, provider) as first, \
-                worker(other, b, provider) as second:
-            drained = events_of(a)
-            provider.holds["W-own"] = asyncio.Event()
-            parent = await client.start_workflow(
-                ParentBusy.run, args=["wf-busy-kid", second, "W-1", "W-2", "W-own"],
-                id="wf-busy", task_queue=first)
-            await until(lambda: provider.pay.refund_count("W-own") == 1
-                        and provider.pay.refund_count("W-1") == 1, "both first refunds")
-            (top,) = await delegation_of(boss, "wf-busy")
-            recall = asyncio.create_task(tether.temporal.recall(
-                parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
-            await asyncio.wait_for(drained("drain", top.id).wait(), 60)
-            child = client.get_workflow_handle("wf-busy-kid")
-            await child.signal(TwoRefunds.proceed)
-            with pytest.raises(WorkflowFailureError) as failed:
-                await child.result()  # refused while the parent's grace still runs
-            assert not recall.done()
-            assert "recalled or terminated" in str(failed.value.cause.__cause__)
-            provider.holds["W-own"].set()
-            report = await recall
-            with contextlib.suppress(WorkflowFailureError):
-                await parent.result()
+    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+        drained = events_of(a)
+        provider.holds["W-own"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentBusy.run, args=["wf-busy-kid", second, "W-1", "W-2", "W-own"],
+            id="wf-busy", task_queue=first)
+        await until(lambda: provider.pay.refund_count("W-own") == 1
+                    and provider.pay.refund_count("W-1") == 1, "both first refunds")
+        (top,) = await delegation_of(boss, "wf-busy")
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
+        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+        child = client.get_workflow_handle("wf-busy-kid")
+        await child.signal(TwoRefunds.proceed)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await child.result()  # refused while the parent's grace still runs
+        assert not recall.done()
+        assert "recalled or terminated" in str(failed.value.cause.__cause__)
+        provider.holds["W-own"].set()
+        report = await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
     assert report.outcome is tether.DelegationState.RECALLED
     assert [provider.pay.refund_count(o) for o in ("W-own", "W-1", "W-2")] == [1, 1, 0]
 
