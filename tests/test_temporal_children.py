@@ -216,6 +216,30 @@ async def test_a_recall_of_the_parent_stops_a_child_that_runs_on_another_worker(
     assert [provider.pay.refund_count(o) for o in ("E-1", "E-2")] == [1, 1]
 
 
+async def test_a_childs_call_that_outlives_the_grace_shows_in_the_parents_verdict(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent's own calls are done; its child apart on worker B has a refund that
+    outlives the grace. The parent's report carries the worst verdict of the tree
+    (GRACE_EXPIRED), not its own RECALLED_CLEAN, and the child's refund, probed."""
+    async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
+        provider.holds["V-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["V-1", "wf-verdict-kid", second, "V-2"],
+            id="wf-verdict", task_queue=first)
+        await until(lambda: provider.pay.refund_count("V-2") == 1, "the child's refund")
+        report = await tether.temporal.recall(parent, supervisor=boss, grace=0.5,
+                                              reason="customer withdrew")
+        provider.holds["V-2"].set()
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert (report.verdict, [r.verdict for r in report.children]) == (
+        "GRACE_EXPIRED", ["GRACE_EXPIRED"])
+    assert "child workflows stopped apart: workflow wf-verdict-kid" in report.reason
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-verdict:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-verdict-kid:refund:1", tether.ActionState.COMPLETED)]
+
+
 async def test_a_terminate_of_the_parent_cuts_a_grandchilds_call_on_another_worker(
         client: Client, provider: Provider, journal_url: str) -> None:
     """The parent on worker A; its child (no activity of its own) and grandchild on worker
