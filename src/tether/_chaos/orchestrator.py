@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -219,10 +220,13 @@ async def orchestrate(trial: Trial, url: str, helpers: Helpers) -> None:
     left_early = False
     async with tether.Supervisor(url, policy=policy(plan), redispatch=redispatch,
                                  tools=[refund]) as sup:
-        if plan.fault == "kill_random" or (plan.fault == "late_apply" and plan.variant == "kill"):
-            timer = threading.Timer(plan.kill_after, os.kill, (os.getpid(), signal.SIGKILL))
-            timer.daemon = True
-            timer.start()
+        if plan.fault == "kill_random":
+            _kill_after(plan.kill_after)
+        sent = asyncio.Event()
+        if plan.fault == "late_apply":  # its control counts from the first request sent
+            trial.on_first_send = sent.set
+            if plan.variant == "kill":
+                trial.on_first_send = functools.partial(_kill_after, plan.kill_after)
         if plan.fault == "kill_in_grace":
             loop = asyncio.get_running_loop()
 
@@ -253,13 +257,19 @@ async def orchestrate(trial: Trial, url: str, helpers: Helpers) -> None:
             trial.note("leaving", "", running=[h.id for h in handles])
             left_early = True
         else:
-            await control(trial, helpers, workers, handles, ended)
+            await control(trial, helpers, workers, handles, ended, sent)
             await sup.journal.flush()
             trial.note("closing", "")
     trial.note("left", "")
     if left_early and plan.remote:
         await wait_all_terminal(url, 10.0)
     await workers.stop()
+
+
+def _kill_after(seconds: float) -> None:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
 
 
 async def results(handles: list[tether.Handle]) -> None:
@@ -269,7 +279,8 @@ async def results(handles: list[tether.Handle]) -> None:
 
 
 async def control(trial: Trial, helpers: Helpers, workers: Workers,
-                  handles: list[tether.Handle], ended: dict[str, asyncio.Event]) -> None:
+                  handles: list[tether.Handle], ended: dict[str, asyncio.Event],
+                  sent: asyncio.Event) -> None:
     plan = trial.plan
     first = handles[0]
     if plan.fault == "pause_worker":
@@ -309,6 +320,11 @@ async def control(trial: Trial, helpers: Helpers, workers: Workers,
                   "--grace", f"{plan.grace}")
         return
     if plan.fault == "late_apply":
+        if plan.variant == "kill":  # the timer armed at the first send ends this process
+            await results(handles)
+            return
+        async with asyncio.timeout(10):  # every child sends a refund first
+            await sent.wait()
         await asyncio.sleep(plan.control_after)
         if plan.variant == "terminate":
             await first.terminate("chaos")

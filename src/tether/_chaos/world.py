@@ -11,6 +11,7 @@ import random
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ class Trial:
         # stopped inside a write to the ledger (it would wait for that lock).
         self._buffer: list[tuple[float, str, str, dict[str, Any]]] | None = (
             [] if buffered else None)
+        # Called once, when this process first puts a request in the network: late_apply
+        # times its control from there, so the fault happens however slow the machine is.
+        self.on_first_send: Callable[[], None] | None = None
 
     @classmethod
     def from_env(cls, role: str) -> Trial:
@@ -108,6 +112,9 @@ class Trial:
         if self.plan.bug == "overdue_apply":
             delay = 1.5 * LATE_APPLY_MAX
         n = self.ledger.send(key, order_id, cents, delay=delay, expires_at=expires, by=self.who)
+        hook, self.on_first_send = self.on_first_send, None
+        if hook is not None:
+            hook()
         while True:  # cancelling the call leaves the request in the network
             state, ref = self.ledger.request(n)
             if state == "applied" and ref is not None:
