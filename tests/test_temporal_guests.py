@@ -22,6 +22,7 @@ from tests.conftest import until
 from tests.temporal_flows import Leaver, RefundAnyway, TwoRefunds
 from tests.temporal_world import Provider, actions, both, start_refund, supervisor, worker
 from tether._core import drain
+from tether._core.documents import Acknowledgement, decode
 
 
 @contextlib.asynccontextmanager
@@ -102,6 +103,11 @@ async def test_the_hosts_recall_waits_within_its_grace_for_a_guests_call(
         assert [(a.idempotency_key, a.late) for a in report.completed] == [
             ("temporal:wf-guest-recall:refund:1", False),
             ("temporal:wf-guest-recall:refund:2", False)]
+        # The host's signed acknowledgement lists B's call, in flight when it was signed.
+        (ack,) = [decode(d.signed.body) for d in await boss.journal.documents(
+            report.delegation_id) if d.type == "ack"]
+        assert isinstance(ack, Acknowledgement)
+        assert ack.in_flight == (report.completed[1].id,)
     assert [provider.pay.refund_count(f"R-{n}") for n in (1, 2)] == [1, 1]
 
 

@@ -76,14 +76,19 @@ async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
     nodes = rt.walk()
     guests = any(n.guests for n in nodes)
     signer, trusted = sup.keys.signer, await sup.current_trust()
-    ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(
-        a for n in nodes for a in n.inflight), acked_at=sup.clock.wall()))
+    inflight = [a for n in nodes for a in n.inflight]
+    # With guests, only the journal knows which calls other processes have in flight here,
+    # and whether they started a side effect (the fence, accepted before this drain, stops
+    # any new one): the manifest and the receipt sign what it says too.
+    seen = await sup.journal.facts(rt.id) if guests else None
+    if seen is not None:
+        inflight += sorted(seen.pending.difference(inflight))
+    ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(inflight),
+                                      acked_at=sup.clock.wall()))
     await sup.journal.record_ack(ack, trusted, sup.clock.wall())
     receipt = None
-    # With guests, only the journal knows whether another process started a side effect
-    # here (the fence, accepted before this drain, stops any new one).
     if sum(n.effects_started for n in nodes) == 0 and not (
-            guests and (await sup.journal.facts(rt.id)).side_effecting):
+            seen is not None and seen.side_effecting):
         receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, sup.clock.wall()))
         await sup.journal.record_receipt(receipt, trusted, sup.clock.wall())
     while True:
