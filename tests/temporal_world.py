@@ -162,3 +162,15 @@ async def both(url: str, provider: Provider
     """The worker's supervisor, then the orchestrator's, on one journal."""
     async with supervisor(url, provider) as host, supervisor(url, provider) as boss:
         yield host, boss
+
+
+def cli(*args: str) -> tuple[int, str, str]:
+    """``tether`` in this process (in a thread of its own: it runs its own event loop)."""
+    from typer.testing import CliRunner
+
+    from tether._cli.app import app
+
+    result = CliRunner().invoke(app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr

@@ -335,7 +335,7 @@ async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temp
     epoch; with --temporal the run's next epoch is opened and fenced in the journal (an
     activity afterwards is refused, whatever Temporal does with the cancel), then the
     workflow is cancelled in Temporal (exit 0)."""
-    from tests.test_temporal_recall import cli
+    from tests.temporal_world import cli
 
     queue = f"q-{uuid.uuid4().hex[:12]}"
     workflow_id = f"wf-shell-recovered-{uuid.uuid4().hex[:8]}"

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+)
 
 import tether
 import tether.temporal
@@ -23,7 +29,8 @@ from tests.temporal_flows import (
     ParentOfRefunds,
     TwoRefunds,
 )
-from tests.temporal_world import Provider, both, quiet, supervisor, worker
+from tests.temporal_world import Provider, both, cli, quiet, supervisor, worker
+from tests.test_trust import raw
 
 
 @contextlib.asynccontextmanager
@@ -319,6 +326,44 @@ async def test_a_child_apart_starts_nothing_once_its_parent_is_recalled(
             await parent.result()
     assert report.outcome is tether.DelegationState.RECALLED
     assert [provider.pay.refund_count(o) for o in ("W-own", "W-1", "W-2")] == [1, 1, 0]
+    # The child closed (refused) during the parent's grace, before the parent's report was
+    # in: its refund is in the parent's report all the same.
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-busy:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-busy-kid:refund:1", tether.ActionState.COMPLETED)]
+
+
+async def test_a_child_apart_that_closed_before_the_recall_is_in_the_report(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The child, apart on worker B, made both its refunds and closed while its parent's
+    own refund is still held on A. A recall of the parent reports the child's refunds, as a
+    local recall reports a child that ended before it."""
+    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+        drained = events_of(a)
+        provider.holds["K-own"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentBusy.run, args=["wf-done-kid", second, "K-1", "K-2", "K-own"],
+            id="wf-done", task_queue=first)
+        await until(lambda: provider.pay.refund_count("K-1") == 1, "the child's first refund")
+        child = client.get_workflow_handle("wf-done-kid")
+        await child.signal(TwoRefunds.proceed)
+        assert len(await child.result()) == 2
+        await until(lambda: provider.pay.refund_count("K-own") == 1, "the parent's refund")
+        (kid,) = await delegation_of(boss, "wf-done-kid")
+        (top,) = await delegation_of(boss, "wf-done")
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
+        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+        provider.holds["K-own"].set()
+        report = await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert [r.delegation_id for r in report.children] == [kid.id]
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-done:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-done-kid:refund:1", tether.ActionState.COMPLETED),
+        ("temporal:wf-done-kid:refund:2", tether.ActionState.COMPLETED)]
+    assert [provider.pay.refund_count(o) for o in ("K-own", "K-1", "K-2")] == [1, 1, 1]
 
 
 async def test_a_parents_next_run_leaves_its_abandoned_child_alone(
@@ -347,3 +392,63 @@ async def test_a_parents_next_run_leaves_its_abandoned_child_alone(
         tops = await delegation_of(host, "wf-leaver")
     assert [d.epoch for d in tops] == [0, 1] and provider.cut == 0
     assert [pay.refund_count(o) for o in ("P-1", "P-2", "L-1", "L-2")] == [1, 1, 1, 1]
+
+
+async def test_a_child_apart_written_by_hand_never_has_a_recall_stop_another_workflow(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Someone with write access to the journal, and no key, notes an unrelated workflow as a
+    child apart of the run about to be recalled. The recall asks Temporal whose child it is,
+    and leaves it alone: its second refund goes through."""
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        run = await client.start_workflow(TwoRefunds.run, args=["H-1", "H-2"], id="wf-recalled",
+                                          task_queue=queue)
+        other = await client.start_workflow(TwoRefunds.run, args=["U-1", "U-2"],
+                                            id="wf-unrelated", task_queue=queue)
+        await until(lambda: provider.pay.refund_count("H-1") == 1
+                    and provider.pay.refund_count("U-1") == 1, "both first refunds")
+        (top,) = await delegation_of(host, "wf-recalled")
+        described = await other.describe()
+        await raw(host.journal, "INSERT INTO events (delegation_id, action_id, at, kind, detail) "
+                  "VALUES (?, NULL, 0, ?, ?)", top.id, "temporal_child_apart",
+                  json.dumps({"workflow_id": "wf-unrelated", "run_id": described.run_id}))
+        report = await tether.temporal.recall(run, supervisor=host, grace=5.0, reason="withdrew")
+        await other.signal(TwoRefunds.proceed)
+        assert len(await other.result()) == 2
+        with contextlib.suppress(WorkflowFailureError):
+            await run.result()
+    assert report.children == ()
+    assert [provider.pay.refund_count(o) for o in ("H-1", "H-2", "U-1", "U-2")] == [1, 0, 1, 1]
+
+
+async def test_tether_recall_from_a_shell_stops_the_runs_children_apart_too(
+        client: Client, provider: Provider, journal_url: str, temporal_address: str) -> None:
+    """`tether recall ID --temporal ADDRESS` of a parent run's delegation stops its child
+    apart on worker B too, within the same grace and before Temporal is told, as
+    ``tether.temporal.recall`` does; the child's refund is in the command's report."""
+    async with two_workers(client, journal_url, provider) as (_a, b, boss, first, second):
+        drained = events_of(b)
+        provider.holds["C-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["C-1", "wf-cli-kid", second, "C-2"],
+            id="wf-cli", task_queue=first)
+        await until(lambda: provider.pay.refund_count("C-2") == 1, "the child's refund")
+        (top,) = await delegation_of(boss, "wf-cli")
+        (kid,) = await delegation_of(boss, "wf-cli-kid")
+        recall = asyncio.ensure_future(asyncio.to_thread(
+            cli, "recall", top.id, "--grace", "10", "--reason", "customer withdrew",
+            "--temporal", temporal_address, "--journal", journal_url, "--json"))
+        await asyncio.wait_for(drained("drain", kid.id).wait(), 60)  # the child's fence
+        assert (await parent.describe()).status is WorkflowExecutionStatus.RUNNING
+        provider.holds["C-2"].set()
+        code, out, err = await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert code == 0, err
+    answer = json.loads(out)
+    (child,) = answer["report"]["children"]
+    assert (child["delegation"], child["outcome"]) == (kid.id, "RECALLED")
+    assert [a["idempotency_key"] for a in child["actions"]] == ["temporal:wf-cli-kid:refund:1"]
+    assert child["completed"] == [child["actions"][0]["id"]]
+    assert answer["temporal"].endswith("cancelled.")
+    assert [provider.pay.refund_count(o) for o in ("C-1", "C-2")] == [1, 1]

@@ -23,7 +23,7 @@ from tests.conftest import ONE_CLOCK, events_of
 from tests.temporal_pai_flows import SupportFlow
 from tests.temporal_pai_world import EFFECTS, REFUND, World
 from tests.temporal_world import Provider, actions
-from tether._integrations.temporal_worker import as_json
+from tether._integrations.temporal_activities import as_json
 
 A = tether.ActionState
 

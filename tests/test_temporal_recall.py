@@ -22,7 +22,15 @@ import tether
 import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import RefundAnyway
-from tests.temporal_world import Provider, actions, both, start_refund, supervisor, worker
+from tests.temporal_world import (
+    Provider,
+    actions,
+    both,
+    cli,
+    start_refund,
+    supervisor,
+    worker,
+)
 
 
 async def closed(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionStatus | None:
@@ -192,18 +200,6 @@ async def test_a_recall_during_an_activity_retry_pays_once_and_reports_the_payme
         await closed(handle)
         assert provider.keys == ["temporal:wf-retrying:refund:1"]
         assert provider.pay.refund_count("R-1") == 1
-
-
-def cli(*args: str) -> tuple[int, str, str]:
-    """``tether`` in this process (in a thread of its own: it runs its own event loop)."""
-    from typer.testing import CliRunner
-
-    from tether._cli.app import app
-
-    result = CliRunner().invoke(app, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 async def test_tether_recall_from_a_shell_stops_a_temporal_run_in_both(

@@ -10,9 +10,10 @@ of its name. Orchestrator: ``await recall(handle, supervisor=sup, grace=5.0, rea
 from __future__ import annotations
 
 try:
+    from tether._integrations.temporal_activities import ActivityProbe, idempotency_key
     from tether._integrations.temporal_control import recall, terminate
     from tether._integrations.temporal_task import task_of
-    from tether._integrations.temporal_worker import ActivityProbe, Plugin, idempotency_key
+    from tether._integrations.temporal_worker import Plugin
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised without the extra
     if exc.name is None or not exc.name.startswith("temporalio"):
         raise

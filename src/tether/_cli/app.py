@@ -141,12 +141,16 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     # Exit 0 only when the delegation settled with nothing left for a person; 1 when it did
     # not settle (its owner is gone or slow) or needs attention: a script must not take an
     # accepted intent for a settled one.
-    settled = "report" in answer and answer["report"]["outcome"] not in ATTENTION
-    code = 0 if settled or not wait else 1
     if run_handle is not None:  # the journal's report first, as tether.temporal.recall
-        answer["temporal"] = run(on_temporal.stop_run(run_handle, kind, reason))
+        try:
+            run(on_temporal.stop_children_apart(journal, keys, run_handle, answer, kind, grace,
+                                                reason))
+        finally:
+            answer["temporal"] = run(on_temporal.stop_run(run_handle, kind, reason))
     elif note := on_temporal.not_told(answer):
         answer["temporal"] = note
+    settled = "report" in answer and answer["report"]["outcome"] not in ATTENTION
+    code = 0 if settled or not wait else 1
     if as_json:
         emit_json(answer)
         raise typer.Exit(code)

@@ -1,8 +1,8 @@
 """``tether recall`` and ``terminate`` of a delegation that is a Temporal workflow run: with
 ``--temporal ADDRESS`` the run is cancelled (or terminated) in Temporal too, once the journal's
-report is in, as ``tether.temporal.recall`` does (which also stops the run's child workflows
-running apart on other workers; this command does not); without it, the run is fenced in the
-journal and the command says that Temporal was not told."""
+report is in, and its child workflows running apart on other workers are stopped too, as
+``tether.temporal.recall`` does; without it, the run is fenced in the journal and the command
+says that Temporal was not told."""
 
 from __future__ import annotations
 
@@ -79,6 +79,33 @@ async def fence_run(journal: str, keys: Path | None, handle: Any, kind: ControlK
         except AlreadyFinished:
             return None
     return report.to_json()
+
+
+async def stop_children_apart(journal: str, keys: Path | None, handle: Any,
+                              answer: dict[str, Any], kind: ControlKind, grace: float | None,
+                              reason: str) -> None:
+    """Once the named run's delegation is stopped: its child workflows apart (delegations of
+    their own, on workers that do not host its tree) stopped too, at any depth, as
+    ``tether.temporal.recall`` stops them, before Temporal is told. Their reports join the
+    answer's report (or, while the run's is not settled, ``children_apart``)."""
+    from tether._integrations.temporal_control import stop_apart
+    from tether._runtime.keys import KeyRing
+    from tether._runtime.supervisor import Supervisor
+
+    async with Journal(journal, create=False) as j:
+        directory = keys or j.keys_dir
+    ring = await asyncio.to_thread(KeyRing.load, directory)
+    async with Supervisor(journal, keys=ring, recover=False) as sup:
+        row = await sup.journal.get(answer["delegation"])
+        mine = await sup.report(row.id)
+        both = await stop_apart(sup, handle, row, mine, kind, grace, reason)
+    if both is mine:  # no child apart
+        return
+    if "report" in answer:
+        answer["report"] = both.to_json()
+    else:
+        answer["children_apart"] = [c.to_json() for c in both.children[len(mine.children):]]
+        answer["waiting"] += "; " + both.reason.removeprefix(mine.reason).removeprefix("; ")
 
 
 async def stop_run(handle: Any, kind: ControlKind, reason: str) -> str:

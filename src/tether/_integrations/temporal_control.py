@@ -20,7 +20,7 @@ from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
 from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
-from tether._integrations.temporal_task import run_of, task_of
+from tether._integrations.temporal_task import CHILD_APART, run_of, task_of, workflow_of
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context
@@ -28,7 +28,7 @@ from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
 
 _ATTEMPTS = 5  # a worker opening the run's delegation while this process does
-_DEPTH = 32  # generations of child workflows a stop looks through for children apart
+_DEPTH = 32  # generations of children apart a stop goes down through
 
 
 async def recall(handle: temporalio.client.WorkflowHandle[Any, Any], *, supervisor: Supervisor,
@@ -47,7 +47,7 @@ async def terminate(handle: temporalio.client.WorkflowHandle[Any, Any], *,
 
 async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervisor,
                kind: ControlKind, grace: float | None, reason: str, *,
-               told: bool = True) -> Report:
+               told: bool = True, depth: int = 0) -> Report:
     """``told``: cancel (recall) or terminate the run in Temporal once its report is in (a
     child workflow stopped with its parent is left to Temporal's own policy for it)."""
     if not isinstance(handle, temporalio.client.WorkflowHandle):
@@ -68,23 +68,31 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.recall(grace, reason)
     else:
         report = await mine.terminate(reason)
-    # Its child workflows whose runs are delegations of their own (opened on a worker that
-    # did not host their parent's), at any depth: stopped now too, once this run's fence
-    # stands, and reported with it. Listed before Temporal closes the run, and told last:
-    # its cancel or terminate reaches the children too, and a child's calls Temporal
-    # cancelled run on, shielded, where tether's terminate cuts them.
-    apart: list[temporalio.client.WorkflowHandle[Any, Any]] = []
-    outcomes: list[Report | BaseException] = []
     try:
-        apart = await _children_apart(sup, handle)
-        outcomes = list(await asyncio.gather(
-            *(stop(h, sup, kind, grace, reason, told=False) for h in apart),
-            return_exceptions=True))
-    except (TetherError, RPCError) as exc:  # the children could not be listed
-        outcomes = [exc]
+        return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
         if told:
             await tell_temporal(handle, kind, reason)
+
+
+async def stop_apart(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
+                     row: DelegationRow, report: Report, kind: ControlKind,
+                     grace: float | None, reason: str, depth: int = 0) -> Report:
+    """The run's ``report`` with its child workflows apart (delegations of their own, on
+    workers that did not host their parent's tree), at any depth, stopped too: called once
+    the run's fence stands, before Temporal is told (its cancel or terminate reaches the
+    children too, and a child's calls Temporal cancelled run on, shielded, where tether's
+    terminate cuts them)."""
+    apart: list[temporalio.client.WorkflowHandle[Any, Any]] = []
+    outcomes: list[Report | BaseException] = []
+    try:
+        if depth < _DEPTH:
+            apart = await _children_apart(sup, handle, run_of(row) or "")
+        outcomes = list(await asyncio.gather(
+            *(stop(h, sup, kind, grace, reason, told=False, depth=depth + 1) for h in apart),
+            return_exceptions=True))
+    except (TetherError, RPCError) as exc:  # the children could not be listed
+        outcomes = [exc]
     return _with_children(report, [h.id for h in apart], outcomes)
 
 
@@ -128,26 +136,38 @@ def _with_children(report: Report, ids: list[str],
 
 
 async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
-                          depth: int = 0) -> list[temporalio.client.WorkflowHandle[Any, Any]]:
-    """The run's descendant workflows (as Temporal lists them, still running) whose live
-    delegation is a root of its own rather than in this run's subtree: the nearest such
-    under each branch (its own stop walks on from it)."""
-    try:
-        described = await handle.describe()
-    except RPCError as exc:
-        if exc.status is RPCStatusCode.NOT_FOUND:
-            return []
-        raise
-    apart = []
-    for child in described.raw_description.pending_children:
+                          run_id: str) -> list[temporalio.client.WorkflowHandle[Any, Any]]:
+    """The run's descendant workflows whose runs opened a delegation of their own (on a
+    worker that did not host their parent's tree): each noted on its parent's delegation,
+    in this run's trees, before it opened, so the list holds those that closed since too.
+    The nearest under each branch (its own stop walks on from it). Each is checked with
+    Temporal to be the child of the run it was noted under: an event written by hand into the
+    journal never has a recall stop another workflow."""
+    roots = [r.id for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
+             if run_of(r) == run_id]
+    noted = await sup.journal.peek(queue.noted_in_trees, roots, CHILD_APART)
+    apart, seen = [], set()
+    for under, detail in noted:
+        child = (detail.get("workflow_id"), detail.get("run_id"))
+        if not (isinstance(child[0], str) and isinstance(child[1], str)) or child in seen:
+            continue
+        seen.add(child)
         # The SDK's handle keeps its client private (within the pinned range, tested).
-        found = handle._client.get_workflow_handle(child.workflow_id, run_id=child.run_id)
-        head = await sup.journal.peek(queue.task_head, task_of(child.workflow_id))
-        if head is not None and head.parent_id is None and run_of(head) == child.run_id \
-                and not head.fenced and not head.state.terminal:
-            apart.append(found)
-        elif depth < _DEPTH:  # in the tree, or not opened yet: its own children may be apart
-            apart.extend(await _children_apart(sup, found, depth + 1))
+        found = handle._client.get_workflow_handle(child[0], run_id=child[1])
+        try:
+            described = await found.describe()
+        except RPCError as exc:
+            if exc.status is RPCStatusCode.NOT_FOUND:
+                continue
+            raise
+        if (described.parent_id, described.parent_run_id) != (
+                workflow_of(under.task_id), run_of(under)):
+            continue
+        rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(child[0]))
+                if run_of(r) == child[1]]
+        if rows and rows[-1].parent_id is not None:
+            continue  # moved into its parent's tree since (whose stop reached it)
+        apart.append(found)
     return apart
 
 
@@ -163,6 +183,11 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
     if run_id is None:  # a handle on the workflow id: its latest run
         described = await handle.describe()
         run_id = described.run_id
+    if not reopen:  # a child stopped with its parent: its run's last epoch, closed or not
+        rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
+                if run_of(r) == run_id]
+        if rows:
+            return rows[-1]
     for _ in range(_ATTEMPTS):
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
         if head is not None and run_of(head) == run_id and (

@@ -7,6 +7,9 @@ from __future__ import annotations
 from tether._journal.rows import DelegationRow
 
 TASK_PREFIX = "temporal:"
+# The event noted on a run's delegation before a child workflow's run opens a delegation of its
+# own (on a worker that does not host the parent's tree): how a stop of the parent finds it.
+CHILD_APART = "temporal_child_apart"
 
 
 def task_of(workflow_id: str) -> str:

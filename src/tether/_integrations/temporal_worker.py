@@ -17,17 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import temporalio.activity
 import temporalio.client
-import temporalio.common
-import temporalio.converter
 import temporalio.plugin
 import temporalio.worker
 from temporalio.exceptions import ApplicationError
@@ -39,8 +34,20 @@ from tether._core.errors import (
     ToolRejected,
     UserError,
 )
-from tether._core.model import Effect, check_positive
+from tether._core.model import Effect
 from tether._core.redispatch import UNRESTRICTED
+from tether._integrations.temporal_activities import (
+    BUSY,
+    PENDING,
+    REFUSED,
+    ActivityProbe,
+    Pending,
+    activity,
+    forward,
+    json_args,
+    refused,
+    tool_arguments,
+)
 from tether._integrations.temporal_runs import (
     RunRefused,
     lineage,
@@ -50,7 +57,7 @@ from tether._integrations.temporal_runs import (
     stopped_run,
     watch_controls,
 )
-from tether._integrations.temporal_task import run_of, task_of
+from tether._integrations.temporal_task import CHILD_APART, run_of, task_of
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context, replaced
@@ -58,153 +65,10 @@ from tether._runtime.handle import Handle
 from tether._runtime.remote import owner_alive
 from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.tools import Agent, ProbeFn, Tool, check_surface
+from tether._runtime.tools import Agent, Tool, check_surface
 
-# What a refused activity fails with: never retried by Temporal, since a retry would be
-# refused the same way (a fence does not reopen).
-REFUSED = "tether.Refused"
-BUSY = "tether.Busy"  # retryable: the run's delegation moves on, or its host opens it
 _DESCRIBED = 4096  # runs whose workflow type and parent a worker keeps
 STOPPED = "worker stopped"  # a hosted run's body's result when this worker stops
-
-
-@dataclass
-class _Pending:
-    """The activity call a proxy tool forwards, with its key once the gateway gave one."""
-
-    next: temporalio.worker.ActivityInboundInterceptor
-    input: temporalio.worker.ExecuteActivityInput
-
-
-_PENDING: ContextVar[_Pending | None] = ContextVar("tether_temporal_pending", default=None)
-_KEY: ContextVar[str | None] = ContextVar("tether_temporal_key", default=None)
-
-
-def idempotency_key() -> str:
-    """The key tether gave the activity running now: for an activity that is not a
-    ``@tether.tool`` (it is EXTERNAL) and still wants to hand its provider the key."""
-    key = _KEY.get()
-    if key is None:
-        raise UserError("no tether idempotency key here: it exists only inside an activity "
-                        "tether's Temporal plugin runs")
-    return key
-
-
-async def _forward(**kwargs: Any) -> Any:
-    """A proxy tool's function: the gateway calls it (in the action's own task, with the key)
-    and it runs the rest of Temporal's interceptor chain, down to the activity's code."""
-    pending = _PENDING.get()
-    assert pending is not None, "a tether proxy tool runs only under the activity interceptor"
-    _KEY.set(kwargs.get("idempotency_key"))  # the action task's own context
-    result = await pending.next.execute_activity(pending.input)
-    return as_json(result, temporalio.activity.payload_converter())
-
-
-def as_json(value: Any, converter: temporalio.converter.PayloadConverter) -> Any:
-    """An activity's result as the worker's payload converter encodes it (a framework's
-    dataclass or model as its JSON): what the journal keeps, and what a replay by key hands
-    Temporal, which encodes it again to the same payload and decodes it in the workflow to
-    the type the workflow expects. A result the converter does not encode as JSON is kept as
-    it is."""
-    if value is None or type(value) in (str, int, bool):  # its own JSON: nothing to encode
-        return value
-    try:
-        (payload,) = converter.to_payloads([value])
-    except Exception:  # Temporal then fails the activity with the same error, as its own
-        return value
-    if payload.metadata.get("encoding") != b"json/plain":
-        return value
-    kept = json.loads(payload.data)
-    try:  # only where the JSON alone encodes to the same payload (no type in the metadata)
-        same = converter.to_payloads([kept]) == [payload]
-    except Exception:  # the value itself goes to Temporal then, as before
-        same = False
-    return kept if same else value
-
-
-def _parameters(tool: Tool) -> inspect.Signature:
-    """The tool's signature as Temporal calls it: its arguments in order, without the key."""
-    sig = inspect.signature(tool.fn)
-    return sig.replace(parameters=[p for p in sig.parameters.values()
-                                   if p.name != "idempotency_key"
-                                   and p.kind is not inspect.Parameter.VAR_KEYWORD])
-
-
-def tool_arguments(tool: Tool, args: Sequence[Any]) -> dict[str, Any]:
-    """The activity's positional arguments by the tool's parameter names (defaults filled in,
-    so that one call journals the same arguments however it was written)."""
-    try:
-        bound = _parameters(tool).bind(*args)
-    except TypeError as exc:
-        raise UserError(f"activity {tool.name}: {exc}") from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def activity(tool: Tool) -> Callable[..., Awaitable[Any]]:
-    """A Temporal activity (``@activity.defn(name=tool.name)``) that calls ``tool`` with its
-    positional arguments and, for a journaled effect, the key tether's plugin hands it. Run
-    without the plugin it refuses, rather than run a payment with no intent written."""
-
-    async def run(*args: Any) -> Any:
-        kwargs = tool_arguments(tool, args)
-        if not tool.effect.journaled:
-            return await tool.fn(**kwargs)
-        key = _KEY.get()
-        if key is None:
-            raise ApplicationError(
-                f"tether: activity {tool.name} runs only on a worker with tether's Temporal "
-                "plugin (tether.temporal.Plugin)", type=REFUSED, non_retryable=True)
-        return await tool.fn(**kwargs, idempotency_key=key)
-
-    run.__name__ = run.__qualname__ = tool.name
-    return temporalio.activity.defn(name=tool.name)(run)
-
-
-def _json_args(args: Sequence[Any]) -> list[Any]:
-    """An undeclared activity's arguments as the worker's payload converter encodes them:
-    what the journal compares (the Stripe rule) and shows."""
-    out: list[Any] = []
-    if len(args) == 1 and isinstance(args[0], Sequence) and args[0] and all(
-            isinstance(a, temporalio.common.RawValue) for a in args[0]):
-        args = args[0]  # a dynamic activity's: its arguments as Temporal sent them
-    for payload in temporalio.activity.payload_converter().to_payloads(args):
-        try:
-            out.append(json.loads(payload.data))
-        except ValueError:
-            out.append({"encoding": payload.metadata.get("encoding", b"").decode(),
-                        "bytes": len(payload.data)})
-    return out
-
-
-def _refused(why: str, kind: str = REFUSED) -> ApplicationError:
-    return ApplicationError(f"tether: {why}", type=kind, non_retryable=kind == REFUSED)
-
-
-@dataclass(frozen=True)
-class ActivityProbe:
-    """How to ask the provider whether a call of an activity that is not a tether tool (a
-    framework's) applied: ``probe(args=[...], idempotency_key=...)`` gets the call's arguments
-    as journaled (JSON where the worker's payload converter encodes them as JSON, else their
-    encoding and size) and returns a ``tether.ProbeResult``, whose ``result`` a COMPLETED call
-    replays as the activity's return value. ``dispatch_deadline``: seconds after the call's
-    intent past which nothing it sent can still apply at the provider (the activity's own
-    work included); until then a "not applied" answer is "not applied yet"."""
-
-    probe: ProbeFn
-    dispatch_deadline: float
-
-    def __post_init__(self) -> None:
-        if not inspect.iscoroutinefunction(self.probe):
-            raise UserError(f"tether.temporal.ActivityProbe: the probe must be an async "
-                            f"function, not {self.probe!r}")
-        try:
-            inspect.signature(self.probe).bind(args=[], idempotency_key="")
-        except TypeError as exc:
-            raise UserError(f"tether.temporal.ActivityProbe: the probe is called as "
-                            f"probe(args=[...], idempotency_key=...): {exc}") from None
-        check_positive(self.dispatch_deadline, "tether.temporal.ActivityProbe: "
-                       "dispatch_deadline")
 
 
 @dataclass(eq=False)
@@ -296,7 +160,7 @@ class Host:
                 continue
             declared = self.declared.get(defn.name)
             self.surface[defn.name] = (
-                replaced(declared, _forward) if isinstance(declared, Tool)
+                replaced(declared, forward) if isinstance(declared, Tool)
                 else self._undeclared(defn.name))
         unknown = sorted(set(self.probes) - set(self.surface))
         if unknown:  # a dynamic activity's names get no probe
@@ -319,8 +183,8 @@ class Host:
     def _undeclared(self, name: str) -> Tool:
         effect, probe = self.effects.get(name, Effect.EXTERNAL), self.probes.get(name)
         if probe is None:
-            return Tool(name, effect, _forward)
-        return Tool(name, effect, _forward, probe=probe.probe,
+            return Tool(name, effect, forward)
+        return Tool(name, effect, forward, probe=probe.probe,
                     dispatch_deadline=probe.dispatch_deadline)
 
     def _tool(self, name: str) -> Tool:
@@ -329,21 +193,21 @@ class Host:
             return found
         if UNRESTRICTED in self.surface:
             return self._undeclared(name)
-        raise _refused(f"activity {name} is not registered with tether's plugin")
+        raise refused(f"activity {name} is not registered with tether's plugin")
 
     async def call(self, next: temporalio.worker.ActivityInboundInterceptor,
                    input: temporalio.worker.ExecuteActivityInput) -> Any:
         info = temporalio.activity.info()
         if info.workflow_id is None or info.workflow_run_id is None:
-            raise _refused(f"activity {info.activity_type} has no workflow: tether mediates "
+            raise refused(f"activity {info.activity_type} has no workflow: tether mediates "
                            "the activities of workflows")
         tool = self._tool(info.activity_type)
         declared = self.declared.get(tool.name)
         try:
             kwargs = (tool_arguments(declared, input.args) if isinstance(declared, Tool)
-                      else {"args": _json_args(input.args)})
+                      else {"args": json_args(input.args)})
         except UserError as exc:
-            raise _refused(str(exc)) from None
+            raise refused(str(exc)) from None
         hosted = await self._hosted(info.workflow_id, info.workflow_run_id)
         assert hosted.ctx is not None
         # The call's place in its workflow: the same in every retry of the activity and in
@@ -356,8 +220,8 @@ class Host:
                 await self._still_wanted(self.client or temporalio.activity.client(),
                                          hosted.apart_of)
             except RunRefused as exc:
-                raise _refused(str(exc)) from None
-        token = _PENDING.set(_Pending(next, input))
+                raise refused(str(exc)) from None
+        token = PENDING.set(Pending(next, input))
         watch = None if hosted.guest is None else asyncio.create_task(
             watch_controls(self.sup, hosted.guest, hosted.watched))
         try:
@@ -370,10 +234,10 @@ class Host:
                 # again, and opens its next epoch or is refused.
                 if self.runs.get((info.workflow_id, info.workflow_run_id)) is hosted:
                     del self.runs[(info.workflow_id, info.workflow_run_id)]
-                raise _refused(f"{why}; the run is judged again", BUSY) from None
-            raise _refused(why) from None
+                raise refused(f"{why}; the run is judged again", BUSY) from None
+            raise refused(why) from None
         except (UserError, KeyInUse) as exc:
-            raise _refused(str(exc)) from None
+            raise refused(str(exc)) from None
         except ToolRejected as exc:  # certainly not applied: Temporal may retry it
             raise ApplicationError(f"tether: {exc}", type="tether.ToolRejected") from exc
         except asyncio.CancelledError:
@@ -384,11 +248,11 @@ class Host:
                 try:
                     hosted.ctx.check()
                 except ControlSignal as signal:
-                    raise _refused(f"{type(signal).__name__.lower()}: {signal}; the call's "
+                    raise refused(f"{type(signal).__name__.lower()}: {signal}; the call's "
                                    "outcome is being reconciled") from None
             raise
         finally:
-            _PENDING.reset(token)
+            PENDING.reset(token)
             if watch is not None:
                 watch.cancel()
                 await asyncio.gather(watch, return_exceptions=True)
@@ -406,9 +270,9 @@ class Host:
             try:
                 return await self._open(workflow_id, run_id)
             except RunRefused as exc:
-                raise _refused(str(exc), BUSY if exc.retry else REFUSED) from None
+                raise refused(str(exc), BUSY if exc.retry else REFUSED) from None
             except Tampered as exc:  # a person decides: a retry would be refused the same
-                raise _refused(str(exc)) from None
+                raise refused(str(exc)) from None
 
     async def _open(self, workflow_id: str, run_id: str) -> _Hosted:
         """The run's delegation, hosted here (under ``self._lock``), or the host's, as its
@@ -422,8 +286,8 @@ class Host:
             return found
         client = self.client or temporalio.activity.client()
         workflow_type, parent_key = await self._describe(client, workflow_id, run_id)
-        parent = None if parent_key is None else await self._parent(client, workflow_id,
-                                                                    parent_key)
+        parent, elsewhere = (None, None) if parent_key is None else await self._parent(
+            client, workflow_id, parent_key)
         hosted = _Hosted(workflow_id, run_id)
 
         async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
@@ -442,6 +306,13 @@ class Host:
         self.runs[key] = hosted
         try:
             if parent is None or parent.handle is None:
+                if elsewhere is not None:
+                    # Noted (committed) on the parent's delegation before the child's opens:
+                    # a stop of the parent lists it from there, closed since or not, and one
+                    # that lists it too early was accepted before the child's first look.
+                    await sup.journal.record_event(
+                        sup.clock.wall(), CHILD_APART, elsewhere, workflow_id=workflow_id,
+                        run_id=run_id)
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
                 hosted.apart_of = parent_key
             else:
@@ -460,12 +331,12 @@ class Host:
         return hosted
 
     async def _parent(self, client: temporalio.client.Client, workflow_id: str,
-                      parent_key: tuple[str, str]) -> _Hosted | None:
+                      parent_key: tuple[str, str]) -> tuple[_Hosted | None, str | None]:
         """The parent run's delegation a child run opens under, hosted here (opened now if the
         parent runs and nobody hosts it); None where the child is a delegation of its own: its
-        parent's is hosted by another live worker (one tree is one process), or its parent's
-        run has closed (an abandoned child goes on on its own, as in Temporal). Refused for a
-        child of a run someone recalled or terminated."""
+        parent's is hosted by another live worker (one tree is one process: then its id
+        second), or its parent's run has closed (an abandoned child goes on on its own, as in
+        Temporal). Refused for a child of a run someone recalled or terminated."""
         sup = self.sup
         parent_id, parent_run = parent_key
         stop = await stopped_run(sup, task_of(parent_id), parent_run)
@@ -475,17 +346,19 @@ class Host:
                              f"{stop.id})")
         found = self.runs.get(parent_key)
         if found is not None and found.live(sup):
-            return found
+            return found, None
         described = await client.get_workflow_handle(parent_id, run_id=parent_run).describe()
         if described.status is not temporalio.client.WorkflowExecutionStatus.RUNNING:
-            return None
+            return None, None
         head = await sup.journal.peek(queue.task_head, task_of(parent_id))
         if head is not None and run_of(head) == parent_run and not head.fenced \
                 and not head.state.terminal and head.owner_id != sup.owner_id \
                 and await owner_alive(sup, head.owner_id):
-            return None
+            return None, head.id
         parent = await self._open(parent_id, parent_run)
-        return None if parent.guest is not None else parent
+        if parent.guest is not None:
+            return None, parent.guest.id
+        return parent, None
 
     async def _still_wanted(self, client: temporalio.client.Client,
                             parent_key: tuple[str, str]) -> None:

@@ -436,6 +436,12 @@ class Journal:
               action_id: str | None = None, /, **detail: Any) -> None:
         self._post(ops.event, at, what, delegation_id, action_id, **detail)
 
+    async def record_event(self, at: float, what: str, delegation_id: str,
+                           **detail: Any) -> None:
+        """An event committed before this returns (``event`` rides the next batch): one
+        another process must find once this process goes on."""
+        await self._write(ops.event, at, what, delegation_id, None, **detail)
+
     async def drained(self, delegation_id: str) -> bool:
         return await self.peek(ops.drained, delegation_id)
 

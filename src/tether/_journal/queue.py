@@ -8,11 +8,22 @@ first leaves the row unclaimed, and its issuer takes it off the queue and settle
 
 from __future__ import annotations
 
+from typing import Any
+
 from tether._core.columns import CONTROLS, OWNERS
 from tether._core.model import DelegationState
-from tether._journal.rows import ControlRow, DelegationRow, OwnerRow, QueueEntry, QueueProgress
+from tether._journal.rows import (
+    ControlRow,
+    DelegationRow,
+    OwnerRow,
+    QueueEntry,
+    QueueProgress,
+    loads,
+)
 from tether._journal.tables import (
     _DELEGATION_COLS,
+    _DELEGATION_COLS_D,
+    SUBTREE,
     Conn,
     Db,
     _control,
@@ -160,6 +171,23 @@ def task_delegations(db: Db, task_id: str) -> list[DelegationRow]:
         "ORDER BY epoch, attempt, created_at", (task_id,),
     ).fetchall()
     return [_delegation(r) for r in rows]
+
+
+def noted_in_trees(db: Db, root_ids: list[str], kind: str
+                   ) -> list[tuple[DelegationRow, dict[str, Any]]]:
+    """The events of ``kind`` on the delegations of these subtrees, oldest first, each with
+    the delegation it is on (a Temporal run's children apart, noted on the nearest ancestor's
+    delegation before each opened)."""
+    found: list[tuple[DelegationRow, dict[str, Any]]] = []
+    for root in root_ids:
+        rows = db.execute(
+            f"{SUBTREE} SELECT {_DELEGATION_COLS_D}, e.detail FROM events e "
+            "JOIN sub ON e.delegation_id = sub.id JOIN delegations d ON d.id = sub.id "
+            "WHERE e.kind = ? ORDER BY e.id", (root, kind)).fetchall()
+        for r in rows:
+            detail = loads(r[-1])
+            found.append((_delegation(r[:-1]), detail if isinstance(detail, dict) else {}))
+    return found
 
 
 def progress(db: Conn, delegation_id: str) -> QueueProgress:
