@@ -61,6 +61,21 @@ async def delegation_of(sup: tether.Supervisor, workflow_id: str) -> list[Any]:
             if d.task_id == tether.temporal.task_of(workflow_id)]
 
 
+async def recall_once_fenced(parent: WorkflowHandle[Any, Any], boss: tether.Supervisor,
+                             fenced: asyncio.Event, hold: asyncio.Event,
+                             grace: float) -> tether.Report:
+    """Recall ``parent``; once ``fenced`` is set (a drain began, so the call ``hold`` holds is
+    in flight under a fence) release it; the report, once the run closed."""
+    recall = asyncio.create_task(tether.temporal.recall(
+        parent, supervisor=boss, grace=grace, reason="customer withdrew"))
+    await asyncio.wait_for(fenced.wait(), 60)
+    hold.set()
+    report = await recall
+    with contextlib.suppress(WorkflowFailureError):
+        await parent.result()
+    return report
+
+
 async def test_a_parents_recall_waits_for_its_childs_refund_and_fences_the_child(
         client: Client, provider: Provider, journal_url: str) -> None:
     """The child workflow's refund is in flight when its parent is recalled. The child's run is
@@ -207,13 +222,9 @@ async def test_a_recall_of_the_parent_stops_a_child_that_runs_on_another_worker(
         await until(lambda: provider.pay.refund_count("E-2") == 1, "the child's refund")
         (kid,) = await delegation_of(boss, "wf-far-kid")
         assert (kid.parent_id, kid.owner_id) == (None, b.owner_id)
-        recall = asyncio.create_task(tether.temporal.recall(
-            parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
-        await drained("drain", kid.id).wait()  # the child's fence, after the parent's
-        provider.holds["E-2"].set()
-        report = await recall
-        with contextlib.suppress(WorkflowFailureError):
-            await parent.result()
+        # The child's fence comes after the parent's.
+        report = await recall_once_fenced(parent, boss, drained("drain", kid.id),
+                                          provider.holds["E-2"], 10.0)
     assert report.outcome is tether.DelegationState.RECALLED
     assert [(r.delegation_id, r.outcome) for r in report.children] == [
         (kid.id, tether.DelegationState.RECALLED)]
@@ -283,13 +294,8 @@ async def test_a_recall_reaches_a_grandchild_apart_behind_a_child_in_the_tree(
             id="wf-behind", task_queue=first)
         await until(lambda: provider.pay.refund_count("J-2") == 1, "the grandchild's")
         (kid,) = await delegation_of(boss, "wf-behind-kid")
-        recall = asyncio.create_task(tether.temporal.recall(
-            parent, supervisor=boss, grace=10.0, reason="customer withdrew"))
-        await asyncio.wait_for(drained("drain", kid.id).wait(), 60)
-        provider.holds["J-2"].set()
-        report = await recall
-        with contextlib.suppress(WorkflowFailureError):
-            await parent.result()
+        report = await recall_once_fenced(parent, boss, drained("drain", kid.id),
+                                          provider.holds["J-2"], 10.0)
     assert (kid.parent_id, report.outcome) == (None, tether.DelegationState.RECALLED)
     assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
         ("temporal:wf-behind:refund:1", tether.ActionState.COMPLETED),
@@ -351,13 +357,8 @@ async def test_a_child_apart_that_closed_before_the_recall_is_in_the_report(
         await until(lambda: provider.pay.refund_count("K-own") == 1, "the parent's refund")
         (kid,) = await delegation_of(boss, "wf-done-kid")
         (top,) = await delegation_of(boss, "wf-done")
-        recall = asyncio.create_task(tether.temporal.recall(
-            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
-        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
-        provider.holds["K-own"].set()
-        report = await recall
-        with contextlib.suppress(WorkflowFailureError):
-            await parent.result()
+        report = await recall_once_fenced(parent, boss, drained("drain", top.id),
+                                          provider.holds["K-own"], 30.0)
     assert [r.delegation_id for r in report.children] == [kid.id]
     assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
         ("temporal:wf-done:refund:1", tether.ActionState.COMPLETED),
