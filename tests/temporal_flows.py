@@ -193,3 +193,96 @@ class ParentBusy:
             retry_policy=RETRIES)
         refs: list[str] = await child
         return [mine, *refs]
+
+
+@workflow.defn
+class ContinueAnyway:
+    """Waits for ``proceed`` (even once cancelled), then continues as new; the run it
+    continues as refunds: RefundAnyway, with the step after the wait in the next run."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, order_id: str, hop: int = 0) -> str:
+        if hop == 0:
+            with contextlib.suppress(asyncio.CancelledError):  # goes on regardless
+                await workflow.wait_condition(lambda: self.go)
+            workflow.continue_as_new(args=[order_id, 1])
+        ref: str = await workflow.execute_activity(
+            "refund", args=[order_id, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        return ref
+
+
+@workflow.defn
+class MiddleWaits:
+    """Refunds ``own``, waits for ``proceed``, then runs ``Refund`` of ``order`` as its own
+    child on its own queue."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, kid_id: str, own: str, order: str) -> str:
+        await workflow.execute_activity("refund", args=[own, 1250],
+                                        start_to_close_timeout=timedelta(seconds=60),
+                                        retry_policy=RETRIES)
+        await workflow.wait_condition(lambda: self.go)
+        ref: str = await workflow.execute_child_workflow(
+            Refund.run, args=["refund", order, 1250, 3], id=kid_id)
+        return ref
+
+
+@workflow.defn
+class ParentBusyGrand:
+    """Starts ``MiddleWaits`` on ``mid_queue``, refunds ``own`` meanwhile, then waits for it:
+    a grandchild started, elsewhere, while the parent's own call is in flight."""
+
+    @workflow.run
+    async def run(self, mid_id: str, kid_id: str, mid_queue: str, mid_own: str, order: str,
+                  own: str) -> list[str]:
+        child = await workflow.start_child_workflow(
+            MiddleWaits.run, args=[kid_id, mid_own, order], id=mid_id, task_queue=mid_queue)
+        mine: str = await workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        return [mine, await child]
+
+
+@workflow.defn
+class ParentAbandonsApart:
+    """Starts ``TwoRefunds`` on ``child_queue``, abandoned (Temporal leaves it running when
+    this run is cancelled or closes), refunds ``own``, then waits for the child."""
+
+    @workflow.run
+    async def run(self, child_id: str, child_queue: str, first: str, second: str,
+                  own: str) -> list[str]:
+        child = await workflow.start_child_workflow(
+            TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue,
+            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
+            cancellation_type=workflow.ChildWorkflowCancellationType.ABANDON)
+        mine: str = await workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        refs: list[str] = await child
+        return [mine, *refs]
+
+
+@workflow.defn
+class ParentOfWaiter:
+    """Runs ``RefundAnyway`` as its child ``kid_id`` on this queue and waits for it."""
+
+    @workflow.run
+    async def run(self, kid_id: str, order: str) -> str:
+        ref: str = await workflow.execute_child_workflow(RefundAnyway.run, args=[order],
+                                                         id=kid_id)
+        return ref

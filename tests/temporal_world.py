@@ -20,11 +20,16 @@ import tether
 import tether.temporal
 from tests.conftest import ONE_CLOCK
 from tests.temporal_flows import (
+    ContinueAnyway,
     Leaver,
     Middle,
+    MiddleWaits,
+    ParentAbandonsApart,
     ParentBusy,
+    ParentBusyGrand,
     ParentElsewhere,
     ParentOfRefunds,
+    ParentOfWaiter,
     Refund,
     RefundAnyway,
     RefundLocally,
@@ -114,7 +119,8 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
     async with Worker(client, task_queue=queue,
                       workflows=[Refund, TwoRefunds, RefundAnyway, RefundLocally,
                                  ParentOfRefunds, Leaver, ParentElsewhere, Middle,
-                                 ParentBusy],
+                                 ParentBusy, ContinueAnyway, MiddleWaits, ParentBusyGrand,
+                                 ParentAbandonsApart, ParentOfWaiter],
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,

@@ -24,7 +24,9 @@ import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import (
     Leaver,
+    MiddleWaits,
     ParentBusy,
+    ParentBusyGrand,
     ParentElsewhere,
     ParentOfRefunds,
     TwoRefunds,
@@ -453,3 +455,39 @@ async def test_tether_recall_from_a_shell_stops_the_runs_children_apart_too(
     assert child["completed"] == [child["actions"][0]["id"]]
     assert answer["temporal"].endswith("cancelled.")
     assert [provider.pay.refund_count(o) for o in ("C-1", "C-2")] == [1, 1]
+
+
+async def test_a_grandchild_in_the_tree_of_a_child_apart_starts_nothing_once_the_top_is_recalled(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """P on worker A, its own refund in flight (its grace runs); its child M apart on worker
+    B. After P's recall was accepted, M starts its child G on B, in M's tree, which P's fence
+    does not reach (M is stopped after P's grace): G's refund is refused at once all the
+    same, since each call of a child workflow looks at its ancestors first."""
+    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+        drained = events_of(a)
+        provider.holds["G-own"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentBusyGrand.run, args=["wf-gm", "wf-gk", second, "G-mid", "G-kid", "G-own"],
+            id="wf-gp", task_queue=first)
+        await until(lambda: provider.pay.refund_count("G-own") == 1
+                    and provider.pay.refund_count("G-mid") == 1, "P's and M's refunds")
+        (top,) = await delegation_of(boss, "wf-gp")
+        recall = asyncio.create_task(tether.temporal.recall(
+            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
+        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+        middle = client.get_workflow_handle("wf-gm")
+        await middle.signal(MiddleWaits.proceed)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await middle.result()  # its child G failed, while P's grace runs
+        assert not recall.done()
+        causes: list[BaseException] = []
+        cause: BaseException | None = failed.value
+        while cause is not None:
+            causes.append(cause)
+            cause = cause.__cause__
+        assert any("recalled or terminated" in str(c) for c in causes), causes
+        provider.holds["G-own"].set()
+        await recall
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert [provider.pay.refund_count(o) for o in ("G-own", "G-mid", "G-kid")] == [1, 1, 0]

@@ -21,7 +21,7 @@ from temporalio.client import (
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import RefundAnyway
+from tests.temporal_flows import ContinueAnyway, RefundAnyway
 from tests.temporal_world import (
     Provider,
     actions,
@@ -284,3 +284,44 @@ async def test_a_recalled_run_stays_out_after_an_older_run_of_its_id_is_recalled
             await second.result()
         assert "recalled or terminated" in str(failed.value.cause.__cause__)
         assert [pay.refund_count(o) for o in ("Y-1", "Y-2")] == [1, 0]
+
+
+async def test_a_recalled_run_that_continues_as_new_acts_no_more(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The run ignores the cancel and continues as new, whose refund is the step the recall
+    was to stop: refused, since a run is refused once any run of its chain (Temporal's first
+    run id) was recalled; the refund never happens and the chain ends FAILED."""
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        handle = await client.start_workflow(ContinueAnyway.run, args=["CN-1"], id="wf-can",
+                                             task_queue=queue)
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=2.0,
+                                              reason="stop it")
+        assert report.outcome is tether.DelegationState.RECALLED
+        latest = client.get_workflow_handle("wf-can")
+        assert await closed(latest) is WorkflowExecutionStatus.FAILED
+        assert (await latest.describe()).run_id != handle.first_execution_run_id  # run 2
+    assert provider.pay.refund_count("CN-1") == 0
+
+
+async def test_a_recall_of_a_closed_run_reports_what_it_did(
+        client: Client, provider: Provider, journal_url: str, temporal_address: str) -> None:
+    """The run refunded and completed; a recall of it by its handle, or of its delegation
+    from a shell, reports that refund (its last epoch as it stands), not an empty epoch
+    opened for it."""
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        handle = await start_refund(client, queue, "wf-closed", order="CL-1")
+        await handle.result()
+        (call,) = await actions(boss, "wf-closed")
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=2.0,
+                                              reason="late")
+        code, out, err = await asyncio.to_thread(
+            cli, "recall", call.delegation_id, "--grace", "2", "--temporal", temporal_address,
+            "--journal", journal_url, "--json")
+    assert (report.delegation_id, [a.idempotency_key for a in report.completed]) == (
+        call.delegation_id, ["temporal:wf-closed:refund:1"])
+    assert code == 0, err
+    shown = json.loads(out)["report"]
+    assert (shown["delegation"], shown["completed"]) == (call.delegation_id, [call.id])
+    assert provider.pay.refund_count("CL-1") == 1

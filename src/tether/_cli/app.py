@@ -108,7 +108,8 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     run_handle = None
     if address is not None:  # a name nobody can read is refused before Temporal is asked
         operator_of(by)
-        run_handle = run(on_temporal.target(journal, delegation_id, address, namespace, wait))
+        run_handle = run(on_temporal.target(journal, keys, delegation_id, address, namespace,
+                                                wait))
     request = ControlRequest(journal, keys, delegation_id, kind, grace, reason, by,
                              via="cli", wait=wait)
     try:

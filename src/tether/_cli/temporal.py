@@ -16,16 +16,22 @@ from tether._integrations.temporal_task import run_of, workflow_of
 from tether._journal.journal import Journal
 
 
-async def target(journal: str, delegation_id: str, address: str, namespace: str,
-                 wait: bool) -> Any:
+async def target(journal: str, keys: Path | None, delegation_id: str, address: str,
+                 namespace: str, wait: bool) -> Any:
     """The handle of the run the delegation hosts, or None when it is no Temporal run.
-    Checked before anything is signed: a wrong address, namespace or run, or ``--no-wait``,
-    changes nothing."""
+    Checked before anything is signed: a wrong address, namespace or run, ``--no-wait``, or a
+    row whose records fail verification (its task or run edited by hand would have another
+    workflow stopped), changes nothing."""
+    from tether._runtime.keys import KeyRing
+
     async with Journal(journal, create=False) as j:
         row = await j.get(delegation_id)
-    workflow = workflow_of(row.task_id)
-    if workflow is None:
-        return None
+        workflow = workflow_of(row.task_id)
+        if workflow is None:
+            return None
+        ring = await asyncio.to_thread(KeyRing.load, keys or j.keys_dir)
+        await j.untampered(await j.kin([delegation_id]), ring.trusted,
+                           f"stop the Temporal workflow {workflow} that {delegation_id} names")
     if not wait:
         raise UserError("--temporal stops the workflow in Temporal once the journal's report "
                         "is in (after the grace): it cannot be used with --no-wait")

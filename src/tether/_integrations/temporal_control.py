@@ -27,6 +27,11 @@ from tether._runtime.gateway import Context
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent
 
+
+class ChildUnknown(TetherError):
+    """A child workflow noted in the journal that Temporal does not know as such."""
+
+
 _ATTEMPTS = 5  # a worker opening the run's delegation while this process does
 _DEPTH = 32  # generations of children apart a stop goes down through
 
@@ -114,15 +119,18 @@ def _rank(verdict: str) -> int:
 def _with_children(report: Report, ids: list[str],
                    outcomes: list[Report | BaseException]) -> Report:
     """The run's report with its children stopped apart: their reports added, the verdict
-    the worst of all, and NEEDS_ATTENTION where one needs a person or could not be stopped
-    (the run itself is stopped all the same)."""
+    the worst of all (REJECTED where one could not be stopped), and NEEDS_ATTENTION where one
+    needs a person or could not be stopped (the run itself is stopped all the same)."""
     if not outcomes:
         return report
     reports = [o for o in outcomes if isinstance(o, Report)]
     failed = [f"{ids[n] if n < len(ids) else 'its children'}: {type(o).__name__}: {o}"
               for n, o in enumerate(outcomes) if not isinstance(o, Report)]
     verdicts = [v for v in (report.verdict, *(r.verdict for r in reports)) if v is not None]
-    worst = max(verdicts, key=_rank, default=report.verdict)
+    # A child that could not be stopped (its records fail verification, say) was refused:
+    # nothing about it is clean.
+    worst = Verdict.REJECTED.value if failed else max(verdicts, key=_rank,
+                                                        default=report.verdict)
     said = [f"workflow {r.task_id.removeprefix('temporal:')} {r.outcome.value} ({r.verdict})"
             for r in reports]
     reason = report.reason + "; child workflows stopped apart: " + ", ".join(said + [
@@ -140,16 +148,20 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
     """The run's descendant workflows whose runs opened a delegation of their own (on a
     worker that did not host their parent's tree): each noted on its parent's delegation,
     in this run's trees, before it opened, so the list holds those that closed since too.
-    The nearest under each branch (its own stop walks on from it). Each is checked with
-    Temporal to be the child of the run it was noted under: an event written by hand into the
-    journal never has a recall stop another workflow."""
+    The nearest under each branch (its own stop walks on from it). Only from records that
+    verify (a note deleted by hand would hide a child: Tampered), and each checked with
+    Temporal to be the child of the run it was noted under (ChildUnknown otherwise)."""
     roots = [r.id for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
              if run_of(r) == run_id]
+    await sup.journal.untampered(await sup.journal.kin(roots), sup.keys.trusted,
+                                 f"list the child workflows of {handle.id} run {run_id}")
     noted = await sup.journal.peek(queue.noted_in_trees, roots, CHILD_APART)
     apart, seen = [], set()
     for under, detail in noted:
         child = (detail.get("workflow_id"), detail.get("run_id"))
-        if not (isinstance(child[0], str) and isinstance(child[1], str)) or child in seen:
+        if not (isinstance(child[0], str) and isinstance(child[1], str)):
+            raise ChildUnknown(f"a note on {under.id} names no workflow run: {detail}")
+        if child in seen:
             continue
         seen.add(child)
         # The SDK's handle keeps its client private (within the pinned range, tested).
@@ -157,12 +169,14 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
         try:
             described = await found.describe()
         except RPCError as exc:
-            if exc.status is RPCStatusCode.NOT_FOUND:
-                continue
-            raise
-        if (described.parent_id, described.parent_run_id) != (
+            if exc.status is not RPCStatusCode.NOT_FOUND:
+                raise
+            described = None  # past Temporal's retention: stopped from the journal alone
+        if described is not None and (described.parent_id, described.parent_run_id) != (
                 workflow_of(under.task_id), run_of(under)):
-            continue
+            raise ChildUnknown(f"workflow {child[0]} run {child[1]}, noted on {under.id} as "
+                               f"a child of workflow {workflow_of(under.task_id)}, is not "
+                               "its child in Temporal")
         rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(child[0]))
                 if run_of(r) == child[1]]
         if rows and rows[-1].parent_id is not None:
@@ -183,17 +197,18 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
     if run_id is None:  # a handle on the workflow id: its latest run
         described = await handle.describe()
         run_id = described.run_id
-    if not reopen:  # a child stopped with its parent: its run's last epoch, closed or not
-        rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
-                if run_of(r) == run_id]
-        if rows:
-            return rows[-1]
+    rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
+            if run_of(r) == run_id]
+    if rows and not reopen:  # a child stopped with its parent: its last epoch, closed or not
+        return rows[-1]
     for _ in range(_ATTEMPTS):
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
         if head is not None and run_of(head) == run_id and (
                 not reopen or not await _goes_on(sup, head)):
             return head  # (a child stopped with its parent: its last epoch as it stands)
         described = described or await handle.describe()
+        if rows and described.status is not temporalio.client.WorkflowExecutionStatus.RUNNING:
+            return rows[-1]  # closed: nothing of it goes on, and its last epoch reports it
         agent = Agent(f"temporal:{described.workflow_type}", _held)
         try:
             opened = await open_run(sup, handle.id, run_id, agent)

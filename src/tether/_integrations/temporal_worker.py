@@ -48,13 +48,13 @@ from tether._integrations.temporal_activities import (
     refused,
     tool_arguments,
 )
+from tether._integrations.temporal_ancestry import Ancestry
 from tether._integrations.temporal_runs import (
     RunRefused,
     lineage,
     open_child,
     open_run,
     stopped,
-    stopped_run,
     watch_controls,
 )
 from tether._integrations.temporal_task import CHILD_APART, run_of, task_of
@@ -67,7 +67,6 @@ from tether._runtime.state import ChildRuntime
 from tether._runtime.supervisor import Supervisor
 from tether._runtime.tools import Agent, Tool, check_surface
 
-_DESCRIBED = 4096  # runs whose workflow type and parent a worker keeps
 STOPPED = "worker stopped"  # a hosted run's body's result when this worker stops
 
 
@@ -88,9 +87,9 @@ class _Hosted:
     # runs (its host's and their ancestors), each with the control sequence it had when the
     # guest judged the host.
     watched: tuple[tuple[str, int], ...] = ()
-    # A child run that is a delegation of its own here (its parent's tree is elsewhere): its
-    # parent's run, whose ancestors each of its calls looks at first.
-    apart_of: tuple[str, str] | None = None
+    # A child workflow's run: its parent's run, whose chain and ancestors' each of its calls
+    # looks at first (a fence does not reach it where its tree's root is apart).
+    parent_run: tuple[str, str] | None = None
 
     def live(self, sup: Supervisor) -> bool:
         return self.handle is not None and sup.runtime(self.handle.id) is not None
@@ -142,7 +141,7 @@ class Host:
         # The worker's client, which each hosted run's body watches the run with (the SDK offers one
         # to ``async def`` activities only); set as the worker is configured.
         self.client: temporalio.client.Client | None = None
-        self._described: dict[tuple[str, str], tuple[str, tuple[str, str] | None]] = {}
+        self.ancestry = Ancestry(supervisor)
         self._lock = asyncio.Lock()
 
     def learn(self, activities: Sequence[Callable[..., Any]]) -> None:
@@ -213,13 +212,13 @@ class Host:
         # The call's place in its workflow: the same in every retry of the activity and in
         # every run of the workflow id, so a retry or a re-run finds the first call's record.
         key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
-        if hosted.apart_of is not None:
-            # Not in its ancestors' tree, so their fence does not reach it: a stop of one of
-            # them is looked for before each call (one accepted during their grace included).
+        if hosted.parent_run is not None:
+            # A stop of an ancestor is looked for before each call (one accepted during its
+            # grace included): its fence may not reach this run.
             try:
-                await self._still_wanted(self.client or temporalio.activity.client(),
-                                         hosted.apart_of)
-            except RunRefused as exc:
+                await self.ancestry.still_wanted(self.client or temporalio.activity.client(),
+                                                 hosted.parent_run)
+            except (RunRefused, Tampered) as exc:
                 raise refused(str(exc)) from None
         token = PENDING.set(Pending(next, input))
         watch = None if hosted.guest is None else asyncio.create_task(
@@ -263,9 +262,9 @@ class Host:
             return found
         # Asked of Temporal before the lock, which a slow answer would hold for every run.
         client = self.client or temporalio.activity.client()
-        parent = (await self._describe(client, workflow_id, run_id))[1]
+        parent = (await self.ancestry.describe(client, workflow_id, run_id)).parent
         while parent is not None:
-            parent = (await self._describe(client, *parent))[1]
+            parent = (await self.ancestry.describe(client, *parent)).parent
         async with self._lock:
             try:
                 return await self._open(workflow_id, run_id)
@@ -285,10 +284,16 @@ class Host:
         if found is not None and found.live(sup):
             return found
         client = self.client or temporalio.activity.client()
-        workflow_type, parent_key = await self._describe(client, workflow_id, run_id)
+        run = await self.ancestry.describe(client, workflow_id, run_id)
+        stop = await self.ancestry.stopped(client, workflow_id, run_id)
+        if stop is not None:  # (this run's, or an earlier one's of its chain)
+            raise RunRefused(f"workflow {workflow_id}: its run {run_of(stop)} was recalled or "
+                             f"terminated (delegation {stop.id}, control sequence "
+                             f"{stop.control_seq}); run {run_id} continues it")
+        parent_key = run.parent
         parent, elsewhere = (None, None) if parent_key is None else await self._parent(
             client, workflow_id, parent_key)
-        hosted = _Hosted(workflow_id, run_id)
+        hosted = _Hosted(workflow_id, run_id, parent_run=parent_key)
 
         async def body(ctx: Context, workflow_id: str, run_id: str) -> str:
             hosted.ctx = ctx
@@ -302,7 +307,7 @@ class Host:
                 if self.runs.get(key) is hosted:
                     del self.runs[key]
 
-        agent = Agent(f"temporal:{workflow_type}", body, tuple(self.surface.values()))
+        agent = Agent(f"temporal:{run.workflow_type}", body, tuple(self.surface.values()))
         self.runs[key] = hosted
         try:
             if parent is None or parent.handle is None:
@@ -314,7 +319,6 @@ class Host:
                         sup.clock.wall(), CHILD_APART, elsewhere, workflow_id=workflow_id,
                         run_id=run_id)
                 hosted.handle = await open_run(sup, workflow_id, run_id, agent)
-                hosted.apart_of = parent_key
             else:
                 hosted.handle = await open_child(sup, parent.handle.id, workflow_id, run_id,
                                                  agent)
@@ -324,6 +328,7 @@ class Host:
                 raise
             guest = self._guest(workflow_id, run_id, exc.host, agent)
             guest.watched = await lineage(sup, exc.host)
+            guest.parent_run = parent_key
             return guest
         finally:
             if not hosted.ready.is_set() and self.runs.get(key) is hosted:
@@ -339,7 +344,7 @@ class Host:
         Temporal). Refused for a child of a run someone recalled or terminated."""
         sup = self.sup
         parent_id, parent_run = parent_key
-        stop = await stopped_run(sup, task_of(parent_id), parent_run)
+        stop = await self.ancestry.stopped(client, parent_id, parent_run)
         if stop is not None:
             raise RunRefused(f"workflow {workflow_id} is a child of workflow {parent_id}, "
                              f"whose run {parent_run} was recalled or terminated (delegation "
@@ -359,37 +364,6 @@ class Host:
         if parent.guest is not None:
             return None, parent.guest.id
         return parent, None
-
-    async def _still_wanted(self, client: temporalio.client.Client,
-                            parent_key: tuple[str, str]) -> None:
-        """Before each call of a child run that is a delegation of its own: its ancestors'
-        runs, looked at again. A stop of one of them lists the runs' children apart after its
-        intent is accepted; this looks after the child's row is written: whichever comes
-        second sees the other, so the child is stopped by one or refused here: no new call
-        starts in it (its calls already on their way finish, as within any grace)."""
-        key: tuple[str, str] | None = parent_key
-        while key is not None:
-            stop = await stopped_run(self.sup, task_of(key[0]), key[1])
-            if stop is not None:
-                raise RunRefused(f"an ancestor's run, of workflow {key[0]}, was recalled or "
-                                 f"terminated (delegation {stop.id})")
-            key = (await self._describe(client, *key))[1]
-
-    async def _describe(self, client: temporalio.client.Client, workflow_id: str,
-                        run_id: str) -> tuple[str, tuple[str, str] | None]:
-        """The run's workflow type and its parent run, if it is a child workflow's: asked of
-        Temporal once per run (they never change), and kept for the runs of late."""
-        key = (workflow_id, run_id)
-        found = self._described.get(key)
-        if found is None:
-            described = await client.get_workflow_handle(workflow_id, run_id=run_id).describe()
-            parent = ((described.parent_id, described.parent_run_id)
-                      if described.parent_id is not None
-                      and described.parent_run_id is not None else None)
-            found = self._described[key] = (described.workflow_type, parent)
-            while len(self._described) > _DESCRIBED:
-                del self._described[next(iter(self._described))]
-        return found
 
     def _guest(self, workflow_id: str, run_id: str, row: DelegationRow,
                agent: Agent) -> _Hosted:

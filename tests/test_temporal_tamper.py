@@ -1,0 +1,160 @@
+"""Someone with write access to the journal and no trusted key, against tether on Temporal:
+they may deny service (a run whose records fail verification is refused, a stop that cannot
+verify says so), never have a recall stop another workflow, hide a child's call from a report
+that then says all is clean, or have a recalled tree's child act again. Judged by the
+provider's ledger and by Temporal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+
+import tether
+import tether.temporal
+from tests.conftest import until
+from tests.temporal_flows import ParentAbandonsApart, ParentElsewhere, ParentOfWaiter, TwoRefunds
+from tests.temporal_world import Provider, both, cli, supervisor, worker
+from tests.test_temporal_children import delegation_of, two_workers
+from tests.test_trust import raw
+
+# A delegation row's columns a forger copies from a genuine one.
+_COLS = ("task_id, epoch, attempt, agent, surface, args, owner_id, state, fenced, "
+         "control_seq, created_at, updated_at")
+
+
+def fresh(name: str) -> str:
+    """A workflow id of this test's own (the dev server outlives each test)."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+async def test_a_deleted_note_of_a_child_apart_makes_the_report_say_so(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The child apart's note is deleted by hand before its parent's recall: the report does
+    not say RECALLED_CLEAN with no child (the child's refund applied); the parent's records
+    fail verification, so the report is REJECTED and needs a person, naming them."""
+    parent_id, kid_id = fresh("wf-hide"), fresh("wf-hide-kid")
+    async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
+        provider.holds["Z-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["Z-1", kid_id, second, "Z-2"], id=parent_id,
+            task_queue=first)
+        await until(lambda: provider.pay.refund_count("Z-2") == 1, "the child's refund")
+        await raw(boss.journal, "DELETE FROM events WHERE kind = 'temporal_child_apart'")
+        try:
+            report = await tether.temporal.recall(parent, supervisor=boss, grace=0.5,
+                                                  reason="customer withdrew")
+        finally:
+            provider.holds["Z-2"].set()
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert (report.verdict, report.outcome) == ("REJECTED",
+                                                tether.DelegationState.NEEDS_ATTENTION)
+    assert "fail verification" in report.reason, report.reason
+
+
+async def test_a_recalled_trees_abandoned_child_apart_stays_out_after_two_hand_edits(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The parent's abandoned child runs apart on worker B. Its note is deleted before the
+    parent's recall (so the recall cannot list it), and the parent's control sequence is set
+    back to 0 afterwards (so that no stop shows). The child's next refund is refused all the
+    same: its look at its ancestors reads only records that verify."""
+    parent_id, kid_id = fresh("wf-ab"), fresh("wf-ab-kid")
+    async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
+        parent = await client.start_workflow(
+            ParentAbandonsApart.run, args=[kid_id, second, "AB-1", "AB-2", "AB-own"],
+            id=parent_id, task_queue=first)
+        await until(lambda: provider.pay.refund_count("AB-1") == 1
+                    and provider.pay.refund_count("AB-own") == 1, "both first refunds")
+        (top,) = await delegation_of(boss, parent_id)
+        await raw(boss.journal, "DELETE FROM events WHERE kind = 'temporal_child_apart'")
+        report = await tether.temporal.recall(parent, supervisor=boss, grace=2.0,
+                                              reason="customer withdrew")
+        await raw(boss.journal, "UPDATE delegations SET control_seq = 0 WHERE id = ?", top.id)
+        child = client.get_workflow_handle(kid_id)
+        await child.signal(TwoRefunds.proceed)
+        with pytest.raises(WorkflowFailureError):
+            await child.result()
+    assert report.outcome is tether.DelegationState.NEEDS_ATTENTION
+    assert [provider.pay.refund_count(o) for o in ("AB-own", "AB-1", "AB-2")] == [1, 1, 0]
+
+
+async def test_a_hand_written_row_and_note_never_have_a_recall_stop_another_workflow(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A row for unrelated workflow W's run is written by hand under the recalled run's
+    delegation, and W's real child V noted as a child apart on it (so Temporal's answer on
+    V's parent matches the forged row). The recall signs nothing for V: the records it would
+    act on fail verification, and its report says so."""
+    run_id, w_id, v_id = fresh("wf-victim"), fresh("wf-w"), fresh("wf-v")
+    async with both(journal_url, provider) as (host, _boss), \
+            worker(client, host, provider) as queue:
+        run = await client.start_workflow(TwoRefunds.run, args=["X-1", "X-2"], id=run_id,
+                                          task_queue=queue)
+        w = await client.start_workflow(ParentOfWaiter.run, args=[v_id, "V-1"], id=w_id,
+                                        task_queue=queue)
+        await until(lambda: provider.pay.refund_count("X-1") == 1, "the first refund")
+        v = client.get_workflow_handle(v_id)
+        for _ in range(600):  # V started (its parent's first step)
+            with contextlib.suppress(Exception):
+                if (await v.describe()).status is WorkflowExecutionStatus.RUNNING:
+                    break
+            await asyncio.sleep(0.01)
+        (top,) = await delegation_of(host, run_id)
+        forged = "d_forged0000000000000000000"
+        await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)",
+                  tether.temporal.task_of(w_id))
+        await raw(host.journal,
+                  f"INSERT INTO delegations (id, parent_id, {_COLS}) SELECT ?, ?, ?, epoch, "
+                  "attempt, agent, surface, ?, owner_id, state, fenced, control_seq, "
+                  "created_at, updated_at FROM delegations WHERE id = ?",
+                  forged, top.id, tether.temporal.task_of(w_id),
+                  json.dumps({"args": [w_id, (await w.describe()).run_id], "kwargs": {}}),
+                  top.id)
+        await raw(host.journal, "INSERT INTO events (delegation_id, action_id, at, kind, detail) "
+                  "VALUES (?, NULL, 0, ?, ?)", forged, "temporal_child_apart",
+                  json.dumps({"workflow_id": v_id, "run_id": (await v.describe()).run_id}))
+        report = await tether.temporal.recall(run, supervisor=host, grace=2.0, reason="stop")
+        stops = [d.control_seq for d in await delegation_of(host, v_id)]
+        with contextlib.suppress(WorkflowFailureError):
+            await run.result()
+        await w.terminate()
+    assert (report.verdict, report.outcome) == ("REJECTED",
+                                                tether.DelegationState.NEEDS_ATTENTION)
+    assert stops in ([], [0])  # nothing signed for V
+    assert provider.pay.refund_count("X-2") == 0
+
+
+async def test_a_row_edited_to_name_another_workflow_is_refused_by_tether_terminate(
+        client: Client, provider: Provider, journal_url: str, temporal_address: str) -> None:
+    """The rogue run's delegation row is edited by hand to name workflow U (task and run).
+    `tether terminate ID --temporal` refuses, one error line, before anything is signed or
+    any workflow is terminated: it would have terminated U."""
+    rogue_id, u_id = fresh("wf-rogue"), fresh("wf-u")
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        rogue = await client.start_workflow(TwoRefunds.run, args=["R-1", "R-2"], id=rogue_id,
+                                            task_queue=queue)
+        other = await client.start_workflow(TwoRefunds.run, args=["U-1", "U-2"], id=u_id,
+                                            task_queue=queue)
+        await until(lambda: provider.pay.refund_count("R-1") == 1
+                    and provider.pay.refund_count("U-1") == 1, "both first refunds")
+        (top,) = await delegation_of(host, rogue_id)
+        u_run = (await other.describe()).run_id
+        await raw(host.journal, "UPDATE delegations SET args = ?, task_id = ? WHERE id = ?",
+                  json.dumps({"args": [u_id, u_run], "kwargs": {}}),
+                  tether.temporal.task_of(u_id), top.id)
+        code, out, err = await asyncio.to_thread(
+            cli, "terminate", top.id, "--reason", "rogue", "--temporal", temporal_address,
+            "--journal", journal_url)
+        statuses = [(await h.describe()).status for h in (rogue, other)]
+        controls = await host.journal.controls(top.id)
+        for handle in (rogue, other):
+            await handle.terminate()
+    assert (code, out) == (2, "") and "fail verification" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert statuses == [WorkflowExecutionStatus.RUNNING] * 2
+    assert controls == []
