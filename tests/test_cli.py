@@ -213,3 +213,36 @@ async def test_demo_on_postgresql(pg_url: str) -> None:
     assert data["journal"].endswith(f"?schema={schema}"), data["journal"]
     code, out, _ = await tether_cli("demo", "--journal", pg_url)
     assert code == 0 and f"?schema={schema}" in out, out
+
+
+async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -> None:
+    """The root's own calls are done, but its child's call was cut and cannot be probed (the
+    provider's lookup is down): the child needs a person, so the command says so with exit 1,
+    not 0 for the root's own TERMINATED."""
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        entered = asyncio.Event()
+
+        async def down(order_id: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
+            raise RuntimeError("the provider's lookup is down")
+
+        @tether.tool(probe=down, dispatch_deadline=0.01)
+        async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
+            entered.set()
+            await asyncio.Event().wait()
+
+        async def kid(ctx: tether.Context) -> None:
+            await ctx.call(hang, order_id="X-9", cents=1)
+
+        kid_agent = tether.Agent("kid", kid, (hang,))
+
+        async def root(ctx: tether.Context) -> None:
+            await (await ctx.delegate(kid_agent)).result()
+
+        parent = await sup.delegate(tether.Agent("root", root, (kid_agent,)))
+        await entered.wait()
+        code, out, err = await tether_cli("terminate", parent.id, "--journal", journal_url,
+                                          "--json")
+        report = json.loads(out)["report"]
+        (child,) = report["children"]
+        assert (report["outcome"], child["outcome"]) == ("TERMINATED", "NEEDS_ATTENTION")
+        assert code == 1, err

@@ -126,7 +126,7 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
         if report is None:  # someone's intent stopped the run already: Temporal, at least
             run(on_temporal.stop_run(run_handle, kind, reason))
         told = on_temporal.told(run_handle, kind)
-        code = 0 if report is None or report["outcome"] not in ATTENTION else 1
+        code = 0 if report is None or not needs_person(report) else 1
         if as_json:
             emit_json({"delegation": delegation_id, "journal": ended, "report": report,
                        "temporal": told})
@@ -150,7 +150,7 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
             answer["temporal"] = run(on_temporal.stop_run(run_handle, kind, reason))
     elif note := on_temporal.not_told(answer):
         answer["temporal"] = note
-    settled = "report" in answer and answer["report"]["outcome"] not in ATTENTION
+    settled = "report" in answer and not needs_person(answer["report"])
     code = 0 if settled or not wait else 1
     if as_json:
         emit_json(answer)
@@ -177,6 +177,12 @@ NamespaceOpt = Annotated[str, typer.Option(
 # held for a person).
 ATTENTION = frozenset(s.value for s in DelegationState
                       if not s.terminal or s is DelegationState.NEEDS_ATTENTION)
+
+
+def needs_person(report: dict[str, Any]) -> bool:
+    """A report (as JSON) not settled, or held for a person, anywhere in its tree: a root
+    TERMINATED whose child's call is UNKNOWN still needs one."""
+    return report["outcome"] in ATTENTION or any(needs_person(c) for c in report["children"])
 
 
 @app.command()
@@ -239,7 +245,7 @@ def reconcile(delegation_id: Annotated[str | None, typer.Argument()] = None,
         err.print(f"[yellow]warning:[/yellow] no tool named {safe(repr(name))} is declared, so "
                   f"its calls in doubt stay UNKNOWN: {safe(HOW)}", highlight=False,
                   soft_wrap=True)
-    code = 1 if refused or any(r["outcome"] in ATTENTION for r in reports) else 0
+    code = 1 if refused or any(needs_person(r) for r in reports) else 0
     if as_json:
         # A refused delegation is listed as such: its records fail their chain, so it has no
         # report to give (``tether verify`` names what changed).
