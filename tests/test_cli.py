@@ -246,3 +246,23 @@ async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -
         (child,) = report["children"]
         assert (report["outcome"], child["outcome"]) == ("TERMINATED", "NEEDS_ATTENTION")
         assert code == 1, err
+
+
+async def test_recall_of_a_queued_task_no_worker_claimed_settles_it_at_once(
+        journal_url: str) -> None:
+    """No worker has claimed the queued task, and none can once it is fenced: nothing ran and
+    no owner drains it, so the command settles it itself (NEVER_STARTED) and exits 0, rather
+    than wait out its budget for an owner that has nothing to do."""
+
+    async def queued(ctx: tether.Context) -> str:
+        return "never runs here"
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(tether.Agent("queued_only", queued), remote=True)
+        code, out, err = await tether_cli("recall", handle.id, "--grace", "1", "--journal",
+                                          journal_url, "--json")
+        entry = await sup.journal.queue_entry(handle.id)
+    assert code == 0, err
+    report = json.loads(out)["report"]
+    assert (report["outcome"], report["verdict"]) == ("RECALLED", "NEVER_STARTED")
+    assert entry is not None and entry.done_at is not None

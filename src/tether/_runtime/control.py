@@ -20,7 +20,7 @@ from tether._journal.rows import DelegationRow
 from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
-from tether._runtime.remote import owner_alive, verdict_overdue
+from tether._runtime.remote import owner_alive, settle_unclaimed, verdict_overdue
 from tether._runtime.resolve import operator_of
 
 
@@ -85,17 +85,23 @@ async def send_control(req: ControlRequest) -> dict[str, Any]:
                                   "seq": intent.seq, "kind": req.kind.value, "accepted": True,
                                   "issuer": issuer}
         if req.wait:
-            await _wait(j, delegation_id, req.grace, answer)
+            await _wait(j, delegation_id, req.kind, req.grace, answer)
         return answer
 
 
-async def _wait(j: Journal, delegation_id: str, grace: float | None,
+async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
                 answer: dict[str, Any]) -> None:
     policy = Policy()
     budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
     watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
+    # Queued and no worker claimed it (none can now: it is fenced): nothing ran, and no owner
+    # drains it; the issuer takes it off the queue and settles it, as a supervisor does.
+    never = await settle_unclaimed(watcher, delegation_id, kind)
+    if never is not None:
+        answer["report"] = never.to_json()
+        return
     next_look = loop.time() + 0.5
     settled_at: float | None = None
     while loop.time() < deadline:
