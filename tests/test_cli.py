@@ -266,3 +266,40 @@ async def test_recall_of_a_queued_task_no_worker_claimed_settles_it_at_once(
     report = json.loads(out)["report"]
     assert (report["outcome"], report["verdict"]) == ("RECALLED", "NEVER_STARTED")
     assert entry is not None and entry.done_at is not None
+
+
+async def test_terminate_from_another_process_cuts_a_call_a_recalls_grace_left_running(
+        journal_url: str) -> None:
+    """A recall's grace ended with the call still running (left to finish, in doubt), so the
+    owner's drain is over. A terminate from a shell must still reach it: the owner cuts the
+    call and answers with a report, instead of the command waiting out its budget."""
+    pay = PaymentService(latency=0.0)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        entered, cut = asyncio.Event(), asyncio.Event()
+
+        @tether.tool(probe=pay.lookup, dispatch_deadline=30.0)
+        async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cut.set()
+                raise
+
+        async def agent(ctx: tether.Context) -> None:
+            await ctx.call(hang, order_id="X-3", cents=1)
+
+        child = await sup.delegate(agent, tools=[hang])
+        await entered.wait()
+        first = await child.recall(grace=0.2)
+        assert (first.verdict, first.outcome) == ("GRACE_EXPIRED",
+                                                  tether.DelegationState.RECALLING)
+        assert not cut.is_set()
+        code, out, err = await tether_cli("terminate", child.id, "--journal", journal_url,
+                                          "--json")
+        answer = json.loads(out)
+    assert "report" in answer, answer.get("waiting")
+    assert cut.is_set()
+    (action,) = answer["report"]["actions"]
+    assert action["state"] == "IN_DOUBT"  # cut, and "not applied" is not final before 30 s
+    assert code == 1, err

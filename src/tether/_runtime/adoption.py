@@ -16,6 +16,7 @@ from tether._journal.rows import ControlRow
 from tether._runtime.clockcheck import check_clock
 from tether._runtime.logs import logger
 from tether._runtime.ports import Adopts
+from tether._runtime.remote import settle_unclaimed
 from tether._runtime.state import ChildRuntime
 
 log = logger("supervisor")
@@ -26,6 +27,7 @@ class Adoption:
         self._sup = sup
         self.last_control = 0  # the newest control row seen
         self._refused: set[int] = set()  # control rows refused (journaled once)
+        self._untracked: set[int] = set()  # control rows handed to ``settle_untracked``
 
     async def watch(self) -> None:
         """Learn of control intents written by other processes and keep this owner's
@@ -55,6 +57,12 @@ class Adoption:
                         break
                     if admitted:
                         self.adopt(rt, row)
+                elif row.issuer != sup.owner_id and row.id not in self._untracked:
+                    # No drain runs for it here (it ended with calls left running, or nothing
+                    # was ever run): if this process owns it, it settles it as for its own
+                    # intent, a terminate cutting those calls.
+                    self._untracked.add(row.id)
+                    sup.spawn(self.settle_untracked(row))
                 self.last_control = max(self.last_control, row.id)
             beats += 1
             if beats % every == 0:
@@ -86,18 +94,36 @@ class Adoption:
     async def admit(self, rt: ChildRuntime, row: ControlRow) -> bool:
         """Whether to act on a control row another process wrote: signed by a key the
         deployment trusts, and naming this very row (delegation, epoch, sequence, kind)."""
+        return await self._admitted(rt.id, rt.row.epoch, row)
+
+    async def _admitted(self, delegation_id: str, epoch: int, row: ControlRow) -> bool:
         if row.id in self._refused:
             return False
         sup = self._sup
         try:
             intent = (await sup.current_trust()).verify(row.signed, ControlIntent)
-            bound(intent, row.delegation_id, row.seq, row.kind, rt.row.epoch)
+            bound(intent, row.delegation_id, row.seq, row.kind, epoch)
         except ControlRefused as exc:
             self._refused.add(row.id)
-            sup.journal.event(sup.clock.wall(), "control_refused", rt.id, None,
+            sup.journal.event(sup.clock.wall(), "control_refused", delegation_id, None,
                               row=row.id, seq=row.seq, error=str(exc))
             return False
         return True
+
+    async def settle_untracked(self, row: ControlRow) -> None:
+        """Another process's intent for a delegation this process no longer tracks: if it
+        owns it (its drain ended with calls left running, or no worker claimed it), it settles
+        it here as for its own intent, once the intent is admitted; a terminate cuts the
+        calls still running."""
+        sup = self._sup
+        target = await sup.journal.get(row.delegation_id)
+        if target.owner_id != sup.owner_id or target.state.terminal or \
+                sup.runtime(target.id) is not None:
+            return
+        if not await self._admitted(target.id, target.epoch, row):
+            return
+        if await settle_unclaimed(sup, target.id, row.kind) is None:
+            await sup.settle_here(target.id, row.kind)
 
     def adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
         """Drain for an intent another process wrote. Its acceptance time is wall-clock; the
