@@ -15,6 +15,17 @@ RETRIES = RetryPolicy(initial_interval=timedelta(milliseconds=100), backoff_coef
                       maximum_attempts=5)
 
 
+def closing(abandon: bool) -> tuple[workflow.ParentClosePolicy,
+                                   workflow.ChildWorkflowCancellationType]:
+    """A child's policies: the SDK's defaults, or abandoned (Temporal tells the child nothing
+    when its parent is cancelled or closes)."""
+    if abandon:
+        return (workflow.ParentClosePolicy.ABANDON,
+                workflow.ChildWorkflowCancellationType.ABANDON)
+    return (workflow.ParentClosePolicy.TERMINATE,
+            workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED)
+
+
 @workflow.defn
 class Refund:
     """One refund by the activity named ``activity`` (tether's tool, or a naive one), tried at
@@ -94,11 +105,7 @@ class ParentOfRefunds:
     @workflow.run
     async def run(self, child_id: str, first: str, second: str, own: str,
                   abandon: bool = False) -> list[str]:
-        # Abandoned: Temporal tells the child nothing when the parent is cancelled or closes.
-        policy, cancel = ((workflow.ParentClosePolicy.ABANDON,
-                           workflow.ChildWorkflowCancellationType.ABANDON) if abandon
-                          else (workflow.ParentClosePolicy.TERMINATE,
-                                workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED))
+        policy, cancel = closing(abandon)
         refs: list[str] = await workflow.execute_child_workflow(
             TwoRefunds.run, args=[first, second], id=child_id, parent_close_policy=policy,
             cancellation_type=cancel)
@@ -181,13 +188,16 @@ class ParentElsewhere:
 @workflow.defn
 class ParentBusy:
     """Starts ``TwoRefunds`` on ``child_queue``, refunds ``own`` meanwhile, then waits for the
-    child: a parent with a call in flight while its child, elsewhere, goes on."""
+    child: a parent with a call in flight while its child, elsewhere, goes on. ``abandon``:
+    Temporal leaves the child running when this run is cancelled or closes."""
 
     @workflow.run
     async def run(self, child_id: str, child_queue: str, first: str, second: str,
-                  own: str) -> list[str]:
+                  own: str, abandon: bool = False) -> list[str]:
+        policy, cancel = closing(abandon)
         child = await workflow.start_child_workflow(
-            TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue)
+            TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue,
+            parent_close_policy=policy, cancellation_type=cancel)
         mine: str = await workflow.execute_activity(
             "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
@@ -256,25 +266,6 @@ class ParentBusyGrand:
             "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
         return [mine, await child]
-
-
-@workflow.defn
-class ParentAbandonsApart:
-    """Starts ``TwoRefunds`` on ``child_queue``, abandoned (Temporal leaves it running when
-    this run is cancelled or closes), refunds ``own``, then waits for the child."""
-
-    @workflow.run
-    async def run(self, child_id: str, child_queue: str, first: str, second: str,
-                  own: str) -> list[str]:
-        child = await workflow.start_child_workflow(
-            TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue,
-            parent_close_policy=workflow.ParentClosePolicy.ABANDON,
-            cancellation_type=workflow.ChildWorkflowCancellationType.ABANDON)
-        mine: str = await workflow.execute_activity(
-            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=RETRIES)
-        refs: list[str] = await child
-        return [mine, *refs]
 
 
 @workflow.defn

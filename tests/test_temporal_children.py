@@ -78,6 +78,16 @@ async def recall_once_fenced(parent: WorkflowHandle[Any, Any], boss: tether.Supe
     return report
 
 
+async def recall_in_grace(parent: WorkflowHandle[Any, Any], boss: tether.Supervisor,
+                          fenced: asyncio.Event) -> asyncio.Task[tether.Report]:
+    """Recall ``parent`` with a long grace: the recall, still waiting, once ``fenced`` is set
+    (its drain began: the fence stands and the grace runs)."""
+    recall = asyncio.create_task(tether.temporal.recall(
+        parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
+    await asyncio.wait_for(fenced.wait(), 60)
+    return recall
+
+
 async def test_a_parents_recall_waits_for_its_childs_refund_and_fences_the_child(
         client: Client, provider: Provider, journal_url: str) -> None:
     """The child workflow's refund is in flight when its parent is recalled. The child's run is
@@ -319,9 +329,7 @@ async def test_a_child_apart_starts_nothing_once_its_parent_is_recalled(
         await until(lambda: provider.pay.refund_count("W-own") == 1
                     and provider.pay.refund_count("W-1") == 1, "both first refunds")
         (top,) = await delegation_of(boss, "wf-busy")
-        recall = asyncio.create_task(tether.temporal.recall(
-            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
-        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+        recall = await recall_in_grace(parent, boss, drained("drain", top.id))
         child = client.get_workflow_handle("wf-busy-kid")
         await child.signal(TwoRefunds.proceed)
         with pytest.raises(WorkflowFailureError) as failed:
@@ -472,9 +480,7 @@ async def test_a_grandchild_in_the_tree_of_a_child_apart_starts_nothing_once_the
         await until(lambda: provider.pay.refund_count("G-own") == 1
                     and provider.pay.refund_count("G-mid") == 1, "P's and M's refunds")
         (top,) = await delegation_of(boss, "wf-gp")
-        recall = asyncio.create_task(tether.temporal.recall(
-            parent, supervisor=boss, grace=30.0, reason="customer withdrew"))
-        await asyncio.wait_for(drained("drain", top.id).wait(), 60)
+        recall = await recall_in_grace(parent, boss, drained("drain", top.id))
         middle = client.get_workflow_handle("wf-gm")
         await middle.signal(MiddleWaits.proceed)
         with pytest.raises(WorkflowFailureError) as failed:

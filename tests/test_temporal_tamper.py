@@ -17,7 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 import tether
 import tether.temporal
 from tests.conftest import until
-from tests.temporal_flows import ParentAbandonsApart, ParentElsewhere, ParentOfWaiter, TwoRefunds
+from tests.temporal_flows import ParentBusy, ParentElsewhere, ParentOfWaiter, TwoRefunds
 from tests.temporal_world import Provider, both, cli, supervisor, worker
 from tests.test_temporal_children import delegation_of, two_workers
 from tests.test_trust import raw
@@ -66,7 +66,7 @@ async def test_a_recalled_trees_abandoned_child_apart_stays_out_after_two_hand_e
     parent_id, kid_id = fresh("wf-ab"), fresh("wf-ab-kid")
     async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
         parent = await client.start_workflow(
-            ParentAbandonsApart.run, args=[kid_id, second, "AB-1", "AB-2", "AB-own"],
+            ParentBusy.run, args=[kid_id, second, "AB-1", "AB-2", "AB-own", True],
             id=parent_id, task_queue=first)
         await until(lambda: provider.pay.refund_count("AB-1") == 1
                     and provider.pay.refund_count("AB-own") == 1, "both first refunds")
