@@ -277,3 +277,18 @@ class ParentOfWaiter:
         ref: str = await workflow.execute_child_workflow(RefundAnyway.run, args=[order],
                                                          id=kid_id)
         return ref
+
+
+@workflow.defn
+class Monthly:
+    """Refunds ``order`` once per run, continuing as new until ``runs`` runs: a loop whose
+    runs each make the same call at the same place in their run."""
+
+    @workflow.run
+    async def run(self, order: str, runs: int, done: int = 0) -> int:
+        await workflow.execute_activity("refund", args=[order, 1250],
+                                        start_to_close_timeout=timedelta(seconds=60),
+                                        retry_policy=RETRIES)
+        if done + 1 < runs:
+            workflow.continue_as_new(args=[order, runs, done + 1])
+        return done + 1

@@ -21,7 +21,7 @@ from temporalio.client import (
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import ContinueAnyway, RefundAnyway
+from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway
 from tests.temporal_world import (
     Provider,
     actions,
@@ -325,3 +325,23 @@ async def test_a_recall_of_a_closed_run_reports_what_it_did(
     shown = json.loads(out)["report"]
     assert (shown["delegation"], shown["completed"]) == (call.delegation_id, [call.id])
     assert provider.pay.refund_count("CL-1") == 1
+
+
+async def test_each_run_of_a_chain_makes_its_own_call_and_a_new_start_replays_them(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A loop that continues as new makes the same call at the same place in each run: each
+    run's refund is a call of its own (its key holds its run's place in the chain), not a
+    replay of run 1's. A new start of the same id (a new chain) replays all three by key."""
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        first = await client.start_workflow(Monthly.run, args=["M-1", 3], id="wf-monthly",
+                                            task_queue=queue)
+        assert await first.result() == 3
+        again = await client.start_workflow(Monthly.run, args=["M-1", 3], id="wf-monthly",
+                                            task_queue=queue)
+        assert await again.result() == 3
+        calls = await actions(host, "wf-monthly")
+    assert sorted({c.idempotency_key for c in calls}) == [
+        "temporal:wf-monthly:1:refund:1", "temporal:wf-monthly:2:refund:1",
+        "temporal:wf-monthly:refund:1"]
+    assert provider.pay.refund_count("M-1") == 3

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import temporalio.client
+from temporalio.api.enums.v1 import ContinueAsNewInitiator
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether._integrations.temporal_runs import RunRefused, run_stopped
@@ -42,6 +43,31 @@ class Ancestry:
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
         self._runs: dict[tuple[str, str], Run] = {}
+        self._hops: dict[tuple[str, str], int] = {}
+
+    async def hop(self, client: temporalio.client.Client, workflow_id: str,
+                  run_id: str) -> int:
+        """The run's place in its chain: how many times the chain continued as new (or fired
+        its cron schedule) before it; a workflow retry keeps its run's place, since it does
+        that run's work again. What a call's key holds beside its place in its run, so that
+        run 2 of a chain does not replay run 1's calls, while a new start of the id (a new
+        chain) replays by key what the same places of an earlier chain completed."""
+        walked: list[tuple[tuple[str, str], bool]] = []  # each run, and whether it moved on
+        key: tuple[str, str] | None = (workflow_id, run_id)
+        base = 0
+        while key is not None:
+            if key in self._hops:
+                base = self._hops[key]
+                break
+            previous, moved = await _started(client, *key)
+            walked.append((key, moved))
+            key = None if previous is None else (workflow_id, previous)
+        for found, moved in reversed(walked):
+            base += 1 if moved else 0
+            self._hops[found] = base
+        while len(self._hops) > _KEPT:
+            del self._hops[next(iter(self._hops))]
+        return base
 
     async def describe(self, client: temporalio.client.Client, workflow_id: str,
                        run_id: str) -> Run:
@@ -107,3 +133,19 @@ class Ancestry:
                 raise RunRefused(f"an ancestor's run, of workflow {key[0]}, was recalled or "
                                  f"terminated (delegation {stop.id})")
             key = (await self.describe(client, *key)).parent
+
+
+_MOVED_ON = (ContinueAsNewInitiator.CONTINUE_AS_NEW_INITIATOR_WORKFLOW,
+             ContinueAsNewInitiator.CONTINUE_AS_NEW_INITIATOR_CRON_SCHEDULE)
+
+
+async def _started(client: temporalio.client.Client, workflow_id: str,
+                   run_id: str) -> tuple[str | None, bool]:
+    """The run this one continues (None for a chain's first), and whether it moved on from
+    it (continued as new, a cron firing) rather than retried it."""
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id)
+    async for event in handle.fetch_history_events(page_size=1):
+        started = event.workflow_execution_started_event_attributes
+        previous = started.continued_execution_run_id or None
+        return previous, previous is not None and started.initiator in _MOVED_ON
+    return None, False

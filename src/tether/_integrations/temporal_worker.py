@@ -210,14 +210,16 @@ class Host:
         hosted = await self._hosted(info.workflow_id, info.workflow_run_id)
         assert hosted.ctx is not None
         # The call's place in its workflow: the same in every retry of the activity and in
-        # every run of the workflow id, so a retry or a re-run finds the first call's record.
-        key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}"
+        # every run of the workflow id that starts it again, so a retry or a re-run finds the
+        # first call's record; a run continued as new holds its place in its chain too.
+        client = self.client or temporalio.activity.client()
+        hop = await self.ancestry.hop(client, info.workflow_id, info.workflow_run_id)
+        key = f"{hosted.ctx.task_id}:{f'{hop}:' if hop else ''}{tool.name}:{info.activity_id}"
         if hosted.parent_run is not None:
             # A stop of an ancestor is looked for before each call (one accepted during its
             # grace included): its fence may not reach this run.
             try:
-                await self.ancestry.still_wanted(self.client or temporalio.activity.client(),
-                                                 hosted.parent_run)
+                await self.ancestry.still_wanted(client, hosted.parent_run)
             except (RunRefused, Tampered) as exc:
                 raise refused(str(exc)) from None
         token = PENDING.set(Pending(next, input))
