@@ -699,3 +699,26 @@ async def test_reconcile_of_the_whole_journal_names_each_tampered_delegation(
     assert result.exit_code == 1
     (entry,) = [r for r in json.loads(result.stdout) if r["delegation_id"] == s.delegation]
     assert entry["outcome"] == "REFUSED" and "fail verification" in entry["error"]
+
+
+async def test_a_writers_own_batch_never_reads_as_tampered(journal_url: str) -> None:
+    """A check of a delegation's records that runs in the same batch as this process's own
+    writes to them (the writer takes every operation queued as one batch, and seals its
+    writes at its end) sees those writes before their chain entries: they are this process's
+    own, never someone's tampering, so the check passes."""
+    from tether._journal import chainops, ops
+
+    _, once = one_refund("W")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once)
+        await h.result()
+        trusted = sup.keys.trusted
+        registry = await sup.journal.registry(trusted)
+
+        def write_then_check(db: Any) -> list[Any]:
+            ops.event(db, time.time(), "note", h.id, None)
+            return chainops.verdicts(db, [h.id], registry, {}, None)
+
+        (verdict,) = await sup.journal._write(write_then_check)
+        assert verdict.problems == []
+        await sup.journal.untampered([h.id], trusted, "check it again once sealed")
