@@ -21,7 +21,7 @@ from temporalio.client import (
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway
+from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway, TwoRefunds
 from tests.temporal_world import (
     Provider,
     actions,
@@ -345,3 +345,37 @@ async def test_each_run_of_a_chain_makes_its_own_call_and_a_new_start_replays_th
         "temporal:wf-monthly:1:refund:1", "temporal:wf-monthly:2:refund:1",
         "temporal:wf-monthly:refund:1"]
     assert provider.pay.refund_count("M-1") == 3
+
+
+async def test_a_handle_of_a_closed_chain_never_recalls_a_later_start_of_its_id(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The handle from the first start of an id: that chain completed, and the id was started
+    again. A recall through the old handle refuses, one clear error, and signs nothing: the
+    later start is not the work the handle names (Temporal's own cancel through it would not
+    reach it either), so it completes."""
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        old = await client.start_workflow(TwoRefunds.run, args=["S-1", "S-2"], id="wf-stale",
+                                          task_queue=queue)
+        await until(lambda: provider.pay.refund_count("S-1") == 1, "the first refund")
+        await old.signal(TwoRefunds.proceed)
+        await old.result()
+        # The same work again (its calls replay by key), waiting for its signal.
+        new = await client.start_workflow(TwoRefunds.run, args=["S-1", "S-2"], id="wf-stale",
+                                          task_queue=queue)
+        rows: list[Any] = []
+        for _ in range(6000):  # until the later start's delegation is open (at most a minute)
+            await host.journal.flush()
+            rows = [d for d in await host.journal.delegations()
+                    if d.task_id == tether.temporal.task_of("wf-stale")]
+            if len(rows) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(rows) == 2
+        with pytest.raises(tether.errors.UserError, match="a later start of the id runs now"):
+            await tether.temporal.recall(old, supervisor=boss, grace=1.0, reason="stale")
+        await new.signal(TwoRefunds.proceed)
+        assert len(await new.result()) == 2
+        rows = [await host.journal.get(d.id) for d in rows]
+    assert [d.control_seq for d in rows] == [0, 0]
+    assert [provider.pay.refund_count(f"S-{n}") for n in (1, 2)] == [1, 1]

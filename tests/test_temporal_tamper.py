@@ -154,7 +154,67 @@ async def test_a_row_edited_to_name_another_workflow_is_refused_by_tether_termin
         controls = await host.journal.controls(top.id)
         for handle in (rogue, other):
             await handle.terminate()
-    assert (code, out) == (2, "") and "fail verification" in err, err
+    assert (code, out) == (2, "") and "verification against its signed chain" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert statuses == [WorkflowExecutionStatus.RUNNING] * 2
     assert controls == []
+
+
+async def test_a_row_edited_to_name_another_run_never_has_a_recall_sign_for_it(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run Y's delegation row is edited by hand to name run X (task and run). A recall of X
+    finds that row as X's newest: it refuses (Tampered) before signing anything, instead of
+    landing its stop on Y; Y goes on."""
+    x_id, y_id = fresh("wf-x"), fresh("wf-y")
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        x = await client.start_workflow(TwoRefunds.run, args=["X-1", "X-2"], id=x_id,
+                                        task_queue=queue)
+        await until(lambda: provider.pay.refund_count("X-1") == 1, "X's first refund")
+        y = await client.start_workflow(TwoRefunds.run, args=["Y-1", "Y-2"], id=y_id,
+                                        task_queue=queue)
+        await until(lambda: provider.pay.refund_count("Y-1") == 1, "Y's first refund")
+        (mine,) = await delegation_of(host, y_id)
+        await raw(host.journal, "UPDATE delegations SET args = ?, task_id = ? WHERE id = ?",
+                  json.dumps({"args": [x_id, (await x.describe()).run_id], "kwargs": {}}),
+                  tether.temporal.task_of(x_id), mine.id)
+        with pytest.raises(tether.errors.Tampered):
+            await tether.temporal.recall(x, supervisor=boss, grace=1.0, reason="stop X")
+        signed = await host.journal.controls(mine.id)
+        await y.signal(TwoRefunds.proceed)
+        assert len(await y.result()) == 2
+        with contextlib.suppress(WorkflowFailureError):
+            await x.result()  # cancelled in Temporal all the same
+    assert signed == []
+    assert [provider.pay.refund_count(o) for o in ("Y-1", "Y-2", "X-2")] == [1, 1, 0]
+
+
+async def test_a_row_written_by_hand_into_a_childs_task_never_hides_it(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A next epoch of the child apart's run is written by hand, under the child's own row,
+    so that the child would look like a child in a tree. The parent's recall does not skip
+    the child on its word: the child's records fail verification, and the report says so
+    (REJECTED, NEEDS_ATTENTION), not RECALLED_CLEAN with no child."""
+    parent_id, kid_id = fresh("wf-skip"), fresh("wf-skip-kid")
+    async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
+        provider.holds["K-2"] = asyncio.Event()
+        parent = await client.start_workflow(
+            ParentElsewhere.run, args=["K-1", kid_id, second, "K-2"], id=parent_id,
+            task_queue=first)
+        await until(lambda: provider.pay.refund_count("K-2") == 1, "the child's refund")
+        (kid,) = await delegation_of(boss, kid_id)
+        await raw(boss.journal,
+                  f"INSERT INTO delegations (id, parent_id, {_COLS}) SELECT ?, ?, task_id, "
+                  "epoch + 1, attempt, agent, surface, args, owner_id, state, fenced, "
+                  "control_seq, created_at + 1, updated_at FROM delegations WHERE id = ?",
+                  "d_forged1111111111111111111", kid.id, kid.id)
+        try:
+            report = await tether.temporal.recall(parent, supervisor=boss, grace=0.5,
+                                                  reason="customer withdrew")
+        finally:
+            provider.holds["K-2"].set()
+        with contextlib.suppress(WorkflowFailureError):
+            await parent.result()
+    assert (report.verdict, report.outcome) == ("REJECTED",
+                                                tether.DelegationState.NEEDS_ATTENTION)
+    assert "fail verification" in report.reason, report.reason

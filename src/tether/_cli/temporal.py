@@ -12,7 +12,7 @@ from typing import Any
 
 from tether._core.errors import AlreadyFinished, UserError
 from tether._core.model import ControlKind
-from tether._integrations.temporal_task import run_of, workflow_of
+from tether._integrations.temporal_task import genuine, run_of, workflow_of
 from tether._journal.journal import Journal
 
 
@@ -30,8 +30,8 @@ async def target(journal: str, keys: Path | None, delegation_id: str, address: s
         if workflow is None:
             return None
         ring = await asyncio.to_thread(KeyRing.load, keys or j.keys_dir)
-        await j.untampered(await j.kin([delegation_id]), ring.trusted,
-                           f"stop the Temporal workflow {workflow} that {delegation_id} names")
+        await genuine(j, ring.trusted, delegation_id,
+                      f"stop the Temporal workflow {workflow} that {delegation_id} names")
     if not wait:
         raise UserError("--temporal stops the workflow in Temporal once the journal's report "
                         "is in (after the grace): it cannot be used with --no-wait")

@@ -20,7 +20,13 @@ from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
 from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
-from tether._integrations.temporal_task import CHILD_APART, run_of, task_of, workflow_of
+from tether._integrations.temporal_task import (
+    CHILD_APART,
+    genuine,
+    run_of,
+    task_of,
+    workflow_of,
+)
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context
@@ -63,6 +69,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         raise UserError("reason must be a string")
     try:
         row = await _delegation_of(sup, handle, reopen=told)
+        await genuine(sup.journal, sup.keys.trusted, row.id, f"stop workflow {handle.id}")
     except Tampered:  # a person decides on the records; the run is stopped in Temporal still
         if told:
             await tell_temporal(handle, kind, reason)
@@ -179,6 +186,8 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
                                "its child in Temporal")
         rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(child[0]))
                 if run_of(r) == child[1]]
+        await sup.journal.untampered(await sup.journal.kin([r.id for r in rows]),
+                                     sup.keys.trusted, f"stop the child workflow {child[0]}")
         if rows and rows[-1].parent_id is not None:
             continue  # moved into its parent's tree since (whose stop reached it)
         apart.append(found)
@@ -197,6 +206,13 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
     if run_id is None:  # a handle on the workflow id: its latest run
         described = await handle.describe()
         run_id = described.run_id
+        first = described.raw_description.workflow_execution_info.first_run_id
+        if handle.first_execution_run_id not in (None, first):
+            # The handle's chain has closed, and a later start of the id runs now: not the
+            # work this handle names (Temporal's own cancel through it would not reach it).
+            raise UserError(f"workflow {handle.id}: the chain this handle started (first run "
+                            f"{handle.first_execution_run_id}) has closed, and a later start "
+                            f"of the id runs now; stop that one with a handle of its own")
     rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
             if run_of(r) == run_id]
     if rows and not reopen:  # a child stopped with its parent: its last epoch, closed or not

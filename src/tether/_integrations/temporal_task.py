@@ -4,6 +4,10 @@ run's delegation holds its run id as its body's second argument."""
 
 from __future__ import annotations
 
+from tether._core import chain
+from tether._core.errors import Tampered
+from tether._core.signing import TrustedKeys
+from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 
 TASK_PREFIX = "temporal:"
@@ -26,3 +30,17 @@ def run_of(row: DelegationRow) -> str | None:
     """The workflow run a delegation hosts (its body's second argument)."""
     args = row.args.get("args") if isinstance(row.args, dict) else None
     return args[1] if isinstance(args, list) and len(args) == 2 else None
+
+
+async def genuine(journal: Journal, pins: TrustedKeys, delegation_id: str, doing: str) -> None:
+    """Tampered unless the delegation's row is as its writer sealed it: a task or run edited
+    by hand would have a stop signed for another workflow's delegation, or Temporal told to
+    stop another workflow. Other records of its chain altered keep no one from stopping the
+    run (a stop that reads them says so in its report)."""
+    (verdict,) = await journal.chain_verdicts([delegation_id], pins)
+    own = ("chain", chain.record("delegations", delegation_id))
+    bad = [p.record for p in verdict.problems if p.record in own]
+    if bad:
+        raise Tampered(f"refusing to {doing}: its delegation {delegation_id} fails "
+                       f"verification against its signed chain ({', '.join(bad)}); run "
+                       "'tether verify' to see it, and decide by hand", {delegation_id: bad})
