@@ -334,7 +334,7 @@ async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temp
     the journal has nothing left to recall there, and says that the run would go on at a new
     epoch; with --temporal the run's next epoch is opened and fenced in the journal (an
     activity afterwards is refused, whatever Temporal does with the cancel), then the
-    workflow is cancelled in Temporal (exit 0)."""
+    workflow is cancelled in Temporal; the report holds the dead worker's epoch too."""
     from tests.temporal_world import cli
 
     queue = f"q-{uuid.uuid4().hex[:12]}"
@@ -359,11 +359,15 @@ async def test_tether_recall_of_a_dead_workers_ended_epoch_stops_the_run_in_temp
     code, out, err = await asyncio.to_thread(
         cli, "recall", dead.id, "--journal", journal_url, "--temporal", temporal_address,
         "--json")
-    assert code == 0, err
+    # Exit 1: the report holds the run's earlier epoch, whose call the recovery (where no
+    # tool was declared) left UNKNOWN for a person.
+    assert code == 1, err
     answer = json.loads(out)
     run_id = (await handle.describe()).run_id
     assert answer["temporal"] == f"Temporal: workflow {workflow_id} run {run_id} cancelled."
     assert answer["report"]["epoch"] == 1 and answer["report"]["actions"] == []
+    (earlier,) = answer["report"]["children"]
+    assert (earlier["epoch"], earlier["outcome"]) == (0, "NEEDS_ATTENTION")
     async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
         with pytest.raises(RunRefused, match="recalled or terminated"):
             await open_run(sup, workflow_id, run_id, tether.Agent("temporal:Refund", held))

@@ -17,6 +17,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
 )
+from temporalio.service import RPCError
 
 import tether
 import tether.temporal
@@ -379,3 +380,28 @@ async def test_a_handle_of_a_closed_chain_never_recalls_a_later_start_of_its_id(
         rows = [await host.journal.get(d.id) for d in rows]
     assert [d.control_seq for d in rows] == [0, 0]
     assert [provider.pay.refund_count(f"S-{n}") for n in (1, 2)] == [1, 1]
+
+
+async def test_a_recall_after_the_runs_worker_stopped_reports_the_earlier_epoch(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The run refunded on a worker that then stopped (a rolling deploy): its delegation
+    ended without anyone's intent, so the recall opens and fences the run's next epoch.
+    The report holds the earlier epoch's refund too, and says it was not free of side
+    effects; the run's next step is refused."""
+    async with both(journal_url, provider) as (host, boss):
+        async with worker(client, host, provider) as queue:
+            run = await client.start_workflow(TwoRefunds.run, args=["EE-1", "EE-2"],
+                                              id="wf-ended", task_queue=queue)
+            await until(lambda: provider.pay.refund_count("EE-1") == 1, "the first refund")
+        report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
+                                              reason="customer withdrew")
+        async with worker(client, host, provider, queue=queue):
+            with contextlib.suppress(RPCError):  # cancelled already, or not
+                await run.signal(TwoRefunds.proceed)
+            assert await closed(run) in (WorkflowExecutionStatus.CANCELED,
+                                         WorkflowExecutionStatus.FAILED)
+    assert report.epoch == 1
+    assert [(a.idempotency_key, a.state) for a in report.all_actions()] == [
+        ("temporal:wf-ended:refund:1", tether.ActionState.COMPLETED)]
+    assert report.verdict == "RECALLED_CLEAN", report.verdict
+    assert [provider.pay.refund_count(o) for o in ("EE-1", "EE-2")] == [1, 0]

@@ -80,6 +80,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.recall(grace, reason)
     else:
         report = await mine.terminate(reason)
+    report = await _with_earlier(sup, row, report)
     try:
         return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
@@ -121,6 +122,34 @@ def _rank(verdict: str) -> int:
         return _RANK[Verdict(verdict)]
     except (ValueError, KeyError):  # one this process does not know: the worst
         return len(_RANK)
+
+
+# What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch
+# of which did (its worker stopped or died, and the stop opened the next epoch to fence it).
+_NOTHING = frozenset({Verdict.NO_SIDE_EFFECTS.value, Verdict.NEVER_STARTED.value})
+
+
+async def _with_earlier(sup: Supervisor, row: DelegationRow, report: Report) -> Report:
+    """The run's report with what its earlier epochs did (each as it stands, a child of the
+    report), so that a stop that had to open the run's next epoch does not say it did
+    nothing."""
+    earlier = [r for r in await sup.journal.peek(queue.task_delegations, row.task_id)
+               if run_of(r) == run_of(row) and r.epoch < row.epoch and r.parent_id is None]
+    if not earlier:
+        return report
+    reports = [await sup.report(r.id) for r in earlier]
+    acted = [a for r in reports for a in r.all_actions()]
+    verdict = report.verdict
+    if acted and verdict in _NOTHING:
+        verdict = (Verdict.RECONCILE if any(r.needs_attention for r in reports)
+                   else Verdict.RECALLED_CLEAN).value
+    attention = any(r.needs_attention or r.outcome is DelegationState.NEEDS_ATTENTION
+                    for r in reports)
+    said = ", ".join(f"epoch {r.epoch} {r.outcome.value}" for r in reports)
+    return dataclasses.replace(
+        report, children=(*reports, *report.children), verdict=verdict,
+        reason=f"{report.reason}; earlier epochs of the run: {said}",
+        outcome=DelegationState.NEEDS_ATTENTION if attention else report.outcome)
 
 
 def _with_children(report: Report, ids: list[str],
