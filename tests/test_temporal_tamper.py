@@ -218,3 +218,31 @@ async def test_a_row_written_by_hand_into_a_childs_task_never_hides_it(
     assert (report.verdict, report.outcome) == ("REJECTED",
                                                 tether.DelegationState.NEEDS_ATTENTION)
     assert "fail verification" in report.reason, report.reason
+
+
+async def test_a_run_whose_delegation_was_moved_to_another_task_is_not_reported_idle(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The run refunded; its delegation is then moved by hand to another task, so that the
+    journal holds nothing of the run. The recall fences the run all the same (it opens the
+    run's first epoch itself), and its report does not say the run did nothing: Temporal
+    shows an activity of it the journal has no record of, so a person decides."""
+    run_id = fresh("wf-hidden")
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        run = await client.start_workflow(TwoRefunds.run, args=["H-1", "H-2"], id=run_id,
+                                          task_queue=queue)
+        await until(lambda: provider.pay.refund_count("H-1") == 1, "the first refund")
+        (top,) = await delegation_of(host, run_id)
+        task = tether.temporal.task_of(run_id)
+        await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)", task + "-x")
+        await raw(host.journal, "UPDATE delegations SET task_id = ? WHERE id = ?",
+                  task + "-x", top.id)
+        await raw(host.journal, "DELETE FROM tasks WHERE id = ?", task)
+        report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
+                                              reason="customer withdrew")
+        with contextlib.suppress(WorkflowFailureError):
+            await run.result()
+    assert (report.verdict, report.outcome) == ("REJECTED",
+                                                tether.DelegationState.NEEDS_ATTENTION)
+    assert "1 activity run(s)" in report.reason and "no record of" in report.reason
+    assert [provider.pay.refund_count(o) for o in ("H-1", "H-2")] == [1, 0]

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import temporalio.client
+from temporalio.api.enums.v1 import EventType
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether._core.errors import Tampered, TetherError, UserError
@@ -68,7 +69,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
     if not isinstance(reason, str):
         raise UserError("reason must be a string")
     try:
-        row = await _delegation_of(sup, handle, reopen=told)
+        row, unknown = await _delegation_of(sup, handle, reopen=told)
         await genuine(sup.journal, sup.keys.trusted, row.id, f"stop workflow {handle.id}")
     except Tampered:  # a person decides on the records; the run is stopped in Temporal still
         if told:
@@ -81,6 +82,8 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
     else:
         report = await mine.terminate(reason)
     report = await _with_earlier(sup, row, report)
+    if unknown:  # the journal held nothing of the run: Temporal says whether it did nothing
+        report = await _unjournaled(handle, row, report)
     try:
         return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
@@ -122,6 +125,29 @@ def _rank(verdict: str) -> int:
         return _RANK[Verdict(verdict)]
     except (ValueError, KeyError):  # one this process does not know: the worst
         return len(_RANK)
+
+
+async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,
+                       report: Report) -> Report:
+    """A stop whose run the journal held nothing of: Temporal's word on whether activities of
+    it ran (completed, or failed other than by tether's refusal, in its history). Where every
+    activity passes tether's plugin there are none; some mean a worker without the plugin, or
+    records moved by hand, and the report must not say the run did nothing."""
+    run = handle._client.get_workflow_handle(handle.id, run_id=run_of(row))
+    ran = 0
+    async for event in run.fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+            ran += 1
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
+            failure = event.activity_task_failed_event_attributes.failure
+            ran += not failure.application_failure_info.type.startswith("tether.")
+    if not ran:
+        return report
+    return dataclasses.replace(
+        report, verdict=Verdict.REJECTED.value, outcome=DelegationState.NEEDS_ATTENTION,
+        reason=f"{report.reason}; Temporal shows {ran} activity run(s) of workflow "
+               f"{handle.id} run {run_of(row)} that the journal holds no record of (run by a "
+               "worker without tether's plugin, or records moved by hand): a person decides")
 
 
 # What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch
@@ -224,12 +250,12 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
 
 
 async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
-                         *, reopen: bool = True) -> DelegationRow:
-    """The run's delegation. When no activity of the run has reached tether yet, or the last
-    epoch's ended without anyone's intent, this process opens one for it (its body only waits
-    to be stopped), so that the fence stands in the journal before Temporal hears of the
-    recall: an activity that starts afterwards is refused as any activity of a recalled run
-    is."""
+                         *, reopen: bool = True) -> tuple[DelegationRow, bool]:
+    """The run's delegation, and whether the journal held none of the run before. When no
+    activity of the run has reached tether yet, or the last epoch's ended without anyone's
+    intent, this process opens one for it (its body only waits to be stopped), so that the
+    fence stands in the journal before Temporal hears of the recall: an activity that starts
+    afterwards is refused as any activity of a recalled run is."""
     described = None
     run_id = handle.run_id
     if run_id is None:  # a handle on the workflow id: its latest run
@@ -245,15 +271,15 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
     rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
             if run_of(r) == run_id]
     if rows and not reopen:  # a child stopped with its parent: its last epoch, closed or not
-        return rows[-1]
+        return rows[-1], False
     for _ in range(_ATTEMPTS):
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
         if head is not None and run_of(head) == run_id and (
                 not reopen or not await _goes_on(sup, head)):
-            return head  # (a child stopped with its parent: its last epoch as it stands)
+            return head, False  # (a child stopped with its parent: its last epoch as it stands)
         described = described or await handle.describe()
         if rows and described.status is not temporalio.client.WorkflowExecutionStatus.RUNNING:
-            return rows[-1]  # closed: nothing of it goes on, and its last epoch reports it
+            return rows[-1], False  # closed: nothing of it goes on, and its last epoch reports it
         agent = Agent(f"temporal:{described.workflow_type}", _held)
         try:
             opened = await open_run(sup, handle.id, run_id, agent)
@@ -261,7 +287,7 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
             if not exc.retry:
                 raise
             continue  # a worker opened it (or moved the task) first: look again
-        return await sup.journal.get(opened.id)
+        return await sup.journal.get(opened.id), not rows
     raise UserError(f"workflow {handle.id}: its task kept moving while this recall looked "
                     "for the run's delegation; try again")
 
