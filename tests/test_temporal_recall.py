@@ -343,8 +343,8 @@ async def test_each_run_of_a_chain_makes_its_own_call_and_a_new_start_replays_th
         assert await again.result() == 3
         calls = await actions(host, "wf-monthly")
     assert sorted({c.idempotency_key for c in calls}) == [
-        "temporal:wf-monthly:1:refund:1", "temporal:wf-monthly:2:refund:1",
-        "temporal:wf-monthly:refund:1"]
+        "temporal:wf-monthly:refund:1", "temporal:wf-monthly:refund:1@1",
+        "temporal:wf-monthly:refund:1@2"]
     assert provider.pay.refund_count("M-1") == 3
 
 
@@ -405,3 +405,17 @@ async def test_a_recall_after_the_runs_worker_stopped_reports_the_earlier_epoch(
         ("temporal:wf-ended:refund:1", tether.ActionState.COMPLETED)]
     assert report.verdict == "RECALLED_CLEAN", report.verdict
     assert [provider.pay.refund_count(o) for o in ("EE-1", "EE-2")] == [1, 0]
+
+
+async def test_a_continued_runs_keys_never_meet_another_workflow_ids(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run 2 of workflow ``wf-col`` and run 1 of workflow ``wf-col:1`` make the same call at
+    the same place: each is a call of its own (three refunds of three asked), whatever the
+    workflow ids hold."""
+    async with supervisor(journal_url, provider) as host, \
+            worker(client, host, provider) as queue:
+        for workflow_id, runs in (("wf-col", 2), ("wf-col:1", 1)):
+            handle = await client.start_workflow(Monthly.run, args=["C-1", runs],
+                                                 id=workflow_id, task_queue=queue)
+            assert await handle.result() == runs
+    assert provider.pay.refund_count("C-1") == 3

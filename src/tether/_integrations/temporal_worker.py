@@ -211,10 +211,12 @@ class Host:
         assert hosted.ctx is not None
         # The call's place in its workflow: the same in every retry of the activity and in
         # every run of the workflow id that starts it again, so a retry or a re-run finds the
-        # first call's record; a run continued as new holds its place in its chain too.
+        # first call's record; a run continued as new holds its place in its chain too, as a
+        # suffix (Temporal's activity ids are numbers: no first run's key ends so, whatever
+        # the workflow id holds).
         client = self.client or temporalio.activity.client()
         hop = await self.ancestry.hop(client, info.workflow_id, info.workflow_run_id)
-        key = f"{hosted.ctx.task_id}:{f'{hop}:' if hop else ''}{tool.name}:{info.activity_id}"
+        key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}{f'@{hop}' if hop else ''}"
         if hosted.parent_run is not None:
             # A stop of an ancestor is looked for before each call (one accepted during its
             # grace included): its fence may not reach this run.
