@@ -244,5 +244,35 @@ async def test_a_run_whose_delegation_was_moved_to_another_task_is_not_reported_
             await run.result()
     assert (report.verdict, report.outcome) == ("REJECTED",
                                                 tether.DelegationState.NEEDS_ATTENTION)
-    assert "1 activity run(s)" in report.reason and "no record of" in report.reason
+    assert "1 activity(ies)" in report.reason and "no record of" in report.reason
     assert [provider.pay.refund_count(o) for o in ("H-1", "H-2")] == [1, 0]
+
+
+async def test_a_moved_run_whose_refund_is_still_in_flight_is_not_reported_idle(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """As above, but the refund has applied and its reply is still on its way when the row
+    is moved: Temporal's history holds no end of that activity yet (it writes one only when
+    the activity closes), and the report still does not say the run did nothing."""
+    run_id = fresh("wf-hidden")
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        provider.hold = asyncio.Event()
+        run = await client.start_workflow(TwoRefunds.run, args=["HF-1", "HF-2"], id=run_id,
+                                          task_queue=queue)
+        await provider.pay.applied()
+        (top,) = await delegation_of(host, run_id)
+        task = tether.temporal.task_of(run_id)
+        await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)", task + "-x")
+        await raw(host.journal, "UPDATE delegations SET task_id = ? WHERE id = ?",
+                  task + "-x", top.id)
+        await raw(host.journal, "DELETE FROM tasks WHERE id = ?", task)
+        try:
+            report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
+                                                  reason="customer withdrew")
+        finally:
+            provider.hold.set()
+        with contextlib.suppress(WorkflowFailureError):
+            await run.result()
+    assert (report.verdict, report.outcome) == ("REJECTED",
+                                                tether.DelegationState.NEEDS_ATTENTION)
+    assert provider.pay.refund_count("HF-1") == 1

@@ -13,13 +13,14 @@ import dataclasses
 from typing import Any
 
 import temporalio.client
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether._core.errors import Tampered, TetherError, UserError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
+from tether._integrations.temporal_activities import BUSY, REFUSED
 from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
 from tether._integrations.temporal_task import (
     CHILD_APART,
@@ -130,24 +131,38 @@ def _rank(verdict: str) -> int:
 async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,
                        report: Report) -> Report:
     """A stop whose run the journal held nothing of: Temporal's word on whether activities of
-    it ran (completed, or failed other than by tether's refusal, in its history). Where every
-    activity passes tether's plugin there are none; some mean a worker without the plugin, or
-    records moved by hand, and the report must not say the run did nothing."""
+    it may have run. Every activity it ever scheduled counts, unless it closed refused by
+    tether or is still waiting for its first attempt: Temporal writes an activity's start
+    only once it closes, so one in flight, or between attempts, shows only as scheduled (and
+    pending). Where every activity passes tether's plugin there are none; some mean a worker
+    without the plugin, or records moved by hand: the report must not say the run did
+    nothing."""
     run = handle._client.get_workflow_handle(handle.id, run_id=run_of(row))
-    ran = 0
+    # Not run: waiting for its first attempt, or between attempts tether refused.
+    waiting = {p.activity_id for p in (await run.describe()).raw_description.pending_activities
+               if p.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED and (
+                   p.attempt <= 1
+                   or p.last_failure.application_failure_info.type in (REFUSED, BUSY))}
+    scheduled: dict[int, str] = {}  # scheduled event id -> activity id
+    ran: set[str] = set()
     async for event in run.fetch_history_events():
-        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-            ran += 1
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled[event.event_id] = \
+                event.activity_task_scheduled_event_attributes.activity_id
+            ran.add(scheduled[event.event_id])
         elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
-            failure = event.activity_task_failed_event_attributes.failure
-            ran += not failure.application_failure_info.type.startswith("tether.")
+            failed = event.activity_task_failed_event_attributes
+            if failed.failure.application_failure_info.type in (REFUSED, BUSY):
+                ran.discard(scheduled.get(failed.scheduled_event_id, ""))
+    ran -= waiting
     if not ran:
         return report
     return dataclasses.replace(
         report, verdict=Verdict.REJECTED.value, outcome=DelegationState.NEEDS_ATTENTION,
-        reason=f"{report.reason}; Temporal shows {ran} activity run(s) of workflow "
-               f"{handle.id} run {run_of(row)} that the journal holds no record of (run by a "
-               "worker without tether's plugin, or records moved by hand): a person decides")
+        reason=f"{report.reason}; Temporal shows {len(ran)} activity(ies) of workflow "
+               f"{handle.id} run {run_of(row)} that may have run and that the journal holds "
+               "no record of (run by a worker without tether's plugin, or records moved by "
+               "hand): a person decides")
 
 
 # What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch
@@ -166,9 +181,11 @@ async def _with_earlier(sup: Supervisor, row: DelegationRow, report: Report) -> 
     reports = [await sup.report(r.id) for r in earlier]
     acted = [a for r in reports for a in r.all_actions()]
     verdict = report.verdict
-    if acted and verdict in _NOTHING:
-        verdict = (Verdict.RECONCILE if any(r.needs_attention for r in reports)
-                   else Verdict.RECALLED_CLEAN).value
+    if any(r.needs_attention for r in reports) and (
+            verdict is None or _rank(verdict) < _rank(Verdict.RECONCILE.value)):
+        verdict = Verdict.RECONCILE.value  # an earlier epoch's call is in doubt
+    elif acted and verdict in _NOTHING:
+        verdict = Verdict.RECALLED_CLEAN.value
     attention = any(r.needs_attention or r.outcome is DelegationState.NEEDS_ATTENTION
                     for r in reports)
     said = ", ".join(f"epoch {r.epoch} {r.outcome.value}" for r in reports)
