@@ -303,3 +303,35 @@ async def test_terminate_from_another_process_cuts_a_call_a_recalls_grace_left_r
     (action,) = answer["report"]["actions"]
     assert action["state"] == "IN_DOUBT"  # cut, and "not applied" is not final before 30 s
     assert code == 1, err
+
+
+async def test_a_shell_recall_the_owner_drained_is_never_settled_again(
+        journal_url: str) -> None:
+    """A recall from a shell: the owner adopts it and its grace ends with the refund still
+    running (GRACE_EXPIRED). Looking at that control row again (PostgreSQL's poll lists it
+    as long as the delegation is RECALLING) settles nothing a second time: the verdict stays
+    GRACE_EXPIRED, never RECALLED_CLEAN over a call still in doubt."""
+    pay = PaymentService(latency=0.0)
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        @tether.tool(probe=pay.lookup, dispatch_deadline=30.0)
+        async def slow(order_id: str, cents: int, *, idempotency_key: str) -> str:
+            entered.set()
+            await release.wait()
+            return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+        async def agent(ctx: tether.Context) -> None:
+            await ctx.call(slow, order_id="X-7", cents=1)
+
+        child = await sup.delegate(agent, tools=[slow])
+        await entered.wait()
+        code, out, err = await tether_cli("recall", child.id, "--grace", "0.3", "--journal",
+                                          journal_url, "--json")
+        assert code == 1 and json.loads(out)["report"]["verdict"] == "GRACE_EXPIRED", out + err
+        (row,) = await sup.journal.controls(child.id)
+        await sup._adoption.settle_untracked(row)  # as the owner's next poll may
+        again = await sup.report(child.id)
+        release.set()
+    assert (again.verdict, [a.state for a in again.actions]) == (
+        "GRACE_EXPIRED", [tether.ActionState.IN_DOUBT])

@@ -27,7 +27,7 @@ class Adoption:
         self._sup = sup
         self.last_control = 0  # the newest control row seen
         self._refused: set[int] = set()  # control rows refused (journaled once)
-        self._untracked: set[int] = set()  # control rows handed to ``settle_untracked``
+        self._untracked: set[int] = set()  # control rows acted on, or handed on
 
     async def watch(self) -> None:
         """Learn of control intents written by other processes and keep this owner's
@@ -57,6 +57,7 @@ class Adoption:
                         break
                     if admitted:
                         self.adopt(rt, row)
+                        self._untracked.add(row.id)  # drained here, never settled again
                 elif row.issuer != sup.owner_id and row.id not in self._untracked:
                     # No drain runs for it here (it ended with calls left running, or nothing
                     # was ever run): if this process owns it, it settles it as for its own
@@ -120,10 +121,16 @@ class Adoption:
         if target.owner_id != sup.owner_id or target.state.terminal or \
                 sup.runtime(target.id) is not None:
             return
+        if await sup.journal.drained(target.id):  # its newest intent has its verdict already
+            return
         if not await self._admitted(target.id, target.epoch, row):
             return
-        if await settle_unclaimed(sup, target.id, row.kind) is None:
-            await sup.settle_here(target.id, row.kind)
+        if await sup.journal.queue_entry(target.id) is not None:
+            # Queued: settled here only if no one took it off the queue first (a worker that
+            # claimed it drains it; the issuer may have settled it).
+            await settle_unclaimed(sup, target.id, row.kind)
+            return
+        await sup.settle_here(target.id, row.kind)
 
     def adopt(self, rt: ChildRuntime, row: ControlRow) -> None:
         """Drain for an intent another process wrote. Its acceptance time is wall-clock; the
