@@ -722,3 +722,31 @@ async def test_a_writers_own_batch_never_reads_as_tampered(journal_url: str) -> 
         (verdict,) = await sup.journal._write(write_then_check)
         assert verdict.problems == []
         await sup.journal.untampered([h.id], trusted, "check it again once sealed")
+
+
+async def test_a_row_edited_by_hand_stays_named_when_the_writer_writes_it_in_the_batch(
+        journal_url: str) -> None:
+    """The batch's own writes are excused only where the row they found was the one last
+    sealed: a row edited by hand (its run and control sequence), which this process then
+    writes over in the same batch as a check, is still named by that check, and so is the
+    edit in every later batch."""
+    from tether._core.model import DelegationState
+    from tether._journal import chainops, ops
+
+    _, once = one_refund("R3")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once)
+        await h.result()
+        registry = await sup.journal.registry(sup.keys.trusted)
+        await raw(sup.journal, "UPDATE delegations SET control_seq = 7, args = ? WHERE id = ?",
+                  '{"args": ["evil", "run-of-someone-else"]}', h.id)
+        named = []
+        for state in (DelegationState.NEEDS_ATTENTION, DelegationState.RECONCILED):
+
+            def write_then_check(db: Any, state: DelegationState = state) -> list[Any]:
+                ops.set_state(db, h.id, state, time.time())
+                return chainops.verdicts(db, [h.id], registry, {}, None)
+
+            (verdict,) = await sup.journal._write(write_then_check)
+            named.append([p.record for p in verdict.problems])
+    assert all(f"delegation {h.id}" in records for records in named), named

@@ -150,19 +150,35 @@ def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
     """Each delegation judged against its chain and the head its configuration remembered
     (``seen``, taken before the read began); each that verifies is remembered in turn."""
     # This batch's own writes (``Tx.dirty``) are chained at its end, after this read: a record
-    # it wrote has no entry yet, and is nobody's tampering (the sealer still names a row
-    # altered by hand before this batch wrote over it, from its pre-image).
-    own = {chain.record(t, pk) for t, pk in db.dirty} if isinstance(db, Tx) else set()
+    # it inserted has no entry yet, one it updated differs from its entry. Neither is anyone's
+    # tampering, as long as the row it found was the one last sealed (its pre-image): a row
+    # altered or inserted by hand before this batch wrote over it is still named.
+    found_by = ({chain.record(t, pk): db.pre.get((t, pk), "") for t, pk in db.dirty}
+                if isinstance(db, Tx) else {})
     found = []
     for d in delegation_ids:
         head, entries, rows = read(db, d)
         verdict = chain.judge(d, head, entries, rows, registry, seen.get(d))
-        if own:
-            verdict.problems = [p for p in verdict.problems if p.record not in own]
+        if found_by:
+            sealed = {e.record: e.content for e in sorted(entries, key=lambda e: e.seq)}
+            verdict.problems = [p for p in verdict.problems
+                                if not _own_write(p, found_by, sealed)]
         if witness is not None and verdict.ok and head is not None:
             witness.note(d, head.length, head.hash)  # accepted
         found.append(verdict)
     return found
+
+
+def _own_write(problem: chain.Problem, found_by: Mapping[str, str],
+               sealed: Mapping[str, str]) -> bool:
+    """A row this batch wrote, found as its chain last sealed it ("" for one it inserted)."""
+    if problem.record not in found_by:
+        return False
+    if problem.problem.startswith("inserted: "):
+        return found_by[problem.record] == ""
+    if problem.problem.startswith("altered: "):
+        return found_by[problem.record] == sealed.get(problem.record)
+    return False
 
 
 def read_back(db: Db, sealer: Sealer) -> None:
