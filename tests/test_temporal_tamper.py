@@ -208,6 +208,17 @@ async def test_a_row_edited_to_name_another_run_never_has_a_recall_sign_for_it(
     assert [provider.pay.refund_count(o) for o in ("Y-1", "Y-2", "X-2")] == [1, 1, 0]
 
 
+async def move_away(host: tether.Supervisor, workflow_id: str) -> None:
+    """The run's delegation moved by hand to another task: the journal holds nothing of the
+    run under its own."""
+    (top,) = await delegation_of(host, workflow_id)
+    task = tether.temporal.task_of(workflow_id)
+    await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)", task + "-x")
+    await raw(host.journal, "UPDATE delegations SET task_id = ? WHERE id = ?",
+              task + "-x", top.id)
+    await raw(host.journal, "DELETE FROM tasks WHERE id = ?", task)
+
+
 async def test_a_run_whose_delegation_was_moved_to_another_task_is_not_reported_idle(
         client: Client, provider: Provider, journal_url: str) -> None:
     """The run refunded; its delegation is then moved by hand to another task, so that the
@@ -220,12 +231,7 @@ async def test_a_run_whose_delegation_was_moved_to_another_task_is_not_reported_
         run = await client.start_workflow(TwoRefunds.run, args=["H-1", "H-2"], id=run_id,
                                           task_queue=queue)
         await until(lambda: provider.pay.refund_count("H-1") == 1, "the first refund")
-        (top,) = await delegation_of(host, run_id)
-        task = tether.temporal.task_of(run_id)
-        await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)", task + "-x")
-        await raw(host.journal, "UPDATE delegations SET task_id = ? WHERE id = ?",
-                  task + "-x", top.id)
-        await raw(host.journal, "DELETE FROM tasks WHERE id = ?", task)
+        await move_away(host, run_id)
         report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
                                               reason="customer withdrew")
         with contextlib.suppress(WorkflowFailureError):
@@ -248,12 +254,7 @@ async def test_a_moved_run_whose_refund_is_still_in_flight_is_not_reported_idle(
         run = await client.start_workflow(TwoRefunds.run, args=["HF-1", "HF-2"], id=run_id,
                                           task_queue=queue)
         await provider.pay.applied()
-        (top,) = await delegation_of(host, run_id)
-        task = tether.temporal.task_of(run_id)
-        await raw(host.journal, "INSERT INTO tasks (id, epoch) VALUES (?, 0)", task + "-x")
-        await raw(host.journal, "UPDATE delegations SET task_id = ? WHERE id = ?",
-                  task + "-x", top.id)
-        await raw(host.journal, "DELETE FROM tasks WHERE id = ?", task)
+        await move_away(host, run_id)
         try:
             report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
                                                   reason="customer withdrew")
