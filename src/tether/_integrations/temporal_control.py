@@ -21,7 +21,7 @@ from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
 from tether._integrations.temporal_activities import BUSY, REFUSED
-from tether._integrations.temporal_runs import RunRefused, open_run, run_stopped
+from tether._integrations.temporal_runs import RunRefused, open_run, run_rows, run_stopped
 from tether._integrations.temporal_task import (
     CHILD_APART,
     genuine,
@@ -174,8 +174,8 @@ async def _with_earlier(sup: Supervisor, row: DelegationRow, report: Report) -> 
     """The run's report with what its earlier epochs did (each as it stands, a child of the
     report), so that a stop that had to open the run's next epoch does not say it did
     nothing."""
-    earlier = [r for r in await sup.journal.peek(queue.task_delegations, row.task_id)
-               if run_of(r) == run_of(row) and r.epoch < row.epoch and r.parent_id is None]
+    earlier = [r for r in await run_rows(sup, row.task_id, run_of(row))
+               if r.epoch < row.epoch and r.parent_id is None]
     if not earlier:
         return report
     reports = [await sup.report(r.id) for r in earlier]
@@ -230,8 +230,7 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
     The nearest under each branch (its own stop walks on from it). Only from records that
     verify (a note deleted by hand would hide a child: Tampered), and each checked with
     Temporal to be the child of the run it was noted under (ChildUnknown otherwise)."""
-    roots = [r.id for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
-             if run_of(r) == run_id]
+    roots = [r.id for r in await run_rows(sup, task_of(handle.id), run_id)]
     await sup.journal.untampered(await sup.journal.kin(roots), sup.keys.trusted,
                                  f"list the child workflows of {handle.id} run {run_id}")
     noted = await sup.journal.peek(queue.noted_in_trees, roots, CHILD_APART)
@@ -256,8 +255,7 @@ async def _children_apart(sup: Supervisor, handle: temporalio.client.WorkflowHan
             raise ChildUnknown(f"workflow {child[0]} run {child[1]}, noted on {under.id} as "
                                f"a child of workflow {workflow_of(under.task_id)}, is not "
                                "its child in Temporal")
-        rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(child[0]))
-                if run_of(r) == child[1]]
+        rows = await run_rows(sup, task_of(child[0]), child[1])
         await sup.journal.untampered(await sup.journal.kin([r.id for r in rows]),
                                      sup.keys.trusted, f"stop the child workflow {child[0]}")
         if rows and rows[-1].parent_id is not None:
@@ -285,8 +283,7 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
             raise UserError(f"workflow {handle.id}: the chain this handle started (first run "
                             f"{handle.first_execution_run_id}) has closed, and a later start "
                             f"of the id runs now; stop that one with a handle of its own")
-    rows = [r for r in await sup.journal.peek(queue.task_delegations, task_of(handle.id))
-            if run_of(r) == run_id]
+    rows = await run_rows(sup, task_of(handle.id), run_id)
     if rows and not reopen:  # a child stopped with its parent: its last epoch, closed or not
         return rows[-1], False
     for _ in range(_ATTEMPTS):

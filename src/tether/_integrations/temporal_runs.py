@@ -98,11 +98,17 @@ async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: 
     return Handle.for_run(sup, run)
 
 
+async def run_rows(sup: Supervisor, task: str, run_id: str | None) -> list[DelegationRow]:
+    """Every delegation of ``task`` for the workflow run ``run_id``, oldest epoch first."""
+    return [r for r in await sup.journal.peek(queue.task_delegations, task)
+            if run_of(r) == run_id]
+
+
 async def stopped_run(sup: Supervisor, task: str, run_id: str) -> DelegationRow | None:
     """A delegation of ``task`` for the workflow run ``run_id`` that someone recalled or
     terminated, at any epoch (a later epoch of another run of the id never reopens it)."""
-    for row in await sup.journal.peek(queue.task_delegations, task):
-        if row.control_seq > 0 and run_of(row) == run_id and await run_stopped(sup, row):
+    for row in await run_rows(sup, task, run_id):
+        if row.control_seq > 0 and await run_stopped(sup, row):
             return row
     return None
 
