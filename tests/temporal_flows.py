@@ -189,18 +189,22 @@ class ParentElsewhere:
 class ParentBusy:
     """Starts ``TwoRefunds`` on ``child_queue``, refunds ``own`` meanwhile, then waits for the
     child: a parent with a call in flight while its child, elsewhere, goes on. ``abandon``:
-    Temporal leaves the child running when this run is cancelled or closes."""
+    Temporal leaves the child running when this run is cancelled or closes; ``own_first``:
+    the refund comes before the child starts, so that the parent's run is hosted first and
+    the child is apart."""
 
     @workflow.run
     async def run(self, child_id: str, child_queue: str, first: str, second: str,
-                  own: str, abandon: bool = False) -> list[str]:
+                  own: str, abandon: bool = False, own_first: bool = False) -> list[str]:
         policy, cancel = closing(abandon)
+        own_call = workflow.execute_activity(
+            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
+            retry_policy=RETRIES)
+        mine: str = await own_call if own_first else ""  # the parent's run opened first
         child = await workflow.start_child_workflow(
             TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue,
             parent_close_policy=policy, cancellation_type=cancel)
-        mine: str = await workflow.execute_activity(
-            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=RETRIES)
+        mine = mine or await own_call
         refs: list[str] = await child
         return [mine, *refs]
 

@@ -85,7 +85,7 @@ async def test_a_recalled_trees_abandoned_child_apart_stays_out_after_two_hand_e
     parent_id, kid_id = fresh("wf-ab"), fresh("wf-ab-kid")
     async with two_workers(client, journal_url, provider) as (_a, _b, boss, first, second):
         parent = await client.start_workflow(
-            ParentBusy.run, args=[kid_id, second, "AB-1", "AB-2", "AB-own", True],
+            ParentBusy.run, args=[kid_id, second, "AB-1", "AB-2", "AB-own", True, True],
             id=parent_id, task_queue=first)
         await until(lambda: provider.pay.refund_count("AB-1") == 1
                     and provider.pay.refund_count("AB-own") == 1, "both first refunds")
