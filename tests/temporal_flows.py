@@ -26,6 +26,13 @@ def closing(abandon: bool) -> tuple[workflow.ParentClosePolicy,
             workflow.ChildWorkflowCancellationType.WAIT_CANCELLATION_COMPLETED)
 
 
+async def _refund(order: str) -> str:
+    ref: str = await workflow.execute_activity(
+        "refund", args=[order, 1250], start_to_close_timeout=timedelta(seconds=60),
+        retry_policy=RETRIES)
+    return ref
+
+
 @workflow.defn
 class Refund:
     """One refund by the activity named ``activity`` (tether's tool, or a naive one), tried at
@@ -197,14 +204,13 @@ class ParentBusy:
     async def run(self, child_id: str, child_queue: str, first: str, second: str,
                   own: str, abandon: bool = False, own_first: bool = False) -> list[str]:
         policy, cancel = closing(abandon)
-        own_call = workflow.execute_activity(
-            "refund", args=[own, 1250], start_to_close_timeout=timedelta(seconds=60),
-            retry_policy=RETRIES)
-        mine: str = await own_call if own_first else ""  # the parent's run opened first
+        if own_first:  # the parent's run opened before its child starts
+            mine = await _refund(own)
         child = await workflow.start_child_workflow(
             TwoRefunds.run, args=[first, second], id=child_id, task_queue=child_queue,
             parent_close_policy=policy, cancellation_type=cancel)
-        mine = mine or await own_call
+        if not own_first:
+            mine = await _refund(own)
         refs: list[str] = await child
         return [mine, *refs]
 
