@@ -225,7 +225,7 @@ async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -
         async def down(order_id: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
             raise RuntimeError("the provider's lookup is down")
 
-        @tether.tool(probe=down, dispatch_deadline=0.01)
+        @tether.tool(probe=down)
         async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
             entered.set()
             await asyncio.Event().wait()
