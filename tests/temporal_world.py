@@ -14,7 +14,12 @@ from typing import Any
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDReusePolicy
-from temporalio.worker import Worker
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+    Worker,
+)
 
 import tether
 import tether.temporal
@@ -109,11 +114,11 @@ _THREADS = concurrent.futures.ThreadPoolExecutor(4)  # for the activities that a
 
 @contextlib.asynccontextmanager
 async def worker(client: Client, sup: tether.Supervisor | None, provider: Provider,
-                 queue: str | None = None, activities: int | None = None
-                 ) -> AsyncIterator[str]:
+                 queue: str | None = None, activities: int | None = None,
+                 interceptors: Sequence[Interceptor] = ()) -> AsyncIterator[str]:
     """A worker on ``queue`` (by default a task queue of its own; its name is yielded): with
     tether's plugin on ``sup``'s journal, or, with no supervisor, plain Temporal; running at
-    most ``activities`` activities at once."""
+    most ``activities`` activities at once; ``interceptors`` outside tether's."""
     queue = queue or f"q-{uuid.uuid4().hex[:12]}"
     plugins = [] if sup is None else [tether.temporal.Plugin(sup, tools=[provider.refund])]
     async with Worker(client, task_queue=queue,
@@ -124,10 +129,32 @@ async def worker(client: Client, sup: tether.Supervisor | None, provider: Provid
                       activities=[provider.naive_refund, provider.keyed_refund,
                                   provider.ledger_note],
                       activity_executor=_THREADS, plugins=plugins,
+                      interceptors=interceptors,
                       max_concurrent_activities=activities,
                       # a run whose worker stopped goes on at another within a second
                       sticky_queue_schedule_to_start_timeout=timedelta(seconds=1)):
         yield queue
+
+
+class Gate(Interceptor):
+    """Holds each activity in the worker's hands (started, in Temporal's eyes) until
+    ``opened`` is set, before tether's plugin sees it; ``held`` is set once one is held."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.opened = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor
+                           ) -> ActivityInboundInterceptor:
+        gate = self
+
+        class Held(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                gate.held.set()
+                await gate.opened.wait()
+                return await super().execute_activity(input)
+
+        return Held(next)
 
 
 def supervisor(url: str, provider: Provider) -> tether.Supervisor:

@@ -186,10 +186,12 @@ async def test_a_new_run_of_the_workflow_id_gets_a_delegation_of_its_own(
     """Run 1 closed (its abandoned child runs on); run 2 of the id, on another worker, opens
     the task's next epoch rather than acting in run 1's delegation, and is recalled there."""
     pay = provider.pay
+    ids = uuid.uuid4().hex[:8]
+    parent_id, kid_id = f"wf-again-{ids}", f"wf-again-kid-{ids}"
     async with both(journal_url, provider) as (a, boss), \
             supervisor(journal_url, provider) as b, worker(client, a, provider) as first:
         run1 = await client.start_workflow(
-            Leaver.run, args=["N-1", "wf-again-kid", "N-k1", "N-k2", ""], id="wf-again",
+            Leaver.run, args=["N-1", kid_id, "N-k1", "N-k2", ""], id=parent_id,
             task_queue=first)
         await until(lambda: pay.refund_count("N-k1") == 1, "the child's first refund")
         await run1.signal(Leaver.proceed)
@@ -197,18 +199,18 @@ async def test_a_new_run_of_the_workflow_id_gets_a_delegation_of_its_own(
         other = await Client.connect(client.service_client.config.target_host)
         async with worker(other, b, provider) as second:
             run2 = await client.start_workflow(
-                Leaver.run, args=["N-1", "", "", "", "N-2"], id="wf-again", task_queue=second)
+                Leaver.run, args=["N-1", "", "", "", "N-2"], id=parent_id, task_queue=second)
             report = await tether.temporal.recall(run2, supervisor=boss, grace=5.0,
                                                   reason="stop run 2")
             with contextlib.suppress(WorkflowFailureError):  # cancelled, or refused
                 await run2.result()
-            tops = await both_epochs(boss, "wf-again")
+            tops = await both_epochs(boss, parent_id)
         assert report.outcome is tether.DelegationState.RECALLED
         assert report.delegation_id == tops[-1].id and tops[-1].epoch >= 1
         assert tops[-1].args["args"][1] == run2.result_run_id
         assert tops[0].args["args"][1] == run1.result_run_id
         assert pay.refund_count("N-2") == 0
-        kid = client.get_workflow_handle("wf-again-kid")
+        kid = client.get_workflow_handle(kid_id)
         await kid.signal(TwoRefunds.proceed)
         assert len(await kid.result()) == 2
 

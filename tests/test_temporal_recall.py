@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 from typing import Any
 
 import pytest
+import temporalio.client
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
@@ -24,6 +26,7 @@ import tether.temporal
 from tests.conftest import events_of, until
 from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway, TwoRefunds
 from tests.temporal_world import (
+    Gate,
     Provider,
     actions,
     both,
@@ -180,6 +183,55 @@ async def test_a_recall_before_any_activity_fences_the_run_before_temporal_hears
         assert "recalled or terminated" in str(failed.value.cause.__cause__)
         assert provider.keys == [] and provider.pay.refund_count("E-1") == 0
         assert await actions(boss, "wf-early") == []
+
+
+async def test_a_recall_waits_for_an_activity_in_a_workers_hands_before_its_run_is_journaled(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """The run's first activity is in its worker's hands (started, in Temporal's eyes) but
+    has not reached tether's plugin, so the journal holds nothing of the run, when a recall
+    comes and reads the run's history. The recall fenced the run first and, within its
+    grace, waits for the activity to close (tether refuses it) before it judges the run by
+    that history: it reports a recall in which nothing ran, not a run a person must look
+    at."""
+    gate = Gate()
+    workflow_id = f"wf-held-{uuid.uuid4().hex[:8]}"
+    # The orchestrator's client: its reading of the run's history lets the activity go on.
+    watched = await Client.connect(client.service_client.config.target_host,
+                                   interceptors=[OpensOnHistory(gate)])
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider, interceptors=[gate]) as queue:
+        started = await start_refund(client, queue, workflow_id, order="G-1")
+        await gate.held.wait()
+        handle = watched.get_workflow_handle(
+            workflow_id, run_id=started.result_run_id,
+            first_execution_run_id=started.first_execution_run_id)
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=30.0,
+                                              reason="while its activity is held")
+        with pytest.raises(WorkflowFailureError):
+            await started.result()
+    assert gate.opened.is_set()
+    assert (report.outcome, report.actions) == (tether.DelegationState.RECALLED, ()), report
+    assert provider.keys == [] and provider.pay.refund_count("G-1") == 0
+
+
+class OpensOnHistory(temporalio.client.Interceptor):
+    """Opens ``gate`` when the client reads a run's whole history."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def intercept_client(self, next: temporalio.client.OutboundInterceptor
+                         ) -> temporalio.client.OutboundInterceptor:
+        gate = self.gate
+
+        class Opens(temporalio.client.OutboundInterceptor):
+            def fetch_workflow_history_events(
+                    self, input: temporalio.client.FetchWorkflowHistoryEventsInput
+            ) -> temporalio.client.WorkflowHistoryEventAsyncIterator:
+                gate.opened.set()
+                return super().fetch_workflow_history_events(input)
+
+        return Opens(next)
 
 
 async def test_a_recall_during_an_activity_retry_pays_once_and_reports_the_payment(

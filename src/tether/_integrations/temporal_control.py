@@ -77,6 +77,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
             await tell_temporal(handle, kind, reason)
         raise
     mine = sup.handle_for(row.id)
+    until = asyncio.get_running_loop().time() + (grace or 0.0)
     if kind is ControlKind.RECALL:
         assert grace is not None
         report = await mine.recall(grace, reason)
@@ -84,7 +85,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.terminate(reason)
     report = await _with_earlier(sup, row, report)
     if unknown:  # the journal held nothing of the run: Temporal says whether it did nothing
-        report = await _unjournaled(handle, row, report)
+        report = await _unjournaled(handle, row, report, until)
     try:
         return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
@@ -129,20 +130,49 @@ def _rank(verdict: str) -> int:
 
 
 async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,
-                       report: Report) -> Report:
+                       report: Report, until: float) -> Report:
     """A stop whose run the journal held nothing of: Temporal's word on whether activities of
     it may have run. Every activity it ever scheduled counts, unless it closed refused by
     tether or is still waiting for its first attempt: Temporal writes an activity's start
     only once it closes, so one in flight, or between attempts, shows only as scheduled (and
     pending). Where every activity passes tether's plugin there are none; some mean a worker
     without the plugin, or records moved by hand: the report must not say the run did
-    nothing."""
+    nothing. One in a worker's hands is waited for until ``until`` (a recall's grace; the
+    run is fenced, so tether's plugin refuses it): judged in flight, one that tether was
+    about to refuse would be a person's problem."""
     run = handle._client.get_workflow_handle(handle.id, run_id=run_of(row))
+    loop = asyncio.get_running_loop()
+    pause = 0.02
+    while True:
+        ran, held = await _may_have_run(run)
+        if not ran & held or loop.time() >= until:
+            break
+        await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
+        pause = min(pause * 2, 0.5)
+    if not ran:
+        return report
+    return dataclasses.replace(
+        report, verdict=Verdict.REJECTED.value, outcome=DelegationState.NEEDS_ATTENTION,
+        reason=f"{report.reason}; Temporal shows {len(ran)} activity(ies) of workflow "
+               f"{handle.id} run {run_of(row)} that may have run and that the journal holds "
+               "no record of (run by a worker without tether's plugin, or records moved by "
+               "hand): a person decides")
+
+
+_HELD = frozenset({PendingActivityState.PENDING_ACTIVITY_STATE_STARTED,
+                   PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED})
+
+
+async def _may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
+                        ) -> tuple[set[str], set[str]]:
+    """The run's activities that may have run (by id), and those in a worker's hands now."""
+    pending = (await run.describe()).raw_description.pending_activities
     # Not run: waiting for its first attempt, or between attempts tether refused.
-    waiting = {p.activity_id for p in (await run.describe()).raw_description.pending_activities
+    waiting = {p.activity_id for p in pending
                if p.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED and (
                    p.attempt <= 1
                    or p.last_failure.application_failure_info.type in (REFUSED, BUSY))}
+    held = {p.activity_id for p in pending if p.state in _HELD}
     scheduled: dict[int, str] = {}  # scheduled event id -> activity id
     ran: set[str] = set()
     async for event in run.fetch_history_events():
@@ -154,15 +184,7 @@ async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: 
             failed = event.activity_task_failed_event_attributes
             if failed.failure.application_failure_info.type in (REFUSED, BUSY):
                 ran.discard(scheduled.get(failed.scheduled_event_id, ""))
-    ran -= waiting
-    if not ran:
-        return report
-    return dataclasses.replace(
-        report, verdict=Verdict.REJECTED.value, outcome=DelegationState.NEEDS_ATTENTION,
-        reason=f"{report.reason}; Temporal shows {len(ran)} activity(ies) of workflow "
-               f"{handle.id} run {run_of(row)} that may have run and that the journal holds "
-               "no record of (run by a worker without tether's plugin, or records moved by "
-               "hand): a person decides")
+    return ran - waiting, held
 
 
 # What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch
