@@ -308,7 +308,9 @@ async def _delegation_of(sup: Supervisor, handle: temporalio.client.WorkflowHand
     rows = await run_rows(sup, task_of(handle.id), run_id)
     if rows and not reopen:  # a child stopped with its parent: its last epoch, closed or not
         return rows[-1], False
-    for _ in range(_ATTEMPTS):
+    for attempt in range(_ATTEMPTS):
+        if attempt:  # another process moved the task: let it finish before looking again
+            await asyncio.sleep(0.01 * 2 ** attempt)
         head = await sup.journal.peek(queue.task_head, task_of(handle.id))
         if head is not None and run_of(head) == run_id and (
                 not reopen or not await _goes_on(sup, head)):
