@@ -17,7 +17,7 @@ import tether
 from tether._cli.app import app
 from tether.testing import PaymentService
 
-from .conftest import ONE_CLOCK, events_of, settled
+from .conftest import ONE_CLOCK, events_of, settled, until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -303,6 +303,24 @@ async def test_terminate_from_another_process_cuts_a_call_a_recalls_grace_left_r
     (action,) = answer["report"]["actions"]
     assert action["state"] == "IN_DOUBT"  # cut, and "not applied" is not final before 30 s
     assert code == 1, err
+
+
+async def test_a_long_lived_owner_forgets_the_intents_it_is_done_with(
+        journal_url: str) -> None:
+    """Another process recalls twenty of an owner's children, one after another; the owner
+    adopts and drains each. Once they are settled, its next poll lists none of those intents
+    again, and it keeps no note of them: an orchestrator that runs for months does not grow
+    by one entry per recall it was sent."""
+    async def waits(ctx: tether.Context) -> None:
+        await asyncio.Event().wait()
+
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as owner, \
+            tether.Supervisor(journal_url, policy=ONE_CLOCK) as other:
+        for _ in range(20):
+            child = await owner.delegate(waits)
+            report = await other.handle_for(child.id).recall(grace=5.0, reason="done")
+            assert report.outcome is tether.DelegationState.RECALLED, report
+        await until(lambda: not owner._adoption._untracked, "the notes forgotten", within=10)
 
 
 async def test_a_shell_recall_the_owner_drained_is_never_settled_again(

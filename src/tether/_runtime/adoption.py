@@ -65,6 +65,11 @@ class Adoption:
                     self._untracked.add(row.id)
                     sup.spawn(self.settle_untracked(row))
                 self.last_control = max(self.last_control, row.id)
+            else:
+                # Kept only while a poll can list the row again (PostgreSQL lists the newest
+                # intent of each delegation under recall; SQLite only rows after the last):
+                # a long-lived process forgets each one it is done with.
+                self._untracked &= {row.id for row in rows}
             beats += 1
             if beats % every == 0:
                 sup.journal.heartbeat(sup.owner_id, sup.clock.wall())
