@@ -13,14 +13,13 @@ import dataclasses
 from typing import Any
 
 import temporalio.client
-from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.service import RPCError, RPCStatusCode
 
 from tether._core.errors import Tampered, TetherError, UserError
 from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
-from tether._integrations.temporal_activities import BUSY, REFUSED
+from tether._integrations.temporal_history import settled_view
 from tether._integrations.temporal_runs import RunRefused, open_run, run_rows, run_stopped
 from tether._integrations.temporal_task import (
     CHILD_APART,
@@ -132,23 +131,13 @@ def _rank(verdict: str) -> int:
 async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,
                        report: Report, until: float) -> Report:
     """A stop whose run the journal held nothing of: Temporal's word on whether activities of
-    it may have run. Every activity it ever scheduled counts, unless it closed refused by
-    tether or is still waiting for its first attempt: Temporal writes an activity's start
-    only once it closes, so one in flight, or between attempts, shows only as scheduled (and
-    pending). Where every activity passes tether's plugin there are none; some mean a worker
-    without the plugin, or records moved by hand: the report must not say the run did
-    nothing. One in a worker's hands is waited for until ``until`` (a recall's grace; the
-    run is fenced, so tether's plugin refuses it): judged in flight, one that tether was
-    about to refuse would be a person's problem."""
+    it may have run (``temporal_history``). Where every activity passes tether's plugin there
+    are none; some mean a worker without the plugin, or records moved by hand: the report
+    must not say the run did nothing. One in a worker's hands is waited for until ``until``
+    (a recall's grace; the run is fenced, so tether's plugin refuses it): judged in flight,
+    one that tether was about to refuse would be a person's problem."""
     run = handle._client.get_workflow_handle(handle.id, run_id=run_of(row))
-    loop = asyncio.get_running_loop()
-    pause = 0.02
-    while True:
-        ran, held = await _may_have_run(run)
-        if not ran & held or loop.time() >= until:
-            break
-        await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
-        pause = min(pause * 2, 0.5)
+    ran = await settled_view(run, until)
     if not ran:
         return report
     return dataclasses.replace(
@@ -157,34 +146,6 @@ async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: 
                f"{handle.id} run {run_of(row)} that may have run and that the journal holds "
                "no record of (run by a worker without tether's plugin, or records moved by "
                "hand): a person decides")
-
-
-_HELD = frozenset({PendingActivityState.PENDING_ACTIVITY_STATE_STARTED,
-                   PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED})
-
-
-async def _may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
-                        ) -> tuple[set[str], set[str]]:
-    """The run's activities that may have run (by id), and those in a worker's hands now."""
-    pending = (await run.describe()).raw_description.pending_activities
-    # Not run: waiting for its first attempt, or between attempts tether refused.
-    waiting = {p.activity_id for p in pending
-               if p.state == PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED and (
-                   p.attempt <= 1
-                   or p.last_failure.application_failure_info.type in (REFUSED, BUSY))}
-    held = {p.activity_id for p in pending if p.state in _HELD}
-    scheduled: dict[int, str] = {}  # scheduled event id -> activity id
-    ran: set[str] = set()
-    async for event in run.fetch_history_events():
-        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            scheduled[event.event_id] = \
-                event.activity_task_scheduled_event_attributes.activity_id
-            ran.add(scheduled[event.event_id])
-        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
-            failed = event.activity_task_failed_event_attributes
-            if failed.failure.application_failure_info.type in (REFUSED, BUSY):
-                ran.discard(scheduled.get(failed.scheduled_event_id, ""))
-    return ran - waiting, held
 
 
 # What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch

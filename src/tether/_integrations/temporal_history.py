@@ -1,0 +1,114 @@
+"""Temporal's word on a run the journal holds nothing of: which of its activities may have
+run (a worker without tether's plugin, or records moved by hand), read from the run's history
+and its description. Every judgement here errs towards "may have run": the report that uses
+it must never say a run did nothing when something of it may have applied."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import temporalio.client
+from temporalio.api.enums.v1 import EventType, PendingActivityState, PendingWorkflowTaskState
+from temporalio.api.failure.v1 import Failure
+
+from tether._integrations.temporal_activities import BUSY, REFUSED
+
+_REFUSALS = frozenset({REFUSED, BUSY})
+# In a worker's hands: the answer may change once it closes (past the fence, tether's
+# plugin refuses it).
+_HELD = frozenset({PendingActivityState.PENDING_ACTIVITY_STATE_STARTED,
+                   PendingActivityState.PENDING_ACTIVITY_STATE_CANCEL_REQUESTED})
+_SCHEDULED = PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED
+_CLOSED = frozenset({EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+                     EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
+                     EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT,
+                     EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED})
+# The marker Temporal's SDKs (their shared core) record when a local activity ends: a local
+# activity is never scheduled on a task queue, so it shows nowhere else.
+_LOCAL = "core_local_activity"
+# The run's workflow task, in a worker's hands: local activities run inside it.
+_TASK = "its workflow task (local activities run there)"
+
+
+def _refused(failure: Failure) -> bool:
+    return failure.application_failure_info.type in _REFUSALS
+
+
+def _refused_throughout(attempt: int, last_failure: Failure) -> bool:
+    """Whether every attempt up to ``attempt`` was refused by tether, as far as Temporal can
+    tell: it keeps only the failure before the last attempt, so from the third on an earlier
+    attempt may have run (on a worker without the plugin) unseen."""
+    return attempt <= 1 or (attempt == 2 and _refused(last_failure))
+
+
+async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
+                       ) -> tuple[set[str], set[str]]:
+    """The run's activities that may have run, and those whose answer may change if looked at
+    again (in a worker's hands, or closed between the two reads). The history is read first:
+    an activity that closes before the description is read is counted, and looked at again,
+    never taken for one still waiting."""
+    scheduled: dict[int, str] = {}  # scheduled event id -> activity id
+    started: dict[int, tuple[int, Failure]] = {}  # scheduled event id -> attempt, failure
+    opened: set[str] = set()
+    ran: set[str] = set()
+    async for event in run.fetch_history_events():
+        kind = event.event_type
+        if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            activity_id = event.activity_task_scheduled_event_attributes.activity_id
+            scheduled[event.event_id] = activity_id
+            ran.add(activity_id)
+            opened.add(activity_id)
+        elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            began = event.activity_task_started_event_attributes
+            started[began.scheduled_event_id] = (began.attempt, began.last_failure)
+        elif kind in _CLOSED:
+            which = _closed_of(event)
+            activity_id = scheduled.get(which, "")
+            opened.discard(activity_id)
+            failed = event.activity_task_failed_event_attributes
+            attempt, last = started.get(which, (0, Failure()))
+            if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and _refused(failed.failure) \
+                    and _refused_throughout(attempt, last):
+                ran.discard(activity_id)
+        elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
+            marker = event.marker_recorded_event_attributes
+            # A local activity's retries run on its workflow's worker: refused there, refused
+            # throughout (a limit: one retried past a timer may move to another worker).
+            if marker.marker_name == _LOCAL and not _refused(marker.failure):
+                ran.add(f"local activity (event {event.event_id})")
+    described = (await run.describe()).raw_description
+    pending = {p.activity_id: p for p in described.pending_activities}
+    waiting = {i for i, p in pending.items()
+               if p.state == _SCHEDULED and _refused_throughout(p.attempt, p.last_failure)}
+    held = {i for i, p in pending.items() if p.state in _HELD} | (opened - pending.keys())
+    if described.pending_workflow_task.state == \
+            PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
+        ran.add(_TASK)
+        held.add(_TASK)
+    return ran - waiting, held
+
+
+def _closed_of(event: Any) -> int:
+    """The scheduled event id an activity's closing event names."""
+    for attributes in (event.activity_task_completed_event_attributes,
+                       event.activity_task_failed_event_attributes,
+                       event.activity_task_timed_out_event_attributes,
+                       event.activity_task_canceled_event_attributes):
+        if attributes.scheduled_event_id:
+            return int(attributes.scheduled_event_id)
+    return 0
+
+
+async def settled_view(run: temporalio.client.WorkflowHandle[Any, Any], until: float
+                       ) -> set[str]:
+    """What may have run, once nothing in a worker's hands can change it, or at ``until``
+    (a recall's grace; a terminate looks once)."""
+    loop = asyncio.get_running_loop()
+    pause = 0.02
+    while True:
+        ran, held = await may_have_run(run)
+        if not ran & held or loop.time() >= until:
+            return ran
+        await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
+        pause = min(pause * 2, 0.5)
