@@ -302,3 +302,50 @@ class Monthly:
         if done + 1 < runs:
             workflow.continue_as_new(args=[order, runs, done + 1])
         return done + 1
+
+
+@workflow.defn
+class LocalThenBug:
+    """A local refund, then a bug in the workflow code: its workflow task fails (and the
+    local activity's marker with it), and is tried again."""
+
+    @workflow.run
+    async def run(self, order_id: str) -> str:
+        await workflow.execute_local_activity(
+            "naive_refund", args=[order_id, 5], start_to_close_timeout=timedelta(seconds=60))
+        raise RuntimeError("a bug in the workflow")
+
+
+@workflow.defn
+class SameIdTwice:
+    """Two activities under one activity id: the first refunds, the second waits on a task
+    queue no worker polls."""
+
+    @workflow.run
+    async def run(self, order_id: str, nowhere: str) -> str:
+        await workflow.execute_activity(
+            "naive_refund", args=[order_id, 5], activity_id="pay",
+            start_to_close_timeout=timedelta(seconds=60))
+        ref: str = await workflow.execute_activity(
+            "naive_refund", args=[order_id, 5], activity_id="pay", task_queue=nowhere,
+            start_to_close_timeout=timedelta(seconds=60))
+        return ref
+
+
+@workflow.defn
+class RefundWhenTold:
+    """Refunds by the naive activity once signalled ``proceed``."""
+
+    def __init__(self) -> None:
+        self.go = False
+
+    @workflow.signal
+    def proceed(self) -> None:
+        self.go = True
+
+    @workflow.run
+    async def run(self, order_id: str) -> str:
+        await workflow.wait_condition(lambda: self.go)
+        ref: str = await workflow.execute_activity(
+            "naive_refund", args=[order_id, 5], start_to_close_timeout=timedelta(seconds=60))
+        return ref

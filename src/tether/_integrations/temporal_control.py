@@ -83,9 +83,12 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
     else:
         report = await mine.terminate(reason)
     report = await _with_earlier(sup, row, report)
-    if unknown:  # the journal held nothing of the run: Temporal says whether it did nothing
-        report = await _unjournaled(handle, row, report, until)
     try:
+        if unknown or not report.all_actions():
+            # The journal holds no call of the run (nothing of it at all, or a stop of it
+            # opened its delegation, maybe at an earlier try of this one): Temporal says
+            # whether it did nothing.
+            report = await _unjournaled(handle, row, report, until)
         return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
         if told:
@@ -137,7 +140,14 @@ async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: 
     (a recall's grace; the run is fenced, so tether's plugin refuses it): judged in flight,
     one that tether was about to refuse would be a person's problem."""
     run = handle._client.get_workflow_handle(handle.id, run_id=run_of(row))
-    ran = await settled_view(run, until)
+    try:
+        ran = await settled_view(run, until)
+    except RPCError as exc:  # Temporal cannot say now: neither can the report
+        return dataclasses.replace(
+            report, verdict=Verdict.REJECTED.value, outcome=DelegationState.NEEDS_ATTENTION,
+            reason=f"{report.reason}; Temporal could not say whether activities of workflow "
+                   f"{handle.id} run {run_of(row)} ran, and the journal holds no record of "
+                   f"any ({exc}): a person decides, or a recall again asks again")
     if not ran:
         return report
     return dataclasses.replace(
@@ -145,7 +155,7 @@ async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: 
         reason=f"{report.reason}; Temporal shows {len(ran)} activity(ies) of workflow "
                f"{handle.id} run {run_of(row)} that may have run and that the journal holds "
                "no record of (run by a worker without tether's plugin, or records moved by "
-               "hand): a person decides")
+               f"hand): a person decides ({', '.join(sorted(ran)[:5])})")
 
 
 # What a stop's own verdict says when its epoch did nothing: wrong for a run an earlier epoch

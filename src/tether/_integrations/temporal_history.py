@@ -29,6 +29,9 @@ _CLOSED = frozenset({EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
 _LOCAL = "core_local_activity"
 # The run's workflow task, in a worker's hands: local activities run inside it.
 _TASK = "its workflow task (local activities run there)"
+_TASK_ENDED = frozenset({EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED,
+                         EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED,
+                         EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT})
 
 
 def _refused(failure: Failure) -> bool:
@@ -44,49 +47,83 @@ def _refused_throughout(attempt: int, last_failure: Failure) -> bool:
 
 async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
                        ) -> tuple[set[str], set[str]]:
-    """The run's activities that may have run, and those whose answer may change if looked at
-    again (in a worker's hands, or closed between the two reads). The history is read first:
-    an activity that closes before the description is read is counted, and looked at again,
-    never taken for one still waiting."""
+    """What of the run may have run, and what may change the answer if looked at again (in a
+    worker's hands, or moved between the two reads). Activities are told apart by their
+    scheduled event, not their id, which a workflow may give twice. The history is read
+    first: what closes or is scheduled before the description is read is counted, and
+    looked at again, never taken for something still waiting."""
     scheduled: dict[int, str] = {}  # scheduled event id -> activity id
     started: dict[int, tuple[int, Failure]] = {}  # scheduled event id -> attempt, failure
-    opened: set[str] = set()
+    opened: dict[str, int] = {}  # activity id -> its latest scheduled event still open
     ran: set[str] = set()
+    task_started = 0  # the workflow task in a worker's hands as the history ends, if any
     async for event in run.fetch_history_events():
         kind = event.event_type
         if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            activity_id = event.activity_task_scheduled_event_attributes.activity_id
-            scheduled[event.event_id] = activity_id
-            ran.add(activity_id)
-            opened.add(activity_id)
+            scheduled[event.event_id] = \
+                event.activity_task_scheduled_event_attributes.activity_id
+            opened[scheduled[event.event_id]] = event.event_id
+            ran.add(_activity(event.event_id, scheduled[event.event_id]))
         elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
             began = event.activity_task_started_event_attributes
             started[began.scheduled_event_id] = (began.attempt, began.last_failure)
         elif kind in _CLOSED:
             which = _closed_of(event)
-            activity_id = scheduled.get(which, "")
-            opened.discard(activity_id)
+            name = _activity(which, scheduled.get(which, ""))
+            if opened.get(scheduled.get(which, "")) == which:
+                del opened[scheduled[which]]
             failed = event.activity_task_failed_event_attributes
-            attempt, last = started.get(which, (0, Failure()))
+            attempt, last = started.get(which, (2, Failure()))  # no start seen: not trusted
             if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and _refused(failed.failure) \
                     and _refused_throughout(attempt, last):
-                ran.discard(activity_id)
+                ran.discard(name)
+            elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and _refused(failed.failure):
+                ran.discard(name)
+                ran.add(f"{name}, refused at attempt {attempt}, earlier ones unseen")
         elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
             marker = event.marker_recorded_event_attributes
             # A local activity's retries run on its workflow's worker: refused there, refused
             # throughout (a limit: one retried past a timer may move to another worker).
             if marker.marker_name == _LOCAL and not _refused(marker.failure):
                 ran.add(f"local activity (event {event.event_id})")
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+            task_started = event.event_id
+        elif kind in _TASK_ENDED:
+            task_started = 0
+            if kind != EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and _had_started(event):
+                # A task that started and did not complete drops the markers of the local
+                # activities it ran: they may have run all the same.
+                ran.add(f"workflow task that did not complete (event {event.event_id})")
     described = (await run.describe()).raw_description
+    held: set[str] = set()
+    if task_started:  # in a worker's hands as read: its local activities may be running
+        ran.add(_TASK)
+        held.add(_TASK)
     pending = {p.activity_id: p for p in described.pending_activities}
-    waiting = {i for i, p in pending.items()
-               if p.state == _SCHEDULED and _refused_throughout(p.attempt, p.last_failure)}
-    held = {i for i, p in pending.items() if p.state in _HELD} | (opened - pending.keys())
+    for activity_id, p in pending.items():
+        open_at = opened.get(activity_id)
+        name = (_activity(open_at, activity_id) if open_at
+                else f"activity {activity_id} (new)")
+        if p.state == _SCHEDULED and _refused_throughout(p.attempt, p.last_failure):
+            ran.discard(name)  # waiting for a first attempt, or after refusals only
+            if not open_at:
+                held.add(name)  # scheduled since the history was read: read it again
+        else:
+            ran.add(name)
+            if p.state in _HELD or not open_at:
+                held.add(name)
+    for activity_id, which in opened.items():
+        if activity_id not in pending:  # closed since the history was read
+            held.add(_activity(which, activity_id))
     if described.pending_workflow_task.state == \
             PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
         ran.add(_TASK)
         held.add(_TASK)
-    return ran - waiting, held
+    return ran, held
+
+
+def _activity(scheduled_event: int, activity_id: str) -> str:
+    return f"activity {activity_id} (event {scheduled_event})"
 
 
 def _closed_of(event: Any) -> int:
@@ -98,6 +135,13 @@ def _closed_of(event: Any) -> int:
         if attributes.scheduled_event_id:
             return int(attributes.scheduled_event_id)
     return 0
+
+
+def _had_started(event: Any) -> bool:
+    """A failed or timed-out workflow task that a worker had taken (not one that timed out
+    waiting on a sticky queue)."""
+    return bool(event.workflow_task_failed_event_attributes.started_event_id
+                or event.workflow_task_timed_out_event_attributes.started_event_id)
 
 
 async def settled_view(run: temporalio.client.WorkflowHandle[Any, Any], until: float

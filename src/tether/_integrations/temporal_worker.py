@@ -70,6 +70,11 @@ from tether._runtime.tools import Agent, Tool, check_surface
 STOPPED = "worker stopped"  # a hosted run's body's result when this worker stops
 
 
+# Pauses between looks at a run refused for now, within one attempt (well inside a heartbeat
+# timeout of a few seconds: tether's plugin sends no heartbeat of its own).
+_AGAIN = (0.05, 0.1, 0.2, 0.4)
+
+
 @dataclass(eq=False)
 class _Hosted:
     """One workflow run's delegation, hosted here."""
@@ -269,13 +274,22 @@ class Host:
         parent = (await self.ancestry.describe(client, workflow_id, run_id)).parent
         while parent is not None:
             parent = (await self.ancestry.describe(client, *parent)).parent
-        async with self._lock:
-            try:
-                return await self._open(workflow_id, run_id)
-            except RunRefused as exc:
-                raise refused(str(exc), BUSY if exc.retry else REFUSED) from None
-            except Tampered as exc:  # a person decides: a retry would be refused the same
-                raise refused(str(exc)) from None
+        # A passing refusal (an earlier run's delegation still ending, another process
+        # opening the run) is looked at again within the attempt a few times before the
+        # activity is told to retry: Temporal keeps only an activity's last failure, so a
+        # stop that finds a run the journal holds no call of counts a third attempt as one
+        # that may have run unseen.
+        for pause in (*_AGAIN, None):
+            async with self._lock:
+                try:
+                    return await self._open(workflow_id, run_id)
+                except RunRefused as exc:
+                    if not exc.retry or pause is None:
+                        raise refused(str(exc), BUSY if exc.retry else REFUSED) from None
+                except Tampered as exc:  # a person decides: a retry would be refused the same
+                    raise refused(str(exc)) from None
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable")  # the last pass returns or raises
 
     async def _open(self, workflow_id: str, run_id: str) -> _Hosted:
         """The run's delegation, hosted here (under ``self._lock``), or the host's, as its
