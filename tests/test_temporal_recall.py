@@ -463,6 +463,25 @@ async def test_a_recall_of_a_closed_run_reports_what_it_did(
     assert provider.pay.refund_count("CL-1") == 1
 
 
+async def test_a_recall_of_a_new_start_that_replayed_its_refund_is_not_a_persons_problem(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Run 2 of a workflow id replays run 1's refund (its key's record) and completes: its
+    own delegation holds no action, only the replay. Temporal shows the activity completed;
+    the recall finds the call by that replay and reports the run as it stands, not as a
+    run a worker without tether's plugin may have paid for."""
+    workflow_id = f"wf-replayed-{uuid.uuid4().hex[:8]}"
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider) as queue:
+        await (await start_refund(client, queue, workflow_id, order="RP-1")).result()
+        again = await start_refund(client, queue, workflow_id, order="RP-1")
+        await again.result()
+        report = await tether.temporal.recall(again, supervisor=boss, grace=2.0,
+                                              reason="after it replayed")
+    assert provider.pay.refund_count("RP-1") == 1
+    assert report.outcome is not tether.DelegationState.NEEDS_ATTENTION, report
+    assert "may have run" not in (report.reason or ""), report
+
+
 async def test_each_run_of_a_chain_makes_its_own_call_and_a_new_start_replays_them(
         client: Client, provider: Provider, journal_url: str) -> None:
     """A loop that continues as new makes the same call at the same place in each run: each

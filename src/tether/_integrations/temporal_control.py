@@ -84,7 +84,7 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.terminate(reason)
     report = await _with_earlier(sup, row, report)
     try:
-        if unknown or not report.all_actions():
+        if unknown or not await _calls_of(sup, row, report):
             # The journal holds no call of the run (nothing of it at all, or a stop of it
             # opened its delegation, maybe at an earlier try of this one): Temporal says
             # whether it did nothing.
@@ -129,6 +129,16 @@ def _rank(verdict: str) -> int:
         return _RANK[Verdict(verdict)]
     except (ValueError, KeyError):  # one this process does not know: the worst
         return len(_RANK)
+
+
+async def _calls_of(sup: Supervisor, row: DelegationRow, report: Report) -> bool:
+    """Whether the journal holds a call of the run: an action in its report, or a replay (a
+    new start of the workflow id answered from an earlier run's record, which leaves only
+    an event on the run's delegation)."""
+    if report.all_actions():
+        return True
+    ids = [r.id for r in await run_rows(sup, row.task_id, run_of(row))]
+    return any(e.kind == "replay" for e in await sup.journal.events(ids))
 
 
 async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,

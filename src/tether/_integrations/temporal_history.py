@@ -74,11 +74,10 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
                 del opened[scheduled[which]]
             failed = event.activity_task_failed_event_attributes
             attempt, last = started.get(which, (2, Failure()))  # no start seen: not trusted
-            if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and _refused(failed.failure) \
-                    and _refused_throughout(attempt, last):
-                ran.discard(name)
-            elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED and _refused(failed.failure):
-                ran.discard(name)
+            ran.discard(name)
+            if kind != EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED or not _refused(failed.failure):
+                ran.add(f"{name}, {_ending(kind)} at attempt {attempt}")
+            elif not _refused_throughout(attempt, last):
                 ran.add(f"{name}, refused at attempt {attempt}, earlier ones unseen")
         elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
             marker = event.marker_recorded_event_attributes
@@ -109,6 +108,8 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
             if not open_at:
                 held.add(name)  # scheduled since the history was read: read it again
         else:
+            ran.discard(name)
+            name = f"{name}, pending at attempt {p.attempt}"
             ran.add(name)
             if p.state in _HELD or not open_at:
                 held.add(name)
@@ -120,6 +121,10 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
         ran.add(_TASK)
         held.add(_TASK)
     return ran, held
+
+
+def _ending(kind: Any) -> str:
+    return EventType.Name(kind).removeprefix("EVENT_TYPE_ACTIVITY_TASK_").lower()
 
 
 def _activity(scheduled_event: int, activity_id: str) -> str:

@@ -233,7 +233,11 @@ class Host:
         watch = None if hosted.guest is None else asyncio.create_task(
             watch_controls(self.sup, hosted.guest, hosted.watched))
         try:
-            return await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
+            result = await hosted.ctx.call(tool, idempotency_key=key, **kwargs)
+            # Committed before Temporal hears of the result: the receipt, or the replay's
+            # event, is what a stop reading Temporal's history finds the call by.
+            await self.sup.journal.flush()
+            return result
         except ControlSignal as signal:
             why = f"{type(signal).__name__.lower()}: {signal}"
             if not await stopped(self.sup, hosted.ctx.delegation_id):
