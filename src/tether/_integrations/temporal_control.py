@@ -84,11 +84,11 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         report = await mine.terminate(reason)
     report = await _with_earlier(sup, row, report)
     try:
-        if unknown or not await _calls_of(sup, row, report):
+        if unknown or not report.all_actions():
             # The journal holds no call of the run (nothing of it at all, or a stop of it
             # opened its delegation, maybe at an earlier try of this one): Temporal says
             # whether it did nothing.
-            report = await _unjournaled(handle, row, report, until)
+            report = await _unjournaled(sup, handle, row, report, until)
         return await stop_apart(sup, handle, row, report, kind, grace, reason, depth)
     finally:
         if told:
@@ -131,18 +131,19 @@ def _rank(verdict: str) -> int:
         return len(_RANK)
 
 
-async def _calls_of(sup: Supervisor, row: DelegationRow, report: Report) -> bool:
-    """Whether the journal holds a call of the run: an action in its report, or a replay (a
-    new start of the workflow id answered from an earlier run's record, which leaves only
-    an event on the run's delegation)."""
-    if report.all_actions():
-        return True
+async def _recorded(sup: Supervisor, row: DelegationRow) -> set[str]:
+    """The activity ids the journal holds a call of, in the run's delegations: an action, or
+    a replay (a new start of the workflow id answered from an earlier run's record, which
+    leaves only an event). Read from the key, ``temporal:<id>:<tool>:<activity id>[@hop]``."""
     ids = [r.id for r in await run_rows(sup, row.task_id, run_of(row))]
-    return any(e.kind == "replay" for e in await sup.journal.events(ids))
+    keys = [a.idempotency_key for a in await sup.journal.actions(ids)]
+    keys += [str(e.detail.get("key", "")) for e in await sup.journal.events(ids)
+             if e.kind == "replay"]
+    return {k.rsplit(":", 1)[-1].split("@", 1)[0] for k in keys if k}
 
 
-async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: DelegationRow,
-                       report: Report, until: float) -> Report:
+async def _unjournaled(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],
+                       row: DelegationRow, report: Report, until: float) -> Report:
     """A stop whose run the journal held nothing of: Temporal's word on whether activities of
     it may have run (``temporal_history``). Where every activity passes tether's plugin there
     are none; some mean a worker without the plugin, or records moved by hand: the report
@@ -158,6 +159,9 @@ async def _unjournaled(handle: temporalio.client.WorkflowHandle[Any, Any], row: 
             reason=f"{report.reason}; Temporal could not say whether activities of workflow "
                    f"{handle.id} run {run_of(row)} ran, and the journal holds no record of "
                    f"any ({exc}): a person decides, or a recall again asks again")
+    # What the journal holds a call of after all (a replay, during the wait as well) is its.
+    recorded = await _recorded(sup, row)
+    ran = {name: i for name, i in ran.items() if not i or i not in recorded}
     if not ran:
         return report
     return dataclasses.replace(

@@ -46,7 +46,7 @@ def _refused_throughout(attempt: int, last_failure: Failure) -> bool:
 
 
 async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
-                       ) -> tuple[set[str], set[str]]:
+                       ) -> tuple[dict[str, str], set[str]]:
     """What of the run may have run, and what may change the answer if looked at again (in a
     worker's hands, or moved between the two reads). Activities are told apart by their
     scheduled event, not their id, which a workflow may give twice. The history is read
@@ -55,7 +55,7 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
     scheduled: dict[int, str] = {}  # scheduled event id -> activity id
     started: dict[int, tuple[int, Failure]] = {}  # scheduled event id -> attempt, failure
     opened: dict[str, int] = {}  # activity id -> its latest scheduled event still open
-    ran: set[str] = set()
+    ran: dict[str, str] = {}  # what may have run -> its activity id ("" for a local one)
     task_started = 0  # the workflow task in a worker's hands as the history ends, if any
     async for event in run.fetch_history_events():
         kind = event.event_type
@@ -63,7 +63,8 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
             scheduled[event.event_id] = \
                 event.activity_task_scheduled_event_attributes.activity_id
             opened[scheduled[event.event_id]] = event.event_id
-            ran.add(_activity(event.event_id, scheduled[event.event_id]))
+            ran[_activity(event.event_id, scheduled[event.event_id])] = \
+                scheduled[event.event_id]
         elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
             began = event.activity_task_started_event_attributes
             started[began.scheduled_event_id] = (began.attempt, began.last_failure)
@@ -74,17 +75,18 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
                 del opened[scheduled[which]]
             failed = event.activity_task_failed_event_attributes
             attempt, last = started.get(which, (2, Failure()))  # no start seen: not trusted
-            ran.discard(name)
+            activity_id = scheduled.get(which, "")
+            ran.pop(name, None)
             if kind != EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED or not _refused(failed.failure):
-                ran.add(f"{name}, {_ending(kind)} at attempt {attempt}")
+                ran[f"{name}, {_ending(kind)} at attempt {attempt}"] = activity_id
             elif not _refused_throughout(attempt, last):
-                ran.add(f"{name}, refused at attempt {attempt}, earlier ones unseen")
+                ran[f"{name}, refused at attempt {attempt}, earlier ones unseen"] = activity_id
         elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
             marker = event.marker_recorded_event_attributes
             # A local activity's retries run on its workflow's worker: refused there, refused
             # throughout (a limit: one retried past a timer may move to another worker).
             if marker.marker_name == _LOCAL and not _refused(marker.failure):
-                ran.add(f"local activity (event {event.event_id})")
+                ran[f"local activity (event {event.event_id})"] = ""
         elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
             task_started = event.event_id
         elif kind in _TASK_ENDED:
@@ -92,11 +94,11 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
             if kind != EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED and _had_started(event):
                 # A task that started and did not complete drops the markers of the local
                 # activities it ran: they may have run all the same.
-                ran.add(f"workflow task that did not complete (event {event.event_id})")
+                ran[f"workflow task that did not complete (event {event.event_id})"] = ""
     described = (await run.describe()).raw_description
     held: set[str] = set()
     if task_started:  # in a worker's hands as read: its local activities may be running
-        ran.add(_TASK)
+        ran[_TASK] = ""
         held.add(_TASK)
     pending = {p.activity_id: p for p in described.pending_activities}
     for activity_id, p in pending.items():
@@ -104,13 +106,13 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
         name = (_activity(open_at, activity_id) if open_at
                 else f"activity {activity_id} (new)")
         if p.state == _SCHEDULED and _refused_throughout(p.attempt, p.last_failure):
-            ran.discard(name)  # waiting for a first attempt, or after refusals only
+            ran.pop(name, None)  # waiting for a first attempt, or after refusals only
             if not open_at:
                 held.add(name)  # scheduled since the history was read: read it again
         else:
-            ran.discard(name)
+            ran.pop(name, None)
             name = f"{name}, pending at attempt {p.attempt}"
-            ran.add(name)
+            ran[name] = activity_id
             if p.state in _HELD or not open_at:
                 held.add(name)
     for activity_id, which in opened.items():
@@ -118,7 +120,7 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
             held.add(_activity(which, activity_id))
     if described.pending_workflow_task.state == \
             PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED:
-        ran.add(_TASK)
+        ran[_TASK] = ""
         held.add(_TASK)
     return ran, held
 
@@ -150,14 +152,14 @@ def _had_started(event: Any) -> bool:
 
 
 async def settled_view(run: temporalio.client.WorkflowHandle[Any, Any], until: float
-                       ) -> set[str]:
+                       ) -> dict[str, str]:
     """What may have run, once nothing in a worker's hands can change it, or at ``until``
     (a recall's grace; a terminate looks once)."""
     loop = asyncio.get_running_loop()
     pause = 0.02
     while True:
         ran, held = await may_have_run(run)
-        if not ran & held or loop.time() >= until:
+        if not ran.keys() & held or loop.time() >= until:
             return ran
         await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
         pause = min(pause * 2, 0.5)
