@@ -72,7 +72,8 @@ class TwoRefunds:
 
 @workflow.defn
 class RefundAnyway:
-    """Waits for ``proceed``, then refunds, even once cancelled: a step a fence must stop."""
+    """Waits for ``proceed``, then refunds (by ``activity``), even once cancelled: a step a
+    fence must stop."""
 
     def __init__(self) -> None:
         self.go = False
@@ -82,11 +83,11 @@ class RefundAnyway:
         self.go = True
 
     @workflow.run
-    async def run(self, order_id: str) -> str:
+    async def run(self, order_id: str, activity: str = "refund") -> str:
         with contextlib.suppress(asyncio.CancelledError):  # goes on regardless
             await workflow.wait_condition(lambda: self.go)
         ref: str = await workflow.execute_activity(
-            "refund", args=[order_id, 1250], start_to_close_timeout=timedelta(seconds=60),
+            activity, args=[order_id, 1250], start_to_close_timeout=timedelta(seconds=60),
             retry_policy=RETRIES)
         return ref
 
@@ -329,23 +330,4 @@ class SameIdTwice:
         ref: str = await workflow.execute_activity(
             "naive_refund", args=[order_id, 5], activity_id="pay", task_queue=nowhere,
             start_to_close_timeout=timedelta(seconds=60))
-        return ref
-
-
-@workflow.defn
-class RefundWhenTold:
-    """Refunds by the naive activity once signalled ``proceed``."""
-
-    def __init__(self) -> None:
-        self.go = False
-
-    @workflow.signal
-    def proceed(self) -> None:
-        self.go = True
-
-    @workflow.run
-    async def run(self, order_id: str) -> str:
-        await workflow.wait_condition(lambda: self.go)
-        ref: str = await workflow.execute_activity(
-            "naive_refund", args=[order_id, 5], start_to_close_timeout=timedelta(seconds=60))
         return ref

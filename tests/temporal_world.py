@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+import temporalio.client
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDReusePolicy
@@ -155,6 +156,36 @@ class Gate(Interceptor):
                 return await super().execute_activity(input)
 
         return Held(next)
+
+
+class OpensOnHistory(temporalio.client.Interceptor):
+    """Opens ``gate`` when the client reads a run's whole history."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def intercept_client(self, next: temporalio.client.OutboundInterceptor
+                         ) -> temporalio.client.OutboundInterceptor:
+        gate = self.gate
+
+        class Opens(temporalio.client.OutboundInterceptor):
+            def fetch_workflow_history_events(
+                    self, input: temporalio.client.FetchWorkflowHistoryEventsInput
+            ) -> temporalio.client.WorkflowHistoryEventAsyncIterator:
+                gate.opened.set()
+                return super().fetch_workflow_history_events(input)
+
+        return Opens(next)
+
+
+async def opened_on_history(client: Client, started: WorkflowHandle[Any, Any], gate: Gate
+                            ) -> WorkflowHandle[Any, Any]:
+    """``started``'s run, through a client of its own (an orchestrator's) whose reading of a
+    run's history opens ``gate``."""
+    watched = await Client.connect(client.service_client.config.target_host,
+                                   interceptors=[OpensOnHistory(gate)])
+    return watched.get_workflow_handle(started.id, run_id=started.result_run_id,
+                                       first_execution_run_id=started.first_execution_run_id)
 
 
 def supervisor(url: str, provider: Provider) -> tether.Supervisor:

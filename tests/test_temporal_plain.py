@@ -2,9 +2,10 @@
 tether's plugin did (a deployment that mixes workers, or one rolled out halfway) must never
 be reported as nothing. Each test has a plain worker pay, then recalls the run with
 ``tether.temporal.recall``; the report must say a person decides, however Temporal shows
-the payment (an activity id given twice, a local activity whose workflow task failed or
-ended between the recall's two reads, an activity scheduled between them), and when
-Temporal cannot answer at all."""
+the payment (a paid first attempt behind a retry tether refused, an activity id given
+twice, a local activity still running, or whose workflow task failed, or that ended between
+the recall's two reads, an activity scheduled between them), and when Temporal cannot
+answer at all."""
 
 from __future__ import annotations
 
@@ -15,17 +16,31 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import temporalio.client
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType, PendingWorkflowTaskState
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
-from temporalio.worker import Worker
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+    Worker,
+)
 
 import tether
 import tether.temporal
-from tests.temporal_flows import LocalThenBug, RefundLocally, RefundWhenTold, SameIdTwice
-from tests.temporal_world import Provider, both
+from tests.temporal_flows import LocalThenBug, RefundAnyway, RefundLocally, SameIdTwice
+from tests.temporal_world import (
+    Gate,
+    Provider,
+    both,
+    opened_on_history,
+    start_refund,
+    worker,
+)
 from tether._integrations.temporal_activities import refused
 
 NEEDS = (tether.DelegationState.NEEDS_ATTENTION, "REJECTED")
@@ -58,6 +73,18 @@ class AfterHistory(temporalio.client.Interceptor):
                 return await super().describe_workflow(input)
 
         return Between(next)
+
+
+def paying_then_held(provider: Provider, release: asyncio.Event) -> Any:
+    """A plain ``refund`` activity (no tether key): it pays, then holds its reply until
+    ``release``."""
+    @activity.defn(name="refund")
+    async def plain_refund(order_id: str, cents: int) -> str:
+        ref = await provider.pay.refund(order_id, cents, idempotency_key=str(uuid.uuid4()))
+        await release.wait()
+        return ref
+
+    return plain_refund
 
 
 def plain(client: Client, provider: Provider, queue: str, workflows: list[Any],
@@ -130,14 +157,14 @@ async def test_an_activity_scheduled_between_the_two_reads_is_counted(
     provider.hold = asyncio.Event()
 
     async def meanwhile() -> None:
-        await client.get_workflow_handle(workflow_id).signal(RefundWhenTold.proceed)
+        await client.get_workflow_handle(workflow_id).signal(RefundAnyway.proceed)
         await provider.pay.applied()
 
     watched = await Client.connect(client.service_client.config.target_host,
                                    interceptors=[AfterHistory(meanwhile)])
     async with both(journal_url, provider) as (_, boss), \
-            plain(client, provider, queue, [RefundWhenTold]):
-        started = await client.start_workflow(RefundWhenTold.run, args=["A-1"],
+            plain(client, provider, queue, [RefundAnyway]):
+        started = await client.start_workflow(RefundAnyway.run, args=["A-1", "naive_refund"],
                                               id=workflow_id, task_queue=queue)
         await until_history(started, EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED,
                             "the run waiting for its signal")
@@ -157,12 +184,7 @@ async def test_a_local_payment_that_ends_between_the_two_reads_is_counted(
     yet); the run then completes before the description is read (no workflow task in a
     worker's hands either): the task the history saw start counts."""
     release = asyncio.Event()
-
-    @activity.defn(name="refund")
-    async def plain_refund(order_id: str, cents: int) -> str:
-        ref = await provider.pay.refund(order_id, cents, idempotency_key=str(uuid.uuid4()))
-        await release.wait()
-        return ref
+    plain_refund = paying_then_held(provider, release)
 
     queue, workflow_id = fresh("q"), fresh("wf-local-between")
 
@@ -200,10 +222,10 @@ async def test_temporal_unable_to_answer_is_a_persons_problem_and_a_recall_again
     watched = await Client.connect(client.service_client.config.target_host,
                                    interceptors=[AfterHistory(away)])
     async with both(journal_url, provider) as (_, boss), \
-            plain(client, provider, queue, [RefundWhenTold]):
-        run = await client.start_workflow(RefundWhenTold.run, args=["R-1"], id=workflow_id,
-                                          task_queue=queue)
-        await run.signal(RefundWhenTold.proceed)
+            plain(client, provider, queue, [RefundAnyway]):
+        run = await client.start_workflow(RefundAnyway.run, args=["R-1", "naive_refund"],
+                                          id=workflow_id, task_queue=queue)
+        await run.signal(RefundAnyway.proceed)
         await run.result()
         first = await tether.temporal.recall(watched.get_workflow_handle(workflow_id),
                                              supervisor=boss, grace=1.0, reason="first")
@@ -234,3 +256,74 @@ async def test_a_refused_local_activity_counts_as_not_run(
                                               reason="after it was refused")
     assert report.outcome is tether.DelegationState.RECALLED, report
     assert provider.pay.refund_count("L-3") == 0
+
+
+async def test_a_refund_paid_by_a_plain_first_attempt_is_not_hidden_by_a_refused_retry(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """Attempt 1 of a refund runs as a worker without tether's plugin runs it: paid, then
+    failed (its reply lost, say). Attempt 2 is in the hands of a worker with the plugin when a
+    recall of the run (which the journal knows nothing of) comes, and is refused there, past
+    the fence. Temporal keeps only the last attempt's failure: the recall must not take that
+    refusal for the whole activity's and say nothing ran, when the money moved."""
+    gate = Gate()
+    workflow_id = f"wf-plain-first-{uuid.uuid4().hex[:8]}"
+    async with both(journal_url, provider) as (host, boss), \
+            worker(client, host, provider, interceptors=[PlainFirst(), gate]) as queue:
+        started = await start_refund(client, queue, workflow_id, "naive_refund", "P-1")
+        await gate.held.wait()  # attempt 2
+        handle = await opened_on_history(client, started, gate)
+        report = await tether.temporal.recall(handle, supervisor=boss, grace=30.0,
+                                              reason="while attempt 2 is held")
+        with pytest.raises(WorkflowFailureError):
+            await started.result()
+    assert provider.pay.refund_count("P-1") == 1  # the money moved
+    assert (report.outcome, report.verdict) == (tether.DelegationState.NEEDS_ATTENTION,
+                                                "REJECTED"), report
+    assert "may have run" in report.reason
+
+
+async def test_a_local_activity_a_plain_worker_runs_is_not_reported_idle(
+        client: Client, provider: Provider, journal_url: str) -> None:
+    """A worker without tether's plugin runs the run's refund as a local activity, which
+    Temporal never schedules on a task queue (no pending activity, no scheduled event; a
+    marker once it ends). The refund has applied and its reply is held when the recall
+    comes: the run's workflow task is in the worker's hands past the grace, and the report
+    does not say the run did nothing."""
+    release = asyncio.Event()
+    plain_refund = paying_then_held(provider, release)
+
+    workflow_id = f"wf-plain-local-{uuid.uuid4().hex[:8]}"
+    queue = f"q-{uuid.uuid4().hex[:12]}"
+    async with both(journal_url, provider) as (_, boss), \
+            Worker(client, task_queue=queue, workflows=[RefundLocally],
+                   activities=[plain_refund]):
+        run = await client.start_workflow(RefundLocally.run, args=["L-9", 5], id=workflow_id,
+                                          task_queue=queue)
+        await provider.pay.applied()
+        try:
+            report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
+                                                  reason="while its local refund runs")
+        finally:
+            release.set()
+        with contextlib.suppress(WorkflowFailureError):
+            await run.result()
+    assert provider.pay.refund_count("L-9") == 1
+    assert (report.outcome, report.verdict) == (tether.DelegationState.NEEDS_ATTENTION,
+                                                "REJECTED"), report
+
+
+class PlainFirst(Interceptor):
+    """Attempt 1 of each activity runs as a worker without tether's plugin would run it
+    (straight to its code, past the plugin), then fails as a lost reply would; later attempts
+    go on inward (to tether's plugin)."""
+
+    def intercept_activity(self, next: ActivityInboundInterceptor
+                           ) -> ActivityInboundInterceptor:
+        class Plain(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if activity.info().attempt > 1:
+                    return await super().execute_activity(input)
+                await input.fn(*input.args)
+                raise ApplicationError("the provider's reply was lost")  # retryable
+
+        return Plain(next)

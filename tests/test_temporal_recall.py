@@ -12,28 +12,25 @@ import uuid
 from typing import Any
 
 import pytest
-import temporalio.client
-from temporalio import activity
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
 )
-from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
 
 import tether
 import tether.temporal
 from tests.conftest import events_of, until
-from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway, RefundLocally, TwoRefunds
+from tests.temporal_flows import ContinueAnyway, Monthly, RefundAnyway, TwoRefunds
 from tests.temporal_world import (
     Gate,
     Provider,
     actions,
     both,
     cli,
+    opened_on_history,
     start_refund,
     supervisor,
     worker,
@@ -198,16 +195,11 @@ async def test_a_recall_waits_for_an_activity_in_a_workers_hands_before_its_run_
     at."""
     gate = Gate()
     workflow_id = f"wf-held-{uuid.uuid4().hex[:8]}"
-    # The orchestrator's client: its reading of the run's history lets the activity go on.
-    watched = await Client.connect(client.service_client.config.target_host,
-                                   interceptors=[OpensOnHistory(gate)])
     async with both(journal_url, provider) as (host, boss), \
             worker(client, host, provider, interceptors=[gate]) as queue:
         started = await start_refund(client, queue, workflow_id, order="G-1")
         await gate.held.wait()
-        handle = watched.get_workflow_handle(
-            workflow_id, run_id=started.result_run_id,
-            first_execution_run_id=started.first_execution_run_id)
+        handle = await opened_on_history(client, started, gate)
         report = await tether.temporal.recall(handle, supervisor=boss, grace=30.0,
                                               reason="while its activity is held")
         with pytest.raises(WorkflowFailureError):
@@ -215,106 +207,6 @@ async def test_a_recall_waits_for_an_activity_in_a_workers_hands_before_its_run_
     assert gate.opened.is_set()
     assert (report.outcome, report.actions) == (tether.DelegationState.RECALLED, ()), report
     assert provider.keys == [] and provider.pay.refund_count("G-1") == 0
-
-
-async def test_a_refund_paid_by_a_plain_first_attempt_is_not_hidden_by_a_refused_retry(
-        client: Client, provider: Provider, journal_url: str) -> None:
-    """Attempt 1 of a refund runs as a worker without tether's plugin runs it: paid, then
-    failed (its reply lost, say). Attempt 2 is in the hands of a worker with the plugin when a
-    recall of the run (which the journal knows nothing of) comes, and is refused there, past
-    the fence. Temporal keeps only the last attempt's failure: the recall must not take that
-    refusal for the whole activity's and say nothing ran, when the money moved."""
-    gate = Gate()
-    workflow_id = f"wf-plain-first-{uuid.uuid4().hex[:8]}"
-    watched = await Client.connect(client.service_client.config.target_host,
-                                   interceptors=[OpensOnHistory(gate)])
-    async with both(journal_url, provider) as (host, boss), \
-            worker(client, host, provider, interceptors=[PlainFirst(), gate]) as queue:
-        started = await start_refund(client, queue, workflow_id, "naive_refund", "P-1")
-        await gate.held.wait()  # attempt 2
-        handle = watched.get_workflow_handle(
-            workflow_id, run_id=started.result_run_id,
-            first_execution_run_id=started.first_execution_run_id)
-        report = await tether.temporal.recall(handle, supervisor=boss, grace=30.0,
-                                              reason="while attempt 2 is held")
-        with pytest.raises(WorkflowFailureError):
-            await started.result()
-    assert provider.pay.refund_count("P-1") == 1  # the money moved
-    assert (report.outcome, report.verdict) == (tether.DelegationState.NEEDS_ATTENTION,
-                                                "REJECTED"), report
-    assert "may have run" in report.reason
-
-
-async def test_a_local_activity_a_plain_worker_runs_is_not_reported_idle(
-        client: Client, provider: Provider, journal_url: str) -> None:
-    """A worker without tether's plugin runs the run's refund as a local activity, which
-    Temporal never schedules on a task queue (no pending activity, no scheduled event; a
-    marker once it ends). The refund has applied and its reply is held when the recall
-    comes: the run's workflow task is in the worker's hands past the grace, and the report
-    does not say the run did nothing."""
-    release = asyncio.Event()
-
-    @activity.defn(name="refund")
-    async def plain_refund(order_id: str, cents: int) -> str:
-        ref = await provider.pay.refund(order_id, cents, idempotency_key=str(uuid.uuid4()))
-        await release.wait()
-        return ref
-
-    workflow_id = f"wf-plain-local-{uuid.uuid4().hex[:8]}"
-    queue = f"q-{uuid.uuid4().hex[:12]}"
-    async with both(journal_url, provider) as (_, boss), \
-            Worker(client, task_queue=queue, workflows=[RefundLocally],
-                   activities=[plain_refund]):
-        run = await client.start_workflow(RefundLocally.run, args=["L-9", 5], id=workflow_id,
-                                          task_queue=queue)
-        await provider.pay.applied()
-        try:
-            report = await tether.temporal.recall(run, supervisor=boss, grace=1.0,
-                                                  reason="while its local refund runs")
-        finally:
-            release.set()
-        with contextlib.suppress(WorkflowFailureError):
-            await run.result()
-    assert provider.pay.refund_count("L-9") == 1
-    assert (report.outcome, report.verdict) == (tether.DelegationState.NEEDS_ATTENTION,
-                                                "REJECTED"), report
-
-
-class PlainFirst(Interceptor):
-    """Attempt 1 of each activity runs as a worker without tether's plugin would run it
-    (straight to its code, past the plugin), then fails as a lost reply would; later attempts
-    go on inward (to tether's plugin)."""
-
-    def intercept_activity(self, next: ActivityInboundInterceptor
-                           ) -> ActivityInboundInterceptor:
-        class Plain(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if activity.info().attempt > 1:
-                    return await super().execute_activity(input)
-                await input.fn(*input.args)
-                raise ApplicationError("the provider's reply was lost")  # retryable
-
-        return Plain(next)
-
-
-class OpensOnHistory(temporalio.client.Interceptor):
-    """Opens ``gate`` when the client reads a run's whole history."""
-
-    def __init__(self, gate: Gate) -> None:
-        self.gate = gate
-
-    def intercept_client(self, next: temporalio.client.OutboundInterceptor
-                         ) -> temporalio.client.OutboundInterceptor:
-        gate = self.gate
-
-        class Opens(temporalio.client.OutboundInterceptor):
-            def fetch_workflow_history_events(
-                    self, input: temporalio.client.FetchWorkflowHistoryEventsInput
-            ) -> temporalio.client.WorkflowHistoryEventAsyncIterator:
-                gate.opened.set()
-                return super().fetch_workflow_history_events(input)
-
-        return Opens(next)
 
 
 async def test_a_recall_during_an_activity_retry_pays_once_and_reports_the_payment(

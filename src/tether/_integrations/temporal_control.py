@@ -23,6 +23,7 @@ from tether._integrations.temporal_history import settled_view
 from tether._integrations.temporal_runs import RunRefused, open_run, run_rows, run_stopped
 from tether._integrations.temporal_task import (
     CHILD_APART,
+    activity_of,
     genuine,
     run_of,
     task_of,
@@ -139,7 +140,7 @@ async def _recorded(sup: Supervisor, row: DelegationRow) -> set[str]:
     keys = [a.idempotency_key for a in await sup.journal.actions(ids)]
     keys += [str(e.detail.get("key", "")) for e in await sup.journal.events(ids)
              if e.kind == "replay"]
-    return {k.rsplit(":", 1)[-1].split("@", 1)[0] for k in keys if k}
+    return {activity_of(k) for k in keys if k}
 
 
 async def _unjournaled(sup: Supervisor, handle: temporalio.client.WorkflowHandle[Any, Any],

@@ -70,13 +70,13 @@ async def may_have_run(run: temporalio.client.WorkflowHandle[Any, Any]
             started[began.scheduled_event_id] = (began.attempt, began.last_failure)
         elif kind in _CLOSED:
             which = _closed_of(event)
-            name = _activity(which, scheduled.get(which, ""))
-            if opened.get(scheduled.get(which, "")) == which:
-                del opened[scheduled[which]]
+            activity_id = scheduled.get(which, "")
+            if opened.get(activity_id) == which:
+                del opened[activity_id]
+            name = _activity(which, activity_id)
+            ran.pop(name, None)
             failed = event.activity_task_failed_event_attributes
             attempt, last = started.get(which, (2, Failure()))  # no start seen: not trusted
-            activity_id = scheduled.get(which, "")
-            ran.pop(name, None)
             if kind != EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED or not _refused(failed.failure):
                 ran[f"{name}, {_ending(kind)} at attempt {attempt}"] = activity_id
             elif not _refused_throughout(attempt, last):

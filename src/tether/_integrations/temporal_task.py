@@ -26,6 +26,18 @@ def workflow_of(task_id: str) -> str | None:
     return task_id[len(TASK_PREFIX):] if task_id.startswith(TASK_PREFIX) else None
 
 
+def call_key(task_id: str, tool: str, activity_id: str, hop: int) -> str:
+    """An activity's idempotency key: its place in its workflow, the same in every retry and
+    every new start of the id; a run continued as new holds its place in its chain as a
+    suffix (Temporal's activity ids are numbers: no first run's key ends so)."""
+    return f"{task_id}:{tool}:{activity_id}{f'@{hop}' if hop else ''}"
+
+
+def activity_of(key: str) -> str:
+    """The activity id in a key ``call_key`` made."""
+    return key.rsplit(":", 1)[-1].split("@", 1)[0]
+
+
 def run_of(row: DelegationRow) -> str | None:
     """The workflow run a delegation hosts (its body's second argument)."""
     args = row.args.get("args") if isinstance(row.args, dict) else None

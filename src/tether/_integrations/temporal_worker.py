@@ -57,7 +57,7 @@ from tether._integrations.temporal_runs import (
     stopped,
     watch_controls,
 )
-from tether._integrations.temporal_task import CHILD_APART, run_of, task_of
+from tether._integrations.temporal_task import CHILD_APART, call_key, run_of, task_of
 from tether._journal import queue
 from tether._journal.rows import DelegationRow
 from tether._runtime.gateway import Context, replaced
@@ -214,14 +214,11 @@ class Host:
             raise refused(str(exc)) from None
         hosted = await self._hosted(info.workflow_id, info.workflow_run_id)
         assert hosted.ctx is not None
-        # The call's place in its workflow: the same in every retry of the activity and in
-        # every run of the workflow id that starts it again, so a retry or a re-run finds the
-        # first call's record; a run continued as new holds its place in its chain too, as a
-        # suffix (Temporal's activity ids are numbers: no first run's key ends so, whatever
-        # the workflow id holds).
+        # The call's place in its workflow (``call_key``): a retry or a re-run finds the
+        # first call's record.
         client = self.client or temporalio.activity.client()
         hop = await self.ancestry.hop(client, info.workflow_id, info.workflow_run_id)
-        key = f"{hosted.ctx.task_id}:{tool.name}:{info.activity_id}{f'@{hop}' if hop else ''}"
+        key = call_key(hosted.ctx.task_id, tool.name, info.activity_id, hop)
         if hosted.parent_run is not None:
             # A stop of an ancestor is looked for before each call (one accepted during its
             # grace included): its fence may not reach this run.
