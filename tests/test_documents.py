@@ -206,3 +206,64 @@ def test_a_chain_seal_encodes_as_rfc_8785_whatever_its_values(
     except (tether.UserError, TypeError) as exc:
         got = f"{type(exc).__name__}: {exc}"
     assert got == expected
+
+
+_JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.text(max_size=6),
+              st.text(alphabet=st.characters(max_codepoint=127), max_size=6),
+              st.integers(min_value=-2**54, max_value=2**54),
+              st.sampled_from([2**53 - 1, 2**53, -(2**53) + 1, -(2**53), 0, -1]),
+              st.floats(), st.floats(min_value=1e-5, max_value=1e17),
+              st.sampled_from([0.0, -0.0, 1e-4, 9.999e-5, 1e16, 2.0**53, 1e21, 1e-7, 0.5])),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=4),
+                                  st.text(alphabet=st.characters(max_codepoint=127),
+                                          max_size=4)),
+                        inner, max_size=4),
+        st.dictionaries(st.one_of(st.integers(), st.text(max_size=2)), inner, max_size=2)),
+    max_leaves=12)
+
+
+def _outcome(encode: Any, value: Any) -> bytes | str:
+    try:
+        return bytes(encode(value))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@settings(max_examples=4000)
+@given(value=_JSON)
+def test_canonical_bytes_are_the_librarys_for_any_value(value: Any) -> None:
+    """Every document is written by ``canonical``, which spells plain values itself: byte for
+    byte what RFC 8785's library writes, or the library's own refusal."""
+    import rfc8785
+
+    def library(v: Any) -> bytes:
+        try:
+            return bytes(rfc8785.dumps(v))
+        except (rfc8785.CanonicalizationError, RecursionError) as exc:
+            raise tether.UserError(f"value cannot be serialized as canonical JSON: {exc}"
+                                   ) from None
+
+    assert _outcome(canonical, value) == _outcome(library, value)
+
+
+def test_a_document_signed_here_is_taken_without_the_curve_only_as_it_was_signed() -> None:
+    """This process skips re-verifying what it signed itself: only the very bytes, signature
+    and key it signed, and only where that key is trusted; anything else is checked in full."""
+    signed = KEY.sign(intent())
+    fresh = TrustedKeys([KEY.public])  # no memory of verified documents yet
+    assert fresh.signed_here(signed)
+    assert fresh.verify(signed, ControlIntent) == intent()
+    flipped = bytes([signed.signature[0] ^ 1]) + signed.signature[1:]
+    for forged in (Signed(signed.body, signed.key_id, flipped),
+                   Signed(signed.body.replace(b'"reason":"', b'"reason":"x'), signed.key_id,
+                          signed.signature)):
+        assert not fresh.signed_here(forged)
+        with pytest.raises(BadSignature):
+            TrustedKeys([KEY.public]).verify(forged, ControlIntent)
+    with pytest.raises(UnknownKey):
+        TrustedKeys([SigningKey.generate().public]).verify(signed, ControlIntent)
+    with pytest.raises(UnknownKey):
+        TrustedKeys([SigningKey.generate().public]).verify_bytes(signed)

@@ -32,7 +32,7 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     """Drive the drain protocol for ``rt``'s subtree; the report once it is accounted for."""
     # Verified already: by the journal's acceptance (our own intent) or by the admission of
     # another process's row (``Adoption.admit``). No await before the stops are set.
-    intent = decode(signed.body)
+    intent = decode(signed.body, canonical_known=True)  # its form was proven by that check
     assert isinstance(intent, ControlIntent)
     stop, cut_now = protocol.start(intent.kind)
     for node in rt.walk():
