@@ -25,6 +25,7 @@ from tests.test_cli import tether_cli
 from tests.test_trust import one_error_line, raw
 from tether._core.redispatch import AttemptFacts, Ending, RedispatchPolicy, decide_redispatch
 from tether._journal.journal import Journal
+from tether.errors import Tampered
 from tether.testing import PaymentService
 
 PAY = PaymentService(latency=0.0)
@@ -750,3 +751,57 @@ async def test_a_row_edited_by_hand_stays_named_when_the_writer_writes_it_in_the
             (verdict,) = await sup.journal._write(write_then_check)
             named.append([p.record for p in verdict.problems])
     assert all(f"delegation {h.id}" in records for records in named), named
+
+
+async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chains_the_rest(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intruder writes a delegation's head back to an earlier sealed state, leaving the
+    entries beyond it. The next batch that writes it and another delegation finds entries
+    already at the seqs it would append: it appends nothing to that chain (what it had
+    inserted is taken out again) and still chains and seals the other one."""
+    from tether._journal import chainops, ops
+
+    refused = []
+    real_entries = chainops._entries
+
+    def entries(db: Any, plan: Any) -> bool:
+        ok = real_entries(db, plan)
+        refused.extend([] if ok else [{e[0] for e in plan}])
+        return ok
+
+    monkeypatch.setattr(chainops, "_entries", entries)
+    # A configuration that remembers no heads (new, or none kept): only the entries tell.
+    monkeypatch.setattr(chainops.Sealer, "witness", property(lambda self: None))
+    _, once_a = one_refund("HA")
+    _, once_b = one_refund("HB")
+    head_of = "SELECT length, hash, path, seal, signer, signature FROM chain_heads " \
+              "WHERE delegation_id = ?"
+    count_of = "SELECT COUNT(*) FROM chain WHERE delegation_id = ?"
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        journal, trusted = sup.journal, sup.keys.trusted
+        a, b = await sup.delegate(once_a), await sup.delegate(once_b)
+        await a.result()
+        await b.result()
+
+        def read(sql: str, d: str) -> Any:
+            return journal._read(lambda db: db.execute(sql, (d,)).fetchone())
+
+        earlier = await read(head_of, a.id)
+        await journal._write(lambda db: ops.event(db, time.time(), "note", a.id, None))
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, "
+                  "signer = ?, signature = ? WHERE delegation_id = ?", *earlier, a.id)
+        journal._sealer.own.clear()  # as a process that did not seal it (another, or later)
+        a_entries, b_head = (await read(count_of, a.id))[0], await read(head_of, b.id)
+
+        def both(db: Any) -> None:
+            ops.event(db, time.time(), "note", a.id, None)
+            ops.event(db, time.time(), "note", b.id, None)
+
+        await journal._write(both)
+        assert refused and a.id in refused[0], "the batch never met the entries left behind"
+        assert (await read(count_of, a.id))[0] == a_entries
+        assert (await read(head_of, a.id)) == earlier
+        assert (await read(head_of, b.id))[0] == b_head[0] + 1
+        await journal.untampered([b.id], trusted, "chained beside the written-back head")
+        with pytest.raises(Tampered):
+            await journal.untampered([a.id], trusted, "its head was written back")

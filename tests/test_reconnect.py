@@ -372,8 +372,10 @@ class CutAt:
 async def test_a_connection_lost_at_a_savepoint_mid_batch_is_ridden_through(
         pg_url: str, statement: str) -> None:
     """The connection breaks exactly on the savepoint statements between a batch's operations
-    (where the writer thread used to die with futures pending). Both operations of the batch
-    commit exactly once; nothing waits for ever."""
+    (where the writer thread used to die with futures pending). A batch takes savepoints once
+    one of its operations failed (it then runs again, each operation undone alone): here the
+    first fails on its first run only. Both operations of the batch commit exactly once;
+    nothing waits for ever."""
 
     async with Journal(pg_url) as journal:
         await journal._write(lambda db: db.execute("CREATE TABLE hits (n INTEGER)"))
@@ -389,8 +391,14 @@ async def test_a_connection_lost_at_a_savepoint_mid_batch_is_ridden_through(
         runner._conn.close()  # the next batch reconnects, on a connection that will break
         hold = threading.Event()
         blocker = journal._write(lambda db: hold.wait(SOON))  # keeps the writer busy ...
-        writes = [journal._write(lambda db, n=n: db.execute(
-            "INSERT INTO hits VALUES (?) RETURNING n", (n,)).fetchone()[0]) for n in (1, 2)]
+        first_run = {"once": True}
+
+        def insert(db: Any, n: int) -> int:
+            if n == 1 and first_run.pop("once", False):
+                raise JournalError("failed on its first run")
+            return int(db.execute("INSERT INTO hits VALUES (?) RETURNING n", (n,)).fetchone()[0])
+
+        writes = [journal._write(lambda db, n=n: insert(db, n)) for n in (1, 2)]
         hold.set()  # ... so that these two make one batch
         assert await asyncio.wait_for(asyncio.gather(blocker, *writes), SOON) == [True, 1, 2]
         rows = await journal._read(lambda db: db.execute(

@@ -226,20 +226,23 @@ def _rows(db: Db, keys: Sequence[tuple[str, Any]]) -> dict[tuple[str, Any], Any]
 
 @functools.lru_cache(maxsize=64)
 def _entries_insert(rows: int) -> str:
-    return CHAIN.insert(CHAIN.names, " ON CONFLICT DO NOTHING", rows=rows)
+    return CHAIN.insert(CHAIN.names, " ON CONFLICT DO NOTHING RETURNING delegation_id, seq",
+                        rows=rows)
 
 
 def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
-    """Insert the planned entries; False (and nothing inserted) if any was there already."""
-    db.execute("SAVEPOINT chain")
-    inserted = 0
+    """Insert the planned entries; False (and nothing inserted) if any was there already.
+    The rows this call inserted are deleted again rather than rolled back to a savepoint:
+    two statements fewer (round trips, on PostgreSQL) in the common case."""
+    inserted: list[Any] = []
     for part in chunks(plan):
         inserted += db.execute(_entries_insert(len(part)),
-                               tuple(v for entry in part for v in entry)).rowcount
-    if inserted != len(plan):
-        db.execute("ROLLBACK TO SAVEPOINT chain")
-    db.execute("RELEASE SAVEPOINT chain")
-    return inserted == len(plan)
+                               tuple(v for entry in part for v in entry)).fetchall()
+    if len(inserted) == len(plan):
+        return True
+    for delegation_id, seq in inserted:  # exactly the rows made here (the key is unique)
+        db.execute("DELETE FROM chain WHERE delegation_id = ? AND seq = ?", (delegation_id, seq))
+    return False
 
 
 def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
@@ -313,11 +316,13 @@ def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -
         return
     root, paths = chain.merkle([chain.leaf(*m) for m in moved])
     signed = signer.sign(ChainSeal(root, len(moved), now))
-    for (delegation_id, length, tip, _), path in zip(moved, paths, strict=True):
-        db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, "
-                   "signer = ?, signature = ? WHERE delegation_id = ?",
-                   (length, tip, chain.encode_path(path), signed.body, signed.key_id,
-                    signed.signature, delegation_id))
+    db.executemany(  # one statement for every head (one round trip on PostgreSQL)
+        "UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, signer = ?, "
+        "signature = ? WHERE delegation_id = ?",
+        [(length, tip, chain.encode_path(path), signed.body, signed.key_id, signed.signature,
+          delegation_id) for (delegation_id, length, tip, _), path in zip(moved, paths,
+                                                                          strict=True)])
+    for delegation_id, length, tip, _ in moved:
         sealer.sealed(delegation_id, length, tip)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]

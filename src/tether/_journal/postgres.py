@@ -65,6 +65,10 @@ class PgDb:
     def execute(self, statement: str, params: Any = ()) -> psycopg.Cursor[Any]:
         return self._conn.execute(translate(statement), params)
 
+    def executemany(self, statement: str, params: Any) -> None:
+        """One statement for many rows, pipelined by psycopg: one round trip."""
+        self._conn.cursor().executemany(translate(statement), params)
+
     def server_time(self) -> float:
         """The database server's clock: one clock that every host's process can read."""
         row = self._conn.execute("SELECT EXTRACT(EPOCH FROM clock_timestamp())::float8").fetchone()

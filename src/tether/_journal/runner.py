@@ -39,6 +39,10 @@ from tether._journal.tables import Tx
 
 T = TypeVar("T")
 MAX_BATCH = 1024
+# A batch of posted writes alone (receipts nobody waits for) waits this long for one more
+# operation before it runs: a child's next intent, right behind its receipt, then shares its
+# transaction instead of running a second one (its BEGIN, chain, seal and COMMIT).
+POSTED_WAIT = 0.001
 RETRIES = 8
 BACKOFF_FIRST, BACKOFF_MAX = 0.05, 1.0  # seconds between reconnection attempts
 STOP_WAIT = 10.0  # how long closing waits for a thread stuck on a server that does not answer
@@ -73,6 +77,11 @@ def busy() -> bool:
 
 class Retry(Exception):
     """Raised by a backend's error mapping: roll the whole batch back and run it again."""
+
+
+class Careful(Exception):
+    """An operation of a batch run without savepoints failed: the batch was rolled back, to
+    run again with a savepoint around each operation."""
 
 
 class Lost(Exception):
@@ -206,6 +215,7 @@ class Runner:
     def _run(self, batch: list[Op]) -> None:
         """Run one batch to an answer for every operation in it."""
         attempt = 0
+        careful = False  # each operation in a savepoint of its own (``_run_batch``)
         deadline: float | None = None  # set by the first lost connection
         while True:
             if self._conn is None:  # lost earlier, or under this batch
@@ -224,11 +234,13 @@ class Runner:
             try:
                 self._busy_since = self.monotonic()
                 try:
-                    done = self._run_batch(self._conn, batch)
+                    done = self._run_batch(self._conn, batch, careful)
                 finally:
                     self._busy_since = None
                 self._resolve(done)
                 return
+            except Careful:
+                careful = True  # one of them failed: run it again, each undone alone
             except Retry as exc:
                 attempt += 1
                 if attempt == RETRIES:
@@ -324,7 +336,11 @@ class Runner:
     def op_undone(self, mark: int) -> None:
         pass
 
-    def _run_batch(self, conn: Any, batch: list[Op]) -> Done:
+    def _run_batch(self, conn: Any, batch: list[Op], careful: bool = False) -> Done:
+        """Run ``batch`` in one transaction. At first without a savepoint per operation (two
+        statements each, two round trips on PostgreSQL): if one of them fails, the whole
+        transaction is rolled back and ``Careful`` raised, for the batch to run again with
+        them (``careful``), where a failed operation is undone alone."""
         done: Done = []
         write = any(op.write for op in batch)
         db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
@@ -340,9 +356,11 @@ class Runner:
                 raise err from None
             return [(op, None, err) for op in batch]
         alone = len(batch) == 1  # a lone operation needs no savepoint: ROLLBACK undoes it
+        marked = careful and not alone
+        start = self.op_mark()
         try:
             for op in batch:
-                if not alone:
+                if marked:
                     conn.execute("SAVEPOINT op")
                 mark = 0 if dirty is None else len(dirty)
                 queued = self.op_mark()
@@ -355,6 +373,11 @@ class Runner:
                     if self.is_lost(conn, exc):
                         raise
                     mapped = self.map_error(exc)
+                    if not alone and not marked and not isinstance(mapped, Retry):
+                        with contextlib.suppress(Exception):
+                            conn.execute("ROLLBACK")
+                        self.op_undone(start)
+                        raise Careful from None
                     with contextlib.suppress(Exception):
                         conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
                                      else "ROLLBACK TO SAVEPOINT op")
@@ -365,7 +388,7 @@ class Runner:
                     conn.execute("RELEASE SAVEPOINT op")
                     done.append((op, None, mapped))
                 else:
-                    if not alone:
+                    if marked:
                         conn.execute("RELEASE SAVEPOINT op")
                     done.append((op, value, None))
             if dirty:
@@ -384,7 +407,7 @@ class Runner:
                     err = mapped if isinstance(mapped, JournalError) else JournalError(
                         f"the journal could not chain this batch's records: {exc!r}")
                     return [(op, None, err) for op in batch]
-        except Retry:
+        except (Retry, Careful):
             raise
         except Exception as exc:
             if self.is_lost(conn, exc):  # before COMMIT: nothing of it committed
@@ -518,14 +541,17 @@ class ThreadRunner(Runner):
             if first is None:
                 break
             batch = [first]
+            posted = first.future is None
             while len(batch) < MAX_BATCH:
                 try:
-                    op = self._queue.get_nowait()
+                    op = self._queue.get(timeout=POSTED_WAIT) if posted else \
+                        self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if op is None:
                     stopping = True
                     break
+                posted = posted and op.future is None
                 batch.append(op)
             self._inflight = batch
             taken = len(batch)  # before _run prepends what an outage held (counted already)

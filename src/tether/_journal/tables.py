@@ -38,6 +38,8 @@ class Cursor(Protocol):
 class Db(Protocol):
     def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
 
+    def executemany(self, sql: str, params: Any, /) -> Any: ...
+
 
 class Conn(Db, Protocol):
     """What a runner hands an operation: SQL, and what the backend can do beyond it,
