@@ -267,3 +267,23 @@ def test_a_document_signed_here_is_taken_without_the_curve_only_as_it_was_signed
         TrustedKeys([SigningKey.generate().public]).verify(signed, ControlIntent)
     with pytest.raises(UnknownKey):
         TrustedKeys([SigningKey.generate().public]).verify_bytes(signed)
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cyclic() -> list[Any]:
+    value: list[Any] = []
+    value.append(value)
+    return value
+
+
+@pytest.mark.parametrize("make", [lambda: _nested(5000), _cyclic, lambda: {"a": _cyclic()}],
+                         ids=["deep", "cycle", "cycle-in-dict"])
+def test_what_json_cannot_carry_is_a_user_error_not_a_recursion_error(make: Any) -> None:
+    with pytest.raises(tether.UserError):
+        canonical(make())

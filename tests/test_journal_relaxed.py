@@ -131,3 +131,37 @@ async def test_an_intent_in_one_batch_with_relaxed_writes_commits_durably(
         child = await sup.delegate(agent, tools=[echo])
         await child.result()
     assert seen == (["2"] if sqlite else ["on"]), seen
+
+
+class _Trickle:
+    """A writer's queue that always has one more posted write, each arriving 0.3 ms after
+    the one before on the runner's clock: a steady trickle of receipts and events."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def get(self, timeout: float) -> Op:
+        assert timeout > 0
+        self.clock[0] += 0.0003
+        return Op(lambda db: None, True, None)
+
+    def get_nowait(self) -> Op:
+        import queue
+
+        raise queue.Empty
+
+
+def test_posted_writes_wait_for_company_until_a_deadline_not_one_wait_each() -> None:
+    """A batch of posted writes alone waits a moment for the operation behind them (a child's
+    next intent rides the same transaction), but only until POSTED_WAIT after the first: a
+    trickle of posted writes never holds the first back for more."""
+    from tether._journal import runner as runner_module
+
+    clock = [100.0]
+    writer = runner_module.ThreadRunner()
+    writer._queue = _Trickle(clock)  # type: ignore[assignment]
+    writer.monotonic = lambda: clock[0]  # type: ignore[method-assign]
+    batch, stopping = writer._gather(Op(lambda db: None, True, None))
+    assert not stopping
+    assert clock[0] - 100.0 <= runner_module.POSTED_WAIT + 0.0003
+    assert 1 < len(batch) <= 5, len(batch)

@@ -27,9 +27,9 @@ VERSION = 1
 def canonical(value: object) -> bytes:
     """RFC 8785 bytes of a JSON value; UserError for anything JSON cannot carry."""
     parts: list[str] = []
-    if _plain(value, parts):
-        return "".join(parts).encode("ascii")
     try:
+        if _plain(value, parts):
+            return "".join(parts).encode("ascii")
         return bytes(rfc8785.dumps(value))  # type: ignore[arg-type]
     except (rfc8785.CanonicalizationError, RecursionError) as exc:
         raise UserError(f"value cannot be serialized as canonical JSON: {exc}") from None

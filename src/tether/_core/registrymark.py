@@ -89,11 +89,15 @@ class RegistryMemory:
         self._marks[anchor] = merged
         return True
 
+    def news(self, anchor: str, mark: RegistryMark) -> bool:
+        """Whether ``mark`` is more than what is remembered (``advance`` would keep it)."""
+        known = self._marks.get(anchor)
+        return known is None or known.length < mark.length or \
+            not set(mark.revoked) <= set(known.revoked)
+
     def advance(self, anchor: str, mark: RegistryMark) -> None:
         """Remember a longer registry (a shorter one is a rollback: never remembered)."""
-        known = self._marks.get(anchor)
-        if known is not None and known.length >= mark.length and \
-                set(mark.revoked) <= set(known.revoked):
+        if not self.news(anchor, mark):
             return
         self._marks[anchor] = mark
         self.version += 1

@@ -29,7 +29,7 @@ from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
-from tether._journal.tables import Db, Tx, blob, chunks, marks
+from tether._journal.tables import Conn, Db, Tx, blob, chunks, marks
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
@@ -114,6 +114,10 @@ class Sealer:
         the heads that batch sealed are remembered (once per batch, by the first of its
         operations to return)."""
         last = ran[-1] if ran else None
+        if isinstance(last, Tx) and last.after:
+            after, last.after = last.after, []
+            for then in after:
+                then()
         sealed = last.sealed if isinstance(last, Tx) else None
         witness = self.witness
         if sealed and witness is not None and isinstance(last, Tx):
@@ -245,7 +249,7 @@ def _entries(db: Db, plan: Sequence[tuple[Any, ...]]) -> bool:
     return False
 
 
-def seal(db: Db, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
+def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float) -> None:
     """Chain and seal what this transaction wrote (see the module's docstring)."""
     read: list[Registry] = []
 

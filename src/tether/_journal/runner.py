@@ -540,25 +540,32 @@ class ThreadRunner(Runner):
             first = self._queue.get()
             if first is None:
                 break
-            batch = [first]
-            posted = first.future is None
-            while len(batch) < MAX_BATCH:
-                try:
-                    op = self._queue.get(timeout=POSTED_WAIT) if posted else \
-                        self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if op is None:
-                    stopping = True
-                    break
-                posted = posted and op.future is None
-                batch.append(op)
+            batch, stopping = self._gather(first)
             self._inflight = batch
             taken = len(batch)  # before _run prepends what an outage held (counted already)
             self._run(batch)
             self._inflight = []
             with self._lock:
                 self.outstanding -= taken
+
+    def _gather(self, first: Op) -> tuple[list[Op], bool]:
+        """``first`` and what is queued behind it: the batch, and whether to stop after it.
+        Posted writes alone wait for one more operation until ``POSTED_WAIT`` after the first
+        (a deadline: a steady trickle of them never holds the first back longer)."""
+        batch = [first]
+        posted = first.future is None
+        until = self.monotonic() + POSTED_WAIT
+        while len(batch) < MAX_BATCH:
+            try:
+                left = until - self.monotonic() if posted else 0.0
+                op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if op is None:
+                return batch, True
+            posted = posted and op.future is None
+            batch.append(op)
+        return batch, False
 
     def _resolve(self, done: Done) -> None:
         waiting = [d for d in done if d[0].future is not None]

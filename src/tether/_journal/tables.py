@@ -38,13 +38,14 @@ class Cursor(Protocol):
 class Db(Protocol):
     def execute(self, sql: str, params: Any = ..., /) -> Cursor: ...
 
-    def executemany(self, sql: str, params: Any, /) -> Any: ...
-
 
 class Conn(Db, Protocol):
     """What a runner hands an operation: SQL, and what the backend can do beyond it,
     declared (every runner's connection has both: a no-op or None where the backend
     cannot). The operations that tell or ask the backend take this."""
+
+    def executemany(self, sql: str, params: Any, /) -> Any:
+        """One statement for many rows (one round trip on PostgreSQL)."""
 
     def notify(self, payload: str) -> None:
         """Tell the journal's other processes, once this transaction commits (never if it
@@ -152,6 +153,10 @@ class Tx:
         self.pre: dict[tuple[str, Any], str] = {}
         # The heads its seal moved, (delegation, length, hash): remembered once it committed.
         self.sealed: list[tuple[str, int, str]] | None = None
+        # What to do once it is known to have committed (``chainops.Sealer.committed``): a
+        # batch can be rolled back and run again, so nothing it read or wrote is remembered
+        # outside the journal before then.
+        self.after: list[Callable[[], None]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -9,7 +9,7 @@ from tether._core.documents import KeyGrant
 from tether._core.errors import UserError
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry, effective
-from tether._journal.tables import Db, event, signed_of
+from tether._journal.tables import Db, Tx, event, signed_of
 
 
 def entries(db: Db) -> list[tuple[int, Signed]]:
@@ -45,8 +45,16 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
         if len(_MEMO) > 64:
             _MEMO.clear()
         found = _MEMO[key] = effective(pins, rows, seen)
-    if memory is not None and found.anchor is not None and found.mark is not None:
-        memory.advance(found.anchor, found.mark)
+    anchor, mark = found.anchor, found.mark
+    if memory is not None and anchor is not None and mark is not None and \
+            memory.news(anchor, mark):
+        if isinstance(db, Tx):
+            # Read inside a write batch, maybe with the batch's own entry: remembered once it
+            # committed. A batch that is rolled back (and may run again, on PostgreSQL with
+            # another id for the entry) must leave no mark of a registry that never was.
+            db.after.append(lambda: memory.advance(anchor, mark))
+        else:
+            memory.advance(anchor, mark)
     return found
 
 

@@ -1,0 +1,83 @@
+"""A write batch runs without a savepoint per operation until one of them fails; it is then
+rolled back and runs again, each operation undone alone. Nothing its first run read or wrote
+may be remembered outside the journal: the configuration's memory of the key registry is
+advanced only once the batch committed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import tether
+from tether._core.signing import Signed
+from tether.errors import ControlRefused
+
+
+async def _batched(sup: tether.Supervisor, *coros: Coroutine[Any, Any, Any]) -> list[Any]:
+    """Run ``coros`` so that their operations land in one batch of the writer thread: a first
+    operation holds the thread until all of them are queued. Returns their outcomes, and
+    checks that the batch failed once and ran again with savepoints."""
+    runner: Any = sup.journal._runner
+    runs: list[bool] = []
+    run_batch = runner._run_batch
+
+    def watched(conn: Any, batch: Any, careful: bool = False) -> Any:
+        runs.append(careful)
+        return run_batch(conn, batch, careful)
+
+    runner._run_batch = watched
+    hold = threading.Event()
+    blocker = runner.submit(lambda db: hold.wait(5), write=False)
+    submit, submitted, all_queued = runner.submit, [], asyncio.Event()
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        submitted.append(args)
+        if len(submitted) == len(coros):
+            all_queued.set()
+        return submit(*args, **kw)
+
+    runner.submit = counted
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    await all_queued.wait()  # each has queued its operation behind the hold
+    hold.set()
+    await blocker
+    outcomes = list(await asyncio.gather(*tasks, return_exceptions=True))
+    runner._run_batch, runner.submit = run_batch, submit
+    assert True in runs, runs  # the batch failed once and ran again, each operation alone
+    return outcomes
+
+
+async def test_a_trust_change_batched_with_a_refused_intent_is_not_a_registry_rollback(
+        journal_url: str, tmp_path: Path) -> None:
+    """The first run of the batch reads the registry with the new grant in it, then another
+    operation of the batch is refused: the batch is rolled back and runs again. On PostgreSQL
+    the grant's id comes from a sequence a rollback does not give back, so the grant that
+    commits has another id: a configuration that remembered the first run's registry would
+    read its own journal's registry as rolled back by hand, and go on doing so."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    other = tether.KeyRing.init(tmp_path / "other")
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.current_trust()
+        bogus = Signed(b'{"type":"control"}', "0000000000000000", b"\0" * 64)
+        trusted, refused = await _batched(
+            sup,
+            sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
+                                     other.signer.key_id, other.signer.public_b64(),
+                                     "contractor", time.time()),
+            sup.journal.accept_control(bogus, deployment.trusted, "mallory", time.time()))
+        assert isinstance(refused, ControlRefused), refused
+        assert not isinstance(trusted, BaseException), trusted
+        assert other.signer.key_id in trusted.keys
+        assert not trusted.problems, trusted.problems
+        reg = await sup.journal.registry(deployment.trusted)
+        assert other.signer.key_id in reg.keys
+        assert not reg.problems, reg.problems
+    # And a fresh process of the same configuration (registry.json on disk):
+    again = tether.KeyRing.load(tmp_path / "deployment")
+    async with tether.Supervisor(journal_url, keys=again) as sup:
+        reg = await sup.journal.registry(again.trusted)
+        assert not reg.problems, reg.problems
