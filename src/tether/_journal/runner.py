@@ -340,7 +340,9 @@ class Runner:
         """Run ``batch`` in one transaction. At first without a savepoint per operation (two
         statements each, two round trips on PostgreSQL): if one of them fails, the whole
         transaction is rolled back and ``Careful`` raised, for the batch to run again with
-        them (``careful``), where a failed operation is undone alone."""
+        them (``careful``), where a failed operation is undone alone. So an operation may run
+        more than once: it keeps nothing outside the journal that depends on what it read or
+        wrote until its batch committed (``Tx.after``)."""
         done: Done = []
         write = any(op.write for op in batch)
         db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
