@@ -437,10 +437,23 @@ async def test_pruned_delegations_take_their_chain_along(journal_url: str) -> No
 def test_a_merkle_path_leads_each_head_to_the_signed_root() -> None:
     from tether._core.chain import fold, merkle
 
-    leaves = [f"{i:064x}" for i in range(1, 8)]
-    root, paths = merkle(leaves)
-    assert all(fold(leaf, path) == root for leaf, path in zip(leaves, paths, strict=True))
-    assert fold(leaves[0], paths[1]) != root
+    for n in (*range(1, 40), 63, 64, 65, 511, 512, 513):
+        leaves = [f"{i:064x}" for i in range(1, n + 1)]
+        root, paths = merkle(leaves)
+        assert all(fold(leaf, path) == root for leaf, path in zip(leaves, paths, strict=True))
+        assert all(len(path) <= max(1, n - 1).bit_length() for path in paths)
+        if n > 1:
+            assert fold(leaves[0], paths[1]) != root
+            assert merkle(leaves[::-1])[0] != root  # the order of the heads is sealed too
+    assert merkle(["ab" * 32]) == ("ab" * 32, [[]])
+
+
+def test_a_path_is_written_as_json_writes_it() -> None:
+    from tether._core.chain import encode_path, merkle
+
+    for n in (1, 2, 3, 9):
+        for path in merkle([f"{i:064x}" for i in range(n)])[1]:
+            assert encode_path(path) == json.dumps(path, separators=(",", ":"))
 
 
 def test_redispatch_never_believes_tampered_records() -> None:

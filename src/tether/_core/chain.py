@@ -100,21 +100,23 @@ def merkle(leaves: Sequence[str]) -> tuple[str, list[list[list[str]]]]:
     "L" when the sibling is on the left. An odd node out is carried up unchanged."""
     if not leaves:
         raise ValueError("no leaves")
-    paths: list[list[list[str]]] = [[] for _ in leaves]
-    level = [(h, [i]) for i, h in enumerate(leaves)]
-    while len(level) > 1:
-        up = []
-        for k in range(0, len(level) - 1, 2):
-            (lh, li), (rh, ri) = level[k], level[k + 1]
-            for i in li:
-                paths[i].append(["R", rh])
-            for i in ri:
-                paths[i].append(["L", lh])
-            up.append((_node(lh, rh), li + ri))
-        if len(level) % 2:
-            up.append(level[-1])
-        level = up
-    return level[0][0], paths
+    levels = [list(leaves)]
+    while len(levels[-1]) > 1:
+        below = levels[-1]
+        up = [_node(below[k], below[k + 1]) for k in range(0, len(below) - 1, 2)]
+        if len(below) % 2:
+            up.append(below[-1])
+        levels.append(up)
+    paths: list[list[list[str]]] = []
+    for i in range(len(leaves)):
+        path, at = [], i
+        for level in levels[:-1]:
+            sibling = at ^ 1
+            if sibling < len(level):  # else: the odd node out, carried up with no sibling
+                path.append(["L" if sibling < at else "R", level[sibling]])
+            at //= 2
+        paths.append(path)
+    return levels[-1][0], paths
 
 
 def fold(start: str, path: Iterable[Sequence[str]]) -> str:
@@ -125,7 +127,8 @@ def fold(start: str, path: Iterable[Sequence[str]]) -> str:
 
 
 def encode_path(path: list[list[str]]) -> str:
-    return json.dumps(path, separators=(",", ":"))
+    # What ``json.dumps(path, separators=(",", ":"))`` writes: sides and hex need no escapes.
+    return "[" + ",".join([f'["{side}","{sibling}"]' for side, sibling in path]) + "]"
 
 
 _PATH_MAX = 64  # levels: 2**64 heads in one seal
