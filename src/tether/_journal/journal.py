@@ -382,14 +382,20 @@ class Journal:
     async def last_control_id(self) -> int:
         return await self._read(ops.last_control_id)
 
-    async def record_ack(self, signed: Signed, trusted: TrustedKeys, now: float) -> None:
-        ack = trusted.verify(signed, Acknowledgement)
-        await self._write(ops.record_document, ack.delegation_id, ack.seq, ack.TYPE, signed, now)
+    async def record_ack(self, signed: Signed, trusted: TrustedKeys, now: float,
+                         receipt: Signed | None = None) -> None:
+        """A drain's acknowledgement, with its no-effects receipt when it has one: one
+        transaction, the acknowledgement first."""
+        docs: list[tuple[Acknowledgement | NoEffectsReceipt, Signed]] = [
+            (trusted.verify(signed, Acknowledgement), signed)]
+        if receipt is not None:
+            docs.append((trusted.verify(receipt, NoEffectsReceipt), receipt))
 
-    async def record_receipt(self, signed: Signed, trusted: TrustedKeys, now: float) -> None:
-        receipt = trusted.verify(signed, NoEffectsReceipt)
-        await self._write(ops.record_document, receipt.delegation_id, receipt.seq, receipt.TYPE,
-                          signed, now)
+        def op(db: Any) -> None:
+            for doc, body in docs:
+                ops.record_document(db, doc.delegation_id, doc.seq, doc.TYPE, body, now)
+
+        await self._write(op)
 
     async def documents(self, delegation_id: str) -> list[DocumentRow]:
         return await self._read(ops.documents, delegation_id)
@@ -447,6 +453,17 @@ class Journal:
 
     async def last_verdict(self, delegation_id: str) -> dict[str, Any] | None:
         return await self._read(ops.last_verdict, delegation_id)
+
+    async def report_rows(self, root_id: str) -> tuple[list[DelegationRow], list[ActionRecord],
+                                                       dict[str, Any] | None]:
+        """What a report is made of, as of one moment (one read, one round trip): the
+        subtree's rows, their actions, the root's last verdict."""
+
+        def op(db: Any) -> tuple[list[DelegationRow], list[ActionRecord], dict[str, Any] | None]:
+            rows = ops.subtree(db, root_id)
+            return rows, ops.actions(db, [r.id for r in rows]), ops.last_verdict(db, root_id)
+
+        return await self._read(op)
 
     async def events(self, delegation_ids: list[str]) -> list[EventRow]:
         return await self._read(ops.events, delegation_ids)

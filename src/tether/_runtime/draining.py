@@ -85,12 +85,12 @@ async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
         inflight += sorted(seen.pending.difference(inflight))
     ack = signer.sign(Acknowledgement(rt.id, intent.seq, tuple(inflight),
                                       acked_at=sup.clock.wall()))
-    await sup.journal.record_ack(ack, trusted, sup.clock.wall())
     receipt = None
     if sum(n.effects_started for n in nodes) == 0 and not (
             seen is not None and seen.side_effecting):
+        # Nothing started, and the fence (accepted before this drain) lets nothing start.
         receipt = signer.sign(NoEffectsReceipt(rt.id, intent.seq, sup.clock.wall()))
-        await sup.journal.record_receipt(receipt, trusted, sup.clock.wall())
+    await sup.journal.record_ack(ack, trusted, sup.clock.wall(), receipt)
     while True:
         # Counted before the journal is read: a call that ends after this count posted its
         # receipt before ending, so the flush below commits it before the read.

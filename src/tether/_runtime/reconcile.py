@@ -131,9 +131,7 @@ async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
 
 
 async def build_report(journal: Journal, root_id: str) -> Report:
-    rows = await journal.subtree(root_id)
-    acts = await journal.actions([r.id for r in rows])
-    last = await journal.last_verdict(root_id)
+    rows, acts, last = await journal.report_rows(root_id)
     verdict = None if last is None else last.get("verdict")
     reason = "" if last is None else str(last.get("reason", ""))
 
