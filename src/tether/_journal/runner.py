@@ -374,12 +374,12 @@ class Runner:
                     self.op_undone(queued)  # and what it notified
                     if self.is_lost(conn, exc):
                         raise
-                    mapped = self.map_error(exc)
-                    if not alone and not marked and not isinstance(mapped, Retry):
+                    if not alone and not marked:  # judged (``map_error``) on the careful run
                         with contextlib.suppress(Exception):
                             conn.execute("ROLLBACK")
                         self.op_undone(start)
                         raise Careful from None
+                    mapped = self.map_error(exc)
                     with contextlib.suppress(Exception):
                         conn.execute("ROLLBACK" if alone or isinstance(mapped, Retry)
                                      else "ROLLBACK TO SAVEPOINT op")
