@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import tether
+from tests.test_trust import raw
 from tether._core.signing import Signed
+from tether._journal.journal import Journal
 from tether.errors import ControlRefused
 
 
@@ -81,3 +83,67 @@ async def test_a_trust_change_batched_with_a_refused_intent_is_not_a_registry_ro
     async with tether.Supervisor(journal_url, keys=again) as sup:
         reg = await sup.journal.registry(again.trusted)
         assert not reg.problems, reg.problems
+
+
+async def _beside_a_posted_write(j: Journal, read: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``read`` (a journal read) in one batch of the writer thread with a posted write (an
+    event nobody waits for) and nothing else."""
+    runner: Any = j._runner
+    held, hold = threading.Event(), threading.Event()
+
+    def block(db: Any) -> bool:
+        held.set()
+        return hold.wait(5)
+
+    blocker = runner.submit(block, write=False)
+    await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+    submit, run_batch, queued, sizes = runner.submit, runner._run_batch, asyncio.Event(), []
+
+    def counted(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False) -> Any:
+        future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+        if not write:
+            queued.set()
+        return future
+
+    def watched(conn: Any, batch: Any, careful: bool = False) -> Any:
+        sizes.append(len(batch))
+        return run_batch(conn, batch, careful)
+
+    runner.submit, runner._run_batch = counted, watched
+    j.event(time.time(), "note")  # posted: rides the next batch
+    task = asyncio.ensure_future(read)
+    await queued.wait()  # the read is queued behind the posted write
+    hold.set()
+    await blocker
+    value = await task
+    runner.submit, runner._run_batch = submit, run_batch
+    assert 2 in sizes, sizes  # the posted write and the read: one batch
+    return value
+
+
+async def test_a_revocation_read_beside_a_posted_write_is_remembered(
+        journal_url: str, tmp_path: Path) -> None:
+    """A registry read inside a write batch is remembered once the batch committed, whoever
+    waits on it: here a read (``chain_verdicts``: what `tether verify`, reconciliation and
+    re-delegation decide by) shares its batch with a posted write alone. Forgotten, the
+    revocation it read would let an intruder delete it, and the configuration would trust
+    the revoked key again with no rollback named."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    leaked = tether.KeyRing.init(tmp_path / "leaked")
+    observer = tether.KeyRing.init(tmp_path / "observer", pins={
+        deployment.signer.key_id: deployment.signer.public_b64()})
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        for op in ("trust", "revoke"):
+            await sup.journal.change_trust(deployment.signer, deployment.trusted, op,
+                                           leaked.signer.key_id, leaked.signer.public_b64(),
+                                           "contractor", time.time())
+    async with Journal(journal_url) as j:
+        # The observer's configuration makes a trust decision: it reads the registry, with
+        # the revocation, at a chain verification.
+        assert await _beside_a_posted_write(j, j.chain_verdicts([], observer.trusted)) == []
+        await j.flush()
+        # An intruder with write access deletes the revocation.
+        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
+        again = await j.registry(observer.trusted)
+        assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
+        assert any("rolled back" in p for p in again.problems), again.problems

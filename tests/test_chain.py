@@ -818,3 +818,45 @@ async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chai
         await journal.untampered([b.id], trusted, "chained beside the written-back head")
         with pytest.raises(Tampered):
             await journal.untampered([a.id], trusted, "its head was written back")
+
+
+async def test_a_head_marked_legacy_by_hand_is_not_sealed_over_by_its_last_sealer(
+        journal_url: str) -> None:
+    """In an upgraded journal (root entry without ``chained``), an intruder marks the head
+    this process sealed last as legacy and inserts a COMPLETED action by hand. The seal signs
+    the legacy mark, so verify names the head; the process that sealed it must not take the
+    head for its own (it knows it by length, hash and that mark), or its next write would
+    seal the intruder's mark and the forged action would read as merely unchained."""
+    await scene(journal_url)
+    async with Journal(journal_url) as j:
+        await before_the_chain(j, tether.KeyRing.load(j.keys_dir))
+    gate, entered = asyncio.Event(), asyncio.Event()
+    order = f"L-{uuid.uuid4().hex[:6]}"
+
+    async def twice(ctx: tether.Context) -> str:
+        await ctx.call(refund, order_id=order, cents=1)
+        entered.set()
+        await gate.wait()
+        await ctx.call(refund, order_id=order, cents=2)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:  # opening upgrades
+        child = await sup.delegate(tether.Agent("twice", twice, (refund,)), tools=[refund])
+        await entered.wait()
+        await sup.journal.flush()
+        async with Journal(journal_url) as intruder:
+            await raw(intruder, "UPDATE chain_heads SET legacy = 1 WHERE delegation_id = ?",
+                      child.id)
+            await raw(intruder, "INSERT INTO actions (id, delegation_id, ordinal, tool, "
+                      "effect, args, args_hash, idem_key, state, result, started_at) SELECT "
+                      "'a_forged', delegation_id, 9, tool, effect, args, args_hash, "
+                      "'k_forged', 'COMPLETED', result, started_at FROM actions WHERE "
+                      "delegation_id = ?", child.id)
+        code, data = await verify_json(journal_url)  # as written, the head fails its seal
+        assert code == 1 and any(p["delegation"] == child.id and "legacy" in p["problem"]
+                                 for p in data["problems"]), data
+        gate.set()
+        assert await child.result() == "ok"
+    code, data = await verify_json(journal_url)
+    assert code == 1, (data["problems"], data.get("unchained"))
+    assert any(p["delegation"] == child.id for p in data["problems"]), data

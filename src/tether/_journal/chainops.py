@@ -58,7 +58,7 @@ class Sealer:
     def __init__(self) -> None:
         self.signer: SigningKey | None = None
         self.pins: TrustedKeys | None = None
-        self.own: dict[str, tuple[int, str]] = {}
+        self.own: dict[str, tuple[int, str, bool]] = {}  # length, hash, legacy
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
@@ -72,7 +72,8 @@ class Sealer:
         """Whether ``head`` is older than the one the configuration remembers: shorter, or no
         longer holding the entry remembered (rolled back as a whole, then maybe extended)."""
         witness = self.witness
-        if witness is None or self.own.get(delegation_id) == (head.length, head.hash):
+        if witness is None or self.own.get(delegation_id) == (head.length, head.hash,
+                                                                  head.legacy):
             return False  # the head this process sealed last: nothing can be newer
         if head.length:  # (not for each delegation created: no stat per new head)
             witness.refresh()  # another process of the configuration may have seen more
@@ -94,16 +95,16 @@ class Sealer:
             return False
         if head.length == 0 and not head.legacy and head.seal is None:
             return True  # a new delegation's head, made in this transaction
-        if self.own.get(delegation_id) == (head.length, head.hash):
+        if self.own.get(delegation_id) == (head.length, head.hash, head.legacy):
             return True
         if self.pins is None:
             return head.seal is None and head.legacy and head.length == 0
         return chain.seal_problem(delegation_id, head, registry()) is None
 
-    def sealed(self, delegation_id: str, length: int, tip: str) -> None:
+    def sealed(self, delegation_id: str, length: int, tip: str, legacy: bool = False) -> None:
         if len(self.own) >= self.MEMO:
             self.own.clear()
-        self.own[delegation_id] = (length, tip)
+        self.own[delegation_id] = (length, tip, legacy)
         if self.witness is not None:
             if len(self.unconfirmed) >= self.MEMO:
                 self.unconfirmed.clear()  # unremembered then: a weaker witness, never a false one
@@ -114,10 +115,6 @@ class Sealer:
         the heads that batch sealed are remembered (once per batch, by the first of its
         operations to return)."""
         last = ran[-1] if ran else None
-        if isinstance(last, Tx) and last.after:
-            after, last.after = last.after, []
-            for then in after:
-                then()
         sealed = last.sealed if isinstance(last, Tx) else None
         witness = self.witness
         if sealed and witness is not None and isinstance(last, Tx):
@@ -327,20 +324,20 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
         [(length, tip, chain.encode_path(path), signed.body, signed.key_id, signed.signature,
           delegation_id) for (delegation_id, length, tip, _), path in zip(moved, paths,
                                                                           strict=True)])
-    for delegation_id, length, tip, _ in moved:
-        sealer.sealed(delegation_id, length, tip)
+    for delegation_id, length, tip, legacy in moved:
+        sealer.sealed(delegation_id, length, tip, legacy)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
 
 
-def _head(found: Any, own: tuple[int, str] | None = None) -> chain.Head:
+def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:
     if not (type(found[0]) is int and isinstance(found[1], str)
             and type(found[2]) is int and (found[3] is None or isinstance(found[3], str))
             and (found[5] is None or isinstance(found[5], str))):
         # SQLite columns take any type: written by hand. Named, never a crash.
         return chain.Head(0, "", False, None, None, problem=(
             "the chain's head row is malformed (a column of the wrong type: written by hand)"))
-    if own == (found[0], found[1]):
+    if own == (found[0], found[1], bool(found[2])):
         # The head this process sealed last (``Sealer.own``): trusted and extended on that
         # alone, so its seal is not decoded (a head each in every batch of a busy writer).
         return chain.Head(found[0], found[1], bool(found[2]), found[3], None)

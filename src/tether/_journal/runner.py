@@ -92,6 +92,7 @@ class Lost(Exception):
         super().__init__(str(cause).strip() or type(cause).__name__)
         self.at_commit = at_commit
         self.done = done or []
+        self.tx: Any = None  # the batch's connection (its ``Tx.after``, run if it committed)
 
 
 class Runner:
@@ -263,6 +264,7 @@ class Runner:
                             f"happened: {lost}"))
                         return
                     if outcome:
+                        _after(lost.tx)
                         self._resolve(lost.done)
                         return
                 # Nothing of it committed: run it again on a new connection.
@@ -365,12 +367,15 @@ class Runner:
                 if marked:
                     conn.execute("SAVEPOINT op")
                 mark = 0 if dirty is None else len(dirty)
+                deferred = len(db.after) if isinstance(db, Tx) else 0
                 queued = self.op_mark()
                 try:
                     value = op.fn(db)
                 except Exception as exc:  # refused or failed: undo this operation only
                     if dirty is not None:
                         del dirty[mark:]  # what it wrote is rolled back with it
+                    if isinstance(db, Tx):
+                        del db.after[deferred:]  # and what it meant to remember
                     self.op_undone(queued)  # and what it notified
                     if self.is_lost(conn, exc):
                         raise
@@ -419,7 +424,9 @@ class Runner:
             conn.execute("COMMIT")
         except Exception as exc:
             if self.is_lost(conn, exc):
-                raise Lost(exc, at_commit=write, done=done) from exc
+                lost = Lost(exc, at_commit=write, done=done)
+                lost.tx = db
+                raise lost from exc
             with contextlib.suppress(Exception):
                 conn.execute("ROLLBACK")
             err = self.map_error(exc)
@@ -432,6 +439,8 @@ class Runner:
                 self.landed(conn)
             except JournalError as err:  # committed where nobody will read it: not journaled
                 done = [(op, None, err) for op, _, _ in done]
+                return done
+            _after(db)
         return done
 
 class ThreadRunner(Runner):
@@ -576,6 +585,14 @@ class ThreadRunner(Runner):
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
             self._loop.call_soon_threadsafe(_settle, waiting)
 
+
+
+def _after(db: Any) -> None:
+    """Once a batch is known to have committed: what its operations deferred to then."""
+    if isinstance(db, Tx) and db.after:
+        after, db.after = db.after, []
+        for then in after:
+            then()
 
 
 def relaxed_batch(batch: list[Op]) -> bool:
