@@ -6,16 +6,21 @@ advanced only once the batch committed."""
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import tether
 from tests.test_trust import raw
 from tether._core.signing import Signed
+from tether._journal.inline import MemorySqlite, shared_database
 from tether._journal.journal import Journal
+from tether._sim.loop import SimLoop, run
 from tether.errors import ControlRefused
 
 
@@ -147,3 +152,134 @@ async def test_a_revocation_read_beside_a_posted_write_is_remembered(
         again = await j.registry(observer.trusted)
         assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
         assert any("rolled back" in p for p in again.problems), again.problems
+
+
+async def test_a_revocation_read_by_a_refused_write_is_remembered(
+        journal_url: str, tmp_path: Path) -> None:
+    """A configuration that saw key K trusted is handed a control intent signed by K after
+    another configuration revoked K. The write that judges it reads the registry (with the
+    revocation: committed, by someone else), refuses the intent, and is rolled back. The
+    revocation it read is genuine and committed; forgetting it with the rolled-back batch
+    lets an intruder delete the revocation row and have K trusted again, no rollback named.
+    """
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    leaked = tether.KeyRing.init(tmp_path / "leaked")
+    observer = tether.KeyRing.init(tmp_path / "observer", pins={
+        deployment.signer.key_id: deployment.signer.public_b64()})
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
+                                       leaked.signer.key_id, leaked.signer.public_b64(),
+                                       "contractor", time.time())
+    async with Journal(journal_url) as j:
+        assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.journal.change_trust(deployment.signer, deployment.trusted, "revoke",
+                                       leaked.signer.key_id, leaked.signer.public_b64(),
+                                       "contractor", time.time())
+    async with Journal(journal_url) as j:
+        # The revoked key's holder tries a control: the observer's journal refuses it (a
+        # lone write batch: it reads the registry, refuses, rolls back).
+        forged = Signed(b'{"type":"control"}', leaked.signer.key_id, b"\0" * 64)
+        with pytest.raises(ControlRefused):
+            await j.accept_control(forged, observer.trusted, "mallory", time.time())
+        # An intruder with write access deletes the revocation.
+        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
+        again = await j.registry(observer.trusted)
+        assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
+        assert any("rolled back" in p for p in again.problems), again.problems
+
+
+async def test_a_write_reported_failed_did_not_commit_when_the_registry_memory_cannot_be_saved(
+        journal_url: str, tmp_path: Path) -> None:
+    """The configuration's registry.json cannot be written (a full disk) when a trust change
+    commits. Its caller must not be told it failed while it committed (it would make the
+    change again, or act on a refusal that is not one)."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    other = tether.KeyRing.init(tmp_path / "other")
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.current_trust()
+    memory: Any = deployment.trusted.memory
+    save = memory._save
+    failing = [True]
+
+    def full_disk(marks: Any) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError(28, "No space left on device")
+        save(marks)
+
+    memory._save = full_disk
+    async with Journal(journal_url) as j:
+        try:
+            await j.change_trust(deployment.signer, deployment.trusted, "trust",
+                                 other.signer.key_id, other.signer.public_b64(),
+                                 "contractor", time.time())
+        except Exception as exc:  # reported failed: then it must not have committed
+            failed: BaseException | None = exc
+        else:
+            failed = None
+        memory._save = save
+        reg = await j.registry(deployment.trusted)
+    if failed is not None:
+        assert other.signer.key_id not in reg.keys, (
+            f"reported failed ({failed!r}) but the grant committed")
+
+
+def test_a_registry_memory_that_cannot_be_saved_after_a_lost_commit_fails_only_its_batch(
+        tmp_path: Path) -> None:
+    """The same full disk when the batch's COMMIT reply was lost and the read-back says it
+    committed (the simulator's runner: PostgreSQL's ``Lost`` path). Every caller must get an
+    answer and the journal must go on working."""
+    anchor = shared_database("after-lost")
+    lose = [False]
+
+    def lose_commit(wrote: bool) -> Any:
+        if wrote and lose[0]:
+            lose[0] = False
+            return "after"
+        return None
+
+    runner = MemorySqlite("after-lost", lose_commit=lose_commit)
+    journal = Journal("sqlite:///sim/journal.db", runner=runner)
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    other = tether.KeyRing.init(tmp_path / "other")
+    memory: Any = deployment.trusted.memory
+    save = memory._save
+
+    async def main() -> tuple[Any, Any]:
+        await journal.open()
+        await journal.genesis(deployment.signer, 1.0)
+        await journal.registry(deployment.trusted)
+        failing = [True]
+
+        def full_disk(marks: Any) -> None:
+            if failing[0]:
+                failing[0] = False
+                raise OSError(28, "No space left on device")
+            save(marks)
+
+        memory._save = full_disk
+        lose[0] = True
+        try:
+            first: Any = await asyncio.wait_for(journal.change_trust(
+                deployment.signer, deployment.trusted, "trust", other.signer.key_id,
+                other.signer.public_b64(), "contractor", 2.0), 30)
+        except TimeoutError:
+            first = "no answer"
+        except Exception as exc:
+            first = exc
+        memory._save = save
+        try:
+            journal.event(3.0, "note")
+            later: Any = await asyncio.wait_for(journal.flush(), 30)
+        except TimeoutError:
+            later = "no answer"
+        except Exception as exc:
+            later = exc
+        await journal.close()
+        return first, later
+
+    first, later = run(SimLoop(random.Random(0)), main())
+    anchor.close()
+    assert first != "no answer", "the caller of a committed batch waits for ever"
+    assert later is None, f"the journal stopped working after it: {later!r}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import re
 import uuid
@@ -368,3 +369,50 @@ async def test_a_delegation_seen_chained_is_not_passed_off_as_older_than_the_cha
             (s.delegation,)))
     code, data = await verify_json(journal_url)
     assert code == 1 and rolled_back(data, s.delegation), data
+
+
+async def test_a_head_rolled_back_to_the_one_this_process_sealed_last_is_not_sealed_over(
+        journal_url: str, tmp_path: Path) -> None:
+    """Process A (a supervisor) seals a delegation's head at length L. Another process of the
+    same configuration (B: the same key directory) extends it to L+1, and the configuration
+    remembers L+1. An intruder writes the delegation back to A's moment (rows, entries and
+    A's own sealed head). A's next write to it must not seal over the rolled-back head: it is
+    the head A sealed last, but not the newest its configuration saw."""
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def waits(ctx: tether.Context) -> str:
+        entered.set()
+        await gate.wait()
+        return "ok"
+
+    async with tether.Supervisor(journal_url, keys=ring) as sup:
+        h = await sup.delegate(tether.Agent("waits", waits, ()))
+        await entered.wait()
+        await sup.journal.flush()
+        saved = await save(sup.journal, h.id)
+        sealed = await head_length(sup.journal, h.id)
+        own = sup.journal._sealer.own.get(h.id)
+        assert own is not None and own[0] == sealed
+        other = tether.KeyRing.load(config)  # another process of the configuration
+        async with Journal(journal_url) as b:
+            b.seal_with(other.signer, other.trusted)
+            await b.record_event(sup.clock.wall(), "note", h.id)
+            await b.flush()
+            assert await head_length(b, h.id) == sealed + 1
+        assert ring.trusted.heads is not None
+        ring.trusted.heads.refresh()
+        seen = ring.trusted.heads.seen(h.id)
+        assert seen is not None and seen.length == sealed + 1  # the configuration saw L+1
+        await restore(sup.journal, h.id, saved)  # the intruder: back to A's own head
+        assert await head_length(sup.journal, h.id) == sealed
+        assert sup.journal._sealer.own.get(h.id) == own
+        sup.journal.event(sup.clock.wall(), "note", h.id)
+        await sup.journal.flush()
+        after = await head_length(sup.journal, h.id)
+        gate.set()
+        with contextlib.suppress(Exception):
+            await h.result()
+    assert after == sealed, "a head rolled back by hand was sealed over by its last sealer"

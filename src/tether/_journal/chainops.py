@@ -70,18 +70,19 @@ class Sealer:
 
     def older(self, db: Db, delegation_id: str, head: chain.Head) -> bool:
         """Whether ``head`` is older than the one the configuration remembers: shorter, or no
-        longer holding the entry remembered (rolled back as a whole, then maybe extended)."""
+        longer holding the entry remembered (rolled back as a whole, then maybe extended).
+        Even the head this process sealed last: another process of the configuration may
+        have extended it since (``seal`` refreshes the memory once a batch)."""
         witness = self.witness
-        if witness is None or self.own.get(delegation_id) == (head.length, head.hash,
-                                                                  head.legacy):
-            return False  # the head this process sealed last: nothing can be newer
-        if head.length:  # (not for each delegation created: no stat per new head)
-            witness.refresh()  # another process of the configuration may have seen more
+        if witness is None:
+            return False
         mark = witness.seen(delegation_id)
         if mark is None or mark.length == 0:
             return False
         if head.length <= mark.length:
             return head.length < mark.length or head.hash != mark.hash
+        if self.own.get(delegation_id) == (head.length, head.hash, head.legacy):
+            return False  # sealed here over a chain that held the remembered entry
         found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
                            (delegation_id, mark.length)).fetchone()
         return found is None or found[0] != mark.hash
@@ -281,6 +282,9 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
                 "ORDER BY delegation_id /*XLOCK h*/", tuple(part)).fetchall():
             delegation_id = str(found_head[7])
             heads[delegation_id] = _head(found_head, sealer.own.get(delegation_id))
+    witness = sealer.witness
+    if witness is not None and any(h.length for h in heads.values()):
+        witness.refresh()  # once a batch: what the configuration's other processes saw
     plan: list[tuple[Any, ...]] = []
     ends: dict[str, tuple[int, str, bool]] = {}
     for delegation_id in ids:

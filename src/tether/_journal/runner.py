@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ from tether._core.errors import JournalError
 from tether._journal.tables import Tx
 
 T = TypeVar("T")
+log = logging.getLogger("tether.journal")
 MAX_BATCH = 1024
 # A batch of posted writes alone (receipts nobody waits for) waits this long for one more
 # operation before it runs: a child's next intent, right behind its receipt, then shares its
@@ -588,11 +590,16 @@ class ThreadRunner(Runner):
 
 
 def _after(db: Any) -> None:
-    """Once a batch is known to have committed: what its operations deferred to then."""
+    """Once a batch is known to have committed: what its operations deferred to then. The
+    batch committed whatever happens here: a failure is logged, never the batch's (the
+    registry's memory keeps a mark it could not save and saves it at its next look)."""
     if isinstance(db, Tx) and db.after:
         after, db.after = db.after, []
         for then in after:
-            then()
+            try:
+                then()
+            except Exception as exc:
+                log.warning("after a commit: %s", exc)
 
 
 def relaxed_batch(batch: list[Op]) -> bool:

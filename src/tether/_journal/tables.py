@@ -157,6 +157,9 @@ class Tx:
         # batch can be rolled back and run again, so nothing it read or wrote is remembered
         # outside the journal before then.
         self.after: list[Callable[[], None]] = []
+        # It wrote a key registry entry: a registry read after that holds an entry that is
+        # not committed yet (``trustops.registry`` then remembers it only after the commit).
+        self.trust_written = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

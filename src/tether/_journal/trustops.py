@@ -48,10 +48,12 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
     anchor, mark = found.anchor, found.mark
     if memory is not None and anchor is not None and mark is not None and \
             memory.news(anchor, mark):
-        if isinstance(db, Tx):
-            # Read inside a write batch, maybe with the batch's own entry: remembered once it
-            # committed. A batch that is rolled back (and may run again, on PostgreSQL with
-            # another id for the entry) must leave no mark of a registry that never was.
+        if isinstance(db, Tx) and db.trust_written:
+            # Read after this batch wrote an entry: remembered once the batch committed. One
+            # rolled back (and run again, on PostgreSQL with another id for the entry) must
+            # leave no mark of a registry that never was. Any other read holds committed
+            # entries alone and is remembered at once, whatever becomes of its batch: a
+            # revocation read by a write that then fails is not forgotten.
             db.after.append(lambda: memory.advance(anchor, mark))
         else:
             memory.advance(anchor, mark)
@@ -59,6 +61,8 @@ def registry(db: Db, pins: TrustedKeys) -> Registry:
 
 
 def _insert(db: Db, grant: KeyGrant, signed: Signed, now: float, conflict: str = "") -> int:
+    if isinstance(db, Tx):
+        db.trust_written = True
     cur = db.execute(
         TRUST.insert(TRUST.pick(without=("id",)), conflict),
         (grant.op, grant.key_id, signed.body, signed.key_id, signed.signature, now))
