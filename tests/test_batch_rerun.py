@@ -283,3 +283,15 @@ def test_a_registry_memory_that_cannot_be_saved_after_a_lost_commit_fails_only_i
     anchor.close()
     assert first != "no answer", "the caller of a committed batch waits for ever"
     assert later is None, f"the journal stopped working after it: {later!r}"
+
+
+def test_a_key_remembered_revoked_stays_revoked_when_a_longer_registry_is_remembered() -> None:
+    """The configuration's memory of a registry keeps every key it saw revoked: a longer mark
+    read later (from a registry that no longer says so) adds to it, never replaces it."""
+    from tether._core.registrymark import RegistryMark, RegistryMemory
+
+    memory = RegistryMemory({"root": RegistryMark(3, "d3", ("k-leaked",))})
+    memory.advance("root", RegistryMark(5, "d5", ("k-other",)))
+    seen = memory.seen("root")
+    assert seen is not None and seen.length == 5
+    assert set(seen.revoked) == {"k-leaked", "k-other"}

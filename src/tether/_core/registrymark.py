@@ -6,9 +6,11 @@ say) cannot make a configuration that saw them trust a revoked key again (docs/s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,11 @@ class RegistryMemory:
 
     def __init__(self, marks: Mapping[str, RegistryMark] | None = None,
                  save: Callable[[dict[str, RegistryMark]], None] | None = None,
-                 load: Callable[[], Mapping[str, RegistryMark] | None] | None = None) -> None:
+                 load: Callable[[], Mapping[str, RegistryMark] | None] | None = None,
+                 lock: AbstractContextManager[object] | None = None) -> None:
+        # The journal's writer thread and pooled readers (PostgreSQL) decide at once: each
+        # look and each mark remembered is whole under the lock, never interleaved.
+        self._lock: AbstractContextManager[object] = lock or contextlib.nullcontext()
         self._marks = dict(marks or {})
         self._save = save
         self._load = load
@@ -67,13 +73,14 @@ class RegistryMemory:
 
     def refresh(self) -> None:
         """Take in what the configuration's other processes remembered since the last look."""
-        if self._unsaved:
-            self._persist()
-        stored = self._load() if self._load is not None else None
-        if stored:
-            changed = [self._merge(anchor, mark) for anchor, mark in stored.items()]
-            if any(changed):
-                self.version += 1
+        with self._lock:
+            if self._unsaved:
+                self._persist()
+            stored = self._load() if self._load is not None else None
+            if stored:
+                changed = [self._merge(anchor, mark) for anchor, mark in stored.items()]
+                if any(changed):
+                    self.version += 1
 
     def _merge(self, anchor: str, mark: RegistryMark) -> bool:
         """The longer of two marks, with every key either saw revoked; whether it changed."""
@@ -96,12 +103,18 @@ class RegistryMemory:
             not set(mark.revoked) <= set(known.revoked)
 
     def advance(self, anchor: str, mark: RegistryMark) -> None:
-        """Remember a longer registry (a shorter one is a rollback: never remembered)."""
-        if not self.news(anchor, mark):
-            return
-        self._marks[anchor] = mark
-        self.version += 1
-        self._persist()
+        """Remember a longer registry (a shorter one is a rollback: never remembered), with
+        every key revoked in either (one remembered from elsewhere stays revoked)."""
+        with self._lock:
+            if not self.news(anchor, mark):
+                return
+            known = self._marks.get(anchor)
+            if known is not None and not set(known.revoked) <= set(mark.revoked):
+                mark = RegistryMark(mark.length, mark.digest,
+                                    tuple(sorted(set(known.revoked) | set(mark.revoked))))
+            self._marks[anchor] = mark
+            self.version += 1
+            self._persist()
 
     def _persist(self) -> None:
         if self._save is None:

@@ -206,8 +206,9 @@ REGISTRY = "registry.json"  # what this configuration has seen of journals' key 
 def _memory(directory: Path | None) -> RegistryMemory:
     """The configuration's memory of key registries (``_core.registrymark``), read from and
     written to ``registry.json`` in its key directory (in memory only for an ephemeral ring)."""
+    lock = threading.RLock()  # the writer thread and pooled readers decide at once
     if directory is None:
-        return RegistryMemory()
+        return RegistryMemory(lock=lock)
     path = directory / REGISTRY
 
     looked: list[tuple[int, int, int] | None] = [None]  # the file as last read (stat)
@@ -249,7 +250,7 @@ def _memory(directory: Path | None) -> RegistryMemory:
             write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
                                            indent=2, sort_keys=True))
 
-    return RegistryMemory(read(), save, changed)
+    return RegistryMemory(read(), save, changed, lock)
 
 
 HEADS = "heads.jsonl"  # the latest chain head this configuration wrote or accepted, per delegation
