@@ -278,3 +278,13 @@ def test_a_trial_replays_the_same_whatever_the_process_string_hashing() -> None:
         return out.stdout.split()
 
     assert digests("1") == digests("2")
+
+
+def test_a_probe_asked_as_the_trials_live_part_ends_is_not_called_neglected() -> None:
+    """The trial a fresh seed (run 2026121010) found: a worker crashed with a call in doubt,
+    and a reconciler's first probe of it came after every deadline, a moment before the trial
+    stopped its processes (the reconciler was still in that recovery). It had no time to ask
+    again; the judge called it neglect. A prober that asked before the end of the live part
+    by a probe's timeout and more is still held to asking again."""
+    result = run_trial(1888603294, world.FAULTS)
+    assert result.violations == []

@@ -235,6 +235,10 @@ class Trial:
             sup = self.sups.get(host.name)
             if not host.alive or sup is None or not sup.is_open or sup.presumed_dead():
                 continue  # gone, closed, or its lease lost: whoever recovers it probes
+            if at > self.loop.time() - self.policy.probe_timeout - 0.5:
+                # Its last probe was asked as the trial's live part ended (after every
+                # deadline, by any clock): too late to have asked again before the end.
+                continue
             if any(until > at and (until - start >= 0.9 * self.k.lease
                                    or until > self.loop.time() - self.policy.probe_timeout - 0.5)
                    for start, until in host.pauses):
