@@ -21,7 +21,7 @@ from tether._core.signing import Signed
 from tether._journal.inline import MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._sim.loop import SimLoop, run
-from tether.errors import ControlRefused
+from tether.errors import ControlRefused, JournalError
 
 
 async def _batched(sup: tether.Supervisor, *coros: Coroutine[Any, Any, Any]) -> list[Any]:
@@ -295,3 +295,72 @@ def test_a_key_remembered_revoked_stays_revoked_when_a_longer_registry_is_rememb
     seen = memory.seen("root")
     assert seen is not None and seen.length == 5
     assert set(seen.revoked) == {"k-leaked", "k-other"}
+
+
+async def test_a_revocation_whose_mark_could_not_be_saved_is_not_lost_silently_at_close(
+        journal_url: str, tmp_path: Path) -> None:
+    """A revocation commits, but the configuration's registry.json cannot be saved then (a
+    full disk, once). A process that ends right after (``tether keys revoke``) must not leave
+    its configuration without the mark: closing saves what is unsaved (or says it could not).
+    Otherwise an intruder who deletes the revocation row has the revoked key trusted again by
+    that configuration, no rollback named."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    leaked = tether.KeyRing.init(tmp_path / "leaked")
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
+                                       leaked.signer.key_id, leaked.signer.public_b64(),
+                                       "contractor", time.time())
+    memory: Any = deployment.trusted.memory
+    save = memory._save
+    failing = [True]
+
+    def full_disk(marks: Any) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError(28, "No space left on device")
+        save(marks)
+
+    memory._save = full_disk
+    told: BaseException | None = None
+    async with Journal(journal_url) as j:
+        try:
+            await j.change_trust(deployment.signer, deployment.trusted, "revoke",
+                                 leaked.signer.key_id, leaked.signer.public_b64(),
+                                 "contractor", time.time())
+        except Exception as exc:
+            told = exc
+    # (the disk has room again; this process ends here: no further look)
+    if told is not None:
+        return  # the caller knows the configuration did not remember it
+    later = tether.KeyRing.load(tmp_path / "deployment")  # the next process of the config
+    async with Journal(journal_url) as j:
+        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
+        again = await j.registry(later.trusted)
+    assert leaked.signer.key_id not in again.keys, (
+        "a revocation reported done was never remembered; deleted by hand, the key is "
+        "trusted again")
+
+
+async def test_a_key_change_its_configuration_cannot_record_is_named_when_the_journal_closes(
+        journal_url: str, tmp_path: Path) -> None:
+    """registry.json cannot be written at all: the trust change commits (its caller is told
+    so), and the process's journal says, as it closes, that its configuration does not hold
+    it, rather than ending quietly."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    other = tether.KeyRing.init(tmp_path / "other")
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.current_trust()
+    memory: Any = deployment.trusted.memory
+
+    def full_disk(marks: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    memory._save = full_disk
+    journal = Journal(journal_url)
+    await journal.open()
+    trusted = await journal.change_trust(deployment.signer, deployment.trusted, "trust",
+                                         other.signer.key_id, other.signer.public_b64(),
+                                         "contractor", time.time())
+    assert other.signer.key_id in trusted.keys
+    with pytest.raises(JournalError, match=r"registry\.json"):
+        await journal.close()

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from typer.testing import CliRunner
@@ -288,3 +288,35 @@ def test_a_probe_asked_as_the_trials_live_part_ends_is_not_called_neglected() ->
     by a probe's timeout and more is still held to asking again."""
     result = run_trial(1888603294, world.FAULTS)
     assert result.violations == []
+
+
+def test_a_prober_that_asked_before_the_deadline_and_again_only_at_the_end_is_neglect() -> None:
+    """A process that probed a call before its deadline, did not probe it again when the
+    answer was final (its deadline plus the tolerance, well before the end), and asked again
+    only as the trial's live part ended is the neglect the rule is for. Only a prober whose
+    first probe of the call came that late had no time to ask again."""
+    import sqlite3
+    from types import SimpleNamespace
+
+    from tether._sim import trial as tr
+    from tether._sim.loop import WALL0
+    from tether._sim.world import CLOCK_TOLERANCE
+
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE actions (id TEXT, idem_key TEXT, state TEXT, deadline_at REAL, "
+               "evidence TEXT)")
+    deadline = WALL0 + 10.0
+    # Probed at 9.0 (before the deadline) by its own clock: the answer kept says so.
+    db.execute("INSERT INTO actions VALUES ('a1', 'k1', 'IN_DOUBT', ?, ?)",
+               (deadline, json.dumps({"asked_at": WALL0 + 9.0})))
+    end = 10.0 + CLOCK_TOLERANCE + 5.0  # the live part ends long after the re-probe was due
+    host = SimpleNamespace(name="w0", alive=True, pauses=[])
+    sup = SimpleNamespace(is_open=True, presumed_dead=lambda: False)
+    fake = SimpleNamespace(
+        anchor=db, sups={"w0": sup}, loop=SimpleNamespace(time=lambda: end),
+        policy=SimpleNamespace(probe_timeout=1.0), k=SimpleNamespace(lease=3.0),
+        # its last probe: asked 0.2 s before the end, by true time and by its clock
+        asked={"k1": (host, end - 0.2, WALL0 + end - 0.2)},
+        first_asked={("k1", "w0"): 9.0})
+    assert tr.Trial.unprobed(cast(tr.Trial, fake)), (
+        "a prober that skipped its re-probe at the deadline passes")

@@ -116,6 +116,12 @@ class RegistryMemory:
             self.version += 1
             self._persist()
 
+    def save_pending(self) -> None:
+        """Save a mark whose save failed (raises if it fails again)."""
+        with self._lock:
+            if self._unsaved:
+                self._persist()
+
     def _persist(self) -> None:
         if self._save is None:
             return

@@ -18,9 +18,10 @@ from tether._core.documents import (
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, Tampered, UnknownKey, UserError
+from tether._core.errors import ControlRefused, JournalError, Tampered, UnknownKey, UserError
 from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
+from tether._core.registrymark import RegistryMemory
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
@@ -149,6 +150,8 @@ class Journal:
     def _chain(self, runner: Runner) -> None:
         self._sealer = sealer = chainops.Sealer()
         self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
+        # The key registries' memories a key change here advanced: saved at the latest on close.
+        self._registry_memories: list[RegistryMemory] = []
         wall = self._wall
         runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, wall())
 
@@ -186,6 +189,16 @@ class Journal:
     async def close(self) -> None:
         await self._runner.stop()
         self._persist()
+        for memory in self._registry_memories:
+            # A key change committed here whose mark could not be saved then (``_after``):
+            # saved now, or the process ends saying its configuration does not hold it.
+            try:
+                memory.save_pending()
+            except Exception as exc:
+                raise JournalError(
+                    "a key change this process made is committed, but its configuration "
+                    f"could not record it in registry.json: {exc}; fix that, then run "
+                    "'tether keys list' to record it") from None
 
     async def __aenter__(self) -> Journal:
         return await self.open()
@@ -363,6 +376,8 @@ class Journal:
         """Trust or revoke a key: an entry signed by ``signer``, accepted only if ``signer``
         is trusted by the registry."""
         grant = KeyGrant(op, key_id, public, label, now)
+        if pins.memory is not None and all(m is not pins.memory for m in self._registry_memories):
+            self._registry_memories.append(pins.memory)
         return await self._write(trustops.add, signer.sign(grant), grant, pins, now)
 
     async def controls_to_adopt(self, owner_id: str, after_id: int) -> list[ControlRow]:

@@ -146,6 +146,7 @@ class Trial:
         self.broken: list[str] = []  # the tool's promise broken: a call sent past its deadline
         # Each key's last probe: by which host, when (true time) and when by that host's clock.
         self.asked: dict[str, tuple[Host, float, float]] = {}
+        self.first_asked: dict[tuple[str, str], float] = {}  # (key, host): its first probe
         self.sups: dict[str, tether.Supervisor] = {}  # each host's supervisor (a worker's own)
         self.neglected: list[str] = []  # calls left in doubt by a process that could re-probe
         self.stats: Counter[str] = Counter()
@@ -235,9 +236,11 @@ class Trial:
             sup = self.sups.get(host.name)
             if not host.alive or sup is None or not sup.is_open or sup.presumed_dead():
                 continue  # gone, closed, or its lease lost: whoever recovers it probes
-            if at > self.loop.time() - self.policy.probe_timeout - 0.5:
-                # Its last probe was asked as the trial's live part ended (after every
-                # deadline, by any clock): too late to have asked again before the end.
+            first = self.first_asked.get((key, host.name), at)
+            if first > self.loop.time() - self.policy.probe_timeout - 0.5:
+                # Its first probe of the call was asked as the trial's live part ended
+                # (after every deadline, by any clock): no time to ask again before the end.
+                # One that probed earlier and asks again only now is held to its re-probe.
                 continue
             if any(until > at and (until - start >= 0.9 * self.k.lease
                                    or until > self.loop.time() - self.policy.probe_timeout - 0.5)
@@ -306,6 +309,7 @@ class Trial:
             host = HOST.get()
             if host is not None and not trial.reliable:
                 trial.asked[idempotency_key] = (host, loop.time(), HostClock(loop, host).wall())
+                trial.first_asked.setdefault((idempotency_key, host.name), loop.time())
             if not trial.reliable:
                 r = rng.random()
                 if r < k.probe_raise:
