@@ -9,7 +9,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,26 @@ from tether._journal.inline import MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._sim.loop import SimLoop, run
 from tether.errors import ControlRefused, JournalError
+
+
+def _full_disk_once(memory: Any) -> Callable[[], None]:
+    """The configuration's registry.json cannot be written, once (a full disk). Returns what
+    puts the real save back."""
+    save = memory._save
+    failing = [True]
+
+    def full_disk(marks: Any) -> None:
+        if failing[0]:
+            failing[0] = False
+            raise OSError(28, "No space left on device")
+        save(marks)
+
+    memory._save = full_disk
+
+    def undo() -> None:
+        memory._save = save
+
+    return undo
 
 
 async def _batched(sup: tether.Supervisor, *coros: Coroutine[Any, Any, Any]) -> list[Any]:
@@ -198,17 +218,7 @@ async def test_a_write_reported_failed_did_not_commit_when_the_registry_memory_c
     other = tether.KeyRing.init(tmp_path / "other")
     async with tether.Supervisor(journal_url, keys=deployment) as sup:
         await sup.current_trust()
-    memory: Any = deployment.trusted.memory
-    save = memory._save
-    failing = [True]
-
-    def full_disk(marks: Any) -> None:
-        if failing[0]:
-            failing[0] = False
-            raise OSError(28, "No space left on device")
-        save(marks)
-
-    memory._save = full_disk
+    undo = _full_disk_once(deployment.trusted.memory)
     async with Journal(journal_url) as j:
         try:
             await j.change_trust(deployment.signer, deployment.trusted, "trust",
@@ -218,7 +228,7 @@ async def test_a_write_reported_failed_did_not_commit_when_the_registry_memory_c
             failed: BaseException | None = exc
         else:
             failed = None
-        memory._save = save
+        undo()
         reg = await j.registry(deployment.trusted)
     if failed is not None:
         assert other.signer.key_id not in reg.keys, (
@@ -243,22 +253,12 @@ def test_a_registry_memory_that_cannot_be_saved_after_a_lost_commit_fails_only_i
     journal = Journal("sqlite:///sim/journal.db", runner=runner)
     deployment = tether.KeyRing.init(tmp_path / "deployment")
     other = tether.KeyRing.init(tmp_path / "other")
-    memory: Any = deployment.trusted.memory
-    save = memory._save
 
     async def main() -> tuple[Any, Any]:
         await journal.open()
         await journal.genesis(deployment.signer, 1.0)
         await journal.registry(deployment.trusted)
-        failing = [True]
-
-        def full_disk(marks: Any) -> None:
-            if failing[0]:
-                failing[0] = False
-                raise OSError(28, "No space left on device")
-            save(marks)
-
-        memory._save = full_disk
+        undo = _full_disk_once(deployment.trusted.memory)
         lose[0] = True
         try:
             first: Any = await asyncio.wait_for(journal.change_trust(
@@ -268,7 +268,7 @@ def test_a_registry_memory_that_cannot_be_saved_after_a_lost_commit_fails_only_i
             first = "no answer"
         except Exception as exc:
             first = exc
-        memory._save = save
+        undo()
         try:
             journal.event(3.0, "note")
             later: Any = await asyncio.wait_for(journal.flush(), 30)
@@ -310,28 +310,12 @@ async def test_a_revocation_whose_mark_could_not_be_saved_is_not_lost_silently_a
         await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
                                        leaked.signer.key_id, leaked.signer.public_b64(),
                                        "contractor", time.time())
-    memory: Any = deployment.trusted.memory
-    save = memory._save
-    failing = [True]
-
-    def full_disk(marks: Any) -> None:
-        if failing[0]:
-            failing[0] = False
-            raise OSError(28, "No space left on device")
-        save(marks)
-
-    memory._save = full_disk
-    told: BaseException | None = None
-    async with Journal(journal_url) as j:
-        try:
-            await j.change_trust(deployment.signer, deployment.trusted, "revoke",
-                                 leaked.signer.key_id, leaked.signer.public_b64(),
-                                 "contractor", time.time())
-        except Exception as exc:
-            told = exc
-    # (the disk has room again; this process ends here: no further look)
-    if told is not None:
-        return  # the caller knows the configuration did not remember it
+    _full_disk_once(deployment.trusted.memory)
+    async with Journal(journal_url) as j:  # committed: its caller is told it is done
+        await j.change_trust(deployment.signer, deployment.trusted, "revoke",
+                             leaked.signer.key_id, leaked.signer.public_b64(), "contractor",
+                             time.time())
+    # (the disk had room again when it closed; this process ends here: no further look)
     later = tether.KeyRing.load(tmp_path / "deployment")  # the next process of the config
     async with Journal(journal_url) as j:
         await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
