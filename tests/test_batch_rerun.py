@@ -17,11 +17,26 @@ import pytest
 
 import tether
 from tests.test_trust import raw
-from tether._core.signing import Signed
+from tether._core.signing import Signed, TrustedKeys
+from tether._core.trust import Registry
 from tether._journal.inline import MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._sim.loop import SimLoop, run
 from tether.errors import ControlRefused, JournalError
+
+
+def _change(journal: Journal, by: tether.KeyRing, op: str,
+            key: tether.KeyRing) -> Coroutine[Any, Any, Registry]:
+    """``by`` trusts or revokes ``key``'s signing key in ``journal``."""
+    return journal.change_trust(by.signer, by.trusted, op, key.signer.key_id,
+                                key.signer.public_b64(), "contractor", time.time())
+
+
+async def _revocation_deleted(j: Journal, pins: TrustedKeys) -> Registry:
+    """An intruder with write access deletes the revocation; the registry as ``pins`` root it
+    is read then."""
+    await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
+    return await j.registry(pins)
 
 
 def _full_disk_once(memory: Any) -> Callable[[], None]:
@@ -92,9 +107,7 @@ async def test_a_trust_change_batched_with_a_refused_intent_is_not_a_registry_ro
         bogus = Signed(b'{"type":"control"}', "0000000000000000", b"\0" * 64)
         trusted, refused = await _batched(
             sup,
-            sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
-                                     other.signer.key_id, other.signer.public_b64(),
-                                     "contractor", time.time()),
+            _change(sup.journal, deployment, "trust", other),
             sup.journal.accept_control(bogus, deployment.trusted, "mallory", time.time()))
         assert isinstance(refused, ControlRefused), refused
         assert not isinstance(trusted, BaseException), trusted
@@ -159,17 +172,14 @@ async def test_a_revocation_read_beside_a_posted_write_is_remembered(
         deployment.signer.key_id: deployment.signer.public_b64()})
     async with tether.Supervisor(journal_url, keys=deployment) as sup:
         for op in ("trust", "revoke"):
-            await sup.journal.change_trust(deployment.signer, deployment.trusted, op,
-                                           leaked.signer.key_id, leaked.signer.public_b64(),
-                                           "contractor", time.time())
+            await _change(sup.journal, deployment, op, leaked)
     async with Journal(journal_url) as j:
         # The observer's configuration makes a trust decision: it reads the registry, with
         # the revocation, at a chain verification.
         assert await _beside_a_posted_write(j, j.chain_verdicts([], observer.trusted)) == []
         await j.flush()
         # An intruder with write access deletes the revocation.
-        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
-        again = await j.registry(observer.trusted)
+        again = await _revocation_deleted(j, observer.trusted)
         assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
         assert any("rolled back" in p for p in again.problems), again.problems
 
@@ -187,15 +197,11 @@ async def test_a_revocation_read_by_a_refused_write_is_remembered(
     observer = tether.KeyRing.init(tmp_path / "observer", pins={
         deployment.signer.key_id: deployment.signer.public_b64()})
     async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
-                                       leaked.signer.key_id, leaked.signer.public_b64(),
-                                       "contractor", time.time())
+        await _change(sup.journal, deployment, "trust", leaked)
     async with Journal(journal_url) as j:
         assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
     async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await sup.journal.change_trust(deployment.signer, deployment.trusted, "revoke",
-                                       leaked.signer.key_id, leaked.signer.public_b64(),
-                                       "contractor", time.time())
+        await _change(sup.journal, deployment, "revoke", leaked)
     async with Journal(journal_url) as j:
         # The revoked key's holder tries a control: the observer's journal refuses it (a
         # lone write batch: it reads the registry, refuses, rolls back).
@@ -203,8 +209,7 @@ async def test_a_revocation_read_by_a_refused_write_is_remembered(
         with pytest.raises(ControlRefused):
             await j.accept_control(forged, observer.trusted, "mallory", time.time())
         # An intruder with write access deletes the revocation.
-        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
-        again = await j.registry(observer.trusted)
+        again = await _revocation_deleted(j, observer.trusted)
         assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
         assert any("rolled back" in p for p in again.problems), again.problems
 
@@ -221,9 +226,7 @@ async def test_a_write_reported_failed_did_not_commit_when_the_registry_memory_c
     undo = _full_disk_once(deployment.trusted.memory)
     async with Journal(journal_url) as j:
         try:
-            await j.change_trust(deployment.signer, deployment.trusted, "trust",
-                                 other.signer.key_id, other.signer.public_b64(),
-                                 "contractor", time.time())
+            await _change(j, deployment, "trust", other)
         except Exception as exc:  # reported failed: then it must not have committed
             failed: BaseException | None = exc
         else:
@@ -307,19 +310,14 @@ async def test_a_revocation_whose_mark_could_not_be_saved_is_not_lost_silently_a
     deployment = tether.KeyRing.init(tmp_path / "deployment")
     leaked = tether.KeyRing.init(tmp_path / "leaked")
     async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
-                                       leaked.signer.key_id, leaked.signer.public_b64(),
-                                       "contractor", time.time())
+        await _change(sup.journal, deployment, "trust", leaked)
     _full_disk_once(deployment.trusted.memory)
     async with Journal(journal_url) as j:  # committed: its caller is told it is done
-        await j.change_trust(deployment.signer, deployment.trusted, "revoke",
-                             leaked.signer.key_id, leaked.signer.public_b64(), "contractor",
-                             time.time())
+        await _change(j, deployment, "revoke", leaked)
     # (the disk had room again when it closed; this process ends here: no further look)
     later = tether.KeyRing.load(tmp_path / "deployment")  # the next process of the config
     async with Journal(journal_url) as j:
-        await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
-        again = await j.registry(later.trusted)
+        again = await _revocation_deleted(j, later.trusted)
     assert leaked.signer.key_id not in again.keys, (
         "a revocation reported done was never remembered; deleted by hand, the key is "
         "trusted again")
@@ -342,9 +340,7 @@ async def test_a_key_change_its_configuration_cannot_record_is_named_when_the_jo
     memory._save = full_disk
     journal = Journal(journal_url)
     await journal.open()
-    trusted = await journal.change_trust(deployment.signer, deployment.trusted, "trust",
-                                         other.signer.key_id, other.signer.public_b64(),
-                                         "contractor", time.time())
+    trusted = await _change(journal, deployment, "trust", other)
     assert other.signer.key_id in trusted.keys
     with pytest.raises(JournalError, match=r"registry\.json"):
         await journal.close()

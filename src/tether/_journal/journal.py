@@ -198,7 +198,7 @@ class Journal:
                 raise JournalError(
                     "a key change this process made is committed, but its configuration "
                     f"could not record it in registry.json: {exc}; fix that, then run "
-                    "'tether keys list' to record it") from None
+                    "'tether keys registry' to record it") from None
 
     async def __aenter__(self) -> Journal:
         return await self.open()
@@ -471,8 +471,8 @@ class Journal:
 
     async def report_rows(self, root_id: str) -> tuple[list[DelegationRow], list[ActionRecord],
                                                        dict[str, Any] | None]:
-        """What a report is made of, as of one moment (one read, one round trip): the
-        subtree's rows, their actions, the root's last verdict."""
+        """What a report is made of, in one read (one round trip; one snapshot on SQLite):
+        the subtree's rows, their actions, the root's last verdict."""
 
         def op(db: Any) -> tuple[list[DelegationRow], list[ActionRecord], dict[str, Any] | None]:
             rows = ops.subtree(db, root_id)

@@ -90,11 +90,12 @@ class Lost(Exception):
     """The connection broke under a batch. ``at_commit``: its COMMIT had been sent, so whether
     it committed is unknown until the journal is read back; ``done`` is what it computed."""
 
-    def __init__(self, cause: BaseException, at_commit: bool, done: Done | None = None) -> None:
+    def __init__(self, cause: BaseException, at_commit: bool, done: Done | None = None,
+                 tx: Any = None) -> None:
         super().__init__(str(cause).strip() or type(cause).__name__)
         self.at_commit = at_commit
         self.done = done or []
-        self.tx: Any = None  # the batch's connection (its ``Tx.after``, run if it committed)
+        self.tx = tx  # the batch's connection (its ``Tx.after``, run if it committed)
 
 
 class Runner:
@@ -426,9 +427,7 @@ class Runner:
             conn.execute("COMMIT")
         except Exception as exc:
             if self.is_lost(conn, exc):
-                lost = Lost(exc, at_commit=write, done=done)
-                lost.tx = db
-                raise lost from exc
+                raise Lost(exc, at_commit=write, done=done, tx=db) from exc
             with contextlib.suppress(Exception):
                 conn.execute("ROLLBACK")
             err = self.map_error(exc)
@@ -592,7 +591,8 @@ class ThreadRunner(Runner):
 def _after(db: Any) -> None:
     """Once a batch is known to have committed: what its operations deferred to then. The
     batch committed whatever happens here: a failure is logged, never the batch's (the
-    registry's memory keeps a mark it could not save and saves it at its next look)."""
+    registry's memory keeps a mark it could not save, and saves it at its next look or when
+    the journal closes, ``Journal.close``)."""
     if isinstance(db, Tx) and db.after:
         after, db.after = db.after, []
         for then in after:

@@ -153,9 +153,9 @@ class Tx:
         self.pre: dict[tuple[str, Any], str] = {}
         # The heads its seal moved, (delegation, length, hash): remembered once it committed.
         self.sealed: list[tuple[str, int, str]] | None = None
-        # What to do once it is known to have committed (``chainops.Sealer.committed``): a
-        # batch can be rolled back and run again, so nothing it read or wrote is remembered
-        # outside the journal before then.
+        # What to do once it is known to have committed (``runner._after``): a batch can be
+        # rolled back and run again, so nothing it read or wrote is remembered outside the
+        # journal before then.
         self.after: list[Callable[[], None]] = []
         # It wrote a key registry entry: a registry read after that holds an entry that is
         # not committed yet (``trustops.registry`` then remembers it only after the commit).
