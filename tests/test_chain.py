@@ -860,3 +860,60 @@ async def test_a_head_marked_legacy_by_hand_is_not_sealed_over_by_its_last_seale
     code, data = await verify_json(journal_url)
     assert code == 1, (data["problems"], data.get("unchained"))
     assert any(p["delegation"] == child.id for p in data["problems"]), data
+
+
+class CommitFails:
+    """A journal connection whose next COMMIT fails (a full disk): its batch never was."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self.failed = False
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == "COMMIT" and not self.failed:
+            self.failed = True
+            raise RuntimeError("disk full at COMMIT")
+        return self._conn.execute(query, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+async def test_a_head_sealed_by_a_batch_that_never_committed_is_not_the_writers_own(
+        journal_url: str) -> None:
+    """A batch seals a delegation's head, then its COMMIT fails: that head never was. An
+    intruder who writes it into the row (its length and hash, unsealed) must not have it
+    taken for the head this process sealed last, extended unchecked and sealed over: the
+    writer's next seal would make the intruder's head its own record."""
+    from tether._journal import ops
+
+    _, once = one_refund("UC")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        journal = sup.journal
+        child = await sup.delegate(once)
+        await child.result()
+        await journal.flush()
+        runner: Any = journal._runner
+        real = runner._conn
+        runner._conn = CommitFails(real)
+        batches: list[Any] = []
+
+        def note(db: Any) -> None:
+            batches.append(db)
+            ops.event(db, time.time(), "note", child.id, None)
+
+        with pytest.raises(Exception, match="disk full"):
+            await journal._write(note)
+        runner._conn = real
+        ((delegation, length, tip),) = batches[-1].sealed  # what it sealed, never committed
+        assert delegation == child.id
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, path = NULL, "
+                  "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
+                  length, tip, child.id)
+        await journal._write(lambda db: ops.event(db, time.time(), "note", child.id, None))
+        head = await journal._read(lambda db: db.execute(
+            "SELECT length, seal FROM chain_heads WHERE delegation_id = ?",
+            (child.id,)).fetchone())
+        assert (head[0], head[1]) == (length, None), "the intruder's head was sealed over"
+        with pytest.raises(Tampered):
+            await journal.untampered([child.id], sup.keys.trusted, "an unsealed head")

@@ -328,10 +328,18 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
         [(length, tip, chain.encode_path(path), signed.body, signed.key_id, signed.signature,
           delegation_id) for (delegation_id, length, tip, _), path in zip(moved, paths,
                                                                           strict=True)])
-    for delegation_id, length, tip, legacy in moved:
-        sealer.sealed(delegation_id, length, tip, legacy)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
+        # The heads this process sealed are its own once they committed: a batch whose
+        # COMMIT fails leaves heads that never were, which an intruder could write in.
+        db.after.append(functools.partial(_sealed, sealer, moved))
+    else:
+        _sealed(sealer, moved)
+
+
+def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]]) -> None:
+    for delegation_id, length, tip, legacy in moved:
+        sealer.sealed(delegation_id, length, tip, legacy)
 
 
 def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:
