@@ -344,3 +344,63 @@ async def test_a_key_change_its_configuration_cannot_record_is_named_when_the_jo
     assert other.signer.key_id in trusted.keys
     with pytest.raises(JournalError, match=r"registry\.json"):
         await journal.close()
+
+
+async def test_a_revocation_read_after_an_undone_trust_write_is_remembered_at_once(
+        journal_url: str, tmp_path: Path) -> None:
+    """In one batch, an operation writes a key registry entry and then fails (undone alone,
+    on the batch's careful run); another reads the registry, with a revocation someone else
+    committed. The entry that was written is gone: the read holds committed entries alone and
+    is remembered at once. Deferred to the batch's commit as if the entry were still there,
+    it is forgotten when that COMMIT fails (a full disk), and an intruder who then deletes the
+    revocation row has the revoked key trusted again by that configuration."""
+    from tests.test_chain import CommitFails
+    from tether._core.documents import KeyGrant
+    from tether._journal import trustops
+
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    leaked = tether.KeyRing.init(tmp_path / "leaked")
+    observer = tether.KeyRing.init(tmp_path / "observer", pins={
+        deployment.signer.key_id: deployment.signer.public_b64()})
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await _change(sup.journal, deployment, "trust", leaked)
+    async with Journal(journal_url) as j:
+        assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await _change(sup.journal, deployment, "revoke", leaked)
+
+    def written_then_failed(db: Any) -> None:
+        grant = KeyGrant("trust", "0000000000000000", "", "never", time.time())
+        trustops._insert(db, grant, Signed(b"{}", "0000000000000000", b"\0" * 64), time.time())
+        raise ValueError("refused after its entry was written")
+
+    async with Journal(journal_url) as j:
+        runner: Any = j._runner
+        held, hold = threading.Event(), threading.Event()
+
+        def block(db: Any) -> bool:
+            held.set()
+            return hold.wait(5)
+
+        blocker = runner.submit(block, write=False)
+        await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+        runs, run_batch = [], runner._run_batch
+
+        def watched(conn: Any, batch: Any, careful: bool = False) -> Any:
+            runs.append((len(batch), careful))
+            return run_batch(conn, batch, careful)
+
+        runner._run_batch = watched
+        real = runner._conn
+        runner._conn = CommitFails(real)
+        failed = runner.submit(written_then_failed, write=True)
+        read = runner.submit(lambda db: trustops.registry(db, observer.trusted), write=False)
+        hold.set()
+        await blocker
+        outcomes = await asyncio.gather(failed, read, return_exceptions=True)
+        runner._run_batch, runner._conn = run_batch, real
+        assert runs == [(2, False), (2, True)], runs  # one batch, run again with savepoints
+        assert all(isinstance(o, BaseException) for o in outcomes), outcomes  # COMMIT failed
+        again = await _revocation_deleted(j, observer.trusted)
+        assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
+        assert any("rolled back" in p for p in again.problems), again.problems

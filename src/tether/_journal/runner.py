@@ -369,16 +369,13 @@ class Runner:
             for op in batch:
                 if marked:
                     conn.execute("SAVEPOINT op")
-                mark = 0 if dirty is None else len(dirty)
-                deferred = len(db.after) if isinstance(db, Tx) else 0
+                mark = db.mark() if isinstance(db, Tx) else None
                 queued = self.op_mark()
                 try:
                     value = op.fn(db)
                 except Exception as exc:  # refused or failed: undo this operation only
-                    if dirty is not None:
-                        del dirty[mark:]  # what it wrote is rolled back with it
-                    if isinstance(db, Tx):
-                        del db.after[deferred:]  # and what it meant to remember
+                    if mark is not None:
+                        db.undo(mark)  # what it wrote and meant to remember goes with it
                     self.op_undone(queued)  # and what it notified
                     if self.is_lost(conn, exc):
                         raise

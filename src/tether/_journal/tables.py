@@ -161,6 +161,18 @@ class Tx:
         # not committed yet (``trustops.registry`` then remembers it only after the commit).
         self.trust_written = False
 
+    def mark(self) -> tuple[int, int, bool]:
+        """Where the next operation begins: what ``undo`` takes back if it fails alone."""
+        return len(self.dirty), len(self.after), self.trust_written
+
+    def undo(self, mark: tuple[int, int, bool]) -> None:
+        """An operation rolled back to its savepoint: the records it wrote are not chained,
+        nothing it meant to remember is, and a registry entry it wrote no longer defers the
+        batch's later registry reads (they hold committed entries alone)."""
+        del self.dirty[mark[0]:]
+        del self.after[mark[1]:]
+        self.trust_written = mark[2]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
