@@ -165,3 +165,43 @@ def test_posted_writes_wait_for_company_until_a_deadline_not_one_wait_each() -> 
     assert not stopping
     assert clock[0] - 100.0 <= runner_module.POSTED_WAIT + 0.0003
     assert 1 < len(batch) <= 5, len(batch)
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["post-then-flush", "post-with-flush"])
+async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_durable(
+        journal_url: str, keys: tether.KeyRing, alone: bool) -> None:
+    """The configuration remembers chain heads to name a rollback (docs/security.md). A head
+    sealed by a commit that did not wait for the disk can still be lost: by the machine
+    (SQLite ``synchronous=NORMAL``) or by a PostgreSQL server crash (``synchronous_commit =
+    off``). Remembered then, the configuration would read its own journal as rolled back by
+    hand and refuse to extend that delegation from then on. Remembered at the next durable
+    commit that writes (one that writes nothing syncs nothing) instead."""
+    async with tether.Supervisor(journal_url, keys=keys) as sup:
+        handle = await sup.delegate(_quiet)
+        await handle.result()
+        await sup.journal.flush()
+        witness: Any = keys.trusted.heads
+        durable = witness.seen(handle.id)
+        assert durable is not None
+        sup.journal.relaxed_posts = True
+        sup.journal.event(0.0, "note", handle.id)  # a posted write, relaxed
+        if alone:  # it commits, relaxed, in a batch before the flush's
+            runner: Any = sup.journal._runner
+            await runner.submit(lambda db: None, write=False, relaxed=True)
+        await sup.journal.flush(durable=False)
+        length = await sup.journal._read(lambda db: db.execute(
+            "SELECT length FROM chain_heads WHERE delegation_id = ?",
+            (handle.id,)).fetchone()[0])
+        assert length == durable.length + 1
+        assert witness.seen(handle.id) == durable, "a head not yet durable was remembered"
+        await sup.journal.flush()  # writes nothing: syncs nothing
+        assert witness.seen(handle.id) == durable, "a head not yet durable was remembered"
+        other = await sup.delegate(_quiet)  # commits that write, and wait for the disk
+        await other.result()
+        await sup.journal.flush()
+        seen = witness.seen(handle.id)
+        assert seen is not None and seen.length == length
+
+
+async def _quiet(ctx: tether.Context) -> str:
+    return "ok"

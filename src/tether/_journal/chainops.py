@@ -62,6 +62,10 @@ class Sealer:
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
+        # Heads sealed by a commit that did not wait for the disk: unconfirmed once a later
+        # commit that wrote did (it syncs the log up to itself: SQLite's WAL, PostgreSQL's).
+        # A commit that writes nothing syncs nothing, so a flush alone does not count.
+        self.unsynced: dict[str, tuple[int, str]] = {}
 
     @property
     def witness(self) -> HeadMemory | None:
@@ -102,14 +106,26 @@ class Sealer:
             return head.seal is None and head.legacy and head.length == 0
         return chain.seal_problem(delegation_id, head, registry()) is None
 
-    def sealed(self, delegation_id: str, length: int, tip: str, legacy: bool = False) -> None:
+    def sealed(self, delegation_id: str, length: int, tip: str, legacy: bool = False,
+               relaxed: bool = False) -> None:
+        """A head this process sealed, once its batch committed (``relaxed``: without
+        waiting for the disk)."""
         if len(self.own) >= self.MEMO:
             self.own.clear()
         self.own[delegation_id] = (length, tip, legacy)
         if self.witness is not None:
-            if len(self.unconfirmed) >= self.MEMO:
-                self.unconfirmed.clear()  # unremembered then: a weaker witness, never a false one
-            self.unconfirmed[delegation_id] = (length, tip)
+            pending = self.unsynced if relaxed else self.unconfirmed
+            if len(pending) >= self.MEMO:
+                pending.clear()  # unremembered then: a weaker witness, never a false one
+            pending[delegation_id] = (length, tip)
+
+    def synced(self) -> None:
+        """A commit that wrote waited for the disk: every earlier commit is as durable."""
+        if self.unsynced:
+            if len(self.unconfirmed) + len(self.unsynced) > self.MEMO:
+                self.unconfirmed.clear()
+            self.unconfirmed.update(self.unsynced)
+            self.unsynced = {}
 
     def committed(self, ran: list[Any]) -> None:
         """An awaited operation returned: the batch it last ran in (``noting``) committed, so
@@ -118,7 +134,7 @@ class Sealer:
         last = ran[-1] if ran else None
         sealed = last.sealed if isinstance(last, Tx) else None
         witness = self.witness
-        if sealed and witness is not None and isinstance(last, Tx):
+        if sealed and witness is not None and isinstance(last, Tx) and not last.relaxed:
             last.sealed = None
             for delegation_id, length, tip in sealed:
                 witness.note(delegation_id, length, tip)
@@ -332,14 +348,16 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
         # The heads this process sealed are its own once they committed: a batch whose
         # COMMIT fails leaves heads that never were, which an intruder could write in.
-        db.after.append(functools.partial(_sealed, sealer, moved))
+        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed))
     else:
-        _sealed(sealer, moved)
+        _sealed(sealer, moved, False)
 
 
-def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]]) -> None:
+def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool) -> None:
+    if not relaxed:
+        sealer.synced()  # this batch wrote (its chain entries) and waited for the disk
     for delegation_id, length, tip, legacy in moved:
-        sealer.sealed(delegation_id, length, tip, legacy)
+        sealer.sealed(delegation_id, length, tip, legacy, relaxed)
 
 
 def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:

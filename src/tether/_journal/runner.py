@@ -352,8 +352,11 @@ class Runner:
         write = any(op.write for op in batch)
         db = Tx(self.db(conn)) if write and self.sealer is not None else self.db(conn)
         dirty = db.dirty if isinstance(db, Tx) else None
+        relaxed = relaxed_batch(batch)
+        if isinstance(db, Tx):
+            db.relaxed = relaxed
         try:
-            self.relax(conn, relaxed_batch(batch))
+            self.relax(conn, relaxed)
             self.begin(conn, write)
         except Exception as exc:
             if self.is_lost(conn, exc):

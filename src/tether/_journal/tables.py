@@ -160,6 +160,9 @@ class Tx:
         # It wrote a key registry entry: a registry read after that holds an entry that is
         # not committed yet (``trustops.registry`` then remembers it only after the commit).
         self.trust_written = False
+        # Its COMMIT does not wait for the disk (``runner.relaxed_batch``): what it sealed can
+        # still be lost by the machine or a PostgreSQL server, so it is not remembered yet.
+        self.relaxed = False
 
     def mark(self) -> tuple[int, int, bool]:
         """Where the next operation begins: what ``undo`` takes back if it fails alone."""
