@@ -5,7 +5,9 @@ for a durable commit (an intent) stays durable."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,15 +169,19 @@ def test_posted_writes_wait_for_company_until_a_deadline_not_one_wait_each() -> 
     assert 1 < len(batch) <= 5, len(batch)
 
 
-@pytest.mark.parametrize("alone", [True, False], ids=["post-then-flush", "post-with-flush"])
+@pytest.mark.parametrize("path", ["riding-the-flush", "read-back-at-the-flush"])
 async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_durable(
-        journal_url: str, keys: tether.KeyRing, alone: bool) -> None:
+        journal_url: str, keys: tether.KeyRing, path: str) -> None:
     """The configuration remembers chain heads to name a rollback (docs/security.md). A head
     sealed by a commit that did not wait for the disk can still be lost: by the machine
     (SQLite ``synchronous=NORMAL``) or by a PostgreSQL server crash (``synchronous_commit =
     off``). Remembered then, the configuration would read its own journal as rolled back by
-    hand and refuse to extend that delegation from then on. Remembered at the next durable
-    commit that writes (one that writes nothing syncs nothing) instead."""
+    hand and refuse to extend that delegation from then on. Remembered once a later durable
+    commit that sealed heads synced the log instead. Either way a relaxed head could reach
+    the memory: a posted write riding the relaxed flush's own batch, or one committed relaxed
+    before it and read back by the flush."""
+    from tether._journal import ops
+
     async with tether.Supervisor(journal_url, keys=keys) as sup:
         handle = await sup.delegate(_quiet)
         await handle.result()
@@ -183,20 +189,46 @@ async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_dura
         witness: Any = keys.trusted.heads
         durable = witness.seen(handle.id)
         assert durable is not None
-        sup.journal.relaxed_posts = True
-        sup.journal.event(0.0, "note", handle.id)  # a posted write, relaxed
-        if alone:  # it commits, relaxed, in a batch before the flush's
-            runner: Any = sup.journal._runner
-            await runner.submit(lambda db: None, write=False, relaxed=True)
-        await sup.journal.flush(durable=False)
+        runner: Any = sup.journal._runner
+        if path == "riding-the-flush":
+            held, hold = threading.Event(), threading.Event()
+
+            def block(db: Any) -> bool:
+                held.set()
+                return hold.wait(5)
+
+            blocker = runner.submit(block, write=False)
+            await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+            submit, queued = runner.submit, asyncio.Event()
+
+            def watched(fn: Any, *, write: bool, wait: bool = True,
+                        relaxed: bool = False) -> Any:
+                future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+                if wait:
+                    queued.set()
+                return future
+
+            runner.submit = watched
+            sup.journal.relaxed_posts = True
+            sup.journal.event(0.0, "note", handle.id)  # posted, queued behind the blocker
+            flushed = asyncio.ensure_future(sup.journal.flush(durable=False))
+            await queued.wait()  # the flush queued behind the post: one batch
+            runner.submit = submit
+            hold.set()
+            await blocker
+            await flushed
+        else:
+            await runner.submit(lambda db: ops.event(db, 0.0, "note", handle.id, None),
+                                write=True, relaxed=True)
+            await sup.journal.flush(durable=False)
         length = await sup.journal._read(lambda db: db.execute(
             "SELECT length FROM chain_heads WHERE delegation_id = ?",
             (handle.id,)).fetchone()[0])
         assert length == durable.length + 1
         assert witness.seen(handle.id) == durable, "a head not yet durable was remembered"
-        await sup.journal.flush()  # writes nothing: syncs nothing
+        await sup.journal.flush()  # promotes nothing: only a durable commit that sealed
         assert witness.seen(handle.id) == durable, "a head not yet durable was remembered"
-        other = await sup.delegate(_quiet)  # commits that write, and wait for the disk
+        other = await sup.delegate(_quiet)  # commits that seal, and wait for the disk
         await other.result()
         await sup.journal.flush()
         seen = witness.seen(handle.id)
@@ -205,3 +237,44 @@ async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_dura
 
 async def _quiet(ctx: tether.Context) -> str:
     return "ok"
+
+
+async def test_a_durable_flush_after_relaxed_commits_syncs_them_on_sqlite(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flush()`` waits until everything queued before it survives the machine. On SQLite a
+    transaction that writes nothing syncs nothing, so a flush after relaxed commits (the MCP
+    proxy's receipts, at its close) returned with them still in the log's unsynced pages. It
+    syncs the log itself then, and only then: a flush with nothing relaxed before it, or a
+    durable commit that wrote (SQLite syncs that one), adds no sync."""
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)  # the one the backend calls
+    path = tmp_path / "journal.db"
+    async with tether.Journal(f"sqlite:///{path}") as j:
+        runner: Any = j._runner
+
+        async def relaxed_write() -> None:  # a commit that does not wait for the disk
+            await runner.submit(lambda db: db.execute(
+                "INSERT INTO events (at, kind, detail) VALUES (0, 'relaxed', '{}')"),
+                write=True, relaxed=True)
+
+        await j.flush()
+        assert synced == []  # nothing relaxed before it
+        await relaxed_write()
+        await j.flush(durable=False)
+        assert synced == []
+        await j.flush()
+        assert synced == [f"{path}-wal"], synced
+        await j.flush()
+        assert synced == [f"{path}-wal"], synced  # synced already
+        await relaxed_write()
+        await j._write(lambda db: db.execute("INSERT INTO events (at, kind, detail) "
+                                             "VALUES (0, 'durable', '{}')"))
+        await j.flush()
+        assert synced == [f"{path}-wal"], synced  # the commit that wrote synced the log

@@ -63,8 +63,8 @@ class Sealer:
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
         # Heads sealed by a commit that did not wait for the disk: unconfirmed once a later
-        # commit that wrote did (it syncs the log up to itself: SQLite's WAL, PostgreSQL's).
-        # A commit that writes nothing syncs nothing, so a flush alone does not count.
+        # durable commit that sealed heads did (it synced the log up to itself: SQLite's WAL,
+        # PostgreSQL's). Touched by the writer thread only.
         self.unsynced: dict[str, tuple[int, str]] = {}
 
     @property

@@ -264,6 +264,10 @@ class SqliteRunner(ThreadRunner):
         # notified, sent once it committed; and this process's own listener.
         self._notes: list[str] = []
         self._listener: wake.Listener | None = None
+        # A relaxed commit wrote frames to the log that nothing synced since; and the
+        # connection's count of changed rows when the batch on the wire began.
+        self._unsynced = False
+        self._changes = 0
 
     def connect(self) -> sqlite3.Connection:
         # Absolute as of now: a process that changes directory later still checks this file.
@@ -310,6 +314,7 @@ class SqliteRunner(ThreadRunner):
 
     def begin(self, conn: sqlite3.Connection, write: bool) -> None:
         self._notes.clear()  # what a batch that did not commit notified is dropped with it
+        self._changes = conn.total_changes
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         # A file deleted or moved over the journal's path leaves this connection on the old
         # inode: every commit would land in a file nobody will ever open. Checked once the
@@ -329,6 +334,8 @@ class SqliteRunner(ThreadRunner):
 
     def landed(self, conn: sqlite3.Connection) -> None:
         self._same_files()
+        if self._synchronous == "FULL":
+            self._sync(wrote=conn.total_changes != self._changes)
         if self._notes:
             notes = list(self._notes)
             self._notes.clear()
@@ -336,6 +343,29 @@ class SqliteRunner(ThreadRunner):
             # never the batch's failure.
             with contextlib.suppress(Exception):
                 wake.send(self._where, notes)
+
+    def _sync(self, wrote: bool) -> None:
+        """After a commit of a durable journal: a relaxed one leaves the log unsynced, and a
+        durable one that wrote syncs it (SQLite does, at its commit). A durable one that wrote
+        nothing (a flush) syncs nothing, so it syncs the log itself: what was relaxed before
+        it then survives the machine, as ``flush`` says."""
+        if self._level != "FULL":
+            self._unsynced = self._unsynced or wrote
+            return
+        if self._unsynced and not wrote:
+            try:
+                fd = os.open(f"{self._at}-wal", os.O_RDONLY)
+            except FileNotFoundError:  # checkpointed into the file: synced by the checkpoint
+                pass
+            else:
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    raise JournalError(f"could not sync the journal's write-ahead log "
+                                       f"{self.path}-wal: {exc}") from None
+                finally:
+                    os.close(fd)
+        self._unsynced = False
 
     def _same_files(self) -> None:
         now = identity(self._at)
