@@ -404,3 +404,63 @@ async def test_a_revocation_read_after_an_undone_trust_write_is_remembered_at_on
         again = await _revocation_deleted(j, observer.trusted)
         assert leaked.signer.key_id not in again.keys, "a revoked key is trusted again"
         assert any("rolled back" in p for p in again.problems), again.problems
+
+
+@pytest.mark.parametrize("writes", [True, False], ids=["undone-after-it-wrote", "before"])
+async def test_a_row_found_by_an_undone_operation_is_found_again_by_the_next(
+        pg_url: str, keys: tether.KeyRing, writes: bool) -> None:
+    """On a batch's careful run, one operation reads an action's row as committed (its
+    pre-image, under the row's lock), updates it, and fails: undone to its savepoint, with
+    the lock. Another process then updates that row, sealed. A later operation of the batch
+    that updates it must chain the row it found (the other process's), not the first one's
+    forgotten read: that names the other process's update as tampering (PostgreSQL alone:
+    SQLite's one writer keeps the other out until the batch commits)."""
+    from tests.test_chain import one_refund, refund
+    from tether._journal.tables import before, touch
+
+    _, once = one_refund("PRE")
+    async with tether.Supervisor(pg_url, tools=[refund], keys=keys) as sup:
+        journal: Any = sup.journal
+        child = await sup.delegate(once)
+        await child.result()
+        await journal.flush()
+        (action,) = await journal.actions([child.id])
+
+        def update(note: str, fail: bool = False) -> Callable[[Any], None]:
+            def op(db: Any) -> None:
+                if fail and not writes:
+                    raise ValueError("refused before it wrote")
+                before(db, "actions", action.id)
+                db.execute("UPDATE actions SET error = ? WHERE id = ?", (note, action.id))
+                touch(db, "actions", action.id)
+                if fail:
+                    raise ValueError("refused after it wrote")
+            return op
+
+        async with Journal(pg_url) as other:
+            other.seal_with(keys.signer, keys.trusted)
+            runner: Any = journal._runner
+            held, hold = threading.Event(), threading.Event()
+            between, go_on = threading.Event(), threading.Event()
+
+            def block(db: Any) -> bool:
+                held.set()
+                return hold.wait(5)
+
+            def pause(db: Any) -> None:  # on the careful run: the other process writes now
+                between.set()
+                assert go_on.wait(10)
+
+            blocker = runner.submit(block, write=False)
+            await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+            first = runner.submit(update("first", fail=True), write=True)
+            paused = runner.submit(pause, write=True)
+            later = runner.submit(update("later"), write=True)
+            hold.set()
+            await blocker
+            await asyncio.to_thread(between.wait, 10)
+            await other._write(update("other"))
+            go_on.set()
+            outcomes = await asyncio.gather(first, paused, later, return_exceptions=True)
+            assert isinstance(outcomes[0], ValueError) and outcomes[2] is None, outcomes
+        await journal.untampered([child.id], keys.trusted, "no false alarm")

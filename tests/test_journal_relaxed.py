@@ -278,3 +278,42 @@ async def test_a_durable_flush_after_relaxed_commits_syncs_them_on_sqlite(
                                              "VALUES (0, 'durable', '{}')"))
         await j.flush()
         assert synced == [f"{path}-wal"], synced  # the commit that wrote synced the log
+
+
+async def test_a_relaxed_head_a_reader_of_this_process_accepts_is_not_remembered_either(
+        journal_url: str, keys: tether.KeyRing) -> None:
+    """A chain check (a report's, reconciliation's, re-delegation's, `verify`'s) of this
+    process accepts a head it sealed in a relaxed commit: it must not remember it either. The
+    commit is then lost (a server crash, a power loss: the journal as it was before it), and
+    the process goes on extending its delegation, with no false alarm."""
+    from tests.test_trust import raw
+    from tether._journal import ops
+
+    head_of = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads "
+               "WHERE delegation_id = ?")
+    async with tether.Supervisor(journal_url, keys=keys) as sup:
+        journal: Any = sup.journal
+        handle = await sup.delegate(_quiet)
+        await handle.result()
+        await journal.flush()
+        before = await journal._read(lambda db: tuple(db.execute(
+            head_of, (handle.id,)).fetchone()))
+        runner: Any = journal._runner
+        await runner.submit(lambda db: ops.event(db, 0.0, "note", handle.id, None),
+                            write=True, relaxed=True)
+        (verdict,) = await journal.chain_verdicts([handle.id], keys.trusted)
+        assert verdict.ok
+        # Lost with the server (or the machine): the journal as it was before that commit.
+        await raw(journal, "DELETE FROM chain WHERE delegation_id = ? AND seq > ?",
+                  handle.id, before[0])
+        await raw(journal, "DELETE FROM events WHERE delegation_id = ? AND kind = 'note'",
+                  handle.id)
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, legacy = ?, path = ?, "
+                  "seal = ?, signer = ?, signature = ? WHERE delegation_id = ?", *before,
+                  handle.id)
+        await journal._write(lambda db: ops.event(db, 0.0, "after", handle.id, None))
+        length = await journal._read(lambda db: db.execute(
+            "SELECT length FROM chain_heads WHERE delegation_id = ?",
+            (handle.id,)).fetchone()[0])
+        assert length == before[0] + 1, "the writer refused to extend its own delegation"
+        await journal.untampered([handle.id], keys.trusted, "no false alarm")

@@ -163,10 +163,12 @@ def persist(*witnesses: HeadMemory | None) -> None:
 
 
 def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
-             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None
+             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None,
+             unsynced: Mapping[str, tuple[int, str]] | None = None
              ) -> list[chain.ChainVerdict]:
     """Each delegation judged against its chain and the head its configuration remembered
-    (``seen``, taken before the read began); each that verifies is remembered in turn."""
+    (``seen``, taken before the read began); each that verifies is remembered in turn, but
+    for a head this process sealed in a commit not synced yet (``Sealer.unsynced``)."""
     # This batch's own writes (``Tx.dirty``) are chained at its end, after this read: a record
     # it inserted has no entry yet, one it updated differs from its entry. Neither is anyone's
     # tampering, as long as the row it found was the one last sealed (its pre-image): a row
@@ -181,7 +183,8 @@ def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
             sealed = {e.record: e.content for e in sorted(entries, key=lambda e: e.seq)}
             verdict.problems = [p for p in verdict.problems
                                 if not _own_write(p, found_by, sealed)]
-        if witness is not None and verdict.ok and head is not None:
+        if witness is not None and verdict.ok and head is not None and \
+                (unsynced is None or unsynced.get(d) != (head.length, head.hash)):
             witness.note(d, head.length, head.hash)  # accepted
         found.append(verdict)
     return found

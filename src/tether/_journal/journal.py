@@ -537,7 +537,8 @@ class Journal:
                 # A process believes its own seals (a worker whose key the registry does
                 # not trust yet): nobody else can make them. `tether verify` still names them.
                 reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
-            return chainops.verdicts(db, delegation_ids, reg, seen, witness)
+            return chainops.verdicts(db, delegation_ids, reg, seen, witness,
+                                     self._sealer.unsynced)  # read on the writer thread
 
         return await self._read(op)
 

@@ -164,17 +164,22 @@ class Tx:
         # still be lost by the machine or a PostgreSQL server, so it is not remembered yet.
         self.relaxed = False
 
-    def mark(self) -> tuple[int, int, bool]:
+    def mark(self) -> tuple[int, int, int, bool]:
         """Where the next operation begins: what ``undo`` takes back if it fails alone."""
-        return len(self.dirty), len(self.after), self.trust_written
+        return len(self.dirty), len(self.pre), len(self.after), self.trust_written
 
-    def undo(self, mark: tuple[int, int, bool]) -> None:
+    def undo(self, mark: tuple[int, int, int, bool]) -> None:
         """An operation rolled back to its savepoint: the records it wrote are not chained,
-        nothing it meant to remember is, and a registry entry it wrote no longer defers the
-        batch's later registry reads (they hold committed entries alone)."""
+        the rows it found are forgotten (their locks went with the savepoint on PostgreSQL:
+        another process may change them before the batch writes them again), nothing it
+        meant to remember is, and a registry entry it wrote no longer defers the batch's
+        later registry reads (they hold committed entries alone)."""
         del self.dirty[mark[0]:]
-        del self.after[mark[1]:]
-        self.trust_written = mark[2]
+        if len(self.pre) > mark[1]:  # insertion-ordered: what it added is at the end
+            for key in list(self.pre)[mark[1]:]:
+                del self.pre[key]
+        del self.after[mark[2]:]
+        self.trust_written = mark[3]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
