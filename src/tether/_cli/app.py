@@ -22,14 +22,23 @@ from tether._cli.common import (
     out,
     run,
 )
+from tether._cli.controls import (
+    AgentSelectOpt,
+    SinceOpt,
+    StateOpt,
+    control_many,
+    needs_person,
+    selection,
+)
 from tether._cli.errors import Group, cli_errors, err
 from tether._cli.safe import plain, safe
 from tether._core.errors import AlreadyFinished, UserError
-from tether._core.model import ControlKind, DelegationState, Policy, check_grace
+from tether._core.model import ControlKind, Policy, check_grace
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._runtime.declared import HOW, deployment_tools, load_tools
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import configure as configure_logs
+from tether._runtime.resolve import operator_of
 from tether._runtime.supervisor import Supervisor
 
 app = typer.Typer(cls=Group, add_completion=False, no_args_is_help=True,
@@ -100,7 +109,6 @@ def _control_cmd(kind: ControlKind, delegation_id: str, journal: str, grace: flo
     from tether._cli import temporal as on_temporal
     from tether._cli.render import render_report
     from tether._runtime.control import ControlRequest, send_control
-    from tether._runtime.resolve import operator_of
 
     if kind is ControlKind.RECALL:
         check_grace(grace, Policy())
@@ -173,43 +181,57 @@ TemporalOpt = Annotated[str | None, typer.Option(
     "is a Temporal workflow run is then stopped there too, after the journal's report.")]
 NamespaceOpt = Annotated[str, typer.Option(
     "--namespace", envvar="TEMPORAL_NAMESPACE", help="The Temporal namespace (--temporal).")]
-# Outcomes a person must look at: a command that ends with one exits 1 (not settled yet, or
-# held for a person).
-ATTENTION = frozenset(s.value for s in DelegationState
-                      if not s.terminal or s is DelegationState.NEEDS_ATTENTION)
-
-
-def needs_person(report: dict[str, Any]) -> bool:
-    """A report (as JSON) not settled, or held for a person, anywhere in its tree: a root
-    TERMINATED whose child's call is UNKNOWN still needs one."""
-    return report["outcome"] in ATTENTION or any(needs_person(c) for c in report["children"])
 
 
 @app.command()
 @cli_errors
-def recall(delegation_id: str,
+def recall(delegation_id: Annotated[str | None, typer.Argument()] = None,
            grace: Annotated[float, typer.Option("--grace", help="Seconds in-flight actions "
                                                 "may still run.")] = 30.0,
            reason: Annotated[str, typer.Option("--reason")] = "",
            by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
            wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+           agent: AgentSelectOpt = None, state: StateOpt = None, since: SinceOpt = None,
            temporal: TemporalOpt = None, namespace: NamespaceOpt = "default",
            as_json: JsonOpt = False) -> None:
-    """Recall a delegation: signed intent, fence closed at once, grace for in-flight actions."""
-    _control_cmd(ControlKind.RECALL, delegation_id, journal, grace, reason, by, wait, keys,
-                 as_json, (temporal, namespace))
+    """Recall a delegation, or every live one that --agent, --state and --since select:
+    signed intent, fence closed at once, grace for in-flight actions."""
+    _control_any(ControlKind.RECALL, delegation_id, (agent, state, since), journal, grace,
+                 reason, by, wait, keys, as_json, (temporal, namespace))
 
 
 @app.command()
 @cli_errors
-def terminate(delegation_id: str, reason: Annotated[str, typer.Option("--reason")] = "",
+def terminate(delegation_id: Annotated[str | None, typer.Argument()] = None,
+              reason: Annotated[str, typer.Option("--reason")] = "",
               by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
               wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
+              agent: AgentSelectOpt = None, state: StateOpt = None, since: SinceOpt = None,
               temporal: TemporalOpt = None, namespace: NamespaceOpt = "default",
               as_json: JsonOpt = False) -> None:
-    """Terminate a delegation now; its in-flight actions are probed."""
-    _control_cmd(ControlKind.TERMINATE, delegation_id, journal, None, reason, by, wait, keys,
-                 as_json, (temporal, namespace))
+    """Terminate a delegation now, or every live one that --agent, --state and --since
+    select; their in-flight actions are probed."""
+    _control_any(ControlKind.TERMINATE, delegation_id, (agent, state, since), journal, None,
+                 reason, by, wait, keys, as_json, (temporal, namespace))
+
+
+def _control_any(kind: ControlKind, delegation_id: str | None,
+                 selectors: tuple[str | None, list[str] | None, str | None], journal: str,
+                 grace: float | None, reason: str, by: str | None, wait: bool,
+                 keys: Path | None, as_json: bool,
+                 temporal: tuple[str | None, str]) -> None:
+    query = selection(delegation_id, *selectors)
+    if query is None:
+        assert delegation_id is not None
+        _control_cmd(kind, delegation_id, journal, grace, reason, by, wait, keys, as_json,
+                     temporal)
+        return
+    if temporal[0] is not None:
+        raise UserError("--temporal stops one delegation's run: name its id")
+    if kind is ControlKind.RECALL:
+        check_grace(grace, Policy())
+    operator_of(by)  # a name nobody can read is refused before anything is signed
+    control_many(kind, query, journal, grace, reason, by, wait, keys, as_json)
 
 
 @app.command()

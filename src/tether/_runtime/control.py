@@ -17,6 +17,7 @@ from tether._core.model import ControlKind, Policy
 from tether._core.signing import Signed
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
+from tether._journal.triage import DelegationQuery
 from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
@@ -41,52 +42,105 @@ class ControlRequest:
     wait: bool = False
 
 
+WAITERS = 64  # owners' reports read at once by a request for many delegations
+
+
 async def send_control(req: ControlRequest) -> dict[str, Any]:
     """The intent accepted (``accepted``, ``seq``), and with ``wait`` the owner's report,
     or ``waiting`` saying why there is none yet."""
     by = operator_of(req.by)
-    issuer = f"{req.via}:{by}"
-    delegation_id = req.delegation_id
     async with Journal(req.journal_url, create=False) as j:
         ring = await asyncio.to_thread(KeyRing.load, req.keys or j.keys_dir)
         j.seal_with(ring.signer, ring.trusted)  # this process's writes are sealed with its key
-        # A recall offers the next sequence as read now, so that the loser of two racing
-        # recalls is told the current sequence (I4); a terminate takes the next one whatever
-        # came before it (it cuts a recall's grace window short).
-        offered = None
-        if req.kind is ControlKind.RECALL:
-            offered = (await j.get(delegation_id)).control_seq + 1
-        now = time.time()
-
-        task: list[str] = []  # the task of the delegation the intent is signed for
-
-        def make(row: DelegationRow) -> Signed:
-            task[:] = [row.task_id]
-            seq = row.control_seq + 1 if offered is None else offered
-            return ring.signer.sign(ControlIntent(req.kind, row.id, row.epoch, seq, req.grace,
-                                                  req.reason, now, issued_by=by))
-
-        try:
-            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
-                                                time.time)
-        except AlreadyFinished:
-            # Between attempts nothing runs, yet the request must stop a re-dispatch, which
-            # re-checks the task's cancel generation before forking; one that forked already
-            # is stopped in its own right.
-            row = await j.get(delegation_id)
-            await j.bump_cancel(row.task_id, now, f"{req.kind.value.lower()}: {req.reason}")
-            latest = await j.latest_attempt(delegation_id)
-            if latest.id == delegation_id or latest.state.terminal:
-                raise
-            delegation_id = latest.id
-            intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
-                                                time.time)
-        answer: dict[str, Any] = {"delegation": delegation_id, "task": task[0],
-                                  "seq": intent.seq, "kind": req.kind.value, "accepted": True,
-                                  "issuer": issuer}
+        answer = await _accept(j, ring, req, req.delegation_id, by)
         if req.wait:
-            await _wait(j, delegation_id, req.kind, req.grace, answer)
+            await _wait(j, answer["delegation"], req.kind, req.grace, answer)
         return answer
+
+
+async def send_controls(req: ControlRequest, query: DelegationQuery,
+                        waiters: int = WAITERS) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The request for every live delegation ``query`` selects (its ``delegation_id`` is not
+    used): each intent signed and accepted at once (the journal's writer commits them in
+    batches, so every fence closes within a few commits), then, with ``wait``, each owner's
+    report. A delegation under another one selected is left to that one's recall, which
+    fences its whole subtree: the second mapping names it and its selected ancestor. One that
+    ended meanwhile is answered ``accepted: False`` with ``ended``, never an error."""
+    by = operator_of(req.by)
+    async with Journal(req.journal_url, create=False) as j:
+        ring = await asyncio.to_thread(KeyRing.load, req.keys or j.keys_dir)
+        j.seal_with(ring.signer, ring.trusted)
+        chosen = await j.page(query)
+        parents = {r.id: r.parent_id for r in await j.delegations(live_only=True)}
+        selected = {r.id for r in chosen if not r.state.terminal}
+        covered: dict[str, str] = {}
+        for row in chosen:
+            up = row.parent_id
+            while up is not None and row.id not in covered:
+                if up in selected:
+                    covered[row.id] = up
+                up = parents.get(up)
+        targets = [r.id for r in chosen if r.id in selected and r.id not in covered]
+
+        async def one(delegation_id: str) -> dict[str, Any]:
+            try:
+                return await _accept(j, ring, req, delegation_id, by)
+            except AlreadyFinished as exc:
+                return {"delegation": delegation_id, "kind": req.kind.value,
+                        "accepted": False, "ended": str(exc)}
+
+        answers = list(await asyncio.gather(*(one(d) for d in targets)))
+        if req.wait:
+            # The owners drain in parallel whatever this process does; a bounded number of
+            # watchers reads their reports (each polls the journal).
+            gate = asyncio.Semaphore(waiters)
+
+            async def waited(answer: dict[str, Any]) -> None:
+                async with gate:
+                    await _wait(j, answer["delegation"], req.kind, req.grace, answer)
+
+            await asyncio.gather(*(waited(a) for a in answers if a["accepted"]))
+        return answers, covered
+
+
+async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id: str,
+                  by: str) -> dict[str, Any]:
+    """Sign and have the journal accept the intent for ``delegation_id`` (or, between its
+    attempts, for its latest attempt); ``AlreadyFinished`` when it ended."""
+    issuer = f"{req.via}:{by}"
+    # A recall offers the next sequence as read now, so that the loser of two racing recalls
+    # is told the current sequence (I4); a terminate takes the next one whatever came before
+    # it (it cuts a recall's grace window short).
+    offered = None
+    if req.kind is ControlKind.RECALL:
+        offered = (await j.get(delegation_id)).control_seq + 1
+    now = time.time()
+
+    task: list[str] = []  # the task of the delegation the intent is signed for
+
+    def make(row: DelegationRow) -> Signed:
+        task[:] = [row.task_id]
+        seq = row.control_seq + 1 if offered is None else offered
+        return ring.signer.sign(ControlIntent(req.kind, row.id, row.epoch, seq, req.grace,
+                                              req.reason, now, issued_by=by))
+
+    try:
+        intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
+                                            time.time)
+    except AlreadyFinished:
+        # Between attempts nothing runs, yet the request must stop a re-dispatch, which
+        # re-checks the task's cancel generation before forking; one that forked already is
+        # stopped in its own right.
+        row = await j.get(delegation_id)
+        await j.bump_cancel(row.task_id, now, f"{req.kind.value.lower()}: {req.reason}")
+        latest = await j.latest_attempt(delegation_id)
+        if latest.id == delegation_id or latest.state.terminal:
+            raise
+        delegation_id = latest.id
+        intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
+                                            time.time)
+    return {"delegation": delegation_id, "task": task[0], "seq": intent.seq,
+            "kind": req.kind.value, "accepted": True, "issuer": issuer}
 
 
 async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
