@@ -277,6 +277,41 @@ async def storm(directory: Path, n: int, grace: float) -> tuple[float, float]:
     return max(fenced) - start, done
 
 
+async def shell_storm(directory: Path, n: int, grace: float) -> tuple[float, float]:
+    """``n`` live children of one agent, each with an action in flight, recalled by one
+    `tether recall --agent` in another process. Returns (seconds from the command's start
+    until the owner was draining every one, seconds until the command ended with every
+    report). The command's own start (about half a second of imports) is included."""
+    release = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def slow(*, idempotency_key: str) -> None:
+        await release.wait()
+
+    async def busy(ctx: tether.Context) -> None:
+        await ctx.call(slow)
+        await ctx.call(slow)
+
+    url = journal_url(directory, f"shell-storm-{time.monotonic_ns()}.db")
+    async with tether.Supervisor(url, policy=tether.Policy(max_grace=grace * 2)) as sup:
+        fenced: list[float] = []
+        sup.listen(lambda event, _: fenced.append(time.perf_counter())
+                   if event == "drain" else None)
+        agent = tether.Agent("storm", busy, (slow,))
+        await asyncio.gather(*(sup.delegate(agent, tools=[slow]) for _ in range(n)))
+        await sup.journal.flush()
+        start = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tether", "recall", "--agent", "storm", "--grace", str(grace),
+            "--json", "--journal", url, stdout=subprocess.PIPE)
+        asyncio.get_running_loop().call_later(grace / 2, release.set)
+        out, _ = await proc.communicate()
+        done = time.perf_counter() - start
+        answers = json.loads(out)["answers"]
+        assert proc.returncode == 0 and len(answers) == n, (proc.returncode, len(answers))
+    return max(fenced) - start, done
+
+
 async def idle_memory(n: int) -> float:
     """Bytes of Python memory per idle child (tracemalloc), with the journal on disk."""
     hold = asyncio.Event()
@@ -407,6 +442,7 @@ def main() -> int:
             if pg_commit_cost(5) is not None else []
         storm_n = 1000 if q else 10_000
         storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
+        shell = asyncio.run(shell_storm(d, 500 if q else 2000, grace=2.0))
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
         sims = [sim_throughput(100 if q else 500) for _ in range(1 if q else 3)]
@@ -433,6 +469,10 @@ def main() -> int:
             "max": pg_recall[-1], "n": len(pg_recall)}
     figures["storm"] = {"children": storm_n, "grace_s": 2.0, "all_fenced_s": storms[0][0],
                         "all_reports_s": storms[0][1]}
+    figures["shell_storm"] = {"children": 500 if q else 2000, "grace_s": 2.0,
+                              "all_fenced_s": shell[0], "all_reports_s": shell[1],
+                              "note": "one `tether recall --agent` in another process, its "
+                                      "start included"}
     figures["idle_child_bytes"] = memory
     figures["dbos"] = dbos
     figures["sim_trials_per_minute"] = stats(sims)
