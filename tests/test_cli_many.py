@@ -150,12 +150,14 @@ async def test_a_terminate_of_a_selection_without_waiting(journal_url: str) -> N
     ([], "name a delegation id"),
     (["--state", "COMPLETED"], "not a live state"),
     (["--state", "RUNNING,BOGUS"], "not a live state"),
+    (["--state", " ,"], "takes a live state"),
     (["--agent", " "], "empty name"),
     (["--since", "last tuesday"], "--since"),
     (["--agent", "payer", "--temporal", "127.0.0.1:1"], "--temporal"),
     (["--agent", "payer", "--grace", "0"], "grace"),
     (["--agent", "payer", "--by", "\x1b[31m"], "--by"),
-], ids=["id-and-selection", "neither", "settled-state", "unknown-state", "empty-agent",
+], ids=["id-and-selection", "neither", "settled-state", "unknown-state", "empty-state",
+        "empty-agent",
         "bad-since", "temporal", "bad-grace", "unreadable-operator"])
 async def test_a_bad_selection_is_one_error_line_and_signs_nothing(
         journal_url: str, args: list[str], says: str) -> None:
@@ -180,3 +182,91 @@ async def test_a_bad_selection_is_one_error_line_and_signs_nothing(
         await live.result()
 
 
+
+
+async def test_a_selection_with_one_already_being_recalled_stops_the_rest(
+        journal_url: str) -> None:
+    """One `payer` delegation is in an earlier recall's grace window, its call in flight;
+    `tether recall --agent payer` recalls the other and answers for the first (another
+    intent stops it: its report is waited for), rather than failing as a whole after it
+    signed some intents. Exit 0 once both settled."""
+    release = asyncio.Event()
+    started = asyncio.Semaphore(0)
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def slow(*, idempotency_key: str) -> None:
+        started.release()
+        await release.wait()
+
+    async def pays(ctx: tether.Context) -> None:
+        await ctx.call(slow)
+        await ctx.call(slow)
+
+    agent = tether.Agent("payer", pays, (slow,))
+    async with tether.Supervisor(journal_url) as sup:
+        waiter = events_of(sup)
+        first = await sup.delegate(agent, tools=[slow])
+        second = await sup.delegate(agent, tools=[slow])
+        await started.acquire()
+        await started.acquire()
+        code, _, err = await tether_here("recall", first.id, "--grace", "60", "--no-wait",
+                                         "--journal", journal_url)
+        assert code == 0, err
+        await waiter("drain", first.id).wait()
+
+        async def release_when_drained() -> None:
+            await waiter("drain", second.id).wait()
+            release.set()
+
+        releasing = asyncio.ensure_future(release_when_drained())
+        code, out, err = await tether_cli("recall", "--agent", "payer", "--grace", "30",
+                                          "--journal", journal_url, "--json")
+        await releasing
+        assert code == 0, (out, err)
+        answers = {a["delegation"]: a for a in json.loads(out)["answers"]}
+        assert answers[second.id]["accepted"], answers
+        assert not answers[first.id]["accepted"] and "refused" in answers[first.id]
+        assert {a["report"]["outcome"] for a in answers.values()} == {"RECALLED"}
+        assert len(await sup.journal.controls(first.id)) == 1  # the earlier one alone
+
+
+async def test_two_bulk_recalls_racing_each_stop_every_delegation(journal_url: str) -> None:
+    """Two `tether recall --agent` at once over the same delegations: every delegation gets
+    exactly one intent; the loser of each race is told so per delegation (I4), and neither
+    command fails as a whole."""
+    async with tether.Supervisor(journal_url) as sup:
+        hold = asyncio.Event()
+
+        async def waits(ctx: tether.Context) -> None:
+            await hold.wait()
+
+        handles = [await sup.delegate(tether.Agent("race", waits)) for _ in range(120)]
+        args = ("recall", "--agent", "race", "--grace", "5", "--no-wait", "--journal",
+                journal_url, "--json")
+        (code1, out1, err1), (code2, out2, err2) = await asyncio.gather(
+            tether_cli(*args), tether_cli(*args))
+        assert (code1, code2) == (0, 0), (err1, err2)
+        accepted = [a["delegation"] for out in (out1, out2)
+                    for a in json.loads(out)["answers"] if a["accepted"]]
+        assert sorted(accepted) == sorted(h.id for h in handles)  # each exactly once
+        for handle in handles:
+            assert len(await sup.journal.controls(handle.id)) == 1
+
+
+async def test_temporal_address_in_the_environment_does_not_refuse_a_selection(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Operators of Temporal deployments export $TEMPORAL_ADDRESS: a selection still works
+    (its runs fenced in the journal); only an explicit --temporal is refused."""
+    monkeypatch.setenv("TEMPORAL_ADDRESS", "127.0.0.1:1")
+    async with tether.Supervisor(journal_url) as sup:
+        waiter = events_of(sup)
+
+        async def waits(ctx: tether.Context) -> None:
+            await asyncio.Event().wait()
+
+        live = await sup.delegate(tether.Agent("idle", waits))
+        code, out, err = await tether_here("terminate", "--agent", "idle", "--no-wait",
+                                           "--journal", journal_url, "--json")
+        assert code == 0, err
+        assert [a["delegation"] for a in json.loads(out)["answers"]] == [live.id]
+        await waiter("drain", live.id).wait()

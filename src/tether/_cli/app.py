@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from urllib.parse import parse_qs, urlsplit
 
 import typer
+from typer._click.core import ParameterSource
 
 from tether._cli.common import (
     ByOpt,
@@ -185,7 +186,7 @@ NamespaceOpt = Annotated[str, typer.Option(
 
 @app.command()
 @cli_errors
-def recall(delegation_id: Annotated[str | None, typer.Argument()] = None,
+def recall(ctx: typer.Context, delegation_id: Annotated[str | None, typer.Argument()] = None,
            grace: Annotated[float, typer.Option("--grace", help="Seconds in-flight actions "
                                                 "may still run.")] = 30.0,
            reason: Annotated[str, typer.Option("--reason")] = "",
@@ -196,13 +197,14 @@ def recall(delegation_id: Annotated[str | None, typer.Argument()] = None,
            as_json: JsonOpt = False) -> None:
     """Recall a delegation, or every live one that --agent, --state and --since select:
     signed intent, fence closed at once, grace for in-flight actions."""
-    _control_any(ControlKind.RECALL, delegation_id, (agent, state, since), journal, grace,
-                 reason, by, wait, keys, as_json, (temporal, namespace))
+    _control_any(ctx, ControlKind.RECALL, delegation_id, (agent, state, since), journal,
+                 grace, reason, by, wait, keys, as_json, (temporal, namespace))
 
 
 @app.command()
 @cli_errors
-def terminate(delegation_id: Annotated[str | None, typer.Argument()] = None,
+def terminate(ctx: typer.Context,
+              delegation_id: Annotated[str | None, typer.Argument()] = None,
               reason: Annotated[str, typer.Option("--reason")] = "",
               by: ByOpt = None, journal: JournalOpt = DEFAULT_URL, keys: KeysOpt = None,
               wait: Annotated[bool, typer.Option("--wait/--no-wait")] = True,
@@ -211,11 +213,11 @@ def terminate(delegation_id: Annotated[str | None, typer.Argument()] = None,
               as_json: JsonOpt = False) -> None:
     """Terminate a delegation now, or every live one that --agent, --state and --since
     select; their in-flight actions are probed."""
-    _control_any(ControlKind.TERMINATE, delegation_id, (agent, state, since), journal, None,
-                 reason, by, wait, keys, as_json, (temporal, namespace))
+    _control_any(ctx, ControlKind.TERMINATE, delegation_id, (agent, state, since), journal,
+                 None, reason, by, wait, keys, as_json, (temporal, namespace))
 
 
-def _control_any(kind: ControlKind, delegation_id: str | None,
+def _control_any(ctx: typer.Context, kind: ControlKind, delegation_id: str | None,
                  selectors: tuple[str | None, list[str] | None, str | None], journal: str,
                  grace: float | None, reason: str, by: str | None, wait: bool,
                  keys: Path | None, as_json: bool,
@@ -226,8 +228,10 @@ def _control_any(kind: ControlKind, delegation_id: str | None,
         _control_cmd(kind, delegation_id, journal, grace, reason, by, wait, keys, as_json,
                      temporal)
         return
-    if temporal[0] is not None:
+    if ctx.get_parameter_source("temporal") is ParameterSource.COMMANDLINE:
         raise UserError("--temporal stops one delegation's run: name its id")
+    # $TEMPORAL_ADDRESS alone does not refuse a selection: its Temporal runs are fenced in the
+    # journal (their activities refused) but not stopped in Temporal (README, "Temporal").
     if kind is ControlKind.RECALL:
         check_grace(grace, Policy())
     operator_of(by)  # a name nobody can read is refused before anything is signed

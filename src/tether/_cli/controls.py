@@ -52,7 +52,10 @@ def selection(delegation_id: str | None, agent: str | None, state: list[str] | N
                         "--state or --since")
     if not chosen:
         return None
-    states = tuple(v.strip().upper() for raw in state or [] for v in raw.split(","))
+    states = tuple(v.strip().upper() for raw in state or [] for v in raw.split(",")
+                   if v.strip())
+    if state is not None and not states:
+        raise UserError("--state takes a live state: " + ", ".join(LIVE))
     wrong = [v for v in states if v not in LIVE]
     if wrong:
         raise UserError(f"--state: {', '.join(wrong)} is not a live state; live: "
@@ -77,10 +80,10 @@ def control_many(kind: ControlKind, query: DelegationQuery, journal: str,
     answers, covered = run(send_controls(request, query))
 
     def fine(answer: dict[str, Any]) -> bool:
-        if not answer["accepted"]:
-            return True  # it ended before its intent: nothing of it to stop
-        if not wait:
-            return True
+        if "error" in answer:
+            return False
+        if "ended" in answer or not wait:
+            return True  # ended before its intent, or stopped (by this intent or another)
         return "report" in answer and not needs_person(answer["report"])
 
     code = 0 if all(fine(a) for a in answers) else 1
@@ -97,12 +100,16 @@ def control_many(kind: ControlKind, query: DelegationQuery, journal: str,
                  if covered else ""), soft_wrap=True)
     rows = []
     for a in answers:
-        if not a["accepted"]:
+        if "ended" in a:
             rows.append((a["delegation"], "ended before its intent"))
+        elif "error" in a:
+            rows.append((a["delegation"], f"error: {a['error']}"))
         elif "report" in a:
             rows.append((a["delegation"], a["report"]["outcome"]))
         elif "waiting" in a:
             rows.append((a["delegation"], f"waiting: {a['waiting']}"))
+        elif "refused" in a:
+            rows.append((a["delegation"], f"stopped by an earlier intent: {a['refused']}"))
         else:
             rows.append((a["delegation"], f"accepted (sequence {a['seq']})"))
     table = Table()

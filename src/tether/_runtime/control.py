@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from tether._core.documents import ControlIntent
-from tether._core.errors import AlreadyFinished
+from tether._core.errors import (
+    AlreadyFinished,
+    InvalidTransition,
+    StaleSequence,
+    TetherError,
+    UserError,
+)
 from tether._core.model import ControlKind, Policy
 from tether._core.signing import Signed
 from tether._journal.journal import Journal
@@ -83,23 +89,36 @@ async def send_controls(req: ControlRequest, query: DelegationQuery,
         targets = [r.id for r in chosen if r.id in selected and r.id not in covered]
 
         async def one(delegation_id: str) -> dict[str, Any]:
+            told = {"delegation": delegation_id, "kind": req.kind.value, "accepted": False}
             try:
                 return await _accept(j, ring, req, delegation_id, by)
             except AlreadyFinished as exc:
-                return {"delegation": delegation_id, "kind": req.kind.value,
-                        "accepted": False, "ended": str(exc)}
+                return {**told, "ended": str(exc)}
+            except (InvalidTransition, StaleSequence) as exc:
+                # Another intent came first (a recall still in its grace window, a request
+                # racing this one): that one stops it, and its report is waited for.
+                return {**told, "refused": str(exc)}
+            except TetherError as exc:
+                return {**told, "error": str(exc)}
 
         answers = list(await asyncio.gather(*(one(d) for d in targets)))
+        if answers and all("error" in a for a in answers):
+            # Nothing was accepted (a key the journal does not trust, say): the first
+            # refusal is the command's, as for one delegation.
+            raise UserError(answers[0]["error"])
         if req.wait:
             # The owners drain in parallel whatever this process does; a bounded number of
-            # watchers reads their reports (each polls the journal).
+            # watchers reads their reports (each polls the journal), all by one deadline.
             gate = asyncio.Semaphore(waiters)
+            deadline = asyncio.get_running_loop().time() + _budget(req.grace)
 
             async def waited(answer: dict[str, Any]) -> None:
                 async with gate:
-                    await _wait(j, answer["delegation"], req.kind, req.grace, answer)
+                    await _wait(j, answer["delegation"], req.kind, req.grace, answer,
+                                deadline=deadline, settle=answer["accepted"])
 
-            await asyncio.gather(*(waited(a) for a in answers if a["accepted"]))
+            await asyncio.gather(*(waited(a) for a in answers
+                                   if a["accepted"] or "refused" in a))
         return answers, covered
 
 
@@ -143,16 +162,26 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
             "kind": req.kind.value, "accepted": True, "issuer": issuer}
 
 
-async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
-                answer: dict[str, Any]) -> None:
+def _budget(grace: float | None) -> float:
+    """How long an issuer waits for the owner's report."""
     policy = Policy()
-    budget = (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
+    return (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
+
+
+async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
+                answer: dict[str, Any], *, deadline: float | None = None,
+                settle: bool = True) -> None:
+    """The owner's report into ``answer``, or ``waiting`` with why there is none. ``settle``:
+    this process's intent was accepted, so it settles a queued task nobody claimed."""
+    policy = Policy()
+    budget = _budget(grace)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + budget
+    if deadline is None:
+        deadline = loop.time() + budget
     watcher = _Watcher(j, SystemClock(), f"cli:{os.getpid()}", policy)
     # Queued and no worker claimed it (none can now: it is fenced): nothing ran, and no owner
     # drains it; the issuer takes it off the queue and settles it, as a supervisor does.
-    never = await settle_unclaimed(watcher, delegation_id, kind)
+    never = await settle_unclaimed(watcher, delegation_id, kind) if settle else None
     if never is not None:
         answer["report"] = never.to_json()
         return
