@@ -150,6 +150,22 @@ def blocked() -> tuple[asyncio.Event, tether.Tool, Callable[[tether.Context], Aw
     return gate, wait, waiter
 
 
+def in_flight() -> tuple[asyncio.Event, tether.Tool, Callable[[tether.Context], Awaitable[None]]]:
+    """A child that makes two EXTERNAL calls, the first held until the event is set: a storm's
+    child, with an action in flight when it is recalled and one its fence refuses."""
+    release = asyncio.Event()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def slow(*, idempotency_key: str) -> None:
+        await release.wait()
+
+    async def busy(ctx: tether.Context) -> None:
+        await ctx.call(slow)
+        await ctx.call(slow)
+
+    return release, slow, busy
+
+
 async def recall_latency(directory: Path, n: int) -> list[float]:
     """Seconds from recall() to the fence durably closed, for ``n`` children one after the
     other. The supervisor's 'drain' event fires right after the journal committed the intent
@@ -249,15 +265,7 @@ async def pg_worker_recall(n: int) -> list[float]:
 async def storm(directory: Path, n: int, grace: float) -> tuple[float, float]:
     """``n`` live children, each with an action in flight, recalled at once. Returns (seconds
     until every fence was closed, seconds until every report was complete)."""
-    release = asyncio.Event()
-
-    @tether.tool(effect=tether.Effect.EXTERNAL)
-    async def slow(*, idempotency_key: str) -> None:
-        await release.wait()
-
-    async def busy(ctx: tether.Context) -> None:
-        await ctx.call(slow)
-        await ctx.call(slow)
+    release, slow, busy = in_flight()
 
     async with tether.Supervisor(journal_url(directory, f"storm-{time.monotonic_ns()}.db"),
                                  keys=tether.KeyRing.ephemeral(),
@@ -282,15 +290,7 @@ async def shell_storm(directory: Path, n: int, grace: float) -> tuple[float, flo
     `tether recall --agent` in another process. Returns (seconds from the command's start
     until the owner was draining every one, seconds until the command ended with every
     report). The command's own start (about half a second of imports) is included."""
-    release = asyncio.Event()
-
-    @tether.tool(effect=tether.Effect.EXTERNAL)
-    async def slow(*, idempotency_key: str) -> None:
-        await release.wait()
-
-    async def busy(ctx: tether.Context) -> None:
-        await ctx.call(slow)
-        await ctx.call(slow)
+    release, slow, busy = in_flight()
 
     url = journal_url(directory, f"shell-storm-{time.monotonic_ns()}.db")
     async with tether.Supervisor(url, policy=tether.Policy(max_grace=grace * 2)) as sup:

@@ -4,6 +4,8 @@ supervisor: a root delegation, one call to ``pay`` in it, and a clock that stand
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
 import tether
 from tether._journal.rows import NewAction, NewDelegation
@@ -37,3 +39,18 @@ class FixedClock:
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(0)
+
+
+async def writer_held(runner: Any) -> tuple[asyncio.Future[Any], threading.Event]:
+    """Hold a journal's writer thread (``ThreadRunner``) in a batch of its own until the
+    returned event is set: whatever is submitted meanwhile queues for its next batch. Returns
+    the holding operation's future (await it after setting the event) and the event."""
+    held, hold = threading.Event(), threading.Event()
+
+    def block(db: Any) -> bool:
+        held.set()
+        return hold.wait(5)
+
+    blocker = runner.submit(block, write=False)
+    await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+    return blocker, hold

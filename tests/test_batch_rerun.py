@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.journal_helpers import writer_held
 from tests.test_trust import raw
 from tether._core.signing import Signed, TrustedKeys
 from tether._core.trust import Registry
@@ -37,6 +38,24 @@ async def _revocation_deleted(j: Journal, pins: TrustedKeys) -> Registry:
     is read then."""
     await raw(j, "DELETE FROM trust WHERE op = 'revoke'")
     return await j.registry(pins)
+
+
+async def _revoked_once_seen(journal_url: str, tmp_path: Path
+                             ) -> tuple[tether.KeyRing, tether.KeyRing]:
+    """The deployment trusts key K (``leaked``), an observer's configuration (pinning the
+    deployment's root) reads the registry with K trusted, then the deployment revokes K.
+    Returns K's ring and the observer's, which has not read the revocation yet."""
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    leaked = tether.KeyRing.init(tmp_path / "leaked")
+    observer = tether.KeyRing.init(tmp_path / "observer", pins={
+        deployment.signer.key_id: deployment.signer.public_b64()})
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await _change(sup.journal, deployment, "trust", leaked)
+    async with Journal(journal_url) as j:
+        assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await _change(sup.journal, deployment, "revoke", leaked)
+    return leaked, observer
 
 
 def _full_disk_once(memory: Any) -> Callable[[], None]:
@@ -127,14 +146,7 @@ async def _beside_a_posted_write(j: Journal, read: Coroutine[Any, Any, Any]) -> 
     """Run ``read`` (a journal read) in one batch of the writer thread with a posted write (an
     event nobody waits for) and nothing else."""
     runner: Any = j._runner
-    held, hold = threading.Event(), threading.Event()
-
-    def block(db: Any) -> bool:
-        held.set()
-        return hold.wait(5)
-
-    blocker = runner.submit(block, write=False)
-    await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+    blocker, hold = await writer_held(runner)
     submit, run_batch, queued, sizes = runner.submit, runner._run_batch, asyncio.Event(), []
 
     def counted(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False) -> Any:
@@ -192,16 +204,7 @@ async def test_a_revocation_read_by_a_refused_write_is_remembered(
     revocation it read is genuine and committed; forgetting it with the rolled-back batch
     lets an intruder delete the revocation row and have K trusted again, no rollback named.
     """
-    deployment = tether.KeyRing.init(tmp_path / "deployment")
-    leaked = tether.KeyRing.init(tmp_path / "leaked")
-    observer = tether.KeyRing.init(tmp_path / "observer", pins={
-        deployment.signer.key_id: deployment.signer.public_b64()})
-    async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await _change(sup.journal, deployment, "trust", leaked)
-    async with Journal(journal_url) as j:
-        assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
-    async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await _change(sup.journal, deployment, "revoke", leaked)
+    leaked, observer = await _revoked_once_seen(journal_url, tmp_path)
     async with Journal(journal_url) as j:
         # The revoked key's holder tries a control: the observer's journal refuses it (a
         # lone write batch: it reads the registry, refuses, rolls back).
@@ -358,16 +361,7 @@ async def test_a_revocation_read_after_an_undone_trust_write_is_remembered_at_on
     from tether._core.documents import KeyGrant
     from tether._journal import trustops
 
-    deployment = tether.KeyRing.init(tmp_path / "deployment")
-    leaked = tether.KeyRing.init(tmp_path / "leaked")
-    observer = tether.KeyRing.init(tmp_path / "observer", pins={
-        deployment.signer.key_id: deployment.signer.public_b64()})
-    async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await _change(sup.journal, deployment, "trust", leaked)
-    async with Journal(journal_url) as j:
-        assert leaked.signer.key_id in (await j.registry(observer.trusted)).keys
-    async with tether.Supervisor(journal_url, keys=deployment) as sup:
-        await _change(sup.journal, deployment, "revoke", leaked)
+    leaked, observer = await _revoked_once_seen(journal_url, tmp_path)
 
     def written_then_failed(db: Any) -> None:
         grant = KeyGrant("trust", "0000000000000000", "", "never", time.time())
@@ -376,14 +370,7 @@ async def test_a_revocation_read_after_an_undone_trust_write_is_remembered_at_on
 
     async with Journal(journal_url) as j:
         runner: Any = j._runner
-        held, hold = threading.Event(), threading.Event()
-
-        def block(db: Any) -> bool:
-            held.set()
-            return hold.wait(5)
-
-        blocker = runner.submit(block, write=False)
-        await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+        blocker, hold = await writer_held(runner)
         runs, run_batch = [], runner._run_batch
 
         def watched(conn: Any, batch: Any, careful: bool = False) -> Any:
@@ -440,19 +427,13 @@ async def test_a_row_found_by_an_undone_operation_is_found_again_by_the_next(
         async with Journal(pg_url) as other:
             other.seal_with(keys.signer, keys.trusted)
             runner: Any = journal._runner
-            held, hold = threading.Event(), threading.Event()
             between, go_on = threading.Event(), threading.Event()
-
-            def block(db: Any) -> bool:
-                held.set()
-                return hold.wait(5)
 
             def pause(db: Any) -> None:  # on the careful run: the other process writes now
                 between.set()
                 assert go_on.wait(10)
 
-            blocker = runner.submit(block, write=False)
-            await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+            blocker, hold = await writer_held(runner)
             first = runner.submit(update("first", fail=True), write=True)
             paused = runner.submit(pause, write=True)
             later = runner.submit(update("later"), write=True)

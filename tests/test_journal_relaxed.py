@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.journal_helpers import writer_held
 from tether._journal.runner import Op, relaxed_batch
 
 
@@ -191,14 +192,7 @@ async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_dura
         assert durable is not None
         runner: Any = sup.journal._runner
         if path == "riding-the-flush":
-            held, hold = threading.Event(), threading.Event()
-
-            def block(db: Any) -> bool:
-                held.set()
-                return hold.wait(5)
-
-            blocker = runner.submit(block, write=False)
-            await asyncio.to_thread(held.wait, 5)  # the writer thread runs the blocker
+            blocker, hold = await writer_held(runner)
             submit, queued = runner.submit, asyncio.Event()
 
             def watched(fn: Any, *, write: bool, wait: bool = True,
