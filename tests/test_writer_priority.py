@@ -55,32 +55,3 @@ async def test_a_recall_is_journaled_ahead_of_a_backlog_of_writes(journal_url: s
         behind = len(kinds) - 1 - kinds.index("control")  # backlog journaled after the fence
         waited = BACKLOG - behind
         assert waited < MAX_BATCH, f"the fence waited for {waited} queued writes"
-
-
-async def test_an_urgent_operation_runs_after_what_was_submitted_before_it_in_its_batch(
-        journal_url: str) -> None:
-    """Urgent operations skip the backlog into the next batch, but within that batch every
-    operation runs in the order it was submitted (as the simulator's inline runner runs
-    them): a write queued before an intent, such as a call's intent or receipt, still runs
-    before it, and the rest of the backlog after."""
-    async with tether.Journal(journal_url) as j:
-        runner: Any = j._runner
-        ran: list[str] = []
-
-        def note(name: str) -> Any:
-            def op(db: Any) -> None:
-                ran.append(name)
-            return op
-
-        blocker, hold = await writer_held(runner)
-        earlier = runner.submit(note("earlier"), write=True)
-        for i in range(2 * MAX_BATCH):
-            runner.submit(note(f"backlog-{i}"), write=True, wait=False)
-        urgent = runner.submit(note("urgent"), write=True, urgent=True)
-        hold.set()
-        await blocker
-        await asyncio.gather(earlier, urgent)
-        await j.flush()
-        assert ran.index("earlier") < ran.index("urgent") < MAX_BATCH + 1, ran[:3]
-        assert ran.index("urgent") > ran.index(f"backlog-{MAX_BATCH - 3}")  # order kept
-        assert len(ran) == 2 * MAX_BATCH + 2

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -62,9 +61,6 @@ class Op:
     # a batch of such operations (and posted ones) commits without waiting for the disk
     # (``relax``); the next durable commit makes it durable too (the same log, in order).
     relaxed: bool = False
-    # Its place in submission order (``ThreadRunner``): a batch runs its operations in that
-    # order, urgent ones included, as the simulator's inline runner runs everything pending.
-    order: int = 0
 
 
 Done = list[tuple[Op, Any, Exception | None]]
@@ -466,7 +462,6 @@ class ThreadRunner(Runner):
         super().__init__()
         self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._urgent: collections.deque[Op] = collections.deque()
-        self._submitted = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # submit against the thread's end
         self._dead = False
@@ -529,7 +524,7 @@ class ThreadRunner(Runner):
                 if future is None:
                     return None  # a posted write to a journal already lost: as after a crash
                 raise JournalError(f"{self.where()} is no longer available")
-            op = Op(fn, write, future, relaxed, next(self._submitted))
+            op = Op(fn, write, future, relaxed)
             if urgent:
                 self._urgent.append(op)
                 self._queue.put(_WAKE)
@@ -597,7 +592,6 @@ class ThreadRunner(Runner):
         Posted writes alone wait for one more operation until ``POSTED_WAIT`` after the first
         (a deadline: a steady trickle of them never holds the first back longer)."""
         batch = self._take_urgent()
-        skipped = bool(batch)  # urgent operations taken: put back in submission order
         if first is not _WAKE:
             batch.append(first)
         posted = all(op.future is None for op in batch)
@@ -609,12 +603,11 @@ class ThreadRunner(Runner):
             except queue.Empty:
                 break
             if op is None:
-                return _in_order(batch, skipped), True
+                return batch, True
             ops = self._take_urgent() if op is _WAKE else [op]
-            skipped = skipped or op is _WAKE
             posted = posted and all(o.future is None for o in ops)
             batch.extend(ops)
-        return _in_order(batch, skipped), False
+        return batch, False
 
     def _resolve(self, done: Done) -> None:
         waiting = [d for d in done if d[0].future is not None]
@@ -623,15 +616,6 @@ class ThreadRunner(Runner):
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
             self._loop.call_soon_threadsafe(_settle, waiting)
 
-
-
-def _in_order(batch: list[Op], skipped: bool) -> list[Op]:
-    """The batch in submission order: urgent operations skip the queue into the next batch,
-    never ahead of what was submitted before them within it (a receipt queued before an
-    intent still runs before it)."""
-    if skipped:
-        batch.sort(key=lambda op: op.order)
-    return batch
 
 
 def _after(db: Any) -> None:
