@@ -68,9 +68,7 @@ class InlineRunner(Runner):
         self.close(conn)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False, urgent: bool = False) -> asyncio.Future[T] | None:
-        # ``urgent`` changes nothing here: every pending operation is in the next batch (a
-        # trial never queues more than one batch holds), so none waits behind a backlog.
+               relaxed: bool = False) -> asyncio.Future[T] | None:
         if not self._open or self._loop is None:
             raise JournalError("journal is not open")
         future: asyncio.Future[T] | None = self._loop.create_future() if wait else None

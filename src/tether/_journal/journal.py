@@ -207,12 +207,8 @@ class Journal:
         await self.close()
 
     async def _write(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        return await self._written(_bind(fn, args, kw), urgent=False)
-
-    async def _written(self, fn: Callable[[Any], T], urgent: bool) -> T:
         ran: list[Any] = []  # the batches it ran in: what the one that committed sealed
-        fut = (self._runner.submit(chainops.noting(fn, ran), write=True, urgent=True) if urgent
-               else self._runner.submit(chainops.noting(fn, ran), write=True))
+        fut = self._runner.submit(chainops.noting(_bind(fn, args, kw), ran), write=True)
         assert fut is not None
         value = await fut
         self._sealer.committed(ran)
@@ -274,14 +270,7 @@ class Journal:
     async def create_delegation(self, new: NewDelegation) -> DelegationRow:
         return await self._write(ops.create_delegation, new)
 
-    async def get(self, delegation_id: str, *, urgent: bool = False) -> DelegationRow:
-        """``urgent``: the read before a control intent, ahead of queued writes (SQLite's
-        reads share the writer's queue)."""
-        if urgent:
-            fut = self._runner.submit(_bind(ops.get_delegation, (delegation_id,), {}),
-                                      write=False, urgent=True)
-            assert fut is not None
-            return await fut
+    async def get(self, delegation_id: str) -> DelegationRow:
         return await self._read(ops.get_delegation, delegation_id)
 
     async def delegations(self, live_only: bool = False) -> list[DelegationRow]:
@@ -346,7 +335,7 @@ class Journal:
             return intent, ops.accept_control(db, signed, intent, issuer, now)
 
         try:
-            return await self._written(op, urgent=True)  # the fence: ahead of queued writes
+            return await self._write(op)
         except ControlRefused as exc:
             _refused(exc, issuer)
             raise
@@ -367,7 +356,7 @@ class Journal:
             return intent, signed
 
         try:
-            return await self._written(op, urgent=True)  # the fence: ahead of queued writes
+            return await self._write(op)
         except ControlRefused as exc:
             _refused(exc, issuer, delegation_id)
             raise

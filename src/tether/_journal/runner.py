@@ -25,7 +25,6 @@ The batch itself (``Runner``) is shared with the inline runner a simulation uses
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import queue
@@ -136,9 +135,7 @@ class Runner:
         raise NotImplementedError
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False, urgent: bool = False) -> asyncio.Future[T] | None:
-        """Queue ``fn`` for a batch. ``urgent`` (a control intent and the read before it):
-        into the next batch, ahead of whatever else is queued."""
+               relaxed: bool = False) -> asyncio.Future[T] | None:
         raise NotImplementedError
 
     def _resolve(self, done: Done) -> None:
@@ -447,21 +444,13 @@ class Runner:
             _after(db)
         return done
 
-# Queued after an urgent operation, to wake the writer thread: the operation itself waits in
-# ``ThreadRunner._urgent``, which the next batch takes first.
-_WAKE = Op(lambda db: None, False, None)
-
-
 class ThreadRunner(Runner):
     """One writer thread per journal: operations queue to it, it takes everything queued as
-    one batch, and answers each caller on its event loop. Urgent operations (a control
-    intent: the fence) skip the queue: the next batch takes them first, so an intent never
-    waits behind a backlog of action writes, only for the batch already running."""
+    one batch, and answers each caller on its event loop."""
 
     def __init__(self) -> None:
         super().__init__()
         self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
-        self._urgent: collections.deque[Op] = collections.deque()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # submit against the thread's end
         self._dead = False
@@ -515,7 +504,7 @@ class ThreadRunner(Runner):
             await asyncio.to_thread(self.close, None)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False, urgent: bool = False) -> asyncio.Future[T] | None:
+               relaxed: bool = False) -> asyncio.Future[T] | None:
         if self._thread is None or self._loop is None:
             raise JournalError("journal is not open")
         future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
@@ -524,32 +513,18 @@ class ThreadRunner(Runner):
                 if future is None:
                     return None  # a posted write to a journal already lost: as after a crash
                 raise JournalError(f"{self.where()} is no longer available")
-            op = Op(fn, write, future, relaxed)
-            if urgent:
-                self._urgent.append(op)
-                self._queue.put(_WAKE)
-            else:
-                self._queue.put(op)
+            self._queue.put(Op(fn, write, future, relaxed))
             self.outstanding += 1
         return future
 
-    def _take_urgent(self) -> list[Op]:
-        taken: list[Op] = []
-        while self._urgent:
-            try:
-                taken.append(self._urgent.popleft())
-            except IndexError:  # another taker emptied it: never here (one writer thread)
-                break
-        return taken
-
     def _drain(self) -> list[Op]:
-        ops = self._take_urgent()
+        ops: list[Op] = []
         while True:
             try:
                 op = self._queue.get_nowait()
             except queue.Empty:
-                return ops + self._take_urgent()
-            if op is not None and op is not _WAKE:
+                return ops
+            if op is not None:
                 ops.append(op)
 
     def _work(self) -> None:
@@ -578,8 +553,6 @@ class ThreadRunner(Runner):
             if first is None:
                 break
             batch, stopping = self._gather(first)
-            if not batch:  # a wake-up whose urgent operation an earlier batch took
-                continue
             self._inflight = batch
             taken = len(batch)  # before _run prepends what an outage held (counted already)
             self._run(batch)
@@ -591,22 +564,19 @@ class ThreadRunner(Runner):
         """``first`` and what is queued behind it: the batch, and whether to stop after it.
         Posted writes alone wait for one more operation until ``POSTED_WAIT`` after the first
         (a deadline: a steady trickle of them never holds the first back longer)."""
-        batch = self._take_urgent()
-        if first is not _WAKE:
-            batch.append(first)
-        posted = all(op.future is None for op in batch)
+        batch = [first]
+        posted = first.future is None
         until = self.monotonic() + POSTED_WAIT
         while len(batch) < MAX_BATCH:
             try:
-                left = until - self.monotonic() if posted and batch else 0.0
+                left = until - self.monotonic() if posted else 0.0
                 op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
             if op is None:
                 return batch, True
-            ops = self._take_urgent() if op is _WAKE else [op]
-            posted = posted and all(o.future is None for o in ops)
-            batch.extend(ops)
+            posted = posted and op.future is None
+            batch.append(op)
         return batch, False
 
     def _resolve(self, done: Done) -> None:

@@ -528,7 +528,7 @@ class Supervisor:
             # loser is told the current sequence (I4) rather than that the state moved. A
             # terminate takes the next one in the accepting transaction: it must land even
             # when a recall was accepted a moment before (it cuts the grace window short).
-            seq = (await self.journal.get(delegation_id, urgent=True)).control_seq + 1
+            seq = (await self.journal.get(delegation_id)).control_seq + 1
         offered = seq
         # Stamped with no await before the accept is queued: no call of this process can
         # then be queued between the stamp and the fence with a later intent time.
