@@ -270,3 +270,41 @@ async def test_temporal_address_in_the_environment_does_not_refuse_a_selection(
         assert code == 0, err
         assert [a["delegation"] for a in json.loads(out)["answers"]] == [live.id]
         await waiter("drain", live.id).wait()
+
+
+async def test_a_selection_exits_1_when_one_of_its_delegations_needs_a_person(
+        journal_url: str) -> None:
+    """`tether terminate --agent root`: the root's child's call was cut and cannot be probed
+    (the provider's lookup is down), so it needs a person: exit 1, not 0 for the root's own
+    TERMINATED, as for one delegation by id."""
+    from tests.conftest import ONE_CLOCK
+
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
+        entered = asyncio.Event()
+
+        async def down(order_id: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
+            raise RuntimeError("the provider's lookup is down")
+
+        @tether.tool(probe=down)
+        async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
+            entered.set()
+            await asyncio.Event().wait()
+
+        async def kid(ctx: tether.Context) -> None:
+            await ctx.call(hang, order_id="X-9", cents=1)
+
+        kid_agent = tether.Agent("kid", kid, (hang,))
+
+        async def root(ctx: tether.Context) -> None:
+            await (await ctx.delegate(kid_agent)).result()
+
+        parent = await sup.delegate(tether.Agent("root", root, (kid_agent,)))
+        await entered.wait()
+        code, out, err = await tether_cli("terminate", "--agent", "root", "--journal",
+                                          journal_url, "--json")
+        (answer,) = json.loads(out)["answers"]
+        assert answer["delegation"] == parent.id
+        (child,) = answer["report"]["children"]
+        assert (answer["report"]["outcome"], child["outcome"]) == ("TERMINATED",
+                                                                  "NEEDS_ATTENTION")
+        assert code == 1, err

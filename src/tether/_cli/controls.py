@@ -5,6 +5,7 @@ owners' reports; and what makes such a command's exit code."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -70,7 +71,7 @@ def selection(delegation_id: str | None, agent: str | None, state: list[str] | N
 
 def control_many(kind: ControlKind, query: DelegationQuery, journal: str,
                  grace: float | None, reason: str, by: str | None, wait: bool,
-                 keys: Any, as_json: bool) -> None:
+                 keys: Path | None, as_json: bool) -> None:
     """Exit 0 when every selected delegation settled with nothing left for a person (or,
     with --no-wait, every intent was accepted or found its delegation ended); else 1."""
     from tether._cli.render import render_report
