@@ -31,21 +31,37 @@ from tests.temporal_flows import (
     ParentOfRefunds,
     TwoRefunds,
 )
-from tests.temporal_world import Provider, both, cli, quiet, supervisor, worker
+from tests.temporal_world import Gate, Provider, both, cli, quiet, supervisor, worker
 from tests.test_trust import raw
 
 
 @contextlib.asynccontextmanager
-async def two_workers(client: Client, url: str, provider: Provider) -> AsyncIterator[
+async def two_workers(client: Client, url: str, provider: Provider, gate: Gate | None = None
+                      ) -> AsyncIterator[
         tuple[tether.Supervisor, tether.Supervisor, tether.Supervisor, str, str]]:
     """Workers A and B on queues of their own, each with its supervisor (and B with its own
     client, as another process has), the orchestrator's supervisor, on one journal: yields
-    A's, B's and the orchestrator's supervisors, then A's and B's queues."""
+    A's, B's and the orchestrator's supervisors, then A's and B's queues. ``gate`` holds B's
+    activities until it opens."""
     async with both(url, provider) as (a, boss), supervisor(url, provider) as b:
         other = await Client.connect(client.service_client.config.target_host)
         async with worker(client, a, provider) as first, \
-                worker(other, b, provider) as second:
+                worker(other, b, provider, interceptors=() if gate is None else (gate,)) \
+                as second:
             yield a, b, boss, first, second
+
+
+async def hosted_apart(boss: tether.Supervisor, a: tether.Supervisor, parent_id: str,
+                       gate: Gate) -> Any:
+    """Once the parent's own call is in flight on worker A (so A hosts the parent's run), open
+    B's ``gate``: the child's first activity on B then finds its parent hosted elsewhere and
+    is a delegation apart. Opened first on B, the child's activity would host the parent's
+    run itself, and the parent's call on A would be its guest: the tree in one process.
+    Returns the parent's delegation."""
+    (top,) = await delegation_of(boss, parent_id)
+    assert top.owner_id == a.owner_id, "the parent's run is hosted on worker A"
+    gate.opened.set()
+    return top
 
 
 async def start_tree(client: Client, queue: str, parent_id: str, child_id: str, order: str,
@@ -320,15 +336,17 @@ async def test_a_child_apart_starts_nothing_once_its_parent_is_recalled(
     """The parent's own refund is in flight on worker A (its grace runs) while its child,
     apart on worker B, is asked for its second refund: refused at once, not after the
     parent's grace, though the parent's fence does not reach a delegation of its own."""
-    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+    gate = Gate()
+    async with two_workers(client, journal_url, provider, gate) as (a, _b, boss, first,
+                                                                    second):
         drained = events_of(a)
         provider.holds["W-own"] = asyncio.Event()
         parent = await client.start_workflow(
             ParentBusy.run, args=["wf-busy-kid", second, "W-1", "W-2", "W-own"],
             id="wf-busy", task_queue=first)
-        await until(lambda: provider.pay.refund_count("W-own") == 1
-                    and provider.pay.refund_count("W-1") == 1, "both first refunds")
-        (top,) = await delegation_of(boss, "wf-busy")
+        await until(lambda: provider.pay.refund_count("W-own") == 1, "the parent's refund")
+        top = await hosted_apart(boss, a, "wf-busy", gate)
+        await until(lambda: provider.pay.refund_count("W-1") == 1, "the child's first refund")
         recall = await recall_in_grace(parent, boss, drained("drain", top.id))
         child = client.get_workflow_handle("wf-busy-kid")
         await child.signal(TwoRefunds.proceed)
@@ -354,19 +372,21 @@ async def test_a_child_apart_that_closed_before_the_recall_is_in_the_report(
     """The child, apart on worker B, made both its refunds and closed while its parent's
     own refund is still held on A. A recall of the parent reports the child's refunds, as a
     local recall reports a child that ended before it."""
-    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+    gate = Gate()
+    async with two_workers(client, journal_url, provider, gate) as (a, _b, boss, first,
+                                                                    second):
         drained = events_of(a)
         provider.holds["K-own"] = asyncio.Event()
         parent = await client.start_workflow(
             ParentBusy.run, args=["wf-done-kid", second, "K-1", "K-2", "K-own"],
             id="wf-done", task_queue=first)
+        await until(lambda: provider.pay.refund_count("K-own") == 1, "the parent's refund")
+        top = await hosted_apart(boss, a, "wf-done", gate)
         await until(lambda: provider.pay.refund_count("K-1") == 1, "the child's first refund")
         child = client.get_workflow_handle("wf-done-kid")
         await child.signal(TwoRefunds.proceed)
         assert len(await child.result()) == 2
-        await until(lambda: provider.pay.refund_count("K-own") == 1, "the parent's refund")
         (kid,) = await delegation_of(boss, "wf-done-kid")
-        (top,) = await delegation_of(boss, "wf-done")
         report = await recall_once_fenced(parent, boss, drained("drain", top.id),
                                           provider.holds["K-own"], 30.0)
     assert [r.delegation_id for r in report.children] == [kid.id]
@@ -471,15 +491,17 @@ async def test_a_grandchild_in_the_tree_of_a_child_apart_starts_nothing_once_the
     B. After P's recall was accepted, M starts its child G on B, in M's tree, which P's fence
     does not reach (M is stopped after P's grace): G's refund is refused at once all the
     same, since each call of a child workflow looks at its ancestors first."""
-    async with two_workers(client, journal_url, provider) as (a, _b, boss, first, second):
+    gate = Gate()
+    async with two_workers(client, journal_url, provider, gate) as (a, _b, boss, first,
+                                                                    second):
         drained = events_of(a)
         provider.holds["G-own"] = asyncio.Event()
         parent = await client.start_workflow(
             ParentBusyGrand.run, args=["wf-gm", "wf-gk", second, "G-mid", "G-kid", "G-own"],
             id="wf-gp", task_queue=first)
-        await until(lambda: provider.pay.refund_count("G-own") == 1
-                    and provider.pay.refund_count("G-mid") == 1, "P's and M's refunds")
-        (top,) = await delegation_of(boss, "wf-gp")
+        await until(lambda: provider.pay.refund_count("G-own") == 1, "P's refund")
+        top = await hosted_apart(boss, a, "wf-gp", gate)
+        await until(lambda: provider.pay.refund_count("G-mid") == 1, "M's refund")
         recall = await recall_in_grace(parent, boss, drained("drain", top.id))
         middle = client.get_workflow_handle("wf-gm")
         await middle.signal(MiddleWaits.proceed)
