@@ -312,6 +312,44 @@ async def shell_storm(directory: Path, n: int, grace: float) -> tuple[float, flo
     return max(fenced) - start, done
 
 
+async def recall_under_load(directory: Path, children: int, actions: int,
+                            samples: int) -> list[float]:
+    """Seconds from recall() to the fence durably closed (the 'drain' event), for idle
+    children recalled one after another while ``children`` others make ``actions`` EXTERNAL
+    calls each, all at once: the journal's writer has a backlog of thousands of writes."""
+    gate, wait, waiter = blocked()
+
+    @tether.tool(effect=tether.Effect.EXTERNAL)
+    async def noop(*, idempotency_key: str) -> None:
+        return None
+
+    async def busy(ctx: tether.Context) -> None:
+        for _ in range(actions):
+            await ctx.call(noop)
+
+    out: list[float] = []
+    async with tether.Supervisor(journal_url(directory, f"ul-{time.monotonic_ns()}.db"),
+                                 keys=tether.KeyRing.ephemeral()) as sup:
+        fenced: dict[str, float] = {}
+
+        def on_event(event: str, delegation_id: str) -> None:
+            if event == "drain":
+                fenced.setdefault(delegation_id, time.perf_counter())
+
+        sup.listen(on_event)
+        idle = [await sup.delegate(waiter, tools=[wait]) for _ in range(samples)]
+        load = asyncio.gather(*(sup.delegate(busy, tools=[noop]) for _ in range(children)))
+        running = asyncio.ensure_future(load)
+        for handle in idle:
+            await asyncio.sleep(0.05)
+            start = time.perf_counter()
+            await handle.recall(grace=5)
+            out.append(fenced[handle.id] - start)
+        gate.set()
+        await asyncio.gather(*(h.wait() for h in await running))
+    return sorted(out)
+
+
 async def idle_memory(n: int) -> float:
     """Bytes of Python memory per idle child (tracemalloc), with the journal on disk."""
     hold = asyncio.Event()
@@ -443,6 +481,7 @@ def main() -> int:
         storm_n = 1000 if q else 10_000
         storms = [asyncio.run(storm(d, storm_n, grace=2.0))]
         shell = asyncio.run(shell_storm(d, 500 if q else 2000, grace=2.0))
+        loaded = asyncio.run(recall_under_load(d, 2000 if q else 4000, 5, 10 if q else 20))
         memory = asyncio.run(idle_memory(2000 if q else 10_000))
         dbos = dbos_anchor(d, 200 if q else 1000, 50 if q else 1000, 20)
         sims = [sim_throughput(100 if q else 500) for _ in range(1 if q else 3)]
@@ -473,6 +512,9 @@ def main() -> int:
                               "all_fenced_s": shell[0], "all_reports_s": shell[1],
                               "note": "one `tether recall --agent` in another process, its "
                                       "start included"}
+    figures["recall_under_load_s"] = {
+        "p50": loaded[len(loaded) // 2], "max": loaded[-1], "n": len(loaded),
+        "note": f"idle children recalled while {2000 if q else 4000} others make 5 calls each"}
     figures["idle_child_bytes"] = memory
     figures["dbos"] = dbos
     figures["sim_trials_per_minute"] = stats(sims)

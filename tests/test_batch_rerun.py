@@ -149,8 +149,8 @@ async def _beside_a_posted_write(j: Journal, read: Coroutine[Any, Any, Any]) -> 
     blocker, hold = await writer_held(runner)
     submit, run_batch, queued, sizes = runner.submit, runner._run_batch, asyncio.Event(), []
 
-    def counted(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False) -> Any:
-        future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+    def counted(fn: Any, *, write: bool, wait: bool = True, **kw: Any) -> Any:
+        future = submit(fn, write=write, wait=wait, **kw)
         if not write:
             queued.set()
         return future

@@ -103,8 +103,9 @@ async def test_an_intent_in_one_batch_with_relaxed_writes_commits_durably(
         submit = runner.submit
         intent_queued = asyncio.Event()
 
-        def watch(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False) -> Any:
-            future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+        def watch(fn: Any, *, write: bool, wait: bool = True, relaxed: bool = False,
+                  **kw: Any) -> Any:
+            future = submit(fn, write=write, wait=wait, relaxed=relaxed, **kw)
             if write and wait and not relaxed:
                 intent_queued.set()
             return future
@@ -159,12 +160,15 @@ def test_posted_writes_wait_for_company_until_a_deadline_not_one_wait_each() -> 
     next intent rides the same transaction), but only until POSTED_WAIT after the first: a
     trickle of posted writes never holds the first back for more."""
     from tether._journal import runner as runner_module
+    from tether._journal.writer import ThreadRunner
 
     clock = [100.0]
-    writer = runner_module.ThreadRunner()
+    writer = ThreadRunner()
     writer._queue = _Trickle(clock)  # type: ignore[assignment]
     writer.monotonic = lambda: clock[0]  # type: ignore[method-assign]
-    batch, stopping = writer._gather(Op(lambda db: None, True, None))
+    writer._backlog.add(Op(lambda db: None, True, None))
+    stopping = writer._gather()
+    batch = writer._backlog.take()
     assert not stopping
     assert clock[0] - 100.0 <= runner_module.POSTED_WAIT + 0.0003
     assert 1 < len(batch) <= 5, len(batch)
@@ -196,8 +200,8 @@ async def test_a_head_a_relaxed_commit_sealed_is_remembered_only_once_it_is_dura
             submit, queued = runner.submit, asyncio.Event()
 
             def watched(fn: Any, *, write: bool, wait: bool = True,
-                        relaxed: bool = False) -> Any:
-                future = submit(fn, write=write, wait=wait, relaxed=relaxed)
+                        **kw: Any) -> Any:
+                future = submit(fn, write=write, wait=wait, **kw)
                 if wait:
                     queued.set()
                 return future

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tether._core.model import ProbeOutcome
-from tether._journal.runner import busy as journal_busy
+from tether._journal.writer import busy as journal_busy
 from tether._runtime.tools import ProbeResult
 
 _IDLE_POLL = 0.0005  # real seconds between looks at whether every task waits

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 
 from tether._core.errors import JournalError
 from tether._journal import sqlite as sqlite_backend
-from tether._journal.runner import MAX_BATCH, Done, Op, Runner, _settle
+from tether._journal.runner import Backlog, Done, Op, Runner, _settle
 
 T = TypeVar("T")
 Loss = Literal["before", "after"] | None
@@ -48,7 +48,7 @@ class InlineRunner(Runner):
     def __init__(self, latency: Callable[[], float] = lambda: 0.0) -> None:
         super().__init__()
         self.latency = latency
-        self._pending: list[Op] = []
+        self._pending = Backlog()  # the same choice of each batch as the writer thread's
         self._flush_due = False
         self._open = False
 
@@ -68,11 +68,11 @@ class InlineRunner(Runner):
         self.close(conn)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False) -> asyncio.Future[T] | None:
+               relaxed: bool = False, urgent: bool = False) -> asyncio.Future[T] | None:
         if not self._open or self._loop is None:
             raise JournalError("journal is not open")
         future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
-        self._pending.append(Op(fn, write, future, relaxed))
+        self._pending.add(Op(fn, write, future, relaxed, urgent))
         self.outstanding += 1
         if not self._flush_due:
             self._flush_due = True
@@ -81,7 +81,7 @@ class InlineRunner(Runner):
 
     def _flush(self) -> None:
         self._flush_due = False
-        batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+        batch = self._pending.take()
         if self._pending and self._loop is not None:
             self._flush_due = True
             self._loop.call_later(self.latency(), self._flush)

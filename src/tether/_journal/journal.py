@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
@@ -93,6 +94,7 @@ class Journal:
         # their batch waits for a durable commit (``flush(durable=False)``'s terms): the MCP
         # proxy's, whose receipts are flushed that way before its client hears of them.
         self.relaxed_posts = False
+        self._moving: dict[str, int] = {}  # state moves queued, by delegation (``moving``)
         # Added to every dispatch deadline judged in a transaction (a key's earlier use, a
         # person's decision, retention): the supervisor sets its policy's.
         self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE
@@ -207,12 +209,41 @@ class Journal:
         await self.close()
 
     async def _write(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        return await self._written(_bind(fn, args, kw))
+
+    async def _written(self, fn: Callable[[Any], T], urgent: bool = False) -> T:
         ran: list[Any] = []  # the batches it ran in: what the one that committed sealed
-        fut = self._runner.submit(chainops.noting(_bind(fn, args, kw), ran), write=True)
+        fut = self._runner.submit(chainops.noting(fn, ran), write=True, urgent=urgent)
         assert fut is not None
         value = await fut
         self._sealer.committed(ran)
         return value
+
+    async def _move(self, delegation_id: str, fn: Callable[..., T], *args: Any) -> T:
+        """A state move of ``delegation_id``, counted in ``moving`` until it is answered."""
+        with self.moves([delegation_id]):
+            return await self._write(fn, delegation_id, *args)
+
+    @contextlib.contextmanager
+    def moves(self, delegation_ids: Iterable[str]) -> Iterator[None]:
+        """While inside: these delegations' states are being moved here (``moving``)."""
+        ids = list(delegation_ids)
+        for d in ids:
+            self._moving[d] = self._moving.get(d, 0) + 1
+        try:
+            yield
+        finally:
+            for d in ids:
+                left = self._moving.pop(d) - 1
+                if left:
+                    self._moving[d] = left
+
+    def moving(self, delegation_ids: Iterable[str]) -> bool:
+        """Whether a state move of one of them (a child's end its code reached; a drain's
+        settle of its tree, ``moves``) is queued here and not answered yet: a control intent
+        then waits its turn behind it rather than skip it (``urgent``), or a finished child
+        would be reported stopped."""
+        return any(d in self._moving for d in delegation_ids)
 
     def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key
@@ -270,8 +301,13 @@ class Journal:
     async def create_delegation(self, new: NewDelegation) -> DelegationRow:
         return await self._write(ops.create_delegation, new)
 
-    async def get(self, delegation_id: str) -> DelegationRow:
-        return await self._read(ops.get_delegation, delegation_id)
+    async def get(self, delegation_id: str, *, urgent: bool = False) -> DelegationRow:
+        """``urgent``: the read before a control intent, ahead of queued writes (SQLite's
+        reads share the writer's queue)."""
+        fut = self._runner.submit(_bind(ops.get_delegation, (delegation_id,), {}),
+                                  write=False, urgent=urgent)
+        assert fut is not None
+        return await fut
 
     async def delegations(self, live_only: bool = False) -> list[DelegationRow]:
         return await self._read(ops.list_delegations, live_only)
@@ -286,8 +322,8 @@ class Journal:
     async def set_state(self, delegation_id: str, state: DelegationState, now: float,
                         result: Any = None, error: str | None = None,
                         failure: str | None = None) -> DelegationRow:
-        row = await self._write(ops.set_state, delegation_id, state, now, result, error,
-                                failure)
+        row = await self._move(delegation_id, ops.set_state, state, now, result, error,
+                               failure)
         if state.terminal:
             self._persist()
         return row
@@ -298,15 +334,15 @@ class Journal:
         with the verdict of the drain or recovery that settles it, if any, in the same one:
         whoever reads the verdict (``drained``) finds the settle committed, and whoever finds
         the delegation settled reads why."""
-        await self._write(ops.settle_tree, root_id, now, verdict)
+        await self._move(root_id, ops.settle_tree, now, verdict)
         self._persist()
 
     async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,
                              result: Any = None, error: str | None = None,
                              failure: str | None = None
                              ) -> tuple[DelegationRow, list[ActionRecord]]:
-        ended = await self._write(ops.end_delegation, delegation_id, state, now, result,
-                                  error, failure)
+        ended = await self._move(delegation_id, ops.end_delegation, state, now, result,
+                                 error, failure)
         self._persist()
         return ended
 
@@ -324,30 +360,31 @@ class Journal:
 
     # -- control ------------------------------------------------------------------------------
     async def accept_control(self, signed: Signed, pins: TrustedKeys, issuer: str,
-                             now: float | Callable[[], float]
+                             now: float | Callable[[], float], *, urgent: bool = True
                              ) -> tuple[ControlIntent, ControlRow]:
         """Verify the signature against the deployment's key registry as ``pins`` root it
         (I5), then CAS, move and fence, all in one transaction. Given a clock, ``now`` is read
-        once the delegation's row is locked (``ops.accept_control``)."""
+        once the delegation's row is locked (``ops.accept_control``). ``urgent``: the fence
+        skips the writes queued before it (``runner.Backlog``)."""
 
         def op(db: Any) -> tuple[ControlIntent, ControlRow]:
             intent = trustops.registry(db, pins).verify(signed, ControlIntent)
             return intent, ops.accept_control(db, signed, intent, issuer, now)
 
         try:
-            return await self._write(op)
+            return await self._written(op, urgent)
         except ControlRefused as exc:
             _refused(exc, issuer)
             raise
 
     async def sign_and_accept(self, delegation_id: str,
                               make: Callable[[DelegationRow], Signed], pins: TrustedKeys,
-                              issuer: str, now: float | Callable[[], float]
-                              ) -> tuple[ControlIntent, Signed]:
+                              issuer: str, now: float | Callable[[], float], *,
+                              urgent: bool = True) -> tuple[ControlIntent, Signed]:
         """Read the delegation, sign the intent ``make`` builds from it (its epoch and next
         sequence number), verify it against the deployment's key registry as ``pins`` root
         it, and accept it: one transaction, one round trip. An untrusted signer changes
-        nothing."""
+        nothing. ``urgent``: as for ``accept_control``."""
 
         def op(db: Any) -> tuple[ControlIntent, Signed]:
             signed = make(ops.get_delegation(db, delegation_id))
@@ -356,7 +393,7 @@ class Journal:
             return intent, signed
 
         try:
-            return await self._write(op)
+            return await self._written(op, urgent)
         except ControlRefused as exc:
             _refused(exc, issuer, delegation_id)
             raise

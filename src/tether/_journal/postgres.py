@@ -35,8 +35,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
-from tether._journal.runner import BACKOFF_FIRST, Retry, ThreadRunner
+from tether._journal.runner import BACKOFF_FIRST, Retry
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
+from tether._journal.writer import ThreadRunner
 
 T = TypeVar("T")
 LIVE_KEY = "actions_live_key"  # the partial unique index on live idempotency keys

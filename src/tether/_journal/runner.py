@@ -18,19 +18,18 @@ server that stops answering without closing anything (a paused host) is the one 
 cannot see by itself: a watchdog cuts a connection that has been busy for longer than
 ``stall_after()`` seconds, which turns it into a lost connection like any other.
 
-The batch itself (``Runner``) is shared with the inline runner a simulation uses
-(``tether._journal.inline``); only ``ThreadRunner`` has a thread.
+The batch itself (``Runner``) and the choice of what goes into it (``Backlog``) are shared
+with the inline runner a simulation uses (``tether._journal.inline``); only the writer thread
+(``tether._journal.writer``) has a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
-import queue
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,6 +40,9 @@ from tether._journal.tables import Tx
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
 MAX_BATCH = 1024
+# The share of a batch urgent operations may take when others wait too: a storm of recalls
+# never makes a batch longer than any other, nor holds the receipts behind it for long.
+URGENT_SHARE = MAX_BATCH // 2
 # A batch of posted writes alone (receipts nobody waits for) waits this long for one more
 # operation before it runs: a child's next intent, right behind its receipt, then shares its
 # transaction instead of running a second one (its BEGIN, chain, seal and COMMIT).
@@ -60,21 +62,15 @@ class Op:
     # a batch of such operations (and posted ones) commits without waiting for the disk
     # (``relax``); the next durable commit makes it durable too (the same log, in order).
     relaxed: bool = False
+    # A control intent (the fence) and the read before it: into the next batch, ahead of a
+    # backlog of other writes (``Backlog``).
+    urgent: bool = False
+    order: int = 0  # its place in submission order (``Backlog.add``)
 
 
 Done = list[tuple[Op, Any, Exception | None]]
 # Called at the end of a write batch, before its COMMIT, with the records it wrote.
 Sealer = Callable[[Any, list[tuple[str, Any]]], None]
-
-
-_OPEN: weakref.WeakSet[ThreadRunner] = weakref.WeakSet()
-
-
-def busy() -> bool:
-    """Whether an open journal of this process has work on one of its threads that will answer
-    an event loop. A test clock moves time on its own only when none has
-    (``VirtualClock.autojump``): a loop waiting for a commit is not waiting for time."""
-    return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None)
 
 
 class Retry(Exception):
@@ -135,7 +131,8 @@ class Runner:
         raise NotImplementedError
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False) -> asyncio.Future[T] | None:
+               relaxed: bool = False, urgent: bool = False) -> asyncio.Future[T] | None:
+        """Queue ``fn`` for a batch (``Backlog``); ``urgent``: ahead of a backlog."""
         raise NotImplementedError
 
     def _resolve(self, done: Done) -> None:
@@ -444,150 +441,6 @@ class Runner:
             _after(db)
         return done
 
-class ThreadRunner(Runner):
-    """One writer thread per journal: operations queue to it, it takes everything queued as
-    one batch, and answers each caller on its event loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._queue: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # submit against the thread's end
-        self._dead = False
-        self._closing = threading.Event()
-        _OPEN.add(self)
-
-    def closing(self) -> bool:
-        return self._closing.is_set()
-
-    def pause(self, seconds: float) -> None:
-        self._closing.wait(seconds)
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._closing.clear()  # a journal may be opened again after it was closed
-        self._dead = False
-        self._lost_at = None
-        self._conn = await asyncio.to_thread(self.connect)
-        self._thread = threading.Thread(target=self._work, name="tether-journal", daemon=True)
-        self._thread.start()
-        if self.watched:
-            threading.Thread(target=self._watch, args=(self._thread,),
-                             name="tether-journal-watchdog", daemon=True).start()
-
-    def _watch(self, writer: threading.Thread) -> None:
-        while True:
-            writer.join(0.25)
-            if not writer.is_alive():
-                return
-            busy, conn = self._busy_since, self._conn
-            if busy is not None and conn is not None and \
-                    time.monotonic() - busy > self.stall_after():
-                self._busy_since = None
-                with contextlib.suppress(Exception):
-                    self.interrupt(conn)
-
-    async def stop(self) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._closing.set()  # ends a reconnection loop at once
-        self._queue.put(None)
-        await asyncio.to_thread(thread.join, self.stop_wait)
-        self._thread = None
-        if thread.is_alive():
-            # Stuck in a call to a server that does not answer (a paused host): never wait on
-            # it for ever. What it holds fails here; its late answer finds the futures done.
-            err = JournalError(f"{self.where()} did not answer; closed without it")
-            _settle([(op, None, err) for op in [*self._inflight, *self._drain()]
-                     if op.future is not None])
-            await asyncio.to_thread(self.close, None)
-
-    def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
-               relaxed: bool = False) -> asyncio.Future[T] | None:
-        if self._thread is None or self._loop is None:
-            raise JournalError("journal is not open")
-        future: asyncio.Future[T] | None = self._loop.create_future() if wait else None
-        with self._lock:
-            if self._dead:
-                if future is None:
-                    return None  # a posted write to a journal already lost: as after a crash
-                raise JournalError(f"{self.where()} is no longer available")
-            self._queue.put(Op(fn, write, future, relaxed))
-            self.outstanding += 1
-        return future
-
-    def _drain(self) -> list[Op]:
-        ops: list[Op] = []
-        while True:
-            try:
-                op = self._queue.get_nowait()
-            except queue.Empty:
-                return ops
-            if op is not None:
-                ops.append(op)
-
-    def _work(self) -> None:
-        reason = "journal is closed"
-        try:
-            self._serve()
-        except BaseException as exc:  # never end with operations waiting
-            reason = f"the journal's writer stopped: {exc!r}"
-            raise
-        finally:
-            with self._lock:
-                self._dead = True
-            err = JournalError(reason)
-            self._resolve([(op, None, err) for op in [*self._inflight, *self._drain()]])
-            with self._lock:
-                self.outstanding = 0
-            self._inflight = []
-            with contextlib.suppress(Exception):
-                self.close(self._conn)
-            self._conn = None
-
-    def _serve(self) -> None:
-        stopping = False
-        while not stopping:
-            first = self._queue.get()
-            if first is None:
-                break
-            batch, stopping = self._gather(first)
-            self._inflight = batch
-            taken = len(batch)  # before _run prepends what an outage held (counted already)
-            self._run(batch)
-            self._inflight = []
-            with self._lock:
-                self.outstanding -= taken
-
-    def _gather(self, first: Op) -> tuple[list[Op], bool]:
-        """``first`` and what is queued behind it: the batch, and whether to stop after it.
-        Posted writes alone wait for one more operation until ``POSTED_WAIT`` after the first
-        (a deadline: a steady trickle of them never holds the first back longer)."""
-        batch = [first]
-        posted = first.future is None
-        until = self.monotonic() + POSTED_WAIT
-        while len(batch) < MAX_BATCH:
-            try:
-                left = until - self.monotonic() if posted else 0.0
-                op = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if op is None:
-                return batch, True
-            posted = posted and op.future is None
-            batch.append(op)
-        return batch, False
-
-    def _resolve(self, done: Done) -> None:
-        waiting = [d for d in done if d[0].future is not None]
-        if not waiting or self._loop is None:
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed under us: nobody is waiting
-            self._loop.call_soon_threadsafe(_settle, waiting)
-
-
-
 def _after(db: Any) -> None:
     """Once a batch is known to have committed: what its operations deferred to then. The
     batch committed whatever happens here: a failure is logged, never the batch's (the
@@ -600,6 +453,61 @@ def _after(db: Any) -> None:
                 then()
             except Exception as exc:
                 log.warning("after a commit: %s", exc)
+
+
+class Backlog:
+    """Operations waiting for a batch, and which go into the next one: urgent operations (a
+    control intent: the fence) first, so that an intent waits for the batch running when it
+    came, never for a backlog of receipts and events queued before it; then the others in
+    the order they came. Urgent ones take at most ``URGENT_SHARE`` of a batch others wait
+    for. A batch runs its operations in submission order: an urgent operation skips the
+    backlog, never what shares its batch, so every batch is a serial history in which the
+    intent came a little earlier. Touched by one thread (the writer's, or the loop's)."""
+
+    def __init__(self, cap: int = MAX_BATCH) -> None:
+        self.cap = cap  # a batch's length at most (smaller in a simulation: more backlog)
+        self._urgent: collections.deque[Op] = collections.deque()
+        self._normal: collections.deque[Op] = collections.deque()
+        self._order = 0
+        self._waited = 0  # operations someone waits for (not posted)
+
+    def __len__(self) -> int:
+        return len(self._urgent) + len(self._normal)
+
+    def add(self, op: Op) -> None:
+        self._order += 1
+        op.order = self._order
+        self._waited += op.future is not None
+        (self._urgent if op.urgent else self._normal).append(op)
+
+    def posted_only(self) -> bool:
+        """Whether nobody waits for any operation waiting (receipts alone)."""
+        return self._waited == 0
+
+    def take(self) -> list[Op]:
+        """The next batch, at most ``cap`` operations, in submission order."""
+        cap, urgent, normal = self.cap, self._urgent, self._normal
+        share = max(1, cap * URGENT_SHARE // MAX_BATCH) if normal else cap
+        batch = [urgent.popleft() for _ in range(min(share, len(urgent)))]
+        skipped = bool(batch)
+        # Never an operation past an urgent one left for later: each still commits no later
+        # than everything submitted before it but the urgent ones it skipped (a flush's
+        # promise), so others wait their turn behind a storm's remainder.
+        while len(batch) < cap and normal and (not urgent or normal[0].order < urgent[0].order):
+            batch.append(normal.popleft())
+        batch += [urgent.popleft() for _ in range(min(cap - len(batch), len(urgent)))]
+        if skipped:
+            batch.sort(key=lambda op: op.order)
+        self._waited -= sum(op.future is not None for op in batch)
+        return batch
+
+    def drain(self) -> list[Op]:
+        """Everything waiting, in submission order, and nothing left."""
+        ops = sorted([*self._urgent, *self._normal], key=lambda op: op.order)
+        self._urgent.clear()
+        self._normal.clear()
+        self._waited = 0
+        return ops
 
 
 def relaxed_batch(batch: list[Op]) -> bool:

@@ -18,8 +18,8 @@ from tether._core.errors import (
     SchemaTooNew,
 )
 from tether._journal import wake
-from tether._journal.runner import ThreadRunner
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
+from tether._journal.writer import ThreadRunner
 
 SIDECARS = ("-wal", "-shm")  # what SQLite keeps beside the journal in WAL mode
 

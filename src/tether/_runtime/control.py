@@ -132,7 +132,7 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
     # it (it cuts a recall's grace window short).
     offered = None
     if req.kind is ControlKind.RECALL:
-        offered = (await j.get(delegation_id)).control_seq + 1
+        offered = (await j.get(delegation_id, urgent=True)).control_seq + 1
     now = time.time()
 
     task: list[str] = []  # the task of the delegation the intent is signed for

@@ -51,8 +51,10 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     if children:
         await first_of(sup.clock, sup.policy.ack_timeout,
                        asyncio.gather(*children, return_exceptions=True))
-    report = await accounts.conclude(rt.id, plan.fallback, in_doubt=plan.mark_in_doubt,
-                                     verdict=verdict, reason=reason)
+    # The tree's settle, queued: an intent for one of its nodes waits behind it (``urgent``).
+    with sup.journal.moves([n.id for n in rt.walk()]):
+        report = await accounts.conclude(rt.id, plan.fallback, in_doubt=plan.mark_in_doubt,
+                                         verdict=verdict, reason=reason)
     if verdict is Verdict.GRACE_EXPIRED:
         sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
     log_verdict(report, verdict.value, reason)

@@ -528,7 +528,8 @@ class Supervisor:
             # loser is told the current sequence (I4) rather than that the state moved. A
             # terminate takes the next one in the accepting transaction: it must land even
             # when a recall was accepted a moment before (it cuts the grace window short).
-            seq = (await self.journal.get(delegation_id)).control_seq + 1
+            seq = (await self.journal.get(delegation_id, urgent=self._urgent(delegation_id))
+                   ).control_seq + 1
         offered = seq
         # Stamped with no await before the accept is queued: no call of this process can
         # then be queued between the stamp and the fence with a later intent time.
@@ -542,7 +543,8 @@ class Supervisor:
 
         try:
             intent, signed = await self.journal.sign_and_accept(
-                delegation_id, make, self.keys.trusted, self.owner_id, self.clock.wall)
+                delegation_id, make, self.keys.trusted, self.owner_id, self.clock.wall,
+                urgent=self._urgent(delegation_id))
         except ControlRefused as exc:
             self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
                                            "error.type": type(exc).__name__})
@@ -565,6 +567,15 @@ class Supervisor:
                 return await self._accounts.settle_here(delegation_id, kind)
             return await settle_elsewhere(self, delegation_id, signed)
         return await asyncio.shield(self.start_drain(rt, signed, self.clock.now()))
+
+    def _urgent(self, delegation_id: str) -> bool:
+        """Whether a control intent for ``delegation_id`` skips the writes queued before it
+        (the fence waits for no backlog): not past a state move of its tree queued here (a
+        child's end its code reached; an ancestor's drain settling it), which then stands as
+        it ended, not stopped again."""
+        rt = self._runtimes.get(delegation_id)
+        return not self.journal.moving([delegation_id] if rt is None else
+                                       [n.id for n in rt.walk()])
 
     async def current_trust(self) -> TrustedKeys:
         """The keys whose intents this process acts on: the journal's key registry as this
