@@ -166,6 +166,18 @@ def in_flight() -> tuple[asyncio.Event, tether.Tool, Callable[[tether.Context], 
     return release, slow, busy
 
 
+def fence_times(sup: tether.Supervisor) -> dict[str, float]:
+    """When each delegation's fence was durably closed (its 'drain' event), by id."""
+    fenced: dict[str, float] = {}
+
+    def on_event(event: str, delegation_id: str) -> None:
+        if event == "drain":
+            fenced.setdefault(delegation_id, time.perf_counter())
+
+    sup.listen(on_event)
+    return fenced
+
+
 async def recall_latency(directory: Path, n: int) -> list[float]:
     """Seconds from recall() to the fence durably closed, for ``n`` children one after the
     other. The supervisor's 'drain' event fires right after the journal committed the intent
@@ -175,13 +187,7 @@ async def recall_latency(directory: Path, n: int) -> list[float]:
     samples: list[float] = []
     async with tether.Supervisor(journal_url(directory, f"rl-{time.monotonic_ns()}.db"),
                                  keys=tether.KeyRing.ephemeral()) as sup:
-        fenced: dict[str, float] = {}
-
-        def on_event(event: str, delegation_id: str) -> None:
-            if event == "drain":
-                fenced.setdefault(delegation_id, time.perf_counter())
-
-        sup.listen(on_event)
+        fenced = fence_times(sup)
         handles = await asyncio.gather(*(sup.delegate(waiter, tools=[wait]) for _ in range(n)))
         for handle in handles:
             start = time.perf_counter()
@@ -330,13 +336,7 @@ async def recall_under_load(directory: Path, children: int, actions: int,
     out: list[float] = []
     async with tether.Supervisor(journal_url(directory, f"ul-{time.monotonic_ns()}.db"),
                                  keys=tether.KeyRing.ephemeral()) as sup:
-        fenced: dict[str, float] = {}
-
-        def on_event(event: str, delegation_id: str) -> None:
-            if event == "drain":
-                fenced.setdefault(delegation_id, time.perf_counter())
-
-        sup.listen(on_event)
+        fenced = fence_times(sup)
         idle = [await sup.delegate(waiter, tools=[wait]) for _ in range(samples)]
         load = asyncio.gather(*(sup.delegate(busy, tools=[noop]) for _ in range(children)))
         running = asyncio.ensure_future(load)
