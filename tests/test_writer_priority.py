@@ -159,6 +159,13 @@ def test_the_backlog_takes_urgent_operations_first_within_their_share_in_submiss
     for op in ops[:3]:
         backlog.add(op)
     assert [ops.index(op) for op in backlog.drain()] == [0, 1, 2]
+    # More urgent operations than their share, then another: the later one never goes past
+    # the urgent ones left for the next batch (a flush waits for all before it).
+    later = [Op(lambda db: None, True, None, urgent=n < 4) for n in range(5)]
+    for op in later:
+        backlog.add(op)
+    assert [later.index(op) for op in backlog.take()] == [0, 1, 2, 3]
+    assert [later.index(op) for op in backlog.take()] == [4]
 
 
 async def test_a_terminate_never_overtakes_an_ancestors_queued_settle(journal_url: str) -> None:

@@ -360,12 +360,13 @@ class Journal:
 
     # -- control ------------------------------------------------------------------------------
     async def accept_control(self, signed: Signed, pins: TrustedKeys, issuer: str,
-                             now: float | Callable[[], float], *, urgent: bool = True
+                             now: float | Callable[[], float], *, urgent: bool = False
                              ) -> tuple[ControlIntent, ControlRow]:
         """Verify the signature against the deployment's key registry as ``pins`` root it
         (I5), then CAS, move and fence, all in one transaction. Given a clock, ``now`` is read
         once the delegation's row is locked (``ops.accept_control``). ``urgent``: the fence
-        skips the writes queued before it (``runner.Backlog``)."""
+        skips the writes queued before it (``runner.Backlog``); only for a caller that knows
+        none of them moves the delegation's tree (``moving``)."""
 
         def op(db: Any) -> tuple[ControlIntent, ControlRow]:
             intent = trustops.registry(db, pins).verify(signed, ControlIntent)
@@ -380,7 +381,7 @@ class Journal:
     async def sign_and_accept(self, delegation_id: str,
                               make: Callable[[DelegationRow], Signed], pins: TrustedKeys,
                               issuer: str, now: float | Callable[[], float], *,
-                              urgent: bool = True) -> tuple[ControlIntent, Signed]:
+                              urgent: bool = False) -> tuple[ControlIntent, Signed]:
         """Read the delegation, sign the intent ``make`` builds from it (its epoch and next
         sequence number), verify it against the deployment's key registry as ``pins`` root
         it, and accept it: one transaction, one round trip. An untrusted signer changes

@@ -130,6 +130,7 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
     # A recall offers the next sequence as read now, so that the loser of two racing recalls
     # is told the current sequence (I4); a terminate takes the next one whatever came before
     # it (it cuts a recall's grace window short).
+    # Urgent: this process (a shell's, the console's) queues no state move of its own.
     offered = None
     if req.kind is ControlKind.RECALL:
         offered = (await j.get(delegation_id, urgent=True)).control_seq + 1
@@ -145,7 +146,7 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
 
     try:
         intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
-                                            time.time)
+                                            time.time, urgent=True)
     except AlreadyFinished:
         # Between attempts nothing runs, yet the request must stop a re-dispatch, which
         # re-checks the task's cancel generation before forking; one that forked already is
@@ -157,7 +158,7 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
             raise
         delegation_id = latest.id
         intent, _ = await j.sign_and_accept(delegation_id, make, ring.trusted, issuer,
-                                            time.time)
+                                            time.time, urgent=True)
     return {"delegation": delegation_id, "task": task[0], "seq": intent.seq,
             "kind": req.kind.value, "accepted": True, "issuer": issuer}
 
