@@ -157,6 +157,8 @@ class ThreadRunner(Runner):
                 stopping = self._gather()
             with self._taking:
                 batch = backlog.take()
+            if not batch:  # a close that gave up on this thread emptied the backlog
+                continue
             self._inflight = batch
             taken = len(batch)  # before _run prepends what an outage held (counted already)
             self._run(batch)
