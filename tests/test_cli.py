@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlparse
@@ -215,10 +217,11 @@ async def test_demo_on_postgresql(pg_url: str) -> None:
     assert code == 0 and f"?schema={schema}" in out, out
 
 
-async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -> None:
-    """The root's own calls are done, but its child's call was cut and cannot be probed (the
-    provider's lookup is down): the child needs a person, so the command says so with exit 1,
-    not 0 for the root's own TERMINATED."""
+@contextlib.asynccontextmanager
+async def child_needs_a_person(journal_url: str) -> AsyncIterator[tether.Handle]:
+    """A root (agent "root") whose child's call hangs and cannot be probed (the provider's
+    lookup is down): a terminate leaves the child NEEDS_ATTENTION. Yields the root's handle
+    once the call is in flight."""
     async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
         entered = asyncio.Event()
 
@@ -240,6 +243,14 @@ async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -
 
         parent = await sup.delegate(tether.Agent("root", root, (kid_agent,)))
         await entered.wait()
+        yield parent
+
+
+async def test_terminate_exits_1_when_a_child_needs_a_person(journal_url: str) -> None:
+    """The root's own calls are done, but its child's call was cut and cannot be probed (the
+    provider's lookup is down): the child needs a person, so the command says so with exit 1,
+    not 0 for the root's own TERMINATED."""
+    async with child_needs_a_person(journal_url) as parent:
         code, out, err = await tether_cli("terminate", parent.id, "--journal", journal_url,
                                           "--json")
         report = json.loads(out)["report"]

@@ -14,7 +14,7 @@ import pytest
 import tether
 from tests.cli_helpers import tether_here
 from tests.conftest import events_of
-from tests.test_cli import tether_cli
+from tests.test_cli import child_needs_a_person, tether_cli
 from tether.testing import PaymentService
 
 
@@ -277,29 +277,7 @@ async def test_a_selection_exits_1_when_one_of_its_delegations_needs_a_person(
     """`tether terminate --agent root`: the root's child's call was cut and cannot be probed
     (the provider's lookup is down), so it needs a person: exit 1, not 0 for the root's own
     TERMINATED, as for one delegation by id."""
-    from tests.conftest import ONE_CLOCK
-
-    async with tether.Supervisor(journal_url, policy=ONE_CLOCK) as sup:
-        entered = asyncio.Event()
-
-        async def down(order_id: str, cents: int, *, idempotency_key: str) -> tether.ProbeResult:
-            raise RuntimeError("the provider's lookup is down")
-
-        @tether.tool(probe=down)
-        async def hang(order_id: str, cents: int, *, idempotency_key: str) -> None:
-            entered.set()
-            await asyncio.Event().wait()
-
-        async def kid(ctx: tether.Context) -> None:
-            await ctx.call(hang, order_id="X-9", cents=1)
-
-        kid_agent = tether.Agent("kid", kid, (hang,))
-
-        async def root(ctx: tether.Context) -> None:
-            await (await ctx.delegate(kid_agent)).result()
-
-        parent = await sup.delegate(tether.Agent("root", root, (kid_agent,)))
-        await entered.wait()
+    async with child_needs_a_person(journal_url) as parent:
         code, out, err = await tether_cli("terminate", "--agent", "root", "--journal",
                                           journal_url, "--json")
         (answer,) = json.loads(out)["answers"]
