@@ -81,7 +81,7 @@ class InlineRunner(Runner):
 
     def _flush(self) -> None:
         self._flush_due = False
-        batch = self._pending.take()
+        batch = self._pending.take(self.room())
         if self._pending and self._loop is not None:
             self._flush_due = True
             self._loop.call_later(self.latency(), self._flush)

@@ -230,8 +230,9 @@ class Runner:
                     self._hold(batch)
                     self._fail(batch, self._gone(deadline))
                     return
-            if self._held:  # what an outage left, before what came after it
-                batch[:0], self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
+            if self._held:  # what an outage left, before what came after it, within the cap
+                room = max(0, MAX_BATCH - len(batch))
+                batch[:0], self._held = self._held[:room], self._held[room:]
             try:
                 self._busy_since = self.monotonic()
                 try:
@@ -328,6 +329,11 @@ class Runner:
                 self._drop()
             finally:
                 self._busy_since = None
+
+    def room(self) -> int:
+        """How much of the next batch the backlog fills: what an outage held (``_run`` puts it
+        first) takes at most half of it, so neither waits for the other to drain."""
+        return MAX_BATCH - min(len(self._held), MAX_BATCH // 2)
 
     def op_mark(self) -> int:
         """Where an operation's notifications begin among those its batch queued (a backend
@@ -484,9 +490,9 @@ class Backlog:
         """Whether nobody waits for any operation waiting (receipts alone)."""
         return self._waited == 0
 
-    def take(self) -> list[Op]:
-        """The next batch, at most ``cap`` operations, in submission order."""
-        cap, urgent, normal = self.cap, self._urgent, self._normal
+    def take(self, room: int = MAX_BATCH) -> list[Op]:
+        """The next batch, at most ``cap`` operations (and ``room``), in submission order."""
+        cap, urgent, normal = min(self.cap, room), self._urgent, self._normal
         share = max(1, cap * URGENT_SHARE // MAX_BATCH) if normal else cap
         batch = [urgent.popleft() for _ in range(min(share, len(urgent)))]
         skipped = bool(batch)

@@ -51,6 +51,9 @@ class ThreadRunner(Runner):
         self._lock = threading.Lock()  # submit against the thread's end
         self._dead = False
         self._closing = threading.Event()
+        # The writer a close gave up on (stuck on a server that does not answer): until it has
+        # ended, it still reads this queue and this runner's connection.
+        self._abandoned: threading.Thread | None = None
         _OPEN.add(self)
 
     def closing(self) -> bool:
@@ -60,6 +63,14 @@ class ThreadRunner(Runner):
         self._closing.wait(seconds)
 
     async def start(self) -> None:
+        if self._abandoned is not None:
+            if self._abandoned.is_alive():
+                # A second thread on the same queue and connection: two writers, one file.
+                raise JournalError(
+                    f"{self.where()} is still held by the writer of its last opening, which "
+                    "its server never answered; open it again once that call has ended, or "
+                    "open a new Journal")
+            self._abandoned = None
         self._loop = asyncio.get_running_loop()
         self._closing.clear()  # a journal may be opened again after it was closed
         self._dead = False
@@ -97,6 +108,10 @@ class ThreadRunner(Runner):
             err = JournalError(f"{self.where()} did not answer; closed without it")
             _settle([(op, None, err) for op in [*self._inflight, *self._drain()]
                      if op.future is not None])
+            # The drain took the end of the queue too: the writer ends once its call returns
+            # (its own ending then counts nothing outstanding and closes its connection).
+            self._queue.put(None)
+            self._abandoned = thread
             await asyncio.to_thread(self.close, None)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
@@ -156,7 +171,7 @@ class ThreadRunner(Runner):
             if not stopping:
                 stopping = self._gather()
             with self._taking:
-                batch = backlog.take()
+                batch = backlog.take(self.room())
             if not batch:  # a close that gave up on this thread emptied the backlog
                 continue
             self._inflight = batch
