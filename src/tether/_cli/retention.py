@@ -198,7 +198,7 @@ def _is_journal_file(target: Path, journal_url: str) -> bool:
     """Whether ``target`` is a SQLite journal's file, log or index (by path or by inode)."""
     if not journal_url.startswith("sqlite:"):
         return False
-    from tether._journal.journal import sqlite_path
+    from tether._journal.access import sqlite_path
 
     try:
         base = Path(os.path.realpath(sqlite_path(journal_url.split("?", 1)[0])))

@@ -1,16 +1,13 @@
-"""The async journal facade. A backend only runs operations in transactions; the rules live in
-``ops`` so that every backend enforces the same ones."""
+"""The async journal facade: the operations a supervisor, a worker, the shell and the console
+run, over ``JournalAccess`` (how they reach the backend). A backend only runs operations in
+transactions; the rules live in ``ops`` so that every backend enforces the same ones."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qs, unquote, urlparse
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from tether._core.chain import ROLLED_BACK, ChainVerdict
 from tether._core.documents import (
@@ -19,15 +16,15 @@ from tether._core.documents import (
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, JournalError, Tampered, UnknownKey, UserError
-from tether._core.headmark import HeadMark, HeadMemory
-from tether._core.model import DEFAULT_CLOCK_TOLERANCE, ActionState, DelegationState
-from tether._core.registrymark import RegistryMemory
+from tether._core.errors import ControlRefused, Tampered, UnknownKey
+from tether._core.headmark import HeadMark
+from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._core.verdict import JournalFacts
 from tether._journal import chainops, ops, queue, retention, triage, trustops
+from tether._journal.access import DEFAULT_URL, JournalAccess, _bind
 from tether._journal.rows import (
     BeginResult,
     ControlRow,
@@ -40,33 +37,11 @@ from tether._journal.rows import (
     QueueEntry,
     QueueProgress,
 )
-from tether._journal.runner import Runner
-from tether._journal.sqlite import SqliteRunner
 
-if TYPE_CHECKING:
-    from tether._journal.postgres import PostgresRunner
+__all__ = ["DEFAULT_URL", "Journal"]
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
-DEFAULT_URL = "sqlite:///.tether/journal.db"
-SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
-MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
-
-
-def sqlite_path(url: str) -> Path:
-    """``sqlite:///relative/path`` or ``sqlite:////absolute/path``, as SQLAlchemy spells them."""
-    parsed = urlparse(url)
-    if parsed.scheme != "sqlite" or parsed.netloc or not parsed.path.startswith("/"):
-        raise UserError(
-            f"journal URL {url!r} is not understood: use sqlite:///relative/path.db, "
-            "sqlite:////absolute/path.db or postgresql://user@host/db?schema=name"
-        )
-    path = unquote(parsed.path[1:])
-    if "\x00" in path:
-        raise UserError(f"journal URL {url!r} names a path with a NUL byte in it")
-    if not path:
-        raise UserError(f"journal URL {url!r} names no file")
-    return Path(path)
 
 
 def _refused(exc: ControlRefused, issuer: str, delegation_id: str | None = None) -> None:
@@ -74,219 +49,8 @@ def _refused(exc: ControlRefused, issuer: str, delegation_id: str | None = None)
         "delegation": delegation_id, "issuer": issuer, "refusal": type(exc).__name__})
 
 
-def _bind(fn: Callable[..., T], args: tuple[Any, ...], kw: dict[str, Any]) -> Callable[[Any], T]:
-    """Bind an operation's arguments after the connection the backend passes first."""
-    return lambda db: fn(db, *args, **kw)
-
-
-class Journal:
+class Journal(JournalAccess):
     """Durable record of delegations, actions, control intents and events."""
-
-    def __init__(self, url: str = DEFAULT_URL, *, create: bool = True, durable: bool = True,
-                 busy_timeout: float | None = None, runner: Runner | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
-        """``runner``: run the operations of this SQLite journal with it rather than with a
-        writer thread on the file (a simulation's inline runner); ``wall``: the clock the
-        chain's seals are stamped with."""
-        self.url = url
-        self._wall = wall
-        # Posted writes (receipts, events) commit without waiting for the disk when nobody in
-        # their batch waits for a durable commit (``flush(durable=False)``'s terms): the MCP
-        # proxy's, whose receipts are flushed that way before its client hears of them.
-        self.relaxed_posts = False
-        self._moving: dict[str, int] = {}  # state moves queued, by delegation (``moving``)
-        # Added to every dispatch deadline judged in a transaction (a key's earlier use, a
-        # person's decision, retention): the supervisor sets its policy's.
-        self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE
-        try:
-            query = parse_qs(urlparse(url).query, keep_blank_values=True)
-        except ValueError as exc:  # e.g. an unclosed "[" in the host
-            raise UserError(f"journal URL {url!r} is not understood: {exc}") from None
-        for name, values in sorted(query.items()):  # a default or the first would hide it
-            if len(values) > 1:
-                raise UserError(f"parameter {name!r} is given twice in the journal URL {url!r}")
-            if values == [""]:
-                raise UserError(f"parameter {name!r} has no value in the journal URL {url!r}")
-        keys = query.get("keys", [None])[0]
-        if keys is not None and "\0" in keys:
-            raise UserError(f"the key directory in the journal URL {url!r} holds a NUL byte")
-        if url.startswith(("postgresql://", "postgres://")):
-            try:
-                from tether._journal.postgres import PostgresRunner
-            except ImportError as exc:
-                raise UserError(
-                    f"a postgresql:// journal needs psycopg ({exc}): "
-                    "pip install 'tether[postgres]'") from None
-
-            runner = PostgresRunner(url, create=create)
-            self._runner: Runner = runner
-            self._chain(runner)
-            self._pg: PostgresRunner | None = runner
-            self.path = Path(".tether") / "postgresql"
-            self.keys_dir = Path(keys) if keys else Path(".tether") / "keys"
-            self._shown = runner.shown
-            return
-        unknown = sorted(set(query) - SQLITE_PARAMETERS)
-        if unknown:
-            raise UserError(f"unknown parameter {unknown[0]!r} in the journal URL {url!r}; "
-                            f"a SQLite journal takes {', '.join(sorted(SQLITE_PARAMETERS))}")
-        if busy_timeout is None:
-            try:
-                busy_timeout = float(query.get("busy_timeout", ["5"])[0])
-            except ValueError:
-                raise UserError(f"busy_timeout in {url!r} is not a number") from None
-        if not 0 <= busy_timeout <= MAX_BUSY_TIMEOUT:  # NaN and infinity fail this too
-            raise UserError(f"busy_timeout in {url!r} must be between 0 and "
-                            f"{MAX_BUSY_TIMEOUT:g} seconds")
-        sync = query.get("synchronous", ["full" if durable else "normal"])[0].upper()
-        if sync not in ("FULL", "NORMAL", "OFF"):
-            raise UserError(f"synchronous in {url!r} must be full, normal or off")
-        self.path = sqlite_path(url.split("?", 1)[0])
-        self.keys_dir = Path(keys) if keys else self.path.parent / "keys"
-        self._shown = ""
-        self._pg = None
-        self._runner = runner or SqliteRunner(self.path, create=create, synchronous=sync,
-                                              busy_timeout=busy_timeout)
-        self._chain(self._runner)
-
-    def _chain(self, runner: Runner) -> None:
-        self._sealer = sealer = chainops.Sealer()
-        self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
-        # The key registries' memories a key change here advanced: saved at the latest on close.
-        self._registry_memories: list[RegistryMemory] = []
-        wall = self._wall
-        runner.sealer = lambda db, dirty: chainops.seal(db, dirty, sealer, wall())
-
-    @property
-    def signer(self) -> SigningKey | None:
-        """Whose key seals this process's writes (docs/security.md): the supervisor's, the
-        worker's or the CLI's. None: the chain is kept, unsealed, and `tether verify` says
-        so. Set with ``seal_with``."""
-        return self._sealer.signer
-
-    def seal_with(self, signer: SigningKey, pins: TrustedKeys) -> None:
-        """Seal this process's writes with ``signer``; extend another process's chain only if
-        its seal verifies against the registry as ``pins`` root it."""
-        self._sealer.signer, self._sealer.pins = signer, pins
-
-    @property
-    def reconnect_within(self) -> float:
-        """Seconds an operation may wait for a lost connection to come back (PostgreSQL)
-        before it fails with a JournalError; 0 on SQLite, which has no connection to lose."""
-        return self._runner.reconnect_within
-
-    @reconnect_within.setter
-    def reconnect_within(self, seconds: float) -> None:
-        if self._pg is not None:
-            self._runner.reconnect_within = seconds
-
-    @property
-    def location(self) -> str:
-        return self._shown or str(self.path.resolve())
-
-    async def open(self) -> Journal:
-        await self._runner.start()
-        return self
-
-    async def close(self) -> None:
-        await self._runner.stop()
-        self._persist()
-        for memory in self._registry_memories:
-            # A key change committed here whose mark could not be saved then (``_after``):
-            # saved now, or the process ends saying its configuration does not hold it.
-            try:
-                memory.save_pending()
-            except Exception as exc:
-                raise JournalError(
-                    "a key change this process made is committed, but its configuration "
-                    f"could not record it in registry.json: {exc}; fix that, then run "
-                    "'tether keys registry' to record it") from None
-
-    async def __aenter__(self) -> Journal:
-        return await self.open()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _write(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        return await self._written(_bind(fn, args, kw))
-
-    async def _written(self, fn: Callable[[Any], T], urgent: bool = False) -> T:
-        ran: list[Any] = []  # the batches it ran in: what the one that committed sealed
-        fut = self._runner.submit(chainops.noting(fn, ran), write=True, urgent=urgent)
-        assert fut is not None
-        value = await fut
-        self._sealer.committed(ran)
-        return value
-
-    async def _move(self, delegation_id: str, fn: Callable[..., T], *args: Any) -> T:
-        """A state move of ``delegation_id``, counted in ``moving`` until it is answered."""
-        with self.moves([delegation_id]):
-            return await self._write(fn, delegation_id, *args)
-
-    @contextlib.contextmanager
-    def moves(self, delegation_ids: Iterable[str]) -> Iterator[None]:
-        """While inside: these delegations' states are being moved here (``moving``)."""
-        ids = list(delegation_ids)
-        for d in ids:
-            self._moving[d] = self._moving.get(d, 0) + 1
-        try:
-            yield
-        finally:
-            for d in ids:
-                left = self._moving.pop(d) - 1
-                if left:
-                    self._moving[d] = left
-
-    def moving(self, delegation_ids: Iterable[str]) -> bool:
-        """Whether a state move of one of them (a child's end its code reached; a drain's
-        settle of its tree, ``moves``) is queued here and not answered yet: a control intent
-        then waits its turn behind it rather than skip it (``urgent``), or a finished child
-        would be reported stopped."""
-        return any(d in self._moving for d in delegation_ids)
-
-    def _persist(self) -> None:
-        """A moment that matters (docs/security.md, "Rollback"): the configuration's key
-        directory learns the heads remembered since the last one."""
-        chainops.persist(self._sealer.witness, self._reader_witness)
-
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        fut = self._runner.submit(_bind(fn, args, {}), write=False)
-        assert fut is not None
-        return await fut
-
-    def _post(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> None:
-        """Queue a write without waiting for its commit: it rides the next batch."""
-        self._runner.submit(_bind(fn, args, kw), write=True, wait=False,
-                            relaxed=self.relaxed_posts)
-
-    async def peek(self, fn: Callable[..., T], *args: Any) -> T:
-        """A read of other processes' committed work. On PostgreSQL it runs on a pooled
-        connection beside the writer, so polling never waits behind this process's batches."""
-        if self._pg is None:
-            return await self._read(fn, *args)
-        return await self._pg.read_beside(_bind(fn, args, {}))
-
-    def on_notify(self, callback: Callable[[str], None]) -> bool:
-        """Have ``callback(owner_id)`` called (from any thread) when a control intent for one
-        of that owner's delegations commits. False where the backend cannot push (a SQLite
-        journal whose wake-up directory is not this user's own, ``wake``): the caller then
-        relies on polling alone."""
-        return self._runner.listen(callback)
-
-    async def flush(self, durable: bool = True) -> None:
-        """Wait until everything queued before now is committed. ``durable=False``: committed
-        so as to survive a crash of this process, not necessarily of the machine, until the
-        next durable commit (SQLite ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit
-        = off`` for that commit; the same when the journal is not durable anyway)."""
-        ran: list[Any] = []
-        sealer = self._sealer
-        fut = self._runner.submit(chainops.noting(lambda db: chainops.read_back(db, sealer),
-                                                  ran), write=True, relaxed=not durable)
-        assert fut is not None
-        await fut
-        sealer.committed(ran)
-        self._persist()
 
     # -- owners and delegations -------------------------------------------------------------
     async def register_owner(self, owner: OwnerRow) -> None:
