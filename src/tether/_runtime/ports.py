@@ -133,6 +133,20 @@ class Drains(Journaled, Protocol):
     async def current_trust(self) -> TrustedKeys: ...
 
 
+class Issues(Remote, Protocol):
+    """Issuing a recall or terminate (``issuing.issue_control``) and draining it."""
+
+    @property
+    def telemetry(self) -> Telemetry: ...
+
+    def runtime(self, delegation_id: str) -> ChildRuntime | None: ...
+
+    async def settle_here(self, delegation_id: str, kind: ControlKind) -> Report: ...
+
+    def start_drain(self, rt: ChildRuntime, signed: Signed,
+                    accepted_at: float) -> asyncio.Future[Report]: ...
+
+
 class Accounts(Liveness, Protocol):
     """What the accounting (``accounting.Accounting``) needs of the supervisor it serves."""
 

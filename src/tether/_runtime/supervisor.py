@@ -15,10 +15,8 @@ from collections import ChainMap
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
-    ControlRefused,
     ControlSignal,
     InvalidTransition,
     Recalled,
@@ -30,7 +28,6 @@ from tether._core.model import (
     ControlKind,
     DelegationState,
     Policy,
-    check_grace,
     code_ended,
 )
 from tether._core.redispatch import Code, RedispatchPolicy, StreamCut, cancelled
@@ -40,7 +37,7 @@ from tether._core.trust import work_order
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.ops import FenceRefused
 from tether._journal.rows import DelegationRow, NewDelegation, OwnerRow
-from tether._runtime import draining
+from tether._runtime import draining, issuing
 from tether._runtime.accounting import Accounting
 from tether._runtime.adoption import Adoption
 from tether._runtime.arguments import (
@@ -60,7 +57,6 @@ from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.logs import logger
 from tether._runtime.reconcile import build_report
-from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 from tether._runtime.state import ChildRuntime, TaskRun, new_id
 from tether._runtime.stopping import Stopping
 from tether._runtime.telemetry import HookEvent, Hooks, Telemetry, current, trace_id_of
@@ -519,63 +515,7 @@ class Supervisor:
                             reason: str, seq: int | None = None) -> Report:
         """Sign a recall or terminate, have the journal accept it, and drain the delegation
         (here, or wherever it runs): what ``Handle.recall`` and ``terminate`` do."""
-        if kind is ControlKind.RECALL:
-            grace = check_grace(grace, self.policy)
-        if not isinstance(reason, str):
-            raise UserError("reason must be a string")
-        if seq is None and kind is ControlKind.RECALL:
-            # The next sequence as this caller sees it, so that of two racing recalls the
-            # loser is told the current sequence (I4) rather than that the state moved. A
-            # terminate takes the next one in the accepting transaction: it must land even
-            # when a recall was accepted a moment before (it cuts the grace window short).
-            seq = (await self.journal.get(delegation_id, urgent=self._urgent(delegation_id))
-                   ).control_seq + 1
-        offered = seq
-        # Stamped with no await before the accept is queued: no call of this process can
-        # then be queued between the stamp and the fence with a later intent time.
-        issued = self.clock.wall()
-
-        def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
-            return self.keys.signer.sign(ControlIntent(
-                kind=kind, delegation_id=row.id, epoch=row.epoch,
-                seq=row.control_seq + 1 if offered is None else offered, grace=grace,
-                reason=reason, issued_at=issued))
-
-        try:
-            intent, signed = await self.journal.sign_and_accept(
-                delegation_id, make, self.keys.trusted, self.owner_id, self.clock.wall,
-                urgent=self._urgent(delegation_id))
-        except ControlRefused as exc:
-            self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
-                                           "error.type": type(exc).__name__})
-            raise
-        self.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": True})
-        log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
-                 extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
-                        "reason": reason})
-        rt = self._runtimes.get(delegation_id)
-        if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
-            rt.cut()  # cuts the recall's grace window short
-            return await asyncio.shield(rt.draining)
-        if rt is None:
-            never = await settle_unclaimed(self, delegation_id, kind)  # queued, unclaimed
-            if never is not None:
-                return never
-            if (await self.journal.get(delegation_id)).owner_id == self.owner_id:
-                # Ours, but no longer tracked (a recall's grace ended with calls left
-                # running): settle it here, cutting those calls if this is a terminate.
-                return await self._accounts.settle_here(delegation_id, kind)
-            return await settle_elsewhere(self, delegation_id, signed)
-        return await asyncio.shield(self.start_drain(rt, signed, self.clock.now()))
-
-    def _urgent(self, delegation_id: str) -> bool:
-        """Whether a control intent for ``delegation_id`` skips the writes queued before it
-        (the fence waits for no backlog): not past a state move of its tree queued here (a
-        child's end its code reached; an ancestor's drain settling it), which then stands as
-        it ended, not stopped again."""
-        rt = self._runtimes.get(delegation_id)
-        return not self.journal.moving([delegation_id] if rt is None else
-                                       [n.id for n in rt.walk()])
+        return await issuing.issue_control(self, delegation_id, kind, grace, reason, seq)
 
     async def current_trust(self) -> TrustedKeys:
         """The keys whose intents this process acts on: the journal's key registry as this

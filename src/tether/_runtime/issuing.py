@@ -1,0 +1,83 @@
+"""A recall or terminate this process issues (``Handle.recall``, ``terminate``): signed with
+its key, accepted by the journal behind the fence, then drained here, or wherever the
+delegation runs, or settled at once if nobody runs it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tether._core.documents import ControlIntent
+from tether._core.errors import ControlRefused, UserError
+from tether._core.model import ControlKind, check_grace
+from tether._core.report import Report
+from tether._core.signing import Signed
+from tether._journal.rows import DelegationRow
+from tether._runtime import ports
+from tether._runtime.logs import logger
+from tether._runtime.remote import settle_elsewhere, settle_unclaimed
+
+log = logger("supervisor")
+
+
+async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind,
+                    grace: float | None, reason: str, seq: int | None = None) -> Report:
+    """Sign a recall or terminate, have the journal accept it, and drain the delegation
+    (here, or wherever it runs): what ``Handle.recall`` and ``terminate`` do."""
+    if kind is ControlKind.RECALL:
+        grace = check_grace(grace, sup.policy)
+    if not isinstance(reason, str):
+        raise UserError("reason must be a string")
+    if seq is None and kind is ControlKind.RECALL:
+        # The next sequence as this caller sees it, so that of two racing recalls the
+        # loser is told the current sequence (I4) rather than that the state moved. A
+        # terminate takes the next one in the accepting transaction: it must land even
+        # when a recall was accepted a moment before (it cuts the grace window short).
+        seq = (await sup.journal.get(delegation_id, urgent=urgent(sup, delegation_id))
+               ).control_seq + 1
+    offered = seq
+    # Stamped with no await before the accept is queued: no call of this process can
+    # then be queued between the stamp and the fence with a later intent time.
+    issued = sup.clock.wall()
+
+    def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
+        return sup.keys.signer.sign(ControlIntent(
+            kind=kind, delegation_id=row.id, epoch=row.epoch,
+            seq=row.control_seq + 1 if offered is None else offered, grace=grace,
+            reason=reason, issued_at=issued))
+
+    try:
+        intent, signed = await sup.journal.sign_and_accept(
+            delegation_id, make, sup.keys.trusted, sup.owner_id, sup.clock.wall,
+            urgent=urgent(sup, delegation_id))
+    except ControlRefused as exc:
+        sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
+                                      "error.type": type(exc).__name__})
+        raise
+    sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": True})
+    log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
+             extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
+                    "reason": reason})
+    rt = sup.runtime(delegation_id)
+    if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
+        rt.cut()  # cuts the recall's grace window short
+        return await asyncio.shield(rt.draining)
+    if rt is None:
+        never = await settle_unclaimed(sup, delegation_id, kind)  # queued, unclaimed
+        if never is not None:
+            return never
+        if (await sup.journal.get(delegation_id)).owner_id == sup.owner_id:
+            # Ours, but no longer tracked (a recall's grace ended with calls left
+            # running): settle it here, cutting those calls if this is a terminate.
+            return await sup.settle_here(delegation_id, kind)
+        return await settle_elsewhere(sup, delegation_id, signed)
+    return await asyncio.shield(sup.start_drain(rt, signed, sup.clock.now()))
+
+
+def urgent(sup: ports.Issues, delegation_id: str) -> bool:
+    """Whether a control intent for ``delegation_id`` skips the writes queued before it
+    (the fence waits for no backlog): not past a state move of its tree queued here (a
+    child's end its code reached; an ancestor's drain settling it), which then stands as
+    it ended, not stopped again."""
+    rt = sup.runtime(delegation_id)
+    return not sup.journal.moving([delegation_id] if rt is None else
+                                  [n.id for n in rt.walk()])
