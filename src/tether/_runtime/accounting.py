@@ -166,7 +166,8 @@ class Accounting:
         checking in the background what may still apply (``drain.recheck_at``) until it is
         final."""
         sup = self._sup
-        await sup.journal.flush()
+        # A read queues behind every receipt posted before it and answers once its batch
+        # committed: it reads them, committed, without a flush first.
         doubtful = await sup.journal.unsettled(root_id)
         if doubtful:
             await self._probe(doubtful)

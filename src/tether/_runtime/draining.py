@@ -95,9 +95,9 @@ async def grace_window(sup: ports.Drains, rt: ChildRuntime, signed: Signed,
     await sup.journal.record_ack(ack, trusted, sup.clock.wall(), receipt)
     while True:
         # Counted before the journal is read: a call that ends after this count posted its
-        # receipt before ending, so the flush below commits it before the read.
+        # receipt before ending, and the read queues behind it on the writer, in its batch or
+        # a later one, and answers once that batch committed (no flush needed first).
         running = rt.inflight_tasks()
-        await sup.journal.flush()
         facts = await sup.journal.facts(rt.id)
         decision = evaluate_recall(RecallInput(
             signed, facts, accepted_at, sup.clock.now(), sup.policy, trusted, ack, receipt))
