@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tether._chaos.harness import CLASSES
+from tether._chaos.judge import CLASSES
 from tether._chaos.plan import NEW_FAULTS, ORIGINAL_FAULTS, Plan, make_plan, plans
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -396,7 +396,8 @@ def chaos(trials: Annotated[int, typer.Option("--trials", min=1)] = 50,
     from rich.progress import Progress
     from rich.table import Table
 
-    from tether._chaos.harness import CLASSES, run_chaos
+    from tether._chaos.harness import run_chaos
+    from tether._chaos.judge import CLASSES
     from tether._chaos.plan import ALL_FAULTS, BUGS, FAULTS
     from tether._chaos.trace import line
     from tether._cli.render import trials_table
