@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.conftest import until
 from tests.journal_helpers import writer_held
 from tether._journal.runner import MAX_BATCH, Op
 from tether.errors import JournalError
@@ -90,3 +91,109 @@ async def test_posted_writes_held_through_an_outage_never_make_a_batch_past_its_
     assert sorted(ran) == sorted([f"held-{i}" for i in range(MAX_BATCH + 10)]
                                  + [f"queued-{i}" for i in range(MAX_BATCH)])
     assert ran.index("held-0") < ran.index("queued-0")  # what the outage left goes first
+
+
+async def test_an_end_of_queue_the_last_writer_never_read_does_not_end_the_next_one(
+        journal_url: str) -> None:
+    """A writer that took a close's end of queue with its last batch, then got stuck in it:
+    the close gives up, leaves it a second end of queue, but the writer, answered just then,
+    ends without reading it. The next opening has a queue of its own: its writer serves, and
+    a posted write is written."""
+    journal = await tether.Journal(journal_url).open()
+    runner: Any = journal._runner
+    runner.stop_wait = 0.2
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(db: Any) -> None:
+        stuck.set()
+        release.wait(WITHIN)
+
+    blocker, hold = await writer_held(runner)
+    hung = runner.submit(hang, write=True)
+    closing = asyncio.ensure_future(journal.close())
+    await until(lambda: runner._queue.qsize() == 2, "the close's end queued behind the call")
+    old = runner._thread
+    drain, loop_thread = runner._drain, threading.current_thread()
+
+    def drain_then_the_writer_ends() -> list[Any]:
+        ops: list[Any] = drain()
+        if threading.current_thread() is loop_thread:  # the close's drain, not the writer's
+            release.set()  # the server answers now: the writer ends before the close's end
+            old.join(WITHIN)
+        return ops
+
+    runner._drain = drain_then_the_writer_ends
+    hold.set()  # the writer takes the call and the end of queue as one batch
+    await blocker
+    await asyncio.to_thread(stuck.wait, WITHIN)
+    await asyncio.wait_for(closing, WITHIN)
+    del runner._drain
+    with pytest.raises(JournalError):
+        await hung
+    assert not old.is_alive()
+    await journal.open()
+    try:
+        runner.submit(lambda db: db.execute("CREATE TABLE posted (n INTEGER)"), write=True,
+                      wait=False)
+        await asyncio.wait_for(journal.flush(), WITHIN)
+        assert await journal._read(lambda db: db.execute(
+            "SELECT count(*) FROM posted").fetchone()[0]) == 0  # the table exists
+    finally:
+        await journal.close()
+
+
+async def test_a_cancelled_close_still_closes_and_a_reopen_waits_for_its_writer(
+        journal_url: str) -> None:
+    """A close cancelled while it waits for a stuck writer (``wait_for``, a task group,
+    Ctrl-C) has closed the journal all the same: opening it again is refused while that
+    writer lives (it would be a second one on the same connection), and works once it ended;
+    opening a journal open already is refused too."""
+    journal = await tether.Journal(journal_url).open()
+    runner: Any = journal._runner
+    with pytest.raises(JournalError, match="open already"):
+        await journal.open()
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(db: Any) -> None:
+        stuck.set()
+        release.wait(WITHIN)
+
+    hung = runner.submit(hang, write=True)
+    await asyncio.to_thread(stuck.wait, WITHIN)
+    old = runner._thread
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(journal.close(), 0.2)  # well before stop_wait
+    try:
+        with pytest.raises(JournalError, match="still held"):
+            await journal.open()
+    finally:
+        release.set()
+    await hung  # its writer finished what it held, then ended at the end of its queue
+    await asyncio.to_thread(old.join, WITHIN)
+    assert not old.is_alive()
+    await journal.open()
+    try:
+        await asyncio.wait_for(journal.flush(), WITHIN)
+    finally:
+        await journal.close()
+
+
+async def test_a_read_queued_after_held_receipts_sees_every_one_of_them(
+        journal_url: str) -> None:
+    """Receipts an outage held were posted before anything queued since: however many there
+    are, a read (a drain's facts) or a flush queued later answers only once all of them are
+    written, never with some still to come."""
+    async with tether.Journal(journal_url) as journal:
+        runner: Any = journal._runner
+        ran: list[int] = []
+        blocker, hold = await writer_held(runner)
+        def note(i: int) -> Any:
+            return lambda db: ran.append(i)
+
+        runner._held = [Op(note(i), True, None) for i in range(MAX_BATCH - 24)]
+        waits = [runner.submit(lambda db: None, write=True) for _ in range(MAX_BATCH // 8)]
+        seen = runner.submit(lambda db: len(ran), write=False)
+        hold.set()
+        await blocker
+        await asyncio.wait_for(asyncio.gather(*waits), WITHIN)
+        assert await seen == MAX_BATCH - 24

@@ -85,7 +85,7 @@ class InlineRunner(Runner):
         if self._pending and self._loop is not None:
             self._flush_due = True
             self._loop.call_later(self.latency(), self._flush)
-        if not batch:
+        if not batch and not self._held:
             return
         taken = len(batch)
         self._run(batch)

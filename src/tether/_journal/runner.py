@@ -331,9 +331,11 @@ class Runner:
                 self._busy_since = None
 
     def room(self) -> int:
-        """How much of the next batch the backlog fills: what an outage held (``_run`` puts it
-        first) takes at most half of it, so neither waits for the other to drain."""
-        return MAX_BATCH - min(len(self._held), MAX_BATCH // 2)
+        """How much of the next batch the backlog fills: what is left once what an outage
+        held (``_run`` puts it first) is in. Held receipts were posted before anything queued
+        now, so each commits first: a flush or a read queued after one never answers before
+        it is written."""
+        return max(0, MAX_BATCH - len(self._held))
 
     def op_mark(self) -> int:
         """Where an operation's notifications begin among those its batch queued (a backend

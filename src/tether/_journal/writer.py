@@ -63,15 +63,21 @@ class ThreadRunner(Runner):
         self._closing.wait(seconds)
 
     async def start(self) -> None:
+        if self._thread is not None:
+            raise JournalError(f"{self.where()} is open already")  # a second writer otherwise
         if self._abandoned is not None:
             if self._abandoned.is_alive():
                 # A second thread on the same queue and connection: two writers, one file.
                 raise JournalError(
-                    f"{self.where()} is still held by the writer of its last opening, which "
-                    "its server never answered; open it again once that call has ended, or "
+                    f"{self.where()} is still held by the writer of its last opening, whose "
+                    "last call never returned; open it again once that call has ended, or "
                     "open a new Journal")
             self._abandoned = None
         self._loop = asyncio.get_running_loop()
+        # Each opening has a queue and a backlog of its own: an end of queue the last
+        # opening's writer never read must not end this one's.
+        self._queue = queue.SimpleQueue()
+        self._backlog = Backlog()
         self._closing.clear()  # a journal may be opened again after it was closed
         self._dead = False
         self._lost_at = None
@@ -100,8 +106,14 @@ class ThreadRunner(Runner):
             return
         self._closing.set()  # ends a reconnection loop at once
         self._queue.put(None)
-        await asyncio.to_thread(thread.join, self.stop_wait)
-        self._thread = None
+        try:
+            await asyncio.to_thread(thread.join, self.stop_wait)
+        finally:
+            # Cancelled while it waited, too: closed all the same, and not opened again
+            # while that writer lives (it ends at the end of the queue, after what it holds).
+            self._thread = None
+            if thread.is_alive():
+                self._abandoned = thread
         if thread.is_alive():
             # Stuck in a call to a server that does not answer (a paused host): never wait on
             # it for ever. What it holds fails here; its late answer finds the futures done.
@@ -111,7 +123,6 @@ class ThreadRunner(Runner):
             # The drain took the end of the queue too: the writer ends once its call returns
             # (its own ending then counts nothing outstanding and closes its connection).
             self._queue.put(None)
-            self._abandoned = thread
             await asyncio.to_thread(self.close, None)
 
     def submit(self, fn: Callable[[Any], T], *, write: bool, wait: bool = True,
@@ -172,7 +183,7 @@ class ThreadRunner(Runner):
                 stopping = self._gather()
             with self._taking:
                 batch = backlog.take(self.room())
-            if not batch:  # a close that gave up on this thread emptied the backlog
+            if not batch and not self._held:  # a close that gave up emptied the backlog
                 continue
             self._inflight = batch
             taken = len(batch)  # before _run prepends what an outage held (counted already)
