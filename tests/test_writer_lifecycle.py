@@ -197,3 +197,30 @@ async def test_a_read_queued_after_held_receipts_sees_every_one_of_them(
         await blocker
         await asyncio.wait_for(asyncio.gather(*waits), WITHIN)
         assert await seen == MAX_BATCH - 24
+
+
+async def test_a_fence_skips_the_receipts_an_outage_held_as_it_skips_a_backlog(
+        journal_url: str) -> None:
+    """Receipts an outage held go before anything queued since, but an urgent operation (a
+    recall's fence) skips them as it skips any backlog: after an outage that left more of
+    them than a batch holds, a storm of fences takes its share of each batch and commits
+    before all of them are written, while a read queued with it still waits for every one."""
+    async with tether.Journal(journal_url) as journal:
+        runner: Any = journal._runner
+        ran: list[int] = []
+        fenced_after: list[int] = []
+
+        def note(i: int) -> Any:
+            return lambda db: ran.append(i)
+
+        blocker, hold = await writer_held(runner)
+        held = 2 * MAX_BATCH + 10
+        runner._held = [Op(note(i), True, None) for i in range(held)]
+        seen = runner.submit(lambda db: len(ran), write=False)
+        storm = [runner.submit(lambda db: fenced_after.append(len(ran)), write=True,
+                               urgent=True) for _ in range(MAX_BATCH // 2 + 100)]
+        hold.set()
+        await blocker
+        await asyncio.wait_for(asyncio.gather(seen, *storm), WITHIN)
+        assert max(fenced_after) < held  # the storm took its share of each batch
+        assert await seen == held

@@ -331,10 +331,10 @@ class Runner:
                 self._busy_since = None
 
     def room(self) -> int:
-        """How much of the next batch the backlog fills: what is left once what an outage
-        held (``_run`` puts it first) is in. Held receipts were posted before anything queued
-        now, so each commits first: a flush or a read queued after one never answers before
-        it is written."""
+        """How much of the next batch operations queued since may fill, beside what an outage
+        held (``_run`` puts it first). Held receipts were posted before anything queued now,
+        so each commits first: a flush or a read queued after one never answers before it is
+        written. An urgent operation (a fence) skips them, as it skips the backlog."""
         return max(0, MAX_BATCH - len(self._held))
 
     def op_mark(self) -> int:
@@ -493,17 +493,23 @@ class Backlog:
         return self._waited == 0
 
     def take(self, room: int = MAX_BATCH) -> list[Op]:
-        """The next batch, at most ``cap`` operations (and ``room``), in submission order."""
-        cap, urgent, normal = min(self.cap, room), self._urgent, self._normal
+        """The next batch, at most ``cap`` operations, in submission order. ``room``: how many
+        fit beside what an outage held (``Runner.room``), which goes first. The others join
+        only within it, so that none of them commits before a receipt posted earlier; urgent
+        ones skip those receipts as they skip the backlog."""
+        cap, urgent, normal = self.cap, self._urgent, self._normal
         share = max(1, cap * URGENT_SHARE // MAX_BATCH) if normal else cap
         batch = [urgent.popleft() for _ in range(min(share, len(urgent)))]
         skipped = bool(batch)
+        limit, others = min(cap, room), 0
         # Never an operation past an urgent one left for later: each still commits no later
         # than everything submitted before it but the urgent ones it skipped (a flush's
         # promise), so others wait their turn behind a storm's remainder.
-        while len(batch) < cap and normal and (not urgent or normal[0].order < urgent[0].order):
+        while len(batch) < limit and normal and (not urgent or normal[0].order < urgent[0].order):
             batch.append(normal.popleft())
-        batch += [urgent.popleft() for _ in range(min(cap - len(batch), len(urgent)))]
+            others += 1
+        top = limit if others else cap
+        batch += [urgent.popleft() for _ in range(min(top - len(batch), len(urgent)))]
         if skipped:
             batch.sort(key=lambda op: op.order)
         self._waited -= sum(op.future is not None for op in batch)
