@@ -5,9 +5,11 @@ delegation runs, or settled at once if nobody runs it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from tether._core.documents import ControlIntent
-from tether._core.errors import ControlRefused, UserError
+from tether._core.errors import ControlRefused, TetherError, UserError
 from tether._core.model import ControlKind, check_grace
 from tether._core.report import Report
 from tether._core.signing import Signed
@@ -15,6 +17,9 @@ from tether._journal.rows import DelegationRow
 from tether._runtime import ports
 from tether._runtime.logs import logger
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
+
+if TYPE_CHECKING:
+    from tether._runtime.handle import Handle
 
 log = logger("supervisor")
 
@@ -81,3 +86,44 @@ def urgent(sup: ports.Issues, delegation_id: str) -> bool:
     rt = sup.runtime(delegation_id)
     return not sup.journal.moving([delegation_id] if rt is None else
                                   [n.id for n in rt.walk()])
+
+
+async def stop_many(sup: ports.Issues, delegations: Iterable[str | Handle],
+                    handle_for: Callable[[str], Handle], kind: ControlKind,
+                    grace: float | None, reason: str) -> dict[str, Report | TetherError]:
+    """Recall or terminate each delegation (an id, or a handle) at once, as its handle
+    would: their reads and fences share the journal's batches (a storm), and each answer is
+    its own, a report or the error that stopped it (one already gone stops none of the
+    others)."""
+    from tether._runtime.handle import Handle
+
+    if kind is ControlKind.RECALL:
+        grace = check_grace(grace, sup.policy)
+    if not isinstance(reason, str):
+        raise UserError("reason must be a string")
+    if isinstance(delegations, str | Handle) or not isinstance(delegations, Iterable):
+        raise UserError("give a list of delegation ids or handles to stop")
+    unique: dict[str, Handle] = {}
+    for d in delegations:
+        if isinstance(d, Handle):
+            unique.setdefault(d.id, d)
+        elif isinstance(d, str) and d:
+            unique.setdefault(d, handle_for(d))
+        else:
+            raise UserError(f"a delegation to stop is an id or a Handle, not {d!r}")
+
+    async def one(h: Handle) -> Report:
+        if kind is ControlKind.RECALL:
+            assert grace is not None
+            return await h.recall(grace, reason)
+        return await h.terminate(reason)
+
+    answers = await asyncio.gather(*(one(h) for h in unique.values()),
+                                   return_exceptions=True)
+    out: dict[str, Report | TetherError] = {}
+    for d, answer in zip(unique, answers, strict=True):
+        if isinstance(answer, Report | TetherError):
+            out[d] = answer
+        else:  # a defect or a cancellation is not an answer: it stops the caller
+            raise answer
+    return out

@@ -517,6 +517,20 @@ class Supervisor:
         (here, or wherever it runs): what ``Handle.recall`` and ``terminate`` do."""
         return await issuing.issue_control(self, delegation_id, kind, grace, reason, seq)
 
+    async def recall_many(self, delegations: Iterable[str | Handle], grace: float,
+                          reason: str = "") -> dict[str, Report | TetherError]:
+        """Recall each delegation (an id or a handle) at once: a storm's reads and fences
+        share the journal's batches. By id, each one's report, or the error that stopped its
+        recall; one that fails stops none of the others."""
+        return await issuing.stop_many(self, delegations, self.handle_for, ControlKind.RECALL,
+                                       grace, reason)
+
+    async def terminate_many(self, delegations: Iterable[str | Handle],
+                             reason: str = "") -> dict[str, Report | TetherError]:
+        """Terminate each delegation (an id or a handle) at once; as ``recall_many``."""
+        return await issuing.stop_many(self, delegations, self.handle_for,
+                                       ControlKind.TERMINATE, None, reason)
+
     async def current_trust(self) -> TrustedKeys:
         """The keys whose intents this process acts on: the journal's key registry as this
         configuration's pins root it, and this process's own key (its acknowledgements)."""
