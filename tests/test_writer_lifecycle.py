@@ -224,3 +224,53 @@ async def test_a_fence_skips_the_receipts_an_outage_held_as_it_skips_a_backlog(
         await asyncio.wait_for(asyncio.gather(seen, *storm), WITHIN)
         assert max(fenced_after) < held  # the storm took its share of each batch
         assert await seen == held
+
+
+async def test_with_the_server_down_what_waits_behind_held_receipts_fails_in_time(
+        pg_url: str) -> None:
+    """An outage held more receipts than a batch holds, and the server is still down: a
+    flush queued behind them fails once the reconnection window is over, as any write then
+    does, instead of waiting for a connection for ever while the writer retries in a loop."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        journal.reconnect_within = 0.3
+        attempts = [0]
+
+        def refused() -> Any:
+            attempts[0] += 1
+            raise JournalError("cannot connect to the journal: connection refused")
+
+        connect, runner.connect = runner.connect, refused
+        runner._conn.close()
+        try:
+            for _ in range(MAX_BATCH + 10):  # their batch fails for want of a connection
+                runner.submit(lambda db: None, write=True, wait=False)
+            for _ in range(2):  # within the window, then past it
+                with pytest.raises(JournalError, match="could not reconnect"):
+                    await asyncio.wait_for(journal.flush(), WITHIN)
+            assert attempts[0] < 1000  # a bounded backoff, not a loop
+        finally:
+            runner.connect = connect
+
+
+async def test_a_connection_back_under_a_batch_writes_the_held_receipts_before_it(
+        pg_url: str) -> None:
+    """The connection comes back while a batch waits for it, with more held receipts than fit
+    before that batch: they are written first, in batches of their own, and a read in the
+    batch sees every one of them."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        ran: list[int] = []
+
+        def note(i: int) -> Any:
+            return lambda db: ran.append(i)
+
+        # The writer is idle (after the flush): its connection lost, the next batch
+        # connects again, under it.
+        runner._drop()
+        runner._held = [Op(note(i), True, None) for i in range(MAX_BATCH + 10)]
+        seen = runner.submit(lambda db: len(ran), write=False)
+        assert await asyncio.wait_for(seen, WITHIN) == MAX_BATCH + 10
+        assert runner.reconnects == 1

@@ -241,37 +241,3 @@ async def test_a_flush_waits_for_every_operation_queued_before_it(journal_url: s
         await blocker
         await flushed
         assert sum(f.done() for f in urgent) == MAX_BATCH
-
-
-async def test_urgent_reads_asked_together_share_one_operation(journal_url: str) -> None:
-    """A storm of recalls reads each delegation's sequence before signing: those reads, asked
-    in one turn of the loop, go to the writer as one urgent operation (the lane takes at most
-    half of a batch, so one each would halve the fences a batch holds). Each asker gets its
-    own row, and an unknown id fails its asker alone."""
-    async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
-        @tether.agent()
-        async def idle(ctx: tether.Context) -> None:
-            await asyncio.Event().wait()
-
-        handles = [await sup.delegate(idle) for _ in range(5)]
-        runner: Any = sup.journal._runner
-        urgent: list[bool] = []
-        submit = runner.submit
-
-        def counted(fn: Any, **kw: Any) -> Any:
-            urgent.append(bool(kw.get("urgent")))
-            return submit(fn, **kw)
-
-        runner.submit = counted
-        try:
-            rows = await asyncio.gather(
-                *(sup.journal.get(h.id, urgent=True) for h in handles),
-                sup.journal.get("d-nobody", urgent=True), return_exceptions=True)
-        finally:
-            runner.submit = submit
-        assert urgent == [True]
-        assert [r.id for r in rows[:5] if not isinstance(r, BaseException)] == \
-            [h.id for h in handles]
-        assert isinstance(rows[5], tether.errors.NotFound)
-        for h in handles:
-            await h.terminate("done")

@@ -4,7 +4,6 @@ runner, writes, reads, posted writes, flushes and the chain's sealer. The operat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -67,8 +66,6 @@ class JournalAccess:
         # proxy's, whose receipts are flushed that way before its client hears of them.
         self.relaxed_posts = False
         self._moving: dict[str, int] = {}  # state moves queued, by delegation (``moving``)
-        # Urgent reads asked in this turn of the loop, sent as one operation (``Journal.get``).
-        self._gets: list[tuple[str, asyncio.Future[Any]]] | None = None
         # Added to every dispatch deadline judged in a transaction (a key's earlier use, a
         # person's decision, retention): the supervisor sets its policy's.
         self.clock_tolerance = DEFAULT_CLOCK_TOLERANCE

@@ -4,7 +4,6 @@ transactions; the rules live in ``ops`` so that every backend enforces the same 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping
@@ -17,7 +16,7 @@ from tether._core.documents import (
     KeyGrant,
     NoEffectsReceipt,
 )
-from tether._core.errors import ControlRefused, Tampered, TetherError, UnknownKey
+from tether._core.errors import ControlRefused, Tampered, UnknownKey
 from tether._core.headmark import HeadMark
 from tether._core.model import ActionState, DelegationState
 from tether._core.report import ActionRecord
@@ -69,63 +68,10 @@ class Journal(JournalAccess):
     async def get(self, delegation_id: str, *, urgent: bool = False) -> DelegationRow:
         """``urgent``: the read before a control intent, ahead of queued writes (SQLite's
         reads share the writer's queue)."""
-        if urgent:
-            return await self._urgent_get(delegation_id)
         fut = self._runner.submit(_bind(ops.get_delegation, (delegation_id,), {}),
-                                  write=False)
+                                  write=False, urgent=urgent)
         assert fut is not None
         return await fut
-
-    def _urgent_get(self, delegation_id: str) -> asyncio.Future[DelegationRow]:
-        """Urgent reads asked in one turn of the event loop share one operation: a storm of
-        recalls reads its sequences in one place of the lane (which takes at most half of a
-        batch), not one place each, so twice as many of its fences fit in a batch."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[DelegationRow] = loop.create_future()
-        if self._gets is None:
-            self._gets = []
-            loop.call_soon(self._send_gets)
-        self._gets.append((delegation_id, fut))
-        return fut
-
-    def _send_gets(self) -> None:
-        gets, self._gets = self._gets or [], None
-        ids = [d for d, _ in gets]
-
-        def op(db: Any) -> list[DelegationRow | TetherError]:
-            rows: list[DelegationRow | TetherError] = []
-            for d in ids:
-                try:  # an unknown or unreadable row is its asker's answer alone
-                    rows.append(ops.get_delegation(db, d))
-                except TetherError as exc:
-                    rows.append(exc)
-            return rows
-
-        def answer(sent: asyncio.Future[list[DelegationRow | TetherError]]) -> None:
-            failed = None if sent.cancelled() else sent.exception()
-            for i, (_, fut) in enumerate(gets):
-                if fut.done():
-                    continue
-                if sent.cancelled():
-                    fut.cancel()
-                elif failed is not None:
-                    fut.set_exception(failed)
-                else:
-                    row = sent.result()[i]
-                    if isinstance(row, TetherError):
-                        fut.set_exception(row)
-                    else:
-                        fut.set_result(row)
-
-        try:
-            sent = self._runner.submit(op, write=False, urgent=True)
-        except TetherError as exc:  # closed meanwhile
-            for _, fut in gets:
-                if not fut.done():
-                    fut.set_exception(exc)
-            return
-        assert sent is not None
-        sent.add_done_callback(answer)
 
     async def delegations(self, live_only: bool = False) -> list[DelegationRow]:
         return await self._read(ops.list_delegations, live_only)

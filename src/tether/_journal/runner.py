@@ -213,8 +213,9 @@ class Runner:
     def _fail(self, batch: list[Op], err: Exception) -> None:
         self._resolve([(op, None, err) for op in batch])
 
-    def _run(self, batch: list[Op]) -> None:
-        """Run one batch to an answer for every operation in it."""
+    def _run(self, batch: list[Op], alone: bool = False) -> None:
+        """Run one batch to an answer for every operation in it. ``alone``: without what an
+        outage held (itself a part of that)."""
         attempt = 0
         careful = False  # each operation in a savepoint of its own (``_run_batch``)
         deadline: float | None = None  # set by the first lost connection
@@ -230,8 +231,17 @@ class Runner:
                     self._hold(batch)
                     self._fail(batch, self._gone(deadline))
                     return
-            if self._held:  # what an outage left, before what came after it, within the cap
+            if self._held and not alone:  # what an outage left, before what came after it
                 room = max(0, MAX_BATCH - len(batch))
+                # Every held receipt commits before an operation queued after it; an urgent
+                # one skips them (``Backlog``). More than fit (the connection came back under
+                # this batch): the rest first, in batches of their own.
+                while any(not op.urgent for op in batch) and len(self._held) > room \
+                        and self._conn is not None:
+                    part, self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
+                    self._run(part, alone=True)
+                if self._conn is None:
+                    continue  # lost again meanwhile: connect, or fail this batch
                 batch[:0], self._held = self._held[:room], self._held[room:]
             try:
                 self._busy_since = self.monotonic()
@@ -335,6 +345,8 @@ class Runner:
         held (``_run`` puts it first). Held receipts were posted before anything queued now,
         so each commits first: a flush or a read queued after one never answers before it is
         written. An urgent operation (a fence) skips them, as it skips the backlog."""
+        if self._conn is None:
+            return MAX_BATCH  # nothing is written before a connection: ``_run`` orders them
         return max(0, MAX_BATCH - len(self._held))
 
     def op_mark(self) -> int:
