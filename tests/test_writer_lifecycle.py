@@ -274,3 +274,22 @@ async def test_a_connection_back_under_a_batch_writes_the_held_receipts_before_i
         seen = runner.submit(lambda db: len(ran), write=False)
         assert await asyncio.wait_for(seen, WITHIN) == MAX_BATCH + 10
         assert runner.reconnects == 1
+
+
+async def test_a_close_writes_the_receipts_an_outage_held_once_the_connection_is_back(
+        journal_url: str) -> None:
+    """Held receipts are written before what comes after them; with nothing after them, a
+    close with the connection back writes them, rather than leave each call they finish for
+    reconciliation to probe."""
+    journal = await tether.Journal(journal_url).open()
+    runner: Any = journal._runner
+    await journal._write(lambda db: db.execute("CREATE TABLE receipts (n INTEGER)"))
+
+    def receipt(i: int) -> Any:
+        return lambda db: db.execute("INSERT INTO receipts VALUES (?)", (i,))
+
+    runner._held = [Op(receipt(i), True, None) for i in range(MAX_BATCH + 10)]  # writer idle
+    await journal.close()
+    async with tether.Journal(journal_url) as again:
+        assert await again._read(lambda db: db.execute(
+            "SELECT count(*) FROM receipts").fetchone()[0]) == MAX_BATCH + 10

@@ -63,6 +63,7 @@ class InlineRunner(Runner):
             return
         while self._pending:
             self._flush()
+        self._write_held()
         self._open = False
         conn, self._conn = self._conn, None
         self.close(conn)

@@ -340,6 +340,13 @@ class Runner:
             finally:
                 self._busy_since = None
 
+    def _write_held(self) -> None:
+        """At a close: receipts an outage held, with the connection back, written rather than
+        left for reconciliation to probe (one attempt each: closing, a lost connection is not
+        waited for, and what it held is dropped as at a crash)."""
+        while self._held and self._conn is not None:
+            self._run([])
+
     def room(self) -> int:
         """How much of the next batch operations queued since may fill, beside what an outage
         held (``_run`` puts it first). Held receipts were posted before anything queued now,

@@ -191,6 +191,7 @@ class ThreadRunner(Runner):
             self._inflight = []
             with self._lock:
                 self.outstanding -= taken
+        self._write_held()
 
     def _gather(self) -> bool:
         """Move what is queued into the backlog; whether the journal is closing (what came
