@@ -29,7 +29,8 @@ def busy() -> bool:
     """Whether an open journal of this process has work on one of its threads that will answer
     an event loop. A test clock moves time on its own only when none has
     (``VirtualClock.autojump``): a loop waiting for a commit is not waiting for time."""
-    return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None)
+    return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None
+               or (r._abandoned is not None and r._abandoned.is_alive()))
 
 
 
