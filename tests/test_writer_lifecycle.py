@@ -296,3 +296,98 @@ async def test_a_close_writes_the_receipts_an_outage_held_once_the_connection_is
     async with tether.Journal(journal_url) as again:
         assert await again._read(lambda db: db.execute(
             "SELECT count(*) FROM receipts").fetchone()[0]) == MAX_BATCH + 10
+
+
+def _refused() -> Any:
+    raise JournalError("cannot connect to the journal: connection refused")
+
+
+async def test_receipts_held_when_a_close_cannot_write_them_are_dropped_as_at_a_crash(
+        pg_url: str) -> None:
+    """A close in an outage cannot write what the outage held: those receipts are dropped as
+    at a crash (reconciliation settles their calls), never written by a later opening of the
+    same journal (old receipts, old heartbeats, long after)."""
+    journal = await tether.Journal(pg_url).open()
+    runner: Any = journal._runner
+    await journal._write(lambda db: db.execute("CREATE TABLE receipts (n INTEGER)"))
+    journal.reconnect_within = 0.3
+    connect, runner.connect = runner.connect, _refused
+    runner._conn.close()
+
+    def receipt(i: int) -> Any:
+        return lambda db: db.execute("INSERT INTO receipts VALUES (?)", (i,))
+
+    for i in range(5):  # posted during the outage: their batch fails, they are held
+        runner.submit(receipt(i), write=True, wait=False)
+    with pytest.raises(JournalError, match="could not reconnect"):
+        await asyncio.wait_for(journal.flush(), WITHIN)
+    assert len(runner._held) == 5
+    await journal.close()  # the server still down
+    runner.connect = connect
+    journal.reconnect_within = WITHIN
+    async with journal:
+        await journal.flush()
+        assert await journal._read(lambda db: db.execute(
+            "SELECT count(*) FROM receipts").fetchone()[0]) == 0
+
+
+async def test_held_receipts_keep_the_order_they_were_posted_in_through_a_second_outage(
+        pg_url: str) -> None:
+    """A fence's batch carries the oldest held receipts, and fails for want of a connection:
+    they are held again before the later ones, so once the server is back a later heartbeat
+    is not overwritten by an earlier one."""
+    journal = await tether.Journal(pg_url).open()
+    runner: Any = journal._runner
+    await journal._write(lambda db: db.execute("CREATE TABLE hb (v INTEGER)"))
+    await journal._write(lambda db: db.execute("INSERT INTO hb VALUES (0)"))
+
+    def beat(v: int) -> Any:
+        return lambda db: db.execute("UPDATE hb SET v = ?", (v,))
+
+    def nothing(db: Any) -> None:
+        db.execute("SELECT 1")
+
+    held = [beat(1), *([nothing] * (MAX_BATCH + 50)), beat(2)]
+    runner._held = [Op(fn, True, None, order=i + 1) for i, fn in enumerate(held)]
+    journal.reconnect_within = 0.3
+    connect, runner.connect = runner.connect, _refused
+    runner._conn.close()
+    fence = runner.submit(nothing, write=True, urgent=True)
+    with pytest.raises(JournalError):
+        await asyncio.wait_for(fence, WITHIN)
+    runner.connect = connect
+    journal.reconnect_within = WITHIN
+    try:
+        await asyncio.wait_for(journal.flush(), WITHIN)
+        assert await journal._read(lambda db: db.execute("SELECT v FROM hb").fetchone()[0]) == 2
+    finally:
+        await journal.close()
+
+
+async def test_a_writer_a_close_gave_up_on_keeps_no_test_clock_from_moving(
+        journal_url: str) -> None:
+    """Once a close gave up on a stuck writer, every caller is answered: nothing on that
+    writer answers the loop any more, so it does not count as busy (a test clock's autojump
+    would stop for the whole process while the stuck call lasts)."""
+    journal = await tether.Journal(journal_url).open()
+    runner: Any = journal._runner
+    runner.stop_wait = 0.2
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(db: Any) -> None:
+        stuck.set()
+        release.wait(WITHIN)
+
+    hung = runner.submit(hang, write=True)
+    await asyncio.to_thread(stuck.wait, WITHIN)
+    later = runner.submit(lambda db: None, write=True)
+    await asyncio.wait_for(journal.close(), WITHIN)
+    try:
+        assert hung.done() and later.done()
+        assert not writer.busy()
+    finally:
+        release.set()
+        await asyncio.to_thread(runner._abandoned.join, WITHIN)
+    for future in (hung, later):
+        with pytest.raises(JournalError):
+            await future

@@ -56,6 +56,7 @@ class InlineRunner(Runner):
         self._loop = asyncio.get_running_loop()
         self._conn = self.connect()
         self._lost_at = None
+        self._held = []
         self._open = True
 
     async def stop(self) -> None:

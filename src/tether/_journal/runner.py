@@ -291,8 +291,10 @@ class Runner:
     def _hold(self, batch: list[Op]) -> None:
         if self.closing():
             return  # closing: lost as to a crash, settled by reconciliation
-        room = MAX_HELD - len(self._held)
-        self._held += [op for op in batch if op.future is None and op.write][:max(0, room)]
+        # In the order they were posted (some come back from a batch that carried the oldest
+        # of those already held): a later heartbeat must not be overwritten by an earlier one.
+        posted = [op for op in batch if op.future is None and op.write]
+        self._held = sorted([*self._held, *posted], key=lambda op: op.order)[:MAX_HELD]
 
     def _gone(self, deadline: float) -> JournalError:
         if self.closing():
@@ -346,6 +348,7 @@ class Runner:
         waited for, and what it held is dropped as at a crash)."""
         while self._held and self._conn is not None:
             self._run([])
+        self._held = []  # not to a later opening: reconciliation settles their calls
 
     def room(self) -> int:
         """How much of the next batch operations queued since may fill, beside what an outage

@@ -30,7 +30,7 @@ def busy() -> bool:
     an event loop. A test clock moves time on its own only when none has
     (``VirtualClock.autojump``): a loop waiting for a commit is not waiting for time."""
     return any(r.outstanding > 0 for r in list(_OPEN) if r._thread is not None
-               or (r._abandoned is not None and r._abandoned.is_alive()))
+               or (r._abandoned is not None and r._abandoned.is_alive() and r._answering))
 
 
 
@@ -55,6 +55,9 @@ class ThreadRunner(Runner):
         # The writer a close gave up on (stuck on a server that does not answer): until it has
         # ended, it still reads this queue and this runner's connection.
         self._abandoned: threading.Thread | None = None
+        # Whether it still answers the loop: after a cancelled close, yes; after a close that
+        # gave up on it, no (every caller was answered then).
+        self._answering = False
         _OPEN.add(self)
 
     def closing(self) -> bool:
@@ -79,6 +82,7 @@ class ThreadRunner(Runner):
         # opening's writer never read must not end this one's.
         self._queue = queue.SimpleQueue()
         self._backlog = Backlog()
+        self._held = []
         self._closing.clear()  # a journal may be opened again after it was closed
         self._dead = False
         self._lost_at = None
@@ -114,13 +118,14 @@ class ThreadRunner(Runner):
             # while that writer lives (it ends at the end of the queue, after what it holds).
             self._thread = None
             if thread.is_alive():
-                self._abandoned = thread
+                self._abandoned, self._answering = thread, True
         if thread.is_alive():
             # Stuck in a call to a server that does not answer (a paused host): never wait on
             # it for ever. What it holds fails here; its late answer finds the futures done.
             err = JournalError(f"{self.where()} did not answer; closed without it")
             _settle([(op, None, err) for op in [*self._inflight, *self._drain()]
                      if op.future is not None])
+            self._answering = False  # every caller is answered: nothing waits for it
             # The drain took the end of the queue too: the writer ends once its call returns
             # (its own ending then counts nothing outstanding and closes its connection).
             self._queue.put(None)
