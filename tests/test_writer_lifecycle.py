@@ -15,7 +15,7 @@ import tether
 from tests.conftest import until
 from tests.journal_helpers import writer_held
 from tether._journal import writer
-from tether._journal.runner import MAX_BATCH, Op
+from tether._journal.runner import MAX_BATCH, Lost, Op
 from tether.errors import JournalError
 
 WITHIN = 30.0  # seconds: a test that has not ended by then hangs, and fails
@@ -391,3 +391,28 @@ async def test_a_writer_a_close_gave_up_on_keeps_no_test_clock_from_moving(
     for future in (hung, later):
         with pytest.raises(JournalError):
             await future
+
+
+async def test_a_batch_lost_every_time_it_runs_fails_within_the_window(pg_url: str) -> None:
+    """A server that takes connections but breaks every batch (or a batch the watchdog cuts
+    each time it runs): the batch runs again on a new connection within the reconnection
+    window, then fails with a JournalError, instead of being run again for ever."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        journal.reconnect_within = 0.5
+        runs = [0]
+
+        def lost(conn: Any, batch: list[Op], careful: bool = False) -> Any:
+            runs[0] += 1
+            raise Lost(ConnectionError("server closed the connection"), at_commit=False)
+
+        run_batch, runner._run_batch = runner._run_batch, lost
+        try:
+            with pytest.raises(JournalError, match="under this batch"):
+                await asyncio.wait_for(journal._write(lambda db: None), 10.0)
+        finally:
+            runner._run_batch = run_batch
+        assert 1 < runs[0] < 100  # run again, with a backoff, not in a tight loop
+        journal.reconnect_within = WITHIN
+        await journal.flush()  # and the journal goes on

@@ -219,6 +219,7 @@ class Runner:
         attempt = 0
         careful = False  # each operation in a savepoint of its own (``_run_batch``)
         deadline: float | None = None  # set by the first lost connection
+        losses, delay = 0, BACKOFF_FIRST  # connections lost under this batch
         while True:
             if self._conn is None:  # lost earlier, or under this batch
                 if deadline is None:
@@ -278,7 +279,20 @@ class Runner:
                         _after(lost.tx)
                         self._resolve(lost.done)
                         return
-                # Nothing of it committed: run it again on a new connection.
+                # Nothing of it committed: run it again on a new connection, within the
+                # window. A server that takes connections but breaks every batch, or a batch
+                # the watchdog cuts each time, fails then, never loops for ever.
+                losses += 1
+                left = deadline - self.monotonic()
+                if losses > 1 and left <= 0:
+                    self._hold(batch)
+                    self._fail(batch, JournalError(
+                        f"lost the {self.where()} under this batch {losses} times in "
+                        f"{self.reconnect_within:g} s: {lost}"))
+                    return
+                if losses > 1:
+                    self.pause(min(delay, left))
+                    delay = min(delay * 2, self.backoff_cap())
             except Exception as exc:
                 # Anything else fails this batch with a clear error; the thread lives on,
                 # so no caller waits for ever.
