@@ -21,6 +21,20 @@ from tether.errors import JournalError
 WITHIN = 30.0  # seconds: a test that has not ended by then hangs, and fails
 
 
+async def stuck_writer(runner: Any) -> tuple[asyncio.Future[Any], threading.Event]:
+    """A write the writer runs and that does not return (a server that does not answer)
+    until the returned event is set: its future, and the event."""
+    stuck, release = threading.Event(), threading.Event()
+
+    def hang(db: Any) -> None:
+        stuck.set()
+        release.wait(WITHIN)
+
+    hung = runner.submit(hang, write=True)
+    await asyncio.to_thread(stuck.wait, WITHIN)
+    return hung, release
+
+
 async def test_a_journal_closed_on_a_stuck_writer_reopens_only_once_that_writer_ended(
         journal_url: str) -> None:
     """Closing never waits past ``stop_wait`` for a writer stuck in a call its server does not
@@ -31,14 +45,7 @@ async def test_a_journal_closed_on_a_stuck_writer_reopens_only_once_that_writer_
     journal = await tether.Journal(journal_url).open()
     runner: Any = journal._runner
     runner.stop_wait = 0.2
-    stuck, release = threading.Event(), threading.Event()
-
-    def hang(db: Any) -> None:
-        stuck.set()
-        release.wait(WITHIN)
-
-    hung = runner.submit(hang, write=True)
-    await asyncio.to_thread(stuck.wait, WITHIN)
+    hung, release = await stuck_writer(runner)
     old = runner._thread
     later = runner.submit(lambda db: None, write=True)  # queued behind it
     await asyncio.wait_for(journal.close(), WITHIN)
@@ -153,14 +160,7 @@ async def test_a_cancelled_close_still_closes_and_a_reopen_waits_for_its_writer(
     runner: Any = journal._runner
     with pytest.raises(JournalError, match="open already"):
         await journal.open()
-    stuck, release = threading.Event(), threading.Event()
-
-    def hang(db: Any) -> None:
-        stuck.set()
-        release.wait(WITHIN)
-
-    hung = runner.submit(hang, write=True)
-    await asyncio.to_thread(stuck.wait, WITHIN)
+    hung, release = await stuck_writer(runner)
     old = runner._thread
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(journal.close(), 0.2)  # well before stop_wait
@@ -372,14 +372,7 @@ async def test_a_writer_a_close_gave_up_on_keeps_no_test_clock_from_moving(
     journal = await tether.Journal(journal_url).open()
     runner: Any = journal._runner
     runner.stop_wait = 0.2
-    stuck, release = threading.Event(), threading.Event()
-
-    def hang(db: Any) -> None:
-        stuck.set()
-        release.wait(WITHIN)
-
-    hung = runner.submit(hang, write=True)
-    await asyncio.to_thread(stuck.wait, WITHIN)
+    hung, release = await stuck_writer(runner)
     later = runner.submit(lambda db: None, write=True)
     await asyncio.wait_for(journal.close(), WITHIN)
     try:
