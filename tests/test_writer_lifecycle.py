@@ -409,3 +409,87 @@ async def test_a_batch_lost_every_time_it_runs_fails_within_the_window(pg_url: s
         assert 1 < runs[0] < 100  # run again, with a backoff, not in a tight loop
         journal.reconnect_within = WITHIN
         await journal.flush()  # and the journal goes on
+
+
+def _lost_each_time(at_commit: bool) -> Any:
+    def lost(conn: Any, batch: list[Op], careful: bool = False) -> Any:
+        raise Lost(ConnectionError("server closed the connection"), at_commit=at_commit)
+
+    return lost
+
+
+async def test_a_server_that_breaks_every_batch_is_down_for_each_batch_after_the_window(
+        pg_url: str) -> None:
+    """A server that takes connections but breaks every batch is down, as one that refuses
+    them is: the first write waits the reconnection window, and each one after it fails at
+    once (a supervisor settling its children would otherwise wait a window for each), until
+    a batch goes through again."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        journal.reconnect_within = 0.5
+        run_batch, runner._run_batch = runner._run_batch, _lost_each_time(False)
+        took = []
+        try:
+            loop = asyncio.get_running_loop()
+            for _ in range(4):
+                began = loop.time()
+                with pytest.raises(JournalError):
+                    await asyncio.wait_for(journal._write(lambda db: None), WITHIN)
+                took.append(loop.time() - began)
+        finally:
+            runner._run_batch = run_batch
+        assert took[0] >= 0.5 and sum(took[1:]) < 0.5, took
+        await journal.flush()  # a batch goes through: the outage is over
+        assert runner._lost_at is None
+
+
+async def test_held_receipts_written_apart_and_lost_every_time_fail_their_batch_in_time(
+        pg_url: str) -> None:
+    """More receipts held than fit before a batch go first in batches of their own; if each
+    of those is lost as well, the batch behind them fails once the window is over, instead
+    of their being run again for ever."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        journal.reconnect_within = 0.5
+        runner._held = [Op(lambda db: None, True, None) for _ in range(MAX_BATCH + 50)]
+        run_batch, runner._run_batch = runner._run_batch, _lost_each_time(False)
+        runner._drop()  # the writer is idle: the next batch is taken with no connection
+        try:
+            with pytest.raises(JournalError):
+                await asyncio.wait_for(journal._write(lambda db: None), WITHIN)
+        finally:
+            runner._run_batch = run_batch
+        journal.reconnect_within = WITHIN
+        await journal.flush()
+
+
+async def test_a_read_back_lost_every_time_fails_within_the_window(pg_url: str) -> None:
+    """A batch lost at its COMMIT is read back on a new connection; a read-back lost again
+    and again (a COMMIT hung on a standby that is not there holds the lock the read waits
+    on, until the watchdog cuts it) fails the batch once the window is over, with a backoff
+    between attempts, instead of reconnecting for ever."""
+    async with tether.Journal(pg_url) as journal:
+        await journal.flush()
+        runner: Any = journal._runner
+        journal.reconnect_within = 0.5
+        reads = [0]
+
+        def committed(conn: Any) -> bool:
+            reads[0] += 1
+            conn.close()
+            raise ConnectionError("server closed the connection unexpectedly")
+
+        run_batch, runner._run_batch = runner._run_batch, _lost_each_time(True)
+        runner.committed, is_lost = committed, runner.is_lost
+        runner.is_lost = lambda conn, exc: isinstance(exc, ConnectionError) or is_lost(conn, exc)
+        try:
+            with pytest.raises(JournalError, match="could not read back"):
+                await asyncio.wait_for(journal._write(lambda db: None), WITHIN)
+        finally:
+            runner._run_batch = run_batch
+            del runner.committed, runner.is_lost
+        assert 1 < reads[0] < 100, reads
+        journal.reconnect_within = WITHIN
+        await journal.flush()

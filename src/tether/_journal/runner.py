@@ -113,7 +113,9 @@ class Runner:
         self._inflight: list[Op] = []
         self.reconnects = 0  # connections re-opened after a loss (for tests and figures)
         self._busy_since: float | None = None  # when the batch on the wire was sent
-        self._lost_at: float | None = None  # when the connection was lost, until it is back
+        # When the connection was first lost since a batch last committed: an outage lasts
+        # until one does (a server that takes connections but breaks every batch is down).
+        self._lost_at: float | None = None
         # Posted writes (receipts) whose batch failed for want of a connection: nobody waits
         # for them, so nobody would write them again. They run first once it is back, so a
         # child that ends after the outage does not end with its receipt missing.
@@ -241,8 +243,15 @@ class Runner:
                         and self._conn is not None:
                     part, self._held = self._held[:MAX_BATCH], self._held[MAX_BATCH:]
                     self._run(part, alone=True)
-                if self._conn is None:
-                    continue  # lost again meanwhile: connect, or fail this batch
+                if self._conn is None:  # lost again meanwhile: a loss of this batch's too
+                    losses += 1
+                    if deadline is None:
+                        deadline = (self._lost_at or self.monotonic()) + self.reconnect_within
+                    if losses > 1 and self.monotonic() >= deadline:
+                        self._hold(batch)
+                        self._fail(batch, self._gone(deadline))
+                        return
+                    continue  # connect, or fail this batch
                 batch[:0], self._held = self._held[:room], self._held[room:]
             try:
                 self._busy_since = self.monotonic()
@@ -250,6 +259,7 @@ class Runner:
                     done = self._run_batch(self._conn, batch, careful)
                 finally:
                     self._busy_since = None
+                self._lost_at = None  # a batch went through: whatever outage there was is over
                 self._resolve(done)
                 return
             except Careful:
@@ -262,7 +272,7 @@ class Runner:
             except Lost as lost:
                 self._drop()
                 if deadline is None:
-                    deadline = self.monotonic() + self.reconnect_within
+                    deadline = (self._lost_at or self.monotonic()) + self.reconnect_within
                 if self.reconnect_within <= 0:
                     self._fail(batch, JournalError(f"lost the {self.where()}: {lost}"))
                     return
@@ -276,6 +286,7 @@ class Runner:
                             f"happened: {lost}"))
                         return
                     if outcome:
+                        self._lost_at = None
                         _after(lost.tx)
                         self._resolve(lost.done)
                         return
@@ -284,7 +295,7 @@ class Runner:
                 # the watchdog cuts each time, fails then, never loops for ever.
                 losses += 1
                 left = deadline - self.monotonic()
-                if losses > 1 and left <= 0:
+                if left <= 0:
                     self._hold(batch)
                     self._fail(batch, JournalError(
                         f"lost the {self.where()} under this batch {losses} times in "
@@ -331,7 +342,6 @@ class Runner:
             try:
                 self._conn = self.connect()
                 self.reconnects += 1
-                self._lost_at = None
                 return True
             except Exception:
                 left = deadline - self.monotonic()
@@ -342,7 +352,10 @@ class Runner:
         return False
 
     def _read_back(self, deadline: float) -> bool | None:
-        """Whether the batch lost at its COMMIT committed; None if that cannot be read."""
+        """Whether the batch lost at its COMMIT committed; None if that cannot be read within
+        the window (a read-back lost again and again: a COMMIT hung on a missing standby,
+        whose lock the read waits on until the watchdog cuts it)."""
+        delay = BACKOFF_FIRST
         while True:
             if self._conn is None and not self._reconnect(deadline):
                 return None
@@ -355,6 +368,11 @@ class Runner:
                 self._drop()
             finally:
                 self._busy_since = None
+            left = deadline - self.monotonic()
+            if left <= 0:
+                return None
+            self.pause(min(delay, left))
+            delay = min(delay * 2, self.backoff_cap())
 
     def _write_held(self) -> None:
         """At a close: receipts an outage held, with the connection back, written rather than
