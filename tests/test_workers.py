@@ -222,14 +222,19 @@ async def test_two_orchestrators_race_to_redelegate_and_exactly_one_wins(
         for gate in ("go1", "go2"):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tests.remote_agents", cluster.url, handle.id, gate,
-                env=cluster.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+                env=cluster.env, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
             cluster.procs.append(proc)
             assert proc.stdout is not None
             assert (await proc.stdout.readline()).decode().strip() == "ready"
             racers.append(proc)
         open_gate("go1")
         open_gate("go2")
-        outs = sorted([(await p.communicate())[0].decode().split()[0] for p in racers])
+        answers = [await p.communicate() for p in racers]
+        # A racer that answers neither way shows why (its traceback), not an IndexError.
+        outs = sorted(out.decode().split()[0] if out.split() else
+                      f"nothing (exit {p.returncode}): {err.decode()[-2000:]}"
+                      for p, (out, err) in zip(racers, answers, strict=True))
         assert outs == ["lost", "won"]
         rows = [r for r in await sup.journal.delegations() if r.task_id == handle.task_id]
     assert sorted(r.epoch for r in rows) == [0, 1]
