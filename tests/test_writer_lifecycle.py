@@ -6,6 +6,7 @@ PostgreSQL and be cut, then run again, for ever)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 import tether
 from tests.conftest import until
-from tests.journal_helpers import writer_held
+from tests.journal_helpers import pay_action, root_delegation, writer_held
 from tether._journal import writer
 from tether._journal.runner import MAX_BATCH, Lost, Op
 from tether.errors import JournalError
@@ -493,3 +494,36 @@ async def test_a_read_back_lost_every_time_fails_within_the_window(pg_url: str) 
         assert 1 < reads[0] < 100, reads
         journal.reconnect_within = WITHIN
         await journal.flush()
+
+
+async def test_a_drains_reads_see_every_receipt_posted_before_them(journal_url: str) -> None:
+    """The drain reads the journal's facts and the calls in doubt without a flush first: a
+    read goes through the writer, behind every receipt posted before it, and answers once its
+    batch committed. A read beside the writer (``peek``, a pooled connection on PostgreSQL)
+    would not see a receipt still queued."""
+    async with tether.Journal(journal_url) as journal:
+        await journal.create_delegation(root_delegation("d1", "t1"))
+        for i in range(2):
+            await journal.begin_action(dataclasses.replace(
+                pay_action(f"a{i}", "d1", 1.0), ordinal=i, idem_key=f"k{i}"))
+        runner: Any = journal._runner
+        blocker, hold = await writer_held(runner)  # the receipts wait in its queue
+        journal.finish_action("a0", tether.ActionState.COMPLETED, 2.0)  # posted
+        journal.finish_action("a1", tether.ActionState.IN_DOUBT, 2.0)
+        reads: list[bool] = []
+        submit = runner.submit
+
+        def counted(fn: Any, **kw: Any) -> Any:
+            reads.append(not kw["write"])
+            return submit(fn, **kw)
+
+        runner.submit = counted
+        facts = asyncio.ensure_future(journal.facts("d1"))
+        unsettled = asyncio.ensure_future(journal.unsettled("d1"))
+        await asyncio.sleep(0)  # each read task runs to its first wait: its submission
+        runner.submit = submit
+        assert reads == [True, True]  # both queued on the writer, behind the receipts
+        hold.set()
+        await blocker
+        assert (await facts).pending == frozenset()
+        assert [a.id for a in await unsettled] == ["a1"]
