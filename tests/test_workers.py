@@ -240,6 +240,57 @@ async def test_two_orchestrators_race_to_redelegate_and_exactly_one_wins(
     assert sorted(r.epoch for r in rows) == [0, 1]
 
 
+async def test_a_redelegation_committing_under_the_losers_check_is_no_tampering(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before re-delegating, an orchestrator checks that no epoch of the task was deleted by
+    hand (``ops.epoch_gaps``: the epochs on record against the successors they name). At READ
+    COMMITTED each statement sees what committed before it: a rival's re-delegation that
+    commits between a read of the epochs and a read of the successors must not read as epoch 1
+    deleted (a false Tampered, "decide by hand"); the loser loses the race (StaleEpoch). The
+    racing-processes test above failed so about once in a hundred runs."""
+    from tether._journal import ops
+
+    loop = asyncio.get_running_loop()
+    async with supervisor(pg_url) as a, supervisor(pg_url) as b:
+        handle = await a.delegate(remote_agents.refunder, "X-2", remote=True)
+        await handle.recall(grace=5, reason="re-plan")
+        won: list[tether.Handle] = []
+        fired: list[bool] = []
+        real = ops.epoch_gaps
+
+        def gaps(db: Any, ids: Any) -> Any:
+            if fired:  # the rival's own check, and any after the race
+                return real(db, ids)
+
+            class Db:  # the rival commits right after the first read of the task's epochs
+                def execute(self, statement: str, params: Any = ()) -> Any:
+                    cursor = db.execute(statement, params)
+                    if "FROM delegations WHERE task_id IN" in statement and not fired:
+                        rows = cursor.fetchall()
+                        fired.append(True)
+                        won.append(asyncio.run_coroutine_threadsafe(
+                            b.handle_for(handle.id).redelegate(), loop).result(timeout=30))
+                        return Rows(rows)
+                    return cursor
+
+            return real(Db(), ids)
+
+        monkeypatch.setattr(ops, "epoch_gaps", gaps)
+        with pytest.raises(tether.errors.StaleEpoch):
+            await a.handle_for(handle.id).redelegate()
+        assert won and won[0].epoch == 1
+        rows = [r for r in await a.journal.delegations() if r.task_id == handle.task_id]
+    assert sorted(r.epoch for r in rows) == [0, 1]
+
+
+class Rows:
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows = rows
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
+
+
 async def test_two_workers_share_a_queue_and_run_each_task_exactly_once(
         cluster: Cluster) -> None:
     """Claims skip rows another worker holds (SKIP LOCKED): no task runs twice (I7)."""

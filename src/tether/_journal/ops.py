@@ -189,17 +189,19 @@ def epoch_gaps(db: Db, ids: Iterable[str]) -> dict[str, list[int]]:
     seen: dict[str, set[int]] = {}
     named: dict[str, set[int]] = {}
     for part in chunks(tasks):
-        for task, epoch in db.execute(
-                f"SELECT task_id, epoch FROM delegations WHERE task_id IN ({marks(part)})",
-                tuple(part)).fetchall():
-            if type(epoch) is int and 0 <= epoch < 1 << 20:
-                seen.setdefault(str(task), set()).add(epoch)
-        for task, detail in db.execute(
-                "SELECT d.task_id, e.detail FROM events e JOIN delegations d "
-                f"ON d.id = e.delegation_id WHERE e.kind = 'superseded' AND d.task_id IN "
-                f"({marks(part)})", tuple(part)).fetchall():
-            successor = _detail_epoch(detail)
-            if successor is not None:
+        # One statement: at READ COMMITTED (PostgreSQL) each statement sees what committed
+        # before it, and a re-delegation committing between a read of the epochs and one of
+        # the successors would read as its new epoch deleted (a false Tampered).
+        m = marks(part)
+        for task, epoch, detail in db.execute(
+                f"SELECT task_id, epoch, NULL FROM delegations WHERE task_id IN ({m}) "
+                "UNION ALL SELECT d.task_id, NULL, e.detail FROM events e JOIN delegations d "
+                f"ON d.id = e.delegation_id WHERE e.kind = 'superseded' AND d.task_id IN ({m})",
+                (*part, *part)).fetchall():
+            if detail is None:
+                if type(epoch) is int and 0 <= epoch < 1 << 20:
+                    seen.setdefault(str(task), set()).add(epoch)
+            elif (successor := _detail_epoch(detail)) is not None:
                 named.setdefault(str(task), set()).add(successor)
     gaps = {}
     for task, epochs in seen.items():
