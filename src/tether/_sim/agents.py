@@ -119,7 +119,11 @@ def build(trial: Stage) -> tuple[Tool, Agent, Agent]:
             await asyncio.sleep(rng.uniform(0.0, 0.05))  # the model thinks
             if plan["reads"]:  # a READ_ONLY call first: an event, not an action to account
                 await ctx.call(lookup, task=ctx.task_id, n=j)
-            await ctx.call(pay, task=ctx.task_id, n=j)
+            try:
+                async with asyncio.timeout(plan.get("patience")):
+                    await ctx.call(pay, task=ctx.task_id, n=j)
+            except TimeoutError:
+                return "gave up"  # the payment goes on without this code
         if cut == plan["pays"]:
             raise StreamCut(CutReason.STREAM_INCOMPLETE)
         return "paid"

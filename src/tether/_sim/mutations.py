@@ -38,7 +38,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if gate is not Gate.OPEN:\n        if gate is Gate.LEASE_EXPIRED:",
        "    if gate is not Gate.OPEN and gate is not Gate.FENCED:\n"
        "        if gate is Gate.LEASE_EXPIRED:",
-       "race", 1, 200, 96),
+       "race", 1, 200, 86),
     _m("probe_final",
        "a probe's \"not applied\" is taken as final whatever the dispatch deadline says: the "
        "call may still land after the provider looked",
@@ -46,7 +46,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if voided or not may_still_apply(deadline_at=deadline_at, now=now, "
        "tolerance=tolerance):\n        return _A.NOT_APPLIED",
        "    if True:\n        return _A.NOT_APPLIED",
-       "late_apply,reply_lost,race", 99, 60, 19),
+       "late_apply,reply_lost,race", 99, 60, 27),
     _m("deadline_recheck",
        "a delegation ended with calls that may still apply is never checked again at their "
        "dispatch deadline",
@@ -54,14 +54,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)\n"
        "        await self._recheck_later(root_id, fallback)",
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)",
-       "late_apply,reply_lost,race", 1, 30, 1),
+       "late_apply,reply_lost,race", 1, 30, 6),
     _m("queued_fenced",
        "a fenced delegation no worker claimed stays queued: nobody settles it",
        "_runtime.remote",
        "    if not await sup.journal.unclaim(delegation_id, sup.owner_id, sup.clock.wall()):\n"
        "        return None",
        "    if True:\n        return None",
-       "crash,race", 1, 30, 1),
+       "crash,race", 1, 30, 5),
     # The core's moves that SQL once chose (``CASE WHEN state IN ...``, ``SET state =
     # 'IN_DOUBT'``): a wrong decision in the core must be found as surely.
     _m("fenced_below",
@@ -69,13 +69,13 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.model",
        "    if state in (_S.RUNNING, _S.RECALLING):\n        return kind.target",
        "    if False:\n        return kind.target",
-       "crash,race,stream_cut", 1, 30, 7),
+       "crash,race,stream_cut", 1, 30, 10),
     _m("executor_gone",
        "a call whose executor goes away (terminated, owner dead) stays PENDING, never probed",
        "_core.model",
        "    return ActionState.IN_DOUBT if state is ActionState.PENDING else state",
        "    return state",
-       "crash,reply_lost,race", 1, 30, 7),
+       "crash,reply_lost,race", 1, 30, 9),
     # The core's decisions, each broken as the simulator's former model of the runtime broke
     # them (its mutation tests): found now in the code that ships.
     _m("clock_tolerance",
@@ -90,7 +90,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "    if fenced:\n        return Gate.FENCED",
        "    if False:\n        return Gate.FENCED",
-       "race,notify_lost,pause", 1, 150, 68),
+       "race,notify_lost,pause", 1, 150, 13),
     _m("settle_in_flight",
        "a delegation settles while one of its calls may still apply",
        "_core.outcome",
@@ -117,14 +117,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "        if holds_key(call, now, tolerance):\n            waiting = call",
        "        if False:\n            waiting = call",
-       "late_apply,reply_lost,race", 1, 100, 38),
+       "late_apply,reply_lost,race", 1, 100, 12),
     _m("key_replay",
        "a key whose call COMPLETED is not replayed: the call runs again",
        "_core.outcome",
        "        if call.state is _A.COMPLETED:\n            return KeyDecision(KeyVerdict.REPLAY, "
        "call)",
        "        if False:\n            return KeyDecision(KeyVerdict.REPLAY, call)",
-       "race,reply_lost", 1, 30, 2),
+       "race,reply_lost", 1, 30, 1),
     Mutation(
         "attempt_fence",
         "a re-dispatched attempt is forked under a parent fenced meanwhile: the attempt's gate "
@@ -138,27 +138,27 @@ CATALOGUE: tuple[Mutation, ...] = (
               '"WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",',
               '"WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id '
               'AND sub.depth = 0)",')),
-        ("stream_cut", "race"), 1, 250, 101),
+        ("stream_cut", "race"), 1, 250, 60),
     _m("send_after_deadline",
        "a call paused between its intent and its send is sent after its dispatch deadline",
        "_runtime.gateway",
        "        if clock.wall() >= deadline_at:\n            # Paused between",
        "        if False:\n            # Paused between",
-       "pause,race", 1, 200, 83),
+       "pause,race", 1, 200, 47),
     _m("probe_time",
        "a probe's answer is judged at the time it came back, not when it was sent: a probe "
        "sent before the dispatch deadline and answered after it is a final NOT_APPLIED",
        "_runtime.reconcile",
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200, 85),
+       "late_apply,probe_hang,pause,race", 1, 200, 58),
     _m("end_children",
        "a delegation whose code raised ends while a child it started still runs; a "
        "terminate of the task finds its root ended and the child goes on paying",
        "_runtime.attempts",
        "    for child in list(rt.children):\n        run = child.run",
        "    for child in ():\n        run = child.run",
-       "crash,probe_raise,commit_lost,race", 1, 200, 76),
+       "crash,probe_raise,commit_lost,race", 1, 200, 165),
     _m("reprobe_unknown",
        "a call a probe could not tell about (it failed or timed out) while the call could "
        "still apply is never probed again at its deadline: it stays UNKNOWN for a person",
@@ -172,7 +172,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.accounting",
        'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
        'asked_at = evidence.get("probed_at")',
-       "late_apply,probe_hang,pause,race", 2, 250, 82),
+       "late_apply,probe_hang,pause,race", 2, 250, 29),
 )
 
 

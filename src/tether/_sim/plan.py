@@ -12,7 +12,8 @@ from tether._core.signing import SigningKey, TrustedKeys
 from tether._sim.judge import Violation
 
 HORIZON = 120.0  # virtual seconds for the orchestrators to finish
-ACTS = ("recall", "terminate", "cancel", "recall+redelegate", "terminate+redelegate", "child")
+ACTS = ("recall", "terminate", "cancel", "recall+redelegate", "terminate+redelegate", "child",
+        "recall+terminate")
 
 _KEYS: tuple[SigningKey, TrustedKeys] | None = None
 
@@ -21,13 +22,17 @@ _KEYS: tuple[SigningKey, TrustedKeys] | None = None
 class Spec:
     """What an agent does: a root starts ``kids`` children (or pays itself when it has none);
     a child makes ``pays`` payments. ``cut``: where attempt 1's model stream is cut (-1 before
-    any tool, j before payment j, ``pays`` after the last), or None."""
+    any tool, j before payment j, ``pays`` after the last), or None. ``patience``: how long
+    the agent waits for a payment before it gives up and returns, the call going on without
+    it (code that ends with a call still out, as ``asyncio.timeout`` around a call does), or
+    None to wait for each."""
 
     kind: str
     pays: int
     kids: tuple[Spec, ...] = ()
     cut: int | None = None
     reads: bool = False
+    patience: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,9 @@ def tasks(rng: random.Random, cuts: bool) -> list[Spec]:
     def pays(kind: str) -> Spec:
         n = rng.randint(1, 3)
         cut = rng.randint(-1, n) if cuts and rng.random() < 0.6 else None
-        return Spec(kind, n, (), cut, rng.random() < 0.5)
+        reads = rng.random() < 0.5
+        patience = rng.choice((0.005, 0.05, 0.3)) if rng.random() < 0.25 else None
+        return Spec(kind, n, (), cut, reads, patience)
 
     out = []
     for _ in range(rng.randint(1, 2)):

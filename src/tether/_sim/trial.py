@@ -366,7 +366,10 @@ class Trial:
         if kind == "cancel":
             await handle.cancel("sim")
         elif kind.startswith("recall"):
-            await handle.recall(grace, "sim")
+            report = await handle.recall(grace, "sim")
+            if kind == "recall+terminate" and not report.outcome.terminal:
+                # Not settled within the grace (calls left running): kill it now.
+                await handle.terminate("sim")
         else:
             await handle.terminate("sim")
         row = await sup.journal.latest_attempt(first.id)
@@ -445,7 +448,7 @@ class Trial:
 
 
 def _plan(spec: Any) -> dict[str, Any]:
-    return {"pays": spec.pays, "cut": spec.cut, "reads": spec.reads,
+    return {"pays": spec.pays, "cut": spec.cut, "reads": spec.reads, "patience": spec.patience,
             "kids": [_plan(k) for k in spec.kids]}
 
 
