@@ -17,6 +17,7 @@ are remembered in turn.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -28,6 +29,7 @@ from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsRece
 from tether._core.errors import ControlRefused, NotFound, UnknownKey
 from tether._core.model import DelegationState
 from tether._core.resolution import Resolution, decode_resolution
+from tether._core.signing import TrustedKeys
 from tether._core.trust import Registry, bound, check_work
 from tether._journal.journal import DEFAULT_URL, Journal
 from tether._journal.rows import DelegationRow
@@ -121,6 +123,35 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
         problems.append({"delegation": None, "record": "key registry",
                          "problem": reg.explain("(any)")})
     rows = await (j.subtree(delegation_id) if delegation_id else j.delegations())
+    found, checked, chained, unchained = await _delegations(j, reg, pins, rows)
+    # The journal is read a statement at a time while other processes write: a prune, or a
+    # key trusted and its holder's intent, committed between two reads, read as a problem of
+    # a moment that never was. A delegation with problems is read and judged again; what
+    # still fails is named, and one gone since (pruned) is not.
+    suspects = list(dict.fromkeys(p["delegation"] for p in found))
+    if suspects:
+        found = [p for p in found if p["delegation"] not in suspects]
+        again = []
+        for did in suspects:
+            with contextlib.suppress(NotFound):
+                again.append(await j.get(did))
+        found += (await _delegations(j, await j.registry(pins), pins, again))[0]
+    problems += found
+    for task, missing in (await j.epoch_gaps([d.id for d in rows])).items():
+        problems.extend({"delegation": f"task {task}", "record": f"epoch {n}",
+                         "problem": "the task's later epochs are here but no delegation at "
+                                    "this epoch (deleted as a whole by hand; a prune removes "
+                                    "a task's epochs together)"} for n in missing)
+    return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
+            "chains_checked": chained, "unchained": unchained,
+            "problems": problems, "ok": not problems}
+
+
+async def _delegations(j: Journal, reg: Registry, pins: TrustedKeys, rows: list[DelegationRow]
+                       ) -> tuple[list[dict[str, Any]], int, int, list[dict[str, Any]]]:
+    """The problems of these delegations' signed records, fences and chains; the records
+    and chains checked, and the delegations with records older than the chain."""
+    problems: list[dict[str, Any]] = []
     checked = 0
     for d in rows:
         checked += await _check_delegation(j, reg, d, problems)
@@ -137,14 +168,7 @@ async def verify_journal(j: Journal, ring: KeyRing | None,
         if v.unchained:
             unchained.append({"delegation": v.delegation_id, "records": len(v.unchained)})
         chained += 1
-    for task, missing in (await j.epoch_gaps([d.id for d in rows])).items():
-        problems.extend({"delegation": f"task {task}", "record": f"epoch {n}",
-                         "problem": "the task's later epochs are here but no delegation at "
-                                    "this epoch (deleted as a whole by hand; a prune removes "
-                                    "a task's epochs together)"} for n in missing)
-    return {"root": reg.root, "delegations": len(rows), "records_checked": checked,
-            "chains_checked": chained, "unchained": unchained,
-            "problems": problems, "ok": not problems}
+    return problems, checked, chained, unchained
 
 
 def register(app: typer.Typer, out: Console,

@@ -92,6 +92,20 @@ class StaleSequence(ControlRefused):
         self.current = current
 
 
+class OwnerChanged(ControlRefused):
+    """A recovery's terminate for a delegation whose owner is no longer the one judged gone:
+    a worker claimed it since (its liveness decides now, not the old owner's)."""
+
+    code = "owner_changed"
+
+    def __init__(self, delegation_id: str, judged: str | None, current: str | None) -> None:
+        super().__init__(f"delegation {delegation_id} is now owned by {current}, not by "
+                         f"{judged}, whose absence the recovery judged: left to its owner")
+        self.delegation_id = delegation_id
+        self.judged = judged
+        self.current = current
+
+
 class StaleEpoch(ControlRefused):
     """The caller's epoch is not the task's current epoch: someone re-delegated first."""
 

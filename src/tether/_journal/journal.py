@@ -41,6 +41,7 @@ from tether._journal.rows import (
 __all__ = ["DEFAULT_URL", "Journal"]
 
 T = TypeVar("T")
+_REREAD = 3  # registry re-reads of a chain check that failed while the registry changed
 log = logging.getLogger("tether.journal")
 
 
@@ -124,17 +125,18 @@ class Journal(JournalAccess):
 
     # -- control ------------------------------------------------------------------------------
     async def accept_control(self, signed: Signed, pins: TrustedKeys, issuer: str,
-                             now: float | Callable[[], float], *, urgent: bool = False
-                             ) -> tuple[ControlIntent, ControlRow]:
+                             now: float | Callable[[], float], *, urgent: bool = False,
+                             owner: str | None = None) -> tuple[ControlIntent, ControlRow]:
         """Verify the signature against the deployment's key registry as ``pins`` root it
         (I5), then CAS, move and fence, all in one transaction. Given a clock, ``now`` is read
         once the delegation's row is locked (``ops.accept_control``). ``urgent``: the fence
         skips the writes queued before it (``runner.Backlog``); only for a caller that knows
-        none of them moves the delegation's tree (``moving``)."""
+        none of them moves the delegation's tree (``moving``). ``owner``: only while the
+        delegation still has this owner (``OwnerChanged``)."""
 
         def op(db: Any) -> tuple[ControlIntent, ControlRow]:
             intent = trustops.registry(db, pins).verify(signed, ControlIntent)
-            return intent, ops.accept_control(db, signed, intent, issuer, now)
+            return intent, ops.accept_control(db, signed, intent, issuer, now, owner)
 
         try:
             return await self._written(op, urgent)
@@ -333,14 +335,30 @@ class Journal(JournalAccess):
             seen = {d: witness.seen(d) for d in delegation_ids}
             self._reader_witness = witness
 
-        def op(db: Any) -> list[ChainVerdict]:
-            reg = trustops.registry(db, pins)
+        def trusted(reg: Registry) -> Registry:
             if own is not None and own.key_id not in reg.keys:
                 # A process believes its own seals (a worker whose key the registry does
                 # not trust yet): nobody else can make them. `tether verify` still names them.
                 reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
-            return chainops.verdicts(db, delegation_ids, reg, seen, witness,
-                                     self._sealer.unsynced)  # read on the writer thread
+            return reg
+
+        def op(db: Any) -> list[ChainVerdict]:
+            reg = trustops.registry(db, pins)
+            found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
+                                      self._sealer.unsynced)  # read on the writer thread
+            for _ in range(_REREAD):
+                # At READ COMMITTED (PostgreSQL) a key trusted after the registry was read,
+                # and a seal it made since, read as a seal by an unknown key: judged again
+                # against the registry as it is now, for as long as it keeps changing.
+                if all(v.ok for v in found):
+                    break
+                again = trustops.registry(db, pins)  # the same object while unchanged
+                if again is reg or again == reg:
+                    break
+                reg = again
+                found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
+                                          self._sealer.unsynced)
+            return found
 
         return await self._read(op)
 

@@ -23,6 +23,7 @@ from tether._core.errors import (
     JournalCorrupt,
     JournalError,
     NotFound,
+    OwnerChanged,
     StaleEpoch,
     StaleSequence,
     UserError,
@@ -237,6 +238,14 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
             if row is None:
                 raise NotFound(f"no task {new.task_id!r} in this journal")
             raise StaleEpoch(new.task_id, new.redelegate_from_epoch, row[0])
+        # The task's row is held from here on (PostgreSQL): a prune that took it first has
+        # committed, and the epoch moved from may be gone with its receipts, which the new
+        # epoch would replay by their keys (a payment run again).
+        if db.execute("SELECT 1 FROM delegations WHERE task_id = ? AND epoch = ? AND "
+                      "parent_id IS NULL", (new.task_id, new.redelegate_from_epoch)
+                      ).fetchone() is None:
+            raise NotFound(f"epoch {new.redelegate_from_epoch} of task {new.task_id!r} is "
+                           "no longer in this journal (pruned): nothing to re-delegate")
         epoch = new.redelegate_from_epoch + 1
     else:
         known = db.execute("SELECT epoch FROM tasks WHERE id = ?", (new.task_id,)).fetchone()
@@ -394,16 +403,20 @@ def end_delegation(db: Db, delegation_id: str, new: DelegationState, now: float,
 # -- control --------------------------------------------------------------------------------
 
 def accept_control(db: Conn, signed: Signed, intent: ControlIntent, issuer: str,
-                   stamp: float | Callable[[], float]) -> ControlRow:
+                   stamp: float | Callable[[], float], owner: str | None = None) -> ControlRow:
     """Sequence compare-and-set, state move and subtree fence in one transaction (I2, I4, I10).
     The signature was verified by the caller against the journal's trusted keys. ``stamp``
     (a clock) is read once the row is locked: an intent of another process that held the
-    row's share lock committed before that moment, so it never reads as after the fence."""
+    row's share lock committed before that moment, so it never reads as after the fence.
+    ``owner``: only while the delegation still has this owner (a recovery judged it gone; a
+    worker's claim since hands the delegation to a live one), else OwnerChanged."""
     target = intent.kind.target
-    before(db, "delegations", intent.delegation_id)
+    before(db, "delegations", intent.delegation_id)  # locked from here on (PostgreSQL)
     accepted_at = stamp() if callable(stamp) else stamp
     while True:
         row = get_delegation(db, intent.delegation_id)
+        if owner is not None and row.owner_id != owner:
+            raise OwnerChanged(intent.delegation_id, owner, row.owner_id)
         if intent.seq != row.control_seq + 1:
             raise StaleSequence(intent.delegation_id, intent.seq, row.control_seq)
         if intent.epoch != row.epoch:
@@ -415,9 +428,10 @@ def accept_control(db: Conn, signed: Signed, intent: ControlIntent, issuer: str,
         # state moves a bounded number of times, so this ends.
         cur = db.execute(
             "UPDATE delegations SET control_seq = ?, state = ?, fenced = 1, updated_at = ? "
-            "WHERE id = ? AND control_seq = ? AND state = ?",
+            "WHERE id = ? AND control_seq = ? AND state = ?"
+            + ("" if owner is None else " AND owner_id = ?"),
             (intent.seq, target.value, accepted_at, intent.delegation_id, row.control_seq,
-             row.state.value),
+             row.state.value, *(() if owner is None else (owner,))),
         )
         if cur.rowcount == 1:
             touch(db, "delegations", intent.delegation_id)

@@ -64,8 +64,12 @@ def server_time(db: Conn) -> float | None:
 
 
 def liveness(db: Conn, owner_id: str) -> tuple[OwnerRow | None, float | None]:
-    """An owner's row and the server's clock, read together to judge whether it is alive."""
-    return owner(db, owner_id), server_time(db)
+    """An owner's row and the server's clock, read together to judge whether it is alive.
+    The clock first: at READ COMMITTED (PostgreSQL) the row is then at least as new as the
+    clock's reading, so a renewal that committed between the two is seen (read the other way
+    round, a lease renewed just before it expired reads as expired)."""
+    now = server_time(db)
+    return owner(db, owner_id), now
 
 
 # The queue row is not chained: an intruder can clear its ``claimed_by``. The claim's event is
@@ -191,10 +195,12 @@ def noted_in_trees(db: Db, root_ids: list[str], kind: str
 
 
 def progress(db: Conn, delegation_id: str) -> QueueProgress:
-    """The queue row, the task's newest attempt and the claimant's lease: one read per poll."""
+    """The queue row, the task's newest attempt and the claimant's lease: one read per poll
+    (the server's clock first, as for ``liveness``)."""
+    now = server_time(db)
     entry = queue_entry(db, delegation_id)
     claimant = None if entry is None or entry.claimed_by is None else owner(db, entry.claimed_by)
-    return QueueProgress(entry, latest_attempt(db, delegation_id), claimant, server_time(db))
+    return QueueProgress(entry, latest_attempt(db, delegation_id), claimant, now)
 
 
 def controls_for_owner(db: Db, owner_id: str) -> list[ControlRow]:

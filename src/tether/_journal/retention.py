@@ -79,10 +79,16 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
                       (root_id,)).fetchone()
     if task is None:
         return None
+    # The task's row is locked (PostgreSQL) before its epochs are listed: a re-delegation
+    # moves it first (``ops.create_delegation``), so one that committed before is listed
+    # here, and one that comes later waits for the prune and finds its epoch gone. Read
+    # after the list, a re-delegation committed in between left a live epoch unjudged and
+    # the one before it pruned under it (its receipts, which the new epoch replays).
+    current = db.execute("SELECT epoch FROM tasks t WHERE id = ? /*XLOCK t*/",
+                         (task[0],)).fetchone()
     family = db.execute(
         "SELECT id, epoch FROM delegations WHERE task_id = ? AND parent_id IS NULL "
         "ORDER BY created_at, id", (task[0],)).fetchall()
-    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
     # A tree whose root's epoch was re-delegated since is superseded, every node in it (a
     # node's own epoch counts its own task's re-delegations, not its root's).
     superseded: dict[str, bool] = {}

@@ -18,6 +18,7 @@ from tether._core.errors import (
     InvalidTransition,
     KeyInUse,
     NotFound,
+    OwnerChanged,
     StaleSequence,
     Tampered,
 )
@@ -231,7 +232,10 @@ class Accounting:
                             reports.append(never)
                     continue
                 why = f"owner {row.owner_id} is gone"
-                reports.append(await self.recover_delegation(row, why, verified=True))
+                try:
+                    reports.append(await self.recover_delegation(row, why, verified=True))
+                except OwnerChanged:
+                    continue  # a worker claimed it since it was listed: that worker runs it
         for lost in await sup.journal.receipts_missing(delegation_id):
             # Its delegation ended without its receipt (the disk refused it): in doubt now.
             if sup.runtime(lost.delegation_id) is None and lost.id not in self._calls:
@@ -285,6 +289,7 @@ class Accounting:
             # accounting, without a second verdict that would hide the first.
             return await self.conclude(row.id, ControlKind.TERMINATE.settled, in_doubt=True,
                                        verdict=None)
+        gone = row.owner_id  # judged gone by the caller: a worker's claim since hands it on
         while row.state is DelegationState.RUNNING:
             intent = ControlIntent(ControlKind.TERMINATE, row.id, row.epoch, row.control_seq + 1,
                                    None, f"recovery: {reason}", sup.clock.wall(),
@@ -292,7 +297,7 @@ class Accounting:
             try:
                 await sup.journal.accept_control(sup.keys.signer.sign(intent),
                                                  sup.keys.trusted, sup.owner_id,
-                                                 sup.clock.wall)
+                                                 sup.clock.wall, owner=gone)
             except (StaleSequence, InvalidTransition):
                 # The row was read before another process moved it (its recall, a second
                 # recovery, the child's own end): it is fenced or ended all the same, so the
