@@ -210,3 +210,37 @@ async def test_a_key_trusted_and_used_during_a_chain_check_is_no_tampering(
                if not v.ok]
     assert recalled[0].outcome is tether.DelegationState.RECALLED
     assert bad == []
+
+
+async def test_a_lease_renewed_between_the_clock_and_the_row_is_alive(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner is judged alive from its row and a clock (the server's on PostgreSQL, the
+    host's on SQLite). A renewal that commits just before the old lease runs out is in the
+    row if the clock is read first; read the other way round, the old lease meets a later
+    clock and a live worker is presumed dead (and its work reconciled away from it)."""
+    from tether._journal import queue
+    from tether._runtime.remote import owner_alive
+
+    loop = asyncio.get_running_loop()
+    async with supervisor(journal_url) as worker, supervisor(journal_url) as observer:
+        server = await observer.journal.peek(queue.server_time)
+        start = server if server is not None else time.time()
+        assert await worker.journal.renew_lease(worker.owner_id, start, 0.5)
+        real = queue.owner
+        renewed: list[bool] = []
+
+        def owner(db: Any, owner_id: str) -> Any:
+            row = real(db, owner_id)
+            if owner_id == worker.owner_id and not renewed:
+                assert row is not None and row.lease_until is not None
+                # The worker renews in time; then the old lease runs out on the clock the
+                # judgment uses (a renewal can only land before it does).
+                renewed.append(asyncio.run_coroutine_threadsafe(worker.journal.renew_lease(
+                    worker.owner_id, time.time(), 60.0), loop).result(timeout=30))
+                while (db.server_time() or time.time()) <= row.lease_until:
+                    time.sleep(0.02)
+            return row
+
+        monkeypatch.setattr(queue, "owner", owner)
+        alive = await owner_alive(observer, worker.owner_id)
+    assert renewed == [True] and alive

@@ -32,13 +32,18 @@ async def owner_alive(sup: ports.Liveness, owner_id: str) -> bool:
     (and, on this host, while its process exists)."""
     if owner_id == sup.owner_id:
         return True
-    return judge_alive(sup, *await sup.journal.liveness(owner_id))
+    now = sup.clock.wall()  # before the read: a renewal committed meanwhile is then seen
+    owner, server_now = await sup.journal.liveness(owner_id)
+    return judge_alive(sup, owner, server_now, now)
 
 
-def judge_alive(sup: ports.Liveness, owner: OwnerRow | None, server_now: float | None) -> bool:
+def judge_alive(sup: ports.Liveness, owner: OwnerRow | None, server_now: float | None,
+                now: float) -> bool:
     """The facts (and, for an owner on this host, whether its process exists); the decision
     is ``_core.outcome.owner_alive``. A lease is judged on the database server's clock where
-    there is one (workers keep their clocks near it: Worker checks)."""
+    there is one (workers keep their clocks near it: Worker checks), else on ``now``, this
+    host's clock read before the owner's row was (a renewal that committed after the clock
+    was read is then in the row, never judged against a later time)."""
     if owner is None:
         return False
     if owner.id == sup.owner_id:
@@ -47,7 +52,7 @@ def judge_alive(sup: ports.Liveness, owner: OwnerRow | None, server_now: float |
     facts = outcome.OwnerFacts(owner.heartbeat_at, owner.lease_until, same_host,
                        _pid_alive(owner.pid) if same_host and owner.lease_until is None
                        else None)
-    return outcome.owner_alive(facts, now=sup.clock.wall(), server_now=server_now,
+    return outcome.owner_alive(facts, now=now, server_now=server_now,
                                heartbeat_lease=sup.policy.lease)
 
 
@@ -129,10 +134,12 @@ async def wait_queued(sup: ports.Remote, queued_id: str) -> DelegationRow:
     is presumed dead when its lease runs out, and its work is reconciled here."""
     recovered: set[str] = set()  # once each: calls left in doubt are re-probed at their deadline
     while True:
+        now = sup.clock.wall()
         progress = await sup.journal.queue_progress(queued_id)
         entry, latest = progress.entry, progress.latest
         claimant = entry.claimed_by if entry is not None else None
-        dead = claimant is not None and not judge_alive(sup, progress.claimant, progress.server_now)
+        dead = claimant is not None and not judge_alive(sup, progress.claimant,
+                                                        progress.server_now, now)
         if (entry is not None and entry.claimed_by is None and latest.fenced
                 and not latest.state.terminal):
             await settle_unclaimed(sup, latest.id, _kind_of(latest))
