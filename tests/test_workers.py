@@ -133,6 +133,27 @@ async def test_a_grace_window_expiring_on_a_worker_is_reconciled(cluster: Cluste
     assert action.evidence is not None and action.evidence["probe"] == "NOT_APPLIED"
 
 
+async def test_a_terminate_after_a_recall_expired_on_a_worker_cuts_the_call_left_running(
+        cluster: Cluster) -> None:
+    """A recall whose grace ends with a call still running leaves that call to finish on the
+    worker, which no longer tracks the delegation's code. A terminate then must still kill
+    now: the worker cuts the call before the provider saw it, and settles the delegation
+    itself (the worker claimed it from the queue; it is not queued work nobody ran)."""
+    async with supervisor(cluster.url) as sup:
+        await cluster.worker()
+        started = await listen_gate("started")
+        handle = await sup.delegate(remote_agents.refunder, "hold-6", remote=True)
+        await started
+        recalled = await handle.recall(grace=0.2, reason="too slow")  # the call held
+        assert recalled.verdict == "GRACE_EXPIRED" and not recalled.outcome.terminal
+        report = await handle.terminate(reason="kill it")
+        # Cut: nobody waits at the gate any more (writing to it finds no reader).
+        with pytest.raises(OSError, match="No such device or address"):  # ENXIO
+            open_gate("release")
+    assert report.verdict == "TERMINATE"  # the worker's drain, not a recovery from here
+    assert remote_agents.ledger().refund_count("hold-6") == 0
+
+
 async def test_terminate_across_processes_reconciles_the_in_flight_action(
         cluster: Cluster) -> None:
     async with supervisor(cluster.url) as sup:

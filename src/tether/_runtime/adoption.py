@@ -130,9 +130,11 @@ class Adoption:
             return
         if not await self._admitted(target.id, target.epoch, row):
             return
-        if await sup.journal.queue_entry(target.id) is not None:
+        entry = await sup.journal.queue_entry(target.id)
+        if entry is not None and entry.claimed_by != sup.owner_id:
             # Queued: settled here only if no one took it off the queue first (a worker that
-            # claimed it drains it; the issuer may have settled it).
+            # claimed it drains it; the issuer may have settled it). One this worker claimed
+            # and ran is its own to settle, as any other it owns.
             await settle_unclaimed(sup, target.id, row.kind)
             return
         await sup.settle_here(target.id, row.kind)

@@ -177,7 +177,8 @@ CATALOGUE: tuple[Mutation, ...] = (
 
 
 # Defects fixed in code the simulator runs, that its faults have not found yet in the runs below
-# (docs/simulator.md says what each would need); each edit is kept applicable all the same.
+# (docs/simulator.md says what each would need; ``terminate_in_doubt`` changes no state the
+# code reaches today); each edit is kept applicable all the same.
 UNCAUGHT: tuple[Mutation, ...] = (
     _m("terminate_in_doubt",
        "a terminate of a delegation whose code had ended leaves its running calls PENDING "
