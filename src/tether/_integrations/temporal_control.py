@@ -76,13 +76,29 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         if told:
             await tell_temporal(handle, kind, reason)
         raise
-    mine = sup.handle_for(row.id)
     until = asyncio.get_running_loop().time() + (grace or 0.0)
-    if kind is ControlKind.RECALL:
-        assert grace is not None
-        report = await mine.recall(grace, reason)
-    else:
-        report = await mine.terminate(reason)
+    for _ in range(_ATTEMPTS):
+        mine = sup.handle_for(row.id)
+        if kind is ControlKind.RECALL:
+            assert grace is not None
+            report = await mine.recall(grace, reason)
+        else:
+            report = await mine.terminate(reason)
+        # The run may have moved on between the look and the stop: its worker ended this
+        # epoch (its delegation then refuses the stop, "already finished") and another opened
+        # the next. That one is the run now; it is stopped too (a stop accepted here keeps
+        # any later one from opening: ``temporal_runs.open_run``).
+        head = await sup.journal.peek(queue.task_head, task_of(handle.id))
+        if head is None or head.id == row.id or run_of(head) != run_of(row) or \
+                head.fenced or head.state.terminal:
+            break
+        try:
+            await genuine(sup.journal, sup.keys.trusted, head.id, f"stop workflow {handle.id}")
+        except Tampered:  # as for the first: a person decides; Temporal stops the run
+            if told:
+                await tell_temporal(handle, kind, reason)
+            raise
+        row = head
     report = await _with_earlier(sup, row, report)
     try:
         if unknown or not report.all_actions():

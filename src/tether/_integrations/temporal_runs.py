@@ -14,6 +14,7 @@ from tether._core.errors import (
     ControlSignal,
     Recalled,
     StaleEpoch,
+    StaleSequence,
     Terminated,
     TetherError,
     UserError,
@@ -61,10 +62,16 @@ async def open_run(sup: Supervisor, workflow_id: str, run_id: str, agent: Agent)
             attempt=1 if head is None else head.attempt, agent=agent.name,
             surface=tuple(surface), args=child_payload(args, {}, agent.name),
             owner_id=sup.owner_id, now=sup.clock.wall(),
-            redelegate_from_epoch=None if head is None else head.epoch))
+            redelegate_from_epoch=None if head is None else head.epoch,
+            unstopped=None if head is None else (head.id, head.control_seq)))
     except StaleEpoch:
         # (A retry judges the new epoch, and may make its calls as a guest.)
         raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
+    except StaleSequence:
+        # An intent was accepted for the epoch this one supersedes after it was judged: a
+        # retry judges it (a stop keeps the run out for good).
+        raise RunRefused(f"delegation {head.id if head else '?'} of task {task} was stopped "
+                         "meanwhile", retry=True) from None
     except UserError as exc:
         if head is not None or await sup.journal.peek(queue.task_head, task) is None:
             raise
@@ -92,6 +99,8 @@ async def open_child(sup: Supervisor, parent_id: str, workflow_id: str, run_id: 
     try:
         run = await sup.start_child(parent, agent, (workflow_id, run_id), {}, task_id=task,
                                     guests=True)
+    except StaleEpoch:  # the run opened apart meanwhile (``open_run``): judged again
+        raise RunRefused(f"task {task} moved to a new epoch elsewhere", retry=True) from None
     except ControlSignal as signal:
         raise RunRefused(f"its parent's delegation {parent_id} is fenced: "
                          f"{type(signal).__name__.lower()}: {signal}") from None
@@ -145,6 +154,12 @@ async def _next_epoch_of(sup: Supervisor, head: DelegationRow, workflow_id: str,
                              "another live process", retry=True, host=host)
         await sup.recover_delegation(head, "owner is gone")
         head = await sup.journal.get(head.id)
+        # Someone's recall or terminate may have been accepted since the look above (the
+        # recovery then met it): it keeps the run out as well.
+        stop = await stopped_run(sup, head.task_id, run_id)
+        if stop is not None:
+            raise RunRefused(f"workflow run {run_id} was recalled or terminated (delegation "
+                             f"{stop.id}, control sequence {stop.control_seq})")
     # The new epoch trusts the old records only if they verify.
     await sup.journal.untampered(await sup.journal.kin([head.id]), sup.keys.trusted,
                                  f"re-delegate {head.id}")

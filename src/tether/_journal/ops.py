@@ -229,6 +229,15 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
     if new.retry_of is not None:
         return _create_attempt(db, new)
     if new.redelegate_from_epoch is not None:
+        # The epoch moved from, locked before the task is moved (PostgreSQL; every writer takes
+        # a delegation's row before its task's): a prune that holds it commits first, and then
+        # it is gone with its receipts, which the new epoch would replay by their keys (a
+        # payment run again). A root or a child: a Temporal child workflow's run goes on as a
+        # run of its own.
+        if not db.execute("SELECT d.id FROM delegations d WHERE d.task_id = ? AND d.epoch = ? "
+                          "/*LOCK d*/", (new.task_id, new.redelegate_from_epoch)).fetchall():
+            raise NotFound(f"epoch {new.redelegate_from_epoch} of task {new.task_id!r} is "
+                           "not in this journal (pruned): nothing to re-delegate")
         cur = db.execute(
             "UPDATE tasks SET epoch = epoch + 1 WHERE id = ? AND epoch = ?",
             (new.task_id, new.redelegate_from_epoch),
@@ -238,14 +247,14 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
             if row is None:
                 raise NotFound(f"no task {new.task_id!r} in this journal")
             raise StaleEpoch(new.task_id, new.redelegate_from_epoch, row[0])
-        # The task's row is held from here on (PostgreSQL): a prune that took it first has
-        # committed, and the epoch moved from may be gone with its receipts, which the new
-        # epoch would replay by their keys (a payment run again).
-        if db.execute("SELECT 1 FROM delegations WHERE task_id = ? AND epoch = ? AND "
-                      "parent_id IS NULL", (new.task_id, new.redelegate_from_epoch)
-                      ).fetchone() is None:
-            raise NotFound(f"epoch {new.redelegate_from_epoch} of task {new.task_id!r} is "
-                           "no longer in this journal (pruned): nothing to re-delegate")
+        if new.unstopped is not None:
+            # A recall or terminate accepted for it moves the task's row too (its cancel
+            # generation): one that committed first is read here; a later one finds it ended.
+            old, seq = new.unstopped
+            found = db.execute("SELECT control_seq FROM delegations WHERE id = ?",
+                               (old,)).fetchone()
+            if found is None or found[0] != seq:
+                raise StaleSequence(old, seq + 1, seq if found is None else found[0])
         epoch = new.redelegate_from_epoch + 1
     else:
         known = db.execute("SELECT epoch FROM tasks WHERE id = ?", (new.task_id,)).fetchone()
@@ -257,7 +266,19 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
             # idempotency keys repeat and completed actions replay instead of running twice.
             # The parent's own fence and epoch are checked by the insert below.
             epoch = known[0] + 1
-            db.execute("UPDATE tasks SET epoch = ? WHERE id = ?", (epoch, new.task_id))
+            # The epoch moved from, locked first, as for a re-delegation (a prune holding it
+            # commits first; its epochs go together, and this one then has none before it).
+            db.execute("SELECT d.id FROM delegations d WHERE d.task_id = ? AND d.epoch = ? "
+                       "/*LOCK d*/", (new.task_id, known[0])).fetchall()
+            # Compare-and-set (PostgreSQL): a run of the same task opened apart meanwhile
+            # (``temporal_runs.open_run``) took this epoch; two live delegations at one epoch
+            # would leave one of them out of every stop.
+            if db.execute("UPDATE tasks SET epoch = ? WHERE id = ? AND epoch = ?",
+                          (epoch, new.task_id, known[0])).rowcount != 1:
+                current = db.execute("SELECT epoch FROM tasks WHERE id = ?",
+                                     (new.task_id,)).fetchone()
+                raise StaleEpoch(new.task_id, known[0], known[0] if current is None
+                                 else current[0])
         else:
             raise UserError(
                 f"task {new.task_id!r} already exists; re-delegate it instead of reusing the id"

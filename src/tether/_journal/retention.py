@@ -79,16 +79,10 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
                       (root_id,)).fetchone()
     if task is None:
         return None
-    # The task's row is locked (PostgreSQL) before its epochs are listed: a re-delegation
-    # moves it first (``ops.create_delegation``), so one that committed before is listed
-    # here, and one that comes later waits for the prune and finds its epoch gone. Read
-    # after the list, a re-delegation committed in between left a live epoch unjudged and
-    # the one before it pruned under it (its receipts, which the new epoch replays).
-    current = db.execute("SELECT epoch FROM tasks t WHERE id = ? /*XLOCK t*/",
-                         (task[0],)).fetchone()
     family = db.execute(
         "SELECT id, epoch FROM delegations WHERE task_id = ? AND parent_id IS NULL "
         "ORDER BY created_at, id", (task[0],)).fetchall()
+    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
     # A tree whose root's epoch was re-delegated since is superseded, every node in it (a
     # node's own epoch counts its own task's re-delegations, not its root's).
     superseded: dict[str, bool] = {}
@@ -111,6 +105,17 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
         f"SELECT id, state, ended_at FROM delegations d WHERE id IN ({marks}) "
         "ORDER BY id /*XLOCK d*/", ids).fetchall()}
     nodes = [(i, *states[i]) for i in ids if i in states]
+    # Read again under those locks: every task of these trees has all its delegations among
+    # them (a task's epochs go together: a later one replays the earlier ones' receipts by
+    # key, and may be a root elsewhere or a child of another tree, as a Temporal child
+    # workflow's run). A writer that moves a task to a new epoch locks a delegation of the
+    # epoch it moves from first (``ops.create_delegation``): one that committed before the
+    # locks is read here and keeps the trees; a later one waits, and finds its epoch gone.
+    kin = [r[0] for part in chunks(ids) for r in db.execute(
+        "SELECT d.id FROM delegations d WHERE d.task_id IN (SELECT task_id FROM delegations "
+        f"WHERE id IN ({', '.join('?' * len(part))}))", part).fetchall()]
+    if set(kin) - set(ids):
+        return None
     ok = prunable([NodeFacts(DelegationState(n[1]), n[2], superseded=superseded[n[0]])
                    for n in nodes],
                   [CallFacts(ActionState(c[0]), c[1]) for c in calls], before=before, now=now,

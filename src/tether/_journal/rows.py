@@ -33,6 +33,10 @@ class NewDelegation:
     # For a re-delegation: the epoch the caller saw. The journal moves the task to epoch + 1
     # only if it is still there (compare-and-set), so two racing callers cannot both win.
     redelegate_from_epoch: int | None = None
+    # For a re-delegation that must not follow a stop (a Temporal run reopened at its next
+    # epoch): the superseded delegation and its control sequence as the caller judged them;
+    # refused (StaleSequence) if an intent was accepted for it since.
+    unstopped: tuple[str, int] | None = None
     # For a child: the parent's epoch, checked with the parent's fence in the same statement.
     parent_epoch: int | None = None
     # For a re-dispatch: the failed attempt this one replaces, at the same task and epoch.
