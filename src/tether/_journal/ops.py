@@ -266,10 +266,6 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
             # idempotency keys repeat and completed actions replay instead of running twice.
             # The parent's own fence and epoch are checked by the insert below.
             epoch = known[0] + 1
-            # The epoch moved from, locked first, as for a re-delegation (a prune holding it
-            # commits first; its epochs go together, and this one then has none before it).
-            db.execute("SELECT d.id FROM delegations d WHERE d.task_id = ? AND d.epoch = ? "
-                       "/*LOCK d*/", (new.task_id, known[0])).fetchall()
             # Compare-and-set (PostgreSQL): a run of the same task opened apart meanwhile
             # (``temporal_runs.open_run``) took this epoch; two live delegations at one epoch
             # would leave one of them out of every stop.
