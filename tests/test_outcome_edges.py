@@ -1265,3 +1265,47 @@ async def test_a_terminate_from_elsewhere_waits_for_the_owners_verdict(
         await within(asyncio.shield(recall), 5.0, "the recall")
     assert not early, f"returned before the owner's verdict: {terminated.verdict}"
     assert terminated.verdict == "TERMINATE", terminated
+
+
+async def test_a_final_probe_for_a_waiting_call_is_recorded_when_its_caller_gives_up(
+        journal_url: str, keys: tether.KeyRing) -> None:
+    """A call reaches a key whose earlier call is in doubt past its deadline, and probes it (a
+    final answer). Its caller stops waiting meanwhile (an ``asyncio.timeout`` around the
+    call): the probe's answer is a fact all the same, recorded, never lost with the waiter
+    (the earlier call would stay in doubt with nobody left to ask again)."""
+    policy = tether.Policy(clock_tolerance=TOLERANCE)
+    first = Held(dispatch_deadline=0.2)
+    async with tether.Supervisor(journal_url, keys=keys, tools=[first.tool], recover=False,
+                                 policy=policy) as owner:
+        earlier = await owner.delegate(payer(first.tool, key="K-1"), tools=[first.tool])
+        await within(first.entered.wait(), 5.0, "the first payment to be sent")
+        report = await within(earlier.terminate(reason="cut"), 5.0, "the terminate")
+        (action,) = report.actions
+        assert action.state is A.IN_DOUBT  # "not applied yet": it may still land
+    probing, answer = asyncio.Event(), asyncio.Event()
+
+    async def lookup(order_id: str, *, idempotency_key: str) -> tether.ProbeResult:
+        probing.set()
+        await answer.wait()
+        return tether.ProbeResult(tether.ProbeOutcome.COMPLETED, {"found": True}, result="r")
+
+    tool = tether.tool(effect=tether.Effect.EXTERNAL, name="pay", probe=lookup,
+                       dispatch_deadline=0.2)(first.pay)
+    await asyncio.sleep(0.2 + TOLERANCE + 0.05)  # past its deadline: a probe's answer is final
+
+    async def impatient(ctx: tether.Context) -> str:
+        call = asyncio.ensure_future(ctx.call(tool, order_id="L-1", idempotency_key="K-1"))
+        await within(probing.wait(), 5.0, "the waiting call to probe the earlier one")
+        call.cancel()  # the caller gives up while the probe is out
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        return "gave up"
+
+    async with tether.Supervisor(journal_url, keys=keys, tools=[tool], recover=False,
+                                 policy=policy) as sup:
+        assert await (await sup.delegate(impatient, tools=[tool])).result() == "gave up"
+        answer.set()
+        found = await eventually(lambda: sup.journal.action(action.id),
+                                 lambda a: a.state is not A.IN_DOUBT, "the probe's answer")
+    assert found.state is A.COMPLETED and found.evidence is not None
+    assert found.evidence["probe"] == "COMPLETED"

@@ -89,8 +89,10 @@ class Accounting:
             now = sup.clock.wall()
             if now >= final and self._probe_again(action):
                 # Past its deadline nothing can apply any more: the next probe is final (also
-                # for an UNKNOWN whose probe failed while the call could still apply).
-                await self._probe([action])
+                # for an UNKNOWN whose probe failed while the call could still apply). Its
+                # answer is a fact, recorded even if this caller stops waiting meanwhile (an
+                # ``asyncio.timeout`` around the call): the probe is this process's work.
+                await asyncio.shield(sup.spawn(self._probe([action])))
                 action = await sup.journal.action(action_id)
             if not holds_key(PriorCall(action.id, action.tool, "", action.state,
                                        deadline_at=deadline), now, tolerance):
