@@ -12,8 +12,9 @@ from typing import Any
 import psycopg
 import pytest
 
+import tether
 from tests import remote_agents
-from tests.test_read_races import _blocked_by, after_statement, supervisor
+from tests.test_read_races import Rows, _blocked_by, after_statement, supervisor
 from tether._journal import retention
 from tether._runtime.tools import Agent
 
@@ -155,7 +156,7 @@ async def test_a_prune_and_a_recall_of_the_tasks_live_epoch_never_deadlock(
                 time.sleep(0.01)
 
         def judged(db: Any, *args: Any) -> Any:
-            return real(after_statement(db, "FROM delegations WHERE task_id = ?", recall), *args)
+            return real(after_statement(db, "WITH RECURSIVE up(", recall), *args)
 
         monkeypatch.setattr(retention, "tree_prunable", judged)
         now = time.time()
@@ -164,3 +165,146 @@ async def test_a_prune_and_a_recall_of_the_tasks_live_epoch_never_deadlock(
         await asyncio.wrap_future(rival[0])
     assert summary["delegations"] in (0, 2)  # kept, or both epochs once the recall settled
     assert deadlocks == []
+
+
+async def test_a_child_run_never_opens_an_epoch_over_a_pruned_one(journal_url: str) -> None:
+    """A workflow id ran on its own (root, epoch 0), settled and was pruned; it runs again as
+    a child workflow: its next epoch would replay none of the pruned calls' receipts, and the
+    journal would read its own prune as an epoch deleted by hand. Refused, as ``open_run``
+    refuses it."""
+    from tether._integrations.temporal_runs import open_child, open_run
+    release = asyncio.Event()
+
+    async def body(ctx: Any, workflow_id: str, run_id: str) -> str:
+        if workflow_id == "wf-par":
+            await release.wait()
+        return "ok"
+
+    agent = Agent("temporal:X", body)
+    async with supervisor(journal_url) as host:
+        first = await open_run(host, "wf-kid", "k1", agent)
+        await first.wait()
+        await host.journal.flush()
+        now = time.time() + 3600
+        summary = await host.journal.prune([first.id], now, now, None)
+        assert summary["delegations"] == 1
+        parent = await open_run(host, "wf-par", "p1", agent)
+        with pytest.raises(tether.errors.NotFound, match="pruned"):
+            await open_child(host, parent.id, "wf-kid", "k2", agent)
+        release.set()
+        await parent.wait()
+
+
+async def _cross_tree(host: tether.Supervisor) -> tuple[tether.Handle, tether.Handle]:
+    """A child workflow's run (epoch 0 of its task, a child in its parent's tree) that ran
+    again on its own (epoch 1, a root): one task across two trees, all of it settled."""
+    from tether._integrations.temporal_runs import open_child, open_run
+
+    release = asyncio.Event()
+
+    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
+        await release.wait()
+        return "parent"
+
+    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
+        return "child"
+
+    p_agent, c_agent = Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
+    parent = await open_run(host, "wf-par", "p1", p_agent)
+    child = await open_child(host, parent.id, "wf-kid", "k1", c_agent)
+    await child.wait()
+    release.set()
+    await parent.wait()
+    again = await open_run(host, "wf-kid", "k2", c_agent)
+    await again.wait()
+    await host.journal.flush()
+    return parent, again
+
+
+@pytest.mark.parametrize("listed", ["both", "the parent's"])
+async def test_a_task_across_two_settled_trees_is_pruned_with_both(
+        journal_url: str, listed: str) -> None:
+    """Trees that share a task go together, once all of them may: listed together or not,
+    settled long before the cut-off, both are pruned (each kept the other before: never
+    pruned, for ever, with every other child of the parent)."""
+    async with supervisor(journal_url) as host:
+        parent, again = await _cross_tree(host)
+        now = time.time() + 3600
+        roots = [parent.id, again.id] if listed == "both" else [parent.id]
+        summary = await host.journal.prune(roots, now, now, None)
+        left = await host.journal.delegations()
+    assert summary["delegations"] == 3 and left == [], summary
+
+
+def _deadlock_counter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from tether._journal import postgres
+    deadlocks: list[str] = []
+    real_map = postgres.PostgresRunner.map_error
+
+    def map_error(self: Any, exc: Exception) -> Exception:
+        if isinstance(exc, psycopg.errors.DeadlockDetected):
+            deadlocks.append(str(exc))
+        return real_map(self, exc)
+
+    monkeypatch.setattr(postgres.PostgresRunner, "map_error", map_error)
+    return deadlocks
+
+
+async def test_a_child_task_reopened_apart_while_its_parent_is_recalled_never_deadlocks(
+        pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child workflow's task (child C of P, epoch 0) reopened apart (a re-delegation to a
+    root at epoch 1: C share-locked, then the task's row) while P is recalled: the recall
+    takes P, then C, then the subtree's tasks' rows (a delegation's row before its task's, as
+    every writer), never the task's row before C's (a deadlock: PostgreSQL aborts one after a
+    second, and its batch runs again)."""
+    from tests.test_read_races import _blocked_by
+    from tether._journal import ops
+    from tether._journal.rows import NewDelegation
+
+    deadlocks = _deadlock_counter(monkeypatch)
+    loop = asyncio.get_running_loop()
+    args: dict[str, Any] = {"args": [], "kwargs": {}}
+    async with supervisor(pg_url) as a, supervisor(pg_url) as b:
+        await a.journal.create_delegation(NewDelegation(
+            id="d_parent", task_id="TP", parent_id=None, attempt=1, agent="x", surface=(),
+            args=args, owner_id=a.owner_id, now=a.clock.wall()))
+        await a.journal.create_delegation(NewDelegation(
+            id="d_kid0", task_id="TC", parent_id="d_parent", attempt=1, agent="y",
+            surface=(), args=args, owner_id=a.owner_id, now=a.clock.wall(), parent_epoch=0))
+        await a.journal.flush()
+        recalling: list[Any] = []
+        real = ops.create_delegation
+
+        def create(db: Any, new: NewDelegation) -> Any:
+            if new.redelegate_from_epoch is None or recalling:
+                return real(db, new)
+            pid = db.execute("SELECT pg_backend_pid()").fetchone()[0]
+
+            class Db:
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(db, name)
+
+                def execute(self, statement: str, params: Any = ()) -> Any:
+                    cursor = db.execute(statement, params)
+                    if "/*LOCK d*/" in statement and not recalling:
+                        rows = cursor.fetchall()
+                        recalling.append(asyncio.run_coroutine_threadsafe(
+                            b.handle_for("d_parent").recall(0.1, "stop"), loop))
+                        deadline = time.monotonic() + 30
+                        while not recalling[0].done() and not _blocked_by(pid):
+                            assert time.monotonic() < deadline
+                            time.sleep(0.01)
+                        return Rows(rows)
+                    return cursor
+
+            return real(Db(), new)
+
+        monkeypatch.setattr(ops, "create_delegation", create)
+        row = await a.journal.create_delegation(NewDelegation(
+            id="d_apart1", task_id="TC", parent_id=None, attempt=1, agent="y", surface=(),
+            args=args, owner_id=a.owner_id, now=a.clock.wall(), redelegate_from_epoch=0))
+        monkeypatch.setattr(ops, "create_delegation", real)
+        await asyncio.wait_for(asyncio.gather(asyncio.wrap_future(recalling[0]),
+                                              return_exceptions=True), 30)
+    assert row.epoch == 1
+    assert deadlocks == [], deadlocks

@@ -131,7 +131,7 @@ async def test_a_redelegation_racing_a_prune_never_loses_the_epoch_it_replays(
                 time.sleep(0.01)
 
         def judged(db: Any, *args: Any) -> Any:
-            return real(after_statement(db, "FROM delegations WHERE task_id = ?", redelegate),
+            return real(after_statement(db, "WITH RECURSIVE up(", redelegate),
                         *args)
 
         monkeypatch.setattr(retention, "tree_prunable", judged)

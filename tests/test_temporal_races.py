@@ -171,3 +171,84 @@ async def test_a_child_run_and_a_run_apart_never_share_an_epoch(
         assert rival
         live = [r.epoch for r in rows if not r.state.terminal]
         assert len(live) == len(set(live)), f"two live delegations at one epoch: {summary}"
+
+
+async def test_a_temporal_stop_whose_epoch_ended_under_it_fences_the_runs_next_epoch(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the test above, but W2 opens epoch 1 just after the stop reads the run's head again:
+    the recall of the ended epoch 0 was refused (already finished, no intent), so the stop
+    must look for the run again and fence the epoch it finds (or opens), or nothing keeps W2
+    out and the run goes on unfenced."""
+    import temporalio.client
+
+    from tether._core.model import ControlKind
+    from tether._integrations import temporal_control
+    from tether._integrations.temporal_runs import open_run
+    from tether._integrations.temporal_task import task_of
+    from tether._journal import queue
+
+    go = asyncio.Event()
+
+    async def until_told(ctx: tether.Context, workflow_id: str, run_id: str) -> str:
+        await go.wait()
+        return "worker stopped"
+
+    async def held(ctx: tether.Context, workflow_id: str, run_id: str) -> None:
+        await asyncio.Event().wait()
+
+    async with tether.Supervisor(journal_url, policy=ONE_CLOCK, recover=False) as w1, \
+            tether.Supervisor(journal_url, policy=ONE_CLOCK, recover=False) as w2, \
+            tether.Supervisor(journal_url, policy=ONE_CLOCK, recover=False) as op:
+        first = await open_run(w1, "wf-2", "run-1", tether.Agent("temporal:Refund", until_told))
+        armed: list[bool] = []
+        handover: list[Any] = []
+        real_genuine = temporal_control.genuine  # type: ignore[attr-defined]
+        real_peek = op.journal.peek
+
+        async def genuine(journal: Any, pins: Any, delegation_id: str, doing: str) -> None:
+            await real_genuine(journal, pins, delegation_id, doing)
+            if not armed:  # W1 stops after the stop's look
+                armed.append(True)
+                go.set()
+                await first.wait()
+                await w1.journal.flush()
+
+        async def peek(fn: Any, *args: Any) -> Any:
+            out = await real_peek(fn, *args)
+            if armed and fn is queue.task_head and not handover:  # the chase's read
+                handover.append(await open_run(w2, "wf-2", "run-1",
+                                               tether.Agent("temporal:Refund", held)))
+                await w2.journal.flush()
+            return out
+
+        async def same(sup: Any, handle: Any, row: Any, report: Any, until: float) -> Any:
+            return report
+
+        async def nothing(*a: Any, **k: Any) -> None:
+            return None
+
+        async def no_children(sup: Any, handle: Any, row: Any, report: Any, *a: Any) -> Any:
+            return report
+
+        monkeypatch.setattr(temporal_control, "genuine", genuine)
+        monkeypatch.setattr(op.journal, "peek", peek)
+        monkeypatch.setattr(temporal_control, "_unjournaled", same)
+        monkeypatch.setattr(temporal_control, "tell_temporal", nothing)
+        monkeypatch.setattr(temporal_control, "stop_apart", no_children)
+        handle = temporalio.client.WorkflowHandle(None, "wf-2", run_id="run-1")  # type: ignore
+
+        class Described:  # Temporal's view of the run (no server in this test): it runs
+            status = temporalio.client.WorkflowExecutionStatus.RUNNING
+            workflow_type = "Refund"
+
+        async def describe() -> Any:
+            return Described()
+
+        monkeypatch.setattr(handle, "describe", describe)
+        report = await temporal_control.stop(handle, op, ControlKind.RECALL, 0.2, "stop it")
+        rows = [r for r in await op.journal.delegations() if r.task_id == task_of("wf-2")]
+        summary = [(r.epoch, r.state.value, r.fenced, r.control_seq) for r in rows]
+        assert handover
+        live = [r for r in rows if not r.fenced and not r.state.terminal]
+        assert not live, (f"stop reported {report.outcome.value} for epoch {report.epoch}; "
+                          f"run goes on unfenced: {summary}")

@@ -20,7 +20,13 @@ from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.verdict import Verdict
 from tether._integrations.temporal_history import settled_view
-from tether._integrations.temporal_runs import RunRefused, open_run, run_rows, run_stopped
+from tether._integrations.temporal_runs import (
+    RunRefused,
+    open_run,
+    run_rows,
+    run_stopped,
+    stopped,
+)
 from tether._integrations.temporal_task import (
     CHILD_APART,
     activity_of,
@@ -85,20 +91,30 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
         else:
             report = await mine.terminate(reason)
         # The run may have moved on between the look and the stop: its worker ended this
-        # epoch (its delegation then refuses the stop, "already finished") and another opened
-        # the next. That one is the run now; it is stopped too (a stop accepted here keeps
-        # any later one from opening: ``temporal_runs.open_run``).
-        head = await sup.journal.peek(queue.task_head, task_of(handle.id))
-        if head is None or head.id == row.id or run_of(head) != run_of(row) or \
-                head.fenced or head.state.terminal:
+        # epoch (its delegation then refuses the stop, "already finished") and another may
+        # open, or have opened, the next. Then the run is looked for again, as at first (an
+        # epoch that ended without anyone's intent has the next opened here, to be fenced),
+        # and stopped where it is now; once a stop stands on the run's epoch, a worker's
+        # reopen is refused (``temporal_runs.open_run``).
+        if await stopped(sup, row.id):
+            head = await sup.journal.peek(queue.task_head, task_of(handle.id))
+            if head is None or head.id == row.id or run_of(head) != run_of(row) or \
+                    head.fenced or head.state.terminal:
+                break
+            row = head
+        elif told:
+            again, _ = await _delegation_of(sup, handle, reopen=told)
+            if again.id == row.id:  # the run closed in Temporal: its last epoch reports it
+                break
+            row = again
+        else:
             break
         try:
-            await genuine(sup.journal, sup.keys.trusted, head.id, f"stop workflow {handle.id}")
+            await genuine(sup.journal, sup.keys.trusted, row.id, f"stop workflow {handle.id}")
         except Tampered:  # as for the first: a person decides; Temporal stops the run
             if told:
                 await tell_temporal(handle, kind, reason)
             raise
-        row = head
     report = await _with_earlier(sup, row, report)
     try:
         if unknown or not report.all_actions():

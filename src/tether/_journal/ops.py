@@ -266,6 +266,12 @@ def create_delegation(db: Conn, new: NewDelegation) -> DelegationRow:
             # idempotency keys repeat and completed actions replay instead of running twice.
             # The parent's own fence and epoch are checked by the insert below.
             epoch = known[0] + 1
+            if db.execute("SELECT 1 FROM delegations WHERE task_id = ? AND epoch = ?",
+                          (new.task_id, known[0])).fetchone() is None:
+                # Its epochs were pruned: a new one would replay none of their receipts (a
+                # Temporal workflow id that ran as a run of its own, then as a child).
+                raise NotFound(f"epoch {known[0]} of task {new.task_id!r} is not in this "
+                               "journal (pruned): its calls' receipts are gone")
             # Compare-and-set (PostgreSQL): a run of the same task opened apart meanwhile
             # (``temporal_runs.open_run``) took this epoch; two live delegations at one epoch
             # would leave one of them out of every stop.
@@ -453,13 +459,15 @@ def accept_control(db: Conn, signed: Signed, intent: ControlIntent, issuer: str,
         if cur.rowcount == 1:
             touch(db, "delegations", intent.delegation_id)
             break
+    _fence_below(db, intent.delegation_id, intent.kind, accepted_at)
     # A re-dispatch in preparation must see this request (I6), in the whole subtree: a child
-    # waiting out its settle delay under a recalled parent must not fork again.
+    # waiting out its settle delay under a recalled parent must not fork again. After the
+    # subtree's rows: every writer takes a delegation's row before its task's (a re-delegation
+    # of a child's task holds the child, then moves the task).
     db.execute(
         f"{SUBTREE} UPDATE tasks SET cancel_gen = cancel_gen + 1 "
         "WHERE id IN (SELECT d.task_id FROM delegations d JOIN sub ON sub.id = d.id)",
         (intent.delegation_id,))
-    _fence_below(db, intent.delegation_id, intent.kind, accepted_at)
     squatter = db.execute("SELECT id FROM controls WHERE delegation_id = ? AND seq = ?",
                           (intent.delegation_id, intent.seq)).fetchone()
     if squatter is not None:

@@ -9,7 +9,7 @@ from typing import Any
 from tether._core.model import ActionState, DelegationState
 from tether._core.retention import AWAITING_PERSON, CallFacts, NodeFacts, prunable
 from tether._journal.ops import actions, controls, documents, events, subtree
-from tether._journal.tables import SUBTREE, Db, chunks, event
+from tether._journal.tables import MAX_DEPTH, SUBTREE, Db, chunks, event
 
 _SETTLED = tuple(s.value for s in DelegationState if s.terminal and s not in AWAITING_PERSON)
 
@@ -66,34 +66,59 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
     return out
 
 
+# Trees judged together at most (a task shared by more trees than this: kept, as it stands).
+_TOGETHER = 1000
+
+
+def _trees(db: Db, roots: set[str]) -> tuple[list[str], dict[str, bool]] | None:
+    """The trees of ``roots``, grown until no task of theirs has a delegation in a tree left
+    out: their ids (each tree parents first) and whether each node's tree is superseded (its
+    root's epoch was re-delegated since; a node's own epoch counts its own task's moves)."""
+    roots = set(roots)
+    while True:
+        superseded: dict[str, bool] = {}
+        for root in sorted(roots):
+            found = db.execute("SELECT d.epoch, t.epoch FROM delegations d JOIN tasks t ON "
+                               "t.id = d.task_id WHERE d.id = ?", (root,)).fetchone()
+            later = found is not None and found[0] < found[1]
+            for n in db.execute(f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub "
+                                "ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall():
+                superseded[n[0]] = later
+        ids = list(superseded)
+        more: set[str] = set()
+        for part in chunks(ids):
+            more.update(r[0] for r in db.execute(
+                "WITH RECURSIVE up(id, parent_id, depth) AS (SELECT d.id, d.parent_id, 0 "
+                "FROM delegations d WHERE d.task_id IN (SELECT task_id FROM delegations WHERE "
+                f"id IN ({', '.join('?' * len(part))})) UNION ALL SELECT p.id, p.parent_id, "
+                f"up.depth + 1 FROM delegations p JOIN up ON p.id = up.parent_id WHERE "
+                f"up.depth < {MAX_DEPTH}) SELECT DISTINCT id FROM up WHERE parent_id IS NULL",
+                part).fetchall())
+        if more <= roots:
+            return ids, superseded
+        roots |= more
+        if len(roots) > _TOGETHER:
+            return None
+
+
 def tree_prunable(db: Db, root_id: str, before: float, now: float,
                   tolerance: float) -> list[str] | None:
-    """The tree's delegation ids if it may be pruned, else None.
+    """The ids of the trees that go with ``root_id``'s if they may all be pruned, else None.
 
-    A task's idempotency keys (``task:tool:n``) are shared by all its attempts: a re-delegated
-    attempt replays the receipts its predecessors recorded (I7). So a root goes only with
-    every other attempt of its task (all roots of that task id, each with its subtree), and
-    only if all of them may go: pruning one attempt while another may still call would have
-    the journal forget a payment and run it again."""
-    task = db.execute("SELECT task_id FROM delegations WHERE id = ? AND parent_id IS NULL",
-                      (root_id,)).fetchone()
-    if task is None:
+    A task's idempotency keys (``task:tool:n``) are shared by all its attempts and epochs: a
+    later one replays the receipts its predecessors recorded (I7), and may be a root of its
+    own or a child in another tree (a Temporal workflow id that runs on its own and as a
+    child workflow). So a tree goes only with every tree that holds a delegation of one of its
+    tasks (all roots of its task, each with its subtree, and so on), and only if all of them
+    may go: pruning one while another may still call would have the journal forget a payment
+    and run it again."""
+    if db.execute("SELECT 1 FROM delegations WHERE id = ? AND parent_id IS NULL",
+                  (root_id,)).fetchone() is None:
         return None
-    family = db.execute(
-        "SELECT id, epoch FROM delegations WHERE task_id = ? AND parent_id IS NULL "
-        "ORDER BY created_at, id", (task[0],)).fetchall()
-    current = db.execute("SELECT epoch FROM tasks WHERE id = ?", (task[0],)).fetchone()
-    # A tree whose root's epoch was re-delegated since is superseded, every node in it (a
-    # node's own epoch counts its own task's re-delegations, not its root's).
-    superseded: dict[str, bool] = {}
-    for root, epoch in family:
-        later = current is not None and epoch < current[0]
-        for n in db.execute(f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub "
-                            "ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall():
-            superseded[n[0]] = later
-    ids = list(superseded)
-    if not ids:
+    found = _trees(db, {root_id})
+    if found is None or not found[0]:
         return None
+    ids, superseded = found
     # Locked (PostgreSQL) before they are judged, actions first as a receipt locks them (its
     # action, then its delegations): a receipt that commits first is read here, and one that
     # comes later waits for the prune and finds its action gone (``finish_action``). Unlocked,
@@ -105,16 +130,12 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
         f"SELECT id, state, ended_at FROM delegations d WHERE id IN ({marks}) "
         "ORDER BY id /*XLOCK d*/", ids).fetchall()}
     nodes = [(i, *states[i]) for i in ids if i in states]
-    # Read again under those locks: every task of these trees has all its delegations among
-    # them (a task's epochs go together: a later one replays the earlier ones' receipts by
-    # key, and may be a root elsewhere or a child of another tree, as a Temporal child
-    # workflow's run). A writer that moves a task to a new epoch locks a delegation of the
-    # epoch it moves from first (``ops.create_delegation``): one that committed before the
-    # locks is read here and keeps the trees; a later one waits, and finds its epoch gone.
-    kin = [r[0] for part in chunks(ids) for r in db.execute(
-        "SELECT d.id FROM delegations d WHERE d.task_id IN (SELECT task_id FROM delegations "
-        f"WHERE id IN ({', '.join('?' * len(part))}))", part).fetchall()]
-    if set(kin) - set(ids):
+    # Read again under those locks: the same trees. A writer that moves a task to a new epoch
+    # locks a delegation of the epoch it moves from first (``ops.create_delegation``): one
+    # that committed before the locks is read here and keeps the trees; a later one waits,
+    # and finds its epoch gone.
+    again = _trees(db, {root_id})
+    if again is None or set(again[0]) != set(ids):
         return None
     ok = prunable([NodeFacts(DelegationState(n[1]), n[2], superseded=superseded[n[0]])
                    for n in nodes],

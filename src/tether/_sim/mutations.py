@@ -124,7 +124,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        if call.state is _A.COMPLETED:\n            return KeyDecision(KeyVerdict.REPLAY, "
        "call)",
        "        if False:\n            return KeyDecision(KeyVerdict.REPLAY, call)",
-       "race,reply_lost", 1, 30, 1),
+       "race,reply_lost", 1, 30, 2),
     Mutation(
         "attempt_fence",
         "a re-dispatched attempt is forked under a parent fenced meanwhile: the attempt's gate "
@@ -151,7 +151,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.reconcile",
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200, 58),
+       "late_apply,probe_hang,pause,race", 1, 200, 77),
     _m("end_children",
        "a delegation whose code raised ends while a child it started still runs; a "
        "terminate of the task finds its root ended and the child goes on paying",
