@@ -221,19 +221,22 @@ async def _cross_tree(host: tether.Supervisor) -> tuple[tether.Handle, tether.Ha
     return parent, again
 
 
-@pytest.mark.parametrize("listed", ["both", "the parent's"])
-async def test_a_task_across_two_settled_trees_is_pruned_with_both(
-        journal_url: str, listed: str) -> None:
-    """Trees that share a task go together, once all of them may: listed together or not,
-    settled long before the cut-off, both are pruned (each kept the other before: never
-    pruned, for ever, with every other child of the parent)."""
+async def test_a_task_across_two_settled_trees_is_pruned_with_both(journal_url: str) -> None:
+    """Trees that share a task go together, once all of them may: settled long before the
+    cut-off, the dry run lists both for either root (what goes, and what an archive must
+    hold), and both are pruned (each kept the other before: never pruned, for ever, with every
+    other child of the parent). Listed alone, a tree that goes only with another is kept."""
     async with supervisor(journal_url) as host:
         parent, again = await _cross_tree(host)
         now = time.time() + 3600
-        roots = [parent.id, again.id] if listed == "both" else [parent.id]
-        summary = await host.journal.prune(roots, now, now, None)
+        assert await host.journal.prunable([parent.id], now, now) == sorted(
+            [parent.id, again.id], key=lambda r: r != parent.id)
+        assert set(await host.journal.prunable([again.id], now, now)) == {parent.id, again.id}
+        alone = await host.journal.prune([parent.id], now, now, None)
+        assert alone["delegations"] == 0 and alone["kept"] == [parent.id]
+        summary = await host.journal.prune([parent.id, again.id], now, now, None)
         left = await host.journal.delegations()
-    assert summary["delegations"] == 3 and left == [], summary
+    assert summary["delegations"] == 3 and summary["roots"] == 2 and left == [], summary
 
 
 def _deadlock_counter(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -290,4 +290,38 @@ async def test_an_answered_task_goes_with_a_child_that_was_interrupted(sqlite_ur
         second = await first.redelegate(resume="yes")
         assert await second.result() == "done with {'q': 'yes'}"
         later = time.time() + 10**6
-        assert await sup.journal.prunable([first.id], later, later) == [first.id]
+        # Both epochs go together (the second replays the first's receipts): the dry run
+        # names both, as the archive of a prune must hold both.
+        assert await sup.journal.prunable([first.id], later, later) == [first.id, second.id]
+
+
+def test_an_archive_holds_every_tree_a_prune_takes(tmp_path: Path) -> None:
+    """A task that asked a person (INTERRUPTED) and was re-delegated with the answer: the
+    first epoch is not a settled root the listing finds on its own, yet it goes with the
+    second (which replays its receipts). The archive of the prune holds both: nothing goes
+    without being archived when an archive was asked for."""
+    @tether.agent()
+    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
+        return "fine" if resume is not None else tether.Interrupted({"q": "?"})
+
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+
+    async def scenario() -> tuple[str, str]:
+        async with tether.Supervisor(url, recover=False) as sup:
+            first = await sup.delegate(asker)
+            await first.wait()
+            second = await first.redelegate(resume="yes")
+            assert await second.result() == "fine"
+            return first.id, second.id
+
+    first, second = asyncio.run(scenario())
+    archive = tmp_path / "archive.jsonl"
+    code, out, _ = invoke("prune", "--before", "0s", "--dry-run", "--journal", url, "--json")
+    assert code == 0 and set(json.loads(out)["root_ids"]) == {first, second}
+    code, out, err = invoke("prune", "--before", "0s", "--archive", str(archive),
+                            "--journal", url, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    archived = {r["id"] for r in map(json.loads, archive.read_text().splitlines())
+                if r["record"] == "delegation"}
+    assert (result["roots"], result["delegations"]) == (2, 2) and archived == {first, second}

@@ -101,20 +101,29 @@ async def stop(handle: temporalio.client.WorkflowHandle[Any, Any], sup: Supervis
             if head is None or head.id == row.id or run_of(head) != run_of(row) or \
                     head.fenced or head.state.terminal:
                 break
-            row = head
-        elif told:
-            again, _ = await _delegation_of(sup, handle, reopen=told)
-            if again.id == row.id:  # the run closed in Temporal: its last epoch reports it
-                break
-            row = again
-        else:
+            after = head
+        elif not told:
             break
+        else:
+            try:
+                after, _ = await _delegation_of(sup, handle, reopen=told)
+            except (Tampered, UserError, RunRefused):
+                await tell_temporal(handle, kind, reason)  # Temporal stops the run anyway
+                raise
+            if after.id == row.id:  # the run closed in Temporal: its last epoch says so
+                break
         try:
-            await genuine(sup.journal, sup.keys.trusted, row.id, f"stop workflow {handle.id}")
+            await genuine(sup.journal, sup.keys.trusted, after.id, f"stop workflow {handle.id}")
         except Tampered:  # as for the first: a person decides; Temporal stops the run
             if told:
                 await tell_temporal(handle, kind, reason)
             raise
+        row = after
+    else:  # the run moved on under every stop: no epoch of it is known to be fenced
+        if told:
+            await tell_temporal(handle, kind, reason)
+        raise UserError(f"workflow {handle.id}: its run kept moving to new epochs while this "
+                        "stop was made; try again")
     report = await _with_earlier(sup, row, report)
     try:
         if unknown or not report.all_actions():

@@ -409,9 +409,20 @@ class Journal(JournalAccess):
         return await self._read(retention.tree_records, root_id)
 
     async def prunable(self, root_ids: list[str], before: float, now: float) -> list[str]:
-        return await self._read(lambda db: [
-            r for r in root_ids
-            if retention.tree_prunable(db, r, before, now, self.clock_tolerance) is not None])
+        """The roots of ``root_ids`` that may be pruned, each with every root whose tree goes
+        with it (trees that share a task go together): what ``prune`` then takes, and an
+        archive must hold."""
+
+        def op(db: Any) -> list[str]:
+            found: dict[str, None] = {}
+            for root in root_ids:
+                ids = retention.tree_prunable(db, root, before, now, self.clock_tolerance)
+                if ids is not None:
+                    found[root] = None
+                    found.update(dict.fromkeys(sorted(retention.roots_of(db, ids))))
+            return list(found)
+
+        return await self._read(op)
 
     async def prune(self, root_ids: list[str], before: float, now: float,
                     archive: dict[str, Any] | None) -> dict[str, Any]:

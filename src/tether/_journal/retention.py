@@ -66,6 +66,13 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
     return out
 
 
+def roots_of(db: Db, ids: list[str]) -> set[str]:
+    """The roots among ``ids``."""
+    return {r[0] for part in chunks(ids) for r in db.execute(
+        f"SELECT id FROM delegations WHERE parent_id IS NULL AND id IN "
+        f"({', '.join('?' * len(part))})", part).fetchall()}
+
+
 # Trees judged together at most (a task shared by more trees than this: kept, as it stands).
 _TOGETHER = 1000
 
@@ -151,9 +158,12 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
     gone: list[str] = []
     kept: list[str] = []
     seen: set[str] = set()  # a task's other attempts go with the first of them listed
+    listed = set(root_ids)
     for root in root_ids:
         ids = tree_prunable(db, root, before, now, tolerance)
-        if ids is None:
+        if ids is None or not roots_of(db, ids) <= listed:
+            # Not prunable, or it goes only with a tree the caller did not list (and so did
+            # not archive): kept. ``Journal.prunable`` lists every root that goes with each.
             kept.append(root)
         else:
             gone.extend(i for i in ids if i not in seen)
