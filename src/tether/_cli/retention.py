@@ -248,6 +248,8 @@ def prune_cmd(
                     break
                 candidates += await j.prunable(page, cutoff, now)
                 after = page[-1]
+            # A root that goes with another listed on an earlier page is named once.
+            candidates = list(dict.fromkeys(candidates))
             if dry_run:
                 return {"dry_run": True, "before": cutoff, "roots": len(candidates),
                         "root_ids": candidates}
