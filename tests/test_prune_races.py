@@ -19,6 +19,23 @@ from tether._journal import retention
 from tether._runtime.tools import Agent
 
 
+def _workflows(release: asyncio.Event,
+               hold: asyncio.Event | None = None) -> tuple[Agent, Agent]:
+    """A parent workflow's agent, whose run ends once ``release`` is set, and a child
+    workflow's, whose run "k2" first waits for ``hold`` (if given)."""
+
+    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
+        await release.wait()
+        return "parent"
+
+    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
+        if hold is not None and run_id == "k2":
+            await hold.wait()
+        return "child"
+
+    return Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
+
+
 async def test_an_abandoned_child_workflow_opens_its_next_epoch_as_a_run(
         journal_url: str) -> None:
     """A child workflow's first run is a child delegation (its parent hosted here); its
@@ -26,28 +43,10 @@ async def test_an_abandoned_child_workflow_opens_its_next_epoch_as_a_run(
     a child whose parent is hosted elsewhere): ``open_run`` moves the task from the child's
     epoch to a root at the next one. The check that the epoch moved from is still there
     (not pruned) must find it among the children too."""
-    from tether._integrations.temporal_runs import open_child, open_run
     from tether._integrations.temporal_task import task_of
 
-    release = asyncio.Event()
-
-    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        await release.wait()
-        return "parent"
-
-    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        return "child"
-
-    p_agent, c_agent = Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
     async with supervisor(journal_url) as host:
-        parent = await open_run(host, "wf-par", "p1", p_agent)
-        child = await open_child(host, parent.id, "wf-kid", "k1", c_agent)
-        await child.wait()
-        release.set()
-        await parent.wait()
-        again = await open_run(host, "wf-kid", "k2", c_agent)
-        await again.wait()
-        await host.journal.flush()
+        await _cross_tree(host)  # its last step opens the run on its own
         rows = [r for r in await host.journal.delegations() if r.task_id == task_of("wf-kid")]
     assert sorted((r.epoch, r.parent_id is None) for r in rows) == [(0, False), (1, True)]
 
@@ -60,17 +59,7 @@ async def test_a_prune_keeps_a_child_task_epoch_a_live_run_replays(journal_url: 
     from tether._integrations.temporal_task import task_of
 
     release, hold = asyncio.Event(), asyncio.Event()
-
-    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        await release.wait()
-        return "parent"
-
-    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        if run_id == "k2":
-            await hold.wait()
-        return "child"
-
-    p_agent, c_agent = Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
+    p_agent, c_agent = _workflows(release, hold)
     async with supervisor(journal_url) as host:
         parent = await open_run(host, "wf-par", "p1", p_agent)
         child = await open_child(host, parent.id, "wf-kid", "k1", c_agent)
@@ -96,17 +85,7 @@ async def test_a_prune_keeps_a_root_epoch_a_live_child_epoch_replays(journal_url
     from tether._integrations.temporal_runs import open_child, open_run
 
     release = asyncio.Event()
-
-    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        await release.wait()
-        return "parent"
-
-    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        if run_id == "k2":
-            await release.wait()
-        return "child"
-
-    p_agent, c_agent = Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
+    p_agent, c_agent = _workflows(release, release)
     async with supervisor(journal_url) as host:
         first = await open_run(host, "wf-kid", "k1", c_agent)  # a root, epoch 0
         await first.wait()
@@ -127,17 +106,7 @@ async def test_a_prune_and_a_recall_of_the_tasks_live_epoch_never_deadlock(
     same moment: a recall takes its delegation's row (``before``), then the task's row (its
     cancel generation); a prune that took the task's row before the delegations' would
     deadlock with it (PostgreSQL aborts one after deadlock_timeout, and it runs again)."""
-    from tether._journal import postgres
-
-    deadlocks: list[str] = []
-    real_map = postgres.PostgresRunner.map_error
-
-    def map_error(self: Any, exc: Exception) -> Exception:
-        if isinstance(exc, psycopg.errors.DeadlockDetected):
-            deadlocks.append(str(exc))
-        return real_map(self, exc)
-
-    monkeypatch.setattr(postgres.PostgresRunner, "map_error", map_error)
+    deadlocks = _deadlock_counter(monkeypatch)
     loop = asyncio.get_running_loop()
     async with supervisor(pg_url) as a, supervisor(pg_url) as b:
         old = await a.delegate(remote_agents.refunder, "R-9", remote=True)
@@ -201,15 +170,7 @@ async def _cross_tree(host: tether.Supervisor) -> tuple[tether.Handle, tether.Ha
     from tether._integrations.temporal_runs import open_child, open_run
 
     release = asyncio.Event()
-
-    async def parent_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        await release.wait()
-        return "parent"
-
-    async def child_body(ctx: Any, workflow_id: str, run_id: str) -> str:
-        return "child"
-
-    p_agent, c_agent = Agent("temporal:Parent", parent_body), Agent("temporal:Child", child_body)
+    p_agent, c_agent = _workflows(release)
     parent = await open_run(host, "wf-par", "p1", p_agent)
     child = await open_child(host, parent.id, "wf-kid", "k1", c_agent)
     await child.wait()
@@ -240,7 +201,9 @@ async def test_a_task_across_two_settled_trees_is_pruned_with_both(journal_url: 
 
 
 def _deadlock_counter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every deadlock PostgreSQL broke in this test's batches (each ran again)."""
     from tether._journal import postgres
+
     deadlocks: list[str] = []
     real_map = postgres.PostgresRunner.map_error
 
