@@ -9,7 +9,7 @@ from typing import Any
 from tether._core.model import ActionState, DelegationState
 from tether._core.retention import AWAITING_PERSON, CallFacts, NodeFacts, prunable
 from tether._journal.ops import actions, controls, documents, events, subtree
-from tether._journal.tables import MAX_DEPTH, SUBTREE, Db, chunks, event
+from tether._journal.tables import MAX_DEPTH, SUBTREE, Db, chunks, event, marks
 
 _SETTLED = tuple(s.value for s in DelegationState if s.terminal and s not in AWAITING_PERSON)
 
@@ -69,8 +69,8 @@ def tree_records(db: Db, root_id: str) -> list[dict[str, Any]]:
 def roots_of(db: Db, ids: list[str]) -> set[str]:
     """The roots among ``ids``."""
     return {r[0] for part in chunks(ids) for r in db.execute(
-        f"SELECT id FROM delegations WHERE parent_id IS NULL AND id IN "
-        f"({', '.join('?' * len(part))})", part).fetchall()}
+        f"SELECT id FROM delegations WHERE parent_id IS NULL AND id IN ({marks(part)})",
+        part).fetchall()}
 
 
 # Trees judged together at most (a task shared by more trees than this: kept, as it stands).
@@ -81,31 +81,31 @@ def _trees(db: Db, roots: set[str]) -> tuple[list[str], dict[str, bool]] | None:
     """The trees of ``roots``, grown until no task of theirs has a delegation in a tree left
     out: their ids (each tree parents first) and whether each node's tree is superseded (its
     root's epoch was re-delegated since; a node's own epoch counts its own task's moves)."""
-    roots = set(roots)
-    while True:
-        superseded: dict[str, bool] = {}
-        for root in sorted(roots):
+    superseded: dict[str, bool] = {}
+    read: set[str] = set()  # roots whose trees are read already
+    new = set(roots)
+    while new:
+        if len(read) + len(new) > _TOGETHER:
+            return None
+        for root in sorted(new):
             found = db.execute("SELECT d.epoch, t.epoch FROM delegations d JOIN tasks t ON "
                                "t.id = d.task_id WHERE d.id = ?", (root,)).fetchone()
             later = found is not None and found[0] < found[1]
             for n in db.execute(f"{SUBTREE} SELECT d.id FROM delegations d JOIN sub "
                                 "ON sub.id = d.id ORDER BY sub.depth", (root,)).fetchall():
                 superseded[n[0]] = later
-        ids = list(superseded)
+        read |= new
         more: set[str] = set()
-        for part in chunks(ids):
+        for part in chunks(list(superseded)):
             more.update(r[0] for r in db.execute(
                 "WITH RECURSIVE up(id, parent_id, depth) AS (SELECT d.id, d.parent_id, 0 "
                 "FROM delegations d WHERE d.task_id IN (SELECT task_id FROM delegations WHERE "
-                f"id IN ({', '.join('?' * len(part))})) UNION ALL SELECT p.id, p.parent_id, "
-                f"up.depth + 1 FROM delegations p JOIN up ON p.id = up.parent_id WHERE "
-                f"up.depth < {MAX_DEPTH}) SELECT DISTINCT id FROM up WHERE parent_id IS NULL",
+                f"id IN ({marks(part)})) UNION ALL SELECT p.id, p.parent_id, up.depth + 1 "
+                f"FROM delegations p JOIN up ON p.id = up.parent_id WHERE up.depth < "
+                f"{MAX_DEPTH}) SELECT DISTINCT id FROM up WHERE parent_id IS NULL",
                 part).fetchall())
-        if more <= roots:
-            return ids, superseded
-        roots |= more
-        if len(roots) > _TOGETHER:
-            return None
+        new = more - read
+    return list(superseded), superseded
 
 
 def tree_prunable(db: Db, root_id: str, before: float, now: float,
