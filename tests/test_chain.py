@@ -91,6 +91,7 @@ async def before_the_chain(j: Journal, root: tether.KeyRing) -> None:
 
     await raw(j, "DROP TABLE chain")
     await raw(j, "DROP TABLE chain_heads")
+    await raw(j, "DROP TABLE chain_seals")
     await raw(j, "UPDATE tether_meta SET value = '5' WHERE key = 'schema_version'")
     body = await j._read(lambda db: db.execute(
         "SELECT body FROM trust WHERE op = 'root'").fetchone()[0])
@@ -203,7 +204,44 @@ async def rewrite_chain(j: Journal, s: Scene) -> str:
     return "chain"
 
 
+async def delete_seal(j: Journal, s: Scene) -> str:
+    await raw(j, "DELETE FROM chain_seals WHERE id = (SELECT seal_id FROM chain_heads WHERE "
+              "delegation_id = ?)", s.delegation)
+    return "chain"
+
+
+async def rewrite_seal(j: Journal, s: Scene) -> str:
+    """The seal's root replaced by one that would take a forged head (its signature kept)."""
+    from tether._core.documents import ChainSeal, decode
+
+    def rewrite(db: Any) -> None:
+        seal_id, body = db.execute(
+            "SELECT s.id, s.seal FROM chain_seals s JOIN chain_heads h ON h.seal_id = s.id "
+            "WHERE h.delegation_id = ?", (s.delegation,)).fetchone()
+        found = decode(bytes(body))
+        assert isinstance(found, ChainSeal)
+        forged = ChainSeal("f" * 64, found.heads, found.sealed_at)
+        db.execute("UPDATE chain_seals SET seal = ? WHERE id = ?", (forged.encode(), seal_id))
+
+    await j._write(rewrite)
+    return "chain"
+
+
+async def extend_proof(j: Journal, s: Scene) -> str:
+    """The head's path to its seal given one more level: it leads elsewhere."""
+
+    def extend(db: Any) -> None:
+        (proof,) = db.execute("SELECT proof FROM chain_heads WHERE delegation_id = ?",
+                              (s.delegation,)).fetchone()
+        db.execute("UPDATE chain_heads SET proof = ? WHERE delegation_id = ?",
+                   (bytes(proof) + b"R" + bytes(32), s.delegation))
+
+    await j._write(extend)
+    return "chain"
+
+
 ATTACKS: dict[str, Attack] = {
+    "deleted_seal": delete_seal, "rewritten_seal": rewrite_seal, "extended_proof": extend_proof,
     "flipped_state": flip, "rewritten_result": rewrite_result,
     "rewritten_reason": rewrite_reason, "rewritten_delegation": rewrite_delegation,
     "inserted_action": insert_action, "deleted_action": delete_action,
@@ -403,9 +441,8 @@ async def test_a_chained_journals_delegation_cannot_be_passed_off_as_unchained(
     async with Journal(journal_url) as j:
         await flip(j, s)
         await raw(j, "DELETE FROM chain WHERE delegation_id = ?", s.delegation)
-        await raw(j, "UPDATE chain_heads SET length = 0, hash = '', legacy = 1, path = NULL, "
-                  "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
-                  s.delegation)
+        await raw(j, "UPDATE chain_heads SET length = 0, hash = '', legacy = 1, seal_id = NULL, "
+                  "proof = NULL WHERE delegation_id = ?", s.delegation)
     code, data = await verify_json(journal_url)
     assert code == 1, data
     assert any(p["delegation"] == s.delegation and "chained from the start" in p["problem"]
@@ -446,6 +483,21 @@ def test_a_merkle_path_leads_each_head_to_the_signed_root() -> None:
             assert fold(leaves[0], paths[1]) != root
             assert merkle(leaves[::-1])[0] != root  # the order of the heads is sealed too
     assert merkle(["ab" * 32]) == ("ab" * 32, [[]])
+
+
+def test_a_binary_proof_is_the_same_path() -> None:
+    from tether._core.chain import _decode_proof, encode_proof, fold, merkle
+    from tether._core.errors import Malformed
+
+    leaves = [f"{i:064x}" for i in range(1, 601)]
+    root, paths = merkle(leaves)
+    for leaf, path in zip(leaves, paths, strict=True):
+        proof = encode_proof(path)
+        assert len(proof) == 33 * len(path)
+        assert _decode_proof(proof) == path and fold(leaf, _decode_proof(proof)) == root
+    for bad in (b"L" * 32, b"X" + bytes(32), b"L" + bytes(32) + b"R", bytes(33 * 65)):
+        with pytest.raises(Malformed):
+            _decode_proof(bad)
 
 
 def test_a_path_is_written_as_json_writes_it() -> None:
@@ -659,8 +711,12 @@ async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
 
 GARBAGE = {
     "head_length_text": "UPDATE chain_heads SET length = 'abc' WHERE delegation_id = ?",
-    "head_path_nested": "UPDATE chain_heads SET path = '" + "[" * 5000 + "]" * 5000
-                        + "' WHERE delegation_id = ?",
+    "head_path_nested": "UPDATE chain_heads SET seal_id = NULL, path = '" + "[" * 5000
+                        + "]" * 5000 + "' WHERE delegation_id = ?",
+    "head_proof_huge": "UPDATE chain_heads SET proof = zeroblob(100000) WHERE delegation_id = ?",
+    "head_seal_id_text": "UPDATE chain_heads SET seal_id = 'x' WHERE delegation_id = ?",
+    "seal_body_text": "UPDATE chain_seals SET seal = 'x' WHERE id = (SELECT seal_id FROM "
+                      "chain_heads WHERE delegation_id = ?)",
     "entry_seq_text": "UPDATE chain SET seq = 'x' WHERE seq = 1 AND delegation_id = ?",
     "entry_record_huge": "UPDATE chain SET record = 'event 99999999999999999999999' "
                          "WHERE seq = 1 AND delegation_id = ?",
@@ -787,8 +843,7 @@ async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chai
     monkeypatch.setattr(chainops.Sealer, "witness", property(lambda self: None))
     _, once_a = one_refund("HA")
     _, once_b = one_refund("HB")
-    head_of = "SELECT length, hash, path, seal, signer, signature FROM chain_heads " \
-              "WHERE delegation_id = ?"
+    head_of = "SELECT length, hash, seal_id, proof FROM chain_heads WHERE delegation_id = ?"
     count_of = "SELECT COUNT(*) FROM chain WHERE delegation_id = ?"
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
         journal, trusted = sup.journal, sup.keys.trusted
@@ -800,9 +855,17 @@ async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chai
             return journal._read(lambda db: db.execute(sql, (d,)).fetchone())
 
         earlier = await read(head_of, a.id)
+        seal = await journal._read(lambda db: db.execute(
+            "SELECT id, seal, signer, signature FROM chain_seals WHERE id = ?",
+            (earlier[2],)).fetchone())
         await journal._write(lambda db: ops.event(db, time.time(), "note", a.id, None))
-        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, "
-                  "signer = ?, signature = ? WHERE delegation_id = ?", *earlier, a.id)
+        # The head written back with its seal (gone with the head's last move): a whole
+        # earlier state, as a backup holds it.
+        await raw(journal, "DELETE FROM chain_seals WHERE id = ?", seal[0])
+        await raw(journal, "INSERT INTO chain_seals (id, seal, signer, signature) "
+                  "VALUES (?, ?, ?, ?)", *seal)
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, seal_id = ?, proof = ? "
+                  "WHERE delegation_id = ?", *earlier, a.id)
         journal._sealer.own.clear()  # as a process that did not seal it (another, or later)
         a_entries, b_head = (await read(count_of, a.id))[0], await read(head_of, b.id)
 
@@ -907,12 +970,11 @@ async def test_a_head_sealed_by_a_batch_that_never_committed_is_not_the_writers_
         runner._conn = real
         ((delegation, length, tip),) = batches[-1].sealed  # what it sealed, never committed
         assert delegation == child.id
-        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, path = NULL, "
-                  "seal = NULL, signer = NULL, signature = NULL WHERE delegation_id = ?",
-                  length, tip, child.id)
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, seal_id = NULL, "
+                  "proof = NULL WHERE delegation_id = ?", length, tip, child.id)
         await journal._write(lambda db: ops.event(db, time.time(), "note", child.id, None))
         head = await journal._read(lambda db: db.execute(
-            "SELECT length, seal FROM chain_heads WHERE delegation_id = ?",
+            "SELECT length, seal_id FROM chain_heads WHERE delegation_id = ?",
             (child.id,)).fetchone())
         assert (head[0], head[1]) == (length, None), "the intruder's head was sealed over"
         with pytest.raises(Tampered):

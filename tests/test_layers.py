@@ -173,7 +173,8 @@ def test_no_state_is_chosen_in_sql() -> None:
 def test_the_live_key_index_frees_exactly_the_cores_free_outcomes() -> None:
     """The schema's partial unique index lets a key be used again only after the outcomes the
     core says prove nothing applied (``KEY_FREE``, I7)."""
-    ddl = next(s for steps in MIGRATIONS.values() for s in steps if "actions_live_key" in s)
+    ddl = next(s for steps in MIGRATIONS.values() for s in steps
+               if isinstance(s, str) and "actions_live_key" in s)
     listed = re.search(r"NOT IN \(([^)]*)\)", ddl)
     assert listed is not None, ddl
     assert {v.strip().strip("'") for v in listed.group(1).split(",")} == \

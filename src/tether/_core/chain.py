@@ -131,6 +131,12 @@ def encode_path(path: list[list[str]]) -> str:
     return "[" + ",".join([f'["{side}","{sibling}"]' for side, sibling in path]) + "]"
 
 
+def encode_proof(path: list[list[str]]) -> bytes:
+    """A path as a head keeps it since version 7: per level its side (``L`` or ``R``) and
+    the sibling's 32 bytes (33 bytes a level, where the text took about 70)."""
+    return b"".join([side.encode() + bytes.fromhex(sibling) for side, sibling in path])
+
+
 _PATH_MAX = 64  # levels: 2**64 heads in one seal
 
 
@@ -149,10 +155,19 @@ def _decode_path(text: str) -> list[list[str]]:
     return path
 
 
+def _decode_proof(proof: bytes) -> list[list[str]]:
+    if len(proof) % 33 or len(proof) > _PATH_MAX * 33 or \
+            any(proof[k] not in b"LR" for k in range(0, len(proof), 33)):
+        raise Malformed("the head's path to its seal is not a list of hashes")
+    return [[chr(proof[k]), proof[k + 1:k + 33].hex()] for k in range(0, len(proof), 33)]
+
+
 @dataclass(frozen=True)
 class Head:
     """A delegation's chain head as stored. ``seal`` None: never sealed (a head made by the
-    upgrade for a delegation older than the chain, or written by a process with no key)."""
+    upgrade for a delegation older than the chain, or written by a process with no key). Its
+    path to the seal's root: ``proof`` (binary, the seal stored once per commit), or ``path``
+    (text, the seal kept in the head: written before version 7)."""
 
     length: int
     hash: str
@@ -160,6 +175,7 @@ class Head:
     path: str | None
     seal: Signed | None
     problem: str | None = None  # its row, or one of its entries' rows, is malformed
+    proof: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -204,15 +220,16 @@ def seal_problem(delegation_id: str, head: Head, registry: Registry) -> str | No
     if head.legacy and registry.chained:
         return ("the chain's head is marked as older than the chain, in a journal whose root "
                 "entry says every delegation was chained from the start (marked by hand)")
-    if head.seal is None or head.path is None:
+    if head.seal is None or (head.path is None and head.proof is None):
         if head.legacy and head.length == 0:
             return None
         return ("the chain's head is not sealed (written by a process without a signing key, "
                 "or its seal was removed)")
     try:
         seal = registry.verify(head.seal, ChainSeal)
-        root = fold(leaf(delegation_id, head.length, head.hash, head.legacy),
-                    _decode_path(head.path))
+        path = _decode_proof(head.proof) if head.proof is not None else \
+            _decode_path(head.path or "")
+        root = fold(leaf(delegation_id, head.length, head.hash, head.legacy), path)
         if root != seal.root:
             raise Malformed("the head is not the one its seal signed (its length, hash or "
                             "legacy mark was changed, or a seal copied from elsewhere)")

@@ -112,12 +112,17 @@ TRUST = _table("trust", "id INTEGER!, op TEXT!, key_id TEXT!, body BLOB!, signer
                "signature BLOB!, recorded_at REAL!")
 CHAIN = _table("chain", "delegation_id TEXT!, seq INTEGER!, record TEXT!, content TEXT!, "
                "pre TEXT!, hash TEXT!")
+# A head's seal: in the head (``path``, ``seal``, ``signer``, ``signature``: version 6), or
+# once per commit in ``chain_seals``, the head keeping its binary path to it (``proof``).
 CHAIN_HEADS = _table("chain_heads", "delegation_id TEXT!, length INTEGER!, hash TEXT!, "
-                     "legacy INTEGER!, path TEXT, seal BLOB, signer TEXT, signature BLOB")
+                     "legacy INTEGER!, path TEXT, seal BLOB, signer TEXT, signature BLOB, "
+                     "seal_id INTEGER, proof BLOB")
+CHAIN_SEALS = _table("chain_seals", "id INTEGER!, seal BLOB!, signer TEXT!, signature BLOB!")
 
 TABLES: dict[str, Table] = {t.name: t for t in (
     META, OWNERS, TASKS, DELEGATIONS, ACTIONS, CONTROLS, DOCUMENTS, EVENTS, QUEUE, TRUST, CHAIN,
-    CHAIN_HEADS)}
+    CHAIN_HEADS, CHAIN_SEALS)}
 
-__all__ = ["ACTIONS", "CHAIN", "CHAIN_HEADS", "CONTROLS", "DELEGATIONS", "DOCUMENTS", "EVENTS",
-           "META", "OWNERS", "QUEUE", "TABLES", "TASKS", "TRUST", "Column", "Table", "positions"]
+__all__ = ["ACTIONS", "CHAIN", "CHAIN_HEADS", "CHAIN_SEALS", "CONTROLS", "DELEGATIONS",
+           "DOCUMENTS", "EVENTS", "META", "OWNERS", "QUEUE", "TABLES", "TASKS", "TRUST", "Column",
+           "Table", "positions"]

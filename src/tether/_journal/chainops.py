@@ -34,8 +34,12 @@ from tether._journal.tables import Conn, Db, Tx, blob, chunks, marks
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
 _NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLICT DO NOTHING")
-_HEAD = ("SELECT length, hash, legacy, path, seal, signer, signature FROM chain_heads h "
-         "WHERE delegation_id = ?")
+# A head as ``_head`` decodes it: its own columns, then the seal it names (version 7), read
+# in one statement (one moment, at READ COMMITTED). A head is locked by a statement on its
+# own table: PostgreSQL re-reads a locked row that moved meanwhile, not the rows joined to it.
+_OWN = "h.length, h.hash, h.legacy, h.path, h.seal, h.signer, h.signature, h.seal_id, h.proof"
+_HEAD = (f"SELECT {_OWN}, s.seal, s.signer, s.signature FROM chain_heads h "
+         "LEFT JOIN chain_seals s ON s.id = h.seal_id WHERE h.delegation_id = ?")
 
 
 def _row(db: Db, table: str, pk: Any) -> Any:
@@ -59,6 +63,12 @@ class Sealer:
         self.signer: SigningKey | None = None
         self.pins: TrustedKeys | None = None
         self.own: dict[str, tuple[int, str, bool]] = {}  # length, hash, legacy
+        # The seals this process wrote, and how many heads it sealed with each that it has not
+        # moved since: a seal goes once none is left. Another process moving one of them
+        # leaves the count high (the seal stays until a prune), never low. Which seal each
+        # head in ``own`` was sealed with: a head is counted off only while it is that one.
+        self.seals: dict[int, int] = {}
+        self.sealed_with: dict[str, int] = {}
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
@@ -294,13 +304,25 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
                 chain.content_hash(row), pre.get((table, pk), ""))
     ids = sorted(records)
     heads: dict[str, chain.Head] = {}
+    found_heads: dict[str, Any] = {}
     for part in chunks(ids):  # locked in id order (PostgreSQL): appenders queue, never fork
         for found_head in db.execute(
-                "SELECT length, hash, legacy, path, seal, signer, signature, delegation_id "
-                f"FROM chain_heads h WHERE delegation_id IN ({marks(part)}) "
-                "ORDER BY delegation_id /*XLOCK h*/", tuple(part)).fetchall():
-            delegation_id = str(found_head[7])
-            heads[delegation_id] = _head(found_head, sealer.own.get(delegation_id))
+                f"SELECT {_OWN}, h.delegation_id FROM chain_heads h WHERE h.delegation_id IN "
+                f"({marks(part)}) ORDER BY h.delegation_id /*XLOCK h*/", tuple(part)).fetchall():
+            found_heads[str(found_head[9])] = found_head
+    # The seals the locked heads name, but for heads this process sealed last (trusted on
+    # that alone): none of them can go while its head is locked (a seal goes only with the
+    # last head that names it, by its writer or a prune).
+    ours = {d for d, f in found_heads.items() if sealer.own.get(d) == (f[0], f[1], bool(f[2]))}
+    named = sorted({f[7] for d, f in found_heads.items() if d not in ours and type(f[7]) is int})
+    seals: dict[int, Any] = {}
+    for few in chunks(named):
+        seals.update((r[0], r[1:]) for r in db.execute(
+            f"SELECT id, seal, signer, signature FROM chain_seals WHERE id IN ({marks(few)})",
+            tuple(few)).fetchall())
+    for delegation_id, f in found_heads.items():
+        heads[delegation_id] = _head((*f[:9], *seals.get(f[7], (None, None, None))),
+                                     sealer.own.get(delegation_id))
     witness = sealer.witness
     if witness is not None and any(h.length for h in heads.values()):
         witness.refresh()  # once a batch: what the configuration's other processes saw
@@ -333,55 +355,101 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
     moved = [(d, *ends[d]) for d in ids if d in ends]
     if not moved:
         return
+    left = _left(sealer, [(d, found_heads[d][7]) for d, *_ in moved if d in ours])
     if signer is None:
         for delegation_id, length, tip, _ in moved:
             db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
-                       "signer = NULL, signature = NULL WHERE delegation_id = ?",
-                       (length, tip, delegation_id))
-        return
-    root, paths = chain.merkle([chain.leaf(*m) for m in moved])
-    signed = signer.sign(ChainSeal(root, len(moved), now))
-    db.executemany(  # one statement for every head (one round trip on PostgreSQL)
-        "UPDATE chain_heads SET length = ?, hash = ?, path = ?, seal = ?, signer = ?, "
-        "signature = ? WHERE delegation_id = ?",
-        [(length, tip, chain.encode_path(path), signed.body, signed.key_id, signed.signature,
-          delegation_id) for (delegation_id, length, tip, _), path in zip(moved, paths,
-                                                                          strict=True)])
+                       "signer = NULL, signature = NULL, seal_id = NULL, proof = NULL "
+                       "WHERE delegation_id = ?", (length, tip, delegation_id))
+        new = None
+    else:
+        root, paths = chain.merkle([chain.leaf(*m) for m in moved])
+        signed = signer.sign(ChainSeal(root, len(moved), now))
+        seal_id = int(db.execute(
+            "INSERT INTO chain_seals (seal, signer, signature) VALUES (?, ?, ?) RETURNING id",
+            (signed.body, signed.key_id, signed.signature)).fetchone()[0])
+        db.executemany(  # one statement for every head (one round trip on PostgreSQL)
+            "UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
+            "signer = NULL, signature = NULL, seal_id = ?, proof = ? WHERE delegation_id = ?",
+            [(length, tip, seal_id, chain.encode_proof(path), delegation_id)
+             for (delegation_id, length, tip, _), path in zip(moved, paths, strict=True)])
+        new = seal_id
+    gone = sorted(k for k, n in left.items() if n == 0)
+    if gone:  # no head names them now: every head sealed with them moved on, here
+        db.execute(f"DELETE FROM chain_seals WHERE id IN ({marks(gone)})", tuple(gone))
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
         # The heads this process sealed are its own once they committed: a batch whose
         # COMMIT fails leaves heads that never were, which an intruder could write in.
-        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed))
+        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed, left, new))
     else:
-        _sealed(sealer, moved, False)
+        _sealed(sealer, moved, False, left, new)
 
 
-def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool) -> None:
+def _left(sealer: Sealer, moved: Sequence[tuple[str, Any]]) -> dict[int, int]:
+    """How many heads sealed here would still name each of this process's seals that the
+    moved heads named (``moved``: heads as this process sealed them last, and the seal id
+    each names)."""
+    left: dict[int, int] = {}
+    for delegation_id, seal_id in moved:
+        count = sealer.seals.get(seal_id)
+        if count is not None and sealer.sealed_with.get(delegation_id) == seal_id:
+            left[seal_id] = left.get(seal_id, count) - 1
+    return left
+
+
+def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool,
+            left: Mapping[int, int], new: int | None) -> None:
     if not relaxed:
         sealer.synced()  # this batch wrote (its chain entries) and waited for the disk
     for delegation_id, length, tip, legacy in moved:
         sealer.sealed(delegation_id, length, tip, legacy, relaxed)
+    seals, sealed_with = sealer.seals, sealer.sealed_with
+    for seal_id, n in left.items():
+        if seal_id in seals:
+            if n > 0:
+                seals[seal_id] = n
+            else:
+                del seals[seal_id]
+    if len(seals) >= sealer.MEMO or len(sealed_with) >= sealer.MEMO:
+        seals.clear()  # forgotten: those seals stay until a prune, nothing worse
+        sealed_with.clear()
+    for delegation_id, *_ in moved:
+        if new is None:
+            sealed_with.pop(delegation_id, None)
+        else:
+            sealed_with[delegation_id] = new
+    if new is not None:
+        seals[new] = len(moved)
 
 
 def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:
+    """A head from its row (``_HEAD_COLUMNS``): its seal in the head (version 6) or the one
+    it names (version 7, ``seal_id``)."""
     if not (type(found[0]) is int and isinstance(found[1], str)
             and type(found[2]) is int and (found[3] is None or isinstance(found[3], str))
-            and (found[5] is None or isinstance(found[5], str))):
+            and (found[5] is None or isinstance(found[5], str))
+            and (found[7] is None or type(found[7]) is int)
+            and (found[8] is None or isinstance(found[8], bytes | bytearray | memoryview))):
         # SQLite columns take any type: written by hand. Named, never a crash.
         return chain.Head(0, "", False, None, None, problem=(
             "the chain's head row is malformed (a column of the wrong type: written by hand)"))
-    if own == (found[0], found[1], bool(found[2])):
+    length, tip, legacy = int(found[0]), str(found[1]), bool(found[2])
+    named = found[7] is not None
+    path = None if named or found[3] is None else str(found[3])
+    proof = blob(found[8]) if named and found[8] is not None else None
+    if own == (length, tip, legacy):
         # The head this process sealed last (``Sealer.own``): trusted and extended on that
         # alone, so its seal is not decoded (a head each in every batch of a busy writer).
-        return chain.Head(found[0], found[1], bool(found[2]), found[3], None)
+        return chain.Head(length, tip, legacy, path, None, proof=proof)
+    body, signer, signature = found[9:12] if named else found[4:7]
     seal = None
-    if found[4] is not None and found[5] is not None and found[6] is not None:
+    if body is not None and signer is not None and signature is not None:
         try:
-            seal = Signed(blob(found[4]), str(found[5]), blob(found[6]))
+            seal = Signed(blob(body), str(signer), blob(signature))
         except TypeError:  # written by hand as text: verifies under no key
-            seal = Signed(b"", str(found[5]), b"")
-    return chain.Head(int(found[0]), str(found[1]), bool(found[2]),
-                      None if found[3] is None else str(found[3]), seal)
+            seal = Signed(b"", str(signer), b"")
+    return chain.Head(length, tip, legacy, path, seal, proof=proof)
 
 
 _SETTLE = 20  # reads of a delegation its writers keep moving, before its head is locked
@@ -403,8 +471,11 @@ def read(db: Db, delegation_id: str
     moved, the read is done again, and at last under a share lock on the head (which a writer
     takes exclusively before it commits). SQLite's read transaction is a snapshot already."""
     for attempt in range(_SETTLE + 1):
-        lock = " /*LOCK h*/" if attempt == _SETTLE else ""
-        found = db.execute(_HEAD + lock, (delegation_id,)).fetchone()
+        lock = attempt == _SETTLE
+        if lock:
+            db.execute("SELECT 1 FROM chain_heads h WHERE delegation_id = ? /*LOCK h*/",
+                       (delegation_id,)).fetchall()
+        found = db.execute(_HEAD, (delegation_id,)).fetchone()
         got = _read_at(db, delegation_id, found)
         if lock or _same(found, db.execute(_HEAD, (delegation_id,)).fetchone()):
             return got

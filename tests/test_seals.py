@@ -1,0 +1,149 @@
+"""A commit's chain seal is stored once (``chain_seals``), its heads naming it with a binary path
+to its root; a seal goes once no head names it (its writer deletes it when it moves the last
+head it sealed with it, a prune takes any other), and a journal whose heads each kept their own
+seal (schema 6) opens, verifies and is extended. Both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import tether
+from tests.test_chain import ATTACKS, one_refund, refund, verify_json
+from tests.test_trust import raw
+from tether._core import chain
+from tether._journal import ops
+from tether._journal.journal import Journal
+
+ORPHANS = ("SELECT COUNT(*) FROM chain_seals WHERE id NOT IN "
+           "(SELECT seal_id FROM chain_heads WHERE seal_id IS NOT NULL)")
+
+
+async def scalar(j: Journal, sql: str, *params: Any) -> Any:
+    return await j._read(lambda db: db.execute(sql, params).fetchone()[0])
+
+
+async def test_a_commits_heads_share_one_seal_and_no_seal_outlives_its_heads(
+        journal_url: str) -> None:
+    """Forty children at once: their commits seal many heads each, once; and a writer that
+    moved every head it sealed with a seal has deleted it (one child's twenty actions, one
+    after another, leave the seal of its last commit alone)."""
+
+    async def many(ctx: tether.Context, n: int) -> str:
+        for i in range(n):
+            await ctx.call(refund, order_id=f"S-{ctx.delegation_id}-{i}", cents=1)
+        return "ok"
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        agent = tether.Agent("many", many, (refund,))
+        handles = await asyncio.gather(*(sup.delegate(agent, 2, tools=[refund])
+                                         for _ in range(40)))
+        assert [await h.result() for h in handles] == ["ok"] * 40
+        await sup.journal.flush()
+        heads = await scalar(sup.journal, "SELECT COUNT(*) FROM chain_heads")
+        seals = await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals")
+        named = await scalar(sup.journal,
+                             "SELECT COUNT(DISTINCT seal_id) FROM chain_heads")
+        assert heads >= 40 and seals == named < heads, (heads, seals, named)
+        assert await scalar(sup.journal, ORPHANS) == 0
+        one = await sup.delegate(agent, 20, tools=[refund])
+        assert await one.result() == "ok"
+        await sup.journal.flush()
+        assert await scalar(sup.journal, ORPHANS) == 0
+        assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") <= seals + 1
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+async def test_a_seal_another_process_moved_off_goes_with_the_next_prune(
+        journal_url: str) -> None:
+    """Process A seals a delegation's head; process B extends it: A's seal is named by no
+    head, and A (which counts only its own moves) keeps it. A prune takes it, and the seal of
+    a pruned tree's heads with it; the journal still verifies."""
+    _, once = one_refund("PR")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once, tools=[refund])
+        await h.result()
+        await sup.journal.flush()
+        keys = sup.keys
+        async with Journal(journal_url) as other:
+            other.seal_with(keys.signer, keys.trusted)
+            await other._write(lambda db: ops.event(db, time.time(), "note", h.id, None))
+            await other.flush()
+        assert await scalar(sup.journal, ORPHANS) == 1
+        code, data = await verify_json(journal_url)
+        assert (code, data["problems"]) == (0, []), data
+        # Aged by hand past the deadline prune waits for (as the retention tests do): an
+        # alteration, and the tree it is in goes with the prune.
+        await raw(sup.journal, "UPDATE actions SET deadline_at = 0, started_at = 0")
+    from tests.cli_helpers import tether_here
+
+    code, out, err = await tether_here("prune", "--before", "0s", "--journal", journal_url)
+    assert code == 0, out + err
+    async with Journal(journal_url) as j:
+        assert await scalar(j, "SELECT COUNT(*) FROM chain_seals") == 0
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+async def to_schema_6(j: Journal) -> None:
+    """Write every head back as schema 6 kept it (its own copy of the seal, its path as text)
+    and drop what schema 7 added, as a journal written before the upgrade is."""
+
+    def back(db: Any) -> None:
+        for d, seal_id, proof in db.execute(
+                "SELECT delegation_id, seal_id, proof FROM chain_heads WHERE seal_id IS NOT NULL"
+                ).fetchall():
+            body, signer, signature = db.execute(
+                "SELECT seal, signer, signature FROM chain_seals WHERE id = ?",
+                (seal_id,)).fetchone()
+            path = chain._decode_proof(bytes(proof))
+            db.execute("UPDATE chain_heads SET path = ?, seal = ?, signer = ?, signature = ?, "
+                       "seal_id = NULL, proof = NULL WHERE delegation_id = ?",
+                       (chain.encode_path(path), body, signer, signature, d))
+
+    await j._write(back)
+    await raw(j, "DROP TABLE chain_seals")
+    await raw(j, "ALTER TABLE chain_heads DROP COLUMN seal_id")
+    await raw(j, "ALTER TABLE chain_heads DROP COLUMN proof")
+    await raw(j, "UPDATE tether_meta SET value = '6' WHERE key = 'schema_version'")
+
+
+async def test_a_journal_whose_heads_kept_their_own_seals_is_upgraded_and_extended(
+        journal_url: str) -> None:
+    _, once = one_refund("V6")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once, tools=[refund])
+        await h.result()
+        await to_schema_6(sup.journal)
+    code, data = await verify_json(journal_url)  # opening upgrades; the old seals verify
+    assert (code, data["problems"], data["unchained"]) == (0, [], []), data
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        await sup.journal._write(lambda db: ops.event(db, time.time(), "note", h.id, None))
+        await sup.journal.flush()
+        form = await sup.journal._read(lambda db: db.execute(
+            "SELECT path, seal, seal_id FROM chain_heads WHERE delegation_id = ?",
+            (h.id,)).fetchone())
+        assert form[0] is None and form[1] is None and form[2] is not None, form
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"], data["unchained"]) == (0, [], []), data
+
+
+async def test_an_old_form_head_altered_by_hand_is_still_named(journal_url: str) -> None:
+    """A head of schema 6's form whose length was changed by hand fails its own seal, as it
+    did before the upgrade."""
+    _, once = one_refund("V6X")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once, tools=[refund])
+        await h.result()
+        await to_schema_6(sup.journal)
+    async with Journal(journal_url) as j:  # upgraded here
+        await raw(j, "UPDATE chain_heads SET length = length - 1 WHERE delegation_id = ?", h.id)
+    code, data = await verify_json(journal_url)
+    assert code == 1 and any(p["delegation"] == h.id and p["record"] == "chain"
+                             for p in data["problems"]), data
+
+
+def test_the_seal_attacks_are_in_the_tamper_catalogue() -> None:
+    assert {"deleted_seal", "rewritten_seal", "extended_proof"} <= set(ATTACKS)
