@@ -187,8 +187,9 @@ async def rewrite_chain(j: Journal, s: Scene) -> str:
         (row,) = db.execute(f"SELECT {chain.COLUMNS['actions']} FROM actions WHERE id = ?",
                             (s.done,)).fetchall()
         forged = chain.content_hash(row)
-        entries = db.execute("SELECT seq, record, content, pre FROM chain WHERE "
-                             "delegation_id = ? ORDER BY seq", (s.delegation,)).fetchall()
+        entries = [(seq, rec, bytes(content).hex(), bytes(pre).hex()) for seq, rec, content, pre
+                   in db.execute("SELECT seq, record, content, pre FROM chain WHERE "
+                                 "delegation_id = ? ORDER BY seq", (s.delegation,)).fetchall()]
         last = max(seq for seq, rec, _, _ in entries if rec == f"action {s.done}")
         prev = ""
         for seq, rec, content, pre in entries:
@@ -196,7 +197,9 @@ async def rewrite_chain(j: Journal, s: Scene) -> str:
                 content = forged
             prev = chain.entry_hash(prev, s.delegation, seq, rec, content, pre)
             db.execute("UPDATE chain SET content = ?, pre = ?, hash = ? WHERE "
-                       "delegation_id = ? AND seq = ?", (content, pre, prev, s.delegation, seq))
+                       "delegation_id = ? AND seq = ?",
+                       (bytes.fromhex(content), bytes.fromhex(pre), bytes.fromhex(prev),
+                        s.delegation, seq))
         db.execute("UPDATE chain_heads SET hash = ? WHERE delegation_id = ?",
                    (prev, s.delegation))
 
@@ -205,8 +208,11 @@ async def rewrite_chain(j: Journal, s: Scene) -> str:
 
 
 async def delete_seal(j: Journal, s: Scene) -> str:
+    """The head's seal deleted: in its own row (sealed alone) or the commit's it names."""
     await raw(j, "DELETE FROM chain_seals WHERE id = (SELECT seal_id FROM chain_heads WHERE "
               "delegation_id = ?)", s.delegation)
+    await raw(j, "UPDATE chain_heads SET seal = NULL, signer = NULL, signature = NULL WHERE "
+              "delegation_id = ?", s.delegation)
     return "chain"
 
 
@@ -215,13 +221,18 @@ async def rewrite_seal(j: Journal, s: Scene) -> str:
     from tether._core.documents import ChainSeal, decode
 
     def rewrite(db: Any) -> None:
-        seal_id, body = db.execute(
-            "SELECT s.id, s.seal FROM chain_seals s JOIN chain_heads h ON h.seal_id = s.id "
-            "WHERE h.delegation_id = ?", (s.delegation,)).fetchone()
+        seal_id, inline = db.execute("SELECT seal_id, seal FROM chain_heads WHERE "
+                                     "delegation_id = ?", (s.delegation,)).fetchone()
+        body = inline if seal_id is None else db.execute(
+            "SELECT seal FROM chain_seals WHERE id = ?", (seal_id,)).fetchone()[0]
         found = decode(bytes(body))
         assert isinstance(found, ChainSeal)
-        forged = ChainSeal("f" * 64, found.heads, found.sealed_at)
-        db.execute("UPDATE chain_seals SET seal = ? WHERE id = ?", (forged.encode(), seal_id))
+        forged = ChainSeal("f" * 64, found.heads, found.sealed_at).encode()
+        if seal_id is None:
+            db.execute("UPDATE chain_heads SET seal = ? WHERE delegation_id = ?",
+                       (forged, s.delegation))
+        else:
+            db.execute("UPDATE chain_seals SET seal = ? WHERE id = ?", (forged, seal_id))
 
     await j._write(rewrite)
     return "chain"
@@ -486,26 +497,18 @@ def test_a_merkle_path_leads_each_head_to_the_signed_root() -> None:
 
 
 def test_a_binary_proof_is_the_same_path() -> None:
-    from tether._core.chain import _decode_proof, encode_proof, fold, merkle
+    from tether._core.chain import _decode_proof, fold, merkle, merkle_proofs
     from tether._core.errors import Malformed
 
     leaves = [f"{i:064x}" for i in range(1, 601)]
     root, paths = merkle(leaves)
-    for leaf, path in zip(leaves, paths, strict=True):
-        proof = encode_proof(path)
-        assert len(proof) == 33 * len(path)
-        assert _decode_proof(proof) == path and fold(leaf, _decode_proof(proof)) == root
+    assert merkle_proofs(leaves)[0] == root
+    for leaf, path, proof in zip(leaves, paths, merkle_proofs(leaves)[1], strict=True):
+        assert len(proof) == 33 * len(path) and _decode_proof(proof) == path
+        assert fold(leaf, _decode_proof(proof)) == root
     for bad in (b"L" * 32, b"X" + bytes(32), b"L" + bytes(32) + b"R", bytes(33 * 65)):
         with pytest.raises(Malformed):
             _decode_proof(bad)
-
-
-def test_a_path_is_written_as_json_writes_it() -> None:
-    from tether._core.chain import encode_path, merkle
-
-    for n in (1, 2, 3, 9):
-        for path in merkle([f"{i:064x}" for i in range(n)])[1]:
-            assert encode_path(path) == json.dumps(path, separators=(",", ":"))
 
 
 def test_redispatch_never_believes_tampered_records() -> None:
@@ -711,13 +714,13 @@ async def test_a_delegation_pruned_while_it_is_verified_is_not_called_tampered(
 
 GARBAGE = {
     "head_length_text": "UPDATE chain_heads SET length = 'abc' WHERE delegation_id = ?",
-    "head_path_nested": "UPDATE chain_heads SET seal_id = NULL, path = '" + "[" * 5000
-                        + "]" * 5000 + "' WHERE delegation_id = ?",
+    "head_path_nested": "UPDATE chain_heads SET seal_id = NULL, proof = NULL, path = '"
+                        + "[" * 5000 + "]" * 5000 + "' WHERE delegation_id = ?",
     "head_proof_huge": "UPDATE chain_heads SET proof = zeroblob(100000) WHERE delegation_id = ?",
     "head_seal_id_text": "UPDATE chain_heads SET seal_id = 'x' WHERE delegation_id = ?",
-    "seal_body_text": "UPDATE chain_seals SET seal = 'x' WHERE id = (SELECT seal_id FROM "
-                      "chain_heads WHERE delegation_id = ?)",
+    "seal_body_text": "UPDATE chain_heads SET seal = 'x' WHERE delegation_id = ?",
     "entry_seq_text": "UPDATE chain SET seq = 'x' WHERE seq = 1 AND delegation_id = ?",
+    "entry_hash_text": "UPDATE chain SET hash = 'ab' WHERE seq = 1 AND delegation_id = ?",
     "entry_record_huge": "UPDATE chain SET record = 'event 99999999999999999999999' "
                          "WHERE seq = 1 AND delegation_id = ?",
 }
@@ -843,7 +846,8 @@ async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chai
     monkeypatch.setattr(chainops.Sealer, "witness", property(lambda self: None))
     _, once_a = one_refund("HA")
     _, once_b = one_refund("HB")
-    head_of = "SELECT length, hash, seal_id, proof FROM chain_heads WHERE delegation_id = ?"
+    head_of = ("SELECT length, hash, seal_id, proof, seal, signer, signature FROM chain_heads "
+               "WHERE delegation_id = ?")
     count_of = "SELECT COUNT(*) FROM chain WHERE delegation_id = ?"
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
         journal, trusted = sup.journal, sup.keys.trusted
@@ -861,11 +865,12 @@ async def test_a_head_written_back_by_hand_is_left_as_found_while_its_batch_chai
         await journal._write(lambda db: ops.event(db, time.time(), "note", a.id, None))
         # The head written back with its seal (gone with the head's last move): a whole
         # earlier state, as a backup holds it.
-        await raw(journal, "DELETE FROM chain_seals WHERE id = ?", seal[0])
-        await raw(journal, "INSERT INTO chain_seals (id, seal, signer, signature) "
-                  "VALUES (?, ?, ?, ?)", *seal)
-        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, seal_id = ?, proof = ? "
-                  "WHERE delegation_id = ?", *earlier, a.id)
+        if seal is not None:  # sealed with another head (else in its own row)
+            await raw(journal, "DELETE FROM chain_seals WHERE id = ?", seal[0])
+            await raw(journal, "INSERT INTO chain_seals (id, seal, signer, signature) "
+                      "VALUES (?, ?, ?, ?)", *seal)
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, seal_id = ?, proof = ?, "
+                  "seal = ?, signer = ?, signature = ? WHERE delegation_id = ?", *earlier, a.id)
         journal._sealer.own.clear()  # as a process that did not seal it (another, or later)
         a_entries, b_head = (await read(count_of, a.id))[0], await read(head_of, b.id)
 

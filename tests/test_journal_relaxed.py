@@ -287,7 +287,8 @@ async def test_a_relaxed_head_a_reader_of_this_process_accepts_is_not_remembered
     from tests.test_trust import raw
     from tether._journal import ops
 
-    head_of = "SELECT length, hash, legacy, seal_id, proof FROM chain_heads WHERE delegation_id = ?"
+    head_of = ("SELECT length, hash, legacy, seal, signer, signature, seal_id, proof FROM "
+               "chain_heads WHERE delegation_id = ?")
     async with tether.Supervisor(journal_url, keys=keys) as sup:
         journal: Any = sup.journal
         handle = await sup.delegate(_quiet)
@@ -295,9 +296,9 @@ async def test_a_relaxed_head_a_reader_of_this_process_accepts_is_not_remembered
         await journal.flush()
         before = await journal._read(lambda db: tuple(db.execute(
             head_of, (handle.id,)).fetchone()))
-        seal = await journal._read(lambda db: tuple(db.execute(
+        seal = await journal._read(lambda db: db.execute(
             "SELECT id, seal, signer, signature FROM chain_seals WHERE id = ?",
-            (before[3],)).fetchone()))
+            (before[6],)).fetchone())
         runner: Any = journal._runner
         await runner.submit(lambda db: ops.event(db, 0.0, "note", handle.id, None),
                             write=True, relaxed=True)
@@ -308,11 +309,13 @@ async def test_a_relaxed_head_a_reader_of_this_process_accepts_is_not_remembered
                   handle.id, before[0])
         await raw(journal, "DELETE FROM events WHERE delegation_id = ? AND kind = 'note'",
                   handle.id)
-        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, legacy = ?, seal_id = ?, "
-                  "proof = ? WHERE delegation_id = ?", *before, handle.id)
-        await raw(journal, "DELETE FROM chain_seals WHERE id = ?", seal[0])  # and its seal
-        await raw(journal, "INSERT INTO chain_seals (id, seal, signer, signature) "
-                  "VALUES (?, ?, ?, ?)", *seal)
+        await raw(journal, "UPDATE chain_heads SET length = ?, hash = ?, legacy = ?, seal = ?, "
+                  "signer = ?, signature = ?, seal_id = ?, proof = ? WHERE delegation_id = ?",
+                  *before, handle.id)
+        if seal is not None:  # and the commit's seal it names, if not in its own row
+            await raw(journal, "DELETE FROM chain_seals WHERE id = ?", seal[0])
+            await raw(journal, "INSERT INTO chain_seals (id, seal, signer, signature) "
+                      "VALUES (?, ?, ?, ?)", *seal)
         await journal._write(lambda db: ops.event(db, 0.0, "after", handle.id, None))
         length = await journal._read(lambda db: db.execute(
             "SELECT length FROM chain_heads WHERE delegation_id = ?",

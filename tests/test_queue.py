@@ -137,7 +137,8 @@ async def test_a_version_1_journal_is_migrated_with_its_data(tmp_path: Path) -> 
     path = tmp_path / "v1.db"
     conn = sqlite3.connect(path)
     for statement in schema.MIGRATIONS[1]:
-        conn.execute(schema.ddl(statement, "sqlite"))
+        for text in schema.statements(statement, "sqlite"):
+            conn.execute(text)
     conn.executemany("INSERT INTO tether_meta VALUES (?, ?)",
                      [("app", "tether"), ("schema_version", "1")])
     conn.execute("INSERT INTO owners VALUES ('o', 1, 'h', 0, 0)")

@@ -6,6 +6,7 @@ seal (schema 6) opens, verifies and is extended. Both backends."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -18,6 +19,16 @@ from tether._journal.journal import Journal
 
 ORPHANS = ("SELECT COUNT(*) FROM chain_seals WHERE id NOT IN "
            "(SELECT seal_id FROM chain_heads WHERE seal_id IS NOT NULL)")
+
+
+def notes(*ids: str) -> Any:
+    """A batch that writes a note on each of ``ids``: one commit moves their heads."""
+
+    def write(db: Any) -> None:
+        for d in ids:
+            ops.event(db, time.time(), "note", d, None)
+
+    return write
 
 
 async def scalar(j: Journal, sql: str, *params: Any) -> Any:
@@ -58,18 +69,23 @@ async def test_a_commits_heads_share_one_seal_and_no_seal_outlives_its_heads(
 
 async def test_a_seal_another_process_moved_off_goes_with_the_next_prune(
         journal_url: str) -> None:
-    """Process A seals a delegation's head; process B extends it: A's seal is named by no
-    head, and A (which counts only its own moves) keeps it. A prune takes it, and the seal of
-    a pruned tree's heads with it; the journal still verifies."""
+    """Process A seals two delegations' heads in one commit; process B extends both: A's
+    seal is named by no head, and A (which counts only its own moves) keeps it. A prune takes
+    it, and the seal of the pruned trees' heads with it; the journal still verifies."""
     _, once = one_refund("PR")
+
+
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(once, tools=[refund])
+        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
         await h.result()
+        await g.result()
+        await sup.journal._write(notes(h.id, g.id))
         await sup.journal.flush()
+        assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") == 1
         keys = sup.keys
         async with Journal(journal_url) as other:
             other.seal_with(keys.signer, keys.trusted)
-            await other._write(lambda db: ops.event(db, time.time(), "note", h.id, None))
+            await other._write(notes(h.id, g.id))
             await other.flush()
         assert await scalar(sup.journal, ORPHANS) == 1
         code, data = await verify_json(journal_url)
@@ -92,18 +108,31 @@ async def to_schema_6(j: Journal) -> None:
     and drop what schema 7 added, as a journal written before the upgrade is."""
 
     def back(db: Any) -> None:
-        for d, seal_id, proof in db.execute(
-                "SELECT delegation_id, seal_id, proof FROM chain_heads WHERE seal_id IS NOT NULL"
-                ).fetchall():
-            body, signer, signature = db.execute(
+        for d, seal_id, proof, *inline in db.execute(
+                "SELECT delegation_id, seal_id, proof, seal, signer, signature FROM chain_heads "
+                "WHERE proof IS NOT NULL").fetchall():
+            body, signer, signature = inline if seal_id is None else db.execute(
                 "SELECT seal, signer, signature FROM chain_seals WHERE id = ?",
                 (seal_id,)).fetchone()
             path = chain._decode_proof(bytes(proof))
             db.execute("UPDATE chain_heads SET path = ?, seal = ?, signer = ?, signature = ?, "
                        "seal_id = NULL, proof = NULL WHERE delegation_id = ?",
-                       (chain.encode_path(path), body, signer, signature, d))
+                       (json.dumps(path, separators=(",", ":")), body, signer, signature, d))
 
     await j._write(back)
+    # The chain's hashes as hex text, in a table with a rowid (SQLite), as schema 6 made it.
+    pg = not j.url.startswith("sqlite")
+
+    def text(column: str) -> str:
+        return f"encode({column}, 'hex')" if pg else f"lower(hex({column}))"
+
+    await raw(j, "CREATE TABLE chain6 (delegation_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+              "record TEXT NOT NULL, content TEXT NOT NULL, pre TEXT NOT NULL, hash TEXT NOT "
+              "NULL, PRIMARY KEY (delegation_id, seq))")
+    await raw(j, f"INSERT INTO chain6 SELECT delegation_id, seq, record, {text('content')}, "
+              f"{text('pre')}, {text('hash')} FROM chain")
+    await raw(j, "DROP TABLE chain")
+    await raw(j, "ALTER TABLE chain6 RENAME TO chain")
     await raw(j, "DROP TABLE chain_seals")
     await raw(j, "ALTER TABLE chain_heads DROP COLUMN seal_id")
     await raw(j, "ALTER TABLE chain_heads DROP COLUMN proof")
@@ -123,9 +152,8 @@ async def test_a_journal_whose_heads_kept_their_own_seals_is_upgraded_and_extend
         await sup.journal._write(lambda db: ops.event(db, time.time(), "note", h.id, None))
         await sup.journal.flush()
         form = await sup.journal._read(lambda db: db.execute(
-            "SELECT path, seal, seal_id FROM chain_heads WHERE delegation_id = ?",
-            (h.id,)).fetchone())
-        assert form[0] is None and form[1] is None and form[2] is not None, form
+            "SELECT path, proof FROM chain_heads WHERE delegation_id = ?", (h.id,)).fetchone())
+        assert form[0] is None and form[1] is not None, form  # the path as bytes now
     code, data = await verify_json(journal_url)
     assert (code, data["problems"], data["unchained"]) == (0, [], []), data
 
@@ -147,3 +175,45 @@ async def test_an_old_form_head_altered_by_hand_is_still_named(journal_url: str)
 
 def test_the_seal_attacks_are_in_the_tamper_catalogue() -> None:
     assert {"deleted_seal", "rewritten_seal", "extended_proof"} <= set(ATTACKS)
+
+
+async def test_an_entry_written_by_hand_as_other_text_is_upgraded_and_named(
+        journal_url: str) -> None:
+    """A schema 6 chain entry whose hash is not lowercase hex (written by hand): the upgrade
+    keeps it as its bytes rather than failing to open the journal, and verify names it."""
+    _, once = one_refund("V6G")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h = await sup.delegate(once, tools=[refund])
+        await h.result()
+        await to_schema_6(sup.journal)
+        await raw(sup.journal, "UPDATE chain SET content = 'NOT HEX' WHERE delegation_id = ? "
+                  "AND seq = 1", h.id)
+    code, data = await verify_json(journal_url)
+    assert code == 1 and any(p["delegation"] == h.id for p in data["problems"]), data
+
+
+async def test_a_shared_seal_deleted_or_rewritten_is_named_for_every_head_it_sealed(
+        journal_url: str) -> None:
+    _, once = one_refund("SH")
+
+
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
+        await h.result()
+        await g.result()
+        await sup.journal._write(notes(h.id, g.id))
+        await sup.journal.flush()
+        (seal_id, body), = await sup.journal._read(lambda db: db.execute(
+            "SELECT id, seal FROM chain_seals").fetchall())
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+    async with Journal(journal_url) as j:
+        await raw(j, "UPDATE chain_seals SET seal = ? WHERE id = ?",
+                  bytes(body).replace(b'"heads":2', b'"heads":3'), seal_id)
+    code, data = await verify_json(journal_url)
+    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h.id, g.id}, data
+    async with Journal(journal_url) as j:
+        await raw(j, "DELETE FROM chain_seals")
+    code, data = await verify_json(journal_url)
+    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h.id, g.id}, data
+    assert all("not sealed" in p["problem"] for p in data["problems"]), data

@@ -83,7 +83,7 @@ async def test_concurrent_first_starts_on_postgresql(fresh_schemas: list[str],
 
 
 def version_1_statements(dialect: str) -> list[str]:
-    return [journal_schema.ddl(s, dialect) for s in journal_schema.MIGRATIONS[1]]
+    return [t for s in journal_schema.MIGRATIONS[1] for t in journal_schema.statements(s, dialect)]
 
 
 async def test_concurrent_migrations_on_sqlite(tmp_path: Path) -> None:

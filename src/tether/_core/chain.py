@@ -95,28 +95,38 @@ def _node(left: str, right: str) -> str:
     return hashlib.sha256(b"\1" + bytes.fromhex(left) + bytes.fromhex(right)).hexdigest()
 
 
-def merkle(leaves: Sequence[str]) -> tuple[str, list[list[list[str]]]]:
-    """The root over ``leaves`` and each leaf's path to it: ``[side, sibling]`` pairs, side
-    "L" when the sibling is on the left. An odd node out is carried up unchanged."""
+def merkle_proofs(leaves: Sequence[str]) -> tuple[str, list[bytes]]:
+    """The root over ``leaves`` and each leaf's path to it as a head keeps it: per level the
+    side of its sibling (``L`` when on the left) and the sibling's 32 bytes. An odd node out
+    is carried up unchanged. Worked in bytes: a commit's heads are a thousand leaves."""
     if not leaves:
         raise ValueError("no leaves")
-    levels = [list(leaves)]
-    while len(levels[-1]) > 1:
-        below = levels[-1]
-        up = [_node(below[k], below[k + 1]) for k in range(0, len(below) - 1, 2)]
-        if len(below) % 2:
-            up.append(below[-1])
+    sha256 = hashlib.sha256
+    level = [bytes.fromhex(x) for x in leaves]
+    levels = [level]
+    while len(level) > 1:
+        up = [sha256(b"\1" + level[k] + level[k + 1]).digest()
+              for k in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            up.append(level[-1])
         levels.append(up)
-    paths: list[list[list[str]]] = []
+        level = up
+    proofs = []
     for i in range(len(leaves)):
-        path, at = [], i
-        for level in levels[:-1]:
+        parts, at = [], i
+        for below in levels[:-1]:
             sibling = at ^ 1
-            if sibling < len(level):  # else: the odd node out, carried up with no sibling
-                path.append(["L" if sibling < at else "R", level[sibling]])
+            if sibling < len(below):  # else: the odd node out, carried up with no sibling
+                parts.append((b"L" if sibling < at else b"R") + below[sibling])
             at //= 2
-        paths.append(path)
-    return levels[-1][0], paths
+        proofs.append(b"".join(parts))
+    return level[0].hex(), proofs
+
+
+def merkle(leaves: Sequence[str]) -> tuple[str, list[list[list[str]]]]:
+    """``merkle_proofs`` with each path as ``[side, sibling]`` pairs (as ``fold`` takes)."""
+    root, proofs = merkle_proofs(leaves)
+    return root, [_decode_proof(p) for p in proofs]
 
 
 def fold(start: str, path: Iterable[Sequence[str]]) -> str:
@@ -124,17 +134,6 @@ def fold(start: str, path: Iterable[Sequence[str]]) -> str:
     for side, sibling in path:
         node = _node(sibling, node) if side == "L" else _node(node, sibling)
     return node
-
-
-def encode_path(path: list[list[str]]) -> str:
-    # What ``json.dumps(path, separators=(",", ":"))`` writes: sides and hex need no escapes.
-    return "[" + ",".join([f'["{side}","{sibling}"]' for side, sibling in path]) + "]"
-
-
-def encode_proof(path: list[list[str]]) -> bytes:
-    """A path as a head keeps it since version 7: per level its side (``L`` or ``R``) and
-    the sibling's 32 bytes (33 bytes a level, where the text took about 70)."""
-    return b"".join([side.encode() + bytes.fromhex(sibling) for side, sibling in path])
 
 
 _PATH_MAX = 64  # levels: 2**64 heads in one seal

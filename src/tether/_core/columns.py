@@ -110,8 +110,8 @@ QUEUE = _table("queue", "delegation_id TEXT!, task_id TEXT!, agent TEXT!, enqueu
                "claimed_by TEXT, claimed_at REAL, done_at REAL")
 TRUST = _table("trust", "id INTEGER!, op TEXT!, key_id TEXT!, body BLOB!, signer TEXT!, "
                "signature BLOB!, recorded_at REAL!")
-CHAIN = _table("chain", "delegation_id TEXT!, seq INTEGER!, record TEXT!, content TEXT!, "
-               "pre TEXT!, hash TEXT!")
+CHAIN = _table("chain", "delegation_id TEXT!, seq INTEGER!, record TEXT!, content BLOB!, "
+               "pre BLOB!, hash BLOB!")
 # A head's seal: in the head (``path``, ``seal``, ``signer``, ``signature``: version 6), or
 # once per commit in ``chain_seals``, the head keeping its binary path to it (``proof``).
 CHAIN_HEADS = _table("chain_heads", "delegation_id TEXT!, length INTEGER!, hash TEXT!, "

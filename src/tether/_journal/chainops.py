@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -29,10 +30,11 @@ from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
-from tether._journal.tables import Conn, Db, Tx, blob, chunks, marks
+from tether._journal.tables import Conn, Db, Step, Tx, blob, chunks, marks
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
+_UNNAMED = (None, None, None)  # a head's seal columns when it names no seal row
 _NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLICT DO NOTHING")
 # A head as ``_head`` decodes it: its own columns, then the seal it names (version 7), read
 # in one statement (one moment, at READ COMMITTED). A head is locked by a statement on its
@@ -40,6 +42,11 @@ _NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLIC
 _OWN = "h.length, h.hash, h.legacy, h.path, h.seal, h.signer, h.signature, h.seal_id, h.proof"
 _HEAD = (f"SELECT {_OWN}, s.seal, s.signer, s.signature FROM chain_heads h "
          "LEFT JOIN chain_seals s ON s.id = h.seal_id WHERE h.delegation_id = ?")
+
+
+def _hex(value: Any) -> str | None:
+    """A chain hash as the core spells it (stored as its 32 bytes); None for anything else."""
+    return bytes(value).hex() if isinstance(value, bytes | bytearray | memoryview) else None
 
 
 def _row(db: Db, table: str, pk: Any) -> Any:
@@ -58,6 +65,7 @@ class Sealer:
     heads it sealed itself (those it extends without checking their seal again)."""
 
     MEMO = 100_000
+    SWEEP = 16
 
     def __init__(self) -> None:
         self.signer: SigningKey | None = None
@@ -69,6 +77,9 @@ class Sealer:
         # head in ``own`` was sealed with: a head is counted off only while it is that one.
         self.seals: dict[int, int] = {}
         self.sealed_with: dict[str, int] = {}
+        # This process's seals no head names any more, deleted ``SWEEP`` at a time (a
+        # statement a batch saved): a seal nobody names is never named again.
+        self.unnamed: set[int] = set()
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
@@ -99,7 +110,7 @@ class Sealer:
             return False  # sealed here over a chain that held the remembered entry
         found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
                            (delegation_id, mark.length)).fetchone()
-        return found is None or found[0] != mark.hash
+        return found is None or _hex(found[0]) != mark.hash
 
     def trusts(self, delegation_id: str, head: chain.Head,
                registry: Callable[[], Registry]) -> bool:
@@ -216,6 +227,14 @@ def read_back(db: Db, sealer: Sealer) -> None:
     """At a flush, everything queued before it has committed or failed: remember each head
     sealed and not yet confirmed whose entry the journal holds as sealed (the others never
     committed). Run by the writer thread, inside the flush's transaction."""
+    if sealer.unnamed:  # and the seals nobody names go, rather than wait for more of them
+        gone = sorted(sealer.unnamed)
+        for part in chunks(gone):
+            db.execute(f"DELETE FROM chain_seals WHERE id IN ({marks(part)})", tuple(part))
+        if isinstance(db, Tx):
+            db.after.append(functools.partial(sealer.unnamed.difference_update, gone))
+        else:
+            sealer.unnamed.difference_update(gone)
     witness, pending = sealer.witness, sealer.unconfirmed
     sealer.unconfirmed = {}
     if witness is None:
@@ -226,7 +245,7 @@ def read_back(db: Db, sealer: Sealer) -> None:
             continue  # confirmed already (the operation that carried it returned)
         found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
                            (delegation_id, length)).fetchone()
-        if found is not None and found[0] == tip:
+        if found is not None and _hex(found[0]) == tip:
             witness.note(delegation_id, length, tip)
 
 
@@ -316,12 +335,12 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
     ours = {d for d, f in found_heads.items() if sealer.own.get(d) == (f[0], f[1], bool(f[2]))}
     named = sorted({f[7] for d, f in found_heads.items() if d not in ours and type(f[7]) is int})
     seals: dict[int, Any] = {}
-    for few in chunks(named):
+    for few in chunks(named) if named else ():
         seals.update((r[0], r[1:]) for r in db.execute(
             f"SELECT id, seal, signer, signature FROM chain_seals WHERE id IN ({marks(few)})",
             tuple(few)).fetchall())
     for delegation_id, f in found_heads.items():
-        heads[delegation_id] = _head((*f[:9], *seals.get(f[7], (None, None, None))),
+        heads[delegation_id] = _head((*f[:9], *seals.get(f[7], _UNNAMED)),
                                      sealer.own.get(delegation_id))
     witness = sealer.witness
     if witness is not None and any(h.length for h in heads.values()):
@@ -344,7 +363,8 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
         for rec, (content, found) in records[delegation_id].items():
             length += 1
             tip = chain.entry_hash(tip, delegation_id, length, rec, content, found)
-            plan.append((delegation_id, length, rec, content, found, tip))
+            plan.append((delegation_id, length, rec, bytes.fromhex(content),
+                         bytes.fromhex(found), bytes.fromhex(tip)))
         ends[delegation_id] = (length, tip, head.legacy)
     if plan and not _entries(db, plan):
         # Entries beyond some head: rolled back by hand. Append chain by chain, leaving any
@@ -356,34 +376,51 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
     if not moved:
         return
     left = _left(sealer, [(d, found_heads[d][7]) for d, *_ in moved if d in ours])
+    steps: list[Step] = []
     if signer is None:
-        for delegation_id, length, tip, _ in moved:
-            db.execute("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
-                       "signer = NULL, signature = NULL, seal_id = NULL, proof = NULL "
-                       "WHERE delegation_id = ?", (length, tip, delegation_id))
+        steps.append(("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
+                      "signer = NULL, signature = NULL, seal_id = NULL, proof = NULL "
+                      "WHERE delegation_id = ?", [(length, tip, d) for d, length, tip, _ in moved],
+                      True))
+        new = None
+    elif len(moved) == 1:
+        # One head: its seal kept in its own row (a seal row would be named by it alone),
+        # an insert and a delete fewer for a child acting alone.
+        ((delegation_id, length, tip, _),) = moved
+        signed = signer.sign(ChainSeal(chain.leaf(*moved[0]), 1, now))
+        steps.append(("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = ?, "
+                      "signer = ?, signature = ?, seal_id = NULL, proof = ? "
+                      "WHERE delegation_id = ?", (length, tip, signed.body, signed.key_id,
+                                                  signed.signature, b"", delegation_id), False))
         new = None
     else:
-        root, paths = chain.merkle([chain.leaf(*m) for m in moved])
+        root, proofs = chain.merkle_proofs([chain.leaf(*m) for m in moved])
         signed = signer.sign(ChainSeal(root, len(moved), now))
-        seal_id = int(db.execute(
-            "INSERT INTO chain_seals (seal, signer, signature) VALUES (?, ?, ?) RETURNING id",
-            (signed.body, signed.key_id, signed.signature)).fetchone()[0])
-        db.executemany(  # one statement for every head (one round trip on PostgreSQL)
+        # Its id from its signature, not from the database: the seal and its heads go in one
+        # round trip. Two seals share an id with odds of 2**-63 (their insert then fails and
+        # the batch runs again, signed anew); ids are never handed out twice by a counter
+        # that a lost commit or a prune could wind back.
+        new = int.from_bytes(hashlib.sha256(signed.signature).digest()[:8], "big") >> 1
+        steps.append(("INSERT INTO chain_seals (id, seal, signer, signature) VALUES (?, ?, ?, ?)",
+                      (new, signed.body, signed.key_id, signed.signature), False))
+        steps.append((
             "UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
             "signer = NULL, signature = NULL, seal_id = ?, proof = ? WHERE delegation_id = ?",
-            [(length, tip, seal_id, chain.encode_proof(path), delegation_id)
-             for (delegation_id, length, tip, _), path in zip(moved, paths, strict=True)])
-        new = seal_id
-    gone = sorted(k for k, n in left.items() if n == 0)
-    if gone:  # no head names them now: every head sealed with them moved on, here
-        db.execute(f"DELETE FROM chain_seals WHERE id IN ({marks(gone)})", tuple(gone))
+            [(length, tip, new, proof, delegation_id)
+             for (delegation_id, length, tip, _), proof in zip(moved, proofs, strict=True)], True))
+    unnamed = sealer.unnamed | {k for k, n in left.items() if n == 0} if left else \
+        sealer.unnamed
+    gone = sorted(unnamed) if len(unnamed) >= sealer.SWEEP else []
+    for few in chunks(gone) if gone else ():  # every head sealed with them moved on
+        steps.append((f"DELETE FROM chain_seals WHERE id IN ({marks(few)})", tuple(few), False))
+    db.send(steps)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
         # The heads this process sealed are its own once they committed: a batch whose
         # COMMIT fails leaves heads that never were, which an intruder could write in.
-        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed, left, new))
+        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed, left, new, gone))
     else:
-        _sealed(sealer, moved, False, left, new)
+        _sealed(sealer, moved, False, left, new, gone)
 
 
 def _left(sealer: Sealer, moved: Sequence[tuple[str, Any]]) -> dict[int, int]:
@@ -399,7 +436,7 @@ def _left(sealer: Sealer, moved: Sequence[tuple[str, Any]]) -> dict[int, int]:
 
 
 def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool,
-            left: Mapping[int, int], new: int | None) -> None:
+            left: Mapping[int, int], new: int | None, gone: list[int]) -> None:
     if not relaxed:
         sealer.synced()  # this batch wrote (its chain entries) and waited for the disk
     for delegation_id, length, tip, legacy in moved:
@@ -411,6 +448,10 @@ def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bo
                 seals[seal_id] = n
             else:
                 del seals[seal_id]
+                sealer.unnamed.add(seal_id)
+    sealer.unnamed.difference_update(gone)
+    if len(sealer.unnamed) >= sealer.MEMO:
+        sealer.unnamed.clear()
     if len(seals) >= sealer.MEMO or len(sealed_with) >= sealer.MEMO:
         seals.clear()  # forgotten: those seals stay until a prune, nothing worse
         sealed_with.clear()
@@ -424,8 +465,9 @@ def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bo
 
 
 def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:
-    """A head from its row (``_HEAD_COLUMNS``): its seal in the head (version 6) or the one
-    it names (version 7, ``seal_id``)."""
+    """A head from its row (``_HEAD``'s columns): its seal in its own row (sealed alone, or
+    by version 6 with its path as text) or the one it names (``seal_id``), with its path as
+    bytes (``proof``)."""
     if not (type(found[0]) is int and isinstance(found[1], str)
             and type(found[2]) is int and (found[3] is None or isinstance(found[3], str))
             and (found[5] is None or isinstance(found[5], str))
@@ -436,8 +478,8 @@ def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:
             "the chain's head row is malformed (a column of the wrong type: written by hand)"))
     length, tip, legacy = int(found[0]), str(found[1]), bool(found[2])
     named = found[7] is not None
-    path = None if named or found[3] is None else str(found[3])
-    proof = blob(found[8]) if named and found[8] is not None else None
+    proof = None if found[8] is None else blob(found[8])
+    path = None if named or proof is not None or found[3] is None else str(found[3])
     if own == (length, tip, legacy):
         # The head this process sealed last (``Sealer.own``): trusted and extended on that
         # alone, so its seal is not decoded (a head each in every batch of a busy writer).
@@ -487,8 +529,10 @@ def _read_at(db: Db, delegation_id: str, found: Any
     entries, bad = [], None
     for r in db.execute("SELECT seq, record, content, pre, hash FROM chain "
                         "WHERE delegation_id = ? ORDER BY seq", (delegation_id,)).fetchall():
-        if type(r[0]) is int and all(isinstance(v, str) for v in r[1:]):
-            entries.append(chain.Entry(r[0], r[1], r[2], r[3], r[4]))
+        if type(r[0]) is int and isinstance(r[1], str) and all(
+                isinstance(v, bytes | bytearray | memoryview) for v in r[2:]):
+            entries.append(chain.Entry(r[0], r[1], bytes(r[2]).hex(), bytes(r[3]).hex(),
+                                       bytes(r[4]).hex()))
         elif bad is None:
             bad = f"chain entry {r[0]!r} is malformed (a column of the wrong type: written by hand)"
     rows: dict[str, str] = {}

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from tether._core.errors import JournalError
 from tether._journal import sqlite as sqlite_backend
 from tether._journal.runner import Backlog, Done, Op, Runner, _settle
+from tether._journal.tables import Step, send_each
 
 T = TypeVar("T")
 Loss = Literal["before", "after"] | None
@@ -146,6 +147,9 @@ class _Conn:
 
     def server_time(self) -> None:  # a simulation's processes share the loop's clock
         return None
+
+    def send(self, steps: Sequence[Step]) -> None:
+        send_each(self, steps)
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if self.closed:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
@@ -37,6 +37,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
 from tether._journal.runner import BACKOFF_FIRST, Retry
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
+from tether._journal.tables import Step
 from tether._journal.writer import ThreadRunner
 
 T = TypeVar("T")
@@ -69,6 +70,16 @@ class PgDb:
     def executemany(self, statement: str, params: Any) -> None:
         """One statement for many rows, pipelined by psycopg: one round trip."""
         self._conn.cursor().executemany(translate(statement), params)
+
+    def send(self, steps: Sequence[Step]) -> None:
+        """Pipelined: sent together, their results awaited once (an error raises here)."""
+        with self._conn.pipeline():
+            cur = self._conn.cursor()
+            for sql, params, many in steps:
+                if many:
+                    cur.executemany(translate(sql), params)
+                else:
+                    cur.execute(translate(sql), params)
 
     def server_time(self) -> float:
         """The database server's clock: one clock that every host's process can read."""

@@ -6,7 +6,7 @@ import contextlib
 import os
 import sqlite3
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from tether._core.errors import (
 )
 from tether._journal import wake
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
+from tether._journal.tables import Step, send_each
 from tether._journal.writer import ThreadRunner
 
 SIDECARS = ("-wal", "-shm")  # what SQLite keeps beside the journal in WAL mode
@@ -239,6 +240,9 @@ class SqliteDb:
 
     def server_time(self) -> None:  # the processes of a file share their host's clock
         return None
+
+    def send(self, steps: Sequence[Step]) -> None:
+        send_each(self, steps)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -55,6 +55,22 @@ class Conn(Db, Protocol):
         """The database server's clock, which every host shares (PostgreSQL); None where
         the processes share the host's clock (SQLite)."""
 
+    def send(self, steps: Sequence[Step], /) -> None:
+        """Statements whose results nobody reads, in order: one round trip on PostgreSQL."""
+
+
+# (sql, params, many): one statement, or one for each of many rows (``Conn.send``).
+Step = tuple[str, Any, bool]
+
+
+def send_each(db: Any, steps: Sequence[Step]) -> None:
+    """``Conn.send`` where a statement costs no round trip (SQLite): one after another."""
+    for sql, params, many in steps:
+        if many:
+            db.executemany(sql, params)
+        else:
+            db.execute(sql, params)
+
 
 # A worker whose lease ran out is fenced by the journal itself: a paused process that wakes up
 # after others presumed it dead cannot act, whether or not anybody reconciled it yet.
