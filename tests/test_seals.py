@@ -67,26 +67,45 @@ async def test_a_commits_heads_share_one_seal_and_no_seal_outlives_its_heads(
     assert (code, data["problems"]) == (0, []), data
 
 
-async def test_a_seal_another_process_moved_off_goes_with_the_next_prune(
+async def test_a_seal_goes_with_the_last_head_that_names_it_whoever_moves_it(
         journal_url: str) -> None:
-    """Process A seals two delegations' heads in one commit; process B extends both: A's
-    seal is named by no head, and A (which counts only its own moves) keeps it. A prune takes
-    it, and the seal of the pruned trees' heads with it; the journal still verifies."""
+    """Process A seals two delegations' heads in one commit; process B (with no memory of
+    A's seals) moves one, then the other: the seal stays while a head names it and goes in
+    the commit that moves the last."""
     _, once = one_refund("PR")
-
-
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
         h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
         await h.result()
         await g.result()
         await sup.journal._write(notes(h.id, g.id))
         await sup.journal.flush()
-        assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") == 1
+        (seal_id,) = await sup.journal._read(lambda db: [r[0] for r in db.execute(
+            "SELECT id FROM chain_seals").fetchall()])
         keys = sup.keys
         async with Journal(journal_url) as other:
             other.seal_with(keys.signer, keys.trusted)
-            await other._write(notes(h.id, g.id))
-            await other.flush()
+            await other._write(notes(h.id))
+            assert await scalar(other, "SELECT COUNT(*) FROM chain_seals WHERE id = ?",
+                                seal_id) == 1
+            await other._write(notes(g.id))
+            assert await scalar(other, "SELECT COUNT(*) FROM chain_seals WHERE id = ?",
+                                seal_id) == 0
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+async def test_a_prune_takes_every_seal_no_head_names(journal_url: str) -> None:
+    """A seal left by two writers that each saw the other's head still naming it (written
+    here by hand, as they leave it) goes with the next prune, and so do the pruned trees'."""
+    _, once = one_refund("PS")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
+        await h.result()
+        await g.result()
+        await sup.journal._write(notes(h.id, g.id))
+        await sup.journal.flush()
+        await raw(sup.journal, "INSERT INTO chain_seals (id, seal, signer, signature) SELECT "
+                  "id + 1, seal, signer, signature FROM chain_seals")
         assert await scalar(sup.journal, ORPHANS) == 1
         code, data = await verify_json(journal_url)
         assert (code, data["problems"]) == (0, []), data
@@ -101,6 +120,51 @@ async def test_a_seal_another_process_moved_off_goes_with_the_next_prune(
         assert await scalar(j, "SELECT COUNT(*) FROM chain_seals") == 0
     code, data = await verify_json(journal_url)
     assert (code, data["problems"]) == (0, []), data
+
+
+async def test_a_commit_lost_with_the_server_leaves_its_seal_named_and_kept(
+        journal_url: str) -> None:
+    """A relaxed commit (``synchronous_commit=off``, the MCP proxy's receipts) moves two
+    heads off their shared seal; the server then loses it (emulated: its rows put back as a
+    crash leaves them). The heads name the seal again: the writer's later commits and
+    flushes must keep it, and the chains read clean; a later genuine move deletes it."""
+    _, once = one_refund("RL")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        j = sup.journal
+        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
+        await h.result()
+        await g.result()
+        await j._write(notes(h.id, g.id))
+        await j.flush()
+        seal_id = await scalar(j, "SELECT seal_id FROM chain_heads WHERE delegation_id = ?",
+                               h.id)
+        heads = await j._read(lambda db: db.execute(
+            "SELECT delegation_id, length, hash, seal_id, proof FROM chain_heads "
+            "WHERE delegation_id IN (?, ?)", (h.id, g.id)).fetchall())
+        last_event = await scalar(j, "SELECT MAX(id) FROM events")
+        seal = await j._read(lambda db: db.execute(
+            "SELECT id, seal, signer, signature FROM chain_seals WHERE id = ?",
+            (seal_id,)).fetchone())
+        await j._runner.submit(notes(h.id, g.id), write=True, relaxed=True)  # committed
+        moved_to = await scalar(j, "SELECT seal_id FROM chain_heads WHERE delegation_id = ?",
+                                h.id)
+        # The server crashes before that commit reached its disk: lost, with its seal.
+        await raw(j, "DELETE FROM events WHERE id > ?", last_event)
+        for d, length, tip, named, proof in heads:
+            await raw(j, "DELETE FROM chain WHERE delegation_id = ? AND seq > ?", d, length)
+            await raw(j, "UPDATE chain_heads SET length = ?, hash = ?, seal_id = ?, proof = ? "
+                      "WHERE delegation_id = ?", length, tip, named, bytes(proof), d)
+        await raw(j, "DELETE FROM chain_seals WHERE id = ?", moved_to)
+        if not await scalar(j, "SELECT COUNT(*) FROM chain_seals WHERE id = ?", seal_id):
+            await raw(j, "INSERT INTO chain_seals (id, seal, signer, signature) "
+                      "VALUES (?, ?, ?, ?)", *seal)  # its deletion was lost with it
+        for _ in range(20):  # the writer goes on, here on another delegation, and flushes
+            other = await sup.delegate(once, tools=[refund])
+            await other.result()
+        await j.flush()
+        assert await scalar(j, "SELECT COUNT(*) FROM chain_seals WHERE id = ?", seal_id) == 1
+        code, data = await verify_json(journal_url)
+        assert (code, data["problems"]) == (0, []), data
 
 
 async def to_schema_6(j: Journal) -> None:
@@ -134,6 +198,7 @@ async def to_schema_6(j: Journal) -> None:
     await raw(j, "DROP TABLE chain")
     await raw(j, "ALTER TABLE chain6 RENAME TO chain")
     await raw(j, "DROP TABLE chain_seals")
+    await raw(j, "DROP INDEX chain_heads_seal")
     await raw(j, "ALTER TABLE chain_heads DROP COLUMN seal_id")
     await raw(j, "ALTER TABLE chain_heads DROP COLUMN proof")
     await raw(j, "UPDATE tether_meta SET value = '6' WHERE key = 'schema_version'")
@@ -179,14 +244,16 @@ def test_the_seal_attacks_are_in_the_tamper_catalogue() -> None:
 
 async def test_an_entry_written_by_hand_as_other_text_is_upgraded_and_named(
         journal_url: str) -> None:
-    """A schema 6 chain entry whose hash is not lowercase hex (written by hand): the upgrade
-    keeps it as its bytes rather than failing to open the journal, and verify names it."""
+    """A schema 6 chain entry whose hash is not lowercase hex (written by hand; on SQLite not
+    even UTF-8): the upgrade keeps it as its bytes rather than failing to open the journal,
+    and verify names it."""
     _, once = one_refund("V6G")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
         h = await sup.delegate(once, tools=[refund])
         await h.result()
         await to_schema_6(sup.journal)
-        await raw(sup.journal, "UPDATE chain SET content = 'NOT HEX' WHERE delegation_id = ? "
+        garbage = "CAST(X'FF' AS TEXT)" if journal_url.startswith("sqlite") else "'NOT HEX'"
+        await raw(sup.journal, f"UPDATE chain SET content = {garbage} WHERE delegation_id = ? "
                   "AND seq = 1", h.id)
     code, data = await verify_json(journal_url)
     assert code == 1 and any(p["delegation"] == h.id for p in data["problems"]), data

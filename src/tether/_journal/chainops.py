@@ -35,6 +35,14 @@ from tether._journal.tables import Conn, Db, Step, Tx, blob, chunks, marks
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
 _UNNAMED = (None, None, None)  # a head's seal columns when it names no seal row
+_NONE = (None,) * 10  # a head not found (made in this transaction)
+# A seal goes in the commit that moves the last head naming it (whoever's it was): judged by
+# the heads as they are, so a seal a head still names stays whatever any process remembers
+# (a commit lost with a server, a restart). One a rival is deleting meanwhile is skipped
+# (PostgreSQL: no wait, so no deadlock); left over, it goes with a prune.
+_UNNAMED_SEALS = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
+                  "id IN ({}) AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE h.seal_id = "
+                  "s.id) /*SKIP s*/)")
 _NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLICT DO NOTHING")
 # A head as ``_head`` decodes it: its own columns, then the seal it names (version 7), read
 # in one statement (one moment, at READ COMMITTED). A head is locked by a statement on its
@@ -65,21 +73,11 @@ class Sealer:
     heads it sealed itself (those it extends without checking their seal again)."""
 
     MEMO = 100_000
-    SWEEP = 16
 
     def __init__(self) -> None:
         self.signer: SigningKey | None = None
         self.pins: TrustedKeys | None = None
         self.own: dict[str, tuple[int, str, bool]] = {}  # length, hash, legacy
-        # The seals this process wrote, and how many heads it sealed with each that it has not
-        # moved since: a seal goes once none is left. Another process moving one of them
-        # leaves the count high (the seal stays until a prune), never low. Which seal each
-        # head in ``own`` was sealed with: a head is counted off only while it is that one.
-        self.seals: dict[int, int] = {}
-        self.sealed_with: dict[str, int] = {}
-        # This process's seals no head names any more, deleted ``SWEEP`` at a time (a
-        # statement a batch saved): a seal nobody names is never named again.
-        self.unnamed: set[int] = set()
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
@@ -227,14 +225,6 @@ def read_back(db: Db, sealer: Sealer) -> None:
     """At a flush, everything queued before it has committed or failed: remember each head
     sealed and not yet confirmed whose entry the journal holds as sealed (the others never
     committed). Run by the writer thread, inside the flush's transaction."""
-    if sealer.unnamed:  # and the seals nobody names go, rather than wait for more of them
-        gone = sorted(sealer.unnamed)
-        for part in chunks(gone):
-            db.execute(f"DELETE FROM chain_seals WHERE id IN ({marks(part)})", tuple(part))
-        if isinstance(db, Tx):
-            db.after.append(functools.partial(sealer.unnamed.difference_update, gone))
-        else:
-            sealer.unnamed.difference_update(gone)
     witness, pending = sealer.witness, sealer.unconfirmed
     sealer.unconfirmed = {}
     if witness is None:
@@ -375,7 +365,8 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
     moved = [(d, *ends[d]) for d in ids if d in ends]
     if not moved:
         return
-    left = _left(sealer, [(d, found_heads[d][7]) for d, *_ in moved if d in ours])
+    # The seals the moved heads named: each goes in this commit if no head names it now.
+    was = sorted({s for d, *_ in moved if type(s := found_heads.get(d, _NONE)[7]) is int})
     steps: list[Step] = []
     if signer is None:
         steps.append(("UPDATE chain_heads SET length = ?, hash = ?, path = NULL, seal = NULL, "
@@ -408,60 +399,23 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
             "signer = NULL, signature = NULL, seal_id = ?, proof = ? WHERE delegation_id = ?",
             [(length, tip, new, proof, delegation_id)
              for (delegation_id, length, tip, _), proof in zip(moved, proofs, strict=True)], True))
-    unnamed = sealer.unnamed | {k for k, n in left.items() if n == 0} if left else \
-        sealer.unnamed
-    gone = sorted(unnamed) if len(unnamed) >= sealer.SWEEP else []
-    for few in chunks(gone) if gone else ():  # every head sealed with them moved on
-        steps.append((f"DELETE FROM chain_seals WHERE id IN ({marks(few)})", tuple(few), False))
+    for few in chunks(was) if was else ():
+        steps.append((_UNNAMED_SEALS.format(marks(few)), tuple(few), False))
     db.send(steps)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
         # The heads this process sealed are its own once they committed: a batch whose
         # COMMIT fails leaves heads that never were, which an intruder could write in.
-        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed, left, new, gone))
+        db.after.append(functools.partial(_sealed, sealer, moved, db.relaxed))
     else:
-        _sealed(sealer, moved, False, left, new, gone)
+        _sealed(sealer, moved, False)
 
 
-def _left(sealer: Sealer, moved: Sequence[tuple[str, Any]]) -> dict[int, int]:
-    """How many heads sealed here would still name each of this process's seals that the
-    moved heads named (``moved``: heads as this process sealed them last, and the seal id
-    each names)."""
-    left: dict[int, int] = {}
-    for delegation_id, seal_id in moved:
-        count = sealer.seals.get(seal_id)
-        if count is not None and sealer.sealed_with.get(delegation_id) == seal_id:
-            left[seal_id] = left.get(seal_id, count) - 1
-    return left
-
-
-def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool,
-            left: Mapping[int, int], new: int | None, gone: list[int]) -> None:
+def _sealed(sealer: Sealer, moved: list[tuple[str, int, str, bool]], relaxed: bool) -> None:
     if not relaxed:
         sealer.synced()  # this batch wrote (its chain entries) and waited for the disk
     for delegation_id, length, tip, legacy in moved:
         sealer.sealed(delegation_id, length, tip, legacy, relaxed)
-    seals, sealed_with = sealer.seals, sealer.sealed_with
-    for seal_id, n in left.items():
-        if seal_id in seals:
-            if n > 0:
-                seals[seal_id] = n
-            else:
-                del seals[seal_id]
-                sealer.unnamed.add(seal_id)
-    sealer.unnamed.difference_update(gone)
-    if len(sealer.unnamed) >= sealer.MEMO:
-        sealer.unnamed.clear()
-    if len(seals) >= sealer.MEMO or len(sealed_with) >= sealer.MEMO:
-        seals.clear()  # forgotten: those seals stay until a prune, nothing worse
-        sealed_with.clear()
-    for delegation_id, *_ in moved:
-        if new is None:
-            sealed_with.pop(delegation_id, None)
-        else:
-            sealed_with[delegation_id] = new
-    if new is not None:
-        seals[new] = len(moved)
 
 
 def _head(found: Any, own: tuple[int, str, bool] | None = None) -> chain.Head:

@@ -186,11 +186,11 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
     # left pointing at a deleted parent; the tasks stay (their ids are never handed out again).
     for part in chunks(gone[::-1], 10_000):
         db.execute(f"DELETE FROM delegations WHERE id IN ({', '.join('?' * len(part))})", part)
-    # The seals no head names any more: its heads pruned, or moved on by another process than
-    # the one that wrote it (which deletes its own when it moves the last). A seal still being
-    # written has no committed row yet; one its writer is deleting now is skipped.
-    db.execute("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE id "
-               "NOT IN (SELECT seal_id FROM chain_heads WHERE seal_id IS NOT NULL) /*SKIP s*/)")
+    # The seals no head names any more: their heads pruned, or moved on by commits that could
+    # not tell (a rival deleting it meanwhile). A seal still being written has no committed
+    # row yet; one a writer is deleting now is skipped.
+    db.execute("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE NOT "
+               "EXISTS (SELECT 1 FROM chain_heads h WHERE h.seal_id = s.id) /*SKIP s*/)")
     summary = {"before": before, "roots": len(root_ids) - len(kept), "delegations": len(gone),
                "actions": n_actions, "kept": kept, **({"archive": archive} if archive else {})}
     event(db, now, "pruned", None, None, **summary)

@@ -186,6 +186,8 @@ MIGRATIONS: dict[int, tuple[str | dict[str, tuple[str, ...]], ...]] = {
         {"sqlite": ("ALTER TABLE chain_heads ADD COLUMN seal_id INTEGER",),
          "postgresql": ("ALTER TABLE chain_heads ADD COLUMN seal_id BIGINT",)},
         """ALTER TABLE chain_heads ADD COLUMN proof BLOB""",
+        # Whether a head still names a seal, asked when one moves off it and by a prune.
+        """CREATE INDEX chain_heads_seal ON chain_heads(seal_id) WHERE seal_id IS NOT NULL""",
         {"sqlite": (
             """CREATE TABLE chain_next (
                 delegation_id TEXT NOT NULL,
@@ -195,8 +197,9 @@ MIGRATIONS: dict[int, tuple[str | dict[str, tuple[str, ...]], ...]] = {
                 pre BLOB NOT NULL,
                 hash BLOB NOT NULL,
                 PRIMARY KEY (delegation_id, seq))""",
-            """INSERT INTO chain_next SELECT delegation_id, seq, record, tether_unhex(content),
-                tether_unhex(pre), tether_unhex(hash) FROM chain""",
+            """INSERT INTO chain_next SELECT delegation_id, seq, record,
+                tether_unhex(CAST(content AS BLOB)), tether_unhex(CAST(pre AS BLOB)),
+                tether_unhex(CAST(hash AS BLOB)) FROM chain""",
             "DROP TABLE chain",
             "ALTER TABLE chain_next RENAME TO chain"),
          "postgresql": (
@@ -222,13 +225,14 @@ def statements(step: str | dict[str, tuple[str, ...]], dialect: str) -> tuple[st
     return step[dialect] if isinstance(step, dict) else (ddl(step, dialect),)
 
 
-_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_HEX = re.compile(rb"(?:[0-9a-f]{2})*")
 
 
 def _unhex(value: object) -> object:
-    """A hash as its bytes (version 7); anything else as its own bytes, named by verify."""
-    if isinstance(value, str):
-        return bytes.fromhex(value) if _HEX.fullmatch(value) else value.encode()
+    """A hash as its bytes (version 7); anything else as its own bytes, named by verify.
+    Given as bytes (``CAST(.. AS BLOB)``): a TEXT value written by hand need not be UTF-8."""
+    if isinstance(value, bytes) and _HEX.fullmatch(value):
+        return bytes.fromhex(value.decode("ascii"))
     return value
 
 
