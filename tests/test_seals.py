@@ -145,7 +145,9 @@ async def test_a_commit_lost_with_the_server_leaves_its_seal_named_and_kept(
         seal = await j._read(lambda db: db.execute(
             "SELECT id, seal, signer, signature FROM chain_seals WHERE id = ?",
             (seal_id,)).fetchone())
-        await j._runner.submit(notes(h.id, g.id), write=True, relaxed=True)  # committed
+        posted = j._runner.submit(notes(h.id, g.id), write=True, relaxed=True)
+        assert posted is not None
+        await posted  # committed, not waiting for the disk
         moved_to = await scalar(j, "SELECT seal_id FROM chain_heads WHERE delegation_id = ?",
                                 h.id)
         # The server crashes before that commit reached its disk: lost, with its seal.
