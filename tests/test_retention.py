@@ -325,3 +325,86 @@ def test_an_archive_holds_every_tree_a_prune_takes(tmp_path: Path) -> None:
     archived = {r["id"] for r in map(json.loads, archive.read_text().splitlines())
                 if r["record"] == "delegation"}
     assert (result["roots"], result["delegations"]) == (2, 2) and archived == {first, second}
+
+
+async def test_a_tasks_many_roots_are_judged_once_per_prune(sqlite_url: str,
+                                                            monkeypatch: Any) -> None:
+    """A task re-delegated again and again (a Temporal cron, a person asked each time) has a
+    root per epoch, and its trees go together. A prune or its dry run listing all K of them
+    judges that group once, not once per listed root (K x the group's K subtrees each time,
+    read twice: about 2K^2 subtree reads, minutes for a long-lived cron)."""
+    from tether._journal import retention
+
+    @tether.agent()
+    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
+        return "fine" if resume == {"q": "last"} else tether.Interrupted({"q": "?"})
+
+    judged: list[set[str]] = []
+    real = retention._trees
+
+    def counted(db: Any, roots: set[str], *rest: Any) -> Any:
+        judged.append(roots)
+        return real(db, roots, *rest)
+
+    monkeypatch.setattr(retention, "_trees", counted)
+    async with tether.Supervisor(sqlite_url, recover=False) as sup:
+        handle = await sup.delegate(asker)
+        await handle.wait()
+        ids = [handle.id]
+        for n in range(7):
+            handle = await handle.redelegate(resume="last" if n == 6 else "again")
+            await handle.wait()
+            ids.append(handle.id)
+        assert await handle.result() == "fine"
+        later = time.time() + 10**6
+        judged.clear()
+        assert sorted(await sup.journal.prunable(ids, later, later)) == sorted(ids)
+        assert len(judged) <= 2, len(judged)
+        judged.clear()
+        done = await sup.journal.prune(ids, later, later, None)
+        assert (done["roots"], done["kept"]) == (8, [])
+        assert len(judged) <= 2, len(judged)
+
+
+async def test_a_group_that_may_not_go_is_judged_once_and_every_listed_root_kept(
+        sqlite_url: str, monkeypatch: Any) -> None:
+    """The same task, its last epoch still running: no epoch may go (the last replays their
+    receipts), each listed root is reported kept, and the group is judged once."""
+    from tether._journal import retention
+
+    gate = asyncio.Event()
+
+    @tether.agent()
+    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
+        if resume == {"q": "last"}:
+            await gate.wait()
+            return "fine"
+        return tether.Interrupted({"q": "?"})
+
+    judged: list[set[str]] = []
+    real = retention._trees
+
+    def counted(db: Any, roots: set[str], *rest: Any) -> Any:
+        judged.append(roots)
+        return real(db, roots, *rest)
+
+    monkeypatch.setattr(retention, "_trees", counted)
+    async with tether.Supervisor(sqlite_url, recover=False) as sup:
+        handle = await sup.delegate(asker)
+        await handle.wait()
+        ids = [handle.id]
+        for n in range(5):
+            handle = await handle.redelegate(resume="last" if n == 4 else "again")
+            if n < 4:
+                await handle.wait()
+            ids.append(handle.id)
+        later = time.time() + 10**6
+        judged.clear()
+        assert await sup.journal.prunable(ids, later, later) == []
+        assert len(judged) <= 2, len(judged)
+        judged.clear()
+        done = await sup.journal.prune(ids, later, later, None)
+        assert (done["roots"], sorted(done["kept"])) == (0, sorted(ids))
+        assert len(judged) <= 2, len(judged)
+        gate.set()
+        assert await handle.result() == "fine"

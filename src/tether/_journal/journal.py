@@ -415,8 +415,13 @@ class Journal(JournalAccess):
 
         def op(db: Any) -> list[str]:
             found: dict[str, None] = {}
+            judged: set[str] = set()  # the ids of every group judged: each judged once
             for root in root_ids:
-                ids = retention.tree_prunable(db, root, before, now, self.clock_tolerance)
+                if root in judged:
+                    continue
+                ids = retention.tree_prunable(db, root, before, now, self.clock_tolerance,
+                                              judged)
+                judged.add(root)
                 if ids is not None:
                     found[root] = None
                     found.update(dict.fromkeys(sorted(retention.roots_of(db, ids))))

@@ -77,11 +77,13 @@ def roots_of(db: Db, ids: list[str]) -> set[str]:
 _TOGETHER = 1000
 
 
-def _trees(db: Db, roots: set[str]) -> tuple[list[str], dict[str, bool]] | None:
+def _trees(db: Db, roots: set[str], group: set[str] | None = None
+           ) -> tuple[list[str], dict[str, bool]] | None:
     """The trees of ``roots``, grown until no task of theirs has a delegation in a tree left
     out: their ids (each tree parents first) and whether each node's tree is superseded (its
-    root's epoch was re-delegated since; a node's own epoch counts its own task's moves)."""
-    superseded: dict[str, bool] = {}
+    root's epoch was re-delegated since; a node's own epoch counts its own task's moves).
+    ``group`` gets every id read, also when there are too many trees to judge together."""
+    superseded = {} if group is None else _Noting(group)
     read: set[str] = set()  # roots whose trees are read already
     new = set(roots)
     while new:
@@ -108,8 +110,20 @@ def _trees(db: Db, roots: set[str]) -> tuple[list[str], dict[str, bool]] | None:
     return list(superseded), superseded
 
 
+class _Noting(dict[str, bool]):
+    """A dict that notes each key set in ``into`` as well."""
+
+    def __init__(self, into: set[str]) -> None:
+        super().__init__()
+        self.into = into
+
+    def __setitem__(self, key: str, value: bool) -> None:
+        self.into.add(key)
+        super().__setitem__(key, value)
+
+
 def tree_prunable(db: Db, root_id: str, before: float, now: float,
-                  tolerance: float) -> list[str] | None:
+                  tolerance: float, group: set[str] | None = None) -> list[str] | None:
     """The ids of the trees that go with ``root_id``'s if they may all be pruned, else None.
 
     A task's idempotency keys (``task:tool:n``) are shared by all its attempts and epochs: a
@@ -118,11 +132,12 @@ def tree_prunable(db: Db, root_id: str, before: float, now: float,
     child workflow). So a tree goes only with every tree that holds a delegation of one of its
     tasks (all roots of its task, each with its subtree, and so on), and only if all of them
     may go: pruning one while another may still call would have the journal forget a payment
-    and run it again."""
+    and run it again. ``group`` gets the ids of every tree judged with it (whatever the
+    verdict: the same for each root among them), so a caller judges a group once."""
     if db.execute("SELECT 1 FROM delegations WHERE id = ? AND parent_id IS NULL",
                   (root_id,)).fetchone() is None:
         return None
-    found = _trees(db, {root_id})
+    found = _trees(db, {root_id}, group)
     if found is None or not found[0]:
         return None
     ids, superseded = found
@@ -157,17 +172,23 @@ def prune(db: Db, root_ids: list[str], before: float, now: float,
     and record what went, and where its archive is, as a ``pruned`` event that stays."""
     gone: list[str] = []
     kept: list[str] = []
-    seen: set[str] = set()  # a task's other attempts go with the first of them listed
     listed = set(root_ids)
+    judged: dict[str, bool] = {}  # each id of a group judged, and whether the group goes
     for root in root_ids:
-        ids = tree_prunable(db, root, before, now, tolerance)
-        if ids is None or not roots_of(db, ids) <= listed:
+        if root in judged:  # with a root listed before it (a task's other attempts)
+            if not judged[root]:
+                kept.append(root)
+            continue
+        group: set[str] = set()
+        ids = tree_prunable(db, root, before, now, tolerance, group)
+        goes = ids is not None and roots_of(db, ids) <= listed
+        judged.update(dict.fromkeys(group | {root}, goes))
+        if not goes:
             # Not prunable, or it goes only with a tree the caller did not list (and so did
             # not archive): kept. ``Journal.prunable`` lists every root that goes with each.
             kept.append(root)
         else:
-            gone.extend(i for i in ids if i not in seen)
-            seen.update(ids)
+            gone.extend(ids or ())
     n_actions = 0
     for part in chunks(gone):
         marks = ", ".join("?" * len(part))
