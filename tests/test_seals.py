@@ -286,3 +286,28 @@ async def test_a_shared_seal_deleted_or_rewritten_is_named_for_every_head_it_sea
     code, data = await verify_json(journal_url)
     assert code == 1 and {p["delegation"] for p in data["problems"]} == {h.id, g.id}, data
     assert all("not sealed" in p["problem"] for p in data["problems"]), data
+
+
+async def test_a_seal_left_by_rival_commits_is_found_without_a_prune(
+        journal_url: str, monkeypatch: Any) -> None:
+    """Two commits that each saw the other's head still naming a seal leave it (written here
+    by hand, as they leave it). A writer's later commits sweep a slice of the seals' ids now
+    and then (here: every commit, and the slice up to the highest id), without a prune."""
+    from tether._journal import chainops
+
+    monkeypatch.setattr(chainops, "_SWEEP_EVERY", 1)
+    monkeypatch.setattr(chainops, "_SLICE", 2**63 - 1)
+    _, once = one_refund("SW")
+    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
+        await h.result()
+        await g.result()
+        await sup.journal._write(notes(h.id, g.id))
+        await raw(sup.journal, "INSERT INTO chain_seals (id, seal, signer, signature) SELECT "
+                  "?, seal, signer, signature FROM chain_seals", 2**63 - 1)
+        assert await scalar(sup.journal, ORPHANS) == 1
+        await sup.journal._write(notes(h.id, g.id))
+        assert await scalar(sup.journal, ORPHANS) == 0
+        assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") == 1
+    code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data

@@ -40,6 +40,10 @@ _NONE = (None,) * 10  # a head not found (made in this transaction)
 # the heads as they are, so a seal a head still names stays whatever any process remembers
 # (a commit lost with a server, a restart). One a rival is deleting meanwhile is skipped
 # (PostgreSQL: no wait, so no deadlock); left over, it goes with a prune.
+_UNNAMED_SLICE = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
+                  "id BETWEEN ? AND ? AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE "
+                  "h.seal_id = s.id) /*SKIP s*/)")
+_SWEEP_EVERY, _SLICE = 64, 2**63 // 256  # a 256th of the seals every 64 shared seals
 _UNNAMED_SEALS = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
                   "id IN ({}) AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE h.seal_id = "
                   "s.id) /*SKIP s*/)")
@@ -78,6 +82,7 @@ class Sealer:
         self.signer: SigningKey | None = None
         self.pins: TrustedKeys | None = None
         self.own: dict[str, tuple[int, str, bool]] = {}  # length, hash, legacy
+        self.shared = 0  # the commits it sealed with a seal row (shared by their heads)
         # Heads sealed whose commit nobody has confirmed yet (a batch of posted writes alone):
         # read back at the next flush. Touched by the writer thread only.
         self.unconfirmed: dict[str, tuple[int, str]] = {}
@@ -388,9 +393,9 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
         root, proofs = chain.merkle_proofs([chain.leaf(*m) for m in moved])
         signed = signer.sign(ChainSeal(root, len(moved), now))
         # Its id from its signature, not from the database: the seal and its heads go in one
-        # round trip. Two seals share an id with odds of 2**-63 (their insert then fails and
-        # the batch runs again, signed anew); ids are never handed out twice by a counter
-        # that a lost commit or a prune could wind back.
+        # round trip. Two seals share an id with odds of 2**-63 (the second insert then fails,
+        # and its batch with it, as a JournalError); no counter a lost commit could wind
+        # back hands an id out twice.
         new = int.from_bytes(hashlib.sha256(signed.signature).digest()[:8], "big") >> 1
         steps.append(("INSERT INTO chain_seals (id, seal, signer, signature) VALUES (?, ?, ?, ?)",
                       (new, signed.body, signed.key_id, signed.signature), False))
@@ -401,6 +406,13 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
              for (delegation_id, length, tip, _), proof in zip(moved, proofs, strict=True)], True))
     for few in chunks(was) if was else ():
         steps.append((_UNNAMED_SEALS.format(marks(few)), tuple(few), False))
+    if new is not None:
+        sealer.shared += 1
+        if sealer.shared % _SWEEP_EVERY == 0:
+            # And, now and then, the unnamed seals of a slice of the ids from this one on:
+            # those two commits left, each seeing the other's head still naming it, are
+            # found without a prune; the seals' ids are spread evenly (hashes).
+            steps.append((_UNNAMED_SLICE, (new, min(new + _SLICE, 2**63 - 1)), False))
     db.send(steps)
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
