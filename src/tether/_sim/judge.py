@@ -17,6 +17,8 @@
   clock (the tool's promise that nothing is sent after it; the provider refuses it, another
   may not);
 - stuck: a delegation not terminal at the end, or a trial that did not quiesce;
+- tampered: a delegation whose chain does not verify at the end (nobody tampers in a trial:
+  a writer that sealed or deleted what it should not, or a false alarm);
 - error: a simulated process raised what its code does not expect (a simulator defect, or a
   core decision that broke an assumption of its callers), or a delegation failed on one of
   the journal's constraints (the schema refused what the runtime decided).
@@ -34,7 +36,7 @@ from tether._core.model import ActionState
 from tether._sim.world import Provider
 
 CLASSES = ("lost", "duplicate", "ghost", "unreconciled", "dishonest", "stuck")
-SIM_CLASSES = (*CLASSES, "error")
+SIM_CLASSES = (*CLASSES, "tampered", "error")
 
 
 class Facts(Protocol):
@@ -73,8 +75,8 @@ class Violation:
 
 def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
           errors: list[str], quiesced: str | None,
-          broken: Sequence[str] = (), neglected: Sequence[str] = ()
-          ) -> list[tuple[str, str]]:
+          broken: Sequence[str] = (), neglected: Sequence[str] = (),
+          tampered: Sequence[str] = ()) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
 
     def flag(kind: str, detail: str) -> None:
@@ -88,6 +90,8 @@ def judge(journal: Facts, provider: Provider, stops: list[tuple[str, int, int]],
         flag("dishonest", promise)
     for call in neglected:
         flag("unreconciled", call)
+    for problem in tampered:
+        flag("tampered", problem)
     for did, state, calls in journal.early:
         flag("dishonest", f"{did} settled {state} while {calls} could still apply")
     for did, state, children in journal.orphans:

@@ -173,6 +173,15 @@ CATALOGUE: tuple[Mutation, ...] = (
        'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
        'asked_at = evidence.get("probed_at")',
        "late_apply,probe_hang,pause,race", 2, 250, 29),
+    _m("seal_unguarded",
+       "a commit deletes the seals its moved heads named without asking whether another head "
+       "still names one (a writer's memory of its own seals, wrong after a commit lost with "
+       "the server, decided it): those heads read as tampered",
+       "_journal.chainops",
+       "        steps.append((_UNNAMED_SEALS.format(marks(few)), tuple(few), False))",
+       '        steps.append((f"DELETE FROM chain_seals WHERE id IN ({marks(few)})", '
+       "tuple(few), False))",
+       "crash,race", 1, 10, 1),
 )
 
 

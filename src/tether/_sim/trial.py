@@ -37,6 +37,7 @@ from tether._core.errors import TetherError
 from tether._core.model import DelegationState, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.signing import TrustedKeys
+from tether._journal import chainops, trustops
 from tether._journal.inline import Bus, Loss, MemorySqlite, shared_database
 from tether._journal.journal import Journal
 from tether._runtime.handle import Handle
@@ -519,6 +520,15 @@ async def _main(t: Trial) -> str | None:
     return quiesced
 
 
+def _chains(db: sqlite3.Connection) -> list[str]:
+    """Each delegation's chain read back as ``tether verify`` reads it, under the trial's key:
+    what does not verify (the journal's own check, on the rows every process wrote)."""
+    _, pins = keys()
+    ids = [r[0] for r in db.execute("SELECT id FROM delegations ORDER BY id").fetchall()]
+    verdicts = chainops.verdicts(db, ids, trustops.registry(db, pins), {}, None)
+    return [f"{v.delegation_id}: {p.record}: {p.problem}" for v in verdicts for p in v.problems]
+
+
 def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
               trace: bool = False) -> TrialResult:
     """Run one trial from its seed and judge it; ``digest`` hashes its step trace."""
@@ -539,7 +549,7 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
               *(f"an exception nobody retrieved: {e}" for e in t.loop.errors),
               *(f"production code reached for {r}" for r in t.loop.refused)]
     found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced, t.broken,
-                  t.neglected)
+                  t.neglected, _chains(t.anchor))
     t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
                    commits=t.commits.seq, actions=len(t.commits.intents))
     with contextlib.suppress(sqlite3.Error):
