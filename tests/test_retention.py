@@ -327,17 +327,9 @@ def test_an_archive_holds_every_tree_a_prune_takes(tmp_path: Path) -> None:
     assert (result["roots"], result["delegations"]) == (2, 2) and archived == {first, second}
 
 
-async def test_a_tasks_many_roots_are_judged_once_per_prune(sqlite_url: str,
-                                                            monkeypatch: Any) -> None:
-    """A task re-delegated again and again (a Temporal cron, a person asked each time) has a
-    root per epoch, and its trees go together. A prune or its dry run listing all K of them
-    judges that group once, not once per listed root (K x the group's K subtrees each time,
-    read twice: about 2K^2 subtree reads, minutes for a long-lived cron)."""
+def judged_groups(monkeypatch: Any) -> list[set[str]]:
+    """The roots each judgement of a group of trees starts from (``retention._trees``)."""
     from tether._journal import retention
-
-    @tether.agent()
-    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
-        return "fine" if resume == {"q": "last"} else tether.Interrupted({"q": "?"})
 
     judged: list[set[str]] = []
     real = retention._trees
@@ -347,14 +339,43 @@ async def test_a_tasks_many_roots_are_judged_once_per_prune(sqlite_url: str,
         return real(db, roots, *rest)
 
     monkeypatch.setattr(retention, "_trees", counted)
-    async with tether.Supervisor(sqlite_url, recover=False) as sup:
-        handle = await sup.delegate(asker)
-        await handle.wait()
-        ids = [handle.id]
-        for n in range(7):
-            handle = await handle.redelegate(resume="last" if n == 6 else "again")
+    return judged
+
+
+async def epochs(sup: tether.Supervisor, n: int, last: Any) -> tuple[list[str], Any]:
+    """A task asked a person ``n`` times (an epoch each, INTERRUPTED), then answered "last"
+    (its last epoch runs ``last``): every root, and the last epoch's handle."""
+
+    @tether.agent()
+    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
+        if resume == {"q": "last"}:
+            return await last()
+        return tether.Interrupted({"q": "?"})
+
+    handle = await sup.delegate(asker)
+    await handle.wait()
+    ids = [handle.id]
+    for k in range(n):
+        handle = await handle.redelegate(resume="last" if k == n - 1 else "again")
+        if k < n - 1:
             await handle.wait()
-            ids.append(handle.id)
+        ids.append(handle.id)
+    return ids, handle
+
+
+async def test_a_tasks_many_roots_are_judged_once_per_prune(sqlite_url: str,
+                                                            monkeypatch: Any) -> None:
+    """A task re-delegated again and again (a Temporal cron, a person asked each time) has a
+    root per epoch, and its trees go together. A prune or its dry run listing all K of them
+    judges that group once, not once per listed root (K x the group's K subtrees each time,
+    read twice: about 2K^2 subtree reads, minutes for a long-lived cron)."""
+
+    async def fine() -> str:
+        return "fine"
+
+    judged = judged_groups(monkeypatch)
+    async with tether.Supervisor(sqlite_url, recover=False) as sup:
+        ids, handle = await epochs(sup, 7, fine)
         assert await handle.result() == "fine"
         later = time.time() + 10**6
         judged.clear()
@@ -370,34 +391,15 @@ async def test_a_group_that_may_not_go_is_judged_once_and_every_listed_root_kept
         sqlite_url: str, monkeypatch: Any) -> None:
     """The same task, its last epoch still running: no epoch may go (the last replays their
     receipts), each listed root is reported kept, and the group is judged once."""
-    from tether._journal import retention
-
     gate = asyncio.Event()
 
-    @tether.agent()
-    async def asker(ctx: tether.Context, resume: Any = None) -> Any:
-        if resume == {"q": "last"}:
-            await gate.wait()
-            return "fine"
-        return tether.Interrupted({"q": "?"})
+    async def waits() -> str:
+        await gate.wait()
+        return "fine"
 
-    judged: list[set[str]] = []
-    real = retention._trees
-
-    def counted(db: Any, roots: set[str], *rest: Any) -> Any:
-        judged.append(roots)
-        return real(db, roots, *rest)
-
-    monkeypatch.setattr(retention, "_trees", counted)
+    judged = judged_groups(monkeypatch)
     async with tether.Supervisor(sqlite_url, recover=False) as sup:
-        handle = await sup.delegate(asker)
-        await handle.wait()
-        ids = [handle.id]
-        for n in range(5):
-            handle = await handle.redelegate(resume="last" if n == 4 else "again")
-            if n < 4:
-                await handle.wait()
-            ids.append(handle.id)
+        ids, handle = await epochs(sup, 5, waits)
         later = time.time() + 10**6
         judged.clear()
         assert await sup.journal.prunable(ids, later, later) == []

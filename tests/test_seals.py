@@ -31,6 +31,18 @@ def notes(*ids: str) -> Any:
     return write
 
 
+async def sealed_together(sup: tether.Supervisor, prefix: str) -> tuple[str, str]:
+    """Two delegations that each refunded once, their heads then moved by one commit: one
+    seal row, named by both."""
+    _, once = one_refund(prefix)
+    h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
+    await h.result()
+    await g.result()
+    await sup.journal._write(notes(h.id, g.id))
+    await sup.journal.flush()
+    return h.id, g.id
+
+
 async def scalar(j: Journal, sql: str, *params: Any) -> Any:
     return await j._read(lambda db: db.execute(sql, params).fetchone()[0])
 
@@ -72,22 +84,17 @@ async def test_a_seal_goes_with_the_last_head_that_names_it_whoever_moves_it(
     """Process A seals two delegations' heads in one commit; process B (with no memory of
     A's seals) moves one, then the other: the seal stays while a head names it and goes in
     the commit that moves the last."""
-    _, once = one_refund("PR")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
-        await h.result()
-        await g.result()
-        await sup.journal._write(notes(h.id, g.id))
-        await sup.journal.flush()
+        h, g = await sealed_together(sup, "PR")
         (seal_id,) = await sup.journal._read(lambda db: [r[0] for r in db.execute(
             "SELECT id FROM chain_seals").fetchall()])
         keys = sup.keys
         async with Journal(journal_url) as other:
             other.seal_with(keys.signer, keys.trusted)
-            await other._write(notes(h.id))
+            await other._write(notes(h))
             assert await scalar(other, "SELECT COUNT(*) FROM chain_seals WHERE id = ?",
                                 seal_id) == 1
-            await other._write(notes(g.id))
+            await other._write(notes(g))
             assert await scalar(other, "SELECT COUNT(*) FROM chain_seals WHERE id = ?",
                                 seal_id) == 0
     code, data = await verify_json(journal_url)
@@ -97,13 +104,8 @@ async def test_a_seal_goes_with_the_last_head_that_names_it_whoever_moves_it(
 async def test_a_prune_takes_every_seal_no_head_names(journal_url: str) -> None:
     """A seal left by two writers that each saw the other's head still naming it (written
     here by hand, as they leave it) goes with the next prune, and so do the pruned trees'."""
-    _, once = one_refund("PS")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
-        await h.result()
-        await g.result()
-        await sup.journal._write(notes(h.id, g.id))
-        await sup.journal.flush()
+        await sealed_together(sup, "PS")
         await raw(sup.journal, "INSERT INTO chain_seals (id, seal, signer, signature) SELECT "
                   "id + 1, seal, signer, signature FROM chain_seals")
         assert await scalar(sup.journal, ORPHANS) == 1
@@ -128,28 +130,23 @@ async def test_a_commit_lost_with_the_server_leaves_its_seal_named_and_kept(
     heads off their shared seal; the server then loses it (emulated: its rows put back as a
     crash leaves them). The heads name the seal again: the writer's later commits and
     flushes must keep it, and the chains read clean; a later genuine move deletes it."""
-    _, once = one_refund("RL")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
         j = sup.journal
-        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
-        await h.result()
-        await g.result()
-        await j._write(notes(h.id, g.id))
-        await j.flush()
+        h, g = await sealed_together(sup, "RL")
         seal_id = await scalar(j, "SELECT seal_id FROM chain_heads WHERE delegation_id = ?",
-                               h.id)
+                               h)
         heads = await j._read(lambda db: db.execute(
             "SELECT delegation_id, length, hash, seal_id, proof FROM chain_heads "
-            "WHERE delegation_id IN (?, ?)", (h.id, g.id)).fetchall())
+            "WHERE delegation_id IN (?, ?)", (h, g)).fetchall())
         last_event = await scalar(j, "SELECT MAX(id) FROM events")
         seal = await j._read(lambda db: db.execute(
             "SELECT id, seal, signer, signature FROM chain_seals WHERE id = ?",
             (seal_id,)).fetchone())
-        posted = j._runner.submit(notes(h.id, g.id), write=True, relaxed=True)
+        posted = j._runner.submit(notes(h, g), write=True, relaxed=True)
         assert posted is not None
         await posted  # committed, not waiting for the disk
         moved_to = await scalar(j, "SELECT seal_id FROM chain_heads WHERE delegation_id = ?",
-                                h.id)
+                                h)
         # The server crashes before that commit reached its disk: lost, with its seal.
         await raw(j, "DELETE FROM events WHERE id > ?", last_event)
         for d, length, tip, named, proof in heads:
@@ -160,6 +157,7 @@ async def test_a_commit_lost_with_the_server_leaves_its_seal_named_and_kept(
         if not await scalar(j, "SELECT COUNT(*) FROM chain_seals WHERE id = ?", seal_id):
             await raw(j, "INSERT INTO chain_seals (id, seal, signer, signature) "
                       "VALUES (?, ?, ?, ?)", *seal)  # its deletion was lost with it
+        _, once = one_refund("RL2")
         for _ in range(20):  # the writer goes on, here on another delegation, and flushes
             other = await sup.delegate(once, tools=[refund])
             await other.result()
@@ -263,15 +261,8 @@ async def test_an_entry_written_by_hand_as_other_text_is_upgraded_and_named(
 
 async def test_a_shared_seal_deleted_or_rewritten_is_named_for_every_head_it_sealed(
         journal_url: str) -> None:
-    _, once = one_refund("SH")
-
-
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
-        await h.result()
-        await g.result()
-        await sup.journal._write(notes(h.id, g.id))
-        await sup.journal.flush()
+        h, g = await sealed_together(sup, "SH")
         (seal_id, body), = await sup.journal._read(lambda db: db.execute(
             "SELECT id, seal FROM chain_seals").fetchall())
     code, data = await verify_json(journal_url)
@@ -280,11 +271,11 @@ async def test_a_shared_seal_deleted_or_rewritten_is_named_for_every_head_it_sea
         await raw(j, "UPDATE chain_seals SET seal = ? WHERE id = ?",
                   bytes(body).replace(b'"heads":2', b'"heads":3'), seal_id)
     code, data = await verify_json(journal_url)
-    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h.id, g.id}, data
+    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h, g}, data
     async with Journal(journal_url) as j:
         await raw(j, "DELETE FROM chain_seals")
     code, data = await verify_json(journal_url)
-    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h.id, g.id}, data
+    assert code == 1 and {p["delegation"] for p in data["problems"]} == {h, g}, data
     assert all("not sealed" in p["problem"] for p in data["problems"]), data
 
 
@@ -297,16 +288,12 @@ async def test_a_seal_left_by_rival_commits_is_found_without_a_prune(
 
     monkeypatch.setattr(chainops, "_SWEEP_EVERY", 1)
     monkeypatch.setattr(chainops, "_SLICE", 2**63 - 1)
-    _, once = one_refund("SW")
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h, g = await sup.delegate(once, tools=[refund]), await sup.delegate(once, tools=[refund])
-        await h.result()
-        await g.result()
-        await sup.journal._write(notes(h.id, g.id))
+        h, g = await sealed_together(sup, "SW")
         await raw(sup.journal, "INSERT INTO chain_seals (id, seal, signer, signature) SELECT "
                   "?, seal, signer, signature FROM chain_seals", 2**63 - 1)
         assert await scalar(sup.journal, ORPHANS) == 1
-        await sup.journal._write(notes(h.id, g.id))
+        await sup.journal._write(notes(h, g))
         assert await scalar(sup.journal, ORPHANS) == 0
         assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") == 1
     code, data = await verify_json(journal_url)
