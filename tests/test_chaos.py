@@ -213,3 +213,28 @@ def test_a_hung_orchestrator_leaves_its_threads_stacks(tmp_path: Path) -> None:
         proc.wait()
     assert "the-stuck-task" in stacks and "waiting_here" in stacks, stacks  # its task
     assert "Current thread" in stacks and stacks.index("ready") < stacks.index("Current"), stacks
+
+
+async def test_a_chain_that_does_not_verify_at_the_end_is_judged_tampered(
+        journal_url: str, tmp_path: Path) -> None:
+    """The harness reads every delegation's chain at the end as `tether verify` does: a
+    trial whose journal would fail it (here, a state flipped by hand) is a violation."""
+    import tether
+    from tests.test_trust import raw
+    from tether._chaos.judge import judge, snapshot
+    from tether._chaos.ledger import Ledger
+
+    async def body(ctx: tether.Context) -> str:
+        return "ok"
+
+    async with tether.Supervisor(journal_url) as sup:
+        handle = await sup.delegate(body)
+        await handle.result()
+    ledger, plan = Ledger(tmp_path / "ledger.db"), make_plan(7)
+    snap = await snapshot(journal_url)
+    assert snap.chains == [] and judge(snap, ledger, plan, "ok") == []
+    async with tether.Journal(journal_url) as j:
+        await raw(j, "UPDATE delegations SET state = 'FAILED' WHERE id = ?", handle.id)
+    snap = await snapshot(journal_url)
+    found = judge(snap, ledger, plan, "ok")
+    assert [v.kind for v in found] == ["tampered"] and handle.id in found[0].detail, found

@@ -5,8 +5,9 @@ lost (applied, yet no COMPLETED journal record), duplicate (a key applied more t
 ghost (an intent accepted after its delegation's fence closed, or after a stop of its task
 returned to the process that asked for it, or an effect with no intent), unreconciled (an
 action left PENDING or IN_DOUBT), dishonest (NOT_APPLIED or FAILED for an effect that was
-applied) and stuck (a delegation that never reached a terminal state, an orchestrator or a
-helper process that hung, a recovery that failed).
+applied), stuck (a delegation that never reached a terminal state, an orchestrator or a
+helper process that hung, a recovery that failed) and tampered (a delegation's chain does not
+verify, or reads as rolled back, at the end: nobody tampers in a trial).
 """
 
 from __future__ import annotations

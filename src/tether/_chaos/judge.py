@@ -14,7 +14,7 @@ from tether._journal.rows import ControlRow, DelegationRow, EventRow
 
 __all__ = ["CLASSES", "Snapshot", "Violation", "judge", "snapshot"]
 
-CLASSES = ("lost", "duplicate", "ghost", "unreconciled", "dishonest", "stuck")
+CLASSES = ("lost", "duplicate", "ghost", "unreconciled", "dishonest", "stuck", "tampered")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Snapshot:
     actions: list[ActionRecord]
     controls: list[ControlRow]
     events: list[EventRow]
+    chains: list[str]  # what each delegation's chain check found wrong (``tether verify``'s)
 
 
 async def snapshot(url: str) -> Snapshot:
@@ -44,7 +45,15 @@ async def snapshot(url: str) -> Snapshot:
         actions = await j.actions(ids)
         controls = [c for r in rows for c in await j.controls(r.id)]
         events = await j.events(ids)
-    return Snapshot(rows, actions, controls, events)
+        # Read as `tether verify` reads it, under the deployment's keys and the heads its
+        # configuration remembers: nobody tampers in a trial.
+        try:
+            verdicts = await j.chain_verdicts(ids, tether.KeyRing.load(j.keys_dir).trusted)
+            chains = [f"{v.delegation_id}: {p.record}: {p.problem}"
+                      for v in verdicts for p in v.problems]
+        except tether.TetherError as exc:
+            chains = [f"the chains could not be read: {exc}"]
+    return Snapshot(rows, actions, controls, events, chains)
 
 
 def judge(snap: Snapshot, ledger: Ledger, plan: Plan, outcome: str) -> list[Violation]:
@@ -59,6 +68,8 @@ def judge(snap: Snapshot, ledger: Ledger, plan: Plan, outcome: str) -> list[Viol
 
     if outcome == "hung":
         flag("stuck", "the orchestrator did not finish")
+    for problem in snap.chains:
+        flag("tampered", problem)
     notes = ledger.notes()
     for _, _, what, key, detail in notes:
         if what == "helper_hung":
