@@ -40,7 +40,7 @@ async def test_thirty_trials_find_no_violation(tmp_path: Path) -> None:
     assert result["trials"] == 30
     assert result["violations"] == []
     assert result["counts"] == {"lost": 0, "duplicate": 0, "ghost": 0, "unreconciled": 0,
-                                "dishonest": 0, "stuck": 0}
+                                "dishonest": 0, "stuck": 0, "tampered": 0}
     faults = result["faults"]
     assert isinstance(faults, dict) and sum(f["trials"] for f in faults.values()) == 30
     outcomes = result["outcomes"]
