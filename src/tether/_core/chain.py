@@ -123,12 +123,6 @@ def merkle_proofs(leaves: Sequence[str]) -> tuple[str, list[bytes]]:
     return level[0].hex(), proofs
 
 
-def merkle(leaves: Sequence[str]) -> tuple[str, list[list[list[str]]]]:
-    """``merkle_proofs`` with each path as ``[side, sibling]`` pairs (as ``fold`` takes)."""
-    root, proofs = merkle_proofs(leaves)
-    return root, [_decode_proof(p) for p in proofs]
-
-
 def fold(start: str, path: Iterable[Sequence[str]]) -> str:
     node = start
     for side, sibling in path:

@@ -39,14 +39,15 @@ _NONE = (None,) * 10  # a head not found (made in this transaction)
 # A seal goes in the commit that moves the last head naming it (whoever's it was): judged by
 # the heads as they are, so a seal a head still names stays whatever any process remembers
 # (a commit lost with a server, a restart). One a rival is deleting meanwhile is skipped
-# (PostgreSQL: no wait, so no deadlock); left over, it goes with a prune.
+# (PostgreSQL: no wait, so no deadlock); left over, it goes with a prune or a slice.
+_UNNAMED_SEALS = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
+                  "id IN ({}) AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE h.seal_id = "
+                  "s.id) /*SKIP s*/)")
+# The same for the seals of a slice of the ids, now and then (``seal``).
 _UNNAMED_SLICE = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
                   "id BETWEEN ? AND ? AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE "
                   "h.seal_id = s.id) /*SKIP s*/)")
 _SWEEP_EVERY, _SLICE = 64, 2**63 // 256  # a 256th of the seals every 64 shared seals
-_UNNAMED_SEALS = ("DELETE FROM chain_seals WHERE id IN (SELECT id FROM chain_seals s WHERE "
-                  "id IN ({}) AND NOT EXISTS (SELECT 1 FROM chain_heads h WHERE h.seal_id = "
-                  "s.id) /*SKIP s*/)")
 _NEW_HEAD = CHAIN_HEADS.insert(("delegation_id", "length", "hash"), " ON CONFLICT DO NOTHING")
 # A head as ``_head`` decodes it: its own columns, then the seal it names (version 7), read
 # in one statement (one moment, at READ COMMITTED). A head is locked by a statement on its
