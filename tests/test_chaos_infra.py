@@ -20,7 +20,9 @@ async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Pa
     code, result, err = await chaos("--faults", ",".join(INFRA), "--per-fault", "2",
                                     "--seed", "3", "--journal", base, "--traces",
                                     str(tmp_path), "--trial-timeout", "40")
-    assert code == 0, (err, result["violations"])
+    crashed = [(t["fault"], t["trial_seed"], t.get("error")) for t in result["trials_detail"]
+               if t["outcome"] != "exited"]
+    assert code == 0, (err, result["violations"], crashed)
     assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(INFRA, 2)
     assert result["outcomes"] == {"exited": 8}  # none hung
     for record in result["trials_detail"]:
