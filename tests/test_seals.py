@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -204,20 +205,29 @@ async def to_schema_6(j: Journal) -> None:
     await raw(j, "UPDATE tether_meta SET value = '6' WHERE key = 'schema_version'")
 
 
-async def test_a_journal_whose_heads_kept_their_own_seals_is_upgraded_and_extended(
-        journal_url: str) -> None:
-    _, once = one_refund("V6")
-    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
+async def paid_at_schema_6(url: str, prefix: str, *edits: str) -> str:
+    """A delegation that refunded once, in a journal written back to schema 6's form (then
+    ``edits``, each given its id, made on it as schema 6 holds it): its id."""
+    _, once = one_refund(prefix)
+    async with tether.Supervisor(url, tools=[refund]) as sup:
         h = await sup.delegate(once, tools=[refund])
         await h.result()
         await to_schema_6(sup.journal)
+        for edit in edits:
+            await raw(sup.journal, edit, h.id)
+    return h.id
+
+
+async def test_a_journal_whose_heads_kept_their_own_seals_is_upgraded_and_extended(
+        journal_url: str) -> None:
+    h = await paid_at_schema_6(journal_url, "V6")
     code, data = await verify_json(journal_url)  # opening upgrades; the old seals verify
     assert (code, data["problems"], data["unchained"]) == (0, [], []), data
     async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        await sup.journal._write(lambda db: ops.event(db, time.time(), "note", h.id, None))
+        await sup.journal._write(lambda db: ops.event(db, time.time(), "note", h, None))
         await sup.journal.flush()
         form = await sup.journal._read(lambda db: db.execute(
-            "SELECT path, proof FROM chain_heads WHERE delegation_id = ?", (h.id,)).fetchone())
+            "SELECT path, proof FROM chain_heads WHERE delegation_id = ?", (h,)).fetchone())
         assert form[0] is None and form[1] is not None, form  # the path as bytes now
     code, data = await verify_json(journal_url)
     assert (code, data["problems"], data["unchained"]) == (0, [], []), data
@@ -226,15 +236,11 @@ async def test_a_journal_whose_heads_kept_their_own_seals_is_upgraded_and_extend
 async def test_an_old_form_head_altered_by_hand_is_still_named(journal_url: str) -> None:
     """A head of schema 6's form whose length was changed by hand fails its own seal, as it
     did before the upgrade."""
-    _, once = one_refund("V6X")
-    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(once, tools=[refund])
-        await h.result()
-        await to_schema_6(sup.journal)
+    h = await paid_at_schema_6(journal_url, "V6X")
     async with Journal(journal_url) as j:  # upgraded here
-        await raw(j, "UPDATE chain_heads SET length = length - 1 WHERE delegation_id = ?", h.id)
+        await raw(j, "UPDATE chain_heads SET length = length - 1 WHERE delegation_id = ?", h)
     code, data = await verify_json(journal_url)
-    assert code == 1 and any(p["delegation"] == h.id and p["record"] == "chain"
+    assert code == 1 and any(p["delegation"] == h and p["record"] == "chain"
                              for p in data["problems"]), data
 
 
@@ -247,16 +253,11 @@ async def test_an_entry_written_by_hand_as_other_text_is_upgraded_and_named(
     """A schema 6 chain entry whose hash is not lowercase hex (written by hand; on SQLite not
     even UTF-8): the upgrade keeps it as its bytes rather than failing to open the journal,
     and verify names it."""
-    _, once = one_refund("V6G")
-    async with tether.Supervisor(journal_url, tools=[refund]) as sup:
-        h = await sup.delegate(once, tools=[refund])
-        await h.result()
-        await to_schema_6(sup.journal)
-        garbage = "CAST(X'FF' AS TEXT)" if journal_url.startswith("sqlite") else "'NOT HEX'"
-        await raw(sup.journal, f"UPDATE chain SET content = {garbage} WHERE delegation_id = ? "
-                  "AND seq = 1", h.id)
+    garbage = "CAST(X'FF' AS TEXT)" if journal_url.startswith("sqlite") else "'NOT HEX'"
+    h = await paid_at_schema_6(journal_url, "V6G", f"UPDATE chain SET content = {garbage} "
+                               "WHERE delegation_id = ? AND seq = 1")
     code, data = await verify_json(journal_url)
-    assert code == 1 and any(p["delegation"] == h.id for p in data["problems"]), data
+    assert code == 1 and any(p["delegation"] == h for p in data["problems"]), data
 
 
 async def test_a_shared_seal_deleted_or_rewritten_is_named_for_every_head_it_sealed(
@@ -297,4 +298,50 @@ async def test_a_seal_left_by_rival_commits_is_found_without_a_prune(
         assert await scalar(sup.journal, ORPHANS) == 0
         assert await scalar(sup.journal, "SELECT COUNT(*) FROM chain_seals") == 1
     code, data = await verify_json(journal_url)
+    assert (code, data["problems"]) == (0, []), data
+
+
+async def test_a_writer_stalled_while_its_seal_is_sent_holds_no_lock_past_the_idle_timeout(
+        pg_url: str, monkeypatch: Any) -> None:
+    """A process paused (a VM, SIGSTOP) in the middle of sending a commit's seal, its heads
+    and its deletes: the server must see it idle in its transaction, so that the idle timeout
+    ends the session and frees the heads' locks for the others. Sent as pipelined statements,
+    the first had reached the server with no Sync after it, and the session waited with no
+    timeout, holding the locks for as long as the pause lasted."""
+    import psycopg
+
+    from tests.conftest import PG_URL
+    from tether._journal import postgres
+
+    real, gate, stalled = postgres.translate, threading.Event(), threading.Event()
+
+    def stalling(statement: str) -> str:
+        if statement.startswith("UPDATE chain_heads") and not stalled.is_set():
+            stalled.set()
+            gate.wait(30)  # the process stops here, halfway through the seal's statements
+        return real(statement)
+
+    async with tether.Supervisor(pg_url, tools=[refund]) as sup:
+        h, g = await sealed_together(sup, "ST")
+        schema = sup.journal.url.split("schema=")[1].split("&")[0]
+        monkeypatch.setattr(postgres, "translate", stalling)
+        written = asyncio.ensure_future(sup.journal._write(notes(h, g)))
+        await asyncio.get_running_loop().run_in_executor(None, stalled.wait, 30)
+
+        def lock() -> None:
+            with psycopg.connect(PG_URL, autocommit=True) as other:
+                other.execute(f'SET search_path = "{schema}"')
+                other.execute("SET lock_timeout = '15s'")
+                other.execute("BEGIN")
+                other.execute("SELECT 1 FROM chain_heads WHERE delegation_id = %s FOR UPDATE",
+                              (h,))
+                other.execute("ROLLBACK")
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, lock)  # raises past 15 s
+        finally:
+            gate.set()
+            monkeypatch.setattr(postgres, "translate", real)
+        await written  # the batch lost its session, and ran again on a new one
+    code, data = await verify_json(pg_url)
     assert (code, data["problems"]) == (0, []), data

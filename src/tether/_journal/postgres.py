@@ -68,18 +68,20 @@ class PgDb:
         return self._conn.execute(translate(statement), params)
 
     def executemany(self, statement: str, params: Any) -> None:
-        """One statement for many rows, pipelined by psycopg: one round trip."""
-        self._conn.cursor().executemany(translate(statement), params)
+        """One statement for many rows: one round trip (``send``)."""
+        self.send([(statement, params, True)])
 
     def send(self, steps: Sequence[Step]) -> None:
-        """Pipelined: sent together, their results awaited once (an error raises here)."""
-        with self._conn.pipeline():
-            cur = self._conn.cursor()
-            for sql, params, many in steps:
-                if many:
-                    cur.executemany(translate(sql), params)
-                else:
-                    cur.execute(translate(sql), params)
+        """One query message (the simple protocol, values bound here): the server has all of
+        it before it runs any, and is idle in the transaction once it ran, where the idle
+        timeout ends a session whose process was paused. Pipelined statements (psycopg's
+        pipeline mode, and ``executemany``, which uses it) reach the server one by one with
+        no Sync between: a process paused between two of them left its session waiting,
+        with no timeout, holding its locks until the process woke."""
+        cur = psycopg.ClientCursor(self._conn)
+        self._conn.execute("; ".join(
+            cur.mogrify(translate(sql), row)
+            for sql, params, many in steps for row in (params if many else (params,))))
 
     def server_time(self) -> float:
         """The database server's clock: one clock that every host's process can read."""
