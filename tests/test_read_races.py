@@ -18,6 +18,7 @@ import pytest
 import tether
 from tests import remote_agents
 from tests.conftest import PG_URL
+from tether._cli.render import collect
 from tether._cli.verify import verify_journal
 from tether._journal import ops, retention, trustops
 
@@ -210,6 +211,91 @@ async def test_a_key_trusted_and_used_during_a_chain_check_is_no_tampering(
                if not v.ok]
     assert recalled[0].outcome is tether.DelegationState.RECALLED
     assert bad == []
+
+
+async def test_show_under_a_prune_says_the_tree_is_gone_not_tampered(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tether show` and the console read the tree, then its chain, actions, intents and
+    events: a prune committing in between took a settled tree as a whole. What is shown is
+    that it is gone (NotFound, as for any delegation not in the journal), never its records
+    as tampered or missing."""
+    loop = asyncio.get_running_loop()
+    async with supervisor(journal_url) as a, supervisor(journal_url) as pruner:
+        handle = await a.delegate(remote_agents.refunder, "R-5", remote=True)
+        await handle.recall(grace=5, reason="done with it")
+        real = ops.subtree
+        pruned: list[Any] = []
+
+        def subtree(db: Any, root_id: str) -> Any:
+            rows = real(db, root_id)
+            if not pruned:
+                now = time.time()
+                pruned.append(asyncio.run_coroutine_threadsafe(pruner.journal.prune(
+                    [handle.id], now + 1, now + 1, None), loop).result(timeout=30))
+            return rows
+
+        monkeypatch.setattr(ops, "subtree", subtree)
+        with pytest.raises(tether.errors.NotFound):
+            await collect(a.journal, handle.id, a.keys.trusted)
+    assert pruned[0]["delegations"] == 1
+
+
+async def test_show_of_a_recall_signed_by_a_key_trusted_meanwhile_verifies_it(
+        journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tether show` reads the key registry, then the intents: an operator's key trusted, and
+    a recall signed with it, both committed in between, verify (the console's view reads
+    the same way)."""
+    loop = asyncio.get_running_loop()
+    operator = tether.KeyRing.init(tmp_path / "operator")
+    async with supervisor(journal_url) as a, supervisor(journal_url) as root, \
+            supervisor(journal_url) as viewer:  # a process apart: the owner drains meanwhile
+        operator.pin(root.keys.signer.key_id, root.keys.signer.public_b64())
+        handle = await a.delegate(remote_agents.refunder, "R-6", remote=True)
+        real = trustops.registry
+        recalled: list[Any] = []
+        fired: list[bool] = []
+
+        async def rival() -> None:
+            await root.journal.change_trust(
+                root.keys.signer, root.keys.trusted, "trust", operator.signer.key_id,
+                operator.signer.public_b64(), "new operator", time.time())
+            async with supervisor(journal_url, keys=operator) as c:
+                recalled.append(await c.handle_for(handle.id).recall(grace=5, reason="r"))
+
+        def registry(db: Any, pins: Any) -> Any:
+            found = real(db, pins)
+            if not fired:  # the rival's own reads of the registry go through here too
+                fired.append(True)
+                asyncio.run_coroutine_threadsafe(rival(), loop).result(timeout=30)
+            return found
+
+        monkeypatch.setattr(trustops, "registry", registry)
+        shown = await collect(viewer.journal, handle.id, viewer.keys.trusted)
+    assert recalled[0].outcome is tether.DelegationState.RECALLED
+    recall = [i for i in shown["intents"] if i["kind"] == "RECALL"]
+    assert [i["key_id"] for i in recall] == [operator.signer.key_id]
+    assert {i["verified"] for i in shown["intents"]} == {"ok"}
+    assert shown["chain"] == "ok" and shown["tampered"] == []
+
+
+async def test_show_with_nothing_changing_reads_its_view_once(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that a view held (the tree still there, the registry the same) costs one
+    read of each when nothing changed, not a second view."""
+    async with supervisor(journal_url) as a:
+        handle = await a.delegate(remote_agents.refunder, "R-7", remote=True)
+        await handle.recall(grace=5, reason="done with it")
+        real = ops.subtree
+        reads: list[str] = []
+
+        def subtree(db: Any, root_id: str) -> Any:
+            reads.append(root_id)
+            return real(db, root_id)
+
+        monkeypatch.setattr(ops, "subtree", subtree)
+        shown = await collect(a.journal, handle.id, a.keys.trusted)
+    assert reads == [handle.id, handle.id]
+    assert {i["verified"] for i in shown["intents"]} == {"ok"} and shown["chain"] == "ok"
 
 
 async def test_a_lease_renewed_between_the_clock_and_the_row_is_alive(

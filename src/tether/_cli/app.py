@@ -89,9 +89,7 @@ def show(delegation_id: str, journal: JournalOpt = DEFAULT_URL, as_json: JsonOpt
     async def go() -> dict[str, Any]:
         async with Journal(journal, create=False) as j:
             ring = await asyncio.to_thread(_load_keys_or_none, key_dir(j, keys))
-            # Verified against the journal's key registry as this configuration roots it.
-            trusted = (await j.registry(ring.trusted)).keys if ring else None
-            return await collect(j, delegation_id, trusted, ring.trusted if ring else None)
+            return await collect(j, delegation_id, ring.trusted if ring else None)
 
     data = run(go())
     if as_json:

@@ -15,9 +15,11 @@ from tether._core.errors import ControlRefused
 from tether._core.model import ControlKind
 from tether._core.resolution import decode_resolution
 from tether._core.signing import TrustedKeys
-from tether._core.trust import bound
+from tether._core.trust import Registry, bound
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
+
+_REREAD = 3  # reads of a view taken while the key registry kept changing
 
 STATE_STYLE = {
     "COMPLETED": "green", "RECALLED": "green", "SUCCEEDED": "green", "RECONCILED": "green",
@@ -47,10 +49,32 @@ def delegation_table(rows: list[DelegationRow], now: float | None = None) -> Tab
     return table
 
 
-async def collect(journal: Journal, root_id: str, trusted: TrustedKeys | None,
-                  pins: TrustedKeys | None = None) -> dict[str, Any]:
-    """Everything ``tether show`` prints, as JSON-ready data. Signatures are verified here,
-    and (given the configuration's ``pins``) every record against its delegation's chain."""
+async def collect(journal: Journal, root_id: str, pins: TrustedKeys | None) -> dict[str, Any]:
+    """Everything ``tether show`` (and the console's delegation view) prints, as JSON-ready
+    data: every signature verified against the journal's key registry as the configuration's
+    ``pins`` root it, every record against its delegation's chain (no pins: neither)."""
+    # Made of several reads while others write: a key trusted (or revoked) between the
+    # registry's read and the intents' reads the view would judge wrongly, and a tree pruned
+    # between the tree's read and its records' reads would show with none. So the view holds
+    # only if, read afterwards, the tree is still there and the registry unchanged; else it is
+    # read again (a tree pruned meanwhile is NotFound, as any delegation not in the journal).
+    for _ in range(_REREAD):
+        registry = None if pins is None else await journal.registry(pins)
+        data = await _collect(journal, root_id, pins, registry)
+        await journal.subtree(root_id)
+        now = None if pins is None else await journal.registry(pins)
+        if _trust(now) == _trust(registry):
+            break
+    return data
+
+
+def _trust(registry: Registry | None) -> object:
+    return None if registry is None else (registry.keys.ids(), registry.revoked)
+
+
+async def _collect(journal: Journal, root_id: str, pins: TrustedKeys | None,
+                   registry: Registry | None) -> dict[str, Any]:
+    trusted = None if registry is None else registry.keys
     rows = await journal.subtree(root_id)
     ids = [r.id for r in rows]
     tampered = [] if pins is None else [

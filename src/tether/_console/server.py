@@ -116,8 +116,7 @@ def build(console: Console, *, loopback: bool = True, host: str | None = None) -
         from tether._cli.render import collect
 
         ring = await asyncio.to_thread(_ring, journal, console.keys)
-        trusted = (await journal.registry(ring.trusted)).keys if ring else None
-        return await collect(journal, delegation_id, trusted, ring.trusted if ring else None)
+        return await collect(journal, delegation_id, ring.trusted if ring else None)
 
     async def delegation(request: Request) -> Response:
         denied = guard(request)
