@@ -17,7 +17,7 @@ from tether._core import outcome
 from tether._core.errors import JournalError
 from tether._core.model import ActionState, ProbeOutcome
 from tether._journal import ops
-from tether._journal.inline import Loss, MemorySqlite, shared_database
+from tether._journal.inline import Loss, MemorySqlite, Server, shared_database
 from tether._journal.journal import Journal
 from tether._journal.rows import OwnerRow
 from tether._runtime import reconcile
@@ -151,6 +151,41 @@ def test_a_refused_operation_rolls_back_only_its_savepoint_in_a_shared_batch() -
     anchor.close()
     assert outcomes[0] is None and isinstance(outcomes[1], JournalError)
     assert ids == ["o1"]
+
+
+def test_a_lost_server_loses_the_commits_since_the_last_that_waited_for_the_disk() -> None:
+    """``server_lost``: a relaxed commit after a durable one is lost with the server, every
+    connection is cut, and the next batch reconnects; a durable commit makes everything
+    before it safe (the log is synced in order), so then nothing is lost."""
+    anchor = shared_database("server-lost")
+    server = Server(anchor)
+    runner = Counted("server-lost", server=server)
+    journal = Journal("sqlite:///sim/journal.db", runner=runner, wall=lambda: 1.0)
+    journal.relaxed_posts = True
+
+    def kinds() -> list[str]:
+        return [r[0] for r in anchor.execute("SELECT kind FROM events ORDER BY id")]
+
+    async def main() -> list[tuple[bool, list[str]]]:
+        seen = []
+        await journal.open()
+        journal.event(1.0, "synced")
+        await journal.flush()
+        journal.event(1.0, "posted")
+        await journal.flush(durable=False)
+        seen.append((server.crash(), kinds()))
+        journal.event(1.0, "after")  # the cut connection is found broken, and replaced
+        journal.event(1.0, "relaxed")
+        await journal.flush(durable=False)
+        await journal.flush()  # durable: the relaxed commit before it is safe now
+        seen.append((server.crash(), kinds()))
+        await journal.close()
+        return seen
+
+    seen = run(SimLoop(random.Random(0)), main())
+    anchor.close()
+    assert seen == [(True, ["synced"]), (False, ["synced", "after", "relaxed"])]
+    assert runner.reconnects >= 1
 
 
 # -- trials of the production engine ---------------------------------------------------------

@@ -127,6 +127,62 @@ class Bus:
                     self._loop.call_later(self._latency(), callback, payload, context=context)
 
 
+class Server:
+    """The journal's server as a crash of it sees a trial's shared database: the commits that
+    did not wait for the disk (``flush(durable=False)``, relaxed posts: PostgreSQL's
+    ``synchronous_commit = off``, SQLite's ``synchronous=NORMAL``) since the last that did
+    are lost with it, and every connection is cut. A commit that waited synced the log up to
+    itself, so what is lost is always a suffix of the commits, never one in the middle.
+
+    ``remember`` and ``restore`` carry along whatever a simulation keeps about the commits
+    (its judge's record), taken and put back with the database."""
+
+    def __init__(self, anchor: sqlite3.Connection, bus: Bus | None = None,
+                 remember: Callable[[], Any] = lambda: None,
+                 restore: Callable[[Any], None] = lambda _memo: None) -> None:
+        self.anchor, self.bus = anchor, bus
+        self._remember, self._restore = remember, restore
+        self._image: tuple[sqlite3.Connection, Any] | None = None  # as the disk has it
+        self._conns: list[_Conn] = []
+
+    def connected(self, conn: _Conn) -> None:
+        self._conns = [c for c in self._conns if not c.closed]
+        self._conns.append(conn)
+
+    def writing(self, relaxed: bool) -> None:
+        """A write batch is about to begin (no other transaction is open: batches are
+        atomic on the loop). The first relaxed one since the disk was synced keeps the
+        database as the disk has it."""
+        if relaxed and self._image is None:
+            image = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            self.anchor.backup(image)
+            self._image = image, self._remember()
+
+    def synced(self) -> None:
+        """A write batch that waited for the disk committed: everything before it is safe."""
+        if self._image is not None:
+            self._image[0].close()
+            self._image = None
+
+    def crash(self) -> bool:
+        """Lose every commit since the disk was last synced, and cut every connection (the
+        next batch on one finds it broken and reconnects, as from a restarted server).
+        False, and nothing happens, when there is nothing to lose."""
+        if self._image is None:
+            return False
+        image, memo = self._image
+        self._image = None
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
+        image.backup(self.anchor)
+        image.close()
+        self._restore(memo)
+        if self.bus is not None:  # the listeners' connections were cut too (``reconnected``)
+            self.bus.deliver(["reconnected"])
+        return True
+
+
 class _Conn:
     """A connection whose COMMIT a fault may break (``MemorySqlite.lose_commit``), and whose
     ``notify`` queues a payload for the bus when its transaction commits (as ``pg_notify``):
@@ -216,9 +272,14 @@ class MemorySqlite(InlineRunner):
                  mark: str = "commit",
                  on_commit: Callable[[MemorySqlite], None] | None = None,
                  bus: Bus | None = None,
-                 on_refusal: Callable[[str], None] | None = None) -> None:
+                 on_refusal: Callable[[str], None] | None = None,
+                 server: Server | None = None) -> None:
         super().__init__(latency)
         self.name = name
+        self.server = server  # a crash of it loses the relaxed commits not synced yet
+        self._relaxed = False  # the batch about to begin may skip the disk (``relax``)
+        # The batch begun: None (a read), or whether its commit may skip the disk.
+        self.relaxed_write: bool | None = None
         self.lose_commit = lose_commit
         self.bus = bus
         self.on_refusal = on_refusal  # told of each write the schema's constraints refused
@@ -233,9 +294,17 @@ class MemorySqlite(InlineRunner):
         inner = sqlite3.connect(f"file:{self.name}?mode=memory&cache=shared", uri=True,
                                 isolation_level=None, check_same_thread=False)
         inner.execute("PRAGMA foreign_keys=ON")
-        return _Conn(inner, self.lose_commit, self._landed)
+        conn = _Conn(inner, self.lose_commit, self._landed)
+        if self.server is not None:
+            self.server.connected(conn)
+        return conn
+
+    def relax(self, conn: Any, relaxed: bool) -> None:
+        self._relaxed = relaxed
 
     def _landed(self, notes: list[str]) -> None:
+        if self.server is not None and self.relaxed_write is False:
+            self.server.synced()
         if self.on_commit is not None:
             self.on_commit(self)
         if notes and self.bus is not None:
@@ -255,6 +324,9 @@ class MemorySqlite(InlineRunner):
 
     def begin(self, conn: _Conn, write: bool) -> None:
         self.staged = []
+        self.relaxed_write = self._relaxed if write else None
+        if write and self.server is not None:
+            self.server.writing(self._relaxed)
         conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         if write:  # the marker a read-back after a lost COMMIT looks for
             self._mark += 1
@@ -280,4 +352,4 @@ class MemorySqlite(InlineRunner):
         return exc
 
 
-__all__ = ["Bus", "CommitLost", "InlineRunner", "MemorySqlite", "shared_database"]
+__all__ = ["Bus", "CommitLost", "InlineRunner", "MemorySqlite", "Server", "shared_database"]

@@ -35,6 +35,8 @@ class Stage(Protocol):
 
     def pause_prober(self, key: str) -> None: ...
 
+    def answered(self) -> Any: ...
+
 
 class _Reply:
     def __init__(self, future: asyncio.Future[str]) -> None:
@@ -122,6 +124,7 @@ def build(trial: Stage) -> tuple[Tool, Agent, Agent]:
             try:
                 async with asyncio.timeout(plan.get("patience")):
                     await ctx.call(pay, task=ctx.task_id, n=j)
+                    await trial.answered()
             except TimeoutError:
                 return "gave up"  # the payment goes on without this code
         if cut == plan["pays"]:

@@ -119,6 +119,15 @@ class Commits:
                     if open_calls:
                         self.early.append((pk, now, ", ".join(open_calls)))
 
+    def remember(self) -> Any:
+        """What ``landed`` recorded so far, for a lost server to put back (``Server``): the
+        commits it loses never happened. What was judged meanwhile (``early``, ``orphans``)
+        stays: a report made from a lost commit was made all the same."""
+        return dict(self.intents), dict(self.fences), dict(self.states)
+
+    def restore(self, memo: Any) -> None:
+        self.intents, self.fences, self.states = (dict(m) for m in memo)
+
     def view(self) -> View:
         db = self.anchor
         rows = {r[0]: DelegationFact(r[0], r[1], r[2], int(r[3]), int(r[4]),

@@ -182,6 +182,16 @@ CATALOGUE: tuple[Mutation, ...] = (
        '        steps.append((f"DELETE FROM chain_seals WHERE id IN ({marks(few)})", '
        "tuple(few), False))",
        "crash,race", 1, 10, 1),
+    _m("relaxed_synced",
+       "a head sealed by a commit that did not wait for the disk (a relaxed post, the MCP "
+       "proxy's) is remembered as durable at once: a server crash loses it, and the process "
+       "then reads its own journal as rolled back",
+       "_journal.chainops",
+       "    for delegation_id, length, tip, legacy in moved:\n"
+       "        sealer.sealed(delegation_id, length, tip, legacy, relaxed)",
+       "    for delegation_id, length, tip, legacy in moved:\n"
+       "        sealer.sealed(delegation_id, length, tip, legacy, False)",
+       "server_lost", 1, 100, 22),
 )
 
 

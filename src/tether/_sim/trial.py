@@ -38,7 +38,7 @@ from tether._core.model import DelegationState, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.signing import TrustedKeys
 from tether._journal import chainops, trustops
-from tether._journal.inline import Bus, Loss, MemorySqlite, shared_database
+from tether._journal.inline import Bus, Loss, MemorySqlite, Server, shared_database
 from tether._journal.journal import Journal
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
@@ -131,6 +131,10 @@ class Trial:
         # The journal's notifications, as PostgreSQL gives them; lost under ``notify_lost``.
         self.bus = Bus(self.loop, lambda: rng.uniform(0.0005, 0.003),
                        lambda: bool(self.k.notify_loss) and rng.random() < self.k.notify_loss)
+        # Under ``server_lost`` every process posts its writes without waiting for the disk
+        # (``Journal.relaxed_posts``, as the MCP proxy does), and the server loses them.
+        self.server = (Server(self.anchor, self.bus, self.commits.remember,
+                              self.commits.restore) if "server_lost" in self.on else None)
         self.stops: list[tuple[str, int, int]] = []
         self.errors: list[str] = []
         self.broken: list[str] = []  # the tool's promise broken: a call sent past its deadline
@@ -176,17 +180,29 @@ class Trial:
         def landed(runner: MemorySqlite) -> None:
             calls = any(table == "actions" for table, _ in runner.staged)
             self.commits.landed(runner)
+            if runner.relaxed_write and self.rng.random() < 0.2:
+                self.lose_server(self.rng.uniform(0.0, 0.05))
             if calls:
                 self.pause_here("after a call's row committed", host)
 
         runner = MemorySqlite(self.name, latency=lambda: self.rng.uniform(0.0005, 0.004),
                               on_refusal=self.refusal,
                               lose_commit=self._lose if lossy else (lambda wrote: None),
-                              mark=f"{host.name}", on_commit=landed, bus=self.bus)
+                              mark=f"{host.name}", on_commit=landed, bus=self.bus,
+                              server=self.server)
         journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
                           wall=HostClock(self.loop, host).wall)
+        journal.relaxed_posts = self.server is not None
         self.commits.watch(runner)
         return journal
+
+    async def answered(self) -> None:
+        """A call's answer given back to the code that made it. Under ``server_lost`` it waits,
+        as the MCP proxy's answer to its client does, for a commit of the call's receipt that
+        need not reach the disk (``flush(durable=False)``)."""
+        host = HOST.get()
+        if self.server is not None and host is not None and host.name in self.sups:
+            await self.sups[host.name].journal.flush(durable=False)
 
     def pause_here(self, what: str, host: Host) -> None:
         """Under ``pause``, now and then: ``host`` pauses at this very step (a VM stopped, a
@@ -446,6 +462,21 @@ class Trial:
                         loop.pause(host, loop.time() + length)
 
                 loop.call_at(at, pause, context=contextvars.Context())
+        if self.server is not None:
+            for at in sorted(rng.uniform(0.05, 6.0) for _ in range(rng.randint(1, 3))):
+                self.lose_server(at - loop.time())
+
+    def lose_server(self, delay: float) -> None:
+        """Under ``server_lost``: ``delay`` from now, the journal's server crashes, losing
+        what committed without waiting for the disk since the last commit that did (at random
+        times, and now and then right after such a commit). Never in the final recovery."""
+
+        def lose() -> None:
+            if self.server is not None and not self.reliable and self.server.crash():
+                self.note("the journal's server lost its commits since the last sync")
+                self.stats["server_lost"] += 1
+
+        self.loop.call_later(max(0.0, delay), lose, context=contextvars.Context())
 
 
 def _plan(spec: Any) -> dict[str, Any]:

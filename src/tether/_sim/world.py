@@ -27,6 +27,7 @@ FAULTS = (
     "clock",  # clocks drift and jump, within CLOCK_BOUND of the journal server's
     "race",  # several orchestrators recall, terminate, re-delegate and cancel one task at once
     "stream_cut",  # children whose model stream is cut: re-dispatch decided by decide_redispatch
+    "server_lost",  # the journal's server crashes and loses the commits that skipped the disk
 )
 
 # The simulated policy's clock tolerance (``Policy.clock_tolerance``): every judgement of a
