@@ -1,6 +1,7 @@
 """`tether chaos` draws infrastructure faults on a private PostgreSQL server of its own: a
 restart (fast or immediate), terminated backends, a pause longer than a lease, the server
-stopped for less or more than a lease, each mid-trial. Every process rides through or gives up
+stopped for less or more than a lease, a crash that loses the commits that skipped the disk,
+each mid-trial. Every process rides through or gives up
 cleanly: no violation, no hung process, no worker exit while the server was away for less
 than a lease. On SQLite, the journal's own disk fills up or turns read-only mid-trial."""
 
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 
 from tests.test_chaos import ROOT, chaos
+from tether._chaos.pgserver import PrivateServer
+from tether._journal.journal import Journal
 
-INFRA = ("pg_restart", "pg_terminate", "pg_pause", "pg_down")
+INFRA = ("pg_restart", "pg_terminate", "pg_pause", "pg_down", "pg_lost")
 
 
 async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Path) -> None:
@@ -24,7 +27,7 @@ async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Pa
                if t["outcome"] != "exited"]
     assert code == 0, (err, result["violations"], crashed)
     assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(INFRA, 2)
-    assert result["outcomes"] == {"exited": 8}  # none hung
+    assert result["outcomes"] == {"exited": 2 * len(INFRA)}  # none hung
     for record in result["trials_detail"]:
         # The fault happened, while the trial ran.
         assert record["schedule"]["counts"].get(f"harness:{record['fault']}") == 1, record
@@ -33,6 +36,52 @@ async def test_infrastructure_faults_find_no_violation(pg_url: str, tmp_path: Pa
         # moment to reconnect), no worker gave up.
         if record["fault_took"] < 0.8 * record["plan"]["lease"]:
             assert record["worker_exits"] == 0, record
+
+
+async def test_the_lost_commits_fault_loses_what_skipped_the_disk_and_nothing_else(
+        tmp_path: Path) -> None:
+    """``pg_lost``'s premise, on the server it runs (``wal_writer_delay`` 10 s) and through the
+    journal's own relaxed commits: a crash loses the events committed by a relaxed flush since
+    the last durable commit, and keeps every event a durable commit covered (it synced the log
+    up to itself, the relaxed commits before it included)."""
+    with PrivateServer(wal_writer_delay="10s") as server:
+        url = f"{server.url}?schema=lost&keys={tmp_path / 'keys'}"
+
+        async def kinds(journal: Journal) -> list[str]:
+            rows = await journal._read(lambda db: db.execute(
+                "SELECT kind FROM events ORDER BY id").fetchall())
+            return [r[0] for r in rows]
+
+        async with Journal(url) as journal:
+            journal.relaxed_posts = True
+            journal.event(1.0, "relaxed, then synced")
+            await journal.flush(durable=False)
+            journal.event(1.0, "durable")
+            await journal.flush()
+            journal.event(1.0, "relaxed, then lost")
+            await journal.flush(durable=False)
+            before = await kinds(journal)
+            await asyncio.to_thread(server.restart, "immediate")
+            after = await kinds(journal)  # reconnected
+    assert before == ["relaxed, then synced", "durable", "relaxed, then lost"]
+    assert after == ["relaxed, then synced", "durable"]
+
+
+async def test_a_relaxed_head_remembered_as_durable_is_caught_by_the_lost_commits_fault(
+        pg_url: str, tmp_path: Path) -> None:
+    """The fault bites: its crash takes receipts with it (``lost_receipts``), which the
+    runtime accounts for (no violation without a bug), and a planted bug that remembers a
+    head a relaxed commit sealed as if it were on disk is found (the configuration then reads
+    its chain as rolled back)."""
+    base = pg_url.split("?")[0]
+    run = ("--faults", "pg_lost", "--trials", "6", "--seed", "5", "--journal", base,
+           "--traces", str(tmp_path), "--trial-timeout", "40")
+    code, clean, err = await chaos(*run)
+    assert code == 0 and clean["violations"] == [], (err, clean["violations"])
+    assert sum(t["lost_receipts"] for t in clean["trials_detail"]) > 0
+    code, found, err = await chaos(*run, inject="relaxed_synced")
+    assert code == 1, err
+    assert found["counts"]["tampered"] > 0
 
 
 async def test_infrastructure_faults_need_postgresql() -> None:

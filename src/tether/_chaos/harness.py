@@ -69,6 +69,9 @@ class TrialResult:
         took = self.fault_took()
         if took is not None:  # how long the server or disk was away, to judge the exits by
             out["fault_took"] = round(took, 3)
+        lost = self._fault_detail("lost_receipts")
+        if lost is not None:  # pg_lost: the calls' receipts its crash took with it
+            out["lost_receipts"] = lost
         if self.error:
             out["error"] = self.error
         if full:
@@ -79,10 +82,14 @@ class TrialResult:
 
     def fault_took(self) -> float | None:
         """How long the harness's infrastructure fault lasted (a restart's ``pg_ctl``), if any."""
+        took = self._fault_detail("took")
+        return None if took is None else float(took)
+
+    def _fault_detail(self, name: str) -> float | int | None:
         for e in self.trace:
             if e["who"] == "harness" and e["what"] == self.plan.fault:
-                took = e.get("detail", {}).get("took")
-                return float(took) if isinstance(took, int | float) else None
+                value = e.get("detail", {}).get(name)
+                return value if isinstance(value, int | float) else None
         return None
 
     def worker_exits(self) -> int:
@@ -159,7 +166,7 @@ def run_orchestrator(directory: Path, plan: Plan, url: str, timeout: float,
         if plan.fault == "pause_orchestrator":
             pause_orchestrator(proc, plan, directory, url, ledger, deadline)
         if plan.fault in INFRA_FAULTS and server is not None:
-            infra_fault(proc, plan, server, ledger, deadline)
+            infra_fault(proc, plan, server, ledger, deadline, url)
         if disk is not None:
             disk_fault(proc, plan, disk, ledger, deadline)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -242,7 +249,7 @@ def pause_orchestrator(proc: subprocess.Popen[bytes], plan: Plan, directory: Pat
 
 
 def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer,
-                ledger: Ledger, deadline: float) -> None:
+                ledger: Ledger, deadline: float, url: str) -> None:
     """Restart the trial's database server, stop it for a while, end its backends or pause it,
     once the children are delegated: every process of the trial must ride through or give up
     cleanly."""
@@ -253,9 +260,21 @@ def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer
     start = ledger.first_note("delegated")
     assert start is not None
     time.sleep(max(0.0, start + plan.pause_after - time.time()))
+    detail: dict[str, Any] = {}
+    if plan.fault == "pg_lost":
+        # Right after a call was answered (its receipt committed without waiting for the
+        # disk), while its child thinks: a crash then loses that receipt at least.
+        while ledger.first_note("answered") is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return
+            time.sleep(0.005)
+        settled = _settled(url)
     at = time.time()
     try:
-        if plan.fault == "pg_restart":
+        if plan.fault == "pg_lost":
+            server.restart(plan.variant)
+            detail["lost_receipts"] = len(settled - _settled(url))
+        elif plan.fault == "pg_restart":
             server.restart(plan.variant)
         elif plan.fault == "pg_terminate":
             server.terminate()
@@ -270,7 +289,22 @@ def infra_fault(proc: subprocess.Popen[bytes], plan: Plan, server: PrivateServer
             time.sleep(plan.pause_for)
     finally:
         server.resume()
-        ledger.note("harness", plan.fault, "", at=at, mode=plan.variant, took=time.time() - at)
+        ledger.note("harness", plan.fault, "", at=at, mode=plan.variant, took=time.time() - at,
+                    **detail)
+
+
+def _settled(url: str) -> set[str]:
+    """The trial journal's calls with a receipt (no longer PENDING)."""
+    import psycopg
+    from psycopg import sql
+
+    from tether._journal.postgres import split_url
+
+    conninfo, schema, _ = split_url(url)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        rows = conn.execute(sql.SQL("SELECT id FROM {}.actions WHERE state <> 'PENDING'")
+                            .format(sql.Identifier(schema))).fetchall()
+    return {r[0] for r in rows}
 
 
 def disk_fault(proc: subprocess.Popen[bytes], plan: Plan, disk: JournalDisk, ledger: Ledger,
@@ -456,7 +490,9 @@ def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
             raise tether.UserError(
                 f"{', '.join(INFRA_FAULTS)} need --journal postgresql://... (the run then "
                 "starts a private server of its own for every trial)")
-        server = PrivateServer().start()
+        # Its WAL writer holds a commit that did not wait for the disk for up to 10 s, so
+        # that a crash (``pg_lost``) loses what such commits wrote since the last that waited.
+        server = PrivateServer(wal_writer_delay="10s").start()
         journal = server.url
     try:
         return _run(chosen, journal, timeout, per_fault_counts, traces, replay, recorded,

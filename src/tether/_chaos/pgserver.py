@@ -56,8 +56,11 @@ class PrivateServer:
     ``fsync`` is the server's default (on): a restart then writes its checkpoint, or replays
     its log, to disk, as a production server does; ``fsync=False`` is for speed only."""
 
-    def __init__(self, *, fsync: bool = True) -> None:
+    def __init__(self, *, fsync: bool = True, wal_writer_delay: str | None = None) -> None:
         self.fsync = fsync
+        # How long a commit that did not wait for the disk (``synchronous_commit = off``) may
+        # stay in the server's memory, lost by a crash (None: the server's 200 ms).
+        self.wal_writer_delay = wal_writer_delay
         self.bin = bindir()
         self.root = Path(tempfile.mkdtemp(prefix="tether-pg-"))
         self.data = self.root / "data"
@@ -88,7 +91,9 @@ class PrivateServer:
         """Start the server (after ``start`` created it, or after ``down``)."""
         # Sockets in its own directory; fsync as asked (the default: the server's own, on).
         options = (f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 "
-                   f"-c max_connections=200{'' if self.fsync else ' -c fsync=off'}")
+                   f"-c max_connections=200{'' if self.fsync else ' -c fsync=off'}"
+                   + (f" -c wal_writer_delay={self.wal_writer_delay}"
+                      if self.wal_writer_delay else ""))
         self._run(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log),
                   "-o", options, "-w", "-t", str(START_WAIT), "start")
 

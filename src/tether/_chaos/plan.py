@@ -40,6 +40,10 @@ INFRA_FAULTS = (
     "pg_terminate",  # pg_terminate_backend on every client backend mid-trial
     "pg_pause",  # SIGSTOP the postmaster and its backends for longer than a lease
     "pg_down",  # `pg_ctl stop -m immediate`, started again after less or more than a lease
+    # The orchestrator answers each call after a commit that need not reach the disk (the
+    # MCP proxy's mode); the server crashes (`pg_ctl restart -m immediate`) and loses those
+    # since the last commit that waited (its WAL writer holds them: ``PrivateServer``).
+    "pg_lost",
 )
 # Faults of the disk under a SQLite journal (tether._chaos.disk), drawn only when named too.
 DISK_FAULTS = (
@@ -72,6 +76,9 @@ BUGS = (
     "overdue_apply",  # the provider applies requests past the deadline the tool declares
     # A bug of the runtime, planted in the orchestrator's gateway (tether._chaos.faults).
     "intent_after_dispatch",  # a tool runs before its intent is written (breaks I1)
+    # A head sealed by a commit that skipped the disk is remembered as durable at once (the
+    # chain's memory); with ``pg_lost``, its configuration then reads the journal as rolled back.
+    "relaxed_synced",
 )
 
 
@@ -94,6 +101,7 @@ class Plan:
     lease: float = 0.0  # > 0: the worker's lease and the supervisors' Policy.lease
     pause_after: float = 0.0  # when the SIGSTOP comes, after the children were delegated
     pause_for: float = 0.0  # how long until the SIGCONT
+    think: float = 0.0  # pg_lost: the child's pause after each answered call (its model)
     settle: float = 0.01  # the re-dispatch settle delay
     variant: str = ""  # the fault's sub-mode (which process, which control)
     bug: str = ""  # a deliberate bug of the simulated world (see BUGS), "" for none
@@ -186,6 +194,11 @@ def _infra(fault: str, rng: random.Random) -> dict[str, Any]:
         # A pause outlasts a worker's lease: the worker gives its claims up.
         "pause_for": lease * rng.uniform(1.5, 2.5) if fault == "pg_pause" else 0.0,
     }
+    if fault == "pg_lost":
+        p["remote"] = False  # a `tether worker` posts durably: the orchestrator's calls here
+        p["variant"] = "immediate"
+        # The model thinks between calls: the last receipt waits for the disk meanwhile.
+        p["think"] = rng.uniform(0.2, 0.6)
     if fault == "pg_down":
         # Shorter: down for 0.2 to 0.45 of the lease, so that, with stopping and starting, it
         # is back well before the least a worker holds (two thirds: it renews every third),

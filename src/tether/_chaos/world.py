@@ -11,7 +11,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,9 @@ class Trial:
         # Called once, when this process first puts a request in the network: late_apply
         # times its control from there, so the fault happens however slow the machine is.
         self.on_first_send: Callable[[], None] | None = None
+        # Awaited after each refund returns, before the code goes on: the commit of its
+        # receipt, as the MCP proxy waits for it before answering its client (``pg_lost``).
+        self.answered: Callable[[], Awaitable[None]] | None = None
 
     @classmethod
     def from_env(cls, role: str) -> Trial:
@@ -177,6 +180,10 @@ def child_agent(trial: Trial, refund: tether.Tool, lookup: tether.Tool) -> tethe
                 trial.note("cut", ctx.task_id, attempt=ctx.attempt)
                 raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
             await ctx.call(refund, order_id=order, cents=j + 1)
+            if trial.answered is not None:
+                await trial.answered()
+                trial.note("answered", ctx.task_id, refund=j + 1)
+                await asyncio.sleep(trial.plan.think)
         if cut and cut_at >= n and ctx.attempt == 1:
             trial.note("cut", ctx.task_id, attempt=ctx.attempt)
             raise tether.StreamCut(tether.protocol.CutReason.STREAM_INCOMPLETE)
