@@ -17,6 +17,7 @@ import pytest
 
 import tether
 from tests import remote_agents
+from tests.operator_world import stuck_payment
 from tests.conftest import PG_URL
 from tether._cli.render import collect
 from tether._cli.verify import verify_journal
@@ -242,18 +243,17 @@ async def test_show_under_a_prune_says_the_tree_is_gone_not_tampered(
 
 async def test_show_of_a_recall_signed_by_a_key_trusted_meanwhile_verifies_it(
         journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`tether show` reads the key registry, then the intents: an operator's key trusted, and
-    a recall signed with it, both committed in between, verify (the console's view reads
-    the same way)."""
+    """`tether show` reads the tree, then its intents: an operator's key trusted, and a recall
+    signed with it, both committed in between, verify (the console's view reads the same
+    way): the key registry is read after the intents, never before."""
     loop = asyncio.get_running_loop()
     operator = tether.KeyRing.init(tmp_path / "operator")
     async with supervisor(journal_url) as a, supervisor(journal_url) as root, \
             supervisor(journal_url) as viewer:  # a process apart: the owner drains meanwhile
         operator.pin(root.keys.signer.key_id, root.keys.signer.public_b64())
         handle = await a.delegate(remote_agents.refunder, "R-6", remote=True)
-        real = trustops.registry
+        real = ops.subtree
         recalled: list[Any] = []
-        fired: list[bool] = []
 
         async def rival() -> None:
             await root.journal.change_trust(
@@ -262,20 +262,52 @@ async def test_show_of_a_recall_signed_by_a_key_trusted_meanwhile_verifies_it(
             async with supervisor(journal_url, keys=operator) as c:
                 recalled.append(await c.handle_for(handle.id).recall(grace=5, reason="r"))
 
-        def registry(db: Any, pins: Any) -> Any:
-            found = real(db, pins)
-            if not fired:  # the rival's own reads of the registry go through here too
-                fired.append(True)
+        def subtree(db: Any, root_id: str) -> Any:
+            rows = real(db, root_id)
+            if not recalled:  # the rival's own reads of a tree go through here too
+                recalled.append(None)
                 asyncio.run_coroutine_threadsafe(rival(), loop).result(timeout=30)
-            return found
+            return rows
 
-        monkeypatch.setattr(trustops, "registry", registry)
+        monkeypatch.setattr(ops, "subtree", subtree)
         shown = await collect(viewer.journal, handle.id, viewer.keys.trusted)
-    assert recalled[0].outcome is tether.DelegationState.RECALLED
+    assert recalled[1].outcome is tether.DelegationState.RECALLED
     recall = [i for i in shown["intents"] if i["kind"] == "RECALL"]
     assert [i["key_id"] for i in recall] == [operator.signer.key_id]
     assert {i["verified"] for i in shown["intents"]} == {"ok"}
     assert shown["chain"] == "ok" and shown["tampered"] == []
+
+
+async def test_show_of_a_decision_recorded_meanwhile_shows_it_signed(
+        journal_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A person's decision is its signed document and its event, committed together: one
+    recorded while `tether show` reads (after the documents) is shown as signed, never as a
+    decision that no verified document says."""
+    stuck = await stuck_payment(journal_url)
+    loop = asyncio.get_running_loop()
+    async with tether.Supervisor(journal_url, recover=False) as decider, \
+            tether.Supervisor(journal_url, recover=False) as viewer:
+        real = ops.documents
+        fired: list[bool] = []
+
+        def documents(db: Any, delegation_id: str) -> Any:
+            rows = real(db, delegation_id)
+            if not fired:
+                fired.append(True)
+                asyncio.run_coroutine_threadsafe(decider.resolve(
+                    stuck.action, "COMPLETED", "the bank says paid", operator="Ada"),
+                    loop).result(timeout=30)
+            return rows
+
+        monkeypatch.setattr(ops, "documents", documents)
+        shown = await collect(viewer.journal, stuck.delegation, viewer.keys.trusted)
+        later = await collect(viewer.journal, stuck.delegation, viewer.keys.trusted)
+
+    def signed(view: dict[str, Any]) -> list[Any]:
+        return [d.get("signed") for d in view["decisions"] if d["kind"] == "resolved"]
+
+    assert signed(shown) in ([], ["ok"])  # not read yet, or read whole
+    assert signed(later) == ["ok"]
 
 
 async def test_show_with_nothing_changing_reads_its_view_once(

@@ -15,11 +15,9 @@ from tether._core.errors import ControlRefused
 from tether._core.model import ControlKind
 from tether._core.resolution import decode_resolution
 from tether._core.signing import TrustedKeys
-from tether._core.trust import Registry, bound
+from tether._core.trust import bound
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
-
-_REREAD = 3  # reads of a view taken while the key registry kept changing
 
 STATE_STYLE = {
     "COMPLETED": "green", "RECALLED": "green", "SUCCEEDED": "green", "RECONCILED": "green",
@@ -53,45 +51,35 @@ async def collect(journal: Journal, root_id: str, pins: TrustedKeys | None) -> d
     """Everything ``tether show`` (and the console's delegation view) prints, as JSON-ready
     data: every signature verified against the journal's key registry as the configuration's
     ``pins`` root it, every record against its delegation's chain (no pins: neither)."""
-    # Made of several reads while others write: a key trusted (or revoked) between the
-    # registry's read and the intents' reads the view would judge wrongly, and a tree pruned
-    # between the tree's read and its records' reads would show with none. So the view holds
-    # only if, read afterwards, the tree is still there and the registry unchanged; else it is
-    # read again (a tree pruned meanwhile is NotFound, as any delegation not in the journal).
-    for _ in range(_REREAD):
-        registry = None if pins is None else await journal.registry(pins)
-        data = await _collect(journal, root_id, pins, registry)
-        await journal.subtree(root_id)
-        now = None if pins is None else await journal.registry(pins)
-        if _trust(now) == _trust(registry):
-            break
-    return data
-
-
-def _trust(registry: Registry | None) -> object:
-    return None if registry is None else (registry.keys.ids(), registry.revoked)
-
-
-async def _collect(journal: Journal, root_id: str, pins: TrustedKeys | None,
-                   registry: Registry | None) -> dict[str, Any]:
-    trusted = None if registry is None else registry.keys
+    # Several reads while other processes write, in an order that keeps each judgment true:
+    # a decision before the documents (its signed document commits with it), the records
+    # before their chain (each record shown was committed, and so chained, before the chain
+    # was read), the registry after the intents (a key that signed one was trusted when it
+    # committed; a revocation read later is the truth now), and the tree last again: pruned
+    # meanwhile, it is NotFound, as any delegation not in the journal, not a tree with none
+    # of its records.
     rows = await journal.subtree(root_id)
     ids = [r.id for r in rows]
+    decisions = await journal.resolutions(ids)
+    actions = await journal.actions(ids)
+    signed = [(d, await journal.controls(d), await journal.documents(d)) for d in ids]
+    events = await journal.events(ids)
     tampered = [] if pins is None else [
         {"delegation": v.delegation_id, "record": p.record, "problem": p.problem}
         for v in await journal.chain_verdicts(ids, pins) for p in v.problems]
+    trusted = None if pins is None else (await journal.registry(pins)).keys
+    await journal.subtree(root_id)
     marks = {t["record"]: t["problem"].split(":")[0] for t in tampered}
-    actions = await journal.actions(ids)
     intents = []
     epochs = {r.id: r.epoch for r in rows}
-    for d in ids:
-        for c in await journal.controls(d):
+    for d, controls, documents in signed:
+        for c in controls:
             intents.append({"delegation": d, "seq": c.seq, "kind": c.kind.value,
                             "key_id": c.signed.key_id, "issuer": c.issuer,
                             "accepted_at": c.accepted_at,
                             "verified": _verify(trusted, c.signed, (d, c.seq, c.kind, epochs[d])),
                             "body": _body(c.signed.body)})
-        for doc in await journal.documents(d):
+        for doc in documents:
             body = _body(doc.signed.body)
             verified = _verify(trusted, doc.signed)
             if verified == "ok" and body.get("delegation", d) != d:  # a copy (tether verify)
@@ -101,9 +89,8 @@ async def _collect(journal: Journal, root_id: str, pins: TrustedKeys | None,
                             "key_id": doc.signed.key_id, "issuer": "child",
                             "accepted_at": doc.recorded_at, "verified": verified,
                             "body": body})
-    events = await journal.events(ids)
     return {
-        "decisions": [_signed_by(d, intents) for d in await journal.resolutions(ids)],
+        "decisions": [_signed_by(d, intents) for d in decisions],
         "delegations": [{**r.to_json(), **_mark(marks, f"delegation {r.id}")} for r in rows],
         "actions": [{**a.to_json(), **_mark(marks, f"action {a.id}")} for a in actions],
         "intents": intents,
