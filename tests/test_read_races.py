@@ -17,8 +17,8 @@ import pytest
 
 import tether
 from tests import remote_agents
-from tests.operator_world import stuck_payment
 from tests.conftest import PG_URL
+from tests.operator_world import stuck_payment
 from tether._cli.render import collect
 from tether._cli.verify import verify_journal
 from tether._journal import ops, retention, trustops
