@@ -16,11 +16,13 @@ import tether
 from tether._core import outcome
 from tether._core.errors import JournalError
 from tether._core.model import ActionState, ProbeOutcome
+from tether._core.signing import SigningKey, TrustedKeys
 from tether._journal import ops
 from tether._journal.inline import Loss, MemorySqlite, Server, shared_database
 from tether._journal.journal import Journal
-from tether._journal.rows import OwnerRow
+from tether._journal.rows import NewDelegation, OwnerRow
 from tether._runtime import reconcile
+from tether._runtime.keys import KeyRing
 from tether._sim import trial as production
 from tether._sim.loop import Host, RealIO, SimLoop, Stalled, run
 from tether._sim.plan import trial_seed
@@ -186,6 +188,61 @@ def test_a_lost_server_loses_the_commits_since_the_last_that_waited_for_the_disk
     anchor.close()
     assert seen == [(True, ["synced"]), (False, ["synced", "after", "relaxed"])]
     assert runner.reconnects >= 1
+
+
+def test_a_head_read_before_it_reached_the_disk_is_remembered_only_once_it_did() -> None:
+    """Process A commits a receipt without waiting for the disk (the MCP proxy's mode); B
+    reads and accepts A's chain; the server crashes and loses A's commit. B must not take
+    the journal for rolled back (it refused to reconcile, and left its own later writes
+    unsealed: inserted rows for everyone else). Once a commit of B's that waited for the
+    disk came after its read, what it read is remembered."""
+    name = "read-relaxed"
+    anchor = shared_database(name)
+    server = Server(anchor)
+    signer = SigningKey.from_raw(bytes(range(32)), "sim")
+
+    def ring() -> KeyRing:
+        return KeyRing(signer, TrustedKeys([signer.public]))
+
+    ra, rb = ring(), ring()
+    a = Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
+                                                                    mark="a"), wall=lambda: 1.0)
+    b = Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
+                                                                    mark="b"), wall=lambda: 1.0)
+    a.relaxed_posts = True
+
+    async def main() -> tuple[Any, ...]:
+        async with a, b:
+            await a.genesis(signer, 1.0)
+            a.seal_with(signer, ra.trusted)
+            b.seal_with(signer, rb.trusted)
+            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+            row = await a.create_delegation(NewDelegation(
+                id="d_x", task_id="t_x", parent_id=None, attempt=1, agent="a", surface=(),
+                args={}, owner_id="o1", now=1.0))
+            a.event(1.0, "relaxed", row.id)
+            await a.flush(durable=False)
+            read = await b.chain_verdicts([row.id], rb.trusted)
+            heads = rb.trusted.heads
+            assert heads is not None
+            accepted = (heads.seen(row.id), heads.pending().get(row.id))
+            lost = server.crash()
+            after = await b.chain_verdicts([row.id], rb.trusted)
+            await b.untampered([row.id], rb.trusted, "reconcile")
+            await b.record_event(1.0, "written after the crash", row.id)
+            fresh = await b.chain_verdicts([row.id], ring().trusted)
+            await b.flush()  # a commit that waited for the disk, after the read
+            return (read[0].ok, accepted, lost, after[0].problems, fresh[0].problems,
+                    heads.seen(row.id), await b.chain_verdicts([row.id], ring().trusted))
+
+    ok, accepted, lost, after, fresh, remembered, now = run(SimLoop(random.Random(0)), main())
+    anchor.close()
+    assert ok and lost
+    seen, pending = accepted
+    assert seen is None and pending is not None  # accepted, not remembered before the disk
+    assert after == [] and fresh == []
+    assert remembered is not None and remembered != pending  # what holds now, not what went
+    assert now[0].ok
 
 
 # -- trials of the production engine ---------------------------------------------------------

@@ -53,6 +53,11 @@ class HeadMemory:
                  lock: AbstractContextManager[object] | None = None) -> None:
         self._marks = dict(marks or {})
         self._dirty: dict[str, HeadMark] = {}
+        # Heads a read accepted that may not be on disk yet: another process's commit that
+        # did not wait for it (a relaxed post, the MCP proxy's) is seen by readers at once,
+        # and a crash of the server or the machine can still lose it. Remembered by
+        # ``confirm`` once a commit that waited for the disk came after the read.
+        self._pending: dict[str, HeadMark] = {}
         self._load = load
         self._save = save
         self._lock: AbstractContextManager[object] = lock or contextlib.nullcontext()
@@ -70,6 +75,28 @@ class HeadMemory:
             mark = self._marks[delegation_id] = HeadMark(length, tip)
             if self._save is not None:  # (kept in memory only, it has nothing to hand on)
                 self._dirty[delegation_id] = mark
+
+    def accept(self, delegation_id: str, length: int, tip: str) -> None:
+        """A head a read accepted: remembered once ``confirm``ed (``_pending``)."""
+        with self._lock:
+            known = self._marks.get(delegation_id)
+            if known is not None and known.length >= length:
+                return
+            self._pending[delegation_id] = HeadMark(length, tip)
+
+    def pending(self) -> dict[str, HeadMark]:
+        """The heads accepted and not yet confirmed (a copy)."""
+        with self._lock:
+            return dict(self._pending)
+
+    def confirm(self, marks: Mapping[str, HeadMark]) -> None:
+        """These accepted heads are on disk now (a commit that waited for it came after
+        they were read): remembered."""
+        for delegation_id, mark in marks.items():
+            with self._lock:
+                if self._pending.get(delegation_id) == mark:
+                    del self._pending[delegation_id]
+            self.note(delegation_id, mark.length, mark.hash)
 
     def refresh(self) -> None:
         if self._load is None:

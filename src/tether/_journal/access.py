@@ -160,6 +160,13 @@ class JournalAccess:
         return self
 
     async def close(self) -> None:
+        if any(m is not None and m.pending()
+               for m in (self._sealer.witness, self._reader_witness)):
+            # Heads a read accepted are remembered once on disk: a flush that waits for it
+            # puts them there (a reader's close, `tether verify`'s). One that fails leaves
+            # them unremembered: a weaker witness, never a false one.
+            with contextlib.suppress(JournalError):
+                await self.flush()
         await self._runner.stop()
         self._persist()
         for memory in self._registry_memories:
@@ -252,8 +259,10 @@ class JournalAccess:
         = off`` for that commit; the same when the journal is not durable anyway)."""
         ran: list[Any] = []
         sealer = self._sealer
-        fut = self._runner.submit(chainops.noting(lambda db: chainops.read_back(db, sealer),
-                                                  ran), write=True, relaxed=not durable)
+        readers = (self._reader_witness,)
+        fut = self._runner.submit(chainops.noting(
+            lambda db: chainops.read_back(db, sealer, readers), ran), write=True,
+            relaxed=not durable)
         assert fut is not None
         await fut
         sealer.committed(ran)

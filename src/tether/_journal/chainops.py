@@ -188,12 +188,12 @@ def persist(*witnesses: HeadMemory | None) -> None:
 
 
 def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
-             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None,
-             unsynced: Mapping[str, tuple[int, str]] | None = None
+             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None
              ) -> list[chain.ChainVerdict]:
     """Each delegation judged against its chain and the head its configuration remembered
-    (``seen``, taken before the read began); each that verifies is remembered in turn, but
-    for a head this process sealed in a commit not synced yet (``Sealer.unsynced``)."""
+    (``seen``, taken before the read began); each that verifies is accepted in turn, and
+    remembered once on disk (``HeadMemory.accept``: it may be a commit, this process's or
+    another's, that did not wait for the disk; ``read_back`` confirms it)."""
     # This batch's own writes (``Tx.dirty``) are chained at its end, after this read: a record
     # it inserted has no entry yet, one it updated differs from its entry. Neither is anyone's
     # tampering, as long as the row it found was the one last sealed (its pre-image): a row
@@ -208,9 +208,8 @@ def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
             sealed = {e.record: e.content for e in sorted(entries, key=lambda e: e.seq)}
             verdict.problems = [p for p in verdict.problems
                                 if not _own_write(p, found_by, sealed)]
-        if witness is not None and verdict.ok and head is not None and \
-                (unsynced is None or unsynced.get(d) != (head.length, head.hash)):
-            witness.note(d, head.length, head.hash)  # accepted
+        if witness is not None and verdict.ok and head is not None:
+            witness.accept(d, head.length, head.hash)
         found.append(verdict)
     return found
 
@@ -227,10 +226,19 @@ def _own_write(problem: chain.Problem, found_by: Mapping[str, str],
     return False
 
 
-def read_back(db: Db, sealer: Sealer) -> None:
+def read_back(db: Db, sealer: Sealer, readers: Sequence[HeadMemory | None] = ()) -> None:
     """At a flush, everything queued before it has committed or failed: remember each head
     sealed and not yet confirmed whose entry the journal holds as sealed (the others never
-    committed). Run by the writer thread, inside the flush's transaction."""
+    committed). Run by the writer thread, inside the flush's transaction. A flush that waits
+    for the disk also puts on disk every head a read accepted before it (``readers``'
+    ``accept``; its commit syncs the log past them, ``Tx.sync_log``): remembered once it
+    committed."""
+    if isinstance(db, Tx) and not db.relaxed:
+        for memory in {id(m): m for m in (sealer.witness, *readers) if m is not None}.values():
+            accepted = memory.pending()
+            if accepted:
+                db.sync_log = True
+                db.after.append(functools.partial(memory.confirm, accepted))
     witness, pending = sealer.witness, sealer.unconfirmed
     sealer.unconfirmed = {}
     if witness is None:

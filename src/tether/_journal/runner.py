@@ -194,9 +194,11 @@ class Runner:
     def where(self) -> str:
         return "journal"
 
-    def landed(self, conn: Any) -> None:
+    def landed(self, conn: Any, sync: bool = False) -> None:
         """After a write batch's COMMIT: raise a JournalError if it did not land where the
-        journal's readers look (a file deleted or replaced while the batch ran)."""
+        journal's readers look (a file deleted or replaced while the batch ran). ``sync``:
+        leave the log synced, whatever the batch wrote (a PostgreSQL write batch always
+        writes its marker, so its durable COMMIT flushed the log past whatever it read)."""
 
     def interrupt(self, conn: Any) -> None:
         """From another thread: make whatever ``conn`` waits for fail as a lost connection."""
@@ -496,7 +498,7 @@ class Runner:
             return done
         if write:
             try:
-                self.landed(conn)
+                self.landed(conn, sync=isinstance(db, Tx) and db.sync_log)
             except JournalError as err:  # committed where nobody will read it: not journaled
                 done = [(op, None, err) for op, _, _ in done]
                 return done

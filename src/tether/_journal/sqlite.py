@@ -336,10 +336,10 @@ class SqliteRunner(ThreadRunner):
     def op_undone(self, mark: int) -> None:
         del self._notes[mark:]
 
-    def landed(self, conn: sqlite3.Connection) -> None:
+    def landed(self, conn: sqlite3.Connection, sync: bool = False) -> None:
         self._same_files()
         if self._synchronous == "FULL":
-            self._sync(wrote=conn.total_changes != self._changes)
+            self._sync(wrote=conn.total_changes != self._changes, force=sync)
         if self._notes:
             notes = list(self._notes)
             self._notes.clear()
@@ -348,15 +348,16 @@ class SqliteRunner(ThreadRunner):
             with contextlib.suppress(Exception):
                 wake.send(self._where, notes)
 
-    def _sync(self, wrote: bool) -> None:
+    def _sync(self, wrote: bool, force: bool = False) -> None:
         """After a commit of a durable journal: a relaxed one leaves the log unsynced, and a
         durable one that wrote syncs it (SQLite does, at its commit). A durable one that wrote
         nothing (a flush) syncs nothing, so it syncs the log itself: what was relaxed before
-        it then survives the machine, as ``flush`` says."""
+        it then survives the machine, as ``flush`` says; and so when ``force``d (what other
+        processes committed relaxed, read since: ``Tx.sync_log``)."""
         if self._level != "FULL":
             self._unsynced = self._unsynced or wrote
             return
-        if self._unsynced and not wrote:
+        if (self._unsynced or force) and not wrote:
             try:
                 fd = os.open(f"{self._at}-wal", os.O_RDONLY)
             except FileNotFoundError:  # checkpointed into the file: synced by the checkpoint

@@ -179,6 +179,9 @@ class Tx:
         # Its COMMIT does not wait for the disk (``runner.relaxed_batch``): what it sealed can
         # still be lost by the machine or a PostgreSQL server, so it is not remembered yet.
         self.relaxed = False
+        # Its COMMIT must leave the log synced even if it wrote nothing (``Runner.landed``):
+        # heads other processes committed without waiting for the disk are remembered then.
+        self.sync_log = False
 
     def mark(self) -> tuple[int, int, int, bool]:
         """Where the next operation begins: what ``undo`` takes back if it fails alone."""
