@@ -103,7 +103,9 @@ async def test_disk_faults_find_no_violation(tmp_path: Path) -> None:
     supervisor (the disk back) reconciles the journal with the ledger."""
     code, result, err = await chaos("--faults", ",".join(DISK), "--per-fault", "2",
                                     "--seed", "5", "--traces", str(tmp_path))
-    assert code == 0, (err, result["violations"])
+    crashed = [(t["fault"], t["trial_seed"], t.get("error")) for t in result["trials_detail"]
+               if t["outcome"] not in ("exited", "killed", "gave_up")]
+    assert code == 0, (err, result["violations"], crashed)
     assert {f: row["trials"] for f, row in result["faults"].items()} == dict.fromkeys(DISK, 2)
     # A journal read-only for good may leave the orchestrator nothing to do but give up,
     # saying why (the disk); it never crashes on anything else, nor hangs.

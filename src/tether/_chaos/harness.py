@@ -47,6 +47,7 @@ from tether._chaos.plan import (
     plans,
 )
 from tether._chaos.world import ENV_DIR, ENV_PLAN, TOOL_DEADLINE, Trial, build
+from tether._core.model import ActionState
 
 
 @dataclass
@@ -302,8 +303,9 @@ def _settled(url: str) -> set[str]:
 
     conninfo, schema, _ = split_url(url)
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        rows = conn.execute(sql.SQL("SELECT id FROM {}.actions WHERE state <> 'PENDING'")
-                            .format(sql.Identifier(schema))).fetchall()
+        rows = conn.execute(sql.SQL("SELECT id FROM {}.actions WHERE state <> %s")
+                            .format(sql.Identifier(schema)),
+                            (ActionState.PENDING.value,)).fetchall()
     return {r[0] for r in rows}
 
 

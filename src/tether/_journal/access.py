@@ -160,14 +160,16 @@ class JournalAccess:
         return self
 
     async def close(self) -> None:
-        if any(m is not None and m.pending()
-               for m in (self._sealer.witness, self._reader_witness)):
-            # Heads a read accepted are remembered once on disk: a flush that waits for it
-            # puts them there (a reader's close, `tether verify`'s). One that fails leaves
-            # them unremembered: a weaker witness, never a false one.
-            with contextlib.suppress(JournalError):
-                await self.flush()
-        await self._runner.stop()
+        try:
+            if any(m is not None and m.pending()
+                   for m in (self._sealer.witness, self._reader_witness)):
+                # Heads a read accepted are remembered once on disk: a flush that waits for
+                # it puts them there (a reader's close, `tether verify`'s). One that fails
+                # leaves them unremembered: a weaker witness, never a false one.
+                with contextlib.suppress(JournalError):
+                    await self.flush()
+        finally:
+            await self._runner.stop()
         self._persist()
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):
