@@ -4,6 +4,7 @@ notifications, and trials that run the production Supervisor, Worker and journal
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 from collections import Counter
@@ -243,6 +244,92 @@ def test_a_head_read_before_it_reached_the_disk_is_remembered_only_once_it_did()
     assert after == [] and fresh == []
     assert remembered is not None and remembered != pending  # what holds now, not what went
     assert now[0].ok
+
+
+@pytest.mark.parametrize("after_crash", ["flush", "read the older head, then flush"])
+def test_a_head_accepted_before_a_server_crash_is_never_confirmed_after_it(
+        after_crash: str) -> None:
+    """B accepts A's head of a relaxed commit; the server crashes and loses it. Nothing B
+    does afterwards confirms it: not a durable flush on the server's next life (a new
+    connection), nor one after B read the older head again (the journal no longer holds
+    the one accepted)."""
+    name = f"crash-pending-{len(after_crash)}"
+    anchor = shared_database(name)
+    server = Server(anchor)
+    signer = SigningKey.from_raw(bytes(range(32)), "sim")
+    ra, rb = (KeyRing(signer, TrustedKeys([signer.public])) for _ in range(2))
+    a, b = (Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
+                                                                        mark=m),
+                    wall=lambda: 1.0) for m in "ab")
+    a.relaxed_posts = True
+
+    async def main() -> tuple[Any, ...]:
+        async with a, b:
+            await a.genesis(signer, 1.0)
+            a.seal_with(signer, ra.trusted)
+            b.seal_with(signer, rb.trusted)
+            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+            row = await a.create_delegation(NewDelegation(
+                id="d_y", task_id="t_y", parent_id=None, attempt=1, agent="a", surface=(),
+                args={}, owner_id="o1", now=1.0))
+            await b.chain_verdicts([row.id], rb.trusted)
+            await b.flush()  # the durable head, remembered
+            a.event(1.0, "relaxed", row.id)
+            await a.flush(durable=False)
+            await b.chain_verdicts([row.id], rb.trusted)  # accepts the relaxed head
+            assert server.crash()
+            if after_crash != "flush":
+                await b.chain_verdicts([row.id], rb.trusted)
+            await b.flush()
+            return tuple(await b.chain_verdicts([row.id], rb.trusted))
+
+    (verdict,) = run(SimLoop(random.Random(0)), main())
+    anchor.close()
+    assert verdict.problems == []
+
+
+def test_a_flush_after_a_read_syncs_the_sqlite_log_another_process_left_unsynced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite: A commits without waiting for the disk; B reads and accepts its head; B's
+    durable flush writes nothing, yet syncs the write-ahead log (what A wrote with it)
+    before B remembers the head."""
+    from tether._journal import sqlite as sqlite_backend
+
+    synced: list[str] = []
+    real = sqlite_backend.os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(sqlite_backend.os, "fsync", fsync)
+    url = f"sqlite:///{tmp_path / 'journal.db'}"
+    signer = SigningKey.from_raw(bytes(range(32)), "sim")
+    ra, rb = (KeyRing(signer, TrustedKeys([signer.public])) for _ in range(2))
+
+    async def main() -> tuple[Any, Any]:
+        async with Journal(url) as a, Journal(url) as b:
+            await a.genesis(signer, 1.0)
+            a.seal_with(signer, ra.trusted)
+            b.seal_with(signer, rb.trusted)
+            a.relaxed_posts = True
+            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+            row = await a.create_delegation(NewDelegation(
+                id="d_z", task_id="t_z", parent_id=None, attempt=1, agent="a", surface=(),
+                args={}, owner_id="o1", now=1.0))
+            a.event(1.0, "relaxed", row.id)
+            await a.flush(durable=False)
+            await b.chain_verdicts([row.id], rb.trusted)
+            heads = rb.trusted.heads
+            assert heads is not None
+            before = heads.seen(row.id)
+            synced.clear()
+            await b.flush()
+            return before, heads.seen(row.id)
+
+    before, after = asyncio.run(main())
+    assert before is None and after is not None
+    assert [p for p in synced if p.endswith("journal.db-wal")], synced
 
 
 # -- trials of the production engine ---------------------------------------------------------

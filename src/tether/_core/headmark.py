@@ -56,8 +56,10 @@ class HeadMemory:
         # Heads a read accepted that may not be on disk yet: another process's commit that
         # did not wait for it (a relaxed post, the MCP proxy's) is seen by readers at once,
         # and a crash of the server or the machine can still lose it. Remembered by
-        # ``confirm`` once a commit that waited for the disk came after the read.
-        self._pending: dict[str, HeadMark] = {}
+        # ``confirm`` once a commit that waited for the disk came after the read, on the
+        # same connection to the same server (``token``): a server that crashed meanwhile
+        # cut it, and a durable commit on its next life says nothing of what it lost.
+        self._pending: dict[str, tuple[HeadMark, object]] = {}
         self._load = load
         self._save = save
         self._lock: AbstractContextManager[object] = lock or contextlib.nullcontext()
@@ -76,25 +78,34 @@ class HeadMemory:
             if self._save is not None:  # (kept in memory only, it has nothing to hand on)
                 self._dirty[delegation_id] = mark
 
-    def accept(self, delegation_id: str, length: int, tip: str) -> None:
-        """A head a read accepted: remembered once ``confirm``ed (``_pending``)."""
+    def accept(self, delegation_id: str, length: int, tip: str, token: object = None) -> None:
+        """A head a read (through ``token``: its connection) accepted: remembered once
+        ``confirm``ed. It replaces one accepted before, which the journal no longer holds
+        if this one is not longer than what is remembered (lost, or never on disk)."""
         with self._lock:
             known = self._marks.get(delegation_id)
             if known is not None and known.length >= length:
+                self._pending.pop(delegation_id, None)
                 return
-            self._pending[delegation_id] = HeadMark(length, tip)
+            self._pending[delegation_id] = (HeadMark(length, tip), token)
 
-    def pending(self) -> dict[str, HeadMark]:
-        """The heads accepted and not yet confirmed (a copy)."""
+    def discard(self, delegation_id: str) -> None:
+        """A read judged the delegation's chain wrong: what was accepted of it goes."""
         with self._lock:
-            return dict(self._pending)
+            self._pending.pop(delegation_id, None)
+
+    def pending(self, token: object = None) -> dict[str, HeadMark]:
+        """The heads accepted through ``token`` and not yet confirmed (None: all)."""
+        with self._lock:
+            return {d: mark for d, (mark, by) in self._pending.items()
+                    if token is None or by == token}
 
     def confirm(self, marks: Mapping[str, HeadMark]) -> None:
         """These accepted heads are on disk now (a commit that waited for it came after
-        they were read): remembered."""
+        they were read, on the connection they were read through): remembered."""
         for delegation_id, mark in marks.items():
             with self._lock:
-                if self._pending.get(delegation_id) == mark:
+                if self._pending.get(delegation_id, (None, None))[0] == mark:
                     del self._pending[delegation_id]
             self.note(delegation_id, mark.length, mark.hash)
 

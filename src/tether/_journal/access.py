@@ -4,7 +4,9 @@ runner, writes, reads, posted writes, flushes and the chain's sealer. The operat
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
     from tether._journal.postgres import PostgresRunner
 
 T = TypeVar("T")
+log = logging.getLogger("tether.journal")
+# Seconds a closing journal gives the flush that puts the heads its reads accepted on disk.
+CONFIRM_WITHIN = 2.0
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
@@ -161,15 +166,31 @@ class JournalAccess:
 
     async def close(self) -> None:
         try:
-            if any(m is not None and m.pending()
-                   for m in (self._sealer.witness, self._reader_witness)):
-                # Heads a read accepted are remembered once on disk: a flush that waits for
-                # it puts them there (a reader's close, `tether verify`'s). One that fails
-                # leaves them unremembered: a weaker witness, never a false one.
-                with contextlib.suppress(JournalError):
-                    await self.flush()
+            await self._confirm_reads()
         finally:
-            await self._runner.stop()
+            try:
+                await self._runner.stop()
+            finally:
+                self._save_memories()
+
+    async def _confirm_reads(self) -> None:
+        """Heads a read accepted are remembered once on disk: a flush that waits for it puts
+        them there (a reader's close: `tether verify`'s). Not tried on a connection already
+        lost (it would be another, where they count for nothing), and given a moment only:
+        a journal that cannot be written (a read-only role), a full disk or a server gone
+        leave them unremembered, a weaker witness, never a false one."""
+        if not self._runner.connected or not any(
+                m is not None and m.pending(self._connection())
+                for m in (self._sealer.witness, self._reader_witness)):
+            return
+        try:
+            async with asyncio.timeout(CONFIRM_WITHIN):
+                await self.flush()
+        except (JournalError, TimeoutError) as exc:
+            log.warning("the chain heads this process read could not be confirmed on disk, "
+                        "so its configuration does not remember them: %s", exc)
+
+    def _save_memories(self) -> None:
         self._persist()
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):
@@ -225,6 +246,11 @@ class JournalAccess:
         would be reported stopped."""
         return any(d in self._moving for d in delegation_ids)
 
+    def _connection(self) -> object:
+        """Which connection the operation running now is on (read on the writer's thread,
+        inside the operation): this runner's, as many times reconnected."""
+        return (self._runner, self._runner.reconnects)
+
     def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key
         directory learns the heads remembered since the last one."""
@@ -263,8 +289,8 @@ class JournalAccess:
         sealer = self._sealer
         readers = (self._reader_witness,)
         fut = self._runner.submit(chainops.noting(
-            lambda db: chainops.read_back(db, sealer, readers), ran), write=True,
-            relaxed=not durable)
+            lambda db: chainops.read_back(db, sealer, readers, self._connection()), ran),
+            write=True, relaxed=not durable)
         assert fut is not None
         await fut
         sealer.committed(ran)

@@ -188,12 +188,13 @@ def persist(*witnesses: HeadMemory | None) -> None:
 
 
 def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
-             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None
-             ) -> list[chain.ChainVerdict]:
+             seen: Mapping[str, HeadMark | None], witness: HeadMemory | None,
+             token: object = None) -> list[chain.ChainVerdict]:
     """Each delegation judged against its chain and the head its configuration remembered
     (``seen``, taken before the read began); each that verifies is accepted in turn, and
     remembered once on disk (``HeadMemory.accept``: it may be a commit, this process's or
-    another's, that did not wait for the disk; ``read_back`` confirms it)."""
+    another's, that did not wait for the disk; ``read_back`` confirms it, through the same
+    connection, ``token``)."""
     # This batch's own writes (``Tx.dirty``) are chained at its end, after this read: a record
     # it inserted has no entry yet, one it updated differs from its entry. Neither is anyone's
     # tampering, as long as the row it found was the one last sealed (its pre-image): a row
@@ -209,7 +210,9 @@ def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
             verdict.problems = [p for p in verdict.problems
                                 if not _own_write(p, found_by, sealed)]
         if witness is not None and verdict.ok and head is not None:
-            witness.accept(d, head.length, head.hash)
+            witness.accept(d, head.length, head.hash, token)
+        elif witness is not None:
+            witness.discard(d)
         found.append(verdict)
     return found
 
@@ -226,16 +229,17 @@ def _own_write(problem: chain.Problem, found_by: Mapping[str, str],
     return False
 
 
-def read_back(db: Db, sealer: Sealer, readers: Sequence[HeadMemory | None] = ()) -> None:
+def read_back(db: Db, sealer: Sealer, readers: Sequence[HeadMemory | None] = (),
+              token: object = None) -> None:
     """At a flush, everything queued before it has committed or failed: remember each head
     sealed and not yet confirmed whose entry the journal holds as sealed (the others never
     committed). Run by the writer thread, inside the flush's transaction. A flush that waits
     for the disk also puts on disk every head a read accepted before it (``readers``'
     ``accept``; its commit syncs the log past them, ``Tx.sync_log``): remembered once it
-    committed."""
+    committed, those read through this connection (``token``) alone."""
     if isinstance(db, Tx) and not db.relaxed:
         for memory in {id(m): m for m in (sealer.witness, *readers) if m is not None}.values():
-            accepted = memory.pending()
+            accepted = memory.pending(token)
             if accepted:
                 db.sync_log = True
                 db.after.append(functools.partial(memory.confirm, accepted))

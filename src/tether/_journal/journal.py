@@ -344,7 +344,8 @@ class Journal(JournalAccess):
 
         def op(db: Any) -> list[ChainVerdict]:
             reg = trustops.registry(db, pins)
-            found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness)
+            found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
+                                      self._connection())
             for _ in range(_REREAD):
                 # At READ COMMITTED (PostgreSQL) a key trusted after the registry was read,
                 # and a seal it made since, read as a seal by an unknown key: judged again
@@ -355,7 +356,8 @@ class Journal(JournalAccess):
                 if again is reg or again == reg:
                     break
                 reg = again
-                found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness)
+                found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
+                                      self._connection())
             return found
 
         return await self._read(op)
