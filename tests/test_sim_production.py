@@ -293,16 +293,14 @@ def test_a_flush_after_a_read_syncs_the_sqlite_log_another_process_left_unsynced
     """SQLite: A commits without waiting for the disk; B reads and accepts its head; B's
     durable flush writes nothing, yet syncs the write-ahead log (what A wrote with it)
     before B remembers the head."""
-    from tether._journal import sqlite as sqlite_backend
-
     synced: list[str] = []
-    real = sqlite_backend.os.fsync
+    real = os.fsync
 
     def fsync(fd: int) -> None:
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
-    monkeypatch.setattr(sqlite_backend.os, "fsync", fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
     url = f"sqlite:///{tmp_path / 'journal.db'}"
     signer = SigningKey.from_raw(bytes(range(32)), "sim")
     ra, rb = (KeyRing(signer, TrustedKeys([signer.public])) for _ in range(2))
