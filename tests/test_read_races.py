@@ -61,6 +61,16 @@ def after_statement(db: Any, marker: str, rival: Callable[[Any], None]) -> Any:
     return Db()
 
 
+async def recall_by_new_operator(url: str, root: tether.Supervisor, operator: tether.KeyRing,
+                                 delegation_id: str) -> tether.Report:
+    """The root key trusts ``operator``'s key, then ``operator`` recalls the delegation."""
+    await root.journal.change_trust(
+        root.keys.signer, root.keys.trusted, "trust", operator.signer.key_id,
+        operator.signer.public_b64(), "new operator", time.time())
+    async with supervisor(url, keys=operator) as c:
+        return await c.handle_for(delegation_id).recall(grace=5, reason="r")
+
+
 async def _orphaned_queued_task(url: str) -> tether.Handle:
     """A task queued by an orchestrator that has since died (its heartbeat long past)."""
     async with supervisor(url) as orchestrator:
@@ -193,11 +203,8 @@ async def test_a_key_trusted_and_used_during_a_chain_check_is_no_tampering(
         fired: list[bool] = []
 
         async def rival() -> None:
-            await root.journal.change_trust(
-                root.keys.signer, root.keys.trusted, "trust", operator.signer.key_id,
-                operator.signer.public_b64(), "new operator", time.time())
-            async with supervisor(journal_url, keys=operator) as c:
-                recalled.append(await c.handle_for(handle.id).recall(grace=5, reason="r"))
+            recalled.append(await recall_by_new_operator(journal_url, root, operator,
+                                                         handle.id))
 
         def registry(db: Any, pins: Any) -> Any:
             found = real(db, pins)
@@ -256,11 +263,8 @@ async def test_show_of_a_recall_signed_by_a_key_trusted_meanwhile_verifies_it(
         recalled: list[Any] = []
 
         async def rival() -> None:
-            await root.journal.change_trust(
-                root.keys.signer, root.keys.trusted, "trust", operator.signer.key_id,
-                operator.signer.public_b64(), "new operator", time.time())
-            async with supervisor(journal_url, keys=operator) as c:
-                recalled.append(await c.handle_for(handle.id).recall(grace=5, reason="r"))
+            recalled.append(await recall_by_new_operator(journal_url, root, operator,
+                                                         handle.id))
 
         def subtree(db: Any, root_id: str) -> Any:
             rows = real(db, root_id)

@@ -191,50 +191,82 @@ def test_a_lost_server_loses_the_commits_since_the_last_that_waited_for_the_disk
     assert runner.reconnects >= 1
 
 
+SIGNER = SigningKey.from_raw(bytes(range(32)), "sim")
+
+
+def ring() -> KeyRing:
+    """A process's key ring: the trial's key, and a head memory of its own."""
+    return KeyRing(SIGNER, TrustedKeys([SIGNER.public]))
+
+
+class Writer:
+    """A writes without waiting for the disk (the MCP proxy's mode), B reads: one journal,
+    ``a`` and ``b`` their own journals on it (a shared simulated one with ``server``)."""
+
+    def __init__(self, url: str, server: Server | None = None) -> None:
+        name = url.split("/")[-2] if server is not None else ""
+        self.ra, self.rb = ring(), ring()
+
+        def journal(mark: str) -> Journal:
+            runner = MemorySqlite(name, server=server, mark=mark) if server else None
+            return Journal(url, runner=runner, wall=lambda: 1.0)
+
+        self.a, self.b = journal("a"), journal("b")
+        self.a.relaxed_posts = True
+
+    async def delegation(self, delegation_id: str) -> str:
+        """Open both, and make a delegation of A's, durably."""
+        await self.a.open()
+        await self.b.open()
+        await self.a.genesis(SIGNER, 1.0)
+        self.a.seal_with(SIGNER, self.ra.trusted)
+        self.b.seal_with(SIGNER, self.rb.trusted)
+        await self.a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+        row = await self.a.create_delegation(NewDelegation(
+            id=delegation_id, task_id=f"t{delegation_id}", parent_id=None, attempt=1,
+            agent="a", surface=(), args={}, owner_id="o1", now=1.0))
+        return row.id
+
+    async def relaxed_event(self, delegation_id: str) -> None:
+        self.a.event(1.0, "relaxed", delegation_id)
+        await self.a.flush(durable=False)
+
+    async def close(self) -> None:
+        await self.a.close()
+        await self.b.close()
+
+    @property
+    def heads(self) -> Any:
+        assert self.rb.trusted.heads is not None
+        return self.rb.trusted.heads
+
+
 def test_a_head_read_before_it_reached_the_disk_is_remembered_only_once_it_did() -> None:
     """Process A commits a receipt without waiting for the disk (the MCP proxy's mode); B
     reads and accepts A's chain; the server crashes and loses A's commit. B must not take
     the journal for rolled back (it refused to reconcile, and left its own later writes
     unsealed: inserted rows for everyone else). Once a commit of B's that waited for the
     disk came after its read, what it read is remembered."""
-    name = "read-relaxed"
-    anchor = shared_database(name)
+    anchor = shared_database("read-relaxed")
     server = Server(anchor)
-    signer = SigningKey.from_raw(bytes(range(32)), "sim")
-
-    def ring() -> KeyRing:
-        return KeyRing(signer, TrustedKeys([signer.public]))
-
-    ra, rb = ring(), ring()
-    a = Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
-                                                                    mark="a"), wall=lambda: 1.0)
-    b = Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
-                                                                    mark="b"), wall=lambda: 1.0)
-    a.relaxed_posts = True
+    w = Writer("sqlite:///read-relaxed/journal.db", server)
+    b = w.b
 
     async def main() -> tuple[Any, ...]:
-        async with a, b:
-            await a.genesis(signer, 1.0)
-            a.seal_with(signer, ra.trusted)
-            b.seal_with(signer, rb.trusted)
-            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
-            row = await a.create_delegation(NewDelegation(
-                id="d_x", task_id="t_x", parent_id=None, attempt=1, agent="a", surface=(),
-                args={}, owner_id="o1", now=1.0))
-            a.event(1.0, "relaxed", row.id)
-            await a.flush(durable=False)
-            read = await b.chain_verdicts([row.id], rb.trusted)
-            heads = rb.trusted.heads
-            assert heads is not None
-            accepted = (heads.seen(row.id), heads.pending().get(row.id))
-            lost = server.crash()
-            after = await b.chain_verdicts([row.id], rb.trusted)
-            await b.untampered([row.id], rb.trusted, "reconcile")
-            await b.record_event(1.0, "written after the crash", row.id)
-            fresh = await b.chain_verdicts([row.id], ring().trusted)
-            await b.flush()  # a commit that waited for the disk, after the read
-            return (read[0].ok, accepted, lost, after[0].problems, fresh[0].problems,
-                    heads.seen(row.id), await b.chain_verdicts([row.id], ring().trusted))
+        d = await w.delegation("d_x")
+        await w.relaxed_event(d)
+        read = await b.chain_verdicts([d], w.rb.trusted)
+        accepted = (w.heads.seen(d), w.heads.pending().get(d))
+        lost = server.crash()
+        after = await b.chain_verdicts([d], w.rb.trusted)
+        await b.untampered([d], w.rb.trusted, "reconcile")
+        await b.record_event(1.0, "written after the crash", d)
+        fresh = await b.chain_verdicts([d], ring().trusted)
+        await b.flush()  # a commit that waited for the disk, after the read
+        result = (read[0].ok, accepted, lost, after[0].problems, fresh[0].problems,
+                  w.heads.seen(d), await b.chain_verdicts([d], ring().trusted))
+        await w.close()
+        return result
 
     ok, accepted, lost, after, fresh, remembered, now = run(SimLoop(random.Random(0)), main())
     anchor.close()
@@ -256,34 +288,24 @@ def test_a_head_accepted_before_a_server_crash_is_never_confirmed_after_it(
     name = f"crash-pending-{len(after_crash)}"
     anchor = shared_database(name)
     server = Server(anchor)
-    signer = SigningKey.from_raw(bytes(range(32)), "sim")
-    ra, rb = (KeyRing(signer, TrustedKeys([signer.public])) for _ in range(2))
-    a, b = (Journal(f"sqlite:///{name}/journal.db", runner=MemorySqlite(name, server=server,
-                                                                        mark=m),
-                    wall=lambda: 1.0) for m in "ab")
-    a.relaxed_posts = True
+    w = Writer(f"sqlite:///{name}/journal.db", server)
+    b = w.b
 
-    async def main() -> tuple[Any, ...]:
-        async with a, b:
-            await a.genesis(signer, 1.0)
-            a.seal_with(signer, ra.trusted)
-            b.seal_with(signer, rb.trusted)
-            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
-            row = await a.create_delegation(NewDelegation(
-                id="d_y", task_id="t_y", parent_id=None, attempt=1, agent="a", surface=(),
-                args={}, owner_id="o1", now=1.0))
-            await b.chain_verdicts([row.id], rb.trusted)
-            await b.flush()  # the durable head, remembered
-            a.event(1.0, "relaxed", row.id)
-            await a.flush(durable=False)
-            await b.chain_verdicts([row.id], rb.trusted)  # accepts the relaxed head
-            assert server.crash()
-            if after_crash != "flush":
-                await b.chain_verdicts([row.id], rb.trusted)
-            await b.flush()
-            return tuple(await b.chain_verdicts([row.id], rb.trusted))
+    async def main() -> Any:
+        d = await w.delegation("d_y")
+        await b.chain_verdicts([d], w.rb.trusted)
+        await b.flush()  # the durable head, remembered
+        await w.relaxed_event(d)
+        await b.chain_verdicts([d], w.rb.trusted)  # accepts the relaxed head
+        assert server.crash()
+        if after_crash != "flush":
+            await b.chain_verdicts([d], w.rb.trusted)
+        await b.flush()
+        (verdict,) = await b.chain_verdicts([d], w.rb.trusted)
+        await w.close()
+        return verdict
 
-    (verdict,) = run(SimLoop(random.Random(0)), main())
+    verdict = run(SimLoop(random.Random(0)), main())
     anchor.close()
     assert verdict.problems == []
 
@@ -301,29 +323,18 @@ def test_a_flush_after_a_read_syncs_the_sqlite_log_another_process_left_unsynced
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    url = f"sqlite:///{tmp_path / 'journal.db'}"
-    signer = SigningKey.from_raw(bytes(range(32)), "sim")
-    ra, rb = (KeyRing(signer, TrustedKeys([signer.public])) for _ in range(2))
+    w = Writer(f"sqlite:///{tmp_path / 'journal.db'}")
 
     async def main() -> tuple[Any, Any]:
-        async with Journal(url) as a, Journal(url) as b:
-            await a.genesis(signer, 1.0)
-            a.seal_with(signer, ra.trusted)
-            b.seal_with(signer, rb.trusted)
-            a.relaxed_posts = True
-            await a.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
-            row = await a.create_delegation(NewDelegation(
-                id="d_z", task_id="t_z", parent_id=None, attempt=1, agent="a", surface=(),
-                args={}, owner_id="o1", now=1.0))
-            a.event(1.0, "relaxed", row.id)
-            await a.flush(durable=False)
-            await b.chain_verdicts([row.id], rb.trusted)
-            heads = rb.trusted.heads
-            assert heads is not None
-            before = heads.seen(row.id)
-            synced.clear()
-            await b.flush()
-            return before, heads.seen(row.id)
+        d = await w.delegation("d_z")
+        await w.relaxed_event(d)
+        await w.b.chain_verdicts([d], w.rb.trusted)
+        before = w.heads.seen(d)
+        synced.clear()
+        await w.b.flush()
+        after = w.heads.seen(d)
+        await w.close()
+        return before, after
 
     before, after = asyncio.run(main())
     assert before is None and after is not None
