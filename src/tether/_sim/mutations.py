@@ -213,6 +213,14 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "        if old in KEY_FREE and outcome not in KEY_FREE and db.execute(",
        "        if False and db.execute(",
        "late_apply,reply_lost,race", 1, 200),
+    _m("read_accepted",
+       "a head a read accepted is remembered at once, though its commit (another process's "
+       "relaxed receipt) may not be on disk: a server crash loses it and the reader takes the "
+       "journal for rolled back",
+       "_journal.chainops",
+       "            witness.accept(d, head.length, head.hash, token)",
+       "            witness.note(d, head.length, head.hash)",
+       "race,server_lost", 1, 300),
 )
 
 BY_NAME = {m.name: m for m in (*CATALOGUE, *UNCAUGHT)}
