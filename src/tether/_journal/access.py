@@ -4,7 +4,6 @@ runner, writes, reads, posted writes, flushes and the chain's sealer. The operat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger("tether.journal")
-# Seconds a closing journal gives the flush that puts the heads its reads accepted on disk.
-CONFIRM_WITHIN = 2.0
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
@@ -166,29 +163,28 @@ class JournalAccess:
 
     async def close(self) -> None:
         try:
-            await self._confirm_reads()
+            await self._runner.stop()
         finally:
-            try:
-                await self._runner.stop()
-            finally:
-                self._save_memories()
+            self._confirm_reads()
+            self._save_memories()
 
-    async def _confirm_reads(self) -> None:
-        """Heads a read accepted are remembered once on disk: a flush that waits for it puts
-        them there (a reader's close: `tether verify`'s). Not tried on a connection already
-        lost (it would be another, where they count for nothing), and given a moment only:
-        a journal that cannot be written (a read-only role), a full disk or a server gone
-        leave them unremembered, a weaker witness, never a false one."""
-        if not self._runner.connected or not any(
-                m is not None and m.pending(self._connection())
-                for m in (self._sealer.witness, self._reader_witness)):
+    def _confirm_reads(self) -> None:
+        """Heads a read accepted since the last durable flush are remembered once on disk
+        (a reader's close: `tether verify`'s): where the backend can put them there without
+        writing (SQLite syncs its log), they are; elsewhere (PostgreSQL) they are left
+        unremembered, a weaker witness, never a false one (the log says so)."""
+        token = self._connection()
+        memories = [m for m in {id(m): m for m in (self._sealer.witness, self._reader_witness)
+                                if m is not None}.values() if m.pending(token)]
+        if not memories:
             return
-        try:
-            async with asyncio.timeout(CONFIRM_WITHIN):
-                await self.flush()
-        except (JournalError, TimeoutError) as exc:
-            log.warning("the chain heads this process read could not be confirmed on disk, "
-                        "so its configuration does not remember them: %s", exc)
+        if not self._runner.sync_log():
+            log.info("the chain heads this process only read are not remembered by its "
+                        "configuration: nothing it committed after reading them waited for the "
+                        "disk, and this journal cannot be synced without writing")
+            return
+        for memory in memories:
+            memory.confirm(memory.pending(token))
 
     def _save_memories(self) -> None:
         self._persist()

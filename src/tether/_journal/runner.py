@@ -125,10 +125,9 @@ class Runner:
         self.outstanding = 0
         self.stop_wait = STOP_WAIT  # how long closing waits for a batch stuck on its server
 
-    @property
-    def connected(self) -> bool:
-        """Whether its connection is up, as far as it knows (not lost, not closed)."""
-        return self._conn is not None
+    def sync_log(self) -> bool:
+        """Put on disk what is committed, without writing (False: this backend cannot)."""
+        return False
 
     # -- how it runs (a thread, or a simulation's loop) -----------------------------------
     async def start(self) -> None:

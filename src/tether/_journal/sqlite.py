@@ -372,6 +372,23 @@ class SqliteRunner(ThreadRunner):
                     os.close(fd)
         self._unsynced = False
 
+    def sync_log(self) -> bool:
+        """Sync the write-ahead log (every connection's frames in it) from outside any
+        transaction: what is committed is then on disk. False if the file refuses."""
+        try:
+            fd = os.open(f"{self._at}-wal", os.O_RDONLY)
+        except FileNotFoundError:  # checkpointed into the file: synced by the checkpoint
+            return True
+        except OSError:
+            return False
+        try:
+            os.fsync(fd)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
     def _same_files(self) -> None:
         now = identity(self._at)
         if now != self._identity:
