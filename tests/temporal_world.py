@@ -69,8 +69,13 @@ class Provider:
             if self.lose_reply > 0:
                 self.lose_reply -= 1
                 raise ConnectionResetError("the provider's reply was lost")
-            if self.hold is not None:
-                await self.hold.wait()
+            while self.hold is not None and not self.hold.is_set():
+                # A call longer than its workflow's heartbeat timeout heartbeats, as a real
+                # one does; otherwise Temporal times the attempt out and retries it.
+                if activity.in_activity():
+                    activity.heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.hold.wait(), 0.2)
             held = self.holds.get(order_id)
             if held is not None:
                 try:
