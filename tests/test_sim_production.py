@@ -341,6 +341,42 @@ def test_a_flush_after_a_read_syncs_the_sqlite_log_another_process_left_unsynced
     assert [p for p in synced if p.endswith("journal.db-wal")], synced
 
 
+@pytest.mark.parametrize("disk", ["syncs", "refuses"])
+def test_a_reader_that_closes_remembers_what_it_read_once_the_sqlite_log_is_synced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: str) -> None:
+    """SQLite: B only reads A's relaxed head, then closes (`tether verify`): its close syncs the
+    write-ahead log from outside any transaction and only then remembers the head; a log that
+    refuses the sync leaves it unremembered, and the close still ends cleanly."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith("journal.db-wal"):
+            synced.append(path)
+            if disk == "refuses":
+                raise OSError(5, "Input/output error")
+        real(fd)
+
+    w = Writer(f"sqlite:///{tmp_path / 'journal.db'}")
+
+    async def main() -> tuple[Any, Any]:
+        d = await w.delegation("d_c")
+        await w.relaxed_event(d)
+        await w.b.chain_verdicts([d], w.rb.trusted)
+        before = w.heads.seen(d)
+        monkeypatch.setattr(os, "fsync", fsync)
+        await w.b.close()  # A is still open: its log is there, unsynced
+        monkeypatch.setattr(os, "fsync", real)
+        await w.a.close()
+        return d, before
+
+    d, before = asyncio.run(main())
+    assert before is None
+    assert synced, "the close never synced the write-ahead log"
+    assert (w.heads.seen(d) is not None) is (disk == "syncs")
+
+
 # -- trials of the production engine ---------------------------------------------------------
 
 def test_a_bounded_run_of_the_production_runtime_finds_no_violation() -> None:

@@ -180,8 +180,8 @@ class JournalAccess:
             return
         if not self._runner.sync_log():
             log.info("the chain heads this process only read are not remembered by its "
-                        "configuration: nothing it committed after reading them waited for the "
-                        "disk, and this journal cannot be synced without writing")
+                     "configuration: nothing it committed after reading them waited for the "
+                     "disk, and this journal cannot be synced without writing")
             return
         for memory in memories:
             memory.confirm(memory.pending(token))

@@ -359,35 +359,30 @@ class SqliteRunner(ThreadRunner):
             return
         if (self._unsynced or force) and not wrote:
             try:
-                fd = os.open(f"{self._at}-wal", os.O_RDONLY)
-            except FileNotFoundError:  # checkpointed into the file: synced by the checkpoint
-                pass
-            else:
-                try:
-                    os.fsync(fd)
-                except OSError as exc:
-                    raise JournalError(f"could not sync the journal's write-ahead log "
-                                       f"{self.path}-wal: {exc}") from None
-                finally:
-                    os.close(fd)
+                self._fsync_log()
+            except OSError as exc:
+                raise JournalError(f"could not sync the journal's write-ahead log "
+                                   f"{self.path}-wal: {exc}") from None
         self._unsynced = False
 
     def sync_log(self) -> bool:
         """Sync the write-ahead log (every connection's frames in it) from outside any
         transaction: what is committed is then on disk. False if the file refuses."""
         try:
+            self._fsync_log()
+        except OSError:
+            return False
+        return True
+
+    def _fsync_log(self) -> None:
+        try:
             fd = os.open(f"{self._at}-wal", os.O_RDONLY)
         except FileNotFoundError:  # checkpointed into the file: synced by the checkpoint
-            return True
-        except OSError:
-            return False
+            return
         try:
             os.fsync(fd)
-        except OSError:
-            return False
         finally:
             os.close(fd)
-        return True
 
     def _same_files(self) -> None:
         now = identity(self._at)
