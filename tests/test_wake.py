@@ -217,3 +217,93 @@ def test_a_forked_process_closing_what_it_inherited_leaves_its_parent_listening(
         assert got == ["queued"]
     finally:
         listener.close()
+
+
+# -- which loop a wake-up reaches ---------------------------------------------------------------
+
+async def _turns(n: int = 50) -> None:
+    """Let every ready callback run, ``n`` turns of the event loop (a woken loop reaches its
+    next read within a few: nothing between the two waits on I/O)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+class _Reads:
+    """The adoption watch's reads of intents, counted; each waits for ``gate`` if given."""
+
+    def __init__(self, sup: tether.Supervisor, gate: asyncio.Event | None = None) -> None:
+        self.count = 0
+        self._more = asyncio.Event()
+        read = sup.journal.controls_to_adopt
+
+        async def counted(owner_id: str, after_id: int) -> Any:
+            self.count += 1
+            self._more.set()
+            if gate is not None:
+                await gate.wait()
+            return await read(owner_id, after_id)
+
+        sup.journal.controls_to_adopt = counted  # type: ignore[method-assign]
+
+    async def reach(self, n: int) -> None:
+        async with asyncio.timeout(60):  # a hang guard, not a timing goal
+            while self.count < n:
+                self._more.clear()
+                await self._more.wait()
+
+
+async def test_a_busy_queue_does_not_make_a_supervisor_read_its_intents_again(
+        sqlite_url: str) -> None:
+    """Tasks queued and done by other processes wake the workers and whoever waits on them,
+    not every supervisor's watch for intents: that one reads when an intent names its owner
+    (before, each "queued" and "done" cost every supervisor a read)."""
+    async with tether.Supervisor(sqlite_url, control_poll=HOUR) as sup:
+        await _turns()
+        reads = _Reads(sup)
+        for payload in ("queued", "done", "queued", "someone-else"):
+            sup._notified(payload)
+            await _turns()
+        assert reads.count == 0
+        sup._notified(sup.owner_id)
+        await reads.reach(1)
+        await _turns()
+        assert reads.count == 1
+
+
+async def test_an_intent_notified_while_the_watch_reads_is_read_at_once(
+        sqlite_url: str) -> None:
+    """A recall commits just after the watch began a read that cannot see it, and its wake-up
+    arrives during that read: the watch reads again at once (before, the wake-up was dropped
+    and the intent waited for the next poll, an hour here)."""
+    async with tether.Supervisor(sqlite_url, control_poll=HOUR) as sup:
+        await _turns()
+        gate = asyncio.Event()
+        reads = _Reads(sup, gate)
+        sup._notified(sup.owner_id)
+        await reads.reach(1)
+        sup._notified(sup.owner_id)  # during the first read
+        await _turns()
+        gate.set()
+        await reads.reach(2)
+
+
+async def test_a_worker_whose_slot_frees_claims_the_next_task_without_a_notification(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One slot, two tasks queued, a poll once an hour and no notifications: the second task
+    is claimed as soon as the first ends, because the slot freed wakes the worker."""
+    keys = tether.KeyRing.ephemeral()
+    monkeypatch.setattr(wake, "listen", lambda where, callback: None)  # nobody is notified
+
+    @tether.agent()
+    async def double(ctx: tether.Context, n: int) -> int:
+        return n * 2
+
+    async with tether.Supervisor(sqlite_url, keys=keys) as sup:
+        children = [await sup.delegate(double, i, remote=True) for i in (1, 2)]
+        async with tether.Worker(sqlite_url, [double], keys=keys, poll=HOUR,
+                                 concurrency=1) as worker:
+            serving = asyncio.create_task(worker.run())
+            async with asyncio.timeout(60):  # a hang guard, not a timing goal
+                assert [await c.result() for c in children] == [2, 4]
+            worker.stop()
+            await serving

@@ -35,8 +35,9 @@ class Adoption:
         sup = self._sup
         beats = 0
         every = max(1, int(sup.policy.lease / 3 / sup.control_poll))
+        bell = sup.bells.bell(sup.owner_id)  # an intent on one of this owner's delegations
         while True:
-            await sup.wake(sup.control_poll)
+            await bell.wait(sup.control_poll)
             if sup.presumed_dead():
                 continue  # whoever reconciles our delegations settles them, not us
             try:

@@ -154,7 +154,7 @@ async def wait_queued(sup: ports.Remote, queued_id: str) -> DelegationRow:
             if dead:
                 await sup.journal.queue_done(queued_id, sup.clock.wall())
             return latest
-        await sup.wake(sup.control_poll)
+        await sup.wake(sup.control_poll, "done")
 
 
 def queued_result(row: DelegationRow) -> Any:

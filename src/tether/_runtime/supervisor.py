@@ -48,6 +48,7 @@ from tether._runtime.arguments import (
     unstorable,
 )
 from tether._runtime.attempts import drive, end_children, ending_of, record, stop_hook
+from tether._runtime.bells import RECONNECTED, Bells
 from tether._runtime.clock import Clock, SystemClock
 from tether._runtime.clockcheck import check_clock
 from tether._runtime.compensation import compensate
@@ -115,7 +116,7 @@ class Supervisor:
         self._open = False
         self._recover_on_start = recover
         self._listeners: list[Callable[[str, str], None]] = []
-        self._wakeup: asyncio.Future[None] | None = None
+        self.bells = Bells()  # the journal's notifications, to the loops that wait for them
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abandoned = False
         # A worker's lease as last renewed (None: no lease). Past it this process is presumed
@@ -156,21 +157,16 @@ class Supervisor:
         """From the journal's listener thread: another process did something that may concern
         this one (an intent for one of its delegations, a task queued or done)."""
         # "reconnected": the listener was cut, and what it missed is polled for now.
-        if payload in (self.owner_id, "queued", "done", "reconnected") and \
+        if payload in (self.owner_id, "queued", "done", RECONNECTED) and \
                 self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed under us
-                self._loop.call_soon_threadsafe(self._ring)
+                self._loop.call_soon_threadsafe(self.bells.ring, payload)
 
-    def _ring(self) -> None:
-        if self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
-
-    async def wake(self, at_most: float) -> None:
-        """Wait for a notification from the journal (PostgreSQL), at most ``at_most`` seconds
-        of real time: the polling fallback when notifications are lost or unsupported."""
-        if self._wakeup is None or self._wakeup.done():
-            self._wakeup = asyncio.get_running_loop().create_future()
-        await asyncio.wait([self._wakeup], timeout=at_most)
+    async def wake(self, at_most: float, *topics: str) -> None:
+        """Wait for a notification from the journal (of ``topics``, or any), at most
+        ``at_most`` seconds of real time: the polling fallback when notifications are lost or
+        unsupported."""
+        await self.bells.wait(at_most, *topics)
 
     def listen(self, callback: Callable[[str, str], None]) -> None:
         """Call ``callback(event, delegation_id)`` on lifecycle events: ``started``, ``drain``

@@ -41,6 +41,7 @@ from tether._core.trust import check_work
 from tether._journal.journal import Journal
 from tether._journal.rows import DelegationRow
 from tether._journal.runner import BACKOFF_FIRST
+from tether._runtime.bells import Bell
 from tether._runtime.clock import Clock
 from tether._runtime.clockcheck import check_clock, is_virtual
 from tether._runtime.handle import Handle
@@ -121,6 +122,7 @@ class Worker:
         journal_.reconnect_within = min(journal_.reconnect_within, self.lease)
         self._lease_ends = 0.0  # loop time by which the lease last renewed surely ends
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._bell: Bell | None = None  # the claim loop's wake-up (``_serve``)
         self._stopping = asyncio.Event()
         self._fault: BaseException | None = None
 
@@ -185,10 +187,17 @@ class Worker:
         log.info("stopping: %d delegation(s) still running", len(self._running),
                  extra={"owner": self.owner_id, "running": list(self._running)})
         self._stopping.set()
+        self._ring()
+
+    def _ring(self, *_: object) -> None:
+        """Wake the claim loop now: a slot freed, the worker stops, or its lease ended."""
+        if self._bell is not None:
+            self._bell.ring()
 
     async def run(self) -> None:
         """Claim and run delegations until ``stop()``; raises LeaseLost if the lease ran out."""
         beat = asyncio.create_task(self._keep_lease(), name="tether-lease")
+        beat.add_done_callback(self._ring)
         try:
             await self._serve(beat)
         except JournalError as exc:
@@ -204,6 +213,8 @@ class Worker:
 
     async def _serve(self, beat: asyncio.Task[None]) -> None:
         sup = self.supervisor
+        # A task queued for some worker (maybe one of ours), or a slot of ours freed.
+        self._bell = bell = sup.bells.bell("queued")
         while not self._stopping.is_set() and not beat.done():
             free = self.concurrency - len(self._running)
             if free > 0:
@@ -216,7 +227,8 @@ class Worker:
                     self._start(row)
                 if rows:
                     continue  # there may be more waiting
-            await sup.wake(self.poll)
+            await bell.wait(self.poll)
+        sup.bells.forget(bell)
         self._raise_fault()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.stop_timeout  # real time, like the lease
@@ -246,6 +258,7 @@ class Worker:
 
     def _done(self, delegation_id: str, task: asyncio.Task[None]) -> None:
         self._running.pop(delegation_id, None)
+        self._ring()  # a slot is free: claim what waits now, not at the next poll
         if not task.cancelled() and task.exception() is not None and self._fault is None:
             # The journal failed under it, or settling a fault failed: the worker can no
             # longer vouch for what it holds, so it stops and its lease decides (run raises).

@@ -84,7 +84,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "    return now < final_at(deadline_at, tolerance)",
        "    return now < deadline_at",
-       "clock,late_apply", 2, 60, 23),
+       "clock,late_apply", 2, 300, 76),
     _m("gate_fence",
        "the one gate for actions, children and attempts lets a fenced delegation through",
        "_core.outcome",
