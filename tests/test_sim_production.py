@@ -377,6 +377,54 @@ def test_a_reader_that_closes_remembers_what_it_read_once_the_sqlite_log_is_sync
     assert (w.heads.seen(d) is not None) is (disk == "syncs")
 
 
+async def _read_then_close(w: Writer, d: str, between: Any = None) -> tuple[Any, Any]:
+    """B reads A's head, then (after ``between``) closes: what B remembered then and after."""
+    await w.b.chain_verdicts([d], w.rb.trusted)
+    before = w.heads.seen(d)
+    if between is not None:
+        await between()
+    await w.b.close()
+    await w.a.close()
+    return before, w.heads.seen(d)
+
+
+async def test_a_postgresql_reader_remembers_what_it_read_once_the_log_is_on_disk(
+        pg_url: str) -> None:
+    """PostgreSQL: B only reads (`tether verify`) a head A committed durably: B's close finds
+    the server's log on disk past its read and remembers the head (before, a reader on
+    PostgreSQL remembered nothing: no rollback witness for a configuration that only reads)."""
+    w = Writer(pg_url)
+    d = await w.delegation("d_pg")
+    before, after = await _read_then_close(w, d)
+    assert before is None and after is not None
+
+
+@pytest.mark.parametrize("then", ["crash", "no_flush", "durable_commit"])
+async def test_a_postgresql_reader_remembers_a_relaxed_head_only_once_it_is_on_disk(
+        tmp_path: Path, then: str) -> None:
+    """A commits without waiting for the disk, on a server whose WAL writer waits 10 s; B
+    reads A's head, then closes. A crash of the server in between loses the head: B must not
+    remember it. With nothing flushed meanwhile, B does not wait 10 s: it leaves the head
+    unremembered. A durable commit of A's after the read flushes the log past it: remembered."""
+    from tether._chaos.pgserver import PrivateServer
+
+    with PrivateServer(wal_writer_delay="10s") as server:
+        w = Writer(f"{server.url}?schema=reader&keys={tmp_path / 'keys'}")
+
+        async def between() -> None:
+            if then == "crash":
+                await asyncio.to_thread(server.restart, "immediate")
+            elif then == "durable_commit":
+                w.a.event(1.0, "durable")
+                await w.a.flush()
+
+        d = await w.delegation("d_relaxed")
+        await w.relaxed_event(d)
+        before, after = await _read_then_close(w, d, between)
+    assert before is None
+    assert (after is not None) is (then == "durable_commit"), after
+
+
 # -- trials of the production engine ---------------------------------------------------------
 
 def test_a_bounded_run_of_the_production_runtime_finds_no_violation() -> None:

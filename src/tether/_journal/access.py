@@ -4,6 +4,7 @@ runner, writes, reads, posted writes, flushes and the chain's sealer. The operat
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -29,6 +30,8 @@ log = logging.getLogger("tether.journal")
 DEFAULT_URL = "sqlite:///.tether/journal.db"
 SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
+CONFIRM_WITHIN = 1.0  # seconds a closing PostgreSQL reader waits for the log (three WAL delays)
+CONFIRM_EVERY = 0.05
 
 
 def sqlite_path(url: str) -> Path:
@@ -125,6 +128,9 @@ class JournalAccess:
     def _chain(self, runner: Runner) -> None:
         self._sealer = sealer = chainops.Sealer()
         self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
+        # PostgreSQL: (the server's start, its log's insert position) once reads that accepted
+        # heads had run (``note_read_position``); None when one of them could not be placed.
+        self._read_position: tuple[str, int] | None = None
         # The key registries' memories a key change here advanced: saved at the latest on close.
         self._registry_memories: list[RegistryMemory] = []
         wall = self._wall
@@ -163,25 +169,70 @@ class JournalAccess:
 
     async def close(self) -> None:
         try:
-            await self._runner.stop()
+            try:
+                await self._confirm_on_server()
+            finally:
+                await self._runner.stop()
         finally:
             self._confirm_reads()
             self._save_memories()
 
+    def _pending(self, token: object) -> list[HeadMemory]:
+        """The memories holding heads a read through ``token`` accepted, unconfirmed."""
+        return [m for m in {id(m): m for m in (self._sealer.witness, self._reader_witness)
+                            if m is not None}.values() if m.pending(token)]
+
+    async def note_read_position(self) -> None:
+        """PostgreSQL, after a read that accepted heads: where the server's log was inserted
+        up to then (past every commit the read saw), and on which life of the server."""
+        if self._pg is None or not self._pending(self._connection()):
+            return
+        try:
+            start, lsn = await self._read(lambda db: db.log_position(flushed=False))
+        except JournalError:  # a standby, a lost server: those heads stay unremembered
+            self._read_position = None
+            return
+        known = self._read_position
+        if known is None or known[0] != start or known[1] < lsn:
+            self._read_position = (start, lsn)
+
+    async def _confirm_on_server(self) -> None:
+        """PostgreSQL, at close: heads this process only read are remembered once the server's
+        log is on disk past where it was after those reads, on the same life of the server
+        (a crash in between may have lost them). Its WAL writer flushes a commit that did not
+        wait within a few hundred milliseconds, so this waits that long at most."""
+        token = self._connection()
+        position = self._read_position
+        if self._pg is None or position is None or not self._pending(token):
+            return
+        try:
+            async with asyncio.timeout(CONFIRM_WITHIN):
+                while True:
+                    start, flushed = await self._read(lambda db: db.log_position(flushed=True))
+                    if start != position[0] or self._connection() != token:
+                        return  # another life of the server: it says nothing of those heads
+                    if flushed >= position[1]:
+                        break
+                    await asyncio.sleep(CONFIRM_EVERY)
+        except (TimeoutError, JournalError):
+            return
+        for memory in self._pending(token):
+            memory.confirm(memory.pending(token))
+
     def _confirm_reads(self) -> None:
         """Heads a read accepted since the last durable flush are remembered once on disk
         (a reader's close: `tether verify`'s): where the backend can put them there without
-        writing (SQLite syncs its log), they are; elsewhere (PostgreSQL) they are left
-        unremembered, a weaker witness, never a false one (the log says so)."""
+        writing (SQLite syncs its log; PostgreSQL's was found flushed past them,
+        ``_confirm_on_server``), they are; otherwise they are left unremembered, a weaker
+        witness, never a false one (the log says so)."""
         token = self._connection()
-        memories = [m for m in {id(m): m for m in (self._sealer.witness, self._reader_witness)
-                                if m is not None}.values() if m.pending(token)]
+        memories = self._pending(token)
         if not memories:
             return
-        if not self._runner.sync_log():
+        if self._pg is not None or not self._runner.sync_log():
             log.info("the chain heads this process only read are not remembered by its "
                      "configuration: nothing it committed after reading them waited for the "
-                     "disk, and this journal cannot be synced without writing")
+                     "disk, and the journal's log was not found on disk past them")
             return
         for memory in memories:
             memory.confirm(memory.pending(token))

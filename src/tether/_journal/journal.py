@@ -360,7 +360,9 @@ class Journal(JournalAccess):
                                       self._connection())
             return found
 
-        return await self._read(op)
+        verdicts = await self._read(op)
+        await self.note_read_position()
+        return verdicts
 
     async def epoch_gaps(self, delegation_ids: list[str]) -> dict[str, list[int]]:
         """``ops.epoch_gaps``: tasks of these delegations with an epoch deleted as a whole."""

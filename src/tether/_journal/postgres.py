@@ -89,6 +89,16 @@ class PgDb:
         assert row is not None
         return float(row[0])
 
+    def log_position(self, flushed: bool) -> tuple[str, int]:
+        """(when the server started, a position in its write-ahead log): where its log is on
+        disk up to (``flushed``), or where it was inserted up to, past the commit record of
+        every transaction this connection saw so far."""
+        which = "pg_current_wal_flush_lsn()" if flushed else "pg_current_wal_insert_lsn()"
+        row = self._conn.execute(f"SELECT pg_postmaster_start_time()::text, "
+                                 f"({which} - '0/0'::pg_lsn)::bigint").fetchone()
+        assert row is not None
+        return str(row[0]), int(row[1])
+
     def notify(self, payload: str) -> None:
         """Delivered to listeners when the transaction commits, never if it rolls back."""
         self._conn.execute("SELECT pg_notify(%s, %s)", (self._channel, payload))
