@@ -5,6 +5,7 @@ hint that only ever causes a read."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -307,3 +308,133 @@ async def test_a_worker_whose_slot_frees_claims_the_next_task_without_a_notifica
                 assert [await c.result() for c in children] == [2, 4]
             worker.stop()
             await serving
+
+
+async def test_an_unclaimed_task_settled_by_its_owner_wakes_whoever_awaits_its_result(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process recalls a queued task no worker claimed and dies before it takes the
+    task off the queue; the owner's watch settles it. That settlement says "done", as a
+    worker's end does: the owner's ``result()`` hears it, not the next poll (an hour here;
+    before, nothing was said and the wait took the whole poll)."""
+    from tether._runtime import issuing
+
+    class Died(Exception):
+        pass
+
+    async def dies(*args: Any, **kwargs: Any) -> None:
+        raise Died  # the issuer, right after its intent committed
+
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        return "ran"
+
+    async with tether.Supervisor(sqlite_url, control_poll=HOUR) as owner:
+        handle = await owner.delegate(job, remote=True)
+        waiting = asyncio.ensure_future(handle.result())
+        monkeypatch.setattr(issuing, "settle_unclaimed", dies)
+        async with tether.Supervisor(sqlite_url, recover=False) as issuer:
+            with pytest.raises(Died):
+                await issuer.handle_for(handle.id).recall(0.1)
+        monkeypatch.undo()
+        async with asyncio.timeout(60):  # a hang guard, not a timing goal
+            with pytest.raises(tether.DelegationError):
+                await waiting
+    assert (await _state(sqlite_url, handle.id)) == "RECALLED"
+
+
+async def _state(url: str, delegation_id: str) -> str:
+    async with Journal(url) as journal:
+        return (await journal.get(delegation_id)).state.value
+
+
+async def test_a_done_heard_while_the_waiter_reads_is_not_lost(
+        sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker ends the task just after the waiter's read of its progress began, and the
+    "done" reaches the waiter before that read answers: the waiter reads again at once
+    (before, the ring fell between two waits and the result waited for the next poll)."""
+    from tether._runtime.supervisor import Supervisor
+
+    keys = tether.KeyRing.ephemeral()
+    release, running, done = asyncio.Event(), asyncio.Event(), threading.Event()
+    original = Supervisor._notified
+
+    def notified(self: Supervisor, payload: str) -> None:
+        original(self, payload)
+        if payload == "done":
+            done.set()
+
+    monkeypatch.setattr(Supervisor, "_notified", notified)
+
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        running.set()
+        await release.wait()
+        return "ran"
+
+    async with tether.Supervisor(sqlite_url, control_poll=HOUR, keys=keys) as sup, \
+            tether.Worker(sqlite_url, [job], keys=keys, poll=0.05) as worker:
+        serving = asyncio.create_task(worker.run())
+        handle = await sup.delegate(job, remote=True)
+        await running.wait()
+        real = sup.journal.queue_progress
+
+        async def progress(queued_id: str) -> Any:
+            found = await real(queued_id)
+            if not release.is_set():
+                release.set()  # the task ends after this read
+                assert await asyncio.to_thread(done.wait, 60)  # its "done" arrives
+                await _turns()  # and is handed to the loop, before this read answers
+            return found
+
+        sup.journal.queue_progress = progress  # type: ignore[method-assign]
+        async with asyncio.timeout(60):  # a hang guard, not a timing goal
+            assert await handle.result() == "ran"
+        worker.stop()
+        await serving
+
+
+async def test_a_worker_run_cancelled_leaves_no_wake_up_behind(sqlite_url: str) -> None:
+    """A ``run()`` cancelled (a timeout around it) forgets its claim loop's wake-up: a process
+    that runs its worker again and again keeps one, not one per run."""
+    keys = tether.KeyRing.ephemeral()
+
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        return "ran"
+
+    async with tether.Worker(sqlite_url, [job], keys=keys, poll=HOUR) as worker:
+        bells = worker.supervisor.bells._bells
+        before = len(bells)
+        for _ in range(20):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.01):
+                    await worker.run()
+        assert len(bells) == before
+
+
+async def test_a_worker_stopped_from_another_thread_stops_at_once(sqlite_url: str) -> None:
+    """``stop()`` from another thread (a UI's, an exit hook's) is handed to the worker's loop:
+    no error, even in asyncio's debug mode, and the claim loop wakes now, not at its next
+    poll (an hour here)."""
+    keys = tether.KeyRing.ephemeral()
+    asyncio.get_running_loop().set_debug(True)
+
+    @tether.agent()
+    async def job(ctx: tether.Context) -> str:
+        return "ran"
+
+    async with tether.Worker(sqlite_url, [job], keys=keys, poll=HOUR) as worker:
+        serving = asyncio.create_task(worker.run())
+        await _turns()
+        errors: list[BaseException] = []
+
+        def stop() -> None:
+            try:
+                worker.stop()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        await asyncio.to_thread(stop)
+        async with asyncio.timeout(60):  # a hang guard, not a timing goal
+            await serving
+    assert errors == []

@@ -383,7 +383,8 @@ class PostgresRunner(ThreadRunner):
     def listen(self, callback: Callable[[str], None]) -> bool:
         """Call ``callback(payload)`` from a thread for each NOTIFY on this journal's channel.
         Best effort: while the connection is down owners learn of intents by polling; once it
-        is back, ``callback("reconnected")`` tells them that notifications may have been lost."""
+        is up, ``callback("reconnected")`` tells them that notifications may have been lost
+        (also the first time: between the journal's opening and the LISTEN)."""
         if self._listening.is_set():
             return True
         self._listening.set()
@@ -392,18 +393,18 @@ class PostgresRunner(ThreadRunner):
         return True
 
     def _listen(self, callback: Callable[[str], None]) -> None:
-        delay, again = BACKOFF_FIRST, False
+        delay = BACKOFF_FIRST
         while self._listening.is_set() and not self._closing.is_set():
             with contextlib.suppress(psycopg.Error), psycopg.connect(
                     self.conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT) as conn:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
                 delay = BACKOFF_FIRST
-                if again:
-                    callback("reconnected")
+                # Listening now (again, or for the first time: the thread connects a moment
+                # after the journal opened): what committed before is for a read, not a wake-up.
+                callback("reconnected")
                 while self._listening.is_set():
                     for note in conn.notifies(timeout=LISTEN_TICK):
                         callback(note.payload)
-            again = True
             self._closing.wait(delay)  # lost: try again, with bounded backoff
             delay = min(delay * 2, self.backoff_cap())
 

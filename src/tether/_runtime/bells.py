@@ -11,6 +11,8 @@ is read at once, not at the next poll.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 RECONNECTED = "reconnected"  # the listener was cut: what it missed is read by everyone now
 
@@ -56,6 +58,16 @@ class Bells:
 
     def forget(self, bell: Bell) -> None:
         self._bells.discard(bell)
+
+    @contextlib.contextmanager
+    def listening(self, *topics: str) -> Iterator[Bell]:
+        """A bell for a loop that reads, then waits, over and over: registered before its
+        first read, so that a ring during any read is kept; forgotten however the loop ends."""
+        bell = self.bell(*topics)
+        try:
+            yield bell
+        finally:
+            self.forget(bell)
 
     def ring(self, payload: str) -> None:
         for bell in list(self._bells):

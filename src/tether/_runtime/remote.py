@@ -75,6 +75,9 @@ async def settle_unclaimed(sup: ports.Liveness, delegation_id: str,
         return None
     await settle_subtree(sup.journal, delegation_id, sup.clock, kind.settled,
                          Verdict.NEVER_STARTED, "no worker had claimed it")
+    # Done, as a worker marks a task it ran: whoever awaits its result is woken (its entry
+    # was marked done when it left the queue; this commit is the one that ends it).
+    await sup.journal.queue_done(delegation_id, sup.clock.wall())
     await sup.journal.flush()
     return await build_report(sup.journal, delegation_id)
 
@@ -133,28 +136,30 @@ async def wait_queued(sup: ports.Remote, queued_id: str) -> DelegationRow:
     across its re-dispatched attempts) and return its last attempt. A worker that dies first
     is presumed dead when its lease runs out, and its work is reconciled here."""
     recovered: set[str] = set()  # once each: calls left in doubt are re-probed at their deadline
-    while True:
-        now = sup.clock.wall()
-        progress = await sup.journal.queue_progress(queued_id)
-        entry, latest = progress.entry, progress.latest
-        claimant = entry.claimed_by if entry is not None else None
-        dead = claimant is not None and not judge_alive(sup, progress.claimant,
-                                                        progress.server_now, now)
-        if (entry is not None and entry.claimed_by is None and latest.fenced
-                and not latest.state.terminal):
-            await settle_unclaimed(sup, latest.id, _kind_of(latest))
-            continue
-        if dead and not latest.state.terminal and latest.id not in recovered:
-            recovered.add(latest.id)
-            await sup.recover_delegation(latest, f"worker {claimant} lost its lease")
-            latest = await sup.journal.get(latest.id)
-        # Done: its worker (or the issuer of an early recall) marked it so, or nobody is left
-        # to re-dispatch it.
-        if latest.state.terminal and (entry is None or entry.done_at is not None or dead):
-            if dead:
-                await sup.journal.queue_done(queued_id, sup.clock.wall())
-            return latest
-        await sup.wake(sup.control_poll, "done")
+    # "done" once its worker marked it so: heard during a read too (the read may miss it).
+    with sup.bells.listening("done") as bell:
+        while True:
+            now = sup.clock.wall()
+            progress = await sup.journal.queue_progress(queued_id)
+            entry, latest = progress.entry, progress.latest
+            claimant = entry.claimed_by if entry is not None else None
+            dead = claimant is not None and not judge_alive(sup, progress.claimant,
+                                                            progress.server_now, now)
+            if (entry is not None and entry.claimed_by is None and latest.fenced
+                    and not latest.state.terminal):
+                await settle_unclaimed(sup, latest.id, _kind_of(latest))
+                continue
+            if dead and not latest.state.terminal and latest.id not in recovered:
+                recovered.add(latest.id)
+                await sup.recover_delegation(latest, f"worker {claimant} lost its lease")
+                latest = await sup.journal.get(latest.id)
+            # Done: its worker (or the issuer of an early recall) marked it so, or nobody is left
+            # to re-dispatch it.
+            if latest.state.terminal and (entry is None or entry.done_at is not None or dead):
+                if dead:
+                    await sup.journal.queue_done(queued_id, sup.clock.wall())
+                return latest
+            await bell.wait(sup.control_poll)
 
 
 def queued_result(row: DelegationRow) -> Any:

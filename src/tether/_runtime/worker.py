@@ -123,6 +123,7 @@ class Worker:
         self._lease_ends = 0.0  # loop time by which the lease last renewed surely ends
         self._running: dict[str, asyncio.Task[None]] = {}
         self._bell: Bell | None = None  # the claim loop's wake-up (``_serve``)
+        self._loop: asyncio.AbstractEventLoop | None = None  # ``run``'s
         self._stopping = asyncio.Event()
         self._fault: BaseException | None = None
 
@@ -186,6 +187,19 @@ class Worker:
         ``stop_timeout`` seconds, when leaving the worker terminates the rest."""
         log.info("stopping: %d delegation(s) still running", len(self._running),
                  extra={"owner": self.owner_id, "running": list(self._running)})
+        loop = self._loop
+        try:
+            here = loop is None or asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._stop_here()
+        else:  # from another thread (a signal handler's, a UI's): handed to the worker's loop
+            assert loop is not None
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                loop.call_soon_threadsafe(self._stop_here)
+
+    def _stop_here(self) -> None:
         self._stopping.set()
         self._ring()
 
@@ -196,6 +210,7 @@ class Worker:
 
     async def run(self) -> None:
         """Claim and run delegations until ``stop()``; raises LeaseLost if the lease ran out."""
+        self._loop = asyncio.get_running_loop()
         beat = asyncio.create_task(self._keep_lease(), name="tether-lease")
         beat.add_done_callback(self._ring)
         try:
@@ -214,21 +229,12 @@ class Worker:
     async def _serve(self, beat: asyncio.Task[None]) -> None:
         sup = self.supervisor
         # A task queued for some worker (maybe one of ours), or a slot of ours freed.
-        self._bell = bell = sup.bells.bell("queued")
-        while not self._stopping.is_set() and not beat.done():
-            free = self.concurrency - len(self._running)
-            if free > 0:
-                rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
-                                               sup.clock.wall(), free)
-                for row in rows:
-                    log.info("claimed %s (%s)", row.id, row.agent,
-                             extra={"delegation": row.id, "agent": row.agent,
-                                    "owner": sup.owner_id})
-                    self._start(row)
-                if rows:
-                    continue  # there may be more waiting
-            await bell.wait(self.poll)
-        sup.bells.forget(bell)
+        with sup.bells.listening("queued") as bell:
+            self._bell = bell
+            try:
+                await self._claim(sup, beat, bell)
+            finally:
+                self._bell = None
         self._raise_fault()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.stop_timeout  # real time, like the lease
@@ -250,6 +256,22 @@ class Worker:
             raise fault  # run() turns it into LeaseLost
         self.supervisor.abandon()
         raise LeaseLost(self.owner_id, f"worker fault ({fault!r})") from fault
+
+    async def _claim(self, sup: Supervisor, beat: asyncio.Task[None], bell: Bell) -> None:
+        """Claim what is queued for these agents while there is room, until stopped."""
+        while not self._stopping.is_set() and not beat.done():
+            free = self.concurrency - len(self._running)
+            if free > 0:
+                rows = await sup.journal.claim(sup.owner_id, tuple(self.agents),
+                                               sup.clock.wall(), free)
+                for row in rows:
+                    log.info("claimed %s (%s)", row.id, row.agent,
+                             extra={"delegation": row.id, "agent": row.agent,
+                                    "owner": sup.owner_id})
+                    self._start(row)
+                if rows:
+                    continue  # there may be more waiting
+            await bell.wait(self.poll)
 
     def _start(self, row: DelegationRow) -> None:
         task = asyncio.create_task(self._run_one(row), name=f"tether-worker-{row.id}")
