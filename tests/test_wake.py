@@ -386,7 +386,7 @@ async def test_a_done_heard_while_the_waiter_reads_is_not_lost(
                 await _turns()  # and is handed to the loop, before this read answers
             return found
 
-        sup.journal.queue_progress = progress  # type: ignore[method-assign]
+        sup.journal.queue_progress = progress  # type: ignore[method-assign,assignment]
         async with asyncio.timeout(60):  # a hang guard, not a timing goal
             assert await handle.result() == "ran"
         worker.stop()
