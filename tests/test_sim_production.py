@@ -4,6 +4,7 @@ notifications, and trials that run the production Supervisor, Worker and journal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import threading
@@ -423,6 +424,71 @@ async def test_a_postgresql_reader_remembers_a_relaxed_head_only_once_it_is_on_d
         before, after = await _read_then_close(w, d, between)
     assert before is None
     assert (after is not None) is (then == "durable_commit"), after
+
+
+def _crash_a_backend(url: str) -> None:
+    """SIGKILL one server process: the server ends every session and restarts from its log
+    by itself, its start time unchanged, and loses what its WAL writer had not flushed."""
+    import signal
+    import time
+
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as victim:
+        os.kill(victim.info.backend_pid, signal.SIGKILL)
+        with contextlib.suppress(psycopg.Error):
+            victim.execute("SELECT 1")  # its server process is gone
+    for _ in range(400):
+        time.sleep(0.05)
+        with contextlib.suppress(psycopg.Error):
+            psycopg.connect(url, autocommit=True).close()
+            return
+    raise AssertionError("the server did not come back")
+
+
+@pytest.mark.parametrize("how", ["failed_read", "reopened", "crash_restart"])
+async def test_a_postgresql_reader_never_remembers_a_head_the_server_then_lost(
+        tmp_path: Path, how: str) -> None:
+    """B reads a head A committed without waiting for the disk, in a way that must leave it
+    unremembered: the read fails after accepting it (another read of B's had been placed in
+    the log before), or B closes, the server loses the commit (a restart, or a crash it
+    restarts from by itself, its start time unchanged), and B is opened again and closed.
+    The configuration must then find the journal as it is, not rolled back."""
+    from tether._chaos.pgserver import PrivateServer
+
+    with PrivateServer(wal_writer_delay="10s") as server:
+        url = f"{server.url}?schema=lost&keys={tmp_path / 'keys'}"
+        w = Writer(url)
+        x = await w.delegation("d_x")
+        y = await w.a.create_delegation(NewDelegation(
+            id="d_y", task_id="td_y", parent_id=None, attempt=1, agent="a", surface=(),
+            args={}, owner_id="o1", now=1.0))
+        await w.b.chain_verdicts([x], w.rb.trusted)  # placed, and flushed
+        await w.relaxed_event(y.id)
+        if how == "failed_read":
+            with pytest.raises(JournalError):
+                await w.b.chain_verdicts([y.id, "bad\x00"], w.rb.trusted)
+            await w.b.close()
+            await asyncio.to_thread(server.restart, "immediate")
+        else:
+            await w.b.chain_verdicts([y.id], w.rb.trusted)
+            await w.b.close()  # the log is not on disk within the close's wait
+            if how == "reopened":
+                await asyncio.to_thread(server.restart, "immediate")
+            else:
+                await asyncio.to_thread(_crash_a_backend, server.url)
+            for _ in range(20):  # the journal goes on: the log passes where it was lost
+                w.a.event(1.0, "after", x)
+                await w.a.flush()
+            await w.b.open()
+            if how == "reopened":
+                await w.b.chain_verdicts([x], w.rb.trusted)
+            await w.b.close()
+        await w.a.close()
+        assert w.heads.seen(y.id) is None
+        async with Journal(url) as c:
+            (verdict,) = await c.chain_verdicts([y.id], w.rb.trusted)
+    assert verdict.ok, verdict.problems
 
 
 # -- trials of the production engine ---------------------------------------------------------

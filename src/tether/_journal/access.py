@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import parse_qs, unquote, urlparse
 
 from tether._core.errors import JournalError, UserError
-from tether._core.headmark import HeadMemory
+from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.model import DEFAULT_CLOCK_TOLERANCE
 from tether._core.registrymark import RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
@@ -128,9 +128,10 @@ class JournalAccess:
     def _chain(self, runner: Runner) -> None:
         self._sealer = sealer = chainops.Sealer()
         self._reader_witness: HeadMemory | None = None  # the last read's (``chain_verdicts``)
-        # PostgreSQL: (the server's start, its log's insert position) once reads that accepted
-        # heads had run (``note_read_position``); None when one of them could not be placed.
-        self._read_position: tuple[str, int] | None = None
+        # PostgreSQL: for each head a read accepted, that head, the server session and the
+        # log's insert position right after the read (``placed``).
+        self._positions: dict[str, tuple[HeadMark, str, int]] = {}
+        self._opened = 0  # a journal opened again reads on a new connection (``_connection``)
         # The key registries' memories a key change here advanced: saved at the latest on close.
         self._registry_memories: list[RegistryMemory] = []
         wall = self._wall
@@ -165,6 +166,8 @@ class JournalAccess:
 
     async def open(self) -> Self:
         await self._runner.start()
+        self._opened += 1
+        self._positions.clear()
         return self
 
     async def close(self) -> None:
@@ -182,42 +185,50 @@ class JournalAccess:
         return [m for m in {id(m): m for m in (self._sealer.witness, self._reader_witness)
                             if m is not None}.values() if m.pending(token)]
 
-    async def note_read_position(self) -> None:
-        """PostgreSQL, after a read that accepted heads: where the server's log was inserted
-        up to then (past every commit the read saw), and on which life of the server."""
-        if self._pg is None or not self._pending(self._connection()):
-            return
-        try:
-            start, lsn = await self._read(lambda db: db.log_position(flushed=False))
-        except JournalError:  # a standby, a lost server: those heads stay unremembered
-            self._read_position = None
-            return
-        known = self._read_position
-        if known is None or known[0] != start or known[1] < lsn:
-            self._read_position = (start, lsn)
+    def placed(self, accepted: dict[str, HeadMark], place: tuple[str, int] | None) -> None:
+        """PostgreSQL: the heads one read accepted, and where the server's log was inserted
+        up to right after it in the same transaction (past the commit of everything it saw),
+        on which server session (None: a standby, which cannot say)."""
+        for delegation_id, mark in accepted.items():
+            if place is None:
+                self._positions.pop(delegation_id, None)
+            else:
+                self._positions[delegation_id] = (mark, *place)
 
     async def _confirm_on_server(self) -> None:
-        """PostgreSQL, at close: heads this process only read are remembered once the server's
-        log is on disk past where it was after those reads, on the same life of the server
-        (a crash in between may have lost them). Its WAL writer flushes a commit that did not
-        wait within a few hundred milliseconds, so this waits that long at most."""
+        """PostgreSQL, at close: a head this process only read is remembered once the
+        server's log is on disk past where it was right after the read that accepted it, on
+        the same server session (a crash in between, even one the server restarts from by
+        itself, ends the session and may have lost it). Its WAL writer flushes a commit that
+        did not wait within a few hundred milliseconds, so this waits that long at most."""
         token = self._connection()
-        position = self._read_position
-        if self._pg is None or position is None or not self._pending(token):
+        if self._pg is None:
             return
+        wanted: dict[str, tuple[HeadMemory, HeadMark, str, int]] = {}
+        for memory in self._pending(token):
+            for delegation_id, mark in memory.pending(token).items():
+                known = self._positions.get(delegation_id)
+                if known is not None and known[0] == mark:  # placed by the read that took it
+                    wanted[delegation_id] = (memory, mark, known[1], known[2])
+        if not wanted:
+            return
+        flushed = -1
         try:
             async with asyncio.timeout(CONFIRM_WITHIN):
                 while True:
-                    start, flushed = await self._read(lambda db: db.log_position(flushed=True))
-                    if start != position[0] or self._connection() != token:
-                        return  # another life of the server: it says nothing of those heads
-                    if flushed >= position[1]:
+                    place = await self._read(lambda db: db.log_position(flushed=True))
+                    if place is None or self._connection() != token:
+                        return
+                    session, flushed = place
+                    wanted = {d: w for d, w in wanted.items() if w[2] == session}
+                    if all(w[3] <= flushed for w in wanted.values()):
                         break
                     await asyncio.sleep(CONFIRM_EVERY)
         except (TimeoutError, JournalError):
-            return
-        for memory in self._pending(token):
-            memory.confirm(memory.pending(token))
+            pass  # what was flushed by then still counts
+        for delegation_id, (memory, mark, _, lsn) in wanted.items():
+            if lsn <= flushed:
+                memory.confirm({delegation_id: mark})
 
     def _confirm_reads(self) -> None:
         """Heads a read accepted since the last durable flush are remembered once on disk
@@ -295,8 +306,8 @@ class JournalAccess:
 
     def _connection(self) -> object:
         """Which connection the operation running now is on (read on the writer's thread,
-        inside the operation): this runner's, as many times reconnected."""
-        return (self._runner, self._runner.reconnects)
+        inside the operation): this runner's, as many times opened and reconnected."""
+        return (self._runner, self._opened, self._runner.reconnects)
 
     def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key

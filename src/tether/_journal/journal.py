@@ -342,7 +342,8 @@ class Journal(JournalAccess):
                 reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
             return reg
 
-        def op(db: Any) -> list[ChainVerdict]:
+        def op(db: Any) -> tuple[list[ChainVerdict], dict[str, HeadMark],
+                                 tuple[str, int] | None]:
             reg = trustops.registry(db, pins)
             found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
                                       self._connection())
@@ -358,10 +359,17 @@ class Journal(JournalAccess):
                 reg = again
                 found = chainops.verdicts(db, delegation_ids, trusted(reg), seen, witness,
                                       self._connection())
-            return found
+            if self._pg is None or witness is None:
+                return found, {}, None
+            # What this read accepted, placed in the server's log in the same transaction:
+            # a reader that never writes remembers it once the log is on disk past it.
+            token = self._connection()
+            accepted = {d: m for d, m in witness.pending(token).items() if d in wanted}
+            return found, accepted, db.log_position(flushed=False) if accepted else None
 
-        verdicts = await self._read(op)
-        await self.note_read_position()
+        wanted = set(delegation_ids)
+        verdicts, accepted, place = await self._read(op)
+        self.placed(accepted, place)
         return verdicts
 
     async def epoch_gaps(self, delegation_ids: list[str]) -> dict[str, list[int]]:

@@ -89,15 +89,32 @@ class PgDb:
         assert row is not None
         return float(row[0])
 
-    def log_position(self, flushed: bool) -> tuple[str, int]:
-        """(when the server started, a position in its write-ahead log): where its log is on
-        disk up to (``flushed``), or where it was inserted up to, past the commit record of
-        every transaction this connection saw so far."""
+    def log_position(self, flushed: bool) -> tuple[str, int] | None:
+        """(this server session, a position in the server's write-ahead log): where the log is
+        on disk up to (``flushed``), or where it was inserted up to, past the commit record of
+        every transaction this connection saw so far. None on a standby, which cannot say.
+        The session is the backend's own (its process and start): a crash of any backend
+        ends every session, even when the server restarts from it by itself."""
         which = "pg_current_wal_flush_lsn()" if flushed else "pg_current_wal_insert_lsn()"
-        row = self._conn.execute(f"SELECT pg_postmaster_start_time()::text, "
-                                 f"({which} - '0/0'::pg_lsn)::bigint").fetchone()
-        assert row is not None
-        return str(row[0]), int(row[1])
+        # In a savepoint: a server that refuses it (a pooler, a role, a version) costs the
+        # witness, never the read it follows.
+        self._conn.execute("SAVEPOINT log_position")
+        try:
+            row = self._conn.execute(
+                "SELECT CASE WHEN pg_is_in_recovery() THEN NULL "
+                f"ELSE ({which} - '0/0'::pg_lsn)::bigint END, "
+                "pg_postmaster_start_time()::text || ' ' || pg_backend_pid()::text || ' ' || "
+                "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())::text"
+            ).fetchone()
+        except psycopg.Error:
+            if self._conn.closed or self._conn.broken:
+                raise
+            self._conn.execute("ROLLBACK TO SAVEPOINT log_position")
+            return None
+        self._conn.execute("RELEASE SAVEPOINT log_position")
+        if row is None or row[0] is None or row[1] is None:
+            return None
+        return str(row[1]), int(row[0])
 
     def notify(self, payload: str) -> None:
         """Delivered to listeners when the transaction commits, never if it rolls back."""
