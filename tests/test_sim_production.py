@@ -232,6 +232,14 @@ class Writer:
         self.a.event(1.0, "relaxed", delegation_id)
         await self.a.flush(durable=False)
 
+    async def read_relaxed(self, delegation_id: str) -> tuple[str, Any]:
+        """A's delegation with a relaxed head on it, read by B: the id, and what B
+        remembered of it at once."""
+        d = await self.delegation(delegation_id)
+        await self.relaxed_event(d)
+        await self.b.chain_verdicts([d], self.rb.trusted)
+        return d, self.heads.seen(d)
+
     async def close(self) -> None:
         await self.a.close()
         await self.b.close()
@@ -327,10 +335,7 @@ def test_a_flush_after_a_read_syncs_the_sqlite_log_another_process_left_unsynced
     w = Writer(f"sqlite:///{tmp_path / 'journal.db'}")
 
     async def main() -> tuple[Any, Any]:
-        d = await w.delegation("d_z")
-        await w.relaxed_event(d)
-        await w.b.chain_verdicts([d], w.rb.trusted)
-        before = w.heads.seen(d)
+        d, before = await w.read_relaxed("d_z")
         synced.clear()
         await w.b.flush()
         after = w.heads.seen(d)
@@ -362,10 +367,7 @@ def test_a_reader_that_closes_remembers_what_it_read_once_the_sqlite_log_is_sync
     w = Writer(f"sqlite:///{tmp_path / 'journal.db'}")
 
     async def main() -> tuple[Any, Any]:
-        d = await w.delegation("d_c")
-        await w.relaxed_event(d)
-        await w.b.chain_verdicts([d], w.rb.trusted)
-        before = w.heads.seen(d)
+        d, before = await w.read_relaxed("d_c")
         monkeypatch.setattr(os, "fsync", fsync)
         await w.b.close()  # A is still open: its log is there, unsynced
         monkeypatch.setattr(os, "fsync", real)
