@@ -38,7 +38,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if gate is not Gate.OPEN:\n        if gate is Gate.LEASE_EXPIRED:",
        "    if gate is not Gate.OPEN and gate is not Gate.FENCED:\n"
        "        if gate is Gate.LEASE_EXPIRED:",
-       "race", 1, 200, 86),
+       "race", 1, 200, 14),
     _m("probe_final",
        "a probe's \"not applied\" is taken as final whatever the dispatch deadline says: the "
        "call may still land after the provider looked",
@@ -46,7 +46,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "    if voided or not may_still_apply(deadline_at=deadline_at, now=now, "
        "tolerance=tolerance):\n        return _A.NOT_APPLIED",
        "    if True:\n        return _A.NOT_APPLIED",
-       "late_apply,reply_lost,race", 99, 60, 27),
+       "late_apply,reply_lost,race", 99, 60, 7),
     _m("deadline_recheck",
        "a delegation ended with calls that may still apply is never checked again at their "
        "dispatch deadline",
@@ -54,7 +54,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)\n"
        "        await self._recheck_later(root_id, fallback)",
        "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)",
-       "late_apply,reply_lost,race", 1, 30, 6),
+       "late_apply,reply_lost,race", 1, 30, 2),
     _m("queued_fenced",
        "a fenced delegation no worker claimed stays queued: nobody settles it",
        "_runtime.remote",
@@ -69,13 +69,13 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.model",
        "    if state in (_S.RUNNING, _S.RECALLING):\n        return kind.target",
        "    if False:\n        return kind.target",
-       "crash,race,stream_cut", 1, 30, 10),
+       "crash,race,stream_cut", 1, 30, 6),
     _m("executor_gone",
        "a call whose executor goes away (terminated, owner dead) stays PENDING, never probed",
        "_core.model",
        "    return ActionState.IN_DOUBT if state is ActionState.PENDING else state",
        "    return state",
-       "crash,reply_lost,race", 1, 30, 9),
+       "crash,reply_lost,race", 1, 30, 6),
     # The core's decisions, each broken as the simulator's former model of the runtime broke
     # them (its mutation tests): found now in the code that ships.
     _m("clock_tolerance",
@@ -90,7 +90,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "    if fenced:\n        return Gate.FENCED",
        "    if False:\n        return Gate.FENCED",
-       "race,notify_lost,pause", 1, 150, 13),
+       "race,notify_lost,pause", 1, 150, 25),
     _m("settle_in_flight",
        "a delegation settles while one of its calls may still apply",
        "_core.outcome",
@@ -117,14 +117,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "        if holds_key(call, now, tolerance):\n            waiting = call",
        "        if False:\n            waiting = call",
-       "late_apply,reply_lost,race", 1, 100, 12),
+       "late_apply,reply_lost,race", 1, 100, 20),
     _m("key_replay",
        "a key whose call COMPLETED is not replayed: the call runs again",
        "_core.outcome",
        "        if call.state is _A.COMPLETED:\n            return KeyDecision(KeyVerdict.REPLAY, "
        "call)",
        "        if False:\n            return KeyDecision(KeyVerdict.REPLAY, call)",
-       "race,reply_lost", 1, 30, 2),
+       "race,reply_lost", 1, 30, 1),
     Mutation(
         "attempt_fence",
         "a re-dispatched attempt is forked under a parent fenced meanwhile: the attempt's gate "
@@ -144,14 +144,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.gateway",
        "        if clock.wall() >= deadline_at:\n            # Paused between",
        "        if False:\n            # Paused between",
-       "pause,race", 1, 200, 47),
+       "pause,race", 1, 200, 25),
     _m("probe_time",
        "a probe's answer is judged at the time it came back, not when it was sent: a probe "
        "sent before the dispatch deadline and answered after it is a final NOT_APPLIED",
        "_runtime.reconcile",
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200, 77),
+       "late_apply,probe_hang,pause,race", 1, 200, 111),
     _m("end_children",
        "a delegation whose code raised ends while a child it started still runs; a "
        "terminate of the task finds its root ended and the child goes on paying",
@@ -165,14 +165,14 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "    return state is _A.UNKNOWN and can_probe and (asked_at is None or may_still_apply(",
        "    return False and (asked_at is None or may_still_apply(",
-       "probe_raise,probe_hang,late_apply,reply_lost", 1, 60, 2),
+       "probe_raise,probe_hang,late_apply,reply_lost", 1, 60, 1),
     _m("reprobe_asked_at",
        "whether to probe again is judged on when the last probe answered, not when it was "
        "asked",
        "_runtime.accounting",
        'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
        'asked_at = evidence.get("probed_at")',
-       "late_apply,probe_hang,pause,race", 2, 250, 29),
+       "late_apply,probe_hang,pause,race", 2, 250, 111),
     _m("seal_unguarded",
        "a commit deletes the seals its moved heads named without asking whether another head "
        "still names one (a writer's memory of its own seals, wrong after a commit lost with "
@@ -191,7 +191,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        sealer.sealed(delegation_id, length, tip, legacy, relaxed)",
        "    for delegation_id, length, tip, legacy in moved:\n"
        "        sealer.sealed(delegation_id, length, tip, legacy, False)",
-       "server_lost", 1, 100, 22),
+       "server_lost", 1, 100, 85),
 )
 
 
