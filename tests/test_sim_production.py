@@ -493,6 +493,31 @@ async def test_a_postgresql_reader_never_remembers_a_head_the_server_then_lost(
     assert verdict.ok, verdict.problems
 
 
+async def test_a_flush_through_a_connection_that_outlived_the_server_confirms_nothing_lost(
+        tmp_path: Path) -> None:
+    """A transaction pooler keeps the client's connection when the server crashes and gives it
+    a new server session silently: to the journal, the same connection. B read A's relaxed
+    head, the server lost it, and B's next durable flush commits on the server's new life:
+    the head must not be remembered on the strength of that flush (the pooler is emulated by
+    keeping B's connection token through the crash)."""
+    from tether._chaos.pgserver import PrivateServer
+
+    with PrivateServer(wal_writer_delay="10s") as server:
+        url = f"{server.url}?schema=pooled&keys={tmp_path / 'keys'}"
+        w = Writer(url)
+        d, before = await w.read_relaxed("d_p")
+        token = w.b._connection()
+        w.b._connection = lambda: token  # type: ignore[method-assign]
+        await asyncio.to_thread(_crash_a_backend, server.url)
+        await w.b.flush()
+        remembered = w.heads.seen(d)
+        await w.close()
+        async with Journal(url) as c:
+            (verdict,) = await c.chain_verdicts([d], w.rb.trusted)
+    assert before is None and remembered is None
+    assert verdict.ok, verdict.problems
+
+
 # -- trials of the production engine ---------------------------------------------------------
 
 def test_a_bounded_run_of_the_production_runtime_finds_no_violation() -> None:

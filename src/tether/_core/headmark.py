@@ -57,8 +57,9 @@ class HeadMemory:
         # did not wait for it (a relaxed post, the MCP proxy's) is seen by readers at once,
         # and a crash of the server or the machine can still lose it. Remembered by
         # ``confirm`` once a commit that waited for the disk came after the read, on the
-        # same connection to the same server (``token``): a server that crashed meanwhile
-        # cut it, and a durable commit on its next life says nothing of what it lost.
+        # same connection (``token``), and found the head still in the journal: a durable
+        # commit on a crashed server's next life says nothing of what it lost (a crash cuts
+        # the connection, unless a pooler hides it: hence the second look).
         self._pending: dict[str, tuple[HeadMark, object]] = {}
         self._load = load
         self._save = save

@@ -32,6 +32,7 @@ SQLITE_PARAMETERS = frozenset({"keys", "busy_timeout", "synchronous"})
 MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32-bit int
 CONFIRM_WITHIN = 1.0  # seconds a closing PostgreSQL reader waits for the log (three WAL delays)
 CONFIRM_EVERY = 0.05
+POSITIONS_KEPT = 4096  # read positions kept before those no longer pending are dropped
 
 
 def sqlite_path(url: str) -> Path:
@@ -194,6 +195,13 @@ class JournalAccess:
                 self._positions.pop(delegation_id, None)
             else:
                 self._positions[delegation_id] = (mark, *place)
+        if len(self._positions) > POSITIONS_KEPT:  # a long-lived process: keep what is pending
+            token = self._connection()
+            pending: dict[str, HeadMark] = {}
+            for memory in self._pending(token):
+                pending.update(memory.pending(token))
+            self._positions = {d: p for d, p in self._positions.items()
+                               if pending.get(d) == p[0]}
 
     async def _confirm_on_server(self) -> None:
         """PostgreSQL, at close: a head this process only read is remembered once the

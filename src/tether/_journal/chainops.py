@@ -236,10 +236,14 @@ def read_back(db: Db, sealer: Sealer, readers: Sequence[HeadMemory | None] = (),
     committed). Run by the writer thread, inside the flush's transaction. A flush that waits
     for the disk also puts on disk every head a read accepted before it (``readers``'
     ``accept``; its commit syncs the log past them, ``Tx.sync_log``): remembered once it
-    committed, those read through this connection (``token``) alone."""
+    committed, those read through this connection (``token``) alone, and only those the
+    journal still holds, read in this transaction: a connection that outlived its server's
+    crash (a transaction pooler's, which gives the client a new server session silently)
+    would otherwise flush a new life of the server that lost them."""
     if isinstance(db, Tx) and not db.relaxed:
         for memory in {id(m): m for m in (sealer.witness, *readers) if m is not None}.values():
-            accepted = memory.pending(token)
+            accepted = {d: mark for d, mark in memory.pending(token).items()
+                        if _holds(db, d, mark.length, mark.hash)}
             if accepted:
                 db.sync_log = True
                 db.after.append(functools.partial(memory.confirm, accepted))
@@ -251,10 +255,15 @@ def read_back(db: Db, sealer: Sealer, readers: Sequence[HeadMemory | None] = (),
         mark = witness.seen(delegation_id)
         if mark is not None and mark.length >= length:
             continue  # confirmed already (the operation that carried it returned)
-        found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
-                           (delegation_id, length)).fetchone()
-        if found is not None and _hex(found[0]) == tip:
+        if _holds(db, delegation_id, length, tip):
             witness.note(delegation_id, length, tip)
+
+
+def _holds(db: Db, delegation_id: str, length: int, tip: str) -> bool:
+    """Whether the journal holds this head: its chain's entry at ``length`` is ``tip``."""
+    found = db.execute("SELECT hash FROM chain WHERE delegation_id = ? AND seq = ?",
+                       (delegation_id, length)).fetchone()
+    return found is not None and _hex(found[0]) == tip
 
 
 # A delegation's own rows, per chained table (an event may name only its action).

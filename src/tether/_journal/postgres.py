@@ -98,20 +98,21 @@ class PgDb:
         which = "pg_current_wal_flush_lsn()" if flushed else "pg_current_wal_insert_lsn()"
         # In a savepoint: a server that refuses it (a pooler, a role, a version) costs the
         # witness, never the read it follows.
-        self._conn.execute("SAVEPOINT log_position")
         try:
+            self._conn.execute("SAVEPOINT log_position")
             row = self._conn.execute(
                 "SELECT CASE WHEN pg_is_in_recovery() THEN NULL "
                 f"ELSE ({which} - '0/0'::pg_lsn)::bigint END, "
                 "pg_postmaster_start_time()::text || ' ' || pg_backend_pid()::text || ' ' || "
-                "(SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())::text"
+                "(SELECT backend_start FROM pg_stat_get_activity(pg_backend_pid()))::text"
             ).fetchone()
+            self._conn.execute("RELEASE SAVEPOINT log_position")
         except psycopg.Error:
             if self._conn.closed or self._conn.broken:
                 raise
-            self._conn.execute("ROLLBACK TO SAVEPOINT log_position")
+            with contextlib.suppress(psycopg.Error):
+                self._conn.execute("ROLLBACK TO SAVEPOINT log_position")
             return None
-        self._conn.execute("RELEASE SAVEPOINT log_position")
         if row is None or row[0] is None or row[1] is None:
             return None
         return str(row[1]), int(row[0])
