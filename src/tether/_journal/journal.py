@@ -342,6 +342,8 @@ class Journal(JournalAccess):
                 reg = dataclasses.replace(reg, keys=reg.keys.plus(own.public))
             return reg
 
+        wanted = set(delegation_ids)
+
         def op(db: Any) -> tuple[list[ChainVerdict], dict[str, HeadMark],
                                  tuple[str, int] | None]:
             reg = trustops.registry(db, pins)
@@ -367,7 +369,6 @@ class Journal(JournalAccess):
             accepted = {d: m for d, m in witness.pending(token).items() if d in wanted}
             return found, accepted, db.log_position(flushed=False) if accepted else None
 
-        wanted = set(delegation_ids)
         verdicts, accepted, place = await self._read(op)
         self.placed(accepted, place)
         return verdicts

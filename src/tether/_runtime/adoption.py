@@ -35,46 +35,47 @@ class Adoption:
         sup = self._sup
         beats = 0
         every = max(1, int(sup.policy.lease / 3 / sup.control_poll))
-        bell = sup.bells.bell(sup.owner_id)  # an intent on one of this owner's delegations
-        while True:
-            await bell.wait(sup.control_poll)
-            if sup.presumed_dead():
-                continue  # whoever reconciles our delegations settles them, not us
-            try:
-                rows = await sup.journal.controls_to_adopt(sup.owner_id, self.last_control)
-            except JournalError:
-                continue  # the journal is away longer than it reconnects for: poll again
-            for row in rows:
-                rt = sup.runtime(row.delegation_id)
-                if row.issuer != sup.owner_id and rt is not None:
-                    try:
-                        admitted = await self.admit(rt, row)
-                    except TetherError as exc:
-                        # Trust could not be decided (the configuration's registry.json is
-                        # unreadable, say): this row is judged again at the next poll, and
-                        # the loop, with its heartbeat, goes on.
-                        log.error("cannot judge control row %d: %s", row.id, exc,
-                                  extra={"delegation": row.delegation_id})
-                        break
-                    if admitted:
-                        self.adopt(rt, row)
-                        self._untracked.add(row.id)  # drained here, never settled again
-                elif row.issuer != sup.owner_id and row.id not in self._untracked:
-                    # No drain runs for it here (it ended with calls left running, or nothing
-                    # was ever run): if this process owns it, it settles it as for its own
-                    # intent, a terminate cutting those calls.
-                    self._untracked.add(row.id)
-                    sup.spawn(self.settle_untracked(row))
-                self.last_control = max(self.last_control, row.id)
-            else:
-                # Kept only while a poll can list the row again (PostgreSQL lists the newest
-                # intent of each delegation under recall; SQLite only rows after the last):
-                # a long-lived process forgets each one it is done with.
-                self._untracked &= {row.id for row in rows}
-            beats += 1
-            if beats % every == 0:
-                sup.journal.heartbeat(sup.owner_id, sup.clock.wall())
-                await self._recheck_clock()
+        # An intent on one of this owner's delegations; kept if it comes during a read.
+        with sup.bells.listening(sup.owner_id) as bell:
+            while True:
+                await bell.wait(sup.control_poll)
+                if sup.presumed_dead():
+                    continue  # whoever reconciles our delegations settles them, not us
+                try:
+                    rows = await sup.journal.controls_to_adopt(sup.owner_id, self.last_control)
+                except JournalError:
+                    continue  # the journal is away longer than it reconnects for: poll again
+                for row in rows:
+                    rt = sup.runtime(row.delegation_id)
+                    if row.issuer != sup.owner_id and rt is not None:
+                        try:
+                            admitted = await self.admit(rt, row)
+                        except TetherError as exc:
+                            # Trust could not be decided (the configuration's registry.json is
+                            # unreadable, say): this row is judged again at the next poll, and
+                            # the loop, with its heartbeat, goes on.
+                            log.error("cannot judge control row %d: %s", row.id, exc,
+                                      extra={"delegation": row.delegation_id})
+                            break
+                        if admitted:
+                            self.adopt(rt, row)
+                            self._untracked.add(row.id)  # drained here, never settled again
+                    elif row.issuer != sup.owner_id and row.id not in self._untracked:
+                        # No drain runs for it here (it ended with calls left running, or nothing
+                        # was ever run): if this process owns it, it settles it as for its own
+                        # intent, a terminate cutting those calls.
+                        self._untracked.add(row.id)
+                        sup.spawn(self.settle_untracked(row))
+                    self.last_control = max(self.last_control, row.id)
+                else:
+                    # Kept only while a poll can list the row again (PostgreSQL lists the newest
+                    # intent of each delegation under recall; SQLite only rows after the last):
+                    # a long-lived process forgets each one it is done with.
+                    self._untracked &= {row.id for row in rows}
+                beats += 1
+                if beats % every == 0:
+                    sup.journal.heartbeat(sup.owner_id, sup.clock.wall())
+                    await self._recheck_clock()
 
     async def _recheck_clock(self) -> None:
         """At each heartbeat: a clock that drifted off the server's (or was set wrong) since
