@@ -43,22 +43,23 @@ def fill(path: Path, n: int) -> None:
     asyncio.run(create(f"sqlite:///{path}"))
     conn = sqlite3.connect(path, isolation_level=None)
     start = time.time() - n
+    db = SqliteDb(conn)
     for base in range(0, n, 10_000):
         conn.execute("BEGIN")
         for i in range(base, min(n, base + 10_000)):
             now = start + i
             did = new_id("d")
-            ops.create_delegation(SqliteDb(conn), NewDelegation(
+            ops.create_delegation(db, NewDelegation(
                 id=did, task_id=new_id("t"), parent_id=None, attempt=1,
                 agent=("refund", "mail", "search")[i % 3], surface=("pay",),
                 args={"args": [f"order-{i}"], "kwargs": {}}, owner_id="o_bench", now=now))
             aid = new_id("a")
-            ops.begin_action(conn, NewAction(
+            ops.begin_action(db, NewAction(
                 id=aid, delegation_id=did, epoch=0, ordinal=0, tool="pay",
                 effect=Effect.EXTERNAL, args_json=json.dumps({"order": f"order-{i}"}),
                 args_hash=f"{i:064x}", idem_key=f"t{i}:pay:0", now=now, deadline_at=now + 30), 5.0)
-            ops.finish_action(conn, aid, ActionState.COMPLETED, now + 0.01, f"ref-{i}")
-            ops.set_state(conn, did, DelegationState.SUCCEEDED, now + 0.02)
+            ops.finish_action(db, aid, ActionState.COMPLETED, now + 0.01, f"ref-{i}")
+            ops.set_state(db, did, DelegationState.SUCCEEDED, now + 0.02)
         conn.execute("COMMIT")
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()

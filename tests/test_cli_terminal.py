@@ -202,3 +202,14 @@ def test_a_chaos_run_whose_trials_crashed_fails(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(harness, "run_chaos", crashing)
     code, out, _ = invoke("chaos", "--trials", "1", "--faults", "probe_fail")
     assert code == 1 and "crashed" in out and "RuntimeError: boom" in out, out
+
+
+def test_a_schema_too_long_for_its_notification_channel_is_refused() -> None:
+    """The journal's channel is ``tether_<schema>``: past PostgreSQL's 63 bytes LISTEN cuts
+    it short and pg_notify refuses it, so no process would ever be woken."""
+    schema = "s" * 57
+    code, out, err = invoke("ls", "--journal",
+                            f"postgresql://postgres@127.0.0.1:5432/test?schema={schema}")
+    assert code == 2 and out == "", out
+    assert err.startswith("error:") and "longer than 56" in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -392,7 +392,11 @@ async def test_a_connection_lost_at_a_savepoint_mid_batch_is_ridden_through(
             return CutAt(conn, statement) if cut.pop("once", False) else conn
 
         runner.connect = connect  # type: ignore[method-assign]
-        runner._conn.close()  # the next batch reconnects, on a connection that will break
+        runner._conn.close()
+        # Reconnected here, on a connection that will break: the batch below must meet its
+        # failure on that one (its BEGIN waits for its first statement, so on the closed
+        # connection its first operation would fail before anything was sent).
+        await journal._write(lambda db: db.execute("SELECT 1").fetchone())
         hold = threading.Event()
         blocker = journal._write(lambda db: hold.wait(SOON))  # keeps the writer busy ...
         first_run = {"once": True}

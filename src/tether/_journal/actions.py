@@ -38,6 +38,7 @@ from tether._journal.rows import Begin, BeginResult, DelegationRow, NewAction, d
 from tether._journal.tables import (
     _ACTION_COLS,
     SUBTREE,
+    Conn,
     Db,
     _action,
     before,
@@ -57,18 +58,25 @@ _INTENT = ACTIONS.insert(("id", "delegation_id", "ordinal", "tool", "effect", "a
                           "state", "started_at", "deadline_at", "args_hash"))
 
 
-def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
+def begin_action(db: Conn, new: NewAction, tolerance: float) -> BeginResult:
     """The write-ahead intent (I1) behind the fence (I2), with the Stripe rule on keys (I7).
     The gate's rows are read under a share lock (PostgreSQL; SQLite has one writer), so an
     intent accepted for the delegation cannot commit between the check and the insert."""
     # One read on the hot path: the owner's lease rides along (not locked: a lease only
     # shrinks by time, and the comparison is with the caller's ``now``).
-    gate_row = db.execute(
-        "SELECT d.fenced, d.epoch, t.epoch, o.lease_until FROM delegations d "
-        "JOIN tasks t ON t.id = d.task_id LEFT JOIN owners o ON o.id = d.owner_id "
-        "WHERE d.id = ? /*LOCK d, t*/",
-        (new.delegation_id,),
-    ).fetchone()
+    # The earlier uses of the key are read with it, under a share lock (PostgreSQL): a late
+    # receipt that re-opens a NOT_APPLIED one (``finish_action``, which locks it first) either
+    # commits before this read, and the key replays, or waits for this intent, and then sees
+    # it. One round trip for both; when the gate is closed the second was not needed (its
+    # locks, taken in the same order as when it is open, are held until the batch ends).
+    gate_reply, uses = db.replies([
+        ("SELECT d.fenced, d.epoch, t.epoch, o.lease_until FROM delegations d "
+         "JOIN tasks t ON t.id = d.task_id LEFT JOIN owners o ON o.id = d.owner_id "
+         "WHERE d.id = ? /*LOCK d, t*/", (new.delegation_id,)),
+        ("SELECT id, tool, args_hash, state, result, deadline_at FROM actions a "
+         "WHERE idem_key = ? ORDER BY started_at /*LOCK a*/", (new.idem_key,)),
+    ])
+    gate_row = gate_reply.rows[0] if gate_reply.rows else None
     if gate_row is None:
         raise NotFound(f"no delegation {new.delegation_id!r} in this journal")
     gate = judge_gate(fenced=bool(gate_row[0]), epoch=gate_row[1], task_epoch=gate_row[2],
@@ -78,15 +86,8 @@ def begin_action(db: Db, new: NewAction, tolerance: float) -> BeginResult:
             event(db, new.now, "lease_refused", new.delegation_id, None, tool=new.tool,
                   key=new.idem_key)
         return BeginResult(Begin(gate.value), new.id)
-    # The earlier uses of the key are read under a share lock (PostgreSQL): a late receipt
-    # that re-opens a NOT_APPLIED one (``finish_action``, which locks it first) either commits
-    # before this read, and the key replays, or waits for this intent, and then sees it.
     prior = [PriorCall(r[0], r[1], r[2], ActionState(r[3]), loads(r[4]), r[5])
-             for r in db.execute(
-                 "SELECT id, tool, args_hash, state, result, deadline_at FROM actions a "
-                 "WHERE idem_key = ? ORDER BY started_at /*LOCK a*/",
-                 (new.idem_key,),
-             ).fetchall()]
+             for r in uses.rows]
     decision = decide_key(new.tool, new.args_hash, prior, new.now, tolerance)
     found = decision.prior
     if decision.verdict is KeyVerdict.CONFLICT:

@@ -435,7 +435,7 @@ def seal(db: Conn, dirty: Sequence[tuple[str, Any]], sealer: Sealer, now: float)
             # those two commits left, each seeing the other's head still naming it, are
             # found without a prune; the seals' ids are spread evenly (hashes).
             steps.append((_UNNAMED_SLICE, (new, min(new + _SLICE, 2**63 - 1)), False))
-    db.send(steps)
+    db.send(steps, last=True)  # the sealer runs after every operation of the batch
     if isinstance(db, Tx):  # a batch's connection: confirmed after COMMIT
         db.sealed = [(d, length, tip) for d, length, tip, _ in moved]
         # The heads this process sealed are its own once they committed: a batch whose

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 from tether._core.errors import JournalError
 from tether._journal import sqlite as sqlite_backend
 from tether._journal.runner import Backlog, Done, Op, Runner, _settle
-from tether._journal.tables import Step, send_each
+from tether._journal.tables import Reply, Step, replies_each, send_each
 
 T = TypeVar("T")
 Loss = Literal["before", "after"] | None
@@ -205,8 +205,11 @@ class _Conn:
     def server_time(self) -> None:  # a simulation's processes share the loop's clock
         return None
 
-    def send(self, steps: Sequence[Step]) -> None:
+    def send(self, steps: Sequence[Step], *, last: bool = False) -> None:
         send_each(self, steps)
+
+    def replies(self, statements: Sequence[tuple[str, Any]]) -> list[Reply]:
+        return replies_each(self, statements)
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
         if self.closed:

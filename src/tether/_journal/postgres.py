@@ -37,7 +37,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserError
 from tether._journal.runner import BACKOFF_FIRST, Retry
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
-from tether._journal.tables import Step
+from tether._journal.tables import Reply, Step, replies_each
 from tether._journal.writer import ThreadRunner
 
 T = TypeVar("T")
@@ -45,6 +45,8 @@ LIVE_KEY = "actions_live_key"  # the partial unique index on live idempotency ke
 LOCK = re.compile(r"/\*LOCK ([^*]*)\*/")
 SKIP = re.compile(r"/\*SKIP ([^*]*)\*/")
 XLOCK = re.compile(r"/\*XLOCK ([^*]*)\*/")
+CHANNEL = "tether_"  # the journal's notification channel: this, then its schema
+MAX_NAME = 63  # PostgreSQL's identifiers, a channel's name among them, in bytes
 LISTEN_TICK = 0.25
 CONNECT_TIMEOUT = 5  # seconds
 IDLE_IN_TRANSACTION_MS = 2000  # how often the listener thread checks that it should stop
@@ -59,6 +61,112 @@ def translate(statement: str) -> str:
     return SKIP.sub(r"FOR UPDATE OF \1 SKIP LOCKED", LOCK.sub(r"FOR SHARE OF \1", statement))
 
 
+# Transaction control whose reply nobody reads, as the runner writes it (``Wire``).
+CONTROL = re.compile(r"(SAVEPOINT|RELEASE SAVEPOINT|ROLLBACK TO SAVEPOINT) (\w+)|(ROLLBACK)")
+
+
+class Wire(psycopg.Connection[Any]):
+    """The writer's connection. What a batch sends without reading a reply (BEGIN with the
+    commit marker, a savepoint's start and release, the seal's last statements: ``later``)
+    waits for the next message: a read of ids, keys and hashes (``replies``: the row a write
+    is about to change, an intent's gate and its key's earlier uses) or the COMMIT. A batch
+    makes three round trips fewer, each an operation's share of the wire to a remote server.
+
+    Only statements that cannot fail but by a lost connection wait, and they wait for the
+    next message of the same operation or for the COMMIT: an error is never met by another
+    operation's statement, which a savepoint would then undo in its place. A merged message
+    is one simple query, as ``PgDb.send``'s: the server has all of it before it runs any,
+    and waits idle in the transaction once it ran, where the idle timeout still ends a
+    session whose process was paused (a pipeline's statements reach it before its Sync, and
+    a process paused in between leaves it active, holding its locks). Its values are bound
+    as literals, which the server's log shows with any error: a call's arguments, results
+    and errors are never in one; any other statement is sent after what waited, bound by
+    the server. A rollback takes back what waited with it, unsent."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._later: list[str] = []  # statement texts, values bound
+
+    def later(self, text: str) -> None:
+        self._later.append(text)
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool = False) -> psycopg.Cursor[Any]:
+        if isinstance(query, str):
+            if (control := CONTROL.fullmatch(query)) is not None \
+                    and self._control(query, control[1] or control[3], control[2]):
+                return self.cursor()
+            if query == "COMMIT":
+                return self._commit()
+        if self._later:
+            later, self._later = "; ".join(self._later), []
+            super().execute(later)
+        return super().execute(query, params, prepare=prepare, binary=binary)
+
+    def _commit(self) -> psycopg.Cursor[Any]:
+        """COMMIT, with what waited for it. A transaction an error aborted is refused here:
+        PostgreSQL answers its COMMIT with ROLLBACK and no error, which would pass for a
+        commit of work that never was (an operation that caught the error and went on)."""
+        if self.info.transaction_status == pq.TransactionStatus.INERROR:
+            raise errors.InFailedSqlTransaction(
+                "the transaction was aborted by an error and cannot commit")
+        cur = psycopg.ClientCursor(self)
+        later, self._later = self._later, []
+        cur.execute("; ".join([*later, "COMMIT"]))
+        while cur.nextset():  # the COMMIT's answer is the last
+            pass
+        if cur.statusmessage != "COMMIT":
+            raise errors.InFailedSqlTransaction(
+                f"the COMMIT was answered {cur.statusmessage!r}: nothing of it committed")
+        return cur
+
+    def reach(self) -> None:
+        """If the transaction has not reached the server yet (nothing but what waited was
+        run in it), send what waited now, on its own. Then a loss with the COMMIT that
+        follows is the only one that leaves the transaction in doubt."""
+        if any(t.startswith("BEGIN") for t in self._later):
+            later, self._later = "; ".join(self._later), []
+            super().execute(later)
+
+    def replies(self, texts: Sequence[str]) -> list[Reply]:
+        """Statements whose values are ids, keys and hashes (bound as literals), in one
+        message with what waited; each one's reply."""
+        text = "; ".join([*self._later, *texts])
+        self._later = []
+        cur = psycopg.ClientCursor(self)
+        cur.execute(text)
+        out: list[Reply] = []
+        while True:
+            out.append(Reply(cur.fetchall() if cur.description is not None else [],
+                             cur.rowcount))
+            if not cur.nextset():
+                return out[len(out) - len(texts):]
+
+    def _control(self, text: str, kind: str, name: str | None) -> bool:
+        """Whether ``text`` is settled without a message of its own (waits, or cancels what
+        waited); False: send it now."""
+        later = self._later
+        opened = f"SAVEPOINT {name}"
+        if kind == "SAVEPOINT":
+            later.append(text)
+        elif kind == "RELEASE SAVEPOINT":
+            if later and later[-1] == opened:
+                later.pop()  # made and let go with nothing in between: never sent
+            else:
+                later.append(text)
+        elif kind == "ROLLBACK TO SAVEPOINT":
+            at = max((i for i, t in enumerate(later) if t == opened), default=None)
+            if at is None:  # the savepoint is on the server: what waited after it goes too
+                later.clear()
+                return False
+            del later[at + 1:]  # still to be made, with nothing after it
+        else:  # ROLLBACK
+            begun = any(t.startswith("BEGIN") for t in later)
+            later.clear()
+            return begun  # the transaction never reached the server: nothing to undo there
+        return True
+
+
 class PgDb:
     def __init__(self, conn: psycopg.Connection[Any], channel: str) -> None:
         self._conn = conn
@@ -71,7 +179,7 @@ class PgDb:
         """One statement for many rows: one round trip (``send``)."""
         self.send([(statement, params, True)])
 
-    def send(self, steps: Sequence[Step]) -> None:
+    def send(self, steps: Sequence[Step], *, last: bool = False) -> None:
         """One query message (the simple protocol, values bound here): the server has all of
         it before it runs any, and is idle in the transaction once it ran, where the idle
         timeout ends a session whose process was paused. Pipelined statements (psycopg's
@@ -79,9 +187,20 @@ class PgDb:
         no Sync between: a process paused between two of them left its session waiting,
         with no timeout, holding its locks until the process woke."""
         cur = psycopg.ClientCursor(self._conn)
-        self._conn.execute("; ".join(
-            cur.mogrify(translate(sql), row)
-            for sql, params, many in steps for row in (params if many else (params,))))
+        text = "; ".join(cur.mogrify(translate(sql), row)
+                         for sql, params, many in steps for row in (params if many else (params,)))
+        if last and isinstance(self._conn, Wire):
+            self._conn.later(text)  # with the COMMIT
+        else:
+            self._conn.execute(text)
+
+    def replies(self, statements: Sequence[tuple[str, Any]]) -> list[Reply]:
+        """(Their values are ids, keys and hashes: ``Wire``.)"""
+        if not isinstance(self._conn, Wire):  # a pooled read's connection
+            return replies_each(self, statements)
+        cur = psycopg.ClientCursor(self._conn)
+        return self._conn.replies([cur.mogrify(translate(sql), params)
+                                   for sql, params in statements])
 
     def server_time(self) -> float:
         """The database server's clock: one clock that every host's process can read."""
@@ -139,6 +258,11 @@ def split_url(url: str) -> tuple[str, str, str]:
     query.pop("keys", None)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,62}", schema):
         raise UserError(f"schema {schema!r} in the journal URL is not a plain identifier")
+    if len(CHANNEL + schema) > MAX_NAME:
+        # The journal's notification channel is named after it: a longer name is cut short
+        # by LISTEN and refused by pg_notify, and no process would ever be woken.
+        raise UserError(f"schema {schema!r} in the journal URL is longer than "
+                        f"{MAX_NAME - len(CHANNEL)} characters")
     conninfo = urlunparse(parsed._replace(query=urlencode(query)))
     try:
         conninfo_to_dict(conninfo)  # libpq's own parser: an unknown parameter is named here
@@ -164,14 +288,14 @@ class PostgresRunner(ThreadRunner):
         self._marked = False
         self.conninfo, self.schema, self.shown = split_url(url)
         self._create = create
-        self.channel = f"tether_{self.schema}"
+        self.channel = CHANNEL + self.schema
         self._pool: ConnectionPool[Any] | None = None
         self._pool_lock = threading.Lock()
         self._listening = threading.Event()
 
-    def connect(self) -> psycopg.Connection[Any]:
+    def connect(self) -> Wire:
         try:
-            conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5)
+            conn = Wire.connect(self.conninfo, autocommit=True, connect_timeout=5)
         except psycopg.OperationalError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise JournalError(f"cannot connect to the journal at {self.shown}: {first}") from None
@@ -269,9 +393,9 @@ class PostgresRunner(ThreadRunner):
     def relax(self, conn: psycopg.Connection[Any], relaxed: bool) -> None:
         self._relaxed = relaxed
 
-    def begin(self, conn: psycopg.Connection[Any], write: bool) -> None:
+    def begin(self, conn: Wire, write: bool) -> None:
         if not write:
-            conn.execute("BEGIN")
+            conn.later("BEGIN")  # with the batch's first statement
             return
         if not self._marked:  # committed before any batch updates it, so that a read-back
             conn.execute(       # can wait on the row's lock
@@ -279,12 +403,19 @@ class PostgresRunner(ThreadRunner):
                 "ON CONFLICT (key) DO NOTHING", (self._mark_key,))
             self._marked = True
         self._mark += 1
-        # One round trip, as BEGIN alone (literals: a hex id and an integer).
+        # No round trip of its own: it goes with the batch's first statement (``Wire``;
+        # literals: a hex id and an integer).
         # A relaxed commit returns before its WAL is flushed: the server has it (a crash of
         # this process loses nothing); the next synchronous commit flushes it with its own.
         relax = "; SET LOCAL synchronous_commit TO off" if self._relaxed else ""
-        conn.execute(f"BEGIN; UPDATE tether_meta SET value = '{self._mark}' "
-                     f"WHERE key = '{self._mark_key}'{relax}")
+        conn.later(f"BEGIN; UPDATE tether_meta SET value = '{self._mark}' "
+                   f"WHERE key = '{self._mark_key}'{relax}")
+
+    def before_commit(self, conn: Wire) -> None:
+        # A batch that ran no statement of its own (a flush): its BEGIN and marker go now, a
+        # round trip of their own, so that a server down all along is told as such rather
+        # than as a commit whose outcome must be read back.
+        conn.reach()
 
     def committed(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute("SELECT value FROM tether_meta WHERE key = %s FOR UPDATE",

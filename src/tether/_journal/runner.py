@@ -190,6 +190,11 @@ class Runner:
         """Whether ``exc`` means the connection is gone (and another may be opened)."""
         return False
 
+    def before_commit(self, conn: Any) -> None:
+        """Before a batch's COMMIT: make sure its transaction reached the server (a backend
+        whose statements may wait for the next one), so that a connection lost with the
+        COMMIT is the only loss that can leave the batch in doubt."""
+
     def committed(self, conn: Any) -> bool:
         """On a fresh connection: whether the last write batch, lost around its COMMIT,
         committed. Waits for that transaction if the server still runs it."""
@@ -473,15 +478,15 @@ class Runner:
                 except Exception as exc:
                     if self.is_lost(conn, exc):
                         raise
-                    with contextlib.suppress(Exception):
-                        conn.execute("ROLLBACK")
-                    mapped = self.map_error(exc)
-                    if isinstance(mapped, Retry):
-                        raise mapped from None
                     # Nothing of the batch commits unsealed: every operation fails with it.
-                    err = mapped if isinstance(mapped, JournalError) else JournalError(
-                        f"the journal could not chain this batch's records: {exc!r}")
-                    return [(op, None, err) for op in batch]
+                    return self._abandon(conn, batch, exc,
+                                         "the journal could not chain this batch's records")
+            try:
+                self.before_commit(conn)
+            except Exception as exc:
+                if self.is_lost(conn, exc):
+                    raise
+                return self._abandon(conn, batch, exc, "journal write failed")
         except (Retry, Careful):
             raise
         except Exception as exc:
@@ -508,6 +513,18 @@ class Runner:
                 return done
             _after(db)
         return done
+
+    def _abandon(self, conn: Any, batch: list[Op], exc: Exception, what: str) -> Done:
+        """After its operations, the batch failed (its seal, or reaching the server):
+        rolled back, and every operation fails with it (or it runs again: ``Retry``)."""
+        with contextlib.suppress(Exception):
+            conn.execute("ROLLBACK")
+        mapped = self.map_error(exc)
+        if isinstance(mapped, Retry):
+            raise mapped from None
+        err = mapped if isinstance(mapped, JournalError) else JournalError(f"{what}: {exc!r}")
+        return [(op, None, err) for op in batch]
+
 
 def _after(db: Any) -> None:
     """Once a batch is known to have committed: what its operations deferred to then. The

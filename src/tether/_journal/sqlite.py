@@ -19,7 +19,7 @@ from tether._core.errors import (
 )
 from tether._journal import wake
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
-from tether._journal.tables import Step, send_each
+from tether._journal.tables import Reply, Step, replies_each, send_each
 from tether._journal.writer import ThreadRunner
 
 SIDECARS = ("-wal", "-shm")  # what SQLite keeps beside the journal in WAL mode
@@ -241,8 +241,11 @@ class SqliteDb:
     def server_time(self) -> None:  # the processes of a file share their host's clock
         return None
 
-    def send(self, steps: Sequence[Step]) -> None:
+    def send(self, steps: Sequence[Step], *, last: bool = False) -> None:
         send_each(self, steps)
+
+    def replies(self, statements: Sequence[tuple[str, Any]]) -> list[Reply]:
+        return replies_each(self, statements)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

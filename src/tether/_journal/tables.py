@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence, Sized
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from tether._core import chain
 from tether._core.columns import ACTIONS, CONTROLS, DELEGATIONS, DOCUMENTS, EVENTS, positions
@@ -55,12 +55,41 @@ class Conn(Db, Protocol):
         """The database server's clock, which every host shares (PostgreSQL); None where
         the processes share the host's clock (SQLite)."""
 
-    def send(self, steps: Sequence[Step], /) -> None:
-        """Statements whose results nobody reads, in order: one round trip on PostgreSQL."""
+    def send(self, steps: Sequence[Step], /, *, last: bool = False) -> None:
+        """Statements whose results nobody reads, in order: one round trip on PostgreSQL.
+        ``last``: nothing else runs in this transaction before its COMMIT, and they may wait
+        to go with it (PostgreSQL: no round trip of their own; an error in them is then the
+        COMMIT's, which fails the batch as theirs would have)."""
+
+
+    def replies(self, statements: Sequence[tuple[str, Any]], /) -> list[Reply]:
+        """Statements that do not depend on each other's results, in order, and what each
+        answered: one round trip on PostgreSQL, with what its connection held back
+        (``postgres.Wire``). Their values are ids, keys and hashes, never a call's arguments,
+        results or errors: PostgreSQL gets them as literals, and its log shows them with
+        any error."""
 
 
 # (sql, params, many): one statement, or one for each of many rows (``Conn.send``).
 Step = tuple[str, Any, bool]
+
+
+class Reply(NamedTuple):
+    """One statement's answer in ``Conn.replies``: its rows (none for a write without
+    RETURNING) and how many rows it touched."""
+
+    rows: list[Any]
+    rowcount: int
+
+
+def replies_each(db: Any, statements: Sequence[tuple[str, Any]]) -> list[Reply]:
+    """``Conn.replies`` where a statement costs no round trip (SQLite): one after another,
+    each read to its end before the next runs."""
+    out = []
+    for sql, params in statements:
+        cur = db.execute(sql, params)
+        out.append(Reply(cur.fetchall(), cur.rowcount))
+    return out
 
 
 def send_each(db: Any, steps: Sequence[Step]) -> None:
@@ -220,10 +249,10 @@ def before(db: Db, table: str, pk: Any) -> None:
     of being sealed as if the writer had written it (``chain.judge``)."""
     if not isinstance(db, Tx) or (table, pk) in db.pre:
         return
-    pre = db.pre
-    row = db.execute(f"SELECT {chain.COLUMNS[table]} FROM {table} x WHERE id = ? /*XLOCK x*/",
-                     (pk,)).fetchone()
-    pre[(table, pk)] = "" if row is None else chain.content_hash(row)
+    # A batch's first statement, often: with its BEGIN, in one round trip (PostgreSQL).
+    (found,) = db.replies(
+        [(f"SELECT {chain.COLUMNS[table]} FROM {table} x WHERE id = ? /*XLOCK x*/", (pk,))])
+    db.pre[(table, pk)] = "" if not found.rows else chain.content_hash(found.rows[0])
 
 
 _EVENT = EVENTS.insert(("delegation_id", "action_id", "at", "kind", "detail"), " RETURNING id")
