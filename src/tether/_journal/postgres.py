@@ -38,6 +38,7 @@ from tether._core.errors import JournalError, NotAJournal, SchemaTooNew, UserErr
 from tether._journal.runner import BACKOFF_FIRST, Retry
 from tether._journal.schema import APP, SCHEMA_VERSION, migrate
 from tether._journal.tables import Reply, Step, replies_each
+from tether._journal.wire import Wire
 from tether._journal.writer import ThreadRunner
 
 T = TypeVar("T")
@@ -59,112 +60,6 @@ def translate(statement: str) -> str:
     statement = statement.replace("%", "%%").replace("?", "%s")
     statement = XLOCK.sub(r"FOR UPDATE OF \1", statement)
     return SKIP.sub(r"FOR UPDATE OF \1 SKIP LOCKED", LOCK.sub(r"FOR SHARE OF \1", statement))
-
-
-# Transaction control whose reply nobody reads, as the runner writes it (``Wire``).
-CONTROL = re.compile(r"(SAVEPOINT|RELEASE SAVEPOINT|ROLLBACK TO SAVEPOINT) (\w+)|(ROLLBACK)")
-
-
-class Wire(psycopg.Connection[Any]):
-    """The writer's connection. What a batch sends without reading a reply (BEGIN with the
-    commit marker, a savepoint's start and release, the seal's last statements: ``later``)
-    waits for the next message: a read of ids, keys and hashes (``replies``: the row a write
-    is about to change, an intent's gate and its key's earlier uses) or the COMMIT. A batch
-    makes three round trips fewer, each an operation's share of the wire to a remote server.
-
-    Only statements that cannot fail but by a lost connection wait, and they wait for the
-    next message of the same operation or for the COMMIT: an error is never met by another
-    operation's statement, which a savepoint would then undo in its place. A merged message
-    is one simple query, as ``PgDb.send``'s: the server has all of it before it runs any,
-    and waits idle in the transaction once it ran, where the idle timeout still ends a
-    session whose process was paused (a pipeline's statements reach it before its Sync, and
-    a process paused in between leaves it active, holding its locks). Its values are bound
-    as literals, which the server's log shows with any error: a call's arguments, results
-    and errors are never in one; any other statement is sent after what waited, bound by
-    the server. A rollback takes back what waited with it, unsent."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._later: list[str] = []  # statement texts, values bound
-
-    def later(self, text: str) -> None:
-        self._later.append(text)
-
-    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
-                binary: bool = False) -> psycopg.Cursor[Any]:
-        if isinstance(query, str):
-            if (control := CONTROL.fullmatch(query)) is not None \
-                    and self._control(query, control[1] or control[3], control[2]):
-                return self.cursor()
-            if query == "COMMIT":
-                return self._commit()
-        if self._later:
-            later, self._later = "; ".join(self._later), []
-            super().execute(later)
-        return super().execute(query, params, prepare=prepare, binary=binary)
-
-    def _commit(self) -> psycopg.Cursor[Any]:
-        """COMMIT, with what waited for it. A transaction an error aborted is refused here:
-        PostgreSQL answers its COMMIT with ROLLBACK and no error, which would pass for a
-        commit of work that never was (an operation that caught the error and went on)."""
-        if self.info.transaction_status == pq.TransactionStatus.INERROR:
-            raise errors.InFailedSqlTransaction(
-                "the transaction was aborted by an error and cannot commit")
-        cur = psycopg.ClientCursor(self)
-        later, self._later = self._later, []
-        cur.execute("; ".join([*later, "COMMIT"]))
-        while cur.nextset():  # the COMMIT's answer is the last
-            pass
-        if cur.statusmessage != "COMMIT":
-            raise errors.InFailedSqlTransaction(
-                f"the COMMIT was answered {cur.statusmessage!r}: nothing of it committed")
-        return cur
-
-    def reach(self) -> None:
-        """If the transaction has not reached the server yet (nothing but what waited was
-        run in it), send what waited now, on its own. Then a loss with the COMMIT that
-        follows is the only one that leaves the transaction in doubt."""
-        if any(t.startswith("BEGIN") for t in self._later):
-            later, self._later = "; ".join(self._later), []
-            super().execute(later)
-
-    def replies(self, texts: Sequence[str]) -> list[Reply]:
-        """Statements whose values are ids, keys and hashes (bound as literals), in one
-        message with what waited; each one's reply."""
-        text = "; ".join([*self._later, *texts])
-        self._later = []
-        cur = psycopg.ClientCursor(self)
-        cur.execute(text)
-        out: list[Reply] = []
-        while True:
-            out.append(Reply(cur.fetchall() if cur.description is not None else [],
-                             cur.rowcount))
-            if not cur.nextset():
-                return out[len(out) - len(texts):]
-
-    def _control(self, text: str, kind: str, name: str | None) -> bool:
-        """Whether ``text`` is settled without a message of its own (waits, or cancels what
-        waited); False: send it now."""
-        later = self._later
-        opened = f"SAVEPOINT {name}"
-        if kind == "SAVEPOINT":
-            later.append(text)
-        elif kind == "RELEASE SAVEPOINT":
-            if later and later[-1] == opened:
-                later.pop()  # made and let go with nothing in between: never sent
-            else:
-                later.append(text)
-        elif kind == "ROLLBACK TO SAVEPOINT":
-            at = max((i for i, t in enumerate(later) if t == opened), default=None)
-            if at is None:  # the savepoint is on the server: what waited after it goes too
-                later.clear()
-                return False
-            del later[at + 1:]  # still to be made, with nothing after it
-        else:  # ROLLBACK
-            begun = any(t.startswith("BEGIN") for t in later)
-            later.clear()
-            return begun  # the transaction never reached the server: nothing to undo there
-        return True
 
 
 class PgDb:
@@ -195,7 +90,7 @@ class PgDb:
             self._conn.execute(text)
 
     def replies(self, statements: Sequence[tuple[str, Any]]) -> list[Reply]:
-        """(Their values are ids, keys and hashes: ``Wire``.)"""
+        """(Their values are identifiers and hashes: ``wire.Wire``.)"""
         if not isinstance(self._conn, Wire):  # a pooled read's connection
             return replies_each(self, statements)
         cur = psycopg.ClientCursor(self._conn)
@@ -410,6 +305,9 @@ class PostgresRunner(ThreadRunner):
         relax = "; SET LOCAL synchronous_commit TO off" if self._relaxed else ""
         conn.later(f"BEGIN; UPDATE tether_meta SET value = '{self._mark}' "
                    f"WHERE key = '{self._mark_key}'{relax}")
+
+    def after_op(self, conn: Wire) -> None:
+        conn.check()
 
     def before_commit(self, conn: Wire) -> None:
         # A batch that ran no statement of its own (a flush): its BEGIN and marker go now, a

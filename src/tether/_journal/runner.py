@@ -190,6 +190,10 @@ class Runner:
         """Whether ``exc`` means the connection is gone (and another may be opened)."""
         return False
 
+    def after_op(self, conn: Any) -> None:
+        """After an operation returned: raise if it left its transaction unable to go on (it
+        caught a statement's error), so that it fails, alone, as if it had raised."""
+
     def before_commit(self, conn: Any) -> None:
         """Before a batch's COMMIT: make sure its transaction reached the server (a backend
         whose statements may wait for the next one), so that a connection lost with the
@@ -446,6 +450,7 @@ class Runner:
                 queued = self.op_mark()
                 try:
                     value = op.fn(db)
+                    self.after_op(conn)
                 except Exception as exc:  # refused or failed: undo this operation only
                     if mark is not None:
                         db.undo(mark)  # what it wrote and meant to remember goes with it

@@ -65,9 +65,9 @@ class Conn(Db, Protocol):
     def replies(self, statements: Sequence[tuple[str, Any]], /) -> list[Reply]:
         """Statements that do not depend on each other's results, in order, and what each
         answered: one round trip on PostgreSQL, with what its connection held back
-        (``postgres.Wire``). Their values are ids, keys and hashes, never a call's arguments,
-        results or errors: PostgreSQL gets them as literals, and its log shows them with
-        any error."""
+        (``wire.Wire``). Their values are identifiers (ids, idempotency keys) and hashes,
+        never a call's arguments, results or errors: PostgreSQL gets them as literals, and
+        its log shows them with any error."""
 
 
 # (sql, params, many): one statement, or one for each of many rows (``Conn.send``).
