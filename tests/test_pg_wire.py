@@ -246,6 +246,14 @@ async def test_an_operation_whose_notification_fails_fails_alone(pg_url: str) ->
         assert [r[0] for r in rows] == [2]
 
 
+def swallows(db: Any) -> str:
+    """An operation that writes, then catches a statement's error and goes on."""
+    db.execute("INSERT INTO hits VALUES (1)")
+    with contextlib.suppress(psycopg.Error):
+        db.execute("SELECT 1 / 0")
+    return "swallowed"
+
+
 async def test_an_operation_that_swallowed_an_error_never_passes_for_committed(
         pg_url: str) -> None:
     """PostgreSQL answers the COMMIT of a transaction an error aborted with ROLLBACK, and no
@@ -253,13 +261,6 @@ async def test_an_operation_that_swallowed_an_error_never_passes_for_committed(
     done, nor anything of its batch."""
     async with Journal(pg_url) as journal:
         await journal._write(lambda db: db.execute("CREATE TABLE hits (n INTEGER)"))
-
-        def swallows(db: Any) -> str:
-            db.execute("INSERT INTO hits VALUES (1)")
-            with contextlib.suppress(psycopg.Error):
-                db.execute("SELECT 1 / 0")
-            return "done"
-
         with pytest.raises(JournalError):
             await journal._write(swallows)
         rows = await journal._read(lambda db: db.execute("SELECT n FROM hits").fetchall())
@@ -275,12 +276,6 @@ async def test_an_operation_that_swallowed_an_error_fails_alone_in_its_batch(
     would otherwise meet the error and be undone in its place.)"""
     async with Journal(pg_url) as journal:
         await journal._write(lambda db: db.execute("CREATE TABLE hits (n INTEGER)"))
-
-        def swallows(db: Any) -> str:
-            db.execute("INSERT INTO hits VALUES (1)")
-            with contextlib.suppress(psycopg.Error):
-                db.execute("SELECT 1 / 0")
-            return "swallowed"
 
         def quiet(db: Any) -> str:
             db.execute("INSERT INTO hits VALUES (2)")
