@@ -61,7 +61,6 @@ class Conn(Db, Protocol):
         to go with it (PostgreSQL: no round trip of their own; an error in them is then the
         COMMIT's, which fails the batch as theirs would have)."""
 
-
     def replies(self, statements: Sequence[tuple[str, Any]], /) -> list[Reply]:
         """Statements that do not depend on each other's results, in order, and what each
         answered: one round trip on PostgreSQL, with what its connection held back

@@ -59,10 +59,9 @@ class Wire(psycopg.Connection[Any]):
                 return self.cursor()
             if query == "COMMIT":
                 return self._commit()
+        if self._later:
+            self._simple(self._later)
         try:
-            if self._later:
-                later, self._later = "; ".join(self._later), []
-                super().execute(later)
             cur = super().execute(query, params, prepare=prepare, binary=binary)
         except psycopg.Error as exc:
             self._failed(exc)
@@ -74,14 +73,7 @@ class Wire(psycopg.Connection[Any]):
     def replies(self, texts: Sequence[str]) -> list[Reply]:
         """Statements whose values are ids, keys and hashes (bound as literals), in one
         message with what waited; each one's reply."""
-        text = "; ".join([*self._later, *texts])
-        self._later = []
-        cur = psycopg.ClientCursor(self)
-        try:
-            cur.execute(text)
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
+        cur = self._simple([*self._later, *texts])
         out: list[Reply] = []
         while True:
             out.append(Reply(cur.fetchall() if cur.description is not None else [],
@@ -101,12 +93,7 @@ class Wire(psycopg.Connection[Any]):
         run in it), send what waited now, on its own. Then a loss with the COMMIT that
         follows is the only one that leaves the transaction in doubt."""
         if any(t.startswith("BEGIN") for t in self._later):
-            later, self._later = "; ".join(self._later), []
-            try:
-                super().execute(later)
-            except psycopg.Error as exc:
-                self._failed(exc)
-                raise
+            self._simple(self._later)
 
     def _commit(self) -> psycopg.Cursor[Any]:
         """COMMIT, with what waited for it. A transaction an error aborted is refused here:
@@ -114,18 +101,23 @@ class Wire(psycopg.Connection[Any]):
         commit of work that never was."""
         if self.info.transaction_status == _FAILED:
             raise self._aborted()
-        cur = psycopg.ClientCursor(self)
-        later, self._later = self._later, []
-        try:
-            cur.execute("; ".join([*later, "COMMIT"]))
-        except psycopg.Error as exc:
-            self._failed(exc)
-            raise
+        cur = self._simple([*self._later, "COMMIT"])
         while cur.nextset():  # the COMMIT's answer is the last
             pass
         if cur.statusmessage != "COMMIT":
             raise errors.InFailedSqlTransaction(
                 f"the COMMIT was answered {cur.statusmessage!r}: nothing of it committed")
+        return cur
+
+    def _simple(self, texts: list[str]) -> psycopg.ClientCursor[Any]:
+        """``texts`` in one simple query; what waited is taken (it is in them, or was sent)."""
+        self._later = []
+        cur = psycopg.ClientCursor(self)
+        try:
+            cur.execute("; ".join(texts))
+        except psycopg.Error as exc:
+            self._failed(exc)
+            raise
         return cur
 
     def _failed(self, exc: psycopg.Error) -> None:
