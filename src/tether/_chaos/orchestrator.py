@@ -81,7 +81,10 @@ class Helpers:
         role = self.running.get(proc.pid, ("helper", proc))[0]
         if proc.returncode is not None:
             return
-        os.kill(proc.pid, sig)
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            return  # it exited and was reaped before asyncio set its returncode
         if sig is signal.SIGSTOP:
             self.paused.add(proc.pid)
         elif sig is signal.SIGCONT:
