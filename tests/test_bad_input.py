@@ -53,7 +53,7 @@ async def test_tool_outside_the_surface_is_refused_and_not_journaled(
 
     child = await run_child(sup, agent, [shop.get_order])
     err = await failure_of(child)
-    assert isinstance(err, tether.UserError) and "not in the surface" in str(err)
+    assert isinstance(err, tether.errors.UserError) and "not in the surface" in str(err)
     assert (await child.report()).actions == () and pay.requests == 0
 
 
@@ -65,8 +65,8 @@ async def test_an_undeclared_function_is_not_a_tool(sup: tether.Supervisor) -> N
         await ctx.call(plain)  # type: ignore[arg-type]
 
     err = await failure_of(await run_child(sup, agent, []))
-    assert isinstance(err, tether.UserError) and "@tether.tool" in str(err)
-    with pytest.raises(tether.UserError, match="not a tether tool"):
+    assert isinstance(err, tether.errors.UserError) and "@tether.tool" in str(err)
+    with pytest.raises(tether.errors.UserError, match="not a tether tool"):
         await sup.delegate(agent, tools=[plain])  # type: ignore[list-item]
 
 
@@ -75,7 +75,7 @@ async def test_an_unknown_tool_name_is_refused(sup: tether.Supervisor, shop: Sho
         await ctx.call("transfer_all_funds")
 
     err = await failure_of(await run_child(sup, agent, shop.tools))
-    assert isinstance(err, tether.UserError) and "transfer_all_funds" in str(err)
+    assert isinstance(err, tether.errors.UserError) and "transfer_all_funds" in str(err)
 
 
 async def test_arguments_that_cannot_be_serialized(sup: tether.Supervisor, shop: Shop,
@@ -85,13 +85,13 @@ async def test_arguments_that_cannot_be_serialized(sup: tether.Supervisor, shop:
 
     child = await run_child(sup, agent, shop.tools)
     err = await failure_of(child)
-    assert isinstance(err, tether.UserError) and "cannot be serialized" in str(err)
+    assert isinstance(err, tether.errors.UserError) and "cannot be serialized" in str(err)
     assert (await child.report()).actions == () and pay.requests == 0
 
 
 async def test_delegation_arguments_that_cannot_be_serialized(sup: tether.Supervisor,
                                                               shop: Shop) -> None:
-    with pytest.raises(tether.UserError, match="cannot be serialized"):
+    with pytest.raises(tether.errors.UserError, match="cannot be serialized"):
         await sup.delegate(shop.refund_agent, {1, 2}, tools=shop.tools)
     assert await sup.journal.delegations() == []
 
@@ -132,7 +132,7 @@ async def test_bad_explicit_key(sup: tether.Supervisor, shop: Shop, key: Any) ->
         await ctx.call(shop.refund, order_id="K-3", cents=5, idempotency_key=key)
 
     err = await failure_of(await run_child(sup, agent, shop.tools))
-    assert isinstance(err, tether.UserError) and "idempotency_key" in str(err)
+    assert isinstance(err, tether.errors.UserError) and "idempotency_key" in str(err)
 
 
 def test_tool_declarations_are_checked() -> None:
@@ -142,14 +142,14 @@ def test_tool_declarations_are_checked() -> None:
     async def no_key(x: int) -> None:
         return None
 
-    with pytest.raises(tether.UserError, match="async"):
+    with pytest.raises(tether.errors.UserError, match="async"):
         tether.tool(sync_tool)  # type: ignore[arg-type]
-    with pytest.raises(tether.UserError, match="idempotency_key"):
+    with pytest.raises(tether.errors.UserError, match="idempotency_key"):
         tether.tool(no_key)  # EXTERNAL by default, so it must take a key
     assert tether.tool(effect=tether.Effect.READ_ONLY)(no_key).effect is tether.Effect.READ_ONLY
-    with pytest.raises(tether.UserError, match="DELEGATE"):
+    with pytest.raises(tether.errors.UserError, match="DELEGATE"):
         tether.tool(effect=tether.Effect.DELEGATE)(no_key)
-    with pytest.raises(tether.UserError, match="effect"):
+    with pytest.raises(tether.errors.UserError, match="effect"):
         tether.tool(effect="EXTERNAL")(no_key)  # type: ignore[call-overload]
 
 
@@ -157,7 +157,7 @@ async def test_control_misuse_changes_nothing(sup: tether.Supervisor, shop: Shop
     shop.gate = asyncio.Event()
     child = await sup.delegate(shop.refund_agent, "M-1", tools=shop.tools)
     for grace in (0, -1.0, float("nan"), float("inf"), sup.policy.max_grace + 1):
-        with pytest.raises(tether.UserError, match="grace"):
+        with pytest.raises(tether.errors.UserError, match="grace"):
             await child.recall(grace=grace)
     with pytest.raises(StaleSequence) as info:
         await child.recall(grace=1.0, seq=5)
@@ -192,7 +192,7 @@ async def test_a_forged_intent_is_refused_by_the_journal(sup: tether.Supervisor,
 async def test_task_ids_cannot_be_reused(sup: tether.Supervisor, shop: Shop) -> None:
     shop.gate = asyncio.Event()
     await sup.delegate(shop.refund_agent, "M-3", tools=shop.tools, task_id="refund-M-3")
-    with pytest.raises(tether.UserError, match="re-delegate"):
+    with pytest.raises(tether.errors.UserError, match="re-delegate"):
         await sup.delegate(shop.refund_agent, "M-3", tools=shop.tools, task_id="refund-M-3")
     assert len(await sup.journal.delegations()) == 1
     shop.gate.set()
@@ -200,7 +200,7 @@ async def test_task_ids_cannot_be_reused(sup: tether.Supervisor, shop: Shop) -> 
 
 async def test_a_closed_supervisor_refuses_work(journal_url: str, shop: Shop) -> None:
     sup = tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral())
-    with pytest.raises(tether.UserError, match="not open"):
+    with pytest.raises(tether.errors.UserError, match="not open"):
         await sup.delegate(shop.refund_agent, "M-4", tools=shop.tools)
 
 
@@ -364,7 +364,7 @@ def test_a_supervisor_on_an_unwritable_directory_raises_a_tether_error(
 
 async def test_a_model_that_is_not_a_name_is_a_user_error(sup: tether.Supervisor,
                                                           shop: Shop) -> None:
-    with pytest.raises(tether.UserError, match="model must be a string"):
+    with pytest.raises(tether.errors.UserError, match="model must be a string"):
         await sup.delegate(shop.refund_agent, "M-9", tools=shop.tools,
                            model=object())  # type: ignore[arg-type]
     assert await sup.journal.delegations() == []
@@ -377,7 +377,7 @@ async def test_a_model_that_is_not_a_name_is_a_user_error(sup: tether.Supervisor
 ])
 def test_a_malformed_journal_url_is_one_error_line(url: str, says: str) -> None:
     assert says in one_error_line(("ls", "--journal", url))
-    with pytest.raises(tether.UserError, match=says):
+    with pytest.raises(tether.errors.UserError, match=says):
         tether.Journal(url)
 
 
@@ -395,7 +395,7 @@ def test_a_malformed_journal_url_is_one_error_line(url: str, says: str) -> None:
 def test_supervisor_arguments_of_the_wrong_kind_are_named(kwargs: dict[str, Any], says: str,
                                                           tmp_path: Path) -> None:
     kwargs = {"journal": f"sqlite:///{tmp_path / 'j.db'}", **kwargs}
-    with pytest.raises(tether.UserError, match=says):
+    with pytest.raises(tether.errors.UserError, match=says):
         tether.Supervisor(**kwargs)
     assert not (tmp_path / "j.db").exists()
 

@@ -70,7 +70,7 @@ def test_an_unknown_call_holds_its_key_until_the_deadline_plus_the_tolerance() -
 
 def test_the_tolerance_is_a_positive_number() -> None:
     for bad in (0, -1.0, float("inf"), "5"):
-        with pytest.raises(tether.UserError, match="clock_tolerance"):
+        with pytest.raises(tether.errors.UserError, match="clock_tolerance"):
             tether.Policy(clock_tolerance=bad)  # type: ignore[arg-type]
 
 

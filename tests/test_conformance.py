@@ -192,7 +192,7 @@ class PydanticAi:
     def agent(self, shop: Shop, steps: Sequence[Step], *, deadline: float = 30.0,
               unmediated: bool = False) -> tether.Agent:
         if unmediated:  # pydantic-ai's hosted tools are toolsets tether refuses
-            raise tether.UserError("no unmediated tool in a pydantic-ai agent")
+            raise tether.errors.UserError("no unmediated tool in a pydantic-ai agent")
         ids = itertools.count()
         subs: dict[str, PaiAgent[None, Any]] = {}
 

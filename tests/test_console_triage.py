@@ -399,5 +399,5 @@ def test_a_console_whose_operator_name_is_unreadable_does_not_start(
     url = f"sqlite:///{tmp_path / 'j.db'}"
     asyncio.run(busy_journal(url, n=2))
     monkeypatch.setenv("TETHER_OPERATOR", "eve\x1b[2J")
-    with pytest.raises(tether.UserError, match="TETHER_OPERATOR"):
+    with pytest.raises(tether.errors.UserError, match="TETHER_OPERATOR"):
         build(Console(url, None, TOKEN))

@@ -130,7 +130,7 @@ async def test_an_undeclared_tool_is_one_log_line_and_unknown(
 def test_a_bad_declaration_is_refused_in_one_line(
         spec: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TETHER_TOOLS", spec)
-    with pytest.raises(tether.UserError) as caught:
+    with pytest.raises(tether.errors.UserError) as caught:
         tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}")
     assert says in str(caught.value) and "\n" not in str(caught.value)
     assert str(caught.value).startswith("TETHER_TOOLS")
@@ -255,7 +255,7 @@ def test_a_declaration_that_exits_or_cannot_be_shown_is_one_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "declared_exits", raising=False)
     monkeypatch.setenv("TETHER_TOOLS", "declared_exits:R_")
-    with pytest.raises(tether.UserError) as caught:
+    with pytest.raises(tether.errors.UserError) as caught:
         tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}")
     assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
     assert not (tmp_path / "j.db").exists()

@@ -92,7 +92,7 @@ def test_non_canonical_bytes_are_refused() -> None:
 
 
 def test_nan_cannot_be_encoded() -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         canonical({"grace": math.nan})
 
 
@@ -199,11 +199,11 @@ def test_a_chain_seal_encodes_as_rfc_8785_whatever_its_values(
                      extra=extra, version=version)  # type: ignore[arg-type]
     try:
         expected: bytes | str = canonical(seal.to_json())
-    except (tether.UserError, TypeError) as exc:  # beyond what JSON carries: refused alike
+    except (tether.errors.UserError, TypeError) as exc:  # beyond what JSON carries: refused alike
         expected = f"{type(exc).__name__}: {exc}"
     try:
         got: bytes | str = seal.encode()
-    except (tether.UserError, TypeError) as exc:
+    except (tether.errors.UserError, TypeError) as exc:
         got = f"{type(exc).__name__}: {exc}"
     assert got == expected
 
@@ -243,7 +243,7 @@ def test_canonical_bytes_are_the_librarys_for_any_value(value: Any) -> None:
         try:
             return bytes(rfc8785.dumps(v))
         except (rfc8785.CanonicalizationError, RecursionError) as exc:
-            raise tether.UserError(f"value cannot be serialized as canonical JSON: {exc}"
+            raise tether.errors.UserError(f"value cannot be serialized as canonical JSON: {exc}"
                                    ) from None
 
     assert _outcome(canonical, value) == _outcome(library, value)
@@ -285,5 +285,5 @@ def _cyclic() -> list[Any]:
 @pytest.mark.parametrize("make", [lambda: _nested(5000), _cyclic, lambda: {"a": _cyclic()}],
                          ids=["deep", "cycle", "cycle-in-dict"])
 def test_what_json_cannot_carry_is_a_user_error_not_a_recursion_error(make: Any) -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         canonical(make())

@@ -312,7 +312,7 @@ async def test_migration_path_runs_each_step_once(tmp_path: Path,
                                  "sqlite://host/x.db", "sqlite:///", "journal.db",
                                  "sqlite:///j.db?synchronous=sometimes"])
 def test_bad_url_is_a_user_error(url: str) -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         Journal(url)
 
 

@@ -99,7 +99,7 @@ def test_a_lock_file_planted_as_a_symlink_is_not_followed(tmp_path: Path) -> Non
     keys.mkdir(mode=0o700)
     elsewhere = tmp_path / "elsewhere"
     (keys / ".lock").symlink_to(elsewhere)
-    with pytest.raises(tether.UserError, match="cannot lock"):
+    with pytest.raises(tether.errors.UserError, match="cannot lock"):
         tether.KeyRing.init(keys)
     assert not elsewhere.exists()
 
@@ -112,7 +112,7 @@ def test_keys_in_a_directory_another_user_owns_are_refused(
     tether.KeyRing.init(keys)
     uid = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
-    with pytest.raises(tether.UserError, match="belongs to user"):
+    with pytest.raises(tether.errors.UserError, match="belongs to user"):
         tether.KeyRing.load(keys)
-    with pytest.raises(tether.UserError, match="belongs to user"):
+    with pytest.raises(tether.errors.UserError, match="belongs to user"):
         tether.KeyRing.init(tmp_path / "keys")

@@ -55,9 +55,9 @@ def refund_tool(shop: Shop) -> Any:
 
 def test_a_tool_node_that_does_not_route_through_tether_is_refused() -> None:
     graph = graph_of([], ToolNode([refund_tool(Shop())]))
-    with pytest.raises(tether.UserError, match="ToolNode 'tools' does not route through"):
+    with pytest.raises(tether.errors.UserError, match="ToolNode 'tools' does not route through"):
         as_tether_agent(graph)
-    with pytest.raises(tether.UserError, match="no tool named wire"):
+    with pytest.raises(tether.errors.UserError, match="no tool named wire"):
         as_tether_agent(graph_of([], tool_node([refund_tool(Shop())])),
                         effects={"wire": tether.Effect.EXTERNAL})
 
@@ -324,13 +324,13 @@ async def test_an_answer_is_given_only_to_a_task_that_waits_for_one(sqlite_url: 
     async with tether.Supervisor(sqlite_url) as sup:
         first = await sup.delegate(child, "refund A and B")
         assert isinstance(await first.result(), tether.Interrupted)
-        with pytest.raises(tether.UserError, match="waits for input: redelegate"):
+        with pytest.raises(tether.errors.UserError, match="waits for input: redelegate"):
             await first.redelegate()
-        with pytest.raises(tether.UserError, match="cannot be serialized"):
+        with pytest.raises(tether.errors.UserError, match="cannot be serialized"):
             await first.redelegate(resume=object())
         second = await first.redelegate(resume="no")
         assert await second.result() == "declined"
-        with pytest.raises(tether.UserError, match="does not wait for input"):
+        with pytest.raises(tether.errors.UserError, match="does not wait for input"):
             await second.redelegate(resume="yes")
     assert [shop.pay.refund_count(o) for o in "AB"] == [1, 0]
 
@@ -377,7 +377,7 @@ async def test_interrupts_of_parallel_nodes_are_all_asked_and_all_answered(
         assert isinstance(asked, tether.Interrupted)
         by_text = {v: k for k, v in asked.questions.items()}
         assert set(by_text) == {"approve A?", "approve B?"}
-        with pytest.raises(tether.UserError, match="several questions"):
+        with pytest.raises(tether.errors.UserError, match="several questions"):
             await first.redelegate(resume="yes")
         second = await first.redelegate(resume={by_text["approve A?"]: "yes"})
         still = await second.result()

@@ -148,7 +148,7 @@ async def test_a_place_that_is_not_letters_and_digits_is_refused(sqlite_url: str
     inner = tether.Agent("helper", helper, ())
 
     async def outer(ctx: tether.Context) -> Any:
-        with pytest.raises(tether.UserError, match="place must be letters and digits"):
+        with pytest.raises(tether.errors.UserError, match="place must be letters and digits"):
             await ctx.delegate_at("a/b#0", inner)
         return await (await ctx.delegate_at("step7", inner)).result()
 
@@ -164,7 +164,7 @@ def test_a_static_breakpoint_is_refused_when_the_agent_is_built(breakpoint: str)
     its next step (the refund) silently never run: ``interrupt()`` is what waits for input."""
     graph = graph_of([], tool_node([refund_tool(Shop())]), checkpointer=InMemorySaver(),
                      **{breakpoint: ["tools"]})
-    with pytest.raises(tether.UserError, match=f"static breakpoint \\({breakpoint}\\) at "
+    with pytest.raises(tether.errors.UserError, match=f"static breakpoint \\({breakpoint}\\) at "
                        "'tools': use interrupt"):
         as_tether_agent(graph)
 
@@ -293,7 +293,7 @@ async def test_a_reconciled_result_shaped_like_questions_is_not_taken_for_them(
         first = await sup.delegate(tether.Agent("clerk", clerk, (refund,)), "A")
         await first.wait()
         assert (await first.report()).outcome is tether.DelegationState.RECONCILED
-        with pytest.raises(tether.UserError, match="does not wait for input"):
+        with pytest.raises(tether.errors.UserError, match="does not wait for input"):
             await first.redelegate(resume="yes")
         second = await first.redelegate()
         assert await second.result() == {"interrupted": {"by": "the customer"}}

@@ -45,7 +45,7 @@ async def test_a_trusted_servers_annotations_are_used_unless_policy_says_otherwi
 
 async def test_a_policy_naming_a_tool_the_server_lacks_is_refused(bank_env: Path) -> None:
     async with bank() as session:
-        with pytest.raises(tether.UserError, match="does not offer: transfer"):
+        with pytest.raises(tether.errors.UserError, match="does not offer: transfer"):
             await mcp_tools(session, ServerPolicy("bank", effects={"transfer": E.EXTERNAL}))
 
 
@@ -53,7 +53,7 @@ async def test_a_policy_naming_a_tool_the_server_lacks_is_refused(bank_env: Path
                                     {"name": "x", "effects": {"pay": "EXTERNAL"}},
                                     {"name": "x", "effects": {"pay": E.DELEGATE}}])
 def test_bad_policies_are_user_errors(kwargs: dict[str, Any]) -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         ServerPolicy(**kwargs)
 
 

@@ -147,7 +147,7 @@ def test_completed_is_never_undone() -> None:
 
 @pytest.mark.parametrize("grace", [0, -1, math.nan, math.inf, "5", None, True, 301])
 def test_bad_grace_is_refused(grace: object) -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         check_grace(grace, tether.Policy())
 
 
@@ -156,9 +156,9 @@ def test_grace_at_the_maximum_is_accepted() -> None:
 
 
 def test_bad_policy_is_refused() -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         tether.Policy(max_grace=math.nan)
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         tether.Policy(lease=0)
 
 

@@ -169,11 +169,11 @@ async def test_an_ordinary_model_error_is_not_a_cut(refunds: Refunds, journal_ur
 
 def test_declarations_for_tools_the_agent_lacks_are_refused(refunds: Refunds) -> None:
     sdk = SdkAgent(name="refunder", tools=[refunds.tool], model=ScriptedModel([]))
-    with pytest.raises(tether.UserError, match="no function tool named wire"):
+    with pytest.raises(tether.errors.UserError, match="no function tool named wire"):
         as_tether_agent(sdk, effects={"wire": tether.Effect.EXTERNAL})
-    with pytest.raises(tether.UserError, match="DELEGATE"):
+    with pytest.raises(tether.errors.UserError, match="DELEGATE"):
         as_tether_agent(sdk, effects={"refund": tether.Effect.DELEGATE})
-    with pytest.raises(tether.UserError, match="max_turns"):
+    with pytest.raises(tether.errors.UserError, match="max_turns"):
         as_tether_agent(sdk, max_turns=0)
 
 

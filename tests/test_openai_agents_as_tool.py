@@ -153,7 +153,7 @@ def test_options_tether_cannot_honour_are_refused_when_built(option: str, value:
     sub = SdkAgent(name="sub", model=answers("x"))
     root = SdkAgent(name="root", model=answers("x"),
                     tools=[sub.as_tool("ask", "Ask.", **{option: value})])
-    with pytest.raises(tether.UserError) as caught:
+    with pytest.raises(tether.errors.UserError) as caught:
         as_tether_agent(root)
     message = str(caught.value)
     assert f"Agent.as_tool({option}=...)" in message and "\n" not in message, message

@@ -126,7 +126,7 @@ def test_a_handoff_to_a_tool_tether_cannot_mediate_is_refused(shop: Shop) -> Non
     searcher = SdkAgent(name="searcher", tools=[WebSearchTool()], model=ScriptedModel([]))
     triage = SdkAgent(name="triage", tools=[shop.refund], handoffs=[searcher],
                       model=ScriptedModel([]))
-    with pytest.raises(tether.UserError, match=r"web_search.*triage -> searcher"):
+    with pytest.raises(tether.errors.UserError, match=r"web_search.*triage -> searcher"):
         as_tether_agent(triage)
     # Granted on purpose, by name: allowed, and then never re-dispatched (see below).
     as_tether_agent(triage, unmediated=["web_search"])
@@ -138,7 +138,7 @@ def test_an_mcp_server_on_the_agent_is_refused(shop: Shop) -> None:
 
     agent = SdkAgent(name="a", tools=[shop.refund], model=ScriptedModel([]))
     agent.mcp_servers = [Server()]  # type: ignore[list-item]
-    with pytest.raises(tether.UserError, match="MCP server bank"):
+    with pytest.raises(tether.errors.UserError, match="MCP server bank"):
         as_tether_agent(agent)
 
 

@@ -90,9 +90,9 @@ async def test_a_run_the_application_cancels_is_never_re_dispatched(sqlite_url: 
 
 def test_a_toolset_tether_cannot_mediate_is_refused() -> None:
     agent = PaiAgent(scripted(), name="a", toolsets=[ExternalToolset([])])
-    with pytest.raises(tether.UserError, match="cannot mediate toolset ExternalToolset"):
+    with pytest.raises(tether.errors.UserError, match="cannot mediate toolset ExternalToolset"):
         as_tether_agent(agent)
-    with pytest.raises(tether.UserError, match="no tool named wire"):
+    with pytest.raises(tether.errors.UserError, match="no tool named wire"):
         as_tether_agent(PaiAgent(scripted(), name="b"), effects={"wire": tether.Effect.EXTERNAL})
 
 
@@ -369,7 +369,7 @@ def test_pydantic_ai_an_output_function_is_refused_when_the_agent_is_built(form:
     supported way, in an agent and in a sub-agent."""
     agent: PaiAgent[None, Any] = PaiAgent(scripted(), name="payer",
                                           output_type=output_function_forms()[form])
-    with pytest.raises(tether.UserError, match=r"agent payer: output function \w+ would run "
+    with pytest.raises(tether.errors.UserError, match=r"agent payer: output function \w+ would run "
                        r"outside tether's gateway .* do the work in a tool"):
         as_tether_agent(agent)
     parent: PaiAgent[None, str] = PaiAgent(scripted(), name="parent")
@@ -379,7 +379,7 @@ def test_pydantic_ai_an_output_function_is_refused_when_the_agent_is_built(form:
         """Ask the payer."""
         return str(await delegate(agent, question))
 
-    with pytest.raises(tether.UserError, match="agent payer: output function"):
+    with pytest.raises(tether.errors.UserError, match="agent payer: output function"):
         as_tether_agent(parent, delegates={"ask": agent})
 
 
@@ -552,7 +552,7 @@ def test_a_value_not_of_the_declared_type_is_refused_in_one_line() -> None:
     from tether._integrations.outputs import output_codec
     codec = output_codec([Receipt])
     assert codec is not None
-    with pytest.raises(tether.UserError) as caught:
+    with pytest.raises(tether.errors.UserError) as caught:
         codec.dump("re_1")
     assert str(caught.value).startswith("str is not of its declared output type Receipt: ")
     assert "\n" not in str(caught.value)

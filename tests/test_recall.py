@@ -226,7 +226,7 @@ async def test_compensation_runs_for_completed_only_and_only_once(
     done = await comp
     assert done is not None and done.outcome is tether.DelegationState.SUCCEEDED
     assert pay.refunded("A-7") == 0  # refund and its reversal
-    with pytest.raises(tether.UserError):  # the same report cannot be compensated twice
+    with pytest.raises(tether.errors.UserError):  # the same report cannot be compensated twice
         await sup.compensate(report)
 
 

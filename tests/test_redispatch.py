@@ -71,8 +71,8 @@ class World:
     spans: InMemorySpanExporter
     metrics: InMemoryMetricReader
     hooks: list[tuple[str, int, str | None]] = field(default_factory=list)
-    on_stop: Callable[[tether.HookEvent], Awaitable[None]] | None = None
-    on_start: Callable[[tether.HookEvent], Awaitable[None]] | None = None
+    on_stop: Callable[[tether.protocol.HookEvent], Awaitable[None]] | None = None
+    on_start: Callable[[tether.protocol.HookEvent], Awaitable[None]] | None = None
 
     async def decisions(self, handle: tether.Handle) -> list[tuple[int, str, str]]:
         ids = handle.attempts + [d.id for d in await self.sup.journal.delegations()
@@ -88,17 +88,17 @@ async def world(journal_url: str, clock: VirtualClock) -> AsyncIterator[World]:
     tracer.add_span_processor(SimpleSpanProcessor(spans))
     holder: list[World] = []
 
-    async def start(e: tether.HookEvent) -> None:
+    async def start(e: tether.protocol.HookEvent) -> None:
         holder[0].hooks.append(("start", e.attempt, e.reason))
         if holder[0].on_start:
             await holder[0].on_start(e)
 
-    async def stop(e: tether.HookEvent) -> None:
+    async def stop(e: tether.protocol.HookEvent) -> None:
         holder[0].hooks.append(("stop", e.attempt, e.outcome))
         if holder[0].on_stop:
             await holder[0].on_stop(e)
 
-    async def redispatch(e: tether.HookEvent) -> None:
+    async def redispatch(e: tether.protocol.HookEvent) -> None:
         holder[0].hooks.append(("redispatch", e.attempt, None))
 
     async with tether.Supervisor(
@@ -226,7 +226,7 @@ async def test_when_no_tool_ran_the_surface_does_not_matter(world: World) -> Non
 async def test_cancel_before_the_settle_delay(world: World) -> None:
     handles: list[tether.Handle] = []
 
-    async def cancel_on_first_stop(e: tether.HookEvent) -> None:
+    async def cancel_on_first_stop(e: tether.protocol.HookEvent) -> None:
         if e.delegation_id == handles[0].attempts[0]:  # hooks fire for nested children too
             await handles[0].cancel("user pressed escape")
 
@@ -253,7 +253,7 @@ async def test_cancel_during_the_settle_delay_cuts_it_short(world: World) -> Non
 async def test_cancel_during_the_fork_tears_the_new_child_down(world: World) -> None:
     handles: list[tether.Handle] = []
 
-    async def cancel_while_forking(e: tether.HookEvent) -> None:
+    async def cancel_while_forking(e: tether.protocol.HookEvent) -> None:
         if e.task_id == handles[0].task_id and e.attempt == 2:
             await handles[0].cancel("too late")
 
@@ -360,9 +360,9 @@ async def test_attempt_numbers_reach_hooks_spans_and_metrics(world: World) -> No
 
 
 def test_policy_is_checked() -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         tether.RedispatchPolicy(budget=-1)
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         tether.RedispatchPolicy(settle_delay=float("nan"))
 
 

@@ -126,7 +126,7 @@ async def test_a_later_receipt_that_contradicts_a_decision_is_kept_and_flagged(
         kinds = [d["kind"] for d in await sup.journal.resolutions([stuck.delegation])]
         assert kinds == ["resolved", "resolution_contradicted"]
         # A person cannot undo the fact, but acknowledges it, and it settles again.
-        with pytest.raises(tether.UserError, match="cannot undo"):
+        with pytest.raises(tether.errors.UserError, match="cannot undo"):
             await sup.resolve(stuck.action, "NOT_APPLIED", "still think so", operator="Grace")
         await sup.resolve(stuck.action, "COMPLETED", "receipt ch_43 confirmed", operator="Ada")
         assert (await sup.journal.get(stuck.delegation)).state is \

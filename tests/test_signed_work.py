@@ -94,7 +94,7 @@ async def test_a_worker_whose_key_is_not_trusted_does_not_start(journal_url: str
     async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral(),
                                  tools=[pay]) as sup:
         queued = await sup.delegate(payer, f"U-{uuid.uuid4().hex[:6]}", 1, remote=True)
-        with pytest.raises(tether.UserError, match=r"cannot serve: key \w+ is not trusted"):
+        with pytest.raises(tether.errors.UserError, match=r"cannot serve: key \w+ is not trusted"):
             async with tether.Worker(journal_url, [payer], keys=tether.KeyRing.ephemeral()):
                 pass
         entry = await sup.journal.queue_entry(queued.id)

@@ -116,7 +116,7 @@ async def test_handle_signals_outside_the_main_thread_is_a_user_error(tmp_path: 
 
         asyncio.run(main())
 
-    with pytest.raises(tether.UserError, match="main thread"):
+    with pytest.raises(tether.errors.UserError, match="main thread"):
         await asyncio.to_thread(in_thread)
 
 

@@ -157,37 +157,38 @@ async def test_a_run_that_moves_to_another_worker_continues_at_a_new_epoch(
 
 async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
         sqlite_url: str, provider: Provider) -> None:
-    with pytest.raises(tether.UserError, match=r"needs an open tether\.Supervisor"):
+    with pytest.raises(tether.errors.UserError, match=r"needs an open tether\.Supervisor"):
         tether.temporal.Plugin("sqlite:///x.db")  # type: ignore[arg-type]
     async with supervisor(sqlite_url, provider) as sup:
-        with pytest.raises(tether.UserError, match="not a tether tool"):
+        with pytest.raises(tether.errors.UserError, match="not a tether tool"):
             tether.temporal.Plugin(sup, tools=[print])  # type: ignore[list-item]
-        with pytest.raises(tether.UserError, match=r"activity names to tether\.Effect"):
+        with pytest.raises(tether.errors.UserError, match=r"activity names to tether\.Effect"):
             tether.temporal.Plugin(sup, effects={"x": "READ_ONLY"})  # type: ignore[dict-item]
-        with pytest.raises(tether.UserError, match="refund is a tool"):
+        with pytest.raises(tether.errors.UserError, match="refund is a tool"):
             tether.temporal.Plugin(sup, tools=[provider.refund],
                                    effects={"refund": tether.Effect.READ_ONLY})
         async def by_args(args: list[Any], *, idempotency_key: str) -> tether.ProbeResult:
             return tether.ProbeResult(tether.ProbeOutcome.UNKNOWN, {})
 
         probe = tether.temporal.ActivityProbe(by_args, dispatch_deadline=60.0)
-        with pytest.raises(tether.UserError, match="must be an async function"):
+        with pytest.raises(tether.errors.UserError, match="must be an async function"):
             tether.temporal.ActivityProbe(print, dispatch_deadline=60.0)  # type: ignore[arg-type]
         lookup = provider.refund.probe  # a tool's probe: called with the tool's arguments
         assert lookup is not None
-        with pytest.raises(tether.UserError, match=r"called as probe\(args="):
+        with pytest.raises(tether.errors.UserError, match=r"called as probe\(args="):
             tether.temporal.ActivityProbe(lookup, dispatch_deadline=60.0)
-        with pytest.raises(tether.UserError, match="dispatch_deadline"):
+        with pytest.raises(tether.errors.UserError, match="dispatch_deadline"):
             tether.temporal.ActivityProbe(by_args, dispatch_deadline=0)
-        with pytest.raises(tether.UserError, match=r"tether\.temporal\.ActivityProbe values"):
+        with pytest.raises(tether.errors.UserError,
+                           match=r"tether\.temporal\.ActivityProbe values"):
             tether.temporal.Plugin(sup, probes={"x": by_args})  # type: ignore[dict-item]
-        with pytest.raises(tether.UserError, match="refund is a tool, whose probe"):
+        with pytest.raises(tether.errors.UserError, match="refund is a tool, whose probe"):
             tether.temporal.Plugin(sup, tools=[provider.refund], probes={"refund": probe})
-        with pytest.raises(tether.UserError, match="READ_ONLY, which is never in doubt"):
+        with pytest.raises(tether.errors.UserError, match="READ_ONLY, which is never in doubt"):
             tether.temporal.Plugin(sup, effects={"look": tether.Effect.READ_ONLY},
                                    probes={"look": probe})
         lazy = await Client.connect("127.0.0.1:1", lazy=True)
-        with pytest.raises(tether.UserError, match="no activity nowhere is registered"):
+        with pytest.raises(tether.errors.UserError, match="no activity nowhere is registered"):
             Worker(lazy, task_queue="q", workflows=[Refund],
                    plugins=[tether.temporal.Plugin(sup, tools=[provider.refund],
                                                    probes={"nowhere": probe})])
@@ -197,14 +198,14 @@ async def test_wrong_arguments_to_the_temporal_api_are_one_clear_error(
             return "ref"
 
         # A namesake: the supervisor probes calls of "refund" with the tool it was given.
-        with pytest.raises(tether.UserError, match="knows a tool refund with another"):
+        with pytest.raises(tether.errors.UserError, match="knows a tool refund with another"):
             Worker(lazy, task_queue="q", workflows=[Refund], activities=[plain],
                    plugins=[tether.temporal.Plugin(sup, probes={"refund": probe})])
-        with pytest.raises(tether.UserError, match="expected a Temporal WorkflowHandle"):
+        with pytest.raises(tether.errors.UserError, match="expected a Temporal WorkflowHandle"):
             await tether.temporal.recall("wf-1", supervisor=sup,  # type: ignore[arg-type]
                                          grace=1.0)
     handle = Client.__new__(Client).get_workflow_handle("wf-1")  # no server asked
-    with pytest.raises(tether.UserError, match=r"open tether\.Supervisor"):
+    with pytest.raises(tether.errors.UserError, match=r"open tether\.Supervisor"):
         await tether.temporal.terminate(handle, supervisor=sup)  # closed
 
 

@@ -266,7 +266,7 @@ async def test_a_revoked_key_stays_revoked_when_its_old_grant_is_copied_again(
             await sup.journal.change_trust(leaked.signer, leaked.trusted, "trust",
                                            third.key_id, third.public_b64(), "", 4.0)
         # And the deployment cannot trust it again by mistake either (make a new key).
-        with pytest.raises(tether.UserError, match="never trusted again"):
+        with pytest.raises(tether.errors.UserError, match="never trusted again"):
             await sup.journal.change_trust(sup.keys.signer, sup.keys.trusted, "trust",
                                            leaked.signer.key_id, leaked.signer.public_b64(),
                                            "", 5.0)

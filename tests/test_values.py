@@ -58,7 +58,7 @@ anything = st.recursive(
 def test_a_value_round_trips_or_is_refused_up_front(value: Any) -> None:
     try:
         text = values.dumps(value)
-    except tether.UserError:
+    except tether.errors.UserError:
         return
     assert same(value, values.loads(text))
     text.encode("utf-8")  # storable as it is in SQLite and PostgreSQL text columns
@@ -69,14 +69,14 @@ def test_a_value_round_trips_or_is_refused_up_front(value: Any) -> None:
     (float("inf"), "infinity"), ("\udc80", "surrogate"), (2**20000, "bits"),
 ], ids=["int-key", "set", "bytes", "inf", "surrogate", "huge-int"])
 def test_what_is_refused_is_named(value: Any, why: str) -> None:
-    with pytest.raises(tether.UserError, match=why):
+    with pytest.raises(tether.errors.UserError, match=why):
         values.dumps(value)
 
 
 def test_a_value_that_contains_itself_is_refused() -> None:
     loop: list[Any] = []
     loop.append(loop)
-    with pytest.raises(tether.UserError, match="itself"):
+    with pytest.raises(tether.errors.UserError, match="itself"):
         values.dumps(loop)
 
 
@@ -145,7 +145,7 @@ async def test_arguments_are_refused_before_anything_is_journaled(journal_url: s
     async with tether.Supervisor(journal_url, keys=tether.KeyRing.ephemeral()) as sup:
         for bad in ({1: "a"}, {"x": float("nan")}, {"b": b"raw"}):
             for remote in (False, True):
-                with pytest.raises(tether.UserError, match="cannot be serialized"):
+                with pytest.raises(tether.errors.UserError, match="cannot be serialized"):
                     await sup.delegate(agent, 1, tag=bad, remote=remote)
         assert await sup.journal.delegations() == []
 
@@ -165,7 +165,7 @@ async def test_tool_arguments_follow_the_same_rules(journal_url: str) -> None:
         handle = await sup.delegate(agent, tools=[send])
         with pytest.raises(tether.DelegationError) as info:
             await handle.result()
-        assert isinstance(info.value.__cause__, tether.UserError)
+        assert isinstance(info.value.__cause__, tether.errors.UserError)
         assert "cannot be serialized" in str(info.value.__cause__)
         assert (await handle.report()).actions == () and calls == []
 
@@ -206,8 +206,8 @@ async def _through_the_journal(url: str, value: Any) -> None:
     async with tether.Supervisor(url, keys=tether.KeyRing.ephemeral()) as sup:
         try:
             handle = await sup.delegate(keep, value, tools=[])
-        except tether.UserError:
-            with pytest.raises(tether.UserError):
+        except tether.errors.UserError:
+            with pytest.raises(tether.errors.UserError):
                 values.dumps(value)
             return
         await handle.result()

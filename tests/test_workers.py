@@ -352,7 +352,7 @@ async def test_a_bad_agents_spec_is_one_line(tmp_path: Path, spec: str, message:
 @pytest.mark.parametrize("kwargs", [{"concurrency": 0}, {"lease": 0}, {"lease": float("nan")},
                                     {"poll": -1.0}])
 def test_bad_worker_settings_are_user_errors(tmp_path: Path, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(tether.UserError):
+    with pytest.raises(tether.errors.UserError):
         tether.Worker(f"sqlite:///{tmp_path / 'j.db'}", remote_agents.AGENTS, **kwargs)
     assert not (tmp_path / "j.db").exists()
 

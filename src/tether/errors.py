@@ -1,8 +1,8 @@
 """Every error tether's API raises, and ``ControlSignal``: the base of ``Recalled``, ``Fenced`` and
 ``Terminated``, which stop a child and which ``except Exception`` does not catch. The ones an
 application catches or raises itself (``TetherError``, ``DelegationError``, ``Fenced``,
-``Recalled``, ``Terminated``, ``ToolRejected``, ``StreamCut``, ``UserError``) are also at
-``tether``."""
+``Recalled``, ``Terminated``, ``ToolRejected``, ``StreamCut``) are also at ``tether``;
+``UserError``, a misuse of the API to fix rather than catch, is here only."""
 
 from tether._core.errors import (
     AlreadyFinished,

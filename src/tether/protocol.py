@@ -1,6 +1,7 @@
 """The protocol under the API, for those who verify, extend or simulate it: the signed
 documents and their keys, the pure decisions (recall, re-dispatch) with their inputs and
-verdicts, the enums they speak in, and the seams (a clock, the journal's default URL)."""
+verdicts, the enums they speak in, and the seams (a clock, the journal's default URL, the event
+a hook receives)."""
 
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt
 from tether._core.errors import ControlSignal
@@ -19,11 +20,12 @@ from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.verdict import JournalFacts, RecallDecision, RecallInput, Verdict, evaluate_recall
 from tether._journal.journal import DEFAULT_URL
 from tether._runtime.clock import Clock, SystemClock
+from tether._runtime.telemetry import HookEvent
 
 __all__ = [
     "DEFAULT_URL", "UNRESTRICTED", "Acknowledgement", "AttemptFacts", "Clock", "Code",
-    "ControlIntent", "ControlKind", "ControlSignal", "CutReason", "Ending", "JournalFacts",
-    "NoEffectsReceipt", "Partial", "RecallDecision", "RecallInput", "RedispatchDecision",
-    "Signed", "SigningKey", "SystemClock", "TrustedKeys", "Verdict", "decide_redispatch",
-    "evaluate_recall",
+    "ControlIntent", "ControlKind", "ControlSignal", "CutReason", "Ending", "HookEvent",
+    "JournalFacts", "NoEffectsReceipt", "Partial", "RecallDecision", "RecallInput",
+    "RedispatchDecision", "Signed", "SigningKey", "SystemClock", "TrustedKeys", "Verdict",
+    "decide_redispatch", "evaluate_recall",
 ]

@@ -484,12 +484,12 @@ def run_chaos(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     server: PrivateServer | None = None
     if any(p.fault in DISK_FAULTS for p in chosen):
         if journal is not None:
-            raise tether.UserError(f"{', '.join(DISK_FAULTS)} are faults of a SQLite journal's "
-                                   "disk: leave --journal out")
+            raise tether.errors.UserError(f"{', '.join(DISK_FAULTS)} are faults of a SQLite "
+                                          "journal's disk: leave --journal out")
         check_can_mount()
     if any(p.fault in INFRA_FAULTS for p in chosen):
         if journal is None:
-            raise tether.UserError(
+            raise tether.errors.UserError(
                 f"{', '.join(INFRA_FAULTS)} need --journal postgresql://... (the run then "
                 "starts a private server of its own for every trial)")
         # Its WAL writer holds a commit that did not wait for the disk for up to 10 s, so
