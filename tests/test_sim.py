@@ -320,3 +320,37 @@ def test_a_prober_that_asked_before_the_deadline_and_again_only_at_the_end_is_ne
         first_asked={("k1", "w0"): 9.0})
     assert tr.Trial.unprobed(cast(tr.Trial, fake)), (
         "a prober that skipped its re-probe at the deadline passes")
+
+
+def test_every_process_of_a_trial_remembers_heads_in_one_configuration() -> None:
+    """As processes sharing a key directory share ``heads.jsonl``: a head one process noted
+    and persisted is known to another at its next look, and to a process started later (a
+    restart) from the start; one noted and not persisted dies with its process."""
+    from tether._sim.plan import HeadsFile
+
+    looks: list[int] = []
+    heads = HeadsFile(lambda: looks.append(1))
+    first, second = heads.memory(), heads.memory()
+    first.note("d1", 3, "h3")
+    first.note("d2", 1, "h1")
+    assert second.seen("d1") is None
+    first.persist()
+    second.refresh()
+    assert second.seen("d1") is not None and second.seen("d1").length == 3  # type: ignore[union-attr]
+    first.note("d1", 5, "h5")  # noted, never persisted: the process crashed
+    later = heads.memory()
+    assert [later.seen(d).length for d in ("d1", "d2")] == [3, 1]  # type: ignore[union-attr]
+    assert looks == [1]  # a refresh looks; making a memory does not
+
+
+def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing() -> None:
+    """The ``verify`` fault: ``tether verify`` runs as processes of its own while the trial
+    runs, in the quiet once its processes stopped, and after the final recovery; on the code
+    that ships nothing is named (the catalogue's ``read_accepted`` shows it names a false
+    alarm when one is there)."""
+    for i in range(3):
+        result = run_trial(trial_seed(1, i), ("verify",), trace=True)
+        hosts = {line.split()[1] for line in result.trace or []}
+        assert {"verify-quiet", "verify-final"} <= hosts, hosts
+        assert any(h.startswith("verify.") for h in hosts), hosts
+        assert result.violations == [], result.violations

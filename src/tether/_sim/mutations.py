@@ -191,7 +191,15 @@ CATALOGUE: tuple[Mutation, ...] = (
        "        sealer.sealed(delegation_id, length, tip, legacy, relaxed)",
        "    for delegation_id, length, tip, legacy in moved:\n"
        "        sealer.sealed(delegation_id, length, tip, legacy, False)",
-       "server_lost", 1, 100, 85),
+       "server_lost", 1, 100, 80),
+    _m("read_accepted",
+       "a head a read accepted is remembered at once, though its commit (another process's "
+       "relaxed receipt) may not be on disk: a server crash loses it and the reader takes the "
+       "journal for rolled back",
+       "_journal.chainops",
+       "            witness.accept(d, head.length, head.hash, token)",
+       "            witness.note(d, head.length, head.hash)",
+       "verify,server_lost", 1, 30, 7),
 )
 
 
@@ -213,14 +221,6 @@ UNCAUGHT: tuple[Mutation, ...] = (
        "        if old in KEY_FREE and outcome not in KEY_FREE and db.execute(",
        "        if False and db.execute(",
        "late_apply,reply_lost,race", 1, 200),
-    _m("read_accepted",
-       "a head a read accepted is remembered at once, though its commit (another process's "
-       "relaxed receipt) may not be on disk: a server crash loses it and the reader takes the "
-       "journal for rolled back",
-       "_journal.chainops",
-       "            witness.accept(d, head.length, head.hash, token)",
-       "            witness.note(d, head.length, head.hash)",
-       "race,server_lost", 1, 300),
 )
 
 BY_NAME = {m.name: m for m in (*CATALOGUE, *UNCAUGHT)}

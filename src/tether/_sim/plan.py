@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tether._core.headmark import HeadMark, HeadMemory
 from tether._core.signing import SigningKey, TrustedKeys
 from tether._sim.judge import Violation
 
@@ -51,6 +53,44 @@ def keys() -> tuple[SigningKey, TrustedKeys]:
         signer = SigningKey.from_raw(bytes(range(32)), "sim")
         _KEYS = (signer, TrustedKeys([signer.public]))
     return _KEYS
+
+
+class HeadsFile:
+    """The configuration's ``heads.jsonl``: every process of a trial runs under one deployment's
+    key directory, so each remembers the chain heads the others wrote or accepted (and those
+    of its own earlier lives): appended by a process's ``persist``, taken in from where that
+    process last looked by its ``refresh``. A crash loses what a process noted and had not
+    persisted yet, never the file."""
+
+    def __init__(self, on_look: Callable[[], None] = lambda: None) -> None:
+        self.lines: list[tuple[str, HeadMark]] = []
+        # Told of each look but a process's first: a process looks before each read of a
+        # chain (``Journal.chain_verdicts``) and once a sealed batch.
+        self.on_look = on_look
+
+    def memory(self) -> HeadMemory:
+        """One process's memory of heads, on this file."""
+        looked = [0]
+
+        def look() -> dict[str, HeadMark] | None:
+            self.on_look()
+            return load()
+
+        def load() -> dict[str, HeadMark] | None:
+            if looked[0] == len(self.lines):
+                return None
+            fresh, looked[0] = self.lines[looked[0]:], len(self.lines)
+            out: dict[str, HeadMark] = {}
+            for delegation_id, mark in fresh:
+                known = out.get(delegation_id)
+                if known is None or known.length < mark.length:
+                    out[delegation_id] = mark
+            return out
+
+        def save(marks: Mapping[str, HeadMark], known: int) -> None:
+            self.lines.extend(marks.items())
+
+        return HeadMemory(load(), load=look, save=save)
 
 
 def trial_seed(run_seed: int, index: int) -> int:

@@ -37,7 +37,6 @@ from tether._core.errors import TetherError
 from tether._core.model import DelegationState, Policy
 from tether._core.redispatch import RedispatchPolicy
 from tether._core.signing import TrustedKeys
-from tether._journal import chainops, trustops
 from tether._journal.inline import Bus, Loss, MemorySqlite, Server, shared_database
 from tether._journal.journal import Journal
 from tether._runtime.handle import Handle
@@ -48,7 +47,8 @@ from tether._sim import agents
 from tether._sim.facts import Commits, one
 from tether._sim.judge import Violation, judge
 from tether._sim.loop import HOST, WALL0, Host, HostClock, SimLoop, StepBudget
-from tether._sim.plan import HORIZON, TrialResult, keys
+from tether._sim.operator import chains_named, start_verifier, verify_now
+from tether._sim.plan import HORIZON, HeadsFile, TrialResult, keys
 from tether._sim.plan import acts as _acts
 from tether._sim.plan import tasks as _tasks
 from tether._sim.world import (
@@ -114,6 +114,8 @@ class Trial:
     def __init__(self, seed: int, active: tuple[str, ...]) -> None:
         self.seed, self.on = seed, frozenset(active)
         self.rng = rng = random.Random(seed)
+        self._looks = random.Random(f"{seed}:looks")  # ``looked``'s own draws
+        self._reading: set[str] = set()  # hosts that looked at the heads and have not read
         self.lines: list[str] = []  # the step trace (hashed, printed on replay)
         self.loop = SimLoop(rng, trace=self.lines, max_steps=STEP_BUDGET)
         self.k: Knobs = knobs(rng, self.on)
@@ -143,6 +145,7 @@ class Trial:
         self.first_asked: dict[tuple[str, str], float] = {}  # (key, host): its first probe
         self.sups: dict[str, tether.Supervisor] = {}  # each host's supervisor (a worker's own)
         self.neglected: list[str] = []  # calls left in doubt by a process that could re-probe
+        self.verified: list[str] = []  # what an operator's ``tether verify`` named meanwhile
         self.stats: Counter[str] = Counter()
         self.workers: list[Host] = []
         self.orchestrators: list[Host] = []
@@ -153,6 +156,7 @@ class Trial:
         self.done: set[str] = set()  # orchestrators that finished their script and waits
         self.ids = itertools.count()
         self.plans: dict[str, dict[str, Any]] = {}  # task id -> what its root does
+        self.heads = HeadsFile(self.looked)  # the deployment's key directory's: shared
         self.pay, self.root, self.child = agents.build(self)
 
     # -- the world's pieces ---------------------------------------------------------------
@@ -182,6 +186,13 @@ class Trial:
             self.commits.landed(runner)
             if runner.relaxed_write and self.rng.random() < 0.2:
                 self.lose_server(self.rng.uniform(0.0, 0.05))
+            elif runner.relaxed_write is None and host.name in self._reading:
+                # The first read after a look at the heads (a chain's, most likely): half
+                # the time the server crashes the moment it committed. Drawn on a stream of
+                # its own, so that the trial's other draws stay as they were.
+                self._reading.discard(host.name)
+                if self._looks.random() < 0.5:
+                    self.crash_server()
             if calls:
                 self.pause_here("after a call's row committed", host)
 
@@ -278,7 +289,9 @@ class Trial:
 
     def keyring(self) -> KeyRing:
         signer, _ = keys()
-        return KeyRing(signer, TrustedKeys([signer.public]))
+        trusted = TrustedKeys([signer.public])
+        trusted.heads = self.heads.memory()
+        return KeyRing(signer, trusted)
 
     # -- processes ------------------------------------------------------------------------
     def start(self, host: Host, main: Coroutine[Any, Any, None]) -> None:
@@ -466,17 +479,25 @@ class Trial:
             for at in sorted(rng.uniform(0.05, 6.0) for _ in range(rng.randint(1, 3))):
                 self.lose_server(at - loop.time())
 
+    def looked(self) -> None:
+        """A process looked at the configuration's heads, as it does when it begins to read
+        a chain: under ``server_lost``, that read's commit may be followed at once by a crash
+        of the server (``landed``), so that the read accepted a head whose commit did not
+        wait for the disk, and lost it after."""
+        host = HOST.get()
+        if self.server is not None and host is not None:
+            self._reading.add(host.name)
+
     def lose_server(self, delay: float) -> None:
         """Under ``server_lost``: ``delay`` from now, the journal's server crashes, losing
         what committed without waiting for the disk since the last commit that did (at random
         times, and now and then right after such a commit). Never in the final recovery."""
+        self.loop.call_later(max(0.0, delay), self.crash_server, context=contextvars.Context())
 
-        def lose() -> None:
-            if self.server is not None and not self.reliable and self.server.crash():
-                self.note("the journal's server lost its commits since the last sync")
-                self.stats["server_lost"] += 1
-
-        self.loop.call_later(max(0.0, delay), lose, context=contextvars.Context())
+    def crash_server(self) -> None:
+        if self.server is not None and not self.reliable and self.server.crash():
+            self.note("the journal's server lost its commits since the last sync")
+            self.stats["server_lost"] += 1
 
 
 def _plan(spec: Any) -> dict[str, Any]:
@@ -504,6 +525,8 @@ async def _main(t: Trial) -> str | None:
                            if "probe_early" in t.on
                            else sorted(rng.uniform(0.5, 6.0) for _ in range(2)))
     t.faults()
+    if "verify" in t.on:
+        start_verifier(t)
     quiesced: str | None = None
     while not (t.pending == 0 and any(t.done) and all(
             h.name in t.done or not h.alive for h in t.orchestrators)):
@@ -528,6 +551,12 @@ async def _main(t: Trial) -> str | None:
     for host in (*t.workers, *t.orchestrators, *t.others):
         if host.alive:
             loop.crash(host)
+    if "verify" in t.on:
+        # In the quiet after: the last commits that did not wait for the disk (a receipt
+        # posted, an answer given) are all the journal has of them, until a crash below.
+        await verify_now(t, "verify-quiet")
+    if "verify" in t.on and t.server is not None:
+        t.crash_server()
     deadlines = [float(r[0]) - WALL0 for r in t.anchor.execute(
         "SELECT deadline_at FROM actions WHERE deadline_at IS NOT NULL")]
     end = max([loop.time(), t.provider.last_arrival, *deadlines]) \
@@ -548,19 +577,9 @@ async def _main(t: Trial) -> str | None:
 
     loop.start(final, twice())
     await recovered
+    if "verify" in t.on:
+        await verify_now(t, "verify-final")
     return quiesced
-
-
-def _chains(db: sqlite3.Connection) -> list[str]:
-    """Each delegation's chain read back as ``tether verify`` reads it, under the trial's key:
-    what does not verify (the journal's own check, on the rows every process wrote)."""
-    _, pins = keys()
-    ids = [r[0] for r in db.execute("SELECT id FROM delegations ORDER BY id").fetchall()]
-    try:
-        verdicts = chainops.verdicts(db, ids, trustops.registry(db, pins), {}, None)
-    except TetherError as exc:  # a finding of this trial, as chaos judges it, not a crash
-        return [f"the chains could not be read: {exc}"]
-    return [f"{v.delegation_id}: {p.record}: {p.problem}" for v in verdicts for p in v.problems]
 
 
 def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
@@ -583,7 +602,7 @@ def run_trial(seed: int, selected: tuple[str, ...] = FAULTS, *,
               *(f"an exception nobody retrieved: {e}" for e in t.loop.errors),
               *(f"production code reached for {r}" for r in t.loop.refused)]
     found = judge(t.commits.view(), t.provider, t.stops, errors, quiesced, t.broken,
-                  t.neglected, _chains(t.anchor))
+                  t.neglected, [*t.verified, *chains_named(t.anchor)])
     t.stats.update(applied=len(t.provider.ledger), restarts=sum(t.restarts.values()),
                    commits=t.commits.seq, actions=len(t.commits.intents))
     with contextlib.suppress(sqlite3.Error):

@@ -28,6 +28,7 @@ FAULTS = (
     "race",  # several orchestrators recall, terminate, re-delegate and cancel one task at once
     "stream_cut",  # children whose model stream is cut: re-dispatch decided by decide_redispatch
     "server_lost",  # the journal's server crashes and loses the commits that skipped the disk
+    "verify",  # an operator runs `tether verify` while the processes run: it must name nothing
 )
 
 # The simulated policy's clock tolerance (``Policy.clock_tolerance``): every judgement of a
