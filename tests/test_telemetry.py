@@ -243,3 +243,46 @@ def test_a_call_closed_where_it_stands_leaves_no_error_in_the_logs(
     with caplog.at_level("DEBUG"):
         coro.close()  # closed from this one
     assert [r.getMessage() for r in caplog.records] == []
+
+
+async def test_an_attempt_nobody_traces_costs_its_calls_no_span_work(tmp_path: Path) -> None:
+    """Without a tracing SDK set up (the API's no-op provider), an attempt's span records
+    nothing, and neither would its calls': no call starts a span, attaches a context or ends
+    one (issue 24: no per-action OpenTelemetry work without an SDK)."""
+    from opentelemetry import trace
+
+    started: list[str] = []
+
+    class Counting(trace.NoOpTracer):
+        def start_span(self, name: str, *args: object, **kwargs: object) -> trace.Span:
+            started.append(name)
+            return super().start_span(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    class Provider(trace.NoOpTracerProvider):
+        def get_tracer(self, *args: object, **kwargs: object) -> trace.Tracer:
+            return Counting()
+
+    pay = PaymentService(latency=0.0)
+
+    @tether.tool(effect=tether.Effect.READ_ONLY)
+    async def lookup(order_id: str) -> int:
+        return 1250
+
+    @tether.tool(probe=pay.lookup)
+    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
+        return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+    @tether.agent(tools=[lookup, refund])
+    async def refunder(ctx: tether.Context, order_id: str) -> None:
+        cents = await ctx.call(lookup, order_id=order_id)
+        for _ in range(3):
+            await ctx.call(refund, order_id=order_id, cents=cents)
+
+    async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}", tools=[refund],
+                                 tracer_provider=Provider()) as sup:
+        handle = await sup.delegate(refunder, "O-7")
+        await handle.result()
+        report = await handle.report()
+    assert len(report.actions) == 3
+    assert [n for n in started if n.startswith("invoke_agent")], started  # the attempt's own
+    assert not [n for n in started if n.startswith("execute_tool")], started

@@ -124,8 +124,12 @@ class Telemetry:
 
     def action_span(self, parent: trace.Span | None, tool: str, effect: str, task_id: str,
                     attempt: int, action_id: str | None = None,
-                    call_id: str | None = None) -> trace.Span:
-        """``call_id`` is the model's id for the call, ``action_id`` the journal's."""
+                    call_id: str | None = None) -> trace.Span | None:
+        """``call_id`` is the model's id for the call, ``action_id`` the journal's. None under
+        an attempt nobody traces (no SDK set up when it began, or a sampler that dropped it):
+        its calls' spans would record nothing either, and no call pays for making them."""
+        if parent is not None and not parent.is_recording():
+            return None
         ctx = trace.set_span_in_context(parent) if parent is not None else None
         attributes: dict[str, Any] = {
             OPERATION: "execute_tool", "gen_ai.tool.name": tool, "gen_ai.tool.type": "function",
