@@ -21,7 +21,7 @@ from tether._cli.app import app
 from tether._core.model import ActionState
 from tether._journal.inline import Bus, MemorySqlite
 from tether._sim import world
-from tether._sim.loop import Host, HostClock, run
+from tether._sim.loop import HOST, Host, HostClock, run
 from tether._sim.mutations import BY_NAME
 from tether._sim.plan import trial_seed
 from tether._sim.runs import run_sim
@@ -91,14 +91,15 @@ def test_a_queued_task_is_claimed_on_its_notification_not_at_the_next_poll() -> 
             async with tether.Worker(trial.journal(worker_host), [trial.root, trial.child],
                                      lease=3.0, poll=30.0, policy=trial.policy,
                                      clock=HostClock(trial.loop, worker_host),
-                                     keys=trial.keyring()) as w:
+                                     keys=trial.keyring(worker_host)) as w:
                 await w.run()
 
         trial.loop.start(worker_host, work())
         finished = trial.loop.create_future()
 
         async def orchestrate() -> None:
-            async with tether.Supervisor(trial.journal(orchestrator), keys=trial.keyring(),
+            async with tether.Supervisor(trial.journal(orchestrator),
+                                         keys=trial.keyring(orchestrator),
                                          clock=HostClock(trial.loop, orchestrator),
                                          policy=trial.policy, recover=False,
                                          control_poll=30.0) as sup:
@@ -343,14 +344,47 @@ def test_every_process_of_a_trial_remembers_heads_in_one_configuration() -> None
     assert looks == [1]  # a refresh looks; making a memory does not
 
 
-def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing() -> None:
-    """The ``verify`` fault: ``tether verify`` runs as processes of its own while the trial
-    runs, in the quiet once its processes stopped, and after the final recovery; on the code
-    that ships nothing is named (the catalogue's ``read_accepted`` shows it names a false
-    alarm when one is there)."""
-    for i in range(3):
-        result = run_trial(trial_seed(1, i), ("verify",), trace=True)
-        hosts = {line.split()[1] for line in result.trace or []}
-        assert {"verify-quiet", "verify-final"} <= hosts, hosts
-        assert any(h.startswith("verify.") for h in hosts), hosts
+def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``verify`` fault: ``tether verify`` runs as processes of their own while the trial
+    runs, once every process was killed, and after the final recovery; on the code that
+    ships it names nothing."""
+    from tether._sim import operator
+
+    runs: list[tuple[str, float, int]] = []
+    real = operator.verify_journal
+
+    async def counted(j: Any, ring: Any, delegation_id: str | None) -> dict[str, Any]:
+        found = await real(j, ring, delegation_id)
+        host = HOST.get()
+        runs.append((host.name if host else "?", asyncio.get_running_loop().time(),
+                     len(found["problems"])))
+        return found
+
+    monkeypatch.setattr(operator, "verify_journal", counted)
+    for i in range(4):
+        result = run_trial(trial_seed(1, i), ("verify",))
         assert result.violations == [], result.violations
+        assert result.stats["verify_runs"] >= 2, result.stats
+    names = [name for name, _, _ in runs]
+    assert names.count("verify-quiet") == 4 and names.count("verify-final") == 4, names
+    assert [n for n in names if n.startswith("verify.")], names  # while the processes run
+    assert all(problems == 0 for _, _, problems in runs), runs
+
+
+def test_what_the_operator_s_verify_names_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody tampers in a trial: a record ``tether verify`` names is judged ``tampered``."""
+    from tether._sim import operator
+
+    real = operator.verify_journal
+
+    async def alarmed(j: Any, ring: Any, delegation_id: str | None) -> dict[str, Any]:
+        found = await real(j, ring, delegation_id)
+        found["problems"].append({"delegation": "d_x", "record": "actions:a_x",
+                                  "problem": "altered: a false alarm"})
+        return found
+
+    monkeypatch.setattr(operator, "verify_journal", alarmed)
+    result = run_trial(trial_seed(1, 0), ("verify",))
+    assert {v.kind for v in result.violations} == {"tampered"}, result.violations
+    assert any("a false alarm" in v.detail for v in result.violations)

@@ -157,6 +157,36 @@ def test_a_refused_operation_rolls_back_only_its_savepoint_in_a_shared_batch() -
     assert ids == ["o1"]
 
 
+def test_a_killed_process_writes_nothing_more_even_as_its_code_closes_the_journal() -> None:
+    """A crash closes a host's coroutines where they stand, and a ``finally`` of theirs may
+    still close the journal; a killed process commits nothing more (its queued writes are
+    not flushed) and persists no chain head it noted."""
+    from tether._sim.plan import HeadsFile
+
+    anchor = shared_database("killed")
+    host = Host("w0.0")
+    heads = HeadsFile()
+    memory = heads.memory(lambda: host.alive)
+    journal = Journal("sqlite:///sim/journal.db",
+                      runner=MemorySqlite("killed", latency=lambda: 0.01,
+                                          alive=lambda: host.alive))
+
+    async def main() -> None:
+        await journal.open()
+        await journal.register_owner(OwnerRow("o1", 1, "h", 1.0, 1.0))
+        journal.heartbeat("o1", 2.0)  # queued, not flushed yet
+        memory.note("d1", 3, "h3")
+        host.alive = False  # killed here: what its code does next reaches nothing
+        await journal.close()
+        memory.persist()
+
+    run(SimLoop(random.Random(0)), main())
+    beat = anchor.execute("SELECT heartbeat_at FROM owners WHERE id = 'o1'").fetchone()
+    anchor.close()
+    assert beat == (1.0,)
+    assert heads.lines == []
+
+
 def test_a_lost_server_loses_the_commits_since_the_last_that_waited_for_the_disk() -> None:
     """``server_lost``: a relaxed commit after a durable one is lost with the server, every
     connection is cut, and the next batch reconnects; a durable commit makes everything

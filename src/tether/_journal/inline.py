@@ -46,9 +46,14 @@ class InlineRunner(Runner):
     # Long enough for a read-back to run (a reconnection on the loop never waits).
     reconnect_within = 5.0
 
-    def __init__(self, latency: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, latency: Callable[[], float] = lambda: 0.0,
+                 alive: Callable[[], bool] = lambda: True) -> None:
         super().__init__()
         self.latency = latency
+        # False once the process is killed: its code may still run (a ``finally`` while its
+        # coroutines are closed where they stand), but a killed process writes nothing more.
+        self.alive = alive
+        self.running = False  # a batch is running (a seal's work is inside one)
         self._pending = Backlog()  # the same choice of each batch as the writer thread's
         self._flush_due = False
         self._open = False
@@ -63,9 +68,10 @@ class InlineRunner(Runner):
     async def stop(self) -> None:
         if not self._open:
             return
-        while self._pending:
+        while self._pending and self.alive():
             self._flush()
-        self._write_held()
+        if self.alive():
+            self._write_held()
         self._open = False
         conn, self._conn = self._conn, None
         self.close(conn)
@@ -84,6 +90,9 @@ class InlineRunner(Runner):
 
     def _flush(self) -> None:
         self._flush_due = False
+        if not self.alive():
+            self._pending, self._held = Backlog(), []
+            return
         batch = self._pending.take(self.room())
         if self._pending and self._loop is not None:
             self._flush_due = True
@@ -91,7 +100,11 @@ class InlineRunner(Runner):
         if not batch and not self._held:
             return
         taken = len(batch)
-        self._run(batch)
+        self.running = True
+        try:
+            self._run(batch)
+        finally:
+            self.running = False
         self.outstanding -= taken
 
     def _resolve(self, done: Done) -> None:
@@ -277,8 +290,9 @@ class MemorySqlite(InlineRunner):
                  on_commit: Callable[[MemorySqlite], None] | None = None,
                  bus: Bus | None = None,
                  on_refusal: Callable[[str], None] | None = None,
-                 server: Server | None = None) -> None:
-        super().__init__(latency)
+                 server: Server | None = None,
+                 alive: Callable[[], bool] = lambda: True) -> None:
+        super().__init__(latency, alive)
         self.name = name
         self.server = server  # a crash of it loses the relaxed commits not synced yet
         self._relaxed = False  # the batch about to begin may skip the disk (``relax``)

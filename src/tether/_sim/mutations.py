@@ -199,7 +199,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_journal.chainops",
        "            witness.accept(d, head.length, head.hash, token)",
        "            witness.note(d, head.length, head.hash)",
-       "verify,server_lost", 1, 30, 7),
+       "verify,server_lost", 1, 500, 16),
 )
 
 

@@ -68,8 +68,9 @@ class HeadsFile:
         # chain (``Journal.chain_verdicts``) and once a sealed batch.
         self.on_look = on_look
 
-    def memory(self) -> HeadMemory:
-        """One process's memory of heads, on this file."""
+    def memory(self, alive: Callable[[], bool] = lambda: True) -> HeadMemory:
+        """One process's memory of heads, on this file; ``alive`` False once it is killed
+        (its code may still run while it is closed, but it appends nothing more)."""
         looked = [0]
 
         def look() -> dict[str, HeadMark] | None:
@@ -88,7 +89,8 @@ class HeadsFile:
             return out
 
         def save(marks: Mapping[str, HeadMark], known: int) -> None:
-            self.lines.extend(marks.items())
+            if alive():
+                self.lines.extend(marks.items())
 
         return HeadMemory(load(), load=look, save=save)
 

@@ -116,6 +116,7 @@ class Trial:
         self.rng = rng = random.Random(seed)
         self._looks = random.Random(f"{seed}:looks")  # ``looked``'s own draws
         self._reading: set[str] = set()  # hosts that looked at the heads and have not read
+        self._runners: dict[str, list[MemorySqlite]] = {}  # each host's journals' runners
         self.lines: list[str] = []  # the step trace (hashed, printed on replay)
         self.loop = SimLoop(rng, trace=self.lines, max_steps=STEP_BUDGET)
         self.k: Knobs = knobs(rng, self.on)
@@ -150,6 +151,7 @@ class Trial:
         self.workers: list[Host] = []
         self.orchestrators: list[Host] = []
         self.others: list[Host] = []
+        self.operators: list[Host] = []  # the operator's shell and its runs: no fault's target
         self.restarts: Counter[str] = Counter()
         self.pending = 0  # restarts scheduled, not yet made
         self.stopped = False  # every process was stopped for the final recovery
@@ -187,9 +189,10 @@ class Trial:
             if runner.relaxed_write and self.rng.random() < 0.2:
                 self.lose_server(self.rng.uniform(0.0, 0.05))
             elif runner.relaxed_write is None and host.name in self._reading:
-                # The first read after a look at the heads (a chain's, most likely): half
-                # the time the server crashes the moment it committed. Drawn on a stream of
-                # its own, so that the trial's other draws stay as they were.
+                # The first read after a look at the heads outside a batch (a chain's read,
+                # ``Journal.chain_verdicts``): half the time the server crashes the moment it
+                # committed. Drawn on a stream of its own: a trial without ``server_lost``
+                # draws nothing more.
                 self._reading.discard(host.name)
                 if self._looks.random() < 0.5:
                     self.crash_server()
@@ -200,7 +203,8 @@ class Trial:
                               on_refusal=self.refusal,
                               lose_commit=self._lose if lossy else (lambda wrote: None),
                               mark=f"{host.name}", on_commit=landed, bus=self.bus,
-                              server=self.server)
+                              server=self.server, alive=lambda: host.alive)
+        self._runners.setdefault(host.name, []).append(runner)
         journal = Journal(f"sqlite:///{self.name}/journal.db", runner=runner,
                           wall=HostClock(self.loop, host).wall)
         journal.relaxed_posts = self.server is not None
@@ -287,10 +291,11 @@ class Trial:
             self.note(f"pause {host.name} for {length:.2f}s after its probe of {key} looked")
             self.loop.pause(host, self.loop.time() + length)
 
-    def keyring(self) -> KeyRing:
+    def keyring(self, host: Host) -> KeyRing:
+        """The deployment's key directory, as ``host`` opens it."""
         signer, _ = keys()
         trusted = TrustedKeys([signer.public])
-        trusted.heads = self.heads.memory()
+        trusted.heads = self.heads.memory(lambda: host.alive)
         return KeyRing(signer, trusted)
 
     # -- processes ------------------------------------------------------------------------
@@ -313,7 +318,7 @@ class Trial:
 
     def supervisor(self, host: Host, *, lossy: bool = True) -> tether.Supervisor:
         return tether.Supervisor(self.journal(host, lossy=lossy),
-                                 clock=HostClock(self.loop, host), keys=self.keyring(),
+                                 clock=HostClock(self.loop, host), keys=self.keyring(host),
                                  policy=self.policy, tools=[self.pay], recover=False,
                                  redispatch=self.redispatch, control_poll=self.k.poll)
 
@@ -325,7 +330,7 @@ class Trial:
                 async with Worker(self.journal(host), [self.root, self.child], lease=self.k.lease,
                                   poll=self.k.poll, concurrency=4,
                                   clock=HostClock(self.loop, host), policy=self.policy,
-                                  keys=self.keyring(), redispatch=self.redispatch) as w:
+                                  keys=self.keyring(host), redispatch=self.redispatch) as w:
                     self.sups[host.name] = w.supervisor
                     await w.run()
             except TetherError as exc:  # LeaseLost, or a journal error on its way out
@@ -481,12 +486,16 @@ class Trial:
 
     def looked(self) -> None:
         """A process looked at the configuration's heads, as it does when it begins to read
-        a chain: under ``server_lost``, that read's commit may be followed at once by a crash
-        of the server (``landed``), so that the read accepted a head whose commit did not
-        wait for the disk, and lost it after."""
+        a chain (and once a sealed batch, inside it: not counted): under ``server_lost``,
+        that read's commit may be followed at once by a crash of the server (``landed``), so
+        that the read accepted a head whose commit did not wait for the disk, and lost it
+        after."""
         host = HOST.get()
-        if self.server is not None and host is not None:
-            self._reading.add(host.name)
+        if self.server is None or host is None:
+            return
+        if any(r.running for r in self._runners.get(host.name, ())):
+            return  # a seal's look, once a batch: no read of a chain follows it
+        self._reading.add(host.name)
 
     def lose_server(self, delay: float) -> None:
         """Under ``server_lost``: ``delay`` from now, the journal's server crashes, losing
@@ -548,15 +557,11 @@ async def _main(t: Trial) -> str | None:
                             + t.policy.probe_timeout + 0.5 - loop.time())
         t.neglected = t.unprobed()
     t.stopped = True
-    for host in (*t.workers, *t.orchestrators, *t.others):
+    for host in (*t.workers, *t.orchestrators, *t.others, *t.operators):
         if host.alive:
             loop.crash(host)
     if "verify" in t.on:
-        # In the quiet after: the last commits that did not wait for the disk (a receipt
-        # posted, an answer given) are all the journal has of them, until a crash below.
-        await verify_now(t, "verify-quiet")
-    if "verify" in t.on and t.server is not None:
-        t.crash_server()
+        await verify_now(t, "verify-quiet")  # every process killed, none recovered yet
     deadlines = [float(r[0]) - WALL0 for r in t.anchor.execute(
         "SELECT deadline_at FROM actions WHERE deadline_at IS NOT NULL")]
     end = max([loop.time(), t.provider.last_arrival, *deadlines]) \
