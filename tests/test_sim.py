@@ -171,7 +171,11 @@ def test_cli_replay_prints_the_trace_and_fails_like_the_run() -> None:
     (["--faults", "crash,meteor"], "unknown fault kind(s) meteor"),
     (["--faults", ","], "unknown fault kind(s)"),
     (["--replay", "soon"], "--replay must be an integer"),
-    (["--replay", "5", "--seed", "3"], "give no --trials or --seed"),
+    (["--replay", "5", "--seed", "3"], "give no --trials, --seed or --jobs"),
+    (["--replay", "5", "--jobs", "2"], "give no --trials, --seed or --jobs"),
+    (["--jobs", "0"], "--jobs must be a positive integer"),
+    (["--jobs", "two"], "--jobs must be an integer"),
+    (["--mutations", "--jobs", "2"], "give no --jobs with it"),
     (["--engine", "mirror"], "No such option: --engine"),  # the model of the runtime is gone
     (["--without", "probe_time"], "No such option: --without"),
 ])
@@ -388,3 +392,31 @@ def test_what_the_operator_s_verify_names_is_a_violation(monkeypatch: pytest.Mon
     result = run_trial(trial_seed(1, 0), ("verify",))
     assert {v.kind for v in result.violations} == {"tampered"}, result.violations
     assert any("a false alarm" in v.detail for v in result.violations)
+
+
+def test_a_run_in_worker_processes_is_the_run_in_one_trial_for_trial() -> None:
+    """``--jobs``: each trial depends on its seed alone, so trials run in worker processes
+    (spawned: a fresh interpreter each) give the very results one process gives, in order."""
+    from tether._sim.runs import CHUNK
+
+    n = 2 * CHUNK + 7
+    one = run_sim(n, 7, ("crash", "race"))
+    two = run_sim(n, 7, ("crash", "race"), jobs=2)
+    assert two["jobs"] == 2 and one["jobs"] == 1
+    for key in ("elapsed_s", "trials_per_minute", "jobs"):
+        one.pop(key), two.pop(key)
+    assert one == two
+
+
+def test_a_mutation_reaches_the_code_of_every_worker_process() -> None:
+    """The edit of ``--mutate`` is made in each worker's own code: the trial that finds it in
+    one process finds it in a worker too."""
+    from tether._sim.runs import CHUNK
+
+    m = BY_NAME["key_replay"]  # found in the first trial of its run
+    assert m.found_in == 1
+    found = run_sim(CHUNK + 1, m.seed, m.faults, edits=m.edits, jobs=2)
+    assert found["outcomes"]["failing_trials"] >= 1, found["counts"]
+    assert found["trials_detail"][0]["trial_seed"] == trial_seed(m.seed, 0)
+    clean = run_sim(CHUNK + 1, m.seed, m.faults, jobs=2)
+    assert trial_seed(m.seed, 0) not in [d["trial_seed"] for d in clean["trials_detail"]]

@@ -53,12 +53,14 @@ def sim(trials: Annotated[str | None, typer.Option(
         mutations: Annotated[bool, typer.Option(
             "--mutations", help="Run the whole catalogue of mutations; exit 1 unless each is "
             "found within its stated trials.")] = False,
+        jobs: Annotated[str | None, typer.Option(
+            "--jobs", help="Worker processes to run the trials in (default 1); the result is "
+            "the same, trial for trial.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """Deterministic simulation of the production runtime and journal: crashes, pauses, late
     applies, lost replies, commits and notifications, failing probes, skewed clocks and
     control races, from one seed."""
     from tether._sim.judge import CLASSES
-    from tether._sim.mutate import applied
     from tether._sim.mutations import BY_NAME
     from tether._sim.runs import run_sim
     from tether._sim.world import FAULTS
@@ -66,14 +68,18 @@ def sim(trials: Annotated[str | None, typer.Option(
     if mutations:
         given = [name for name, value in (("--mutate", mutate), ("--replay", replay),
                                           ("--trials", trials), ("--seed", seed),
-                                          ("--faults", faults)) if value is not None]
+                                          ("--faults", faults), ("--jobs", jobs))
+                 if value is not None]
         if given:
             raise UserError("--mutations runs the catalogue, each mutation on its own faults, "
                             f"seed and trials; give no {', '.join(given)} with it")
         _catalogue(as_json)
-    if replay is not None and (trials is not None or seed is not None):
-        raise UserError("--replay runs the one trial its seed names; give no --trials or "
-                        "--seed with it (only the run's --faults)")
+    if replay is not None and (trials is not None or seed is not None or jobs is not None):
+        raise UserError("--replay runs the one trial its seed names; give no --trials, --seed "
+                        "or --jobs with it (only the run's --faults)")
+    workers = _integer(jobs, "--jobs") if jobs is not None else 1
+    if workers <= 0:
+        raise UserError(f"--jobs must be a positive integer, got {workers}")
     m = None
     if mutate is not None:
         m = BY_NAME.get(mutate.strip())
@@ -85,8 +91,7 @@ def sim(trials: Annotated[str | None, typer.Option(
     run_seed = _integer(seed, "--seed") if seed is not None else (m.seed if m else 1)
     chosen = tuple(_names(faults, FAULTS, "fault kind(s)")) or (m.faults if m else FAULTS)
     trial = None if replay is None else _integer(replay, "--replay")
-    with applied(*(m.edits if m else ())):
-        result = run_sim(n, run_seed, chosen, trial)
+    result = run_sim(n, run_seed, chosen, trial, edits=m.edits if m else (), jobs=workers)
     result["mutation"] = None if m is None else m.name
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")

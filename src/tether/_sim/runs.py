@@ -3,21 +3,53 @@ summarised in ``tether chaos --json``'s shape, with the simulator's own fields a
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from tether._sim.judge import SIM_CLASSES, Violation
+from tether._sim.mutate import Edit, applied
 from tether._sim.plan import TrialResult, trial_seed
 from tether._sim.trial import run_trial
 from tether._sim.world import FAULTS
 
+CHUNK = 50  # trials a worker process runs at a time (``jobs``)
+
+
+def _chunk(seeds: list[int], faults: tuple[str, ...],
+           edits: tuple[Edit, ...]) -> list[TrialResult]:
+    """A worker process's share: its trials, with the run's edits in its own code."""
+    with applied(*edits):
+        return [run_trial(s, faults) for s in seeds]
+
+
+def _results(seeds: list[int], faults: tuple[str, ...], replay: bool, edits: tuple[Edit, ...],
+             jobs: int) -> Iterator[TrialResult]:
+    """Each trial's result, in the run's order: in this process, or from ``jobs`` worker
+    processes (each trial depends on its seed alone, so where it ran changes nothing)."""
+    if jobs <= 1 or replay or len(seeds) <= CHUNK:
+        with applied(*edits):
+            for s in seeds:
+                yield run_trial(s, faults, trace=replay)
+        return
+    parts = [seeds[i:i + CHUNK] for i in range(0, len(seeds), CHUNK)]
+    # Spawned, not forked: a fresh interpreter holds no lock, thread or patched code of ours.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for part in pool.map(_chunk, parts, itertools.repeat(faults),
+                             itertools.repeat(edits)):
+            yield from part
+
 
 def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
             replay: int | None = None,
-            progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """The run's trials (or one replayed, with its trace)."""
+            progress: Callable[[int], None] | None = None, *,
+            edits: tuple[Edit, ...] = (), jobs: int = 1) -> dict[str, Any]:
+    """The run's trials (or one replayed, with its trace), with ``edits`` (a mutation) in
+    the code they run, in this process or in ``jobs`` worker processes."""
     seeds = [replay] if replay is not None else [trial_seed(seed, i) for i in range(trials)]
     per_fault: dict[str, Counter[str]] = {f: Counter() for f in (*FAULTS, "none")}
     violations: list[Violation] = []
@@ -25,8 +57,8 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     totals: Counter[str] = Counter()
     started = time.perf_counter()
     results: list[TrialResult] = []
-    for i, s in enumerate(seeds):
-        result = run_trial(s, faults, trace=replay is not None)
+    for i, result in enumerate(_results(seeds, faults, replay is not None, edits, jobs)):
+        s = result.seed
         results.append(result)
         totals.update(result.stats)
         totals["steps"] += result.steps
@@ -62,6 +94,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
         "records": [],
         "elapsed_s": round(elapsed, 3),
         "trials_per_minute": round(len(seeds) / elapsed * 60) if elapsed > 0 else None,
+        "jobs": jobs if replay is None and len(seeds) > CHUNK else 1,
         "totals": dict(totals),
     }
     if replay is not None:
