@@ -23,9 +23,8 @@ def otel() -> Otel:
     return new_otel()
 
 
-async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
-                                                                 otel: Otel) -> None:
-    pay = PaymentService(latency=0.0)
+def refund_tools(pay: PaymentService) -> tuple[tether.Tool, tether.Tool]:
+    """A READ_ONLY lookup and an EXTERNAL refund, with the payment service's probe."""
 
     @tether.tool(effect=tether.Effect.READ_ONLY)
     async def lookup(order_id: str) -> int:
@@ -34,6 +33,14 @@ async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
     @tether.tool(probe=pay.lookup)
     async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
         return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+
+    return lookup, refund
+
+
+async def test_agent_and_tool_spans_follow_the_genai_conventions(tmp_path: Path,
+                                                                 otel: Otel) -> None:
+    pay = PaymentService(latency=0.0)
+    lookup, refund = refund_tools(pay)
 
     @tether.tool(probe=pay.lookup)
     async def broken(order_id: str, *, idempotency_key: str) -> None:
@@ -262,15 +269,7 @@ async def test_an_attempt_nobody_traces_costs_its_calls_no_span_work(tmp_path: P
         def get_tracer(self, *args: object, **kwargs: object) -> trace.Tracer:
             return Counting()
 
-    pay = PaymentService(latency=0.0)
-
-    @tether.tool(effect=tether.Effect.READ_ONLY)
-    async def lookup(order_id: str) -> int:
-        return 1250
-
-    @tether.tool(probe=pay.lookup)
-    async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
-        return await pay.refund(order_id, cents, idempotency_key=idempotency_key)
+    lookup, refund = refund_tools(PaymentService(latency=0.0))
 
     @tether.agent(tools=[lookup, refund])
     async def refunder(ctx: tether.Context, order_id: str) -> None:
