@@ -86,18 +86,6 @@ async def refund(order_id: str, cents: int, *, idempotency_key: str) -> str:
     return ref
 
 
-# The same refund, for a test whose call stays held until a terminate cuts it: no deadline
-# re-check may settle it first, however slow the machine (3 s is a few test steps under load).
-patient_refund = tether.tool(effect=tether.Effect.EXTERNAL, probe=_probe,
-                             dispatch_deadline=600.0, name="patient_refund")(refund.fn)
-
-
-@tether.agent(tools=[patient_refund])
-async def patient_refunder(ctx: tether.Context, order_id: str) -> str:
-    """One refund whose deadline is far off."""
-    return str(await ctx.call(patient_refund, order_id=order_id, cents=500))
-
-
 @tether.agent(tools=[refund])
 async def refunder(ctx: tether.Context, order_id: str, then: str | None = None) -> list[str]:
     """One refund, then (optionally) a second one; a recall in between stops the second."""
@@ -111,8 +99,8 @@ async def refunder(ctx: tether.Context, order_id: str, then: str | None = None) 
     return refs
 
 
-AGENTS = [refunder, patient_refunder]
-TOOLS = [refund, patient_refund]
+AGENTS = [refunder]
+TOOLS = [refund]
 
 
 async def redelegate(journal: str, delegation_id: str, gate: str) -> None:

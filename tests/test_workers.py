@@ -142,7 +142,7 @@ async def test_a_terminate_after_a_recall_expired_on_a_worker_cuts_the_call_left
     async with supervisor(cluster.url) as sup:
         await cluster.worker()
         started = await listen_gate("started")
-        handle = await sup.delegate(remote_agents.patient_refunder, "hold-6", remote=True)
+        handle = await sup.delegate(remote_agents.refunder, "hold-6", remote=True)
         await started
         recalled = await handle.recall(grace=0.2, reason="too slow")  # the call held
         assert recalled.verdict == "GRACE_EXPIRED" and not recalled.outcome.terminal
