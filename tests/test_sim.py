@@ -397,11 +397,9 @@ def test_what_the_operator_s_verify_names_is_a_violation(monkeypatch: pytest.Mon
 def test_a_run_in_worker_processes_is_the_run_in_one_trial_for_trial() -> None:
     """``--jobs``: each trial depends on its seed alone, so trials run in worker processes
     (spawned: a fresh interpreter each) give the very results one process gives, in order."""
-    from tether._sim.runs import CHUNK
-
-    n = 2 * CHUNK + 7
-    one = run_sim(n, 7, ("crash", "race"))
-    two = run_sim(n, 7, ("crash", "race"), jobs=2)
+    n = 2 * 3 + 1  # three chunks of three, the last short (small: the suite runs beside it)
+    one = run_sim(n, 7, ("crash", "race"), chunk=3)
+    two = run_sim(n, 7, ("crash", "race"), jobs=2, chunk=3)
     assert two["jobs"] == 2 and one["jobs"] == 1
     for key in ("elapsed_s", "trials_per_minute", "jobs"):
         one.pop(key), two.pop(key)
@@ -411,12 +409,10 @@ def test_a_run_in_worker_processes_is_the_run_in_one_trial_for_trial() -> None:
 def test_a_mutation_reaches_the_code_of_every_worker_process() -> None:
     """The edit of ``--mutate`` is made in each worker's own code: the trial that finds it in
     one process finds it in a worker too."""
-    from tether._sim.runs import CHUNK
-
     m = BY_NAME["key_replay"]  # found in the first trial of its run
     assert m.found_in == 1
-    found = run_sim(CHUNK + 1, m.seed, m.faults, edits=m.edits, jobs=2)
+    found = run_sim(3, m.seed, m.faults, edits=m.edits, jobs=2, chunk=2)
     assert found["outcomes"]["failing_trials"] >= 1, found["counts"]
     assert found["trials_detail"][0]["trial_seed"] == trial_seed(m.seed, 0)
-    clean = run_sim(CHUNK + 1, m.seed, m.faults, jobs=2)
+    clean = run_sim(3, m.seed, m.faults, jobs=2, chunk=2)
     assert trial_seed(m.seed, 0) not in [d["trial_seed"] for d in clean["trials_detail"]]

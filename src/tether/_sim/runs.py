@@ -28,15 +28,15 @@ def _chunk(seeds: list[int], faults: tuple[str, ...],
 
 
 def _results(seeds: list[int], faults: tuple[str, ...], replay: bool, edits: tuple[Edit, ...],
-             jobs: int) -> Iterator[TrialResult]:
+             jobs: int, chunk: int) -> Iterator[TrialResult]:
     """Each trial's result, in the run's order: in this process, or from ``jobs`` worker
     processes (each trial depends on its seed alone, so where it ran changes nothing)."""
-    if jobs <= 1 or replay or len(seeds) <= CHUNK:
+    if jobs <= 1 or replay or len(seeds) <= chunk:
         with applied(*edits):
             for s in seeds:
                 yield run_trial(s, faults, trace=replay)
         return
-    parts = [seeds[i:i + CHUNK] for i in range(0, len(seeds), CHUNK)]
+    parts = [seeds[i:i + chunk] for i in range(0, len(seeds), chunk)]
     # Spawned, not forked: a fresh interpreter holds no lock, thread or patched code of ours.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for part in pool.map(_chunk, parts, itertools.repeat(faults),
@@ -47,7 +47,7 @@ def _results(seeds: list[int], faults: tuple[str, ...], replay: bool, edits: tup
 def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
             replay: int | None = None,
             progress: Callable[[int], None] | None = None, *,
-            edits: tuple[Edit, ...] = (), jobs: int = 1) -> dict[str, Any]:
+            edits: tuple[Edit, ...] = (), jobs: int = 1, chunk: int = CHUNK) -> dict[str, Any]:
     """The run's trials (or one replayed, with its trace), with ``edits`` (a mutation) in
     the code they run, in this process or in ``jobs`` worker processes."""
     seeds = [replay] if replay is not None else [trial_seed(seed, i) for i in range(trials)]
@@ -57,7 +57,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     totals: Counter[str] = Counter()
     started = time.perf_counter()
     results: list[TrialResult] = []
-    for i, result in enumerate(_results(seeds, faults, replay is not None, edits, jobs)):
+    for i, result in enumerate(_results(seeds, faults, replay is not None, edits, jobs, chunk)):
         s = result.seed
         results.append(result)
         totals.update(result.stats)
@@ -94,7 +94,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
         "records": [],
         "elapsed_s": round(elapsed, 3),
         "trials_per_minute": round(len(seeds) / elapsed * 60) if elapsed > 0 else None,
-        "jobs": jobs if replay is None and len(seeds) > CHUNK else 1,
+        "jobs": jobs if replay is None and len(seeds) > chunk else 1,
         "totals": dict(totals),
     }
     if replay is not None:
