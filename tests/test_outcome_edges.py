@@ -372,6 +372,61 @@ async def test_a_terminate_from_another_supervisor_cuts_the_grace_window_short(
     assert said == ["TERMINATE"], f"verdicts on record: {said} (after {waited:.1f} s)"
 
 
+@pytest.mark.parametrize("when", ["before-its-verdict", "after-its-verdict"])
+async def test_a_terminate_from_elsewhere_once_a_recalls_drain_chose_its_ending(
+        sqlite_url: str, vclock: VirtualClock, keys: tether.KeyRing,
+        monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """Another process's terminate, adopted once the owner's recall drain chose to leave its
+    call running (the grace window ended) but before that drain is over: the owner cuts the
+    call and answers the terminate after the drain with a TERMINATE verdict of its own. The
+    issuer is never handed the recall's GRACE_EXPIRED as the terminate's answer. (The probe
+    says "not applied yet": the recall leaves the delegation RECALLING, open to a terminate.)"""
+    held = Held()
+    async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
+            supervising(sqlite_url, vclock, keys, [held.tool], recover=False) as b:
+        child = await a.delegate(payer(held.tool), tools=[held.tool])
+        await within(held.entered.wait(), 5.0, "the payment to be sent")
+        conclude, accept = a._accounts.conclude, b.journal.sign_and_accept
+        adopt = a._adoption.adopt
+        terminating: list[asyncio.Future[tether.Report]] = []
+        accepted, adopted = asyncio.Event(), asyncio.Event()
+
+        async def accepting(*args: Any, **kw: Any) -> Any:
+            out = await accept(*args, **kw)
+            accepted.set()
+            return out
+
+        def adopting(*args: Any) -> None:
+            adopt(*args)
+            adopted.set()
+
+        async def terminate_now() -> None:
+            terminating.append(asyncio.ensure_future(
+                b.handle_for(child.id).terminate(reason="kill now")))
+            await accepted.wait()
+            if when == "after-its-verdict":  # the owner learns of it while its drain runs
+                await adopted.wait()
+
+        async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
+            if not terminating and when == "before-its-verdict":
+                await terminate_now()
+            report = await conclude(root_id, fallback, **kw)
+            if not terminating:
+                await terminate_now()
+            return report
+
+        monkeypatch.setattr(a._accounts, "conclude", racing)
+        monkeypatch.setattr(b.journal, "sign_and_accept", accepting)
+        monkeypatch.setattr(a._adoption, "adopt", adopting)
+        recalled = await recall_mid_call(a.handle_for(child.id), vclock, 1)
+        assert recalled.verdict == "GRACE_EXPIRED", f"{recalled.verdict}: {recalled.reason}"
+        terminated = await within(terminating[0], 5.0, "the other process's terminate")
+        said = await verdicts(a.journal, [child.id])
+    assert terminated.verdict == "TERMINATE", f"{terminated.verdict}: {terminated.reason}"
+    assert said == ["GRACE_EXPIRED", "TERMINATE"]
+    assert held.cancelled == [f"{child.task_id}:pay:0"] and not held.applied
+
+
 # -- d3: reconciliation from elsewhere never finishes a live delegation ---------------------------
 
 async def test_reconciling_from_another_supervisor_leaves_a_live_delegation_running(
@@ -945,7 +1000,7 @@ async def test_a_settled_delegation_whose_verdict_never_comes_is_never_recovered
         entered = asyncio.Event()
 
         async def never(root_id: str, now: float,
-                        verdict: Mapping[str, str] | None = None) -> None:
+                        verdict: Mapping[str, str | int] | None = None) -> None:
             entered.set()
             await asyncio.Event().wait()
 
@@ -1152,7 +1207,7 @@ def look_after_each_settle(owner: tether.Supervisor, other: tether.Supervisor,
     settle_tree = owner.journal.settle_tree
 
     async def settle_then_look(root_id: str, now: float,
-                               verdict: Mapping[str, str] | None = None) -> None:
+                               verdict: Mapping[str, str | int] | None = None) -> None:
         await settle_tree(root_id, now, verdict)
         row = await other.journal.get(root_id)
         last = await other.journal.last_verdict(root_id)
@@ -1196,7 +1251,7 @@ async def test_a_verdict_never_commits_without_its_settle(
     held = Held(voids=True)
 
     def refused(db: Any, root_id: str, now: float,
-                verdict: Mapping[str, str] | None = None) -> None:
+                verdict: Mapping[str, str | int] | None = None) -> None:
         raise RuntimeError("the settle failed")  # this operation only: the batch goes on
 
     async with supervising(sqlite_url, vclock, keys, [held.tool]) as a, \
@@ -1232,7 +1287,7 @@ async def test_a_terminate_from_elsewhere_waits_for_the_owners_verdict(
         entered = asyncio.Event()
 
         async def held_settle(root_id: str, now: float,
-                              verdict: Mapping[str, str] | None = None) -> None:
+                              verdict: Mapping[str, str | int] | None = None) -> None:
             entered.set()  # its probes answered and were recorded
             await release.wait()
             await settle_tree(root_id, now, verdict)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,55 @@ async def test_terminate_cuts_a_recall_grace_window_short(
     clock.advance(10.0)
     final = await settled(sup, child.id)
     assert final.actions[0].state is A.COMPLETED and final.outcome is S.RECONCILED
+
+
+@pytest.mark.parametrize("when", ["before-its-verdict", "after-its-verdict"])
+async def test_a_terminate_once_a_recalls_drain_chose_its_ending_still_terminates(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock,
+        monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """A terminate accepted after a recall's grace window ended (the drain chose to leave the
+    call running) but before that drain is over: too late to change how the drain ends, so it
+    is answered after it, with its own TERMINATE verdict, never folded into the recall's
+    GRACE_EXPIRED (the journal would say the terminate was drained, as a recall)."""
+    pay.latency = 100.0
+    child = await sup.delegate(shop.refund_agent, "B-9", tools=shop.tools)
+    await pay.sent()
+    accounts = sup._accounts  # the seam: the drain's ending, where the race opens
+    conclude, accept = accounts.conclude, sup.journal.sign_and_accept
+    terminating: list[asyncio.Future[tether.Report]] = []
+    accepted = asyncio.Event()
+
+    async def accepting(*args: Any, **kw: Any) -> Any:
+        out = await accept(*args, **kw)
+        accepted.set()
+        return out
+
+    async def terminate_now() -> None:
+        accepted.clear()
+        terminating.append(asyncio.ensure_future(child.terminate("kill it")))
+        await accepted.wait()
+
+    async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
+        if not terminating and when == "before-its-verdict":
+            await terminate_now()
+        report = await conclude(root_id, fallback, **kw)
+        if not terminating:
+            await terminate_now()
+        return report
+
+    monkeypatch.setattr(accounts, "conclude", racing)
+    monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
+    recall = asyncio.ensure_future(child.recall(grace=1.0))
+    await clock.sleeping(1, at_least=0.9)
+    clock.advance(1.0)
+    recalled = await asyncio.wait_for(recall, 10.0)
+    assert recalled.verdict == "GRACE_EXPIRED"
+    report = await asyncio.wait_for(terminating[0], 10.0)
+    assert report.verdict == "TERMINATE", f"{report.verdict}: {report.reason}"
+    assert report.outcome is S.TERMINATING  # the cut call may still land: probed later
+    said = [e.detail.get("verdict") for e in await sup.journal.events([child.id])
+            if e.kind == "verdict"]
+    assert said == ["GRACE_EXPIRED", "TERMINATE"]
 
 
 def nested(shop: Shop) -> tuple[tether.Agent, tether.Agent]:

@@ -245,7 +245,7 @@ def _judge(db: Db, delegation_id: str, *,
 
 
 def settle_tree(db: Db, root_id: str, now: float,
-                verdict: Mapping[str, str] | None = None) -> None:
+                verdict: Mapping[str, str | int] | None = None) -> None:
     """Every node of a subtree, deepest first, to its settled state, each judged under its
     lock on the facts as they are when it is written (never on facts read in an earlier
     transaction, which another process's probe or receipt may have changed since); then the

@@ -94,7 +94,7 @@ class Journal(JournalAccess):
         return row
 
     async def settle_tree(self, root_id: str, now: float,
-                          verdict: Mapping[str, str] | None = None) -> None:
+                          verdict: Mapping[str, str | int] | None = None) -> None:
         """Every node of the subtree, deepest first, to its settled state, in one transaction;
         with the verdict of the drain or recovery that settles it, if any, in the same one:
         whoever reads the verdict (``drained``) finds the settle committed, and whoever finds

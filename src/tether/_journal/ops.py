@@ -577,14 +577,21 @@ def documents(db: Db, delegation_id: str) -> list[DocumentRow]:
 
 
 def drained(db: Db, delegation_id: str) -> bool:
-    """Whether a drain ended (a verdict) after the delegation's latest accepted intent."""
-    row = db.execute(
-        "SELECT MAX(CASE WHEN kind = 'control' THEN id END), "
-        "MAX(CASE WHEN kind = 'verdict' THEN id END) FROM events "
-        "WHERE delegation_id = ? AND kind IN ('control', 'verdict')",
-        (delegation_id,),
-    ).fetchone()
-    return row is not None and row[0] is not None and row[1] is not None and row[1] > row[0]
+    """Whether the delegation's latest accepted intent has its verdict. A drain's verdict
+    names the newest intent it answers (a terminate accepted once a recall's drain had chosen
+    its ending is answered by a verdict of its own after it); a verdict that names none (a
+    settle of ended code, a recovery) answers every intent before it."""
+    rows = {r[0]: (r[1], loads(r[2])) for r in db.execute(
+        "SELECT kind, id, detail FROM events WHERE id IN ("
+        "(SELECT MAX(id) FROM events WHERE delegation_id = ? AND kind = 'control'), "
+        "(SELECT MAX(id) FROM events WHERE delegation_id = ? AND kind = 'verdict'))",
+        (delegation_id, delegation_id)).fetchall()}
+    if "control" not in rows or "verdict" not in rows:
+        return False
+    (control_id, intent), (verdict_id, verdict) = rows["control"], rows["verdict"]
+    if "seq" in verdict:
+        return int(verdict["seq"]) >= int(intent["seq"])
+    return bool(verdict_id > control_id)
 
 
 def last_verdict(db: Db, delegation_id: str) -> dict[str, Any] | None:

@@ -152,19 +152,22 @@ class Accounting:
             await sup.journal.flush()
 
     async def conclude(self, root_id: str, fallback: DelegationState, *, in_doubt: bool,
-                       verdict: Verdict | None, reason: str = "") -> Report:
+                       verdict: Verdict | None, reason: str = "",
+                       seq: int | None = None) -> Report:
         """The end of every settling (a drain, a stop of ended code, a recovery): calls left
         running declared in doubt (``in_doubt``), the subtree accounted for, the verdict
-        journaled, all of it committed, and the report read back."""
+        journaled (a drain's names the newest intent it answers, ``seq``), all of it
+        committed, and the report read back."""
         sup = self._sup
         if in_doubt:
             await sup.journal.mark_in_doubt(root_id, sup.clock.wall())
-        await self.account(root_id, fallback, verdict, reason)
+        await self.account(root_id, fallback, verdict, reason, seq)
         await sup.journal.flush()
         return await build_report(sup.journal, root_id)
 
     async def account(self, root_id: str, fallback: DelegationState,
-                      verdict: Verdict | None = None, reason: str = "") -> None:
+                      verdict: Verdict | None = None, reason: str = "",
+                      seq: int | None = None) -> None:
         """Probe what is in doubt, settle the subtree (with the verdict, if any), and keep
         checking in the background what may still apply (``drain.recheck_at``) until it is
         final."""
@@ -177,7 +180,7 @@ class Accounting:
         # The verdict commits with the settle, in one transaction: whoever finds the
         # delegation settled (a terminate from another process builds its report then) reads
         # why, and whoever finds the verdict (``drained``) finds the settle done.
-        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)
+        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason, seq)
         await self._recheck_later(root_id, fallback)
 
     async def _recheck_later(self, root_id: str, fallback: DelegationState) -> None:

@@ -14,6 +14,7 @@ from tether._core.model import ControlKind
 from tether._core.trust import bound
 from tether._journal.rows import ControlRow
 from tether._runtime.clockcheck import check_clock
+from tether._runtime.draining import cut_in
 from tether._runtime.logs import logger
 from tether._runtime.ports import Adopts
 from tether._runtime.remote import settle_unclaimed
@@ -148,5 +149,5 @@ class Adoption:
         if rt.draining is None:
             elapsed = max(0.0, sup.clock.wall() - row.accepted_at)
             sup.start_drain(rt, row.signed, sup.clock.now() - elapsed)
-        elif row.kind is ControlKind.TERMINATE:
-            rt.cut()  # a terminate from elsewhere cuts a recall's grace window short
+        elif row.kind is ControlKind.TERMINATE:  # a recall's drain is under way
+            sup.spawn(cut_in(sup, rt, row.seq))

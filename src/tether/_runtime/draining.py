@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from tether._core import drain as protocol
 from tether._core.documents import Acknowledgement, ControlIntent, NoEffectsReceipt, decode
 from tether._core.errors import Recalled, Terminated
-from tether._core.model import DelegationState
+from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._core.verdict import RecallInput, Verdict, evaluate_recall
@@ -35,6 +35,7 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     intent = decode(signed.body, canonical_known=True)  # its form was proven by that check
     assert isinstance(intent, ControlIntent)
     stop, cut_now = protocol.start(intent.kind)
+    rt.answers = max(rt.answers, intent.seq)
     for node in rt.walk():
         node.stop = node.stop or (Recalled if stop is protocol.Stop.RECALLED
                                   else Terminated)(node.id, intent.reason)
@@ -43,6 +44,7 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
         verdict, reason = await grace_window(sup, rt, signed, intent, accepted_at)
     plan = protocol.ending(verdict, killed=cut_now or any(
         isinstance(n.stop, Terminated) for n in rt.walk()))
+    rt.planned = True  # no await since the grace window's end: a later terminate waits
     if plan.terminate:
         rt.cut(actions=plan.cut_calls)
     children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
@@ -54,11 +56,27 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     # The tree's settle, queued: an intent for one of its nodes waits behind it (``urgent``).
     with sup.journal.moves([n.id for n in rt.walk()]):
         report = await accounts.conclude(rt.id, plan.fallback, in_doubt=plan.mark_in_doubt,
-                                         verdict=verdict, reason=reason)
+                                         verdict=verdict, reason=reason, seq=rt.answers)
     if verdict is Verdict.GRACE_EXPIRED:
         sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
     log_verdict(report, verdict.value, reason)
     return report
+
+
+async def cut_in(sup: ports.Issues | ports.Adopts, rt: ChildRuntime, seq: int) -> Report:
+    """A terminate (sequence ``seq``) of a delegation whose drain is under way. It cuts the
+    subtree now either way. Before the drain has chosen how it ends, the drain answers it (a
+    recall's grace window cut short); after, that ending stands, and the terminate is answered
+    once the drain is over, as for a delegation no longer tracked (``settle_here``): a verdict
+    of its own, never the recall's taken for it."""
+    draining = rt.draining
+    assert draining is not None
+    rt.cut()
+    if not rt.planned:
+        rt.answers = max(rt.answers, seq)
+        return await asyncio.shield(draining)
+    await asyncio.gather(asyncio.shield(draining), return_exceptions=True)
+    return await sup.settle_here(rt.id, ControlKind.TERMINATE)
 
 
 def log_verdict(report: Report, verdict: str, reason: str) -> None:

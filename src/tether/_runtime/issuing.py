@@ -15,6 +15,7 @@ from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._journal.rows import DelegationRow
 from tether._runtime import ports
+from tether._runtime.draining import cut_in
 from tether._runtime.logs import logger
 from tether._runtime.remote import settle_elsewhere, settle_unclaimed
 
@@ -64,8 +65,7 @@ async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind
                     "reason": reason})
     rt = sup.runtime(delegation_id)
     if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
-        rt.cut()  # cuts the recall's grace window short
-        return await asyncio.shield(rt.draining)
+        return await cut_in(sup, rt, intent.seq)  # a recall's drain is under way
     if rt is None:
         never = await settle_unclaimed(sup, delegation_id, kind)  # queued, unclaimed
         if never is not None:

@@ -118,16 +118,17 @@ async def probe_all(journal: Journal, actions: list[ActionRecord],
 
 async def settle_subtree(journal: Journal, root_id: str, clock: Clock,
                          fallback: DelegationState, verdict: Verdict | None = None,
-                         reason: str = "") -> None:
+                         reason: str = "", seq: int | None = None) -> None:
     """Move every node (deepest first) to its settled state (``_core.outcome.settle``). A node
     with a call that may still apply keeps its state until that call is settled. Judged in the
     journal, under each row's lock, on the facts as they are when it moves: another process's
     probe or receipt may land between any read here and a write. (``fallback`` is where a
     running node would end; ``settle`` never ends a RUNNING node, so it decides nothing.)
-    ``verdict``: the drain's or recovery's, journaled in the same transaction."""
+    ``verdict``: the drain's or recovery's, journaled in the same transaction; a drain's
+    names the newest intent it answers (``seq``, read by ``ops.drained``)."""
     del fallback
     await journal.settle_tree(root_id, clock.wall(), None if verdict is None else {
-        "verdict": verdict.value, "reason": reason})
+        "verdict": verdict.value, "reason": reason} | ({} if seq is None else {"seq": seq}))
 
 
 async def build_report(journal: Journal, root_id: str) -> Report:

@@ -69,6 +69,11 @@ class ChildRuntime:
     calls: int = 0  # journaled calls so far: orders this delegation's actions
     effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
     draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
+    # The newest intent the drain under way answers (its own, or a terminate that cut its
+    # grace window short), and whether it has chosen how it ends: a terminate after that is
+    # answered once it is over (``draining.cut_in``), with a verdict of its own.
+    answers: int = 0
+    planned: bool = False
     run: TaskRun | None = None  # the task this attempt belongs to
     generation: int = 0  # the task's cancel generation when its first attempt started
     span: Span | None = None

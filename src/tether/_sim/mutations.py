@@ -51,9 +51,10 @@ CATALOGUE: tuple[Mutation, ...] = (
        "a delegation ended with calls that may still apply is never checked again at their "
        "dispatch deadline",
        "_runtime.accounting",
-       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)\n"
-       "        await self._recheck_later(root_id, fallback)",
-       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason)",
+       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason,"
+       " seq)\n        await self._recheck_later(root_id, fallback)",
+       "        await settle_subtree(sup.journal, root_id, sup.clock, fallback, verdict, reason,"
+       " seq)",
        "late_apply,reply_lost,race", 1, 30, 2),
     _m("queued_fenced",
        "a fenced delegation no worker claimed stays queued: nobody settles it",
