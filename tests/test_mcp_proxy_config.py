@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 import tether
-from tests.mcp_helpers import PYTHONPATH, connect, paid, text
+from tests.mcp_helpers import PYTHONPATH, ROOT, connect, paid, text
 from tests.remote_agents import listen_gate
-from tests.test_mcp_proxy import cli
+from tests.test_mcp_proxy import INITIALIZE, cli
 
 A = tether.ActionState
 
@@ -141,6 +141,50 @@ async def test_config_mistakes_are_one_line(bank_env: Path, tmp_path: Path,
                                "--config", str(path))
     assert code == 2 and err.startswith("error:") and message in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err + out
+
+
+# The proxy with its stdin watchdog woken late, as on a loaded machine: it learns that the
+# client left only ``LAG`` seconds after the upstreams answered (here, with an error), while
+# the session is still unwinding.
+LATE_WATCH = """
+import asyncio, runpy, sys
+from tether._integrations.mcp_serve import StdioSession
+LAG = float(sys.argv.pop(1))
+watch = StdioSession.watch
+async def late(self, ended):
+    lagged = asyncio.Event()
+    async def relay():
+        await ended.wait()
+        await self.answered.wait()
+        await asyncio.sleep(LAG)
+        lagged.set()
+    relaying = asyncio.ensure_future(relay())
+    try:
+        await watch(self, lagged)
+    finally:
+        relaying.cancel()
+StdioSession.watch = late
+sys.argv[0] = "tether"
+runpy.run_module("tether", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.02, 0.1])
+async def test_a_config_mistake_is_reported_however_late_the_client_is_seen_leaving(
+        bank_env: Path, tmp_path: Path, lag: float) -> None:
+    """The client sends ``initialize`` and leaves at once; the upstream lacks a tool the
+    config names. Whenever the proxy notices the client left, the mistake is its answer:
+    exit 2 and one line, never a clean exit with nothing said."""
+    path = write(tmp_path, {"mcpServers": {"bank": bank_entry(effects={"transfer": "EXTERNAL"})}})
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", LATE_WATCH, str(lag), "mcp-proxy", "--journal",
+        f"sqlite:///{tmp_path / 'j.db'}", "--config", str(path), cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate(INITIALIZE)
+    said = err.decode()
+    assert proc.returncode == 2 and said.startswith("error:"), (proc.returncode, said)
+    assert "does not offer: transfer" in said and len(said.strip().splitlines()) == 1
 
 
 async def test_an_upstream_named_twice_is_one_line(tmp_path: Path) -> None:

@@ -307,8 +307,14 @@ class StdioSession:
                 caps = await self.declared
                 try:
                     await connect_upstreams(proxy, stack, self.children, caps, opened)
-                    self.connecting = False
+                except Exception as exc:
+                    # Kept before the stack unwinds: a cut meanwhile cannot lose it.
+                    self.failure = one_line(exc)
+                    raise
                 finally:
+                    # Answered (connected, or failed to): nothing is left for the client's
+                    # leaving to cut, however late the watch notices it.
+                    self.connecting = False
                     self.answered.set()
                 # The upstreams' tools (their probes, and the tasks their calls became)
                 # settle what an earlier proxy on this journal left in doubt when it died.
@@ -322,11 +328,11 @@ class StdioSession:
                 await self.done.wait()
                 await end_session(proxy, handle)
         except asyncio.CancelledError:
-            self._fail(MCPError(code=mcp_types.INTERNAL_ERROR,
-                                message="tether mcp-proxy: stopping"))
+            self._fail(MCPError(code=mcp_types.INTERNAL_ERROR, message="tether mcp-proxy: " + (
+                "stopping" if self.failure is None else str(self.failure))))
             raise
         except BaseException as exc:
-            self.failure = one_line(exc)
+            self.failure = self.failure or one_line(exc)
             self._fail(MCPError(code=mcp_types.INTERNAL_ERROR,
                                 message=f"tether mcp-proxy: {self.failure}"))
             if not isinstance(exc, Exception):
