@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -416,3 +419,54 @@ def test_a_mutation_reaches_the_code_of_every_worker_process() -> None:
     assert found["trials_detail"][0]["trial_seed"] == trial_seed(m.seed, 0)
     clean = run_sim(3, m.seed, m.faults, jobs=2, chunk=2)
     assert trial_seed(m.seed, 0) not in [d["trial_seed"] for d in clean["trials_detail"]]
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def until(condition: Callable[[], object], seconds: float) -> bool:
+    """Polled with a deadline: whether ``condition()`` came true within ``seconds``."""
+    give_up = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_worker_processes_end_with_a_run_stopped_by_a_signal() -> None:
+    """``tether sim --jobs 2`` stopped by SIGTERM (which runs no cleanup of the run's own):
+    its worker processes end too, instead of running on alone, holding its output pipes."""
+    workers: list[int] = []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether", "sim", "--trials", "100000", "--seed", "11",
+         "--jobs", "2", "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def started() -> bool:
+            workers[:] = [c for c in children_of(proc.pid)
+                          if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            return len(workers) == 2
+
+        assert until(started, 60.0), "the run's two worker processes did not start"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        def gone() -> bool:
+            return not any(running(w) for w in workers)
+
+        assert until(gone, 30.0), f"workers still running: {workers}"
+    finally:
+        proc.kill()
+        for w in [w for w in workers if running(w)]:
+            os.kill(w, signal.SIGKILL)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -18,6 +20,19 @@ from tether._sim.trial import run_trial
 from tether._sim.world import FAULTS
 
 CHUNK = 50  # trials a worker process runs at a time (``jobs``)
+
+
+def _orphaned(parent: int) -> None:
+    """A worker process's start: it ends once the run's process is gone (killed, or stopped
+    by a signal whose default runs no cleanup), instead of running on alone and holding the
+    run's output pipes. The watch thread only sleeps: it changes no trial."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
 
 
 def _chunk(seeds: list[int], faults: tuple[str, ...],
@@ -38,7 +53,8 @@ def _results(seeds: list[int], faults: tuple[str, ...], replay: bool, edits: tup
         return
     parts = [seeds[i:i + chunk] for i in range(0, len(seeds), chunk)]
     # Spawned, not forked: a fresh interpreter holds no lock, thread or patched code of ours.
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_orphaned, initargs=(os.getpid(),)) as pool:
         for part in pool.map(_chunk, parts, itertools.repeat(faults),
                              itertools.repeat(edits)):
             yield from part
