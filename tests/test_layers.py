@@ -133,6 +133,16 @@ def test_the_core_imports_no_other_layer() -> None:
     assert not {m: i for m, i in offending.items() if i}
 
 
+def test_the_layers_below_the_command_line_do_not_import_it() -> None:
+    """``_cli`` holds the commands' terminal side (typer, rich). The core, journal, runtime
+    and simulator never import it: the simulator runs ``tether verify``'s check from
+    ``_runtime.audit``, as the command does."""
+    below = ("tether._core", "tether._journal", "tether._runtime", "tether._sim")
+    offending = {m: sorted(i for i in IMPORTS[m] if i.startswith("tether._cli"))
+                 for m in MODULES if m.startswith(below)}
+    assert not {m: i for m, i in offending.items() if i}
+
+
 def test_nothing_waits_with_asyncio_wait_for() -> None:
     """On Python 3.11, ``asyncio.wait_for`` returns what it waited for when that is done as
     the waiting task is cancelled: the cancel is lost (a worker's lease task once renewed for

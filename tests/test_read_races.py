@@ -20,8 +20,8 @@ from tests import remote_agents
 from tests.conftest import PG_URL
 from tests.operator_world import stuck_payment
 from tether._cli.render import collect
-from tether._cli.verify import verify_journal
 from tether._journal import ops, retention, trustops
+from tether._runtime.audit import verify_journal
 
 
 def supervisor(url: str, **kw: Any) -> tether.Supervisor:

@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from tether._cli.verify import verify_journal
 from tether._core.errors import TetherError
 from tether._journal import chainops, trustops
 from tether._journal.journal import Journal
+from tether._runtime.audit import verify_journal
 from tether._runtime.keys import KeyRing
 from tether._sim.loop import HOST, Host, SimLoop
 from tether._sim.plan import keys
