@@ -16,7 +16,7 @@ Pure: the key directory's file is read and written through the ``load`` and ``sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -35,6 +35,17 @@ class HeadMark:
                 and type(data[1]) is int and data[1] >= 0 and isinstance(data[2], str)):
             raise ValueError("not a head mark")
         return data[0], cls(data[1], data[2])
+
+
+def merge_marks(into: dict[str, HeadMark],
+                marks: Iterable[tuple[str, HeadMark]]) -> dict[str, HeadMark]:
+    """``marks`` taken into ``into``: the longest per delegation (chains only grow, so a
+    shorter mark says nothing the longer one does not)."""
+    for delegation_id, mark in marks:
+        known = into.get(delegation_id)
+        if known is None or known.length < mark.length:
+            into[delegation_id] = mark
+    return into
 
 
 # Marks the key directory gained since the last look (None: unchanged); marks to append,
@@ -114,11 +125,7 @@ class HeadMemory:
         if self._load is None:
             return
         with self._lock:
-            stored = self._load()
-            for delegation_id, mark in (stored or {}).items():
-                known = self._marks.get(delegation_id)
-                if known is None or known.length < mark.length:
-                    self._marks[delegation_id] = mark
+            merge_marks(self._marks, (self._load() or {}).items())
 
     def persist(self) -> None:
         """Hand the marks noted since the last persist to ``save`` (kept for the next try if

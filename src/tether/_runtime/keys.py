@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tether._core.errors import ControlRefused, UserError
-from tether._core.headmark import HeadMark, HeadMemory
+from tether._core.headmark import HeadMark, HeadMemory, merge_marks
 from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
 
@@ -269,15 +269,14 @@ def _heads(directory: Path | None) -> HeadMemory:
     looked = [0, 0]  # the file's inode, and the offset read up to
 
     def parse(data: bytes, into: dict[str, HeadMark]) -> dict[str, HeadMark]:
-        for line in data.splitlines():
-            try:
-                delegation_id, mark = HeadMark.from_json(json.loads(line))
-            except ValueError:
-                continue  # a line torn by a crash in the middle of an append
-            known = into.get(delegation_id)
-            if known is None or known.length < mark.length:
-                into[delegation_id] = mark
-        return into
+        def lines() -> Iterator[tuple[str, HeadMark]]:
+            for line in data.splitlines():
+                try:
+                    yield HeadMark.from_json(json.loads(line))
+                except ValueError:
+                    continue  # a line torn by a crash in the middle of an append
+
+        return merge_marks(into, lines())
 
     def load() -> dict[str, HeadMark] | None:
         """What was appended since the last look (all of it if the file was compacted, a

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tether._core.headmark import HeadMark, HeadMemory
+from tether._core.headmark import HeadMark, HeadMemory, merge_marks
 from tether._core.signing import SigningKey, TrustedKeys
 from tether._sim.judge import Violation
 
@@ -81,12 +81,7 @@ class HeadsFile:
             if looked[0] == len(self.lines):
                 return None
             fresh, looked[0] = self.lines[looked[0]:], len(self.lines)
-            out: dict[str, HeadMark] = {}
-            for delegation_id, mark in fresh:
-                known = out.get(delegation_id)
-                if known is None or known.length < mark.length:
-                    out[delegation_id] = mark
-            return out
+            return merge_marks({}, fresh)
 
         def save(marks: Mapping[str, HeadMark], known: int) -> None:
             if alive():
