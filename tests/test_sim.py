@@ -356,10 +356,10 @@ def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing(
     """The ``verify`` fault: ``tether verify`` runs as processes of their own while the trial
     runs, once every process was killed, and after the final recovery; on the code that
     ships it names nothing."""
-    from tether._sim import operator
+    from tether._runtime import audit
 
     runs: list[tuple[str, float, int]] = []
-    real = operator.verify_journal
+    real = audit.verify_journal
 
     async def counted(j: Any, ring: Any, delegation_id: str | None) -> dict[str, Any]:
         found = await real(j, ring, delegation_id)
@@ -368,7 +368,7 @@ def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing(
                      len(found["problems"])))
         return found
 
-    monkeypatch.setattr(operator, "verify_journal", counted)
+    monkeypatch.setattr(audit, "verify_journal", counted)
     for i in range(4):
         result = run_trial(trial_seed(1, i), ("verify",))
         assert result.violations == [], result.violations
@@ -381,9 +381,9 @@ def test_an_operator_verifies_during_and_after_a_trial_and_finds_nothing(
 
 def test_what_the_operator_s_verify_names_is_a_violation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nobody tampers in a trial: a record ``tether verify`` names is judged ``tampered``."""
-    from tether._sim import operator
+    from tether._runtime import audit
 
-    real = operator.verify_journal
+    real = audit.verify_journal
 
     async def alarmed(j: Any, ring: Any, delegation_id: str | None) -> dict[str, Any]:
         found = await real(j, ring, delegation_id)
@@ -391,7 +391,7 @@ def test_what_the_operator_s_verify_names_is_a_violation(monkeypatch: pytest.Mon
                                   "problem": "altered: a false alarm"})
         return found
 
-    monkeypatch.setattr(operator, "verify_journal", alarmed)
+    monkeypatch.setattr(audit, "verify_journal", alarmed)
     result = run_trial(trial_seed(1, 0), ("verify",))
     assert {v.kind for v in result.violations} == {"tampered"}, result.violations
     assert any("a false alarm" in v.detail for v in result.violations)

@@ -8,7 +8,6 @@ but ``tools``, so that the records never pull in the code that drives them.
 from __future__ import annotations
 
 import asyncio
-from base64 import b32hexencode
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,12 +44,22 @@ def id_source(source: Callable[[], bytes]) -> Iterator[None]:
         _id_bytes = before
 
 
+# Two base32hex digits for each 10 bits: an id is 13 lookups (``base64.b32hexencode`` is a
+# loop in Python, and half of what ``new_id`` cost).
+_PAIRS = tuple(a + b for a in "0123456789abcdefghijklmnopqrstuv"
+               for b in "0123456789abcdefghijklmnopqrstuv")
+
+
 def new_id(prefix: str) -> str:
     """Unique across processes and sorting by creation time, to the millisecond: a UUIDv7 in
-    RFC 4648 base32hex (26 characters, whose order is the bytes' order), e.g.
+    RFC 4648 base32hex, lower case (26 characters, whose order is the bytes' order), e.g.
     ``d_069fjb5a1g7vq4s3k9m2r8e1lc``. An operator can tell two ids apart by any part of them,
     and a listing by id is a listing by age."""
-    return f"{prefix}_{b32hexencode(_id_bytes())[:26].decode('ascii').lower()}"
+    n, t = int.from_bytes(_id_bytes(), "big") << 2, _PAIRS  # 128 bits, padded to 26 x 5
+    return (f"{prefix}_{t[n >> 120]}{t[n >> 110 & 1023]}{t[n >> 100 & 1023]}"
+            f"{t[n >> 90 & 1023]}{t[n >> 80 & 1023]}{t[n >> 70 & 1023]}{t[n >> 60 & 1023]}"
+            f"{t[n >> 50 & 1023]}{t[n >> 40 & 1023]}{t[n >> 30 & 1023]}{t[n >> 20 & 1023]}"
+            f"{t[n >> 10 & 1023]}{t[n & 1023]}")
 
 
 @dataclass(eq=False)

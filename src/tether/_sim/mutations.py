@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tether._sim.mutate import Edit, applied
+from tether._sim.mutate import Edit
 
 
 @dataclass(frozen=True)
@@ -242,16 +242,15 @@ class Found:
 def hunt(m: Mutation, within: int | None = None) -> Found:
     """Run ``m``'s trials with its defect in the code until one is judged a violation."""
     from tether._sim.plan import trial_seed
-    from tether._sim.trial import run_trial
+    from tether._sim.runs import results
 
     budget = m.within if within is None else within
-    with applied(*m.edits):
-        for i in range(budget):
-            seed = trial_seed(m.seed, i)
-            result = run_trial(seed, m.faults)
-            if result.violations:
-                kinds = tuple(sorted({v.kind for v in result.violations}))
-                return Found(m.name, i + 1, seed, kinds)
+    trials = results([trial_seed(m.seed, i) for i in range(budget)], m.faults, edits=m.edits)
+    for i, result in enumerate(trials):  # one at a time, in this process: stops at the first
+        if result.violations:
+            trials.close()  # the edits are undone before this returns
+            kinds = tuple(sorted({v.kind for v in result.violations}))
+            return Found(m.name, i + 1, result.seed, kinds)
     return Found(m.name, budget, None, ())
 
 

@@ -1,5 +1,5 @@
 """An operator at the journal: ``tether verify`` (its subprocess-free entry,
-``verify_journal``) under the deployment's key directory, again and again while the
+``audit.verify_journal``) under the deployment's key directory, again and again while the
 processes run, once they were all killed, and after the final recovery. Nobody tampers in a
 trial, so anything it names is a false alarm: the judge's ``tampered``, as is any chain that
 does not verify when the trial ends (``chains_named``)."""
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from tether._core.errors import TetherError
 from tether._journal import chainops, trustops
 from tether._journal.journal import Journal
-from tether._runtime.audit import verify_journal
+from tether._runtime import audit
 from tether._runtime.keys import KeyRing
 from tether._sim.loop import HOST, Host, SimLoop
 from tether._sim.plan import keys
@@ -52,7 +52,7 @@ async def _verify(t: Trial) -> None:
             if (await j.registry(ring.trusted)).root is None:
                 t.note("tether verify: no process has set the journal up yet")
                 return
-            found = await verify_journal(j, ring, None)
+            found = await audit.verify_journal(j, ring, None)
     except TetherError as exc:  # the journal away (its server crashed, a commit lost)
         if t.reliable:  # after the final recovery nothing is lost any more: a finding
             t.errors.append(f"tether verify failed: {type(exc).__name__}: {exc}")
@@ -114,4 +114,4 @@ def chains_named(db: sqlite3.Connection) -> list[str]:
     return [f"{v.delegation_id}: {p.record}: {p.problem}" for v in verdicts for p in v.problems]
 
 
-__all__ = ["chains_named", "start_verifier", "verify_journal", "verify_now"]
+__all__ = ["chains_named", "start_verifier", "verify_now"]

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -42,8 +42,9 @@ def _chunk(seeds: list[int], faults: tuple[str, ...],
         return [run_trial(s, faults) for s in seeds]
 
 
-def _results(seeds: list[int], faults: tuple[str, ...], replay: bool, edits: tuple[Edit, ...],
-             jobs: int, chunk: int) -> Iterator[TrialResult]:
+def results(seeds: list[int], faults: tuple[str, ...], *, replay: bool = False,
+            edits: tuple[Edit, ...] = (), jobs: int = 1,
+            chunk: int = CHUNK) -> Generator[TrialResult, None, None]:
     """Each trial's result, in the run's order: in this process, or from ``jobs`` worker
     processes (each trial depends on its seed alone, so where it ran changes nothing)."""
     if jobs <= 1 or replay or len(seeds) <= chunk:
@@ -72,10 +73,12 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
     details: list[dict[str, Any]] = []
     totals: Counter[str] = Counter()
     started = time.perf_counter()
-    results: list[TrialResult] = []
-    for i, result in enumerate(_results(seeds, faults, replay is not None, edits, jobs, chunk)):
+    done: list[TrialResult] = []
+    ran = results(seeds, faults, replay=replay is not None, edits=edits, jobs=jobs,
+                  chunk=chunk)
+    for i, result in enumerate(ran):
         s = result.seed
-        results.append(result)
+        done.append(result)
         totals.update(result.stats)
         totals["steps"] += result.steps
         for f in result.faults or ("none",):
@@ -101,8 +104,8 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
                        "classes": {k: c[f"class:{k}"] for k in SIM_CLASSES if c[f"class:{k}"]}}
                    for f, c in per_fault.items() if c["trials"]},
         "selected_faults": list(faults),
-        "outcomes": {"failing_trials": sum(1 for r in results if r.violations),
-                     "clean_trials": sum(1 for r in results if not r.violations)},
+        "outcomes": {"failing_trials": sum(1 for r in done if r.violations),
+                     "clean_trials": sum(1 for r in done if not r.violations)},
         "violations": [v.to_json() for v in violations],
         "counts": {k: by_class.get(k, 0) for k in SIM_CLASSES},
         "inject": None,
@@ -114,7 +117,7 @@ def run_sim(trials: int, seed: int, faults: tuple[str, ...] = FAULTS,
         "totals": dict(totals),
     }
     if replay is not None:
-        out["trace"] = results[0].trace
+        out["trace"] = done[0].trace
     return out
 
 
