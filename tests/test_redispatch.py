@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tether
-from tether.protocol import Code
+from tether.protocol import Code, Hooks
 from tether.testing import VirtualClock
 
 RETRY_SAFE = frozenset({"read_file", "grep", "web_fetch"})
@@ -104,7 +104,7 @@ async def world(journal_url: str, clock: VirtualClock) -> AsyncIterator[World]:
     async with tether.Supervisor(
             journal_url, clock=clock, keys=tether.KeyRing.ephemeral(),
             redispatch=tether.RedispatchPolicy(retry_safe=RETRY_SAFE),
-            hooks=tether.Hooks(start, stop, redispatch), tracer_provider=tracer,
+            hooks=Hooks(start, stop, redispatch), tracer_provider=tracer,
             meter_provider=MeterProvider(metric_readers=[reader])) as sup:
         holder.append(World(sup, clock, spans, reader))
         yield holder[0]

@@ -27,7 +27,6 @@ from tether._runtime.gateway import Context
 from tether._runtime.handle import Handle
 from tether._runtime.keys import KeyRing
 from tether._runtime.supervisor import Supervisor
-from tether._runtime.telemetry import Hooks
 from tether._runtime.tools import Agent, ProbeResult, Tool, agent, tool
 from tether._runtime.worker import Worker
 
@@ -35,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ActionRecord", "ActionState", "Agent", "Context", "DelegationError", "DelegationState",
-    "Effect", "Fenced", "Handle", "Hooks", "Interrupted", "Journal", "KeyRing",
+    "Effect", "Fenced", "Handle", "Interrupted", "Journal", "KeyRing",
     "Policy", "ProbeOutcome", "ProbeResult", "Recalled", "RedispatchPolicy", "Report",
     "StreamCut", "Supervisor", "Terminated", "TetherError", "Tool", "ToolRejected",
     "Worker", "__version__", "agent", "errors", "protocol", "tool",
