@@ -178,8 +178,9 @@ class SimLoop(asyncio.BaseEventLoop):
                 host.deferred.append(handle)
             else:
                 ready.append(handle)
-        ready.sort(key=self._canonical)
-        self._rng.shuffle(ready)
+        if len(ready) > 1:  # one alone (most steps) has one order, and draws nothing
+            ready.sort(key=self._canonical)
+            self._rng.shuffle(ready)
         self._queue.clear()
         self._queue.extend(ready)
         self.steps += len(ready)
