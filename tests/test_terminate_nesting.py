@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import tether
+from tether._runtime import draining
 from tether.errors import ControlRefused, InvalidTransition, StaleEpoch, StaleSequence
 from tether.protocol import ControlKind
 from tether.testing import PaymentService, VirtualClock
@@ -95,7 +96,7 @@ async def test_a_terminate_once_a_recalls_drain_chose_its_ending_still_terminate
     monkeypatch.setattr(accounts, "conclude", racing)
     monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
     recall = asyncio.ensure_future(child.recall(grace=1.0))
-    await clock.sleeping(1, at_least=0.9)
+    await clock.sleeping(2, at_least=0.9)  # the call (100 s to go) and the grace window
     clock.advance(1.0)
     recalled = await asyncio.wait_for(recall, 10.0)
     assert recalled.verdict == "GRACE_EXPIRED"
@@ -105,6 +106,110 @@ async def test_a_terminate_once_a_recalls_drain_chose_its_ending_still_terminate
     said = [e.detail.get("verdict") for e in await sup.journal.events([child.id])
             if e.kind == "verdict"]
     assert said == ["GRACE_EXPIRED", "TERMINATE"]
+
+
+async def test_a_terminate_met_again_during_its_drain_is_answered_once(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner may meet the same terminate again while draining it: PostgreSQL lists the
+    newest intent of each delegation under recall at every poll, and a child that hits the
+    fence adopts it too. Each meeting waits for the one answer; none settles it again."""
+    pay.latency = 100.0
+    child = await sup.delegate(shop.refund_agent, "B-10", tools=shop.tools)
+    await pay.sent()
+    rt = sup.runtime(child.id)
+    assert rt is not None
+    conclude = sup._accounts.conclude
+    again: list[asyncio.Future[tether.Report]] = []
+
+    async def met_again(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
+        if not again:  # the drain has chosen its ending: the terminate met twice more
+            again.extend(asyncio.ensure_future(draining.cut_in(sup, rt, 1)) for _ in range(2))
+        return await conclude(root_id, fallback, **kw)
+
+    monkeypatch.setattr(sup._accounts, "conclude", met_again)
+    report = await asyncio.wait_for(child.terminate("kill it"), 10.0)
+    assert [await asyncio.wait_for(a, 10.0) for a in again] == [report, report]
+    await sup.journal.flush()
+    said = [e.detail for e in await sup.journal.events([child.id]) if e.kind == "verdict"]
+    assert [(v["verdict"], v.get("seq")) for v in said] == [("TERMINATE", 1)], said
+
+
+async def test_a_late_terminate_is_answered_though_its_caller_stops_waiting(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A terminate accepted once a recall's drain chose its ending, whose caller gives up
+    (a timeout around ``terminate``): the accepted intent is answered all the same."""
+    pay.latency = 100.0
+    child = await sup.delegate(shop.refund_agent, "B-11", tools=shop.tools)
+    await pay.sent()
+    conclude, accept = sup._accounts.conclude, sup.journal.sign_and_accept
+    accepted = asyncio.Event()
+    terminating: list[asyncio.Future[tether.Report]] = []
+
+    async def accepting(*args: Any, **kw: Any) -> Any:
+        out = await accept(*args, **kw)
+        accepted.set()
+        return out
+
+    async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
+        if not terminating:
+            accepted.clear()
+            terminating.append(asyncio.ensure_future(child.terminate("kill it")))
+            await accepted.wait()
+            await asyncio.sleep(0)  # the terminate reaches its wait for the drain
+            terminating[0].cancel()  # its caller stops waiting
+        return await conclude(root_id, fallback, **kw)
+
+    monkeypatch.setattr(sup._accounts, "conclude", racing)
+    monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
+    recall = asyncio.ensure_future(child.recall(grace=1.0))
+    await clock.sleeping(2, at_least=0.9)  # the call (100 s to go) and the grace window
+    clock.advance(1.0)
+    assert (await asyncio.wait_for(recall, 10.0)).verdict == "GRACE_EXPIRED"
+    with pytest.raises(asyncio.CancelledError):
+        await terminating[0]
+    deadline = asyncio.get_running_loop().time() + 10.0
+    while not await sup.journal.drained(child.id):  # answered in the supervisor's own task
+        assert asyncio.get_running_loop().time() < deadline, "the terminate was never answered"
+        await asyncio.sleep(0.01)
+    said = [e.detail for e in await sup.journal.events([child.id]) if e.kind == "verdict"]
+    assert [(v["verdict"], v.get("seq")) for v in said] == [("GRACE_EXPIRED", 1),
+                                                            ("TERMINATE", 2)], said
+
+
+@pytest.mark.parametrize("kind", ["recall", "terminate"])
+async def test_an_intent_whose_caller_stops_waiting_at_its_accept_is_still_drained(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock,
+        monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The caller of ``recall`` or ``terminate`` stops waiting (a timeout around it) while the
+    journal accepts the intent: the accept commits all the same, so the delegation is fenced
+    and moved, and its drain must still run and answer it, or it stays stopping for good."""
+    pay.latency = 100.0
+    child = await sup.delegate(shop.refund_agent, f"B-12-{kind}", tools=shop.tools)
+    await pay.sent()
+    accept = sup.journal.sign_and_accept
+    callers: list[asyncio.Future[tether.Report]] = []
+
+    async def accepting(*args: Any, **kw: Any) -> Any:
+        pending = asyncio.ensure_future(accept(*args, **kw))
+        callers[0].cancel()  # its caller stops waiting while the journal accepts it
+        return await pending
+
+    monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
+    callers.append(asyncio.ensure_future(
+        child.recall(grace=1.0) if kind == "recall" else child.terminate("kill it")))
+    with pytest.raises(asyncio.CancelledError):
+        await callers[0]
+    if kind == "recall":  # its grace window runs, then ends with the call left running
+        await clock.sleeping(2, at_least=0.9)  # the call (100 s to go) and the grace window
+        clock.advance(1.0)
+    deadline = asyncio.get_running_loop().time() + 10.0
+    while not await sup.journal.drained(child.id):
+        assert asyncio.get_running_loop().time() < deadline, "the intent was never drained"
+        await asyncio.sleep(0.01)
+    said = [e.detail for e in await sup.journal.events([child.id]) if e.kind == "verdict"]
+    assert [v.get("seq") for v in said] == [1], said
 
 
 def nested(shop: Shop) -> tuple[tether.Agent, tether.Agent]:

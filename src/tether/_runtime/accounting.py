@@ -118,9 +118,11 @@ class Accounting:
                            tolerance=self._sup.policy.clock_tolerance,
                            can_probe=tool is not None and tool.probe is not None)
 
-    async def settle_here(self, root_id: str, kind: ControlKind) -> Report:
+    async def settle_here(self, root_id: str, kind: ControlKind, *, seq: int | None = None,
+                          reason: str = "") -> Report:
         """A control intent for a delegation this process owns but no longer tracks: its code
-        ended, calls it left running may not have. A terminate cuts them now."""
+        ended, calls it left running may not have. A terminate cuts them now. ``seq``: the
+        intent the verdict answers (None: every one before it)."""
         sup = self._sup
         rows = await sup.journal.subtree(root_id)
         for action in await sup.journal.actions([r.id for r in rows]):
@@ -131,7 +133,8 @@ class Accounting:
         return await self.conclude(
             root_id, kind.settled, in_doubt=terminate,
             verdict=Verdict.TERMINATE if terminate else Verdict.RECALLED_CLEAN,
-            reason=f"{kind.value.lower()} of a delegation whose code had ended")
+            reason=reason or f"{kind.value.lower()} of a delegation whose code had ended",
+            seq=seq)
 
     async def let_calls_finish(self) -> None:
         """Calls still running (left to finish after a recall's grace window, or by a lost

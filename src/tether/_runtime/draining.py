@@ -71,12 +71,25 @@ async def cut_in(sup: ports.Issues | ports.Adopts, rt: ChildRuntime, seq: int) -
     of its own, never the recall's taken for it."""
     draining = rt.draining
     assert draining is not None
+    if seq <= rt.answers:  # adopted again (PostgreSQL lists it at every poll): answered
+        return await asyncio.shield(draining)
     rt.cut()
     if not rt.planned:
-        rt.answers = max(rt.answers, seq)
+        rt.answers = seq
         return await asyncio.shield(draining)
+    later = rt.after
+    if later is None or later[0] < seq:
+        # In a task of the supervisor's, not the caller's: a caller that stops waiting (a
+        # timeout around ``terminate``) leaves the accepted intent answered all the same.
+        later = rt.after = (seq, sup.spawn(_after_drain(sup, rt.id, draining, seq)))
+    return await asyncio.shield(later[1])
+
+
+async def _after_drain(sup: ports.Issues | ports.Adopts, delegation_id: str,
+                       draining: asyncio.Future[Report], seq: int) -> Report:
     await asyncio.gather(asyncio.shield(draining), return_exceptions=True)
-    return await sup.settle_here(rt.id, ControlKind.TERMINATE)
+    return await sup.settle_here(delegation_id, ControlKind.TERMINATE, seq=seq,
+                                 reason="terminate after a recall's grace window ended")
 
 
 def log_verdict(report: Report, verdict: str, reason: str) -> None:

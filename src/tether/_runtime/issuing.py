@@ -51,10 +51,17 @@ async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind
             seq=row.control_seq + 1 if offered is None else offered, grace=grace,
             reason=reason, issued_at=issued))
 
+    accepting = asyncio.ensure_future(sup.journal.sign_and_accept(
+        delegation_id, make, sup.keys.trusted, sup.owner_id, sup.clock.wall,
+        urgent=urgent(sup, delegation_id)))
     try:
-        intent, signed = await sup.journal.sign_and_accept(
-            delegation_id, make, sup.keys.trusted, sup.owner_id, sup.clock.wall,
-            urgent=urgent(sup, delegation_id))
+        intent, signed = await asyncio.shield(accepting)
+    except asyncio.CancelledError:
+        # The caller stopped waiting (a timeout around ``recall``); the journal may accept
+        # the intent all the same, and an accepted intent is answered: then here, in a task
+        # of the supervisor's, as if its caller had stayed.
+        accepting.add_done_callback(lambda done: answer_later(sup, delegation_id, kind, done))
+        raise
     except ControlRefused as exc:
         sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
                                       "error.type": type(exc).__name__})
@@ -63,19 +70,54 @@ async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind
     log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
              extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
                     "reason": reason})
+    return await answer(sup, delegation_id, kind, intent, signed)
+
+
+def answer_later(sup: ports.Issues, delegation_id: str, kind: ControlKind,
+                 accepting: asyncio.Future[tuple[ControlIntent, Signed]]) -> None:
+    """An intent whose caller stopped waiting before the journal answered: answered in the
+    supervisor's own task if the journal accepted it (its refusal has nobody to tell)."""
+    if accepting.cancelled() or accepting.exception() is not None:
+        return
+    intent, signed = accepting.result()
+    log.info("%s accepted for %s (sequence %d) after its caller stopped waiting", kind.value,
+             delegation_id, intent.seq, extra={"delegation": delegation_id,
+                                               "kind": kind.value, "seq": intent.seq})
+    sup.spawn(answer(sup, delegation_id, kind, intent, signed))
+
+
+async def answer(sup: ports.Issues, delegation_id: str, kind: ControlKind,
+                 intent: ControlIntent, signed: Signed) -> Report:
+    """Drain an accepted intent: here, or wherever the delegation runs. Whatever the
+    answer takes goes on if the caller stops waiting for it (each path is shielded)."""
     rt = sup.runtime(delegation_id)
     if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
         return await cut_in(sup, rt, intent.seq)  # a recall's drain is under way
     if rt is None:
-        never = await settle_unclaimed(sup, delegation_id, kind)  # queued, unclaimed
-        if never is not None:
-            return never
-        if (await sup.journal.get(delegation_id)).owner_id == sup.owner_id:
-            # Ours, but no longer tracked (a recall's grace ended with calls left
-            # running): settle it here, cutting those calls if this is a terminate.
-            return await sup.settle_here(delegation_id, kind)
-        return await settle_elsewhere(sup, delegation_id, signed)
+        settling = asyncio.ensure_future(untracked(sup, delegation_id, kind, signed))
+        settling.add_done_callback(_retrieved)
+        return await asyncio.shield(settling)
     return await asyncio.shield(sup.start_drain(rt, signed, sup.clock.now()))
+
+
+def _retrieved(task: asyncio.Future[Report]) -> None:
+    """A settle's failure reaches its caller; one whose caller stopped waiting has nobody to
+    tell (what it left unanswered, a recovery answers)."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def untracked(sup: ports.Issues, delegation_id: str, kind: ControlKind,
+                    signed: Signed) -> Report:
+    """An accepted intent for a delegation this process does not run now."""
+    never = await settle_unclaimed(sup, delegation_id, kind)  # queued, unclaimed
+    if never is not None:
+        return never
+    if (await sup.journal.get(delegation_id)).owner_id == sup.owner_id:
+        # Ours, but no longer tracked (a recall's grace ended with calls left
+        # running): settle it here, cutting those calls if this is a terminate.
+        return await sup.settle_here(delegation_id, kind)
+    return await settle_elsewhere(sup, delegation_id, signed)
 
 
 def urgent(sup: ports.Issues, delegation_id: str) -> bool:

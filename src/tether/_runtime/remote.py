@@ -106,7 +106,10 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
     row = await sup.journal.get(delegation_id)
     if not await owner_alive(sup, row.owner_id):
         return await sup.recover_delegation(row, "owner is gone")
-    budget = (intent.grace or 0.0) + sup.policy.ack_timeout + sup.policy.probe_timeout
+    # A terminate that lands as a recall's drain ends is answered after it: that drain's
+    # end (its children, its probes), then the terminate's own settle and probes.
+    probes = 2 if intent.kind is ControlKind.TERMINATE else 1
+    budget = (intent.grace or 0.0) + sup.policy.ack_timeout + probes * sup.policy.probe_timeout
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
     settled_at: float | None = None

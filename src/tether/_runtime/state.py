@@ -83,6 +83,8 @@ class ChildRuntime:
     # answered once it is over (``draining.cut_in``), with a verdict of its own.
     answers: int = 0
     planned: bool = False
+    # A terminate answered once the drain is over: its sequence, and that settle's task.
+    after: tuple[int, asyncio.Future[Any]] | None = None
     run: TaskRun | None = None  # the task this attempt belongs to
     generation: int = 0  # the task's cancel generation when its first attempt started
     span: Span | None = None

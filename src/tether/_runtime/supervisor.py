@@ -279,9 +279,10 @@ class Supervisor:
                 # new intents, never receipts); only the children's own code stops.
                 rt.cut(actions=False)
 
-    async def settle_here(self, delegation_id: str, kind: ControlKind) -> Report:
+    async def settle_here(self, delegation_id: str, kind: ControlKind, *,
+                          seq: int | None = None, reason: str = "") -> Report:
         """An intent for a delegation this process owns but no longer tracks."""
-        return await self._accounts.settle_here(delegation_id, kind)
+        return await self._accounts.settle_here(delegation_id, kind, seq=seq, reason=reason)
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Background work of this supervisor: cancelled when it closes, a failure journaled."""

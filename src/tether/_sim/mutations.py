@@ -159,7 +159,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.attempts",
        "    for child in list(rt.children):\n        run = child.run",
        "    for child in ():\n        run = child.run",
-       "crash,probe_raise,commit_lost,race", 1, 200, 165),
+       "crash,probe_raise,commit_lost,race", 1, 600, 351),
     _m("reprobe_unknown",
        "a call a probe could not tell about (it failed or timed out) while the call could "
        "still apply is never probed again at its deadline: it stays UNKNOWN for a person",
