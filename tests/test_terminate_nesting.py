@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import tether
-from tether._runtime import draining
+from tether._runtime import draining, issuing
 from tether.errors import ControlRefused, InvalidTransition, StaleEpoch, StaleSequence
 from tether.protocol import ControlKind
 from tether.testing import PaymentService, VirtualClock
@@ -157,8 +157,14 @@ async def test_a_late_terminate_is_answered_though_its_caller_stops_waiting(
             accepted.clear()
             terminating.append(asyncio.ensure_future(child.terminate("kill it")))
             await accepted.wait()
-            await asyncio.sleep(0)  # the terminate reaches its wait for the drain
-            terminating[0].cancel()  # its caller stops waiting
+            rt = sup.runtime(child.id)
+            assert rt is not None
+            for _ in range(1000):  # steps of the loop, until the terminate waits for the drain
+                if rt.after is not None:
+                    break
+                await asyncio.sleep(0)
+            assert rt.after is not None, "the terminate never reached the drain"
+            terminating[0].cancel()  # its caller stops waiting, past its accept
         return await conclude(root_id, fallback, **kw)
 
     monkeypatch.setattr(sup._accounts, "conclude", racing)
@@ -202,7 +208,8 @@ async def test_an_intent_whose_caller_stops_waiting_at_its_accept_is_still_drain
     with pytest.raises(asyncio.CancelledError):
         await callers[0]
     if kind == "recall":  # its grace window runs, then ends with the call left running
-        await clock.sleeping(2, at_least=0.9)  # the call (100 s to go) and the grace window
+        # The call (100 s to go) and the grace window, if a drain runs at all.
+        await asyncio.wait_for(clock.sleeping(2, at_least=0.9), 10.0)
         clock.advance(1.0)
     deadline = asyncio.get_running_loop().time() + 10.0
     while not await sup.journal.drained(child.id):
@@ -210,6 +217,59 @@ async def test_an_intent_whose_caller_stops_waiting_at_its_accept_is_still_drain
         await asyncio.sleep(0.01)
     said = [e.detail for e in await sup.journal.events([child.id]) if e.kind == "verdict"]
     assert [v.get("seq") for v in said] == [1], said
+
+
+async def test_a_recall_answered_late_joins_the_drain_a_terminate_started_meanwhile(
+        sup: tether.Supervisor, shop: Shop, pay: PaymentService, clock: VirtualClock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recall whose caller stopped waiting at its accept is answered once the accept
+    returns; by then a terminate accepted after it may have started the delegation's drain.
+    That drain answers both: one drain, one verdict (the terminate's, which names the later
+    sequence), never a second drain over the first."""
+    pay.latency = 100.0
+    child = await sup.delegate(shop.refund_agent, "B-13", tools=shop.tools)
+    await pay.sent()
+    accept, start_drain = sup.journal.sign_and_accept, sup.start_drain
+    drains: list[asyncio.Future[tether.Report]] = []
+    drained = asyncio.Event()
+    callers: list[asyncio.Future[tether.Report]] = []
+
+    async def accepting(*args: Any, **kw: Any) -> Any:
+        out = await accept(*args, **kw)
+        if len(callers) == 1:  # the recall: accepted, its answer held back
+            callers[0].cancel()  # its caller stops waiting
+            callers.append(asyncio.ensure_future(child.terminate("kill it")))
+            await drained.wait()  # until the terminate's drain has started
+        return out
+
+    def starting(*args: Any) -> asyncio.Future[tether.Report]:
+        drains.append(start_drain(*args))
+        drained.set()
+        return drains[-1]
+
+    answer, answered = issuing.answer, asyncio.Event()
+
+    async def answering(*args: Any) -> tether.Report:
+        try:
+            return await answer(*args)
+        finally:
+            if args[2] is ControlKind.RECALL:
+                answered.set()
+
+    monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
+    monkeypatch.setattr(sup, "start_drain", starting)
+    monkeypatch.setattr(issuing, "answer", answering)
+    callers.append(asyncio.ensure_future(child.recall(grace=60.0)))
+    with pytest.raises(asyncio.CancelledError):
+        await callers[0]
+    report = await asyncio.wait_for(callers[1], 10.0)
+    assert report.verdict == "TERMINATE"
+    await asyncio.wait_for(answered.wait(), 10.0)  # the recall's late answer, given
+    await sup.journal.flush()
+    said = [e.detail for e in await sup.journal.events([child.id]) if e.kind == "verdict"]
+    assert len(drains) == 1 and [(v["verdict"], v.get("seq")) for v in said] == [
+        ("TERMINATE", 2)], (len(drains), said)
+    assert await sup.journal.drained(child.id)
 
 
 def nested(shop: Shop) -> tuple[tether.Agent, tether.Agent]:

@@ -41,19 +41,25 @@ async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind
         seq = (await sup.journal.get(delegation_id, urgent=urgent(sup, delegation_id))
                ).control_seq + 1
     offered = seq
-    # Stamped with no await before the accept is queued: no call of this process can
-    # then be queued between the stamp and the fence with a later intent time.
-    issued = sup.clock.wall()
 
-    def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
-        return sup.keys.signer.sign(ControlIntent(
-            kind=kind, delegation_id=row.id, epoch=row.epoch,
-            seq=row.control_seq + 1 if offered is None else offered, grace=grace,
-            reason=reason, issued_at=issued))
+    async def accept() -> tuple[ControlIntent, Signed]:
+        # Stamped, and its urgency judged, in this task's first step, which queues the
+        # accept with no await before it: no call of this process can then be queued
+        # between the stamp and the fence with a later intent time, and no state move of
+        # its tree queued between the judgment and the fence.
+        issued = sup.clock.wall()
 
-    accepting = asyncio.ensure_future(sup.journal.sign_and_accept(
-        delegation_id, make, sup.keys.trusted, sup.owner_id, sup.clock.wall,
-        urgent=urgent(sup, delegation_id)))
+        def make(row: DelegationRow) -> Signed:  # runs in the journal's transaction
+            return sup.keys.signer.sign(ControlIntent(
+                kind=kind, delegation_id=row.id, epoch=row.epoch,
+                seq=row.control_seq + 1 if offered is None else offered, grace=grace,
+                reason=reason, issued_at=issued))
+
+        return await sup.journal.sign_and_accept(
+            delegation_id, make, sup.keys.trusted, sup.owner_id, sup.clock.wall,
+            urgent=urgent(sup, delegation_id))
+
+    accepting = asyncio.ensure_future(accept())
     try:
         intent, signed = await asyncio.shield(accepting)
     except asyncio.CancelledError:
@@ -63,27 +69,43 @@ async def issue_control(sup: ports.Issues, delegation_id: str, kind: ControlKind
         accepting.add_done_callback(lambda done: answer_later(sup, delegation_id, kind, done))
         raise
     except ControlRefused as exc:
-        sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
-                                      "error.type": type(exc).__name__})
+        counted(sup, kind, exc)
         raise
-    sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": True})
+    counted(sup, kind, None)
     log.info("%s accepted for %s (sequence %d)", kind.value, delegation_id, intent.seq,
              extra={"delegation": delegation_id, "kind": kind.value, "seq": intent.seq,
                     "reason": reason})
     return await answer(sup, delegation_id, kind, intent, signed)
 
 
+def counted(sup: ports.Issues, kind: ControlKind, refused: BaseException | None) -> None:
+    sup.telemetry.intents.add(1, {"tether.kind": kind.value, "tether.accepted": False,
+                                  "error.type": type(refused).__name__} if refused else
+                              {"tether.kind": kind.value, "tether.accepted": True})
+
+
 def answer_later(sup: ports.Issues, delegation_id: str, kind: ControlKind,
                  accepting: asyncio.Future[tuple[ControlIntent, Signed]]) -> None:
     """An intent whose caller stopped waiting before the journal answered: answered in the
     supervisor's own task if the journal accepted it (its refusal has nobody to tell)."""
-    if accepting.cancelled() or accepting.exception() is not None:
+    if accepting.cancelled():
+        return
+    failed = accepting.exception()
+    if isinstance(failed, ControlRefused):
+        counted(sup, kind, failed)  # journaled by the journal (``control_refused``)
+        return
+    if failed is not None:  # a lost journal: accepted or not, a recovery finds out
+        log.warning("%s for %s: its caller stopped waiting, and its accept failed: %s",
+                    kind.value, delegation_id, failed,
+                    extra={"delegation": delegation_id, "kind": kind.value})
         return
     intent, signed = accepting.result()
+    counted(sup, kind, None)
     log.info("%s accepted for %s (sequence %d) after its caller stopped waiting", kind.value,
              delegation_id, intent.seq, extra={"delegation": delegation_id,
                                                "kind": kind.value, "seq": intent.seq})
-    sup.spawn(answer(sup, delegation_id, kind, intent, signed))
+    if sup.is_open:  # closing: its drain would outlive the journal; a recovery answers it
+        sup.spawn(answer(sup, delegation_id, kind, intent, signed))
 
 
 async def answer(sup: ports.Issues, delegation_id: str, kind: ControlKind,
@@ -91,20 +113,16 @@ async def answer(sup: ports.Issues, delegation_id: str, kind: ControlKind,
     """Drain an accepted intent: here, or wherever the delegation runs. Whatever the
     answer takes goes on if the caller stops waiting for it (each path is shielded)."""
     rt = sup.runtime(delegation_id)
-    if kind is ControlKind.TERMINATE and rt is not None and rt.draining is not None:
-        return await cut_in(sup, rt, intent.seq)  # a recall's drain is under way
+    if rt is not None and rt.draining is not None:
+        if kind is ControlKind.TERMINATE:
+            return await cut_in(sup, rt, intent.seq)  # a recall's drain is under way
+        # A recall answered late (its caller stopped waiting at the accept): a terminate
+        # accepted after it drains the delegation meanwhile, and its verdict answers both.
+        return await asyncio.shield(rt.draining)
     if rt is None:
-        settling = asyncio.ensure_future(untracked(sup, delegation_id, kind, signed))
-        settling.add_done_callback(_retrieved)
-        return await asyncio.shield(settling)
+        return await asyncio.shield(sup.spawn(untracked(sup, delegation_id, kind, signed),
+                                              told=True))
     return await asyncio.shield(sup.start_drain(rt, signed, sup.clock.now()))
-
-
-def _retrieved(task: asyncio.Future[Report]) -> None:
-    """A settle's failure reaches its caller; one whose caller stopped waiting has nobody to
-    tell (what it left unanswered, a recovery answers)."""
-    if not task.cancelled():
-        task.exception()
 
 
 async def untracked(sup: ports.Issues, delegation_id: str, kind: ControlKind,

@@ -284,12 +284,18 @@ class Supervisor:
         """An intent for a delegation this process owns but no longer tracks."""
         return await self._accounts.settle_here(delegation_id, kind, seq=seq, reason=reason)
 
-    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Background work of this supervisor: cancelled when it closes, a failure journaled."""
+    def spawn(self, coro: Coroutine[Any, Any, T], *, told: bool = False) -> asyncio.Task[T]:
+        """Background work of this supervisor: cancelled when it closes, a failure journaled
+        (``told``: work a caller awaits, told of its failure; retrieved, not journaled)."""
         task = asyncio.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background_done)
+        task.add_done_callback(self._told_done if told else self._background_done)
         return task
+
+    def _told_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # its caller was told (or stopped waiting: a recovery answers)
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         """A failure in background work is recorded in the journal, never dropped."""
