@@ -6,7 +6,7 @@ import asyncio
 import functools
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,26 @@ async def settled(sup: tether.Supervisor, delegation_id: str,
         if report.outcome.terminal or loop.time() > deadline:
             return report
         await sup.wake(0.02)
+
+
+def around_the_verdict(conclude: Callable[..., Awaitable[Any]], when: str,
+                       act: Callable[[], Awaitable[None]]) -> Callable[..., Awaitable[Any]]:
+    """A drain's ending (``Accounting.conclude``) with ``act`` done once: before the drain's
+    verdict is written (``when == "before-its-verdict"``), or after it, while the drain has
+    not ended yet."""
+    done: list[bool] = []
+
+    async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
+        if not done and when == "before-its-verdict":
+            done.append(True)
+            await act()
+        report = await conclude(root_id, fallback, **kw)
+        if not done:
+            done.append(True)
+            await act()
+        return report
+
+    return racing
 
 
 def events_of(sup: tether.Supervisor) -> Callable[[str, str], asyncio.Event]:

@@ -37,7 +37,7 @@ from tether.errors import JournalCorrupt, KeyInUse, StaleSequence
 from tether.protocol import ControlIntent
 from tether.testing import VirtualClock
 
-from .conftest import PG_URL, until
+from .conftest import PG_URL, around_the_verdict, until
 from .honest_agents import Provider
 from .journal_helpers import FixedClock, pay_action, root_delegation
 
@@ -407,15 +407,8 @@ async def test_a_terminate_from_elsewhere_once_a_recalls_drain_chose_its_ending(
             if when == "after-its-verdict":  # the owner learns of it while its drain runs
                 await adopted.wait()
 
-        async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
-            if not terminating and when == "before-its-verdict":
-                await terminate_now()
-            report = await conclude(root_id, fallback, **kw)
-            if not terminating:
-                await terminate_now()
-            return report
-
-        monkeypatch.setattr(a._accounts, "conclude", racing)
+        monkeypatch.setattr(a._accounts, "conclude",
+                            around_the_verdict(conclude, when, terminate_now))
         monkeypatch.setattr(b.journal, "sign_and_accept", accepting)
         monkeypatch.setattr(a._adoption, "adopt", adopting)
         recalled = await recall_mid_call(a.handle_for(child.id), vclock, 1)

@@ -13,7 +13,7 @@ from tether.errors import ControlRefused, InvalidTransition, StaleEpoch, StaleSe
 from tether.protocol import ControlKind
 from tether.testing import PaymentService, VirtualClock
 
-from .conftest import Countdown, Shop, events_of, settled
+from .conftest import Countdown, Shop, around_the_verdict, events_of, settled
 
 A = tether.ActionState
 S = tether.DelegationState
@@ -85,15 +85,7 @@ async def test_a_terminate_once_a_recalls_drain_chose_its_ending_still_terminate
         terminating.append(asyncio.ensure_future(child.terminate("kill it")))
         await accepted.wait()
 
-    async def racing(root_id: str, fallback: tether.DelegationState, **kw: Any) -> Any:
-        if not terminating and when == "before-its-verdict":
-            await terminate_now()
-        report = await conclude(root_id, fallback, **kw)
-        if not terminating:
-            await terminate_now()
-        return report
-
-    monkeypatch.setattr(accounts, "conclude", racing)
+    monkeypatch.setattr(accounts, "conclude", around_the_verdict(conclude, when, terminate_now))
     monkeypatch.setattr(sup.journal, "sign_and_accept", accepting)
     recall = asyncio.ensure_future(child.recall(grace=1.0))
     await clock.sleeping(2, at_least=0.9)  # the call (100 s to go) and the grace window
