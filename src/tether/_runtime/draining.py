@@ -80,8 +80,10 @@ async def cut_in(sup: ports.Issues | ports.Adopts, rt: ChildRuntime, seq: int) -
     later = rt.after
     if later is None or later[0] < seq:
         # In a task of the supervisor's, not the caller's: a caller that stops waiting (a
-        # timeout around ``terminate``) leaves the accepted intent answered all the same.
-        later = rt.after = (seq, sup.spawn(_after_drain(sup, rt.id, draining, seq)))
+        # timeout around ``terminate``) leaves the accepted intent answered all the same. Its
+        # failure is the caller's (one adopted from elsewhere: its spawned ``cut_in``'s).
+        later = rt.after = (seq, sup.spawn(_after_drain(sup, rt.id, draining, seq),
+                                           told=True))
     return await asyncio.shield(later[1])
 
 
