@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import tether
+from tether._core import drain
 from tether._runtime import draining, issuing
 from tether.errors import ControlRefused, InvalidTransition, StaleEpoch, StaleSequence
 from tether.protocol import ControlKind
@@ -152,10 +153,10 @@ async def test_a_late_terminate_is_answered_though_its_caller_stops_waiting(
             rt = sup.runtime(child.id)
             assert rt is not None
             for _ in range(1000):  # steps of the loop, until the terminate waits for the drain
-                if rt.after is not None:
+                if rt.answering.later is not None:
                     break
                 await asyncio.sleep(0)
-            assert rt.after is not None, "the terminate never reached the drain"
+            assert rt.answering.later is not None, "the terminate never reached the drain"
             terminating[0].cancel()  # its caller stops waiting, past its accept
         return await conclude(root_id, fallback, **kw)
 
@@ -278,6 +279,18 @@ def nested(shop: Shop) -> tuple[tether.Agent, tether.Agent]:
         return [await h.result() for h in handles]
 
     return lead, worker
+
+
+def test_an_issuer_elsewhere_waits_for_a_terminate_after_a_recalls_drain() -> None:
+    """A terminate that lands as a recall's drain ends is answered after that drain: the
+    owner probes twice (the drain's calls, then the terminate's), so an issuer in another
+    process waits for both before it reconciles the delegation against a live owner."""
+    policy = tether.Policy(ack_timeout=5.0, probe_timeout=10.0)
+    assert drain.report_budget(ControlKind.RECALL, 3.0, policy) == 3.0 + 5.0 + 10.0
+    assert drain.report_budget(ControlKind.TERMINATE, None, policy) == 5.0 + 2 * 10.0
+    # A verdict that trails its settle is waited for one acknowledgement timeout.
+    assert not drain.verdict_overdue(100.0, 104.9, policy)
+    assert drain.verdict_overdue(100.0, 105.0, policy)
 
 
 async def test_recall_fences_the_whole_subtree_and_reports_nest(

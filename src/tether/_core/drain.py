@@ -10,6 +10,10 @@ comes back; it decides nothing itself. The sequence:
 3. ``ending``: whether the subtree is terminated, whether in-flight calls are cut, what the
    unfinished calls become, where the nodes end.
 4. ``recheck_at``: after probing, when the owner must look again at calls that may still apply.
+
+And for an issuer in another process: how long it waits for the owner's report
+(``report_budget``), and how long a settled delegation's verdict is waited for
+(``verdict_overdue``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from tether._core.model import ControlKind, DelegationState
+from tether._core.model import ControlKind, DelegationState, Policy
 from tether._core.outcome import final_at
 from tether._core.verdict import RecallDecision, Verdict
 
@@ -97,5 +101,22 @@ def recheck_at(deadlines: Iterable[float], now: float, tolerance: float) -> floa
     return max(now, min(times))
 
 
+def report_budget(kind: ControlKind, grace: float | None, policy: Policy) -> float:
+    """How long an issuer in another process waits for the owner's report before it
+    reconciles the delegation itself: the grace window, the acknowledgement, and the owner's
+    probes. One round of them for a recall; two for a terminate, since one that lands as a
+    recall's drain ends is answered after that drain (its probes, then the terminate's own)."""
+    probes = 2 if kind is ControlKind.TERMINATE else 1
+    return (grace or 0.0) + policy.ack_timeout + probes * policy.probe_timeout
+
+
+def verdict_overdue(settled_at: float, now: float, policy: Policy) -> bool:
+    """Settled, and no verdict yet: a probe's answer can settle a delegation before its
+    owner's drain records the verdict (with the drain's own settle), so it is waited for a
+    bounded while; an intent that came once the drain had ended gets none, and its report
+    is the settled delegation's as it stands."""
+    return now - settled_at >= policy.ack_timeout
+
+
 __all__ = ["DrainPlan", "GraceStep", "Stop", "ending", "grace_step", "recheck_at",
-           "start"]
+           "report_budget", "start", "verdict_overdue"]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tether._core import drain
 from tether._core.documents import ControlIntent
 from tether._core.errors import (
     AlreadyFinished,
@@ -27,7 +28,7 @@ from tether._journal.triage import DelegationQuery
 from tether._runtime.clock import SystemClock
 from tether._runtime.keys import KeyRing
 from tether._runtime.reconcile import build_report
-from tether._runtime.remote import owner_alive, settle_unclaimed, verdict_overdue
+from tether._runtime.remote import owner_alive, settle_unclaimed
 from tether._runtime.resolve import operator_of
 
 
@@ -110,7 +111,7 @@ async def send_controls(req: ControlRequest, query: DelegationQuery,
             # The owners drain in parallel whatever this process does; a bounded number of
             # watchers reads their reports (each polls the journal), all by one deadline.
             gate = asyncio.Semaphore(waiters)
-            deadline = asyncio.get_running_loop().time() + _budget(req.grace)
+            deadline = asyncio.get_running_loop().time() + _budget(req.kind, req.grace)
 
             async def waited(answer: dict[str, Any]) -> None:
                 async with gate:
@@ -163,10 +164,11 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
             "kind": req.kind.value, "accepted": True, "issuer": issuer}
 
 
-def _budget(grace: float | None) -> float:
-    """How long an issuer waits for the owner's report."""
-    policy = Policy()
-    return (grace or 0.0) + policy.ack_timeout + policy.probe_timeout + 5.0
+def _budget(kind: ControlKind, grace: float | None) -> float:
+    """How long a shell waits for the owner's report: as an issuer in a supervisor
+    (``drain.report_budget``), and a few seconds more, since it learns of the report by
+    polling and reconciles nothing itself (it says the owner has not settled it yet)."""
+    return drain.report_budget(kind, grace, Policy()) + 5.0
 
 
 async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
@@ -175,7 +177,7 @@ async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float 
     """The owner's report into ``answer``, or ``waiting`` with why there is none. ``settle``:
     this process's intent was accepted, so it settles a queued task nobody claimed."""
     policy = Policy()
-    budget = _budget(grace)
+    budget = _budget(kind, grace)
     loop = asyncio.get_running_loop()
     if deadline is None:
         deadline = loop.time() + budget
@@ -195,7 +197,7 @@ async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float 
         if current.state.terminal and settled_at is None:
             settled_at = loop.time()
         if await j.drained(delegation_id) or (
-                settled_at is not None and verdict_overdue(settled_at, loop.time(), policy)):
+                settled_at is not None and drain.verdict_overdue(settled_at, loop.time(), policy)):
             answer["report"] = (await build_report(j, delegation_id)).to_json()
             return
         if settled_at is None and loop.time() >= next_look:  # a dead owner settles nothing

@@ -35,7 +35,8 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     intent = decode(signed.body, canonical_known=True)  # its form was proven by that check
     assert isinstance(intent, ControlIntent)
     stop, cut_now = protocol.start(intent.kind)
-    rt.answers = max(rt.answers, intent.seq)
+    answering = rt.answering
+    answering.seq = max(answering.seq, intent.seq)
     for node in rt.walk():
         node.stop = node.stop or (Recalled if stop is protocol.Stop.RECALLED
                                   else Terminated)(node.id, intent.reason)
@@ -44,7 +45,7 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
         verdict, reason = await grace_window(sup, rt, signed, intent, accepted_at)
     plan = protocol.ending(verdict, killed=cut_now or any(
         isinstance(n.stop, Terminated) for n in rt.walk()))
-    rt.planned = True  # no await since the grace window's end: a later terminate waits
+    answering.planned = True  # no await since the grace window's end: a later terminate waits
     if plan.terminate:
         rt.cut(actions=plan.cut_calls)
     children = [n.task for n in rt.walk() if n.task is not None and not n.task.done()]
@@ -56,7 +57,7 @@ async def drain(sup: ports.Drains, accounts: Accounting, rt: ChildRuntime, signe
     # The tree's settle, queued: an intent for one of its nodes waits behind it (``urgent``).
     with sup.journal.moves([n.id for n in rt.walk()]):
         report = await accounts.conclude(rt.id, plan.fallback, in_doubt=plan.mark_in_doubt,
-                                         verdict=verdict, reason=reason, seq=rt.answers)
+                                         verdict=verdict, reason=reason, seq=answering.seq)
     if verdict is Verdict.GRACE_EXPIRED:
         sup.telemetry.grace_expiries.add(1, {"gen_ai.agent.name": rt.agent.name})
     log_verdict(report, verdict.value, reason)
@@ -71,19 +72,20 @@ async def cut_in(sup: ports.Issues | ports.Adopts, rt: ChildRuntime, seq: int) -
     of its own, never the recall's taken for it."""
     draining = rt.draining
     assert draining is not None
-    if seq <= rt.answers:  # adopted again (PostgreSQL lists it at every poll): answered
+    answering = rt.answering
+    if seq <= answering.seq:  # adopted again (PostgreSQL lists it at every poll): answered
         return await asyncio.shield(draining)
     rt.cut()
-    if not rt.planned:
-        rt.answers = seq
+    if not answering.planned:
+        answering.seq = seq
         return await asyncio.shield(draining)
-    later = rt.after
+    later = answering.later
     if later is None or later[0] < seq:
         # In a task of the supervisor's, not the caller's: a caller that stops waiting (a
         # timeout around ``terminate``) leaves the accepted intent answered all the same. Its
         # failure is the caller's (one adopted from elsewhere: its spawned ``cut_in``'s).
-        later = rt.after = (seq, sup.spawn(_after_drain(sup, rt.id, draining, seq),
-                                           told=True))
+        later = answering.later = (seq, sup.spawn(_after_drain(sup, rt.id, draining, seq),
+                                                 told=True))
     return await asyncio.shield(later[1])
 
 

@@ -11,10 +11,10 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from tether._core import outcome
+from tether._core import drain, outcome
 from tether._core.documents import ControlIntent
 from tether._core.errors import DelegationError
-from tether._core.model import ControlKind, DelegationState, Policy
+from tether._core.model import ControlKind, DelegationState
 from tether._core.report import Report
 from tether._core.signing import Signed
 from tether._core.verdict import Verdict
@@ -87,14 +87,6 @@ def _kind_of(row: DelegationRow) -> ControlKind:
         else ControlKind.TERMINATE
 
 
-def verdict_overdue(settled_at: float, now: float, policy: Policy) -> bool:
-    """Settled, and no verdict yet: a probe's answer can settle a delegation before its
-    owner's drain records the verdict (with the drain's own settle), so it is waited for a
-    bounded while; an intent that came once the drain had ended gets none, and its report
-    is the settled delegation's as it stands."""
-    return now - settled_at >= policy.ack_timeout
-
-
 async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed) -> Report:
     """The delegation is not run by this process. Still queued: take it off the queue and
     settle it here (nothing ran). Claimed: wait for its owner to settle it, and reconcile it
@@ -106,10 +98,7 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
     row = await sup.journal.get(delegation_id)
     if not await owner_alive(sup, row.owner_id):
         return await sup.recover_delegation(row, "owner is gone")
-    # A terminate that lands as a recall's drain ends is answered after it: that drain's
-    # end (its children, its probes), then the terminate's own settle and probes.
-    probes = 2 if intent.kind is ControlKind.TERMINATE else 1
-    budget = (intent.grace or 0.0) + sup.policy.ack_timeout + probes * sup.policy.probe_timeout
+    budget = drain.report_budget(intent.kind, intent.grace, sup.policy)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + budget
     settled_at: float | None = None
@@ -120,7 +109,7 @@ async def settle_elsewhere(sup: ports.Remote, delegation_id: str, signed: Signed
         drained = await sup.journal.drained(delegation_id)
         if row.state.terminal and settled_at is None:
             settled_at = loop.time()
-        if drained or (settled_at is not None and verdict_overdue(settled_at, loop.time(),
+        if drained or (settled_at is not None and drain.verdict_overdue(settled_at, loop.time(),
                                                                   sup.policy)):
             await sup.journal.flush()
             return await build_report(sup.journal, delegation_id)

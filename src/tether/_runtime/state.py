@@ -62,6 +62,18 @@ def new_id(prefix: str) -> str:
             f"{t[n >> 10 & 1023]}{t[n & 1023]}")
 
 
+@dataclass(slots=True)
+class Answering:
+    """Which intents a drain under way answers (``draining``): the newest one (its own, or a
+    terminate that cut its grace window short), and whether it has chosen how it ends. A
+    terminate after that is answered once the drain is over, with a verdict of its own:
+    ``later`` is that terminate's sequence and its settle's task."""
+
+    seq: int = 0
+    planned: bool = False
+    later: tuple[int, asyncio.Future[Any]] | None = None
+
+
 @dataclass(eq=False)
 class ChildRuntime:
     """In-memory state of one running delegation, owned by its supervisor."""
@@ -78,13 +90,7 @@ class ChildRuntime:
     calls: int = 0  # journaled calls so far: orders this delegation's actions
     effects_started: int = 0  # side-effecting intents this child made (for its own receipt)
     draining: asyncio.Future[Any] | None = None  # the report of a recall/terminate under way
-    # The newest intent the drain under way answers (its own, or a terminate that cut its
-    # grace window short), and whether it has chosen how it ends: a terminate after that is
-    # answered once it is over (``draining.cut_in``), with a verdict of its own.
-    answers: int = 0
-    planned: bool = False
-    # A terminate answered once the drain is over: its sequence, and that settle's task.
-    after: tuple[int, asyncio.Future[Any]] | None = None
+    answering: Answering = field(default_factory=Answering)
     run: TaskRun | None = None  # the task this attempt belongs to
     generation: int = 0  # the task's cancel generation when its first attempt started
     span: Span | None = None
