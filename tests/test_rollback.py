@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import json
+import os
 import re
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from tests.test_cli import tether_cli
 from tests.test_signed_work import served
 from tether._core.chain import Entry, Head, judge
 from tether._core.headmark import HeadMark
+from tether._journal import chainops
 from tether._journal.journal import Journal
 from tether._runtime.keys import HEADS
 
@@ -291,6 +295,53 @@ async def test_the_witness_is_persisted_at_the_moments_that_matter(journal_url: 
         assert ring.trusted.heads is not None
         assert other.trusted.heads.seen(h.id) == ring.trusted.heads.seen(h.id)
     assert (config / HEADS).stat().st_mode & 0o777 == 0o600
+
+
+async def test_a_key_directory_locked_elsewhere_never_stops_the_event_loop(
+        journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process of the configuration holding its key directory's lock (creating a
+    key, compacting heads.jsonl, or paused while it holds it) delays the heads a delegation's
+    end hands to the directory, never this process's event loop: its heartbeats, leases and
+    other children go on meanwhile. Once the lock is free, the heads are remembered."""
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    held, release, released = threading.Event(), threading.Event(), threading.Event()
+    persisting = threading.Event()
+
+    def elsewhere() -> None:  # an open file description of its own: a lock as another's
+        fd = os.open(config / ".lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held.set()
+        release.wait(10)  # bounded: a loop that blocks on the lock never says "release"
+        released.set()
+        os.close(fd)
+
+    real = chainops.persist
+
+    def persist(*witnesses: Any) -> None:
+        if held.is_set():
+            persisting.set()
+        real(*witnesses)
+
+    monkeypatch.setattr(chainops, "persist", persist)
+    async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
+        holder = threading.Thread(target=elsewhere)
+        holder.start()
+        assert await asyncio.to_thread(held.wait, 10)
+        h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+        ended = asyncio.ensure_future(h.result())
+        # The end's heads wait for the lock; this loop goes on (it hears from the thread).
+        assert await asyncio.to_thread(persisting.wait, 10)
+        ran_while_held = not released.is_set()
+        release.set()
+        await ended
+        holder.join()
+        assert ran_while_held, "the event loop waited for another process's lock"
+        other = tether.KeyRing.load(config)
+        assert other.trusted.heads is not None
+        other.trusted.heads.refresh()
+        assert other.trusted.heads.seen(h.id) is not None  # remembered once it was free
 
 
 def test_the_witness_file_is_appended_compacted_and_read_by_other_processes(

@@ -127,6 +127,12 @@ class HeadMemory:
         with self._lock:
             merge_marks(self._marks, (self._load() or {}).items())
 
+    @property
+    def due(self) -> bool:
+        """Marks noted since the last persist wait for it (read without the lock: a mark
+        noted meanwhile goes at the next moment)."""
+        return self._save is not None and bool(self._dirty)
+
     def persist(self) -> None:
         """Hand the marks noted since the last persist to ``save`` (kept for the next try if
         it fails)."""

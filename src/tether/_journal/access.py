@@ -257,7 +257,8 @@ class JournalAccess:
             memory.confirm(memory.pending(token))
 
     def _save_memories(self) -> None:
-        self._persist()
+        # At close, on the loop: the process is ending, and nothing may be left unsaved.
+        chainops.persist(self._sealer.witness, self._reader_witness)
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):
             # saved now, or the process ends saying its configuration does not hold it.
@@ -317,10 +318,13 @@ class JournalAccess:
         inside the operation): this runner's, as many times opened and reconnected."""
         return (self._runner, self._opened, self._runner.reconnects)
 
-    def _persist(self) -> None:
+    async def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key
-        directory learns the heads remembered since the last one."""
-        chainops.persist(self._sealer.witness, self._reader_witness)
+        directory learns the heads remembered since the last one. Off the loop: it appends
+        under the directory's lock, which another process of the configuration may hold."""
+        witnesses = (self._sealer.witness, self._reader_witness)
+        if any(w is not None and w.due for w in witnesses):
+            await self._runner.aside(lambda: chainops.persist(*witnesses))
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         fut = self._runner.submit(_bind(fn, args, {}), write=False)
@@ -360,4 +364,4 @@ class JournalAccess:
         assert fut is not None
         await fut
         sealer.committed(ran)
-        self._persist()
+        await self._persist()
