@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import tether
+from tests.conftest import until
 from tests.test_cli import tether_cli
 from tests.test_signed_work import served
 from tether._core.chain import Entry, Head, judge
@@ -297,51 +298,112 @@ async def test_the_witness_is_persisted_at_the_moments_that_matter(journal_url: 
     assert (config / HEADS).stat().st_mode & 0o777 == 0o600
 
 
+class LockedElsewhere:
+    """The configuration's key directory locked by another process (an open file description
+    of its own: a lock as another process's) until ``release`` or 10 s: a loop that waits
+    for the lock could never release it itself."""
+
+    def __init__(self, config: Path) -> None:
+        self.config = config
+        self.held, self._release, self.released = (threading.Event(), threading.Event(),
+                                                   threading.Event())
+        self._thread = threading.Thread(target=self._hold)
+
+    def _hold(self) -> None:
+        fd = os.open(self.config / ".lock", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self.held.set()
+        self._release.wait(10)
+        self.released.set()
+        os.close(fd)
+
+    async def __aenter__(self) -> LockedElsewhere:
+        self._thread.start()
+        assert await asyncio.to_thread(self.held.wait, 10)
+        return self
+
+    async def release(self) -> None:
+        self._release.set()
+        await asyncio.to_thread(self._thread.join)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
 async def test_a_key_directory_locked_elsewhere_never_stops_the_event_loop(
         journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process of the configuration holding its key directory's lock (creating a
-    key, compacting heads.jsonl, or paused while it holds it) delays the heads a delegation's
-    end hands to the directory, never this process's event loop: its heartbeats, leases and
-    other children go on meanwhile. Once the lock is free, the heads are remembered."""
+    key, compacting heads.jsonl, or paused while it holds it) never stops this process's
+    event loop, whose heartbeats, leases and children go on: a delegation's end leaves its
+    heads for the next moment once the lock is free, and they are remembered then."""
     config = tmp_path / "config"
     tether.KeyRing.init(config)
     ring = tether.KeyRing.load(config)
-    held, release, released = threading.Event(), threading.Event(), threading.Event()
     persisting = threading.Event()
-
-    def elsewhere() -> None:  # an open file description of its own: a lock as another's
-        fd = os.open(config / ".lock", os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        held.set()
-        release.wait(10)  # bounded: a loop that blocks on the lock never says "release"
-        released.set()
-        os.close(fd)
-
     real = chainops.persist
 
-    def persist(*witnesses: Any) -> None:
-        if held.is_set():
+    def persist(*witnesses: Any, wait: bool = True) -> None:
+        if not persisting.is_set() and any(w is not None and w.due for w in witnesses):
             persisting.set()
-        real(*witnesses)
+        real(*witnesses, wait=wait)
 
     monkeypatch.setattr(chainops, "persist", persist)
     async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
-        holder = threading.Thread(target=elsewhere)
-        holder.start()
-        assert await asyncio.to_thread(held.wait, 10)
-        h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
-        ended = asyncio.ensure_future(h.result())
-        # The end's heads wait for the lock; this loop goes on (it hears from the thread).
-        assert await asyncio.to_thread(persisting.wait, 10)
-        ran_while_held = not released.is_set()
-        release.set()
-        await ended
-        holder.join()
-        assert ran_while_held, "the event loop waited for another process's lock"
+        await sup.current_trust()  # the registry's mark saved before the lock is taken
+        async with LockedElsewhere(config) as lock:
+            h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+            # The end hands its heads over while the lock is held; this loop hears of it
+            # from a thread, so it runs meanwhile.
+            assert await asyncio.to_thread(persisting.wait, 10)
+            ran_while_held = not lock.released.is_set()
+            await h.result()
+            finished_while_held = not lock.released.is_set()
+        assert ran_while_held and finished_while_held, \
+            "the event loop waited for another process's lock"
         other = tether.KeyRing.load(config)
         assert other.trusted.heads is not None
+        await sup.journal.flush()  # the next moment, the lock free: the heads go
         other.trusted.heads.refresh()
-        assert other.trusted.heads.seen(h.id) is not None  # remembered once it was free
+        assert other.trusted.heads.seen(h.id) is not None
+
+
+async def test_a_child_that_ended_is_reported_as_it_ended_with_the_key_directory_locked(
+        journal_url: str, tmp_path: Path) -> None:
+    """A child's end committed while the key directory is locked elsewhere, and its
+    parent's terminate lands right after: the child is reported as it ended, with its
+    result. Handing its heads to the directory is no step between its end's commit and its
+    report that the terminate could cut."""
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    go, later = asyncio.Event(), asyncio.Event()
+    handles: list[tether.Handle] = []
+
+    @tether.agent
+    async def leaf(ctx: tether.Context) -> str:
+        await go.wait()
+        return "done"
+
+    @tether.agent(tools=[leaf])
+    async def lead(ctx: tether.Context) -> str:
+        handles.append(await ctx.delegate(leaf))
+        await later.wait()  # the parent goes on after its child ended
+        return "never"
+
+    async with tether.Supervisor(journal_url, keys=ring) as sup:
+        parent = await sup.delegate(lead)
+        await until(lambda: bool(handles), "the child delegated")
+        child = handles[0]
+        await sup.current_trust()
+        async with LockedElsewhere(config):
+            go.set()
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while (await sup.journal.get(child.id)).state is not tether.DelegationState.SUCCEEDED:
+                assert asyncio.get_running_loop().time() < deadline, "the child never ended"
+                await asyncio.sleep(0.005)
+            report = await asyncio.wait_for(parent.terminate("stop"), 30)
+        assert report.verdict == "TERMINATE"
+        assert await child.result() == "done"
 
 
 def test_the_witness_file_is_appended_compacted_and_read_by_other_processes(

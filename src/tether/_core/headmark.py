@@ -49,9 +49,14 @@ def merge_marks(into: dict[str, HeadMark],
 
 
 # Marks the key directory gained since the last look (None: unchanged); marks to append,
-# with how many delegations the memory holds (what a compacted file would hold).
+# with how many delegations the memory holds (what a compacted file would hold), and whether
+# to wait for the directory while another process holds it (if not: ``Busy``).
 Load = Callable[[], Mapping[str, HeadMark] | None]
-Save = Callable[[Mapping[str, HeadMark], int], None]
+Save = Callable[[Mapping[str, HeadMark], int, bool], None]
+
+
+class Busy(Exception):
+    """Another process holds the key directory: the marks stay noted for the next moment."""
 
 
 class HeadMemory:
@@ -129,20 +134,19 @@ class HeadMemory:
 
     @property
     def due(self) -> bool:
-        """Marks noted since the last persist wait for it (read without the lock: a mark
-        noted meanwhile goes at the next moment)."""
+        """Marks noted since the last persist wait for the next one."""
         return self._save is not None and bool(self._dirty)
 
-    def persist(self) -> None:
+    def persist(self, *, wait: bool = True) -> None:
         """Hand the marks noted since the last persist to ``save`` (kept for the next try if
-        it fails)."""
+        it fails, or if ``wait`` is False and another process holds the directory: ``Busy``)."""
         if self._save is None or not self._dirty:
             return
         with self._lock:
             dirty, self._dirty = self._dirty, {}
             known = len(self._marks)
         try:
-            self._save(dirty, known)
+            self._save(dirty, known, wait)
         except BaseException:
             with self._lock:
                 for delegation_id, mark in dirty.items():

@@ -257,7 +257,7 @@ class JournalAccess:
             memory.confirm(memory.pending(token))
 
     def _save_memories(self) -> None:
-        # At close, on the loop: the process is ending, and nothing may be left unsaved.
+        # Closing: whatever is left waits for the directory, or the configuration never holds it.
         chainops.persist(self._sealer.witness, self._reader_witness)
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):
@@ -318,13 +318,12 @@ class JournalAccess:
         inside the operation): this runner's, as many times opened and reconnected."""
         return (self._runner, self._opened, self._runner.reconnects)
 
-    async def _persist(self) -> None:
+    def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key
-        directory learns the heads remembered since the last one. Off the loop: it appends
-        under the directory's lock, which another process of the configuration may hold."""
-        witnesses = (self._sealer.witness, self._reader_witness)
-        if any(w is not None and w.due for w in witnesses):
-            await self._runner.aside(lambda: chainops.persist(*witnesses))
+        directory learns the heads remembered since the last one, unless another process holds
+        the directory's lock: then at the next moment (on the event loop, which never waits
+        for another process), and at the latest when the journal closes."""
+        chainops.persist(self._sealer.witness, self._reader_witness, wait=False)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         fut = self._runner.submit(_bind(fn, args, {}), write=False)
@@ -364,4 +363,4 @@ class JournalAccess:
         assert fut is not None
         await fut
         sealer.committed(ran)
-        await self._persist()
+        self._persist()

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from tether._core import chain
 from tether._core.columns import CHAIN, CHAIN_HEADS
 from tether._core.documents import ChainSeal
-from tether._core.headmark import HeadMark, HeadMemory
+from tether._core.headmark import Busy, HeadMark, HeadMemory
 from tether._core.signing import Signed, SigningKey, TrustedKeys
 from tether._core.trust import Registry
 from tether._journal import trustops
@@ -176,13 +176,16 @@ def noting(fn: Callable[[Any], T], ran: list[Any]) -> Callable[[Any], T]:
     return op
 
 
-def persist(*witnesses: HeadMemory | None) -> None:
+def persist(*witnesses: HeadMemory | None, wait: bool = True) -> None:
     """Hand the heads remembered since the last time to the configuration's key directory
     (``heads.jsonl``). A failure is logged and tried again at the next moment: the journal's
-    own work goes on."""
+    own work goes on. Not ``wait``: never wait for the directory's lock (the event loop must
+    not wait on another process); held elsewhere, the heads go at the next moment."""
     for witness in {id(w): w for w in witnesses if w is not None}.values():
         try:
-            witness.persist()
+            witness.persist(wait=wait)
+        except Busy as exc:
+            log.info("chain heads left for the next moment: %s", exc)
         except Exception as exc:
             log.warning("could not remember chain heads in the key directory: %s", exc)
 

@@ -113,9 +113,6 @@ class InlineRunner(Runner):
     def monotonic(self) -> float:
         return self._loop.time() if self._loop is not None else 0.0
 
-    async def aside(self, fn: Callable[[], None]) -> None:
-        fn()  # a simulated process's files are in memory: nothing to wait for, no thread
-
 
 class Bus:
     """The journal's notifications among a trial's processes, as PostgreSQL's LISTEN/NOTIFY

@@ -90,7 +90,7 @@ class Journal(JournalAccess):
         row = await self._move(delegation_id, ops.set_state, state, now, result, error,
                                failure)
         if state.terminal:
-            await self._persist()
+            self._persist()
         return row
 
     async def settle_tree(self, root_id: str, now: float,
@@ -100,7 +100,7 @@ class Journal(JournalAccess):
         whoever reads the verdict (``drained``) finds the settle committed, and whoever finds
         the delegation settled reads why."""
         await self._move(root_id, ops.settle_tree, now, verdict)
-        await self._persist()
+        self._persist()
 
     async def end_delegation(self, delegation_id: str, state: DelegationState, now: float,
                              result: Any = None, error: str | None = None,
@@ -108,7 +108,7 @@ class Journal(JournalAccess):
                              ) -> tuple[DelegationRow, list[ActionRecord]]:
         ended = await self._move(delegation_id, ops.end_delegation, state, now, result,
                                  error, failure)
-        await self._persist()
+        self._persist()
         return ended
 
     async def work_of(self, delegation_id: str) -> Signed | None:
@@ -478,8 +478,7 @@ class Journal(JournalAccess):
 
     async def queue_done(self, delegation_id: str, now: float) -> None:
         await self._write(queue.queue_done, delegation_id, now)
-        # A worker finished it: a rollback to "unclaimed" must not run it again.
-        await self._persist()
+        self._persist()  # a worker finished it: a rollback to "unclaimed" must not run it again
 
     async def queue_entry(self, delegation_id: str) -> QueueEntry | None:
         return await self.peek(queue.queue_entry, delegation_id)

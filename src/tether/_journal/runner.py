@@ -129,12 +129,6 @@ class Runner:
         """Put on disk what is committed, without writing (False: this backend cannot)."""
         return False
 
-    async def aside(self, fn: Callable[[], None]) -> None:
-        """Run ``fn``, a blocking step outside the database (a file the configuration keeps,
-        under a lock another process may hold), off the event loop: the loop never waits on
-        it (docs/design.md, "Performance choices"). Its caller awaits it."""
-        await asyncio.get_running_loop().run_in_executor(None, fn)
-
     # -- how it runs (a thread, or a simulation's loop) -----------------------------------
     async def start(self) -> None:
         raise NotImplementedError

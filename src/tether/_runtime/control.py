@@ -111,7 +111,7 @@ async def send_controls(req: ControlRequest, query: DelegationQuery,
             # The owners drain in parallel whatever this process does; a bounded number of
             # watchers reads their reports (each polls the journal), all by one deadline.
             gate = asyncio.Semaphore(waiters)
-            deadline = asyncio.get_running_loop().time() + _budget(req.kind, req.grace)
+            deadline = asyncio.get_running_loop().time() + _budget(req.grace)
 
             async def waited(answer: dict[str, Any]) -> None:
                 async with gate:
@@ -164,11 +164,12 @@ async def _accept(j: Journal, ring: KeyRing, req: ControlRequest, delegation_id:
             "kind": req.kind.value, "accepted": True, "issuer": issuer}
 
 
-def _budget(kind: ControlKind, grace: float | None) -> float:
-    """How long a shell waits for the owner's report: as an issuer in a supervisor
-    (``drain.report_budget``), and a few seconds more, since it learns of the report by
-    polling and reconciles nothing itself (it says the owner has not settled it yet)."""
-    return drain.report_budget(kind, grace, Policy()) + 5.0
+def _budget(grace: float | None) -> float:
+    """How long a shell waits for the owner's report: a recall's budget of an issuer in a
+    supervisor (``drain.report_budget``), and a few seconds more, since it learns of the
+    report by polling. Running out, it reconciles nothing (it says the owner has not settled
+    it yet), so a terminate need not wait for a recall's drain's probes as well."""
+    return drain.report_budget(ControlKind.RECALL, grace, Policy()) + 5.0
 
 
 async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float | None,
@@ -177,7 +178,7 @@ async def _wait(j: Journal, delegation_id: str, kind: ControlKind, grace: float 
     """The owner's report into ``answer``, or ``waiting`` with why there is none. ``settle``:
     this process's intent was accepted, so it settles a queued task nobody claimed."""
     policy = Policy()
-    budget = _budget(kind, grace)
+    budget = _budget(grace)
     loop = asyncio.get_running_loop()
     if deadline is None:
         deadline = loop.time() + budget

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tether._core.errors import ControlRefused, UserError
-from tether._core.headmark import HeadMark, HeadMemory, merge_marks
+from tether._core.headmark import Busy, HeadMark, HeadMemory, merge_marks
 from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
 
@@ -82,15 +82,19 @@ def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive advisory lock on the key directory, held while keys are created."""
+def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
+    """An exclusive advisory lock on the key directory, held while keys are created. Not
+    ``wait``: ``Busy`` at once if another process holds it."""
     try:
         # Never through a symbolic link: that would create or open a file elsewhere.
         fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise _fail("lock", directory, exc) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise Busy(f"{directory} is locked by another process") from None
         yield
     finally:
         os.close(fd)
@@ -299,10 +303,10 @@ def _heads(directory: Path | None) -> HeadMemory:
         looked[:] = [st.st_ino, start + end]
         return parse(data[:end], {})
 
-    def save(marks: Mapping[str, HeadMark], known: int) -> None:
+    def save(marks: Mapping[str, HeadMark], known: int, wait: bool) -> None:
         text = "".join(json.dumps(m.to_json(d), separators=(",", ":")) + "\n"
                        for d, m in marks.items()).encode()
-        with _locked(directory):
+        with _locked(directory, wait=wait):
             try:
                 fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
                              0o600)

@@ -83,7 +83,7 @@ class HeadsFile:
             fresh, looked[0] = self.lines[looked[0]:], len(self.lines)
             return merge_marks({}, fresh)
 
-        def save(marks: Mapping[str, HeadMark], known: int) -> None:
+        def save(marks: Mapping[str, HeadMark], known: int, wait: bool) -> None:
             if alive():
                 self.lines.extend(marks.items())
 
