@@ -332,39 +332,45 @@ class LockedElsewhere:
 
 async def test_a_key_directory_locked_elsewhere_never_stops_the_event_loop(
         journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another process of the configuration holding its key directory's lock (creating a
-    key, compacting heads.jsonl, or paused while it holds it) never stops this process's
-    event loop, whose heartbeats, leases and children go on: a delegation's end leaves its
-    heads for the next moment once the lock is free, and they are remembered then."""
+    """Another process of the configuration holding its key directory's lock (its own
+    append, creating a key, compacting heads.jsonl, or paused while it holds it) never stops
+    this process's event loop, whose heartbeats, leases and children go on: a delegation's
+    end leaves its heads in memory, and they reach the directory by themselves once the lock
+    is free, with no further moment of this process's needed."""
     config = tmp_path / "config"
     tether.KeyRing.init(config)
     ring = tether.KeyRing.load(config)
+    lock = LockedElsewhere(config)
     persisting = threading.Event()
     real = chainops.persist
 
-    def persist(*witnesses: Any, wait: bool = True) -> None:
-        if not persisting.is_set() and any(w is not None and w.due for w in witnesses):
+    def persist(*witnesses: Any, **kw: Any) -> Any:
+        if lock.held.is_set():
             persisting.set()
-        real(*witnesses, wait=wait)
+        return real(*witnesses, **kw)
 
     monkeypatch.setattr(chainops, "persist", persist)
+    other = tether.KeyRing.load(config).trusted.heads
+    assert other is not None
     async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
         await sup.current_trust()  # the registry's mark saved before the lock is taken
-        async with LockedElsewhere(config) as lock:
+        async with lock:
             h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
-            # The end hands its heads over while the lock is held; this loop hears of it
+            # Its end hands its heads over while the lock is held; this loop hears of it
             # from a thread, so it runs meanwhile.
             assert await asyncio.to_thread(persisting.wait, 10)
             ran_while_held = not lock.released.is_set()
             await h.result()
-            finished_while_held = not lock.released.is_set()
-        assert ran_while_held and finished_while_held, \
-            "the event loop waited for another process's lock"
-        other = tether.KeyRing.load(config)
-        assert other.trusted.heads is not None
-        await sup.journal.flush()  # the next moment, the lock free: the heads go
-        other.trusted.heads.refresh()
-        assert other.trusted.heads.seen(h.id) is not None
+            assert ran_while_held and not lock.released.is_set(), \
+                "the event loop waited for another process's lock"
+            other.refresh()
+            assert other.seen(h.id) is None  # nothing was appended under another's lock
+
+        def remembered() -> bool:
+            other.refresh()
+            return other.seen(h.id) is not None
+
+        await until(remembered, "the heads remembered once the lock was free", within=10.0)
 
 
 async def test_a_child_that_ended_is_reported_as_it_ended_with_the_key_directory_locked(
@@ -395,13 +401,14 @@ async def test_a_child_that_ended_is_reported_as_it_ended_with_the_key_directory
         await until(lambda: bool(handles), "the child delegated")
         child = handles[0]
         await sup.current_trust()
-        async with LockedElsewhere(config):
+        async with LockedElsewhere(config) as lock:
             go.set()
             deadline = asyncio.get_running_loop().time() + 10.0
             while (await sup.journal.get(child.id)).state is not tether.DelegationState.SUCCEEDED:
                 assert asyncio.get_running_loop().time() < deadline, "the child never ended"
                 await asyncio.sleep(0.005)
             report = await asyncio.wait_for(parent.terminate("stop"), 30)
+            assert not lock.released.is_set(), "the lock was let go before the terminate"
         assert report.verdict == "TERMINATE"
         assert await child.result() == "done"
 

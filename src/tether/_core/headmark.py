@@ -132,11 +132,6 @@ class HeadMemory:
         with self._lock:
             merge_marks(self._marks, (self._load() or {}).items())
 
-    @property
-    def due(self) -> bool:
-        """Marks noted since the last persist wait for the next one."""
-        return self._save is not None and bool(self._dirty)
-
     def persist(self, *, wait: bool = True) -> None:
         """Hand the marks noted since the last persist to ``save`` (kept for the next try if
         it fails, or if ``wait`` is False and another process holds the directory: ``Busy``)."""

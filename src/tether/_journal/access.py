@@ -33,6 +33,9 @@ MAX_BUSY_TIMEOUT = 86_400.0  # seconds: a day; SQLite takes milliseconds as a 32
 CONFIRM_WITHIN = 1.0  # seconds a closing PostgreSQL reader waits for the log (three WAL delays)
 CONFIRM_EVERY = 0.05
 POSITIONS_KEPT = 4096  # read positions kept before those no longer pending are dropped
+# Chain heads left for want of the key directory's lock are tried again after this many
+# seconds, doubling up to the maximum; a warning once they waited the patience.
+PERSIST_RETRY, PERSIST_RETRY_MAX, PERSIST_PATIENCE = 0.05, 1.0, 5.0
 
 
 def sqlite_path(url: str) -> Path:
@@ -65,6 +68,7 @@ class JournalAccess:
         """``runner``: run the operations of this SQLite journal with it rather than with a
         writer thread on the file (a simulation's inline runner); ``wall``: the clock the
         chain's seals are stamped with."""
+        self._deferred: asyncio.TimerHandle | None = None  # a persist tried again soon
         self.url = url
         self._wall = wall
         # Posted writes (receipts, events) commit without waiting for the disk when nobody in
@@ -257,8 +261,16 @@ class JournalAccess:
             memory.confirm(memory.pending(token))
 
     def _save_memories(self) -> None:
-        # Closing: whatever is left waits for the directory, or the configuration never holds it.
-        chainops.persist(self._sealer.witness, self._reader_witness)
+        if self._deferred is not None:
+            self._deferred.cancel()
+            self._deferred = None
+        # Closing: whatever is left waits for the directory, or the configuration never holds
+        # it (the one wait on another process at close: said first).
+        witnesses = (self._sealer.witness, self._reader_witness)
+        if chainops.persist(*witnesses, wait=False):
+            log.warning("closing: waiting for the key directory's lock, held by another "
+                        "process, to remember this process's chain heads")
+            chainops.persist(*witnesses)
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):
             # saved now, or the process ends saying its configuration does not hold it.
@@ -320,10 +332,27 @@ class JournalAccess:
 
     def _persist(self) -> None:
         """A moment that matters (docs/security.md, "Rollback"): the configuration's key
-        directory learns the heads remembered since the last one, unless another process holds
-        the directory's lock: then at the next moment (on the event loop, which never waits
-        for another process), and at the latest when the journal closes."""
-        chainops.persist(self._sealer.witness, self._reader_witness, wait=False)
+        directory learns the heads remembered since the last one. The event loop never waits
+        for another process: if one holds the directory's lock (most often for its own
+        append, a moment), the heads are tried again shortly, never waited for."""
+        if self._deferred is not None:
+            return  # a retry is due: it takes these heads too
+        if chainops.persist(self._sealer.witness, self._reader_witness, wait=False):
+            self._defer(PERSIST_RETRY, asyncio.get_running_loop().time())
+
+    def _defer(self, delay: float, since: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._deferred = loop.call_later(delay, self._retry, delay, since)
+
+    def _retry(self, delay: float, since: float) -> None:
+        self._deferred = None
+        if not chainops.persist(self._sealer.witness, self._reader_witness, wait=False):
+            return
+        waited = asyncio.get_running_loop().time() - since
+        if waited >= PERSIST_PATIENCE > waited - delay:  # crossed it at this try: said once
+            log.warning("chain heads not yet remembered in the key directory after %.1fs: "
+                        "another process holds its lock; still trying", waited)
+        self._defer(min(delay * 2, PERSIST_RETRY_MAX), since)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         fut = self._runner.submit(_bind(fn, args, {}), write=False)

@@ -176,18 +176,20 @@ def noting(fn: Callable[[Any], T], ran: list[Any]) -> Callable[[Any], T]:
     return op
 
 
-def persist(*witnesses: HeadMemory | None, wait: bool = True) -> None:
+def persist(*witnesses: HeadMemory | None, wait: bool = True) -> bool:
     """Hand the heads remembered since the last time to the configuration's key directory
     (``heads.jsonl``). A failure is logged and tried again at the next moment: the journal's
     own work goes on. Not ``wait``: never wait for the directory's lock (the event loop must
-    not wait on another process); held elsewhere, the heads go at the next moment."""
+    not wait on another process); whether some were left because another process held it."""
+    busy = False
     for witness in {id(w): w for w in witnesses if w is not None}.values():
         try:
             witness.persist(wait=wait)
-        except Busy as exc:
-            log.info("chain heads left for the next moment: %s", exc)
+        except Busy:
+            busy = True
         except Exception as exc:
             log.warning("could not remember chain heads in the key directory: %s", exc)
+    return busy
 
 
 def verdicts(db: Db, delegation_ids: Sequence[str], registry: Registry,
