@@ -91,7 +91,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_core.outcome",
        "    if fenced:\n        return Gate.FENCED",
        "    if False:\n        return Gate.FENCED",
-       "race,notify_lost,pause", 1, 150, 25),
+       "race,notify_lost,pause", 1, 150, 86),
     _m("settle_in_flight",
        "a delegation settles while one of its calls may still apply",
        "_core.outcome",
@@ -152,7 +152,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.reconcile",
        "deadline_at=deadline,\n                            now=sent,",
        "deadline_at=deadline,\n                            now=now,",
-       "late_apply,probe_hang,pause,race", 1, 200, 111),
+       "late_apply,probe_hang,pause,race", 1, 200, 85),
     _m("end_children",
        "a delegation whose code raised ends while a child it started still runs; a "
        "terminate of the task finds its root ended and the child goes on paying",
@@ -173,7 +173,7 @@ CATALOGUE: tuple[Mutation, ...] = (
        "_runtime.accounting",
        'asked_at = evidence.get("asked_at", evidence.get("probed_at"))',
        'asked_at = evidence.get("probed_at")',
-       "late_apply,probe_hang,pause,race", 2, 250, 111),
+       "late_apply,probe_hang,pause,race", 2, 250, 146),
     _m("seal_unguarded",
        "a commit deletes the seals its moved heads named without asking whether another head "
        "still names one (a writer's memory of its own seals, wrong after a commit lost with "

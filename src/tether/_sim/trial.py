@@ -550,11 +550,17 @@ async def _main(t: Trial) -> str | None:
         # Every process stays up until each call still open can no longer apply, and its
         # re-probe then (at the deadline plus the tolerance, by a clock up to CLOCK_BOUND
         # off) has answered.
-        # A host paused then does it once it resumes.
-        resumed = [until for h in (*t.workers, *t.orchestrators, *t.others) if h.alive
-                   for _, until in h.pauses]
-        await asyncio.sleep(max([max(open_calls) + CLOCK_TOLERANCE + CLOCK_BOUND, *resumed])
-                            + t.policy.probe_timeout + 0.5 - loop.time())
+        # A host paused then does it once it resumes, and so does one paused while this
+        # waits (a probe's answer committing can pause its host): the end is reckoned again
+        # until no pause moves it.
+        while True:
+            resumed = [until for h in (*t.workers, *t.orchestrators, *t.others) if h.alive
+                       for _, until in h.pauses]
+            end = max([max(open_calls) + CLOCK_TOLERANCE + CLOCK_BOUND, *resumed]) \
+                + t.policy.probe_timeout + 0.5
+            if loop.time() >= end:
+                break
+            await asyncio.sleep(end - loop.time())
         t.neglected = t.unprobed()
     t.stopped = True
     for host in (*t.workers, *t.orchestrators, *t.others, *t.operators):
