@@ -7,6 +7,11 @@ claimed otherwise, and a fresh supervisor settles it once the disk is back."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,3 +165,52 @@ async def test_a_journal_turned_read_only_fails_the_call_before_its_tool_runs(
         assert not [a for a in final if a.state in (A.PENDING, A.IN_DOUBT)]
     finally:
         disk.close()
+
+
+
+RECORD = 4096
+
+
+def _synced_writes_until_it_fails(path: Path, acked: list[int]) -> None:
+    """Numbered records, each synced: ``acked`` holds the last one the kernel acknowledged.
+    Returns once the file system refuses (the test fails if it never does)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for n in itertools.count(1):
+            os.write(fd, f"{n:08d}".encode().ljust(RECORD, b"."))
+            os.fsync(fd)
+            acked.append(n)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def test_the_read_only_fault_keeps_every_write_the_kernel_acknowledged(tmp_path: Path) -> None:
+    """The fault's premise: the file system fails, it does not lie. A file-system error that
+    strikes during an fsync can lose the writes that fsync reports done (ext4 on this
+    machine's kernel: about one error in ten), a disk that breaks every database's durability
+    and that a trial would misread as a rollback of the journal. So no write the kernel
+    acknowledged may be missing once the disk is back, under a writer that syncs every
+    record, struck at moments drawn from a seed."""
+    rng = random.Random(2026121505)
+    for round_ in range(40):
+        (tmp_path / str(round_)).mkdir()
+        disk = JournalDisk(tmp_path / str(round_), "journal_readonly").mount()
+        try:
+            acked: list[int] = []
+            writer = threading.Thread(target=_synced_writes_until_it_fails,
+                                      args=(disk.path / "log", acked))
+            writer.start()
+            time.sleep(rng.uniform(0.01, 0.05))
+            disk.make_readonly()
+            writer.join(timeout=30)
+            assert not writer.is_alive(), "the writer was never refused"
+            disk.clear()  # unmounted, checked, mounted again
+            data = (disk.path / "log").read_bytes()
+            kept = max((int(data[i:i + 8]) for i in range(0, len(data), RECORD)
+                        if data[i:i + 8].isdigit()), default=0)
+            assert kept >= max(acked, default=0), \
+                f"round {round_}: {acked[-1]} acknowledged, {kept} kept"
+        finally:
+            disk.close()

@@ -5,11 +5,11 @@ harness fills up or makes read-only while the trial runs.
   own, keeps it full for a while, then deletes the file (the disk has room again).
 - ``journal_readonly``: an ext4 file system in an image file, mounted through a loop device
   with ``errors=remount-ro``; the harness triggers a file-system error (``trigger_fs_error`` in
-  sysfs), and the kernel makes it read-only at once, files already open included (a plain
-  ``mount -o remount,ro`` is refused while a process holds a file open for writing, and root
-  ignores file modes). It stays read-only until it is unmounted: the harness unmounts it once
-  the trial's processes are gone, checks it with e2fsck and mounts it again before the fresh
-  supervisor reconciles.
+  sysfs, the file system frozen meanwhile: ``make_readonly``), and the kernel makes it
+  read-only at once, files already open included (a plain ``mount -o remount,ro`` is refused
+  while a process holds a file open for writing, and root ignores file modes). It stays
+  read-only until it is unmounted: the harness unmounts it once the trial's processes are
+  gone, checks it with e2fsck and mounts it again before the fresh supervisor reconciles.
 
 Only the journal lives there: the provider's ledger and the keys stay on the trial's folder.
 Mounting needs root; every mount is undone, whatever happens.
@@ -38,7 +38,7 @@ def check_can_mount() -> None:
     if os.geteuid() != 0:
         raise UserError(f"{', '.join(DISK_FAULTS)} mount a small file system for each trial's "
                         "journal: run tether chaos as root")
-    missing = [tool for tool in ("mount", "umount", "mkfs.ext4", "e2fsck")
+    missing = [tool for tool in ("mount", "umount", "fsfreeze", "mkfs.ext4", "e2fsck")
                if shutil.which(tool) is None]
     if missing:
         raise UserError(f"{', '.join(DISK_FAULTS)} need {', '.join(missing)} (install "
@@ -105,9 +105,19 @@ class JournalDisk:
             self.filler.unlink()
 
     def make_readonly(self) -> None:
-        """An error of the file system: the kernel makes it read-only, open files included."""
+        """An error of the file system: the kernel makes it read-only, open files included.
+
+        Struck while the file system is frozen: every write it acknowledged is then on disk
+        and none is under way. An error that strikes during an fsync can lose the writes that
+        fsync then reports done (ext4: about one error in ten, in a test of this module), a
+        disk that lies, which no journal survives and a trial would misread as a rollback.
+        The writers held by the freeze meet the error once it thaws."""
         device = self._device()
-        Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
+        _run("fsfreeze", "--freeze", str(self.path))
+        try:
+            Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
+        finally:
+            _run("fsfreeze", "--unfreeze", str(self.path))
 
     def _device(self) -> str:
         done = subprocess.run(["findmnt", "-n", "-o", "SOURCE", "--target", str(self.path)],
