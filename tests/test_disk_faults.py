@@ -168,13 +168,13 @@ async def test_a_journal_turned_read_only_fails_the_call_before_its_tool_runs(
 
 
 
+
 RECORD = 4096
 
 
-def _synced_writes_until_it_fails(path: Path, acked: list[int]) -> None:
-    """Numbered records, each synced: ``acked`` holds the last one the kernel acknowledged.
-    Returns once the file system refuses (the test fails if it never does)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+def _synced_writes_until_refused(fd: int, acked: list[int]) -> None:
+    """Numbered records, each synced: ``acked`` holds those the kernel acknowledged. Returns
+    once the file system refuses."""
     try:
         for n in itertools.count(1):
             os.write(fd, f"{n:08d}".encode().ljust(RECORD, b"."))
@@ -182,35 +182,40 @@ def _synced_writes_until_it_fails(path: Path, acked: list[int]) -> None:
             acked.append(n)
     except OSError:
         return
-    finally:
-        os.close(fd)
 
 
 def test_the_read_only_fault_keeps_every_write_the_kernel_acknowledged(tmp_path: Path) -> None:
     """The fault's premise: the file system fails, it does not lie. A file-system error that
     strikes during an fsync can lose the writes that fsync reports done (ext4 on this
-    machine's kernel: about one error in ten), a disk that breaks every database's durability
-    and that a trial would misread as a rollback of the journal. So no write the kernel
-    acknowledged may be missing once the disk is back, under a writer that syncs every
-    record, struck at moments drawn from a seed."""
+    machine's kernel: one error in three to one in ten), a disk that breaks every database's
+    durability and that a trial would misread as a rollback of the journal. So no write the
+    kernel acknowledged may be missing once the disk is back, under a writer that syncs
+    record after record, struck after a number of acknowledged records drawn from a seed
+    while it goes on writing."""
     rng = random.Random(2026121505)
     for round_ in range(40):
         (tmp_path / str(round_)).mkdir()
         disk = JournalDisk(tmp_path / str(round_), "journal_readonly").mount()
         try:
             acked: list[int] = []
-            writer = threading.Thread(target=_synced_writes_until_it_fails,
-                                      args=(disk.path / "log", acked))
-            writer.start()
-            time.sleep(rng.uniform(0.01, 0.05))
-            disk.make_readonly()
-            writer.join(timeout=30)
-            assert not writer.is_alive(), "the writer was never refused"
+            fd = os.open(disk.path / "log", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                writer = threading.Thread(target=_synced_writes_until_refused,
+                                          args=(fd, acked), daemon=True)
+                writer.start()
+                strike = rng.randint(1, 30)
+                while len(acked) < strike and writer.is_alive():
+                    time.sleep(0.001)
+                disk.make_readonly()
+                writer.join(timeout=30)
+                assert not writer.is_alive(), "the writer was never refused"
+            finally:
+                os.close(fd)
+            assert len(acked) >= strike, f"round {round_}: refused before the strike"
             disk.clear()  # unmounted, checked, mounted again
             data = (disk.path / "log").read_bytes()
             kept = max((int(data[i:i + 8]) for i in range(0, len(data), RECORD)
                         if data[i:i + 8].isdigit()), default=0)
-            assert kept >= max(acked, default=0), \
-                f"round {round_}: {acked[-1]} acknowledged, {kept} kept"
+            assert kept >= acked[-1], f"round {round_}: {acked[-1]} acknowledged, {kept} kept"
         finally:
             disk.close()

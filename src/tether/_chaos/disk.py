@@ -38,7 +38,7 @@ def check_can_mount() -> None:
     if os.geteuid() != 0:
         raise UserError(f"{', '.join(DISK_FAULTS)} mount a small file system for each trial's "
                         "journal: run tether chaos as root")
-    missing = [tool for tool in ("mount", "umount", "fsfreeze", "mkfs.ext4", "e2fsck")
+    missing = [tool for tool in ("mount", "umount", "findmnt", "fsfreeze", "mkfs.ext4", "e2fsck")
                if shutil.which(tool) is None]
     if missing:
         raise UserError(f"{', '.join(DISK_FAULTS)} need {', '.join(missing)} (install "
@@ -109,7 +109,7 @@ class JournalDisk:
 
         Struck while the file system is frozen: every write it acknowledged is then on disk
         and none is under way. An error that strikes during an fsync can lose the writes that
-        fsync then reports done (ext4: about one error in ten, in a test of this module), a
+        fsync then reports done (ext4: one error in three to ten; tests/test_disk_faults.py), a
         disk that lies, which no journal survives and a trial would misread as a rollback.
         The writers held by the freeze meet the error once it thaws."""
         device = self._device()
