@@ -5,6 +5,7 @@ histograms and counters; checked with the SDK's in-memory exporters."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Generator
 from pathlib import Path
 
@@ -285,3 +286,27 @@ async def test_an_attempt_nobody_traces_costs_its_calls_no_span_work(tmp_path: P
     assert len(report.actions) == 3
     assert [n for n in started if n.startswith("invoke_agent")], started  # the attempt's own
     assert not [n for n in started if n.startswith("execute_tool")], started
+
+
+def test_supervisors_without_an_sdk_leave_nothing_behind_in_the_global_meter_provider(
+        tmp_path: Path) -> None:
+    """Without an SDK, the global meter provider is OpenTelemetry's proxy, which keeps every
+    meter and instrument made through it (to hand them to an SDK set up later). A process
+    that opens supervisors one after another (a service, a test run, a simulation) must not
+    grow it with each: tether's instruments are made once per provider."""
+
+    def proxies() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects()
+                   if str(type(o).__module__).startswith("opentelemetry.metrics"))
+
+    async def open_and_close() -> None:
+        async with tether.Supervisor(f"sqlite:///{tmp_path / 'j.db'}",
+                                     keys=tether.KeyRing.ephemeral()):
+            pass
+
+    asyncio.run(open_and_close())  # the first makes tether's instruments
+    before = proxies()
+    for _ in range(20):
+        asyncio.run(open_and_close())
+    assert proxies() == before

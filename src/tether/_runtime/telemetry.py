@@ -20,6 +20,7 @@ here is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -62,32 +63,68 @@ ERROR_OUTCOMES = frozenset({"FAILED", "IN_DOUBT", "UNKNOWN", "NEEDS_ATTENTION", 
 OPERATION = "gen_ai.operation.name"
 
 
+@dataclass(frozen=True)
+class Instruments:
+    """tether's counters and histograms, made once per meter provider (``instruments``)."""
+
+    failed: metrics.Counter
+    decisions: metrics.Counter
+    actions: metrics.Counter
+    intents: metrics.Counter
+    probes: metrics.Counter
+    unknowns: metrics.Counter
+    grace_expiries: metrics.Counter
+    tool_duration: metrics.Histogram
+    agent_duration: metrics.Histogram
+
+
+# Without an SDK the global provider is OpenTelemetry's proxy, which keeps every meter and
+# instrument made through it, for an SDK set up later: made per supervisor, they grew a
+# process that opens many without end.
+_MADE: weakref.WeakKeyDictionary[metrics.MeterProvider, Instruments] = \
+    weakref.WeakKeyDictionary()
+
+
+def instruments(provider: metrics.MeterProvider) -> Instruments:
+    made = _MADE.get(provider)
+    if made is not None:
+        return made
+    meter = provider.get_meter("tether", VERSION)
+    counter, histogram = meter.create_counter, meter.create_histogram
+    made = Instruments(
+        failed=counter("tether.children.failed", unit="1",
+                       description="failed child attempts"),
+        decisions=counter("tether.redispatch.decisions", unit="1",
+                          description="re-dispatch decisions"),
+        actions=counter("tether.actions", unit="1", description="journaled actions started"),
+        intents=counter("tether.intents", unit="1",
+                        description="control intents, accepted or refused"),
+        probes=counter("tether.probes", unit="1",
+                       description="probe answers, by resulting state"),
+        unknowns=counter("tether.actions.unknown", unit="1",
+                         description="actions left UNKNOWN by a probe"),
+        grace_expiries=counter("tether.grace.expired", unit="1",
+                               description="recalls whose grace window ended with calls in "
+                               "flight"),
+        tool_duration=histogram("tether.tool.duration", unit="s",
+                                description="execute_tool spans, by outcome"),
+        agent_duration=histogram("tether.agent.duration", unit="s",
+                                 description="invoke_agent spans, by outcome"))
+    with contextlib.suppress(TypeError):  # a provider no weak reference can name: made again
+        _MADE[provider] = made
+    return made
+
+
 class Telemetry:
     def __init__(self, tracer_provider: trace.TracerProvider | None = None,
                  meter_provider: metrics.MeterProvider | None = None) -> None:
         tp = tracer_provider or trace.get_tracer_provider()
-        mp = meter_provider or metrics.get_meter_provider()
         self.tracer = tp.get_tracer("tether", VERSION)
-        meter = mp.get_meter("tether", VERSION)
-        self.failed = meter.create_counter(
-            "tether.children.failed", unit="1", description="failed child attempts")
-        self.decisions = meter.create_counter(
-            "tether.redispatch.decisions", unit="1", description="re-dispatch decisions")
-        self.actions = meter.create_counter(
-            "tether.actions", unit="1", description="journaled actions started")
-        self.intents = meter.create_counter(
-            "tether.intents", unit="1", description="control intents, accepted or refused")
-        self.probes = meter.create_counter(
-            "tether.probes", unit="1", description="probe answers, by resulting state")
-        self.unknowns = meter.create_counter(
-            "tether.actions.unknown", unit="1", description="actions left UNKNOWN by a probe")
-        self.grace_expiries = meter.create_counter(
-            "tether.grace.expired", unit="1", description="recalls whose grace window ended "
-            "with calls in flight")
-        self.tool_duration = meter.create_histogram(
-            "tether.tool.duration", unit="s", description="execute_tool spans, by outcome")
-        self.agent_duration = meter.create_histogram(
-            "tether.agent.duration", unit="s", description="invoke_agent spans, by outcome")
+        made = instruments(meter_provider or metrics.get_meter_provider())
+        self.failed, self.decisions, self.actions = made.failed, made.decisions, made.actions
+        self.intents, self.probes, self.unknowns = made.intents, made.probes, made.unknowns
+        self.grace_expiries = made.grace_expiries
+        self.tool_duration, self.agent_duration = made.tool_duration, made.agent_duration
         # Spans started and not yet ended, with what their duration is recorded under.
         self._open: weakref.WeakKeyDictionary[trace.Span, tuple[float, dict[str, Any]]] = \
             weakref.WeakKeyDictionary()
