@@ -13,9 +13,11 @@ import collections
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from tests.test_cli import tether_cli
 from tests.test_signed_work import served
 from tether._core.chain import Entry, Head, judge
 from tether._core.headmark import HeadMark
-from tether._journal import chainops
+from tether._journal import access, chainops
 from tether._journal.journal import Journal
 from tether._runtime.keys import HEADS
 
@@ -322,9 +324,14 @@ class LockedElsewhere:
         assert await asyncio.to_thread(self.held.wait, 10)
         return self
 
-    async def release(self) -> None:
+    def let_go(self) -> None:
+        """From any thread: the holder lets go (``released`` once it did)."""
         self._release.set()
-        await asyncio.to_thread(self._thread.join)
+
+    async def release(self) -> None:
+        self.let_go()
+        if self._thread.is_alive() or not self.released.is_set():
+            await asyncio.to_thread(self._thread.join)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.release()
@@ -411,6 +418,70 @@ async def test_a_child_that_ended_is_reported_as_it_ended_with_the_key_directory
             assert not lock.released.is_set(), "the lock was let go before the terminate"
         assert report.verdict == "TERMINATE"
         assert await child.result() == "done"
+
+
+
+async def test_heads_held_back_by_a_lock_are_tried_at_growing_intervals_said_once_and_at_close(
+        journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """While another process keeps the key directory locked, this one tries again at
+    intervals that double up to a bound (never a busy loop, never given up); it says so once
+    it has waited its patience, once, even when the try that crosses it runs late; and a
+    close with heads still held back says, before it waits for the lock, that it waits, and
+    lands them once the lock is free."""
+    monkeypatch.setattr(access, "PERSIST_RETRY", 0.01)
+    monkeypatch.setattr(access, "PERSIST_RETRY_MAX", 0.04)
+    monkeypatch.setattr(access, "PERSIST_PATIENCE", 0.2)
+    delays: list[float] = []
+    defer = access.JournalAccess._defer
+
+    def deferring(self: access.JournalAccess, delay: float, since: float, *rest: Any) -> None:
+        delays.append(delay)
+        if len(delays) == 3:  # a loop busy for a while: the try that crosses the patience
+            asyncio.get_running_loop().call_soon(time.sleep, 0.3)  # runs late, and says so
+        defer(self, delay, since, *rest)
+
+    monkeypatch.setattr(access.JournalAccess, "_defer", deferring)
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    other = tether.KeyRing.load(config).trusted.heads
+    assert other is not None
+    patience = "not yet remembered in the key directory"
+    closing = "closing: waiting for the key directory's lock"
+    lock = LockedElsewhere(config)
+    held_when_said: list[bool] = []
+
+    class ReleaseOnceSaid(logging.Handler):
+        """The close waits on this loop's thread: the holder lets go once it said so."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if closing in record.getMessage():
+                held_when_said.append(not lock.released.is_set())
+                lock.let_go()
+
+    handler = ReleaseOnceSaid()
+    logging.getLogger("tether.journal").addHandler(handler)
+    try:
+        async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
+            await sup.current_trust()  # the registry's mark saved before the lock is taken
+            await lock.__aenter__()
+            h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+            await h.result()
+            await until(lambda: patience in caplog.text, "the wait said", within=10.0)
+            tries = len(delays)
+            await until(lambda: len(delays) >= tries + 5, "tried on after saying so",
+                        within=10.0)
+            assert caplog.text.count(patience) == 1
+            assert delays[:3] == [0.01, 0.02, 0.04] and set(delays[3:]) == {0.04}, delays
+            other.refresh()
+            assert other.seen(h.id) is None and closing not in caplog.text
+    finally:
+        logging.getLogger("tether.journal").removeHandler(handler)
+        await lock.release()
+    assert held_when_said == [True]  # said before it waited, the lock still held
+    other.refresh()
+    assert other.seen(h.id) is not None  # landed by the close, once the lock was free
 
 
 def test_the_witness_file_is_appended_compacted_and_read_by_other_processes(

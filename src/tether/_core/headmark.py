@@ -56,7 +56,8 @@ Save = Callable[[Mapping[str, HeadMark], int, bool], None]
 
 
 class Busy(Exception):
-    """Another process holds the key directory: the marks stay noted for the next moment."""
+    """Someone else holds the key directory's lock (another process, or another thread of
+    this one): the marks stay noted for the next moment."""
 
 
 class HeadMemory:

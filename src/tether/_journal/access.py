@@ -340,19 +340,20 @@ class JournalAccess:
         if chainops.persist(self._sealer.witness, self._reader_witness, wait=False):
             self._defer(PERSIST_RETRY, asyncio.get_running_loop().time())
 
-    def _defer(self, delay: float, since: float) -> None:
+    def _defer(self, delay: float, since: float, said: bool = False) -> None:
         loop = asyncio.get_running_loop()
-        self._deferred = loop.call_later(delay, self._retry, delay, since)
+        self._deferred = loop.call_later(delay, self._retry, delay, since, said)
 
-    def _retry(self, delay: float, since: float) -> None:
+    def _retry(self, delay: float, since: float, said: bool) -> None:
         self._deferred = None
         if not chainops.persist(self._sealer.witness, self._reader_witness, wait=False):
             return
         waited = asyncio.get_running_loop().time() - since
-        if waited >= PERSIST_PATIENCE > waited - delay:  # crossed it at this try: said once
+        if not said and waited >= PERSIST_PATIENCE:  # said once, however late this try ran
             log.warning("chain heads not yet remembered in the key directory after %.1fs: "
-                        "another process holds its lock; still trying", waited)
-        self._defer(min(delay * 2, PERSIST_RETRY_MAX), since)
+                        "another process or thread holds its lock; still trying", waited)
+            said = True
+        self._defer(min(delay * 2, PERSIST_RETRY_MAX), since, said)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         fut = self._runner.submit(_bind(fn, args, {}), write=False)

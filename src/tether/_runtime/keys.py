@@ -84,7 +84,8 @@ def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
 @contextlib.contextmanager
 def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
     """An exclusive advisory lock on the key directory, held while keys are created. Not
-    ``wait``: ``Busy`` at once if another process holds it."""
+    ``wait``: ``Busy`` at once if it is held (by another process, or through another open
+    of the lock file in this one: another thread's)."""
     try:
         # Never through a symbolic link: that would create or open a file elsewhere.
         fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -94,7 +95,7 @@ def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Busy(f"{directory} is locked by another process") from None
+            raise Busy(f"{directory} is locked by another process or thread") from None
         yield
     finally:
         os.close(fd)
