@@ -269,7 +269,7 @@ class JournalAccess:
         witnesses = (self._sealer.witness, self._reader_witness)
         if chainops.persist(*witnesses, wait=False):
             log.warning("closing: waiting for the key directory's lock, held by another "
-                        "process, to remember this process's chain heads")
+                        "process or thread, to remember this process's chain heads")
             chainops.persist(*witnesses)
         for memory in self._registry_memories:
             # A key change committed here whose mark could not be saved then (``_after``):

@@ -80,15 +80,16 @@ class Instruments:
 
 # Without an SDK the global provider is OpenTelemetry's proxy, which keeps every meter and
 # instrument made through it, for an SDK set up later: made per supervisor, they grew a
-# process that opens many without end.
-_MADE: weakref.WeakKeyDictionary[metrics.MeterProvider, Instruments] = \
-    weakref.WeakKeyDictionary()
+# process that opens many without end. By identity (providers need not hash, nor be equal
+# only to themselves); an entry goes with its provider.
+_MADE: dict[int, tuple[weakref.ref[metrics.MeterProvider], Instruments]] = {}
 
 
 def instruments(provider: metrics.MeterProvider) -> Instruments:
-    made = _MADE.get(provider)
-    if made is not None:
-        return made
+    key = id(provider)
+    found = _MADE.get(key)
+    if found is not None and found[0]() is provider:
+        return found[1]
     meter = provider.get_meter("tether", VERSION)
     counter, histogram = meter.create_counter, meter.create_histogram
     made = Instruments(
@@ -110,8 +111,14 @@ def instruments(provider: metrics.MeterProvider) -> Instruments:
                                 description="execute_tool spans, by outcome"),
         agent_duration=histogram("tether.agent.duration", unit="s",
                                  description="invoke_agent spans, by outcome"))
-    with contextlib.suppress(TypeError):  # a provider no weak reference can name: made again
-        _MADE[provider] = made
+
+    def gone(ref: weakref.ref[metrics.MeterProvider]) -> None:
+        if _MADE.get(key, (None,))[0] is ref:
+            del _MADE[key]
+
+    # A provider no weak reference can follow: its instruments are made each time.
+    with contextlib.suppress(TypeError):
+        _MADE[key] = (weakref.ref(provider, gone), made)
     return made
 
 

@@ -560,11 +560,12 @@ async def _main(t: Trial) -> str | None:
                 + t.policy.probe_timeout + 0.5
             if loop.time() >= end:
                 break
-            if loop.time() > 2 * HORIZON:  # pauses that never let the re-probes end
+            if loop.time() >= 2 * HORIZON:  # pauses that never let the re-probes end
                 quiesced = f"re-probes still awaited at t={loop.time():.1f}s"
                 break
-            await asyncio.sleep(end - loop.time())
-        t.neglected = t.unprobed()
+            await asyncio.sleep(min(end, 2 * HORIZON) - loop.time())
+        if quiesced is None:
+            t.neglected = t.unprobed()
     t.stopped = True
     for host in (*t.workers, *t.orchestrators, *t.others, *t.operators):
         if host.alive:
