@@ -6,7 +6,9 @@ ledger and never deduplicate, so that a key paid twice shows up twice.
 provider the test plays through files in ``TETHER_HONEST_DIR``: a call announces its request
 in ``requests/<key>`` and waits for ``replies/<key>``; the test applies the payment in the
 ledger (``ledger.db``, read by the probe) and writes the reply when it decides. So the test
-chooses when a payment lands, and waits for events, never by sleeping.
+chooses when a payment lands, and waits for events, never by sleeping. Like any provider of a
+tool, it applies a request only before the call's dispatch deadline (``land`` refuses one past
+it): a test slowed past it would otherwise break the contract that "not applied" relies on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -125,7 +128,16 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def land(directory: Path, key: str, order_id: str, cents: int) -> str:
-    """The provider applies one payment and sends its reply."""
+    """The provider applies one payment and sends its reply: before the call's dispatch
+    deadline, as the tool declares (counted here from the request's arrival, a little after the
+    intent the deadline runs from, so with a margin)."""
+    sent_at = float(str(requests(directory)[key]["sent_at"]))
+    late = time.time() - sent_at
+    if late >= PAY_DEADLINE - DEADLINE_MARGIN:
+        raise AssertionError(
+            f"the test landed payment {key} {late:.1f} s after its request, past the "
+            f"{PAY_DEADLINE:g} s dispatch deadline that its tool declares: no provider may "
+            "apply it then, and nothing here could be judged")
     ledger = Ledger(directory / "ledger.db")
     try:
         ref = ledger.apply(key, order_id, cents)
@@ -148,13 +160,20 @@ async def _probe(order_id: str, cents: int, *, idempotency_key: str) -> tether.P
                               result=refs[0])
 
 
-@tether.tool(effect=tether.Effect.EXTERNAL, probe=_probe)
+# The test lands each payment after a worker's pause and the orchestrator's probes, which a
+# loaded machine stretches: the deadline is far enough that no such run reaches it.
+PAY_DEADLINE = 600.0
+DEADLINE_MARGIN = 5.0
+
+
+@tether.tool(effect=tether.Effect.EXTERNAL, probe=_probe, dispatch_deadline=PAY_DEADLINE)
 async def pay(order_id: str, cents: int, *, idempotency_key: str) -> str:
     """Send the payment to the provider, then wait for its reply (the provider applies it
     when the test says so, whatever this process does meanwhile)."""
     here = world()
     write_atomically(here / "requests" / idempotency_key,
-                     json.dumps({"order_id": order_id, "cents": cents}))
+                     json.dumps({"order_id": order_id, "cents": cents,
+                                 "sent_at": time.time()}))
     reply = here / "replies" / idempotency_key
     while True:
         if reply.exists():
