@@ -10,6 +10,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -219,3 +222,46 @@ def test_the_read_only_fault_keeps_every_write_the_kernel_acknowledged(tmp_path:
             assert kept >= acked[-1], f"round {round_}: {acked[-1]} acknowledged, {kept} kept"
         finally:
             disk.close()
+
+
+# Dies between the freeze and the strike, as a harness killed at the worst moment would.
+_DIES_FROZEN = """
+import os, signal, sys
+from pathlib import Path
+from tether._chaos import disk
+
+real = disk._run
+def run(*argv):
+    real(*argv)
+    if argv[:2] == ("fsfreeze", "--freeze"):
+        os.kill(os.getpid(), signal.SIGKILL)
+disk._run = run
+disk.THAW_AFTER = float(sys.argv[2])
+disk.JournalDisk(Path(sys.argv[1]), "journal_readonly").make_readonly()
+"""
+
+
+def test_a_harness_killed_while_the_disk_is_frozen_leaves_it_thawed(tmp_path: Path) -> None:
+    """Killed between the freeze and its thaw, the process that struck leaves no file system
+    frozen: a write to it completes within moments, and nothing struck it."""
+    disk = JournalDisk(tmp_path, "journal_readonly").mount()
+    writer: subprocess.Popen[bytes] | None = None
+    try:
+        struck = subprocess.run([sys.executable, "-c", _DIES_FROZEN, str(tmp_path), "0.5"],
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                                capture_output=True, timeout=60, check=False)
+        assert struck.returncode == -signal.SIGKILL, struck.stderr.decode()[-500:]
+        # A frozen file system holds this write (in uninterruptible sleep) until it is thawed.
+        writer = subprocess.Popen(["sh", "-c", 'echo after > "$0" && sync "$0"',
+                                   str(disk.path / "after")])
+        waited = time.monotonic() + 30.0
+        while writer.poll() is None and time.monotonic() < waited:
+            time.sleep(0.05)
+        assert writer.returncode == 0, "a write to the disk was still held 30 s after the kill"
+        assert (disk.path / "after").read_text() == "after\n"
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(disk.path)], capture_output=True,
+                       check=False)  # the old code's frozen disk, thawed before it is unmounted
+        if writer is not None:
+            writer.wait()
+        disk.close()

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from tether._core.errors import UserError
 TMPFS_SIZE = "8m"
 IMAGE_SIZE = 16 * 1024 * 1024
 CHUNK = 64 * 1024
+THAW_AFTER = 10.0  # seconds: a freeze and its strike take milliseconds
 
 
 def check_can_mount() -> None:
@@ -111,13 +113,26 @@ class JournalDisk:
         and none is under way. An error that strikes during an fsync can lose the writes that
         fsync then reports done (ext4: one error in three to ten; tests/test_disk_faults.py), a
         disk that lies, which no journal survives and a trial would misread as a rollback.
-        The writers held by the freeze meet the error once it thaws."""
+        The writers held by the freeze meet the error once it thaws.
+
+        A watchdog of its own session thaws it ``THAW_AFTER`` seconds on if this process dies
+        first (a SIGKILL runs no ``finally``): a file system left frozen would hold every
+        writer on it, the trial's and the next run's, in uninterruptible sleep."""
         device = self._device()
-        _run("fsfreeze", "--freeze", str(self.path))
+        watchdog = subprocess.Popen(
+            ["sh", "-c", f'sleep {THAW_AFTER:g}; exec fsfreeze --unfreeze "$0"', str(self.path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
         try:
-            Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
+            _run("fsfreeze", "--freeze", str(self.path))
+            try:
+                Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
+            finally:
+                _run("fsfreeze", "--unfreeze", str(self.path))
         finally:
-            _run("fsfreeze", "--unfreeze", str(self.path))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
+            watchdog.wait()
 
     def _device(self) -> str:
         done = subprocess.run(["findmnt", "-n", "-o", "SOURCE", "--target", str(self.path)],
