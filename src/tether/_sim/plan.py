@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tether._core.headmark import HeadMark, HeadMemory, merge_marks
+from tether._core.headmark import Busy, HeadMark, HeadMemory, merge_marks
 from tether._core.signing import SigningKey, TrustedKeys
 from tether._sim.judge import Violation
 
@@ -62,11 +62,16 @@ class HeadsFile:
     process last looked by its ``refresh``. A crash loses what a process noted and had not
     persisted yet, never the file."""
 
-    def __init__(self, on_look: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, on_look: Callable[[], None] = lambda: None,
+                 busy: Callable[[], bool] = lambda: False) -> None:
         self.lines: list[tuple[str, HeadMark]] = []
         # Told of each look but a process's first: a process looks before each read of a
         # chain (``Journal.chain_verdicts``) and once a sealed batch.
         self.on_look = on_look
+        # Whether another process holds the directory's lock now: an append that may not wait
+        # for it (the event loop's) meets ``Busy``; one that waits (a close's) gets it, as the
+        # lock's holder lets go (a wait the loop cannot model; production blocks on it).
+        self.busy = busy
 
     def memory(self, alive: Callable[[], bool] = lambda: True) -> HeadMemory:
         """One process's memory of heads, on this file; ``alive`` False once it is killed
@@ -84,6 +89,8 @@ class HeadsFile:
             return merge_marks({}, fresh)
 
         def save(marks: Mapping[str, HeadMark], known: int, wait: bool) -> None:
+            if not wait and self.busy():
+                raise Busy("the key directory is locked by another process or thread")
             if alive():
                 self.lines.extend(marks.items())
 

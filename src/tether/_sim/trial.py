@@ -158,7 +158,12 @@ class Trial:
         self.done: set[str] = set()  # orchestrators that finished their script and waits
         self.ids = itertools.count()
         self.plans: dict[str, dict[str, Any]] = {}  # task id -> what its root does
-        self.heads = HeadsFile(self.looked)  # the deployment's key directory's: shared
+        # Under ``keys_busy``, another process holds the key directory's lock now and then,
+        # for a moment or past the journal's patience (``access.PERSIST_PATIENCE``). Drawn on
+        # a stream of its own: a trial without it draws nothing more.
+        self._holds = random.Random(f"{seed}:keys_busy")
+        self._held_until = -1.0
+        self.heads = HeadsFile(self.looked, self.keys_busy)  # the deployment's: shared
         self.pay, self.root, self.child = agents.build(self)
 
     # -- the world's pieces ---------------------------------------------------------------
@@ -173,6 +178,19 @@ class Trial:
         key): a decision the journal's own constraints had to catch, never a fault of the
         world. Recorded where it happens: a heartbeat's or a receipt's is answered to nobody."""
         self.errors.append(f"the journal's constraints refused a write: {what}")
+
+    def keys_busy(self) -> bool:
+        """Whether the key directory's lock is held by another process at this moment."""
+        if "keys_busy" not in self.on:
+            return False
+        now = self.loop.time()
+        if now < self._held_until:
+            return True
+        if self._holds.random() < 0.3:
+            self._held_until = now + self._holds.choice((0.02, 0.3, 2.0, 6.0))
+            self.stats["keys_busy"] += 1
+            return True
+        return False
 
     def _lose(self, wrote: bool) -> Loss:
         if self.k.commit_loss and self.rng.random() < self.k.commit_loss:

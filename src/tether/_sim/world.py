@@ -29,6 +29,7 @@ FAULTS = (
     "stream_cut",  # children whose model stream is cut: re-dispatch decided by decide_redispatch
     "server_lost",  # the journal's server crashes and loses the commits that skipped the disk
     "verify",  # an operator runs `tether verify` while the processes run: it must name nothing
+    "keys_busy",  # another process holds the key directory's lock: heads are remembered later
 )
 
 # The simulated policy's clock tolerance (``Policy.clock_tolerance``): every judgement of a
