@@ -23,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 import tether
 from tests.conftest import until
 from tests.test_cli import tether_cli
 from tests.test_signed_work import served
+from tether._cli.app import app
 from tether._core.chain import Entry, Head, judge
 from tether._core.headmark import HeadMark
 from tether._journal import access, chainops
 from tether._journal.journal import Journal
+from tether._runtime import keys as keyfiles
 from tether._runtime.keys import HEADS
 
 # What the provider applied, per order: one that does not deduplicate by idempotency key (or
@@ -482,6 +485,53 @@ async def test_heads_held_back_by_a_lock_are_tried_at_growing_intervals_said_onc
     assert held_when_said == [True]  # said before it waited, the lock still held
     other.refresh()
     assert other.seen(h.id) is not None  # landed by the close, once the lock was free
+
+
+async def test_a_close_gives_up_on_a_key_directory_that_stays_locked_and_says_so(
+        journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A holder that keeps the key directory's lock (paused or hung while it held it) never
+    hangs this process's close: it waits its patience, says the heads were not remembered,
+    and closes with the lock still held (its heads are then as a crash leaves them)."""
+    monkeypatch.setattr(keyfiles, "LOCK_PATIENCE", 0.3)
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    ring = tether.KeyRing.load(config)
+    other = tether.KeyRing.load(config).trusted.heads
+    assert other is not None
+    lock = LockedElsewhere(config)
+    try:
+        async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
+            await sup.current_trust()  # the registry's mark saved before the lock is taken
+            await lock.__aenter__()
+            h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+            await h.result()
+        assert not lock.released.is_set(), "the close waited for the lock's holder"
+        assert "stayed locked by another process or thread for 0.3 s" in caplog.text
+        other.refresh()
+        assert other.seen(h.id) is None
+    finally:
+        await lock.release()
+
+
+async def test_a_key_command_on_a_directory_that_stays_locked_fails_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tether keys pin`` waits its patience for a lock nobody lets go, then says why in
+    one line (exit 2), and the configuration is as it was."""
+    monkeypatch.setattr(keyfiles, "LOCK_PATIENCE", 0.3)
+    config = tmp_path / "config"
+    tether.KeyRing.init(config)
+    before = (config / "trusted.json").read_bytes()
+    public = tether.KeyRing.init(tmp_path / "other").signer.public_b64()
+    async with LockedElsewhere(config) as lock:
+        result = await asyncio.to_thread(
+            CliRunner().invoke, app, ["keys", "pin", public, "--keys", str(config)])
+        held = not lock.released.is_set()
+    assert held, "the command waited for the lock's holder"
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error:") and result.output.count("\n") == 1, result.output
+    assert "stayed locked by another process or thread for 0.3 s" in result.output
+    assert (config / "trusted.json").read_bytes() == before
 
 
 def test_the_witness_file_is_appended_compacted_and_read_by_other_processes(

@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ from tether._core.errors import ControlRefused, UserError
 from tether._core.headmark import Busy, HeadMark, HeadMemory, merge_marks
 from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
+
+# Seconds a wait for the key directory's lock lasts (``_locked``).
+LOCK_PATIENCE = 30.0
 
 
 def _fail(action: str, path: Path, exc: OSError) -> UserError:
@@ -85,20 +89,39 @@ def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
 def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
     """An exclusive advisory lock on the key directory, held while keys are created. Not
     ``wait``: ``Busy`` at once if it is held (by another process, or through another open
-    of the lock file in this one: another thread's)."""
+    of the lock file in this one: another thread's). ``wait``: for at most ``LOCK_PATIENCE``
+    seconds, then a UserError: a holder's own work takes milliseconds, so one that keeps it
+    that long is paused or hung, and waiting for it would hang a close or the journal's
+    writer with it."""
     try:
         # Never through a symbolic link: that would create or open a file elsewhere.
         fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise _fail("lock", directory, exc) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise Busy(f"{directory} is locked by another process or thread") from None
+        _take(fd, directory, wait)
         yield
     finally:
         os.close(fd)
+
+
+def _take(fd: int, directory: Path, wait: bool) -> None:
+    # Polled, not a blocking flock: a blocking one cannot be given up.
+    deadline, delay = time.monotonic() + LOCK_PATIENCE, 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not wait:
+                raise Busy(f"{directory} is locked by another process or thread") from None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise UserError(f"{directory} stayed locked by another process or thread for "
+                            f"{LOCK_PATIENCE:g} s (one paused or hung while it held the "
+                            "lock?); nothing was changed there")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.05)
 
 
 def _tighten(directory: Path, *files: Path) -> None:
