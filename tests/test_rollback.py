@@ -514,6 +514,41 @@ async def test_a_close_gives_up_on_a_key_directory_that_stays_locked_and_says_so
         await lock.release()
 
 
+async def test_a_registry_mark_that_cannot_take_the_lock_fails_closed_and_waits_once(
+        journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A longer key registry must be remembered before a decision that read it goes on; with
+    the configuration's directory locked by a holder that does not let go, the first such
+    decision fails after the lock's patience, the next ones at once (the journal's writer
+    never waits it out again), and once the lock is free the next decision remembers it."""
+    monkeypatch.setattr(keyfiles, "LOCK_PATIENCE", 0.3)
+    deployment = tether.KeyRing.init(tmp_path / "deployment")
+    other = tether.KeyRing.init(tmp_path / "other")
+    config = tmp_path / "observer"
+    observer = tether.KeyRing.init(config, pins={deployment.signer.key_id:
+                                                 deployment.signer.public_b64()})
+    async with tether.Supervisor(journal_url, keys=deployment) as sup:
+        await sup.current_trust()
+    async with Journal(journal_url) as j:
+        await j.registry(observer.trusted)  # remembered as it is now
+        async with tether.Supervisor(journal_url, keys=deployment) as sup:
+            await sup.journal.change_trust(deployment.signer, deployment.trusted, "trust",
+                                           other.signer.key_id, other.signer.public_b64(),
+                                           "a new key", time.time())
+        async with LockedElsewhere(config) as lock:
+            took: list[float] = []
+            for _ in range(3):
+                began = time.monotonic()
+                with pytest.raises(keyfiles.LockTimeout):
+                    await j.registry(observer.trusted)
+                took.append(time.monotonic() - began)
+            assert not lock.released.is_set()
+        assert took[0] >= 0.3 and max(took[1:]) < 0.3, took
+        registry = await j.registry(observer.trusted)  # the lock is free: remembered now
+        assert other.signer.key_id in registry.keys
+    mark = json.loads((config / "registry.json").read_text())
+    assert mark, "the longer registry was never remembered"
+
+
 async def test_a_key_command_on_a_directory_that_stays_locked_fails_with_one_line(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``tether keys pin`` waits its patience for a lock nobody lets go, then says why in

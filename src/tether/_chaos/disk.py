@@ -21,7 +21,6 @@ import contextlib
 import errno
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -32,7 +31,6 @@ from tether._core.errors import UserError
 TMPFS_SIZE = "8m"
 IMAGE_SIZE = 16 * 1024 * 1024
 CHUNK = 64 * 1024
-THAW_AFTER = 10.0  # seconds: a freeze and its strike take milliseconds
 
 
 def check_can_mount() -> None:
@@ -115,23 +113,30 @@ class JournalDisk:
         disk that lies, which no journal survives and a trial would misread as a rollback.
         The writers held by the freeze meet the error once it thaws.
 
-        A watchdog of its own session thaws it ``THAW_AFTER`` seconds on if this process dies
-        first (a SIGKILL runs no ``finally``): a file system left frozen would hold every
-        writer on it, the trial's and the next run's, in uninterruptible sleep."""
+        A watchdog of its own session thaws it if this process dies first (a SIGKILL runs no
+        ``finally``): a file system left frozen would hold every writer on it, the trial's
+        and the next run's, in uninterruptible sleep. It waits for a line on a pipe from
+        this process, so it thaws at once when this process is gone (the pipe's end), and
+        never while this process still holds the freeze, however long that takes."""
         device = self._device()
         watchdog = subprocess.Popen(
-            ["sh", "-c", f'sleep {THAW_AFTER:g}; exec fsfreeze --unfreeze "$0"', str(self.path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ["sh", "-c", 'read -r _ || exec fsfreeze --unfreeze "$0"', str(self.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
+        assert watchdog.stdin is not None
+        thawed = False
         try:
             _run("fsfreeze", "--freeze", str(self.path))
             try:
                 Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
             finally:
                 _run("fsfreeze", "--unfreeze", str(self.path))
+                thawed = True
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
+            with contextlib.suppress(BrokenPipeError):
+                if thawed:  # it ends without a thaw; otherwise the pipe's end makes it try one
+                    watchdog.stdin.write(b"thawed\n")
+                watchdog.stdin.close()
             watchdog.wait()
 
     def _device(self) -> str:

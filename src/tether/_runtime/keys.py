@@ -17,7 +17,6 @@ import json
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,43 +84,70 @@ def write_private(path: Path, text: str, *, exclusive: bool = False) -> bool:
             os.unlink(tmp)
 
 
+class LockTimeout(UserError):
+    """The key directory stayed locked past ``LOCK_PATIENCE``: its holder is paused or hung."""
+
+
 @contextlib.contextmanager
 def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
     """An exclusive advisory lock on the key directory, held while keys are created. Not
     ``wait``: ``Busy`` at once if it is held (by another process, or through another open
     of the lock file in this one: another thread's). ``wait``: for at most ``LOCK_PATIENCE``
-    seconds, then a UserError: a holder's own work takes milliseconds, so one that keeps it
-    that long is paused or hung, and waiting for it would hang a close or the journal's
+    seconds, then ``LockTimeout``: a holder's own work takes milliseconds, so one that keeps
+    it that long is paused or hung, and waiting for it would hang a close or the journal's
     writer with it."""
     try:
         # Never through a symbolic link: that would create or open a file elsewhere.
         fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise _fail("lock", directory, exc) from None
+    mine = True  # the descriptor is closed here (not by a waiting thread given up on)
     try:
-        _take(fd, directory, wait)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _take(fd: int, directory: Path, wait: bool) -> None:
-    # Polled, not a blocking flock: a blocking one cannot be given up.
-    deadline, delay = time.monotonic() + LOCK_PATIENCE, 0.001
-    while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
         except BlockingIOError:
             if not wait:
                 raise Busy(f"{directory} is locked by another process or thread") from None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise UserError(f"{directory} stayed locked by another process or thread for "
-                            f"{LOCK_PATIENCE:g} s (one paused or hung while it held the "
-                            "lock?); nothing was changed there")
-        time.sleep(min(delay, left))
-        delay = min(delay * 2, 0.05)
+            mine = _wait_for(fd, directory)
+            if not mine:
+                raise LockTimeout(f"{directory} stayed locked by another process or thread "
+                                  f"for {LOCK_PATIENCE:g} s (one paused or hung while it "
+                                  "held the lock?)") from None
+        yield
+    finally:
+        if mine:
+            os.close(fd)
+
+
+def _wait_for(fd: int, directory: Path) -> bool:
+    """Take the lock on ``fd`` within ``LOCK_PATIENCE``: whether it was taken. A blocking
+    flock on a thread of its own, since the kernel wakes a blocked waiter as the lock is let
+    go (a poll loses to holders that take it back at once) and a blocking call cannot be
+    given up. Given up, that thread owns ``fd`` and lets the lock go the moment it gets it."""
+    got, guard = threading.Event(), threading.Lock()
+    state: dict[str, object] = {}
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            state["error"] = exc
+        with guard:
+            if state.get("gave_up"):
+                os.close(fd)
+                return
+            got.set()
+
+    threading.Thread(target=take, name="tether-key-lock", daemon=True).start()
+    got.wait(LOCK_PATIENCE)
+    with guard:
+        if not got.is_set():
+            state["gave_up"] = True
+            return False
+    error = state.get("error")
+    if isinstance(error, OSError):
+        raise _fail("lock", directory, error)
+    return True
 
 
 def _tighten(directory: Path, *files: Path) -> None:
@@ -266,17 +292,29 @@ def _memory(directory: Path | None) -> RegistryMemory:
         # One stat per trust decision; the file is read again only when it was rewritten.
         return None if stamp() == looked[0] else read()
 
+    # A wait for the lock gave up: later saves (each decision tries again, on the journal's
+    # writer thread) fail at once while it is still held, never waiting out the patience again.
+    impatient = [False]
+
     def save(marks: dict[str, RegistryMark]) -> None:
-        with _locked(directory):
-            merged = read()
-            for anchor, mark in marks.items():
-                known = merged.get(anchor)
-                if known is None or known.length <= mark.length:
-                    revoked = set(mark.revoked) | set(known.revoked if known else ())
-                    merged[anchor] = RegistryMark(mark.length, mark.digest,
-                                                  tuple(sorted(revoked)))
-            write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
-                                           indent=2, sort_keys=True))
+        try:
+            with _locked(directory, wait=not impatient[0]):
+                merged = read()
+                for anchor, mark in marks.items():
+                    known = merged.get(anchor)
+                    if known is None or known.length <= mark.length:
+                        revoked = set(mark.revoked) | set(known.revoked if known else ())
+                        merged[anchor] = RegistryMark(mark.length, mark.digest,
+                                                      tuple(sorted(revoked)))
+                write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
+                                               indent=2, sort_keys=True))
+        except Busy:
+            raise LockTimeout(f"{directory} is still locked by another process or thread (it "
+                              f"stayed locked past {LOCK_PATIENCE:g} s before)") from None
+        except LockTimeout:
+            impatient[0] = True
+            raise
+        impatient[0] = False
 
     return RegistryMemory(read(), save, changed, lock)
 
