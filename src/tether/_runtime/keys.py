@@ -108,6 +108,7 @@ def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
         except BlockingIOError:
             if not wait:
                 raise Busy(f"{directory} is locked by another process or thread") from None
+            mine = False  # ``_wait_for`` hands it back only with the lock taken
             mine = _wait_for(fd, directory)
             if not mine:
                 raise LockTimeout(f"{directory} stayed locked by another process or thread "
@@ -120,10 +121,12 @@ def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
 
 
 def _wait_for(fd: int, directory: Path) -> bool:
-    """Take the lock on ``fd`` within ``LOCK_PATIENCE``: whether it was taken. A blocking
-    flock on a thread of its own, since the kernel wakes a blocked waiter as the lock is let
-    go (a poll loses to holders that take it back at once) and a blocking call cannot be
-    given up. Given up, that thread owns ``fd`` and lets the lock go the moment it gets it."""
+    """Take the lock on ``fd`` within ``LOCK_PATIENCE``: True with it taken (``fd`` is the
+    caller's to close), False otherwise (``fd`` is no longer the caller's). A blocking flock on
+    a thread of its own, since the kernel wakes a blocked waiter as the lock is let go (a poll
+    loses to holders that take it back at once) and a blocking call cannot be given up. Given
+    up (or this wait interrupted), that thread owns ``fd`` and lets the lock go the moment it
+    gets it."""
     got, guard = threading.Event(), threading.Lock()
     state: dict[str, object] = {}
 
@@ -139,13 +142,17 @@ def _wait_for(fd: int, directory: Path) -> bool:
             got.set()
 
     threading.Thread(target=take, name="tether-key-lock", daemon=True).start()
-    got.wait(LOCK_PATIENCE)
-    with guard:
-        if not got.is_set():
-            state["gave_up"] = True
-            return False
+    try:
+        got.wait(LOCK_PATIENCE)
+    finally:
+        with guard:
+            if not got.is_set():
+                state["gave_up"] = True
+    if not got.is_set():
+        return False
     error = state.get("error")
     if isinstance(error, OSError):
+        os.close(fd)
         raise _fail("lock", directory, error)
     return True
 
