@@ -224,29 +224,39 @@ def test_the_read_only_fault_keeps_every_write_the_kernel_acknowledged(tmp_path:
             disk.close()
 
 
-# Dies between the freeze and the strike, as a harness killed at the worst moment would.
-_DIES_FROZEN = """
-import os, signal, sys
+# Dies as a harness killed at the worst moments would: while the freeze is under way (as soon as
+# the watchdog that makes it is started), or between the freeze and the strike.
+_DIES = """
+import os, select, signal, sys
 from pathlib import Path
 from tether._chaos import disk
 
-real = disk._run
-def run(*argv):
-    real(*argv)
-    if argv[:2] == ("fsfreeze", "--freeze"):
-        os.kill(os.getpid(), signal.SIGKILL)
-disk._run = run
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if sys.argv[2] == "freezing":
+    select.select = die
+else:
+    class Struck(type(Path())):
+        def write_text(self, *args, **kwargs):
+            if self.name == "trigger_fs_error":
+                die()
+            return super().write_text(*args, **kwargs)
+    disk.Path = Struck
 disk.JournalDisk(Path(sys.argv[1]), "journal_readonly").make_readonly()
 """
 
 
-def test_a_harness_killed_while_the_disk_is_frozen_leaves_it_thawed(tmp_path: Path) -> None:
-    """Killed between the freeze and its thaw, the process that struck leaves no file system
-    frozen: a write to it completes within moments, and nothing struck it."""
+@pytest.mark.parametrize("when", ["freezing", "frozen"])
+def test_a_harness_killed_while_the_disk_is_frozen_leaves_it_thawed(
+        tmp_path: Path, when: str) -> None:
+    """Killed while its freeze is under way or done, before the strike, the process that
+    struck leaves no file system frozen: a write to it completes within moments, and nothing
+    struck it."""
     disk = JournalDisk(tmp_path, "journal_readonly").mount()
     writer: subprocess.Popen[bytes] | None = None
     try:
-        struck = subprocess.run([sys.executable, "-c", _DIES_FROZEN, str(tmp_path)],
+        struck = subprocess.run([sys.executable, "-c", _DIES, str(tmp_path), when],
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
                                 capture_output=True, timeout=60, check=False)
         assert struck.returncode == -signal.SIGKILL, struck.stderr.decode()[-500:]
@@ -260,7 +270,7 @@ def test_a_harness_killed_while_the_disk_is_frozen_leaves_it_thawed(tmp_path: Pa
         assert (disk.path / "after").read_text() == "after\n"
     finally:
         subprocess.run(["fsfreeze", "--unfreeze", str(disk.path)], capture_output=True,
-                       check=False)  # the old code's frozen disk, thawed before it is unmounted
+                       check=False)  # a disk left frozen, thawed before it is unmounted
         if writer is not None:
             writer.wait()
         disk.close()

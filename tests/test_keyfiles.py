@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,3 +117,48 @@ def test_keys_in_a_directory_another_user_owns_are_refused(
         tether.KeyRing.load(keys)
     with pytest.raises(tether.errors.UserError, match="belongs to user"):
         tether.KeyRing.init(tmp_path / "keys")
+
+
+# A lock waited on past its patience, then a fork (a fork-started worker pool of the user's),
+# then the holder lets go: is the lock free for other processes while the fork lives?
+_GIVEN_UP_THEN_FORKED = """
+import os, subprocess, sys, time
+from pathlib import Path
+from tether._runtime import keys
+keys.LOCK_PATIENCE = 0.2
+d = Path(sys.argv[1])
+holder = subprocess.Popen(["flock", str(d / ".lock"), "sleep", "1"])
+while subprocess.run(["flock", "-n", str(d / ".lock"), "true"]).returncode == 0:
+    time.sleep(0.01)  # until the holder has it
+try:
+    with keys._locked(d):
+        raise SystemExit("took a lock another process held")
+except keys.LockTimeout:
+    pass
+child = os.fork()
+if child == 0:
+    time.sleep(10)
+    os._exit(0)
+try:
+    holder.wait()
+    deadline = time.monotonic() + 5.0
+    while subprocess.run(["flock", "-n", str(d / ".lock"), "true"]).returncode != 0:
+        if time.monotonic() > deadline:
+            raise SystemExit("still locked while the forked child lives")
+        time.sleep(0.01)
+finally:
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+print("free")
+"""
+
+
+def test_a_lock_wait_given_up_leaves_the_lock_free_once_its_holder_lets_go(
+        tmp_path: Path) -> None:
+    """The thread left waiting for the key directory's lock lets it go the moment it gets it,
+    even where a child forked meanwhile shares its descriptor."""
+    (tmp_path / ".lock").touch()
+    done = subprocess.run([sys.executable, "-c", _GIVEN_UP_THEN_FORKED, str(tmp_path)],
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.stdout.strip() == "free", done.stderr[-500:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import shutil
 import subprocess
 import time
@@ -113,20 +114,26 @@ class JournalDisk:
         disk that lies, which no journal survives and a trial would misread as a rollback.
         The writers held by the freeze meet the error once it thaws.
 
-        A watchdog of its own session thaws it if this process dies first (a SIGKILL runs no
-        ``finally``): a file system left frozen would hold every writer on it, the trial's
-        and the next run's, in uninterruptible sleep. It waits for a line on a pipe from
-        this process, so it thaws at once when this process is gone (the pipe's end), and
-        never while this process still holds the freeze, however long that takes."""
+        The freeze is made by a watchdog of its own session, which thaws the file system if
+        this process dies first (a SIGKILL runs no ``finally``): left frozen, it would hold
+        every writer on it, the trial's and the next run's, in uninterruptible sleep. The
+        watchdog says "frozen" once its freeze is done, then waits for a line on a pipe from
+        this process: the pipe's end without it (this process gone, or its thaw failed)
+        thaws it, and nothing thaws it while this process still holds the freeze."""
         device = self._device()
         watchdog = subprocess.Popen(
-            ["sh", "-c", 'read -r _ || exec fsfreeze --unfreeze "$0"', str(self.path)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # SIGPIPE ignored: with this process gone, its "frozen" meets a closed pipe.
+            ["sh", "-c", 'trap "" PIPE; fsfreeze --freeze "$0" || exit 1; echo frozen; '
+             'read -r _ || exec fsfreeze --unfreeze "$0"', str(self.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True)
-        assert watchdog.stdin is not None
+        assert watchdog.stdin is not None and watchdog.stdout is not None
         thawed = False
         try:
-            _run("fsfreeze", "--freeze", str(self.path))
+            ready, _, _ = select.select([watchdog.stdout], [], [], 60.0)
+            if not ready or watchdog.stdout.readline() != b"frozen\n":
+                raise RuntimeError(f"fsfreeze --freeze {self.path} failed: "
+                                   f"{_said(watchdog) if ready else 'no answer in 60 s'}")
             try:
                 Path(f"/sys/fs/ext4/{device}/trigger_fs_error").write_text("tether chaos\n")
             finally:
@@ -137,7 +144,12 @@ class JournalDisk:
                 if thawed:  # it ends without a thaw; otherwise the pipe's end makes it try one
                     watchdog.stdin.write(b"thawed\n")
                 watchdog.stdin.close()
-            watchdog.wait()
+            watchdog.stdout.close()  # (its later words meet a closed pipe: ignored)
+            assert watchdog.stderr is not None
+            watchdog.stderr.close()
+            if thawed:
+                watchdog.wait()
+            # Otherwise not waited for: a freeze still under way thaws once it is done.
 
     def _device(self) -> str:
         done = subprocess.run(["findmnt", "-n", "-o", "SOURCE", "--target", str(self.path)],
@@ -176,6 +188,12 @@ class JournalDisk:
         self._unmount()
         with contextlib.suppress(FileNotFoundError):
             self.image.unlink()
+
+
+def _said(proc: subprocess.Popen[bytes]) -> str:
+    assert proc.stderr is not None
+    said = proc.stderr.read().decode(errors="replace").strip()  # it ended: read to its end
+    return said or f"exit {proc.wait()}"
 
 
 def _run_fsck(image: Path) -> None:

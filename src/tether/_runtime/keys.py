@@ -26,8 +26,9 @@ from tether._core.headmark import Busy, HeadMark, HeadMemory, merge_marks
 from tether._core.registrymark import RegistryMark, RegistryMemory
 from tether._core.signing import SigningKey, TrustedKeys
 
-# Seconds a wait for the key directory's lock lasts (``_locked``).
-LOCK_PATIENCE = 30.0
+# Seconds a wait for the key directory's lock lasts (``_locked``), and once a wait for it gave
+# up, until a save lands (a registry mark's).
+LOCK_PATIENCE, IMPATIENT = 30.0, 0.1
 
 
 def _fail(action: str, path: Path, exc: OSError) -> UserError:
@@ -89,13 +90,14 @@ class LockTimeout(UserError):
 
 
 @contextlib.contextmanager
-def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
+def _locked(directory: Path, *, wait: bool = True,
+            patience: float | None = None) -> Iterator[None]:
     """An exclusive advisory lock on the key directory, held while keys are created. Not
     ``wait``: ``Busy`` at once if it is held (by another process, or through another open
-    of the lock file in this one: another thread's). ``wait``: for at most ``LOCK_PATIENCE``
-    seconds, then ``LockTimeout``: a holder's own work takes milliseconds, so one that keeps
-    it that long is paused or hung, and waiting for it would hang a close or the journal's
-    writer with it."""
+    of the lock file in this one: another thread's). ``wait``: for at most ``patience``
+    seconds (``LOCK_PATIENCE``), then ``LockTimeout``: a holder's own work takes
+    milliseconds, so one that keeps it that long is paused or hung, and waiting for it would
+    hang a close or the journal's writer with it."""
     try:
         # Never through a symbolic link: that would create or open a file elsewhere.
         fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -108,20 +110,29 @@ def _locked(directory: Path, *, wait: bool = True) -> Iterator[None]:
         except BlockingIOError:
             if not wait:
                 raise Busy(f"{directory} is locked by another process or thread") from None
+            waited = LOCK_PATIENCE if patience is None else patience
             mine = False  # ``_wait_for`` hands it back only with the lock taken
-            mine = _wait_for(fd, directory)
+            mine = _wait_for(fd, directory, waited)
             if not mine:
                 raise LockTimeout(f"{directory} stayed locked by another process or thread "
-                                  f"for {LOCK_PATIENCE:g} s (one paused or hung while it "
-                                  "held the lock?)") from None
+                                  f"for {waited:g} s (one paused or hung while it held the "
+                                  "lock?)") from None
         yield
     finally:
         if mine:
-            os.close(fd)
+            _let_go(fd)
 
 
-def _wait_for(fd: int, directory: Path) -> bool:
-    """Take the lock on ``fd`` within ``LOCK_PATIENCE``: True with it taken (``fd`` is the
+def _let_go(fd: int) -> None:
+    # Unlocked before it is closed: a child forked meanwhile shares the descriptor, and its
+    # copy would keep the lock held until it exits.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _wait_for(fd: int, directory: Path, patience: float) -> bool:
+    """Take the lock on ``fd`` within ``patience`` seconds: True with it taken (``fd`` is the
     caller's to close), False otherwise (``fd`` is no longer the caller's). A blocking flock on
     a thread of its own, since the kernel wakes a blocked waiter as the lock is let go (a poll
     loses to holders that take it back at once) and a blocking call cannot be given up. Given
@@ -137,19 +148,24 @@ def _wait_for(fd: int, directory: Path) -> bool:
             state["error"] = exc
         with guard:
             if state.get("gave_up"):
-                os.close(fd)
+                _let_go(fd)
                 return
             got.set()
 
-    threading.Thread(target=take, name="tether-key-lock", daemon=True).start()
     try:
-        got.wait(LOCK_PATIENCE)
-    finally:
+        threading.Thread(target=take, name="tether-key-lock", daemon=True).start()
+        got.wait(patience)
+    except BaseException:  # interrupted: whoever has the descriptor last lets it go
         with guard:
-            if not got.is_set():
+            if got.is_set():
+                _let_go(fd)
+            else:
                 state["gave_up"] = True
-    if not got.is_set():
-        return False
+        raise
+    with guard:
+        if not got.is_set():
+            state["gave_up"] = True
+            return False
     error = state.get("error")
     if isinstance(error, OSError):
         os.close(fd)
@@ -300,12 +316,13 @@ def _memory(directory: Path | None) -> RegistryMemory:
         return None if stamp() == looked[0] else read()
 
     # A wait for the lock gave up: later saves (each decision tries again, on the journal's
-    # writer thread) fail at once while it is still held, never waiting out the patience again.
+    # writer thread) wait a moment, as for another process's append, never the whole patience
+    # again, until one lands.
     impatient = [False]
 
     def save(marks: dict[str, RegistryMark]) -> None:
         try:
-            with _locked(directory, wait=not impatient[0]):
+            with _locked(directory, patience=IMPATIENT if impatient[0] else None):
                 merged = read()
                 for anchor, mark in marks.items():
                     known = merged.get(anchor)
@@ -315,9 +332,6 @@ def _memory(directory: Path | None) -> RegistryMemory:
                                                       tuple(sorted(revoked)))
                 write_private(path, json.dumps({k: v.to_json() for k, v in merged.items()},
                                                indent=2, sort_keys=True))
-        except Busy:
-            raise LockTimeout(f"{directory} is still locked by another process or thread (it "
-                              f"stayed locked past {LOCK_PATIENCE:g} s before)") from None
         except LockTimeout:
             impatient[0] = True
             raise
