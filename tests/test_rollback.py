@@ -424,6 +424,17 @@ async def test_a_child_that_ended_is_reported_as_it_ended_with_the_key_directory
 
 
 
+async def _run_with_the_lock_taken(sup: tether.Supervisor,
+                                   lock: LockedElsewhere) -> tether.Handle:
+    """A delegation run to its end while ``lock`` holds the key directory (the registry's mark
+    saved before it is taken)."""
+    await sup.current_trust()
+    await lock.__aenter__()
+    h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
+    await h.result()
+    return h
+
+
 async def test_heads_held_back_by_a_lock_are_tried_at_growing_intervals_said_once_and_at_close(
         journal_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -467,10 +478,7 @@ async def test_heads_held_back_by_a_lock_are_tried_at_growing_intervals_said_onc
     logging.getLogger("tether.journal").addHandler(handler)
     try:
         async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
-            await sup.current_trust()  # the registry's mark saved before the lock is taken
-            await lock.__aenter__()
-            h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
-            await h.result()
+            h = await _run_with_the_lock_taken(sup, lock)
             await until(lambda: patience in caplog.text, "the wait said", within=10.0)
             tries = len(delays)
             await until(lambda: len(delays) >= tries + 5, "tried on after saying so",
@@ -502,10 +510,7 @@ async def test_a_close_gives_up_on_a_key_directory_that_stays_locked_and_says_so
     lock = LockedElsewhere(config)
     try:
         async with tether.Supervisor(journal_url, keys=ring, tools=[pay]) as sup:
-            await sup.current_trust()  # the registry's mark saved before the lock is taken
-            await lock.__aenter__()
-            h = await sup.delegate(payer, f"L-{uuid.uuid4().hex[:6]}", 5, tools=[pay])
-            await h.result()
+            h = await _run_with_the_lock_taken(sup, lock)
         assert not lock.released.is_set(), "the close waited for the lock's holder"
         assert "stayed locked by another process or thread for 0.3 s" in caplog.text
         other.refresh()
